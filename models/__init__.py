@@ -1,0 +1,51 @@
+"""Model zoo registry: name -> (model class, flavors).
+
+    model = build_model("llama3", "debug", device="cpu", max_seq_len=256)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn as nn
+
+from . import llama3, moe
+from .llama3 import Llama3, Llama3Args
+from .moe import MoEArgs, MoETransformer
+
+MODELS: dict[str, tuple[type[nn.Module], dict[str, Llama3Args]]] = {
+    "llama3": (Llama3, llama3.FLAVORS),
+    "deepseek_v3": (MoETransformer, moe.FLAVORS),
+}
+
+
+def get_model_spec(name: str, flavor: str) -> tuple[type[nn.Module], Llama3Args]:
+    if name not in MODELS:
+        raise ValueError(f"model.name={name!r} is not one of {sorted(MODELS)}")
+    cls, flavors = MODELS[name]
+    if flavor not in flavors:
+        raise ValueError(f"model.flavor={flavor!r} is not one of {sorted(flavors)} (model.name={name!r})")
+    return cls, flavors[flavor]
+
+
+def build_model(name: str, flavor: str, device: torch.device | str = "meta", **overrides) -> nn.Module:
+    """Build a model; overrides replace fields of its args (e.g. vocab_size=259).
+
+    On a real device the model is also init_weights()-ed; on meta it is left for the caller
+    to shard, materialise (to_empty) and then init_weights().
+    """
+    cls, args = get_model_spec(name, flavor)
+    fields = sorted(f.name for f in dataclasses.fields(args))
+    for key in overrides:
+        if key not in fields:
+            raise ValueError(f"model override {key!r} is not a field of {type(args).__name__}: {fields}")
+    args = dataclasses.replace(args, **overrides)
+    with torch.device(device):
+        model = cls(args)
+    if torch.device(device).type != "meta":
+        model.init_weights()
+    return model
+
+
+__all__ = ["MODELS", "get_model_spec", "build_model", "Llama3", "Llama3Args", "MoETransformer", "MoEArgs"]

@@ -1,0 +1,222 @@
+"""Llama 3 decoder: RoPE, grouped-query attention, RMSNorm, SwiGLU.
+
+Two rules keep this model shardable by simplesharded.data_parallel:
+- forward reads every parameter by attribute access on its own module at use time
+  (the frontend intercepts that read and all-gathers the shard);
+- init_weights only writes parameters in place with torch.nn.init (under sharding they
+  are DTensor shards, so replacing them would break the sharding).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class Llama3Args:
+    dim: int = 256
+    n_layers: int = 6
+    n_heads: int = 16
+    n_kv_heads: int = 4
+    vocab_size: int = 512
+    multiple_of: int = 256  # SwiGLU hidden size is rounded up to a multiple of this
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    max_seq_len: int = 2048
+
+    def __post_init__(self):
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError(f"head_dim={self.dim // self.n_heads} must be even for RoPE")
+
+
+FLAVORS: dict[str, Llama3Args] = {
+    "debug": Llama3Args(dim=256, n_layers=6, n_heads=16, n_kv_heads=4, vocab_size=512),
+    # 19.4M params: fwd+bwd of 4 x 256 tokens (one rank's half of batch 8) is ~0.9 s on one
+    # core; dim 512 x 8 layers measured ~1.2 s, which left too little room for communication.
+    "small": Llama3Args(dim=512, n_layers=6, n_heads=8, n_kv_heads=4, vocab_size=512),
+    # Published shapes. Llama 3.2 1B ties embedding and output; here they are untied (~1.5B).
+    # Llama 3.1's 128k-context RoPE scaling is not implemented, so max_seq_len stays at 8192.
+    "1B": Llama3Args(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                     multiple_of=256, ffn_dim_multiplier=1.5, max_seq_len=8192),
+    "8B": Llama3Args(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                     multiple_of=1024, ffn_dim_multiplier=1.3, max_seq_len=8192),
+    "70B": Llama3Args(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
+                      multiple_of=4096, ffn_dim_multiplier=1.3, max_seq_len=8192),
+    "405B": Llama3Args(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256,
+                       multiple_of=4096, ffn_dim_multiplier=1.2, max_seq_len=8192),
+}
+
+
+def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
+    """Llama's SwiGLU width: 2/3 of 4*dim (keeps params equal to a 4x GELU MLP), scaled, rounded up."""
+    hidden = int(2 * 4 * dim / 3)
+    if ffn_dim_multiplier is not None:
+        hidden = int(ffn_dim_multiplier * hidden)
+    return multiple_of * math.ceil(hidden / multiple_of)
+
+
+def precompute_freqs_cis(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
+    """RoPE rotations as real [max_seq_len, head_dim // 2, 2] = (cos, sin).
+
+    Same numbers as Meta's complex freqs_cis (its view_as_real); complex tensors are avoided
+    because DTensor and inductor on CPU do not handle them well.
+    """
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+
+
+def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, S, H, head_dim] by freqs_cis [S, head_dim // 2, 2].
+
+    Adjacent pairs (x[2i], x[2i+1]) are rotated together, matching Meta's checkpoint layout.
+    Done in fp32 and cast back so bf16 q/k keep their dtype.
+    """
+    cos = freqs_cis[None, :, None, :, 0]
+    sin = freqs_cis[None, :, None, :, 1]
+    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+def trunc_normal_init_(weight: torch.Tensor, std: float) -> None:
+    nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int):
+        super().__init__()
+        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
+        self.head_dim = dim // n_heads
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+
+    def init_weights(self, out_std: float) -> None:
+        for linear in (self.wq, self.wk, self.wv):
+            trunc_normal_init_(linear.weight, 0.02)
+        trunc_normal_init_(self.wo.weight, out_std)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x.shape
+        q = self.wq(x).view(B, S, self.n_heads, self.head_dim)
+        k = self.wk(x).view(B, S, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(B, S, self.n_kv_heads, self.head_dim)
+        q, k = apply_rotary_emb(q, freqs_cis), apply_rotary_emb(k, freqs_cis)
+        # GQA: each kv head serves n_heads // n_kv_heads consecutive query heads.
+        n_rep = self.n_heads // self.n_kv_heads
+        k, v = k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(B, S, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def init_weights(self, out_std: float) -> None:
+        trunc_normal_init_(self.w1.weight, 0.02)
+        trunc_normal_init_(self.w3.weight, 0.02)
+        trunc_normal_init_(self.w2.weight, out_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block; feed_forward is any module with forward(x) and init_weights(out_std)."""
+
+    def __init__(self, args: Llama3Args, feed_forward: nn.Module):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args.dim, args.n_heads, args.n_kv_heads)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = feed_forward
+
+    def init_weights(self, out_std: float) -> None:
+        nn.init.ones_(self.attention_norm.weight)
+        nn.init.ones_(self.ffn_norm.weight)
+        self.attention.init_weights(out_std)
+        self.feed_forward.init_weights(out_std)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama3(nn.Module):
+    def __init__(self, args: Llama3Args):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # ModuleDict with string keys keeps FQNs stable (layers.3....) if layers are dropped.
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(args, self.build_feed_forward(i)) for i in range(args.n_layers)})
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        # Non-persistent: derived from args, not trained, so it stays out of checkpoints.
+        self.register_buffer("freqs_cis", self._freqs_cis(), persistent=False)
+
+    def build_feed_forward(self, layer_id: int) -> nn.Module:
+        a = self.args
+        return FeedForward(a.dim, ffn_hidden_dim(a.dim, a.multiple_of, a.ffn_dim_multiplier))
+
+    def _freqs_cis(self, device=None) -> torch.Tensor:
+        a = self.args
+        return precompute_freqs_cis(a.dim // a.n_heads, a.max_seq_len, a.rope_theta, device)
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
+        """Re-initialise every parameter in place and recompute freqs_cis.
+
+        freqs_cis goes to buffer_device, else stays on the device of the current buffer.
+        Output projections (wo, w2) get std shrunk by sqrt(2 * n_layers) so the residual
+        stream's variance does not grow with depth.
+        """
+        self.freqs_cis = self._freqs_cis(buffer_device or self.freqs_cis.device)
+        trunc_normal_init_(self.tok_embeddings.weight, 0.02)
+        out_std = 0.02 / math.sqrt(2 * self.args.n_layers)
+        for layer in self.layers.values():
+            layer.init_weights(out_std)
+        nn.init.ones_(self.norm.weight)
+        trunc_normal_init_(self.output.weight, self.args.dim ** -0.5)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, S] (int64) -> logits [B, S, vocab_size] in the parameters' dtype."""
+        S = tokens.shape[1]
+        if S > self.args.max_seq_len:
+            raise ValueError(f"sequence length {S} exceeds max_seq_len={self.args.max_seq_len}")
+        freqs_cis = self.freqs_cis[:S]
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, freqs_cis)
+        return self.output(self.norm(h))
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.tok_embeddings.weight.numel() if exclude_embedding else n
+
+    def num_flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token: 6 per weight (fwd+bwd matmuls) + attention scores.
+
+        Attention is counted as 12 * L * H * Q * T (QK^T and AV, fwd+bwd, no causal discount).
+        """
+        a = self.args
+        return 6 * self.num_params(exclude_embedding=True) + 12 * a.n_layers * a.dim * seq_len

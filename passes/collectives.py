@@ -1,0 +1,124 @@
+"""Find the collectives of an FX graph: start node, its wait, size, group and what it serves.
+
+This file is the one place that knows the op names of torch's functional collectives
+(``torch.ops._c10d_functional``); every other pass asks it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+_c10d = torch.ops._c10d_functional
+ALL_GATHER = _c10d.all_gather_into_tensor.default
+REDUCE_SCATTER = _c10d.reduce_scatter_tensor.default
+ALL_REDUCE = _c10d.all_reduce.default
+WAIT = _c10d.wait_tensor.default
+KINDS = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE: "all_reduce"}
+
+# Annotation keys written by simplesharded.sharding.gather_param (fx.traceback.annotate) and
+# by our bucketing pass on the nodes it creates.
+PARAM_KEY = "ss_param"
+BUCKET_PARAMS_KEY = "ss_bucket_params"
+
+
+@dataclass
+class Collective:
+    """One functional collective: ``start`` issues it, ``wait`` makes its result usable."""
+
+    kind: str
+    start: fx.Node
+    wait: fx.Node | None
+    nbytes: int
+    group_name: str
+    group_size: int
+    dtype: torch.dtype | None
+    params: list[str] = field(default_factory=list)
+
+    @property
+    def module(self) -> str:
+        """FQN of the module owning the (first) parameter served, "" if unknown."""
+        return self.params[0].rpartition(".")[0] if self.params else ""
+
+
+def is_collective(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in KINDS
+
+
+def is_wait(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is WAIT
+
+
+def node_params(node: fx.Node) -> list[str]:
+    """Parameter FQNs a node serves, from the annotations sharding/bucketing put on it."""
+    custom = node.meta.get("custom") or {}
+    if BUCKET_PARAMS_KEY in custom:
+        return list(custom[BUCKET_PARAMS_KEY])
+    return [custom[PARAM_KEY]] if PARAM_KEY in custom else []
+
+
+def tensor_nbytes(node: fx.Node) -> int:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return int(val.numel()) * val.element_size()
+    return 0
+
+
+def group_args(node: fx.Node) -> tuple[int, str]:
+    """(group size, group name) of a collective node, whatever its op's argument order."""
+    if node.target is ALL_GATHER:
+        return int(node.args[1]), str(node.args[2])
+    if node.target is REDUCE_SCATTER:
+        return int(node.args[2]), str(node.args[3])
+    return 0, str(node.args[2])  # all_reduce(input, op, group_name)
+
+
+def wait_of(node: fx.Node) -> fx.Node | None:
+    waits = [u for u in node.users if is_wait(u)]
+    assert len(waits) <= 1, f"{node} has {len(waits)} waits"
+    return waits[0] if waits else None
+
+
+def find_collectives(graph: fx.Graph | fx.GraphModule) -> list[Collective]:
+    """Every collective in graph order, with the bytes it produces (the gathered buffer for an
+    all-gather, the local shard for a reduce-scatter)."""
+    graph = graph.graph if isinstance(graph, fx.GraphModule) else graph
+    found = []
+    for node in graph.nodes:
+        if not is_collective(node):
+            continue
+        size, name = group_args(node)
+        val = node.meta.get("val")
+        found.append(Collective(
+            kind=KINDS[node.target], start=node, wait=wait_of(node), nbytes=tensor_nbytes(node),
+            group_name=name, group_size=size,
+            dtype=val.dtype if isinstance(val, torch.Tensor) else None,
+            params=node_params(node)))
+    return found
+
+
+def count_collectives(graph: fx.Graph | fx.GraphModule) -> dict[str, int]:
+    """{"all_gather": n, "reduce_scatter": n, "all_reduce": n} for one graph."""
+    counts = {kind: 0 for kind in KINDS.values()}
+    for c in find_collectives(graph):
+        counts[c.kind] += 1
+    return counts
+
+
+def is_backward_graph(graph: fx.Graph | fx.GraphModule) -> bool:
+    """aot_autograd names backward inputs ``tangents_*``; forward graphs have none."""
+    graph = graph.graph if isinstance(graph, fx.GraphModule) else graph
+    return any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes)
+
+
+def tangent_dependent(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes of a joint graph that depend on a tangent input, i.e. the backward part."""
+    out: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            if node.name.startswith("tangents"):
+                out.add(node)
+        elif any(a in out for a in node.all_input_nodes):
+            out.add(node)
+    return out

@@ -1,0 +1,118 @@
+"""Compose graph passes and plug them into torch's compilers.
+
+The only file that touches aot_autograd's compiler hooks and inductor's custom-pass config.
+Two adapters run the same passes:
+  * ``aot_backend``: aot_autograd with our partition_fn (joint passes, then torch's min-cut
+    partitioner) and fw/bw compilers that run the graph passes, then execute the FX graph.
+  * ``inductor_backend``: ``compile_fx`` inside a ``torch._inductor.config.patch`` that installs
+    our joint pre-pass and post-grad pass; the patch is owned by the call, so nothing leaks
+    into other compiles.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+from torch import fx
+
+from .collectives import count_collectives, is_backward_graph
+
+GraphPass = Callable[[fx.GraphModule], fx.GraphModule]
+
+
+@dataclass
+class PassPipeline:
+    """Joint-graph passes (before partitioning) and per-graph passes (forward and backward).
+
+    ``dump_dir``: when set, every graph is written there before and after each pass, named
+    ``<seq>_<fw|bw|joint>_<stage>.txt`` with the collective counts on the first line.
+    """
+
+    joint: Sequence[tuple[str, GraphPass]] = ()
+    graph: Sequence[tuple[str, GraphPass]] = ()
+    dump_dir: str | None = None
+    _seq: itertools.count = field(default_factory=itertools.count, repr=False)
+
+    def run_joint(self, gm: fx.GraphModule) -> fx.GraphModule:
+        return self._run(gm, self.joint, "joint")
+
+    def run_graph(self, gm: fx.GraphModule) -> fx.GraphModule:
+        return self._run(gm, self.graph, "bw" if is_backward_graph(gm) else "fw")
+
+    def _run(self, gm, passes, kind):
+        self._dump(gm, kind, "input")
+        for name, p in passes:
+            gm = p(gm)
+            gm.graph.lint()
+            gm.recompile()
+            self._dump(gm, kind, name)
+        return gm
+
+    def _dump(self, gm, kind, stage):
+        if not self.dump_dir:
+            return
+        os.makedirs(self.dump_dir, exist_ok=True)
+        path = Path(self.dump_dir) / f"{next(self._seq):03d}_{kind}_{stage}.txt"
+        path.write_text(f"# collectives: {count_collectives(gm)}\n"
+                        + gm.print_readable(print_output=False, include_stride=False))
+
+    def uuid(self) -> str:
+        """Cache key for inductor: changes with the pass list, options and our source files."""
+        h = hashlib.sha256()
+        for name, p in list(self.joint) + list(self.graph):
+            h.update(name.encode())
+            h.update(repr(getattr(p, "keywords", "")).encode())
+        src = Path(__file__).parent
+        for f in sorted(src.glob("*.py")):
+            h.update(f.read_bytes())
+        return h.hexdigest()
+
+
+def aot_backend(pipeline: PassPipeline):
+    """A torch.compile backend: aot_autograd + our passes + run the FX graph as is."""
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+
+    def partition(joint, joint_inputs, **kwargs):
+        joint = pipeline.run_joint(joint)
+        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+    def compiler(gm, example_inputs):
+        return make_boxed_func(pipeline.run_graph(gm).forward)
+
+    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, partition_fn=partition,
+                        keep_inference_input_mutations=True)
+
+
+def inductor_backend(pipeline: PassPipeline):
+    """A torch.compile backend: inductor with our joint pre-pass and post-grad pass."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class _Joint(CustomGraphPass):
+        def __call__(self, graph: fx.Graph) -> None:
+            pipeline.run_joint(graph.owning_module)
+
+        def uuid(self):
+            return "ss-joint-" + pipeline.uuid()
+
+    class _PostGrad(CustomGraphPass):
+        def __call__(self, graph: fx.Graph) -> None:
+            pipeline.run_graph(graph.owning_module)
+
+        def uuid(self):
+            return "ss-postgrad-" + pipeline.uuid()
+
+    patches = {"joint_custom_pre_pass": _Joint(), "post_grad_custom_post_pass": _PostGrad()}
+
+    def backend(gm: fx.GraphModule, example_inputs):
+        with inductor_config.patch(patches):
+            return compile_fx(gm, example_inputs, config_patches=patches)
+
+    return backend

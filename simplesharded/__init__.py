@@ -1,0 +1,7 @@
+"""simplesharded: compiler-based fully sharded data parallel for PyTorch."""
+from simplesharded.backends import BACKENDS, make_backend
+from simplesharded.mesh import build_mesh, init_distributed, init_mesh, resolve_degrees
+from simplesharded.sharding import MixedPrecisionPolicy, data_parallel, disable_gather
+
+__all__ = ["BACKENDS", "make_backend", "build_mesh", "init_distributed", "init_mesh",
+           "resolve_degrees", "MixedPrecisionPolicy", "data_parallel", "disable_gather"]

@@ -1,0 +1,458 @@
+"""Training configuration: a strict dataclass tree loaded from TOML plus CLI overrides.
+
+Precedence: dataclass defaults < TOML file < command line. Every key is `section.key`; an
+unknown section or key, a value of the wrong type, or a value outside its allowed choices is
+a ValueError that names the full key (and, for typos, suggests the closest valid key).
+
+    cfg = load_config("configs/llama3_debug.toml", ["--training.steps", "5", "--compile.enable"])
+    cfg = resolve(cfg, world_size=4)   # fill -1 degrees / batch sizes once the world is known
+
+`python -m simplesharded.config --job.config_file X [--json] [overrides...]` prints the
+resolved config.
+"""
+
+import copy
+import dataclasses
+import difflib
+import json
+import sys
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+
+def _opt(default, help: str = "", choices: tuple[str, ...] | None = None):
+    """A dataclass field whose help text and allowed choices live next to its default."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class Job:
+    config_file: str = _opt("", "TOML file the config was loaded from")
+    dump_folder: str = _opt("./outputs", "root of all run outputs")
+    description: str = _opt("", "free text")
+    seed: int = _opt(0, "seed for model init and data order")
+
+
+@dataclass
+class Model:
+    name: str = _opt("llama3", "model family in the models registry")
+    flavor: str = _opt("debug", "size preset of the family")
+    tokenizer_path: str = _opt("", "tokenizer.json for `tokenizers`; '' = built-in byte tokenizer")
+
+
+@dataclass
+class Optimizer:
+    name: str = _opt("AdamW", "optimizer", ("AdamW", "SGD"))
+    lr: float = _opt(3e-4, "peak learning rate")
+    beta1: float = _opt(0.9, "AdamW beta1 (SGD: momentum)")
+    beta2: float = _opt(0.95, "AdamW beta2")
+    eps: float = _opt(1e-8, "AdamW eps")
+    weight_decay: float = _opt(0.1, "decoupled weight decay")
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = _opt(10, "linear warmup steps")
+    decay_type: str = _opt("cosine", "decay after warmup", ("cosine", "linear", "constant"))
+    min_lr_ratio: float = _opt(0.1, "final lr as a fraction of optimizer.lr")
+
+
+@dataclass
+class Training:
+    global_batch_size: int = _opt(8, "sequences per optimizer step, all ranks and micro-batches")
+    local_batch_size: int = _opt(
+        -1, "sequences per rank per micro-batch; -1 = global // (dp * gradient_accumulation_steps)")
+    seq_len: int = _opt(256, "tokens per sequence")
+    steps: int = _opt(30, "optimizer steps")
+    max_norm: float = _opt(1.0, "gradient clipping norm; 0 disables clipping")
+    gradient_accumulation_steps: int = _opt(1, "micro-batches per optimizer step")
+    dataset: str = _opt("stdlib", "built-in corpus; ignored when dataset_path is set")
+    dataset_path: str = _opt("", ".txt/.jsonl file or a directory of them; overrides dataset")
+    mixed_precision_param: str = _opt(
+        "float32", "dtype of gathered params in compute", ("float32", "bfloat16", "float16"))
+    mixed_precision_reduce: str = _opt(
+        "float32", "dtype of gradient reduction", ("float32", "bfloat16", "float16"))
+    grad_reduction: str = _opt(
+        "sum", "sum: loss normalised by global token count; avg: mean over ranks", ("avg", "sum"))
+    val_every: int = _opt(0, "validate every N steps; 0 = off")
+    val_steps: int = _opt(4, "batches per validation")
+    on_nonfinite: str = _opt("stop", "action on a NaN/inf loss or grad norm", ("skip", "stop"))
+    deterministic: bool = _opt(False, "torch.use_deterministic_algorithms")
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = _opt(1, "replicas (outer mesh dim, HSDP)")
+    data_parallel_shard_degree: int = _opt(-1, "shards per replica; -1 = fill the world")
+    # Natural default: when the mode is not given explicitly and the replicate degree is > 1,
+    # load_config picks hybrid_shard (shard degree != 1: both mesh dims are used) or replicate
+    # (shard degree == 1: plain DDP). An explicit mode is never changed, only validated.
+    mode: str = _opt("fully_shard", "data parallel mode",
+                     ("fully_shard", "hybrid_shard", "replicate"))
+    reshard_after_forward: bool = _opt(True, "free gathered params after forward (re-gather in bw)")
+
+
+@dataclass
+class Compile:
+    enable: bool = _opt(False, "torch.compile the model")
+    backend: str = _opt("aot_eager_autobucketing", "name in simplesharded.backends.BACKENDS")
+    model_backend_override: str = _opt("", "alias of backend; if set it wins")
+    memory_cap_mb: float = _opt(0.0, "prefetch memory cap for the passes; 0 = pass default")
+    dump_graphs: str = _opt("", "directory to write FX graphs before/after passes")
+    hardware: str = _opt("local", "hardware profile for the cost model")
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: str = _opt("none", "activation checkpointing", ("full", "none", "selective"))
+    selective_every: int = _opt(2, "selective: checkpoint every Nth block")
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = _opt(False, "save/load DCP checkpoints")
+    folder: str = _opt("checkpoint", "relative to job.dump_folder")
+    interval: int = _opt(10, "save every N steps")
+    keep_latest_k: int = _opt(2, "checkpoints kept; 0 = keep all")
+    load_step: int = _opt(-1, "-1 = latest available, 0 = do not load, N = step N")
+
+
+@dataclass
+class Metrics:
+    log_freq: int = _opt(1, "log every N steps")
+    enable_tensorboard: bool = _opt(False, "write TensorBoard events")
+    save_jsonl: bool = _opt(True, "write metrics.jsonl in the dump folder")
+    peak_tflops: float = _opt(0.0, "per-device peak for MFU; 0 = auto")
+    progress_bar: bool = _opt(True, "show a progress bar on rank 0")
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = _opt(False, "torch.profiler traces")
+    save_traces_folder: str = _opt("profile_traces", "relative to job.dump_folder")
+    profile_freq: int = _opt(10, "profile every N steps")
+
+
+@dataclass
+class Config:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    compile: Compile = field(default_factory=Compile)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    metrics: Metrics = field(default_factory=Metrics)
+    profiling: Profiling = field(default_factory=Profiling)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def to_toml(self) -> str:
+        lines = []
+        for section, values in self.to_dict().items():
+            lines.append(f"[{section}]")
+            lines += [f"{k} = {_toml_value(v)}" for k, v in values.items()]
+            lines.append("")
+        return "\n".join(lines)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "dict") -> "Config":
+        """Strictly build a Config from {section: {key: value}} (as TOML parses it)."""
+        cfg = cls()
+        for key, value in _flatten(data, source):
+            _set(cfg, key, value, source, from_cli=False)
+        return cfg
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return json.dumps(v)  # JSON string escapes are valid TOML basic strings
+
+
+# ---------------------------------------------------------------------------- key lookup
+
+def _sections() -> dict[str, type]:
+    return {f.name: f.default_factory for f in dataclasses.fields(Config)}
+
+
+def all_keys() -> list[str]:
+    """Every valid `section.key`, in declaration order."""
+    return [f"{s}.{f.name}" for s, cls in _sections().items() for f in dataclasses.fields(cls)]
+
+
+def _suggest(key: str) -> str:
+    keys = all_keys()
+    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
+    if not close:  # e.g. `steps` at top level, or a section typo far from the real one
+        leaf = key.rsplit(".", 1)[-1]
+        leaves = {k.rsplit(".", 1)[1]: k for k in reversed(keys)}
+        close = [leaves[m] for m in difflib.get_close_matches(leaf, list(leaves), n=1)]
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _field(key: str, source: str) -> dataclasses.Field:
+    section, _, name = key.partition(".")
+    cls = _sections().get(section)
+    fields = {f.name: f for f in dataclasses.fields(cls)} if cls else {}
+    if name not in fields:
+        raise ValueError(f"unknown config key {key!r} ({source}){_suggest(key)}")
+    return fields[name]
+
+
+def _flatten(data: dict[str, Any], source: str) -> Iterable[tuple[str, Any]]:
+    for section, body in data.items():
+        if not isinstance(body, dict):
+            if section in _sections():
+                raise ValueError(f"{section} must be a table ([{section}]) ({source})")
+            _field(section, source)  # a bare top-level key is always unknown: raises
+        for name, value in body.items():
+            yield f"{section}.{name}", value
+
+
+# ---------------------------------------------------------------------------- value coercion
+
+_TRUE, _FALSE = ("true", "1"), ("false", "0")
+
+
+def _coerce(key: str, typ: type, value: Any, from_cli: bool) -> Any:
+    def bad():
+        return ValueError(f"{key} expects {typ.__name__}, got {value!r} ({type(value).__name__})")
+
+    if from_cli and isinstance(value, str):  # CLI values are strings: parse by field type
+        if typ is bool:
+            if value.lower() in _TRUE + _FALSE:
+                return value.lower() in _TRUE
+            raise bad()
+        if typ in (int, float):
+            try:
+                return typ(value)
+            except ValueError:
+                raise bad() from None
+        return value
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+    elif typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif isinstance(value, typ):
+        return value
+    raise bad()
+
+
+def _set(cfg: Config, key: str, value: Any, source: str, from_cli: bool) -> None:
+    f = _field(key, source)
+    section = getattr(cfg, key.partition(".")[0])
+    setattr(section, f.name, _coerce(key, f.type, value, from_cli))
+
+
+def _bool_field(key: str) -> bool:
+    return _field(key, "command line").type is bool
+
+
+def parse_cli(argv: list[str]) -> list[tuple[str, Any]]:
+    """`--s.k v`, `--s.k=v`, bare `--s.k` / `--no-s.k` for bools → [(key, value)] in order.
+
+    Values stay strings (bools from bare flags are real bools); _coerce parses them.
+    """
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ValueError(f"unexpected command-line argument {arg!r}; expected --section.key")
+        body = arg[2:]
+        if body.startswith("no-"):
+            key = body[3:]
+            if "=" in key or not _bool_field(key):
+                raise ValueError(f"{arg!r}: --no- applies only to a bool key without a value")
+            out.append((key, False))
+            continue
+        key, eq, value = body.partition("=")
+        if eq:
+            out.append((key, value))
+        elif _bool_field(key):
+            # `--flag true` is accepted too; otherwise a bare flag means True.
+            if i < len(argv) and argv[i].lower() in _TRUE + _FALSE:
+                out.append((key, argv[i]))
+                i += 1
+            else:
+                out.append((key, True))
+        elif i < len(argv) and not argv[i].startswith("--"):
+            out.append((key, argv[i]))
+            i += 1
+        else:
+            raise ValueError(f"{arg!r} expects a value")
+    return out
+
+
+# ---------------------------------------------------------------------------- loading
+
+def load_config(path: str | None = None, argv: list[str] | None = None, *,
+                backends: Iterable[str] | None = None) -> Config:
+    """Defaults < TOML at `path` (or `--job.config_file` in argv, which wins) < argv overrides.
+
+    `backends` is passed to validate(); None means simplesharded.backends.BACKENDS if present.
+    """
+    overrides = parse_cli(list(argv or []))
+    for key, value in overrides:
+        if key == "job.config_file":
+            path = value
+    cfg, explicit = Config(), set()
+    if path:
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except OSError as e:
+            raise ValueError(f"job.config_file={path!r} cannot be read: {e.strerror}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"job.config_file={path!r} is not valid TOML: {e}") from None
+        for key, value in _flatten(data, f"in {path}"):
+            _set(cfg, key, value, f"in {path}", from_cli=False)
+            explicit.add(key)
+    for key, value in overrides:
+        _set(cfg, key, value, "on the command line", from_cli=True)
+        explicit.add(key)
+    cfg.job.config_file = path or ""
+    if cfg.compile.model_backend_override:
+        cfg.compile.backend = cfg.compile.model_backend_override
+    p = cfg.parallelism
+    if "parallelism.mode" not in explicit and p.data_parallel_replicate_degree > 1:
+        p.mode = "replicate" if p.data_parallel_shard_degree == 1 else "hybrid_shard"
+    validate(cfg, backends)
+    return cfg
+
+
+def _known_backends() -> set[str] | None:
+    try:
+        from simplesharded import backends as mod  # lazy: torch-heavy, and may not exist yet
+    except ImportError:
+        return None  # loading a config must not depend on the compiler stack importing
+    names = getattr(mod, "BACKENDS", None)
+    return set(names) if names is not None else None
+
+
+def validate(cfg: Config, backends: Iterable[str] | None = None) -> None:
+    """Value-level checks that need no process group. Raises ValueError on the first problem."""
+    for section, cls in _sections().items():
+        obj = getattr(cfg, section)
+        for f in dataclasses.fields(cls):
+            v, choices = getattr(obj, f.name), f.metadata.get("choices")
+            if choices and v not in choices:
+                raise ValueError(f"{section}.{f.name}={v!r} is not one of {sorted(choices)}")
+
+    def need(ok: bool, key: str, what: str):
+        if not ok:
+            section, name = key.split(".")
+            v = getattr(getattr(cfg, section), name)
+            raise ValueError(f"{key}={v!r} must be {what}")
+
+    t, o, s, p = cfg.training, cfg.optimizer, cfg.lr_scheduler, cfg.parallelism
+    for key in ("training.global_batch_size", "training.seq_len", "training.steps",
+                "training.gradient_accumulation_steps", "training.val_steps",
+                "parallelism.data_parallel_replicate_degree", "activation_checkpoint.selective_every",
+                "checkpoint.interval", "metrics.log_freq", "profiling.profile_freq"):
+        section, name = key.split(".")
+        need(getattr(getattr(cfg, section), name) >= 1, key, ">= 1")
+    for key in ("training.max_norm", "training.val_every", "optimizer.weight_decay",
+                "lr_scheduler.warmup_steps", "compile.memory_cap_mb", "checkpoint.keep_latest_k",
+                "metrics.peak_tflops"):
+        section, name = key.split(".")
+        need(getattr(getattr(cfg, section), name) >= 0, key, ">= 0")
+    need(t.local_batch_size == -1 or t.local_batch_size >= 1, "training.local_batch_size",
+         "-1 (derived) or >= 1")
+    need(p.data_parallel_shard_degree == -1 or p.data_parallel_shard_degree >= 1,
+         "parallelism.data_parallel_shard_degree", "-1 (fill the world) or >= 1")
+    need(cfg.checkpoint.load_step >= -1, "checkpoint.load_step", ">= -1")
+    need(o.lr > 0, "optimizer.lr", "> 0")
+    need(o.eps > 0, "optimizer.eps", "> 0")
+    need(0 <= o.beta1 < 1, "optimizer.beta1", "in [0, 1)")
+    need(0 <= o.beta2 < 1, "optimizer.beta2", "in [0, 1)")
+    need(0 <= s.min_lr_ratio <= 1, "lr_scheduler.min_lr_ratio", "in [0, 1]")
+    need(not (p.mode == "fully_shard" and p.data_parallel_replicate_degree > 1),
+         "parallelism.mode", "hybrid_shard when data_parallel_replicate_degree > 1")
+    need(not (p.mode == "replicate" and p.data_parallel_replicate_degree > 1
+              and p.data_parallel_shard_degree != 1), "parallelism.mode",
+         "hybrid_shard when both data parallel degrees are > 1")
+
+    known = set(backends) if backends is not None else _known_backends()
+    name = cfg.compile.backend
+    if known is not None and name not in known:
+        # DESIGN: names torch itself knows pass through, but only when checking the registry.
+        if backends is None:
+            import torch._dynamo
+            if name in torch._dynamo.list_backends(exclude_tags=()):
+                return
+        raise ValueError(f"compile.backend={name!r} is not one of {sorted(known)}")
+
+
+def resolve(cfg: Config, world_size: int) -> Config:
+    """Return a copy with the -1 degrees and local_batch_size filled for `world_size` ranks.
+
+    Batch rule: global_batch_size = local_batch_size * dp * gradient_accumulation_steps.
+    """
+    cfg = copy.deepcopy(cfg)
+    p, t = cfg.parallelism, cfg.training
+    rep, shard = p.data_parallel_replicate_degree, p.data_parallel_shard_degree
+    if shard == -1:
+        if world_size % rep:
+            raise ValueError(f"parallelism.data_parallel_replicate_degree={rep} does not "
+                             f"divide the world size {world_size}")
+        shard = world_size // rep
+    if rep * shard != world_size:
+        raise ValueError(f"parallelism: data_parallel_replicate_degree={rep} * "
+                         f"data_parallel_shard_degree={shard} != world size {world_size}")
+    p.data_parallel_shard_degree = shard
+    per_step = world_size * t.gradient_accumulation_steps
+    if t.local_batch_size == -1:
+        if t.global_batch_size % per_step:
+            raise ValueError(f"training.global_batch_size={t.global_batch_size} is not divisible"
+                             f" by dp ({world_size}) * gradient_accumulation_steps "
+                             f"({t.gradient_accumulation_steps})")
+        t.local_batch_size = t.global_batch_size // per_step
+    elif t.local_batch_size * per_step != t.global_batch_size:
+        raise ValueError(f"training.global_batch_size={t.global_batch_size} != local_batch_size "
+                         f"({t.local_batch_size}) * dp ({world_size}) * "
+                         f"gradient_accumulation_steps ({t.gradient_accumulation_steps})")
+    return cfg
+
+
+def _help() -> str:
+    lines = ["usage: python -m simplesharded.config [--json] [--section.key VALUE ...]", ""]
+    for section, cls in _sections().items():
+        for f in dataclasses.fields(cls):
+            choices = f.metadata.get("choices")
+            extra = f" one of {sorted(choices)}" if choices else ""
+            lines.append(f"  --{section}.{f.name} ({f.type.__name__}, default {f.default!r})"
+                         f"  {f.metadata.get('help', '')}{extra}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(_help())
+        return 0
+    as_json = "--json" in argv
+    argv = [a for a in argv if a != "--json"]
+    try:
+        cfg = load_config(None, argv)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(cfg.to_dict(), indent=2) if as_json else cfg.to_toml())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+import glob
+import json
+import os
+import tomllib
+
+import pytest
+
+from simplesharded.config import Config, load_config, main, parse_cli, resolve, validate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.toml")))
+# DESIGN §3 backend names; passed explicitly so these tests do not depend on the compiler stack.
+BACKENDS = [f"{c}{s}" for c in ("aot_eager", "inductor")
+            for s in ("", "_autobucketing", "_blockbucketing", "_upstreambucketing")] + ["eager"]
+
+
+def load(path=None, argv=None):
+    return load_config(path, argv, backends=BACKENDS)
+
+
+def write(tmp_path, text, name="c.toml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+def test_defaults():
+    cfg = load()
+    assert cfg == Config()
+    assert cfg.training.grad_reduction == "sum" and cfg.parallelism.mode == "fully_shard"
+    assert cfg.compile.backend == "aot_eager_autobucketing"
+    assert set(cfg.to_dict()) == {
+        "job", "model", "optimizer", "lr_scheduler", "training", "parallelism", "compile",
+        "activation_checkpoint", "checkpoint", "metrics", "profiling"}
+
+
+def test_shipped_configs_exist():
+    names = {os.path.basename(p) for p in CONFIGS}
+    assert {"llama3_debug.toml", "llama3_small.toml", "llama3_8b.toml", "llama3_70b.toml",
+            "llama3_405b.toml", "deepseek_v3_debug.toml", "deepseek_v3_16b.toml"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_shipped_config_loads(path):
+    cfg = load(path)
+    assert cfg.job.config_file == path
+    # Both ways of naming the file give the same config.
+    assert load(None, ["--job.config_file", path]) == cfg
+
+
+def test_debug_config_values():
+    cfg = load(os.path.join(ROOT, "configs", "llama3_debug.toml"))
+    t = cfg.training
+    assert (cfg.model.name, cfg.model.flavor) == ("llama3", "debug")
+    assert (t.global_batch_size, t.seq_len, t.steps) == (8, 128, 30)
+    assert cfg.lr_scheduler.warmup_steps == 5 and cfg.optimizer.lr == 1e-3
+    assert cfg.metrics.log_freq == 1
+    assert resolve(cfg, 2).training.local_batch_size == 4
+
+
+def test_cli_overrides(tmp_path):
+    path = write(tmp_path, "[training]\nsteps = 7\nseq_len = 64\n")
+    cfg = load(path, ["--training.steps", "3", "--optimizer.lr=1e-2", "--compile.enable",
+                      "--no-metrics.progress_bar", "--training.local_batch_size", "-1",
+                      "--job.description", "a b"])
+    assert cfg.training.steps == 3 and cfg.training.seq_len == 64  # CLI beats file
+    assert cfg.optimizer.lr == 1e-2
+    assert cfg.compile.enable is True and cfg.metrics.progress_bar is False
+    assert cfg.job.description == "a b"
+
+
+def test_cli_bool_forms():
+    assert load(None, ["--compile.enable=true"]).compile.enable is True
+    assert load(None, ["--compile.enable", "0"]).compile.enable is False
+    assert load(None, ["--compile.enable", "--training.steps", "2"]).compile.enable is True
+    assert load(None, ["--compile.enable=False"]).compile.enable is False
+    # ints from the CLI are accepted for float fields
+    assert load(None, ["--optimizer.lr", "1"]).optimizer.lr == 1.0
+    with pytest.raises(ValueError, match="compile.enable expects bool"):
+        load(None, ["--compile.enable=yes please"])
+    with pytest.raises(ValueError, match="--no-"):
+        load(None, ["--no-training.steps"])
+    with pytest.raises(ValueError, match="expects a value"):
+        load(None, ["--training.steps"])
+    with pytest.raises(ValueError, match="unexpected"):
+        load(None, ["training.steps", "3"])
+
+
+def test_parse_cli_keeps_order():
+    assert parse_cli(["--training.steps", "3", "--training.steps=4", "--compile.enable"]) == [
+        ("training.steps", "3"), ("training.steps", "4"), ("compile.enable", True)]
+
+
+@pytest.mark.parametrize("argv,key,suggestion", [
+    (["--training.seqlen", "3"], "training.seqlen", "training.seq_len"),
+    (["--trainig.steps", "3"], "trainig.steps", "training.steps"),
+    (["--compile.enabled"], "compile.enabled", "compile.enable"),
+])
+def test_unknown_cli_key(argv, key, suggestion):
+    with pytest.raises(ValueError) as e:
+        load(None, argv)
+    assert repr(key) in str(e.value) and repr(suggestion) in str(e.value)
+
+
+def test_unknown_toml_key_and_section(tmp_path):
+    with pytest.raises(ValueError, match=r"'training.global_batchsize'.*'training.global_batch_size'"):
+        load(write(tmp_path, "[training]\nglobal_batchsize = 4\n"))
+    with pytest.raises(ValueError, match=r"'optimiser.lr'.*'optimizer.lr'"):
+        load(write(tmp_path, "[optimiser]\nlr = 0.1\n"))
+    with pytest.raises(ValueError, match=r"'steps'.*'training.steps'"):
+        load(write(tmp_path, "steps = 3\n"))
+    with pytest.raises(ValueError, match="must be a table"):
+        load(write(tmp_path, "training = 3\n"))
+
+
+def test_wrong_types(tmp_path):
+    with pytest.raises(ValueError, match=r"training.steps expects int, got '10' \(str\)"):
+        load(write(tmp_path, '[training]\nsteps = "10"\n'))
+    with pytest.raises(ValueError, match=r"training.steps expects int, got True \(bool\)"):
+        load(write(tmp_path, "[training]\nsteps = true\n"))
+    with pytest.raises(ValueError, match=r"training.steps expects int, got 2.5"):
+        load(write(tmp_path, "[training]\nsteps = 2.5\n"))
+    with pytest.raises(ValueError, match="compile.enable expects bool"):
+        load(write(tmp_path, '[compile]\nenable = "true"\n'))
+    with pytest.raises(ValueError, match="optimizer.lr expects float"):
+        load(None, ["--optimizer.lr", "fast"])
+    cfg = load(write(tmp_path, "[optimizer]\nlr = 1\n"))  # int accepted for float
+    assert cfg.optimizer.lr == 1.0 and isinstance(cfg.optimizer.lr, float)
+
+
+def test_bad_toml_and_missing_file(tmp_path):
+    with pytest.raises(ValueError, match="not valid TOML"):
+        load(write(tmp_path, "[training\n"))
+    with pytest.raises(ValueError, match="job.config_file"):
+        load(str(tmp_path / "nope.toml"))
+
+
+def test_enum_errors():
+    with pytest.raises(ValueError) as e:
+        load(None, ["--training.grad_reduction", "mean"])
+    assert str(e.value) == "training.grad_reduction='mean' is not one of ['avg', 'sum']"
+    with pytest.raises(ValueError, match=r"optimizer.name='adam' is not one of \['AdamW', 'SGD'\]"):
+        load(None, ["--optimizer.name", "adam"])
+    with pytest.raises(ValueError, match="activation_checkpoint.mode='some'"):
+        load(None, ["--activation_checkpoint.mode", "some"])
+
+
+def test_value_checks():
+    for argv, key in [(["--training.steps", "0"], "training.steps"),
+                      (["--optimizer.lr", "-1"], "optimizer.lr"),
+                      (["--training.local_batch_size", "0"], "training.local_batch_size"),
+                      (["--lr_scheduler.min_lr_ratio", "2"], "lr_scheduler.min_lr_ratio"),
+                      (["--parallelism.data_parallel_shard_degree", "-2"],
+                       "parallelism.data_parallel_shard_degree")]:
+        with pytest.raises(ValueError, match=key):
+            load(None, argv)
+
+
+def test_backend_check_and_alias():
+    with pytest.raises(ValueError, match=r"compile.backend='aot_eagr' is not one of \["):
+        load(None, ["--compile.backend", "aot_eagr"])
+    cfg = load(None, ["--compile.model_backend_override", "inductor_blockbucketing"])
+    assert cfg.compile.backend == "inductor_blockbucketing"
+    cfg = load(None, ["--compile.backend", "eager", "--compile.model_backend_override", "inductor"])
+    assert cfg.compile.backend == "inductor"
+    with pytest.raises(ValueError, match="compile.backend='nope'"):
+        load(None, ["--compile.model_backend_override", "nope"])
+    validate(Config(), backends=["aot_eager_autobucketing"])
+
+
+def test_mode_natural_default():
+    cfg = load(None, ["--parallelism.data_parallel_replicate_degree", "2"])
+    assert cfg.parallelism.mode == "hybrid_shard"
+    cfg = load(None, ["--parallelism.data_parallel_replicate_degree", "2",
+                      "--parallelism.data_parallel_shard_degree", "1"])
+    assert cfg.parallelism.mode == "replicate"
+    # An explicit but inconsistent mode is an error rather than silently changed.
+    with pytest.raises(ValueError, match="parallelism.mode='fully_shard'"):
+        load(None, ["--parallelism.data_parallel_replicate_degree", "2",
+                    "--parallelism.mode", "fully_shard"])
+    cfg = load(None, ["--parallelism.mode", "replicate"])
+    assert cfg.parallelism.mode == "replicate"
+
+
+def test_resolve():
+    cfg = resolve(load(None, ["--training.global_batch_size", "16",
+                              "--training.gradient_accumulation_steps", "2"]), 4)
+    assert cfg.parallelism.data_parallel_shard_degree == 4
+    assert cfg.training.local_batch_size == 2
+    hsdp = resolve(load(None, ["--parallelism.data_parallel_replicate_degree", "2"]), 4)
+    assert hsdp.parallelism.data_parallel_shard_degree == 2
+    with pytest.raises(ValueError, match="global_batch_size"):
+        resolve(load(None, ["--training.global_batch_size", "6"]), 4)
+    with pytest.raises(ValueError, match="global_batch_size"):
+        resolve(load(None, ["--training.local_batch_size", "3"]), 2)
+    with pytest.raises(ValueError, match="world size 4"):
+        resolve(load(None, ["--parallelism.data_parallel_shard_degree", "3"]), 4)
+    assert Config().training.local_batch_size == -1  # resolve copies
+
+
+def test_toml_round_trip():
+    cfg = load(None, ["--job.description", 'quote " and \\ back', "--optimizer.eps", "1e-12"])
+    assert Config.from_dict(tomllib.loads(cfg.to_toml())) == cfg
+
+
+def test_main_prints(capsys):
+    path = os.path.join(ROOT, "configs", "llama3_debug.toml")
+    assert main(["--json", "--job.config_file", path, "--compile.backend", "eager",
+                 "--training.steps", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["training"]["steps"] == 2 and out["job"]["config_file"] == path
+    assert main(["--training.stepz", "2"]) == 2
+    assert "training.steps" in capsys.readouterr().err
+    assert main(["--help"]) == 0
+    assert "--training.grad_reduction" in capsys.readouterr().out
