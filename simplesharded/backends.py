@@ -1,49 +1,90 @@
 """Backend registry: ``make_backend(name, **options)`` returns a ``torch.compile`` backend.
 
-Factories are pure: each call builds a new backend with its own pass pipeline and options.
+Factories are pure: each call builds a new backend with its own pass pipeline and options; no
+torch config is changed outside the backend's own ``config.patch`` (see passes/pipeline.py).
+
+  eager, aot_eager, inductor            collectives untouched (reshard-after-forward tagging only)
+  {aot_eager,inductor}_blockbucketing   one bucket per transformer block + overlap reordering
+  {aot_eager,inductor}_autobucketing    cost-model buckets + overlap reordering
+  {aot_eager,inductor}_upstreambucketing torch's own schedule_overlap_bucketing (baseline only)
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
 from typing import Callable
 
 import torch
 
+from simplesharded.passes.bucketing import bucket_collectives
 from simplesharded.passes.pipeline import PassPipeline, aot_backend, inductor_backend
+from simplesharded.passes.planning import AutoPlan, BlockPlan
 from simplesharded.passes.recompute import tag_gathers_for_recompute
+from simplesharded.passes.reordering import reorder_for_overlap
+from simplesharded.passes.upstream import upstream_overlap_bucketing
+
+COMPILERS = ("aot_eager", "inductor")
 
 
 @dataclass(frozen=True)
 class BackendOptions:
-    """Options every backend accepts (unused ones are ignored by the plain backends only when
-    they are left at their defaults)."""
+    """Options every backend accepts; the plain backends use only dump_graphs and
+    reshard_after_forward."""
 
     dump_graphs: str | None = None  # directory: graphs before/after each pass
     reshard_after_forward: bool | None = None  # None: per parameter, as data_parallel set it
+    memory_cap_bytes: int | None = None  # gathered bytes in flight (default: two buckets)
+    bucket_patterns: tuple[str, ...] = ()  # block plan: regexes whose match names a bucket
+    hardware: str = "local"  # cost-model profile for the auto plan
+    plan: object | None = None  # a ready plan object (overrides the name's default plan)
+
+
+@dataclass(frozen=True)
+class _ReorderPlan:
+    memory_cap_bytes: int | None
 
 
 def _pipeline(opts: BackendOptions, graph_passes=()) -> PassPipeline:
-    joint = [("recompute", lambda gm: tag_gathers_for_recompute(gm, opts))]
+    joint = [("recompute", functools.partial(tag_gathers_for_recompute, plan=opts))]
     return PassPipeline(joint=joint, graph=list(graph_passes), dump_dir=opts.dump_graphs)
 
 
-def _eager(opts: BackendOptions) -> Callable | str:
+def _compile(compiler: str, pipeline: PassPipeline) -> Callable:
+    return aot_backend(pipeline) if compiler == "aot_eager" else inductor_backend(pipeline)
+
+
+def _plain(compiler: str, opts: BackendOptions) -> Callable:
+    return _compile(compiler, _pipeline(opts))
+
+
+def _ours(compiler: str, kind: str, opts: BackendOptions) -> Callable:
+    plan = opts.plan
+    if plan is None and kind == "block":
+        plan = BlockPlan(tuple(opts.bucket_patterns), opts.memory_cap_bytes)
+    elif plan is None:
+        plan = AutoPlan(opts.hardware, opts.memory_cap_bytes)
+    passes = [("bucketing", functools.partial(bucket_collectives, plan=plan)),
+              ("reordering", functools.partial(reorder_for_overlap,
+                                               plan=_ReorderPlan(opts.memory_cap_bytes)))]
+    return _compile(compiler, _pipeline(opts, passes))
+
+
+def _upstream(compiler: str, opts: BackendOptions) -> Callable:
+    passes = [("upstream", functools.partial(upstream_overlap_bucketing, hardware=opts.hardware))]
+    return _compile(compiler, _pipeline(opts, passes))
+
+
+def _eager(opts: BackendOptions) -> str:
     return "eager"
 
 
-def _aot_eager(opts: BackendOptions) -> Callable:
-    return aot_backend(_pipeline(opts))
-
-
-def _inductor(opts: BackendOptions) -> Callable:
-    return inductor_backend(_pipeline(opts))
-
-
-BACKENDS: dict[str, Callable[[BackendOptions], Callable | str]] = {
-    "eager": _eager,
-    "aot_eager": _aot_eager,
-    "inductor": _inductor,
-}
+BACKENDS: dict[str, Callable[[BackendOptions], Callable | str]] = {"eager": _eager}
+for _c in COMPILERS:
+    BACKENDS[_c] = functools.partial(_plain, _c)
+    BACKENDS[f"{_c}_blockbucketing"] = functools.partial(_ours, _c, "block")
+    BACKENDS[f"{_c}_autobucketing"] = functools.partial(_ours, _c, "auto")
+    BACKENDS[f"{_c}_upstreambucketing"] = functools.partial(_upstream, _c)
+del _c
 
 
 def make_backend(name: str, **options) -> Callable | str:
@@ -52,6 +93,8 @@ def make_backend(name: str, **options) -> Callable | str:
     bad = sorted(set(options) - known)
     if bad:
         raise ValueError(f"backend option(s) {bad} not one of {sorted(known)}")
+    if isinstance(options.get("bucket_patterns"), str):
+        options["bucket_patterns"] = (options["bucket_patterns"],)
     opts = BackendOptions(**options)
     if name in BACKENDS:
         return BACKENDS[name](opts)

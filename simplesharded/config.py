@@ -14,6 +14,7 @@ resolved config.
 import copy
 import dataclasses
 import difflib
+import importlib
 import json
 import sys
 import tomllib
@@ -335,7 +336,8 @@ def load_config(path: str | None = None, argv: list[str] | None = None, *,
 
 def _known_backends() -> set[str] | None:
     try:
-        from simplesharded import backends as mod  # lazy: torch-heavy, and may not exist yet
+        # Lazy: the registry imports torch and the passes, and may not exist yet.
+        mod = importlib.import_module("simplesharded.backends")
     except ImportError:
         return None  # loading a config must not depend on the compiler stack importing
     names = getattr(mod, "BACKENDS", None)
@@ -351,24 +353,25 @@ def validate(cfg: Config, backends: Iterable[str] | None = None) -> None:
             if choices and v not in choices:
                 raise ValueError(f"{section}.{f.name}={v!r} is not one of {sorted(choices)}")
 
+    def get(key: str) -> Any:
+        section, name = key.split(".")
+        return getattr(getattr(cfg, section), name)
+
     def need(ok: bool, key: str, what: str):
         if not ok:
-            section, name = key.split(".")
-            v = getattr(getattr(cfg, section), name)
-            raise ValueError(f"{key}={v!r} must be {what}")
+            raise ValueError(f"{key}={get(key)!r} must be {what}")
 
     t, o, s, p = cfg.training, cfg.optimizer, cfg.lr_scheduler, cfg.parallelism
     for key in ("training.global_batch_size", "training.seq_len", "training.steps",
                 "training.gradient_accumulation_steps", "training.val_steps",
-                "parallelism.data_parallel_replicate_degree", "activation_checkpoint.selective_every",
-                "checkpoint.interval", "metrics.log_freq", "profiling.profile_freq"):
-        section, name = key.split(".")
-        need(getattr(getattr(cfg, section), name) >= 1, key, ">= 1")
+                "parallelism.data_parallel_replicate_degree",
+                "activation_checkpoint.selective_every", "checkpoint.interval",
+                "metrics.log_freq", "profiling.profile_freq"):
+        need(get(key) >= 1, key, ">= 1")
     for key in ("training.max_norm", "training.val_every", "optimizer.weight_decay",
                 "lr_scheduler.warmup_steps", "compile.memory_cap_mb", "checkpoint.keep_latest_k",
                 "metrics.peak_tflops"):
-        section, name = key.split(".")
-        need(getattr(getattr(cfg, section), name) >= 0, key, ">= 0")
+        need(get(key) >= 0, key, ">= 0")
     need(t.local_batch_size == -1 or t.local_batch_size >= 1, "training.local_batch_size",
          "-1 (derived) or >= 1")
     need(p.data_parallel_shard_degree == -1 or p.data_parallel_shard_degree >= 1,
@@ -380,7 +383,8 @@ def validate(cfg: Config, backends: Iterable[str] | None = None) -> None:
     need(0 <= o.beta2 < 1, "optimizer.beta2", "in [0, 1)")
     need(0 <= s.min_lr_ratio <= 1, "lr_scheduler.min_lr_ratio", "in [0, 1]")
     need(not (p.mode == "fully_shard" and p.data_parallel_replicate_degree > 1),
-         "parallelism.mode", "hybrid_shard when data_parallel_replicate_degree > 1")
+         "parallelism.mode",
+         "hybrid_shard (or replicate) when data_parallel_replicate_degree > 1")
     need(not (p.mode == "replicate" and p.data_parallel_replicate_degree > 1
               and p.data_parallel_shard_degree != 1), "parallelism.mode",
          "hybrid_shard when both data parallel degrees are > 1")

@@ -134,7 +134,7 @@ class TextCorpus:
         self._documents = documents
         self._tokens: dict[str, torch.Tensor] | None = None
         self._keys: dict[str, list[str]] = {}
-        self.split_by = "document"
+        self._split_by = "document"
 
     @staticmethod
     def _split_name(split: str) -> str:
@@ -149,6 +149,12 @@ class TextCorpus:
         if self._tokens is None:
             self._build()
         return self._tokens[split]
+
+    @property
+    def split_by(self) -> str:
+        """"document" (hash of each document's key) or "tail" (too few documents)."""
+        self.tokens()
+        return self._split_by
 
     def documents(self, split: str = "train") -> list[str]:
         """Keys of the documents assigned to `split` (by hash)."""
@@ -172,7 +178,7 @@ class TextCorpus:
             stream = torch.cat(pieces["train"] + pieces["validation"])
             cut = len(stream) - max(1, int(len(stream) * self.val_fraction))
             tokens = {"train": stream[:cut], "validation": stream[cut:]}
-            self.split_by = "tail"
+            self._split_by = "tail"
         self._tokens, self._keys = tokens, keys
 
 

@@ -1,0 +1,152 @@
+"""Merge the collectives of one bucket into a single collective over a concatenated buffer.
+
+all-gather:      N × (shard_i → AG → full_i)  ⇒  cat(flat shards) → AG → [ws, L] → copy-out
+reduce-scatter:  N × (grad_i → RS → shard_i)  ⇒  cat(grad_i as [ws, n_i], dim=1) → RS → split
+all-reduce:      N × (g_i → AR → g_i)         ⇒  cat(flat g_i) → AR → split
+Shards arrive already padded to equal size per rank (DTensor pads uneven dim 0 before its
+collective and slices after), so the per-rank layout [ws, L] keeps rank r's elements at row r,
+and every element sees exactly the same reduction as before: outputs are bitwise unchanged.
+Only collectives of the same kind, process group, dtype and reduce op share a buffer; mixed
+dtypes inside one bucket become one collective per dtype.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+from torch import fx
+
+from .collectives import (ALL_GATHER, ALL_REDUCE, BUCKET_PARAMS_KEY, PARAM_KEY, REDUCE_SCATTER,
+                          WAIT, Collective, find_collectives)
+from .graph_utils import (aten, call, fake_mode_of, flat, hoist_before, positions,
+                          stable_topological_sort)
+
+
+def bucket_collectives(gm: fx.GraphModule, plan) -> fx.GraphModule:
+    """Merge collectives that ``plan`` puts in the same bucket; return ``gm`` (edited in place).
+
+    ``plan.assign(gm, collectives) -> list[key | None]`` gives a bucket key per collective
+    (None: leave alone). Guarantees: outputs bitwise equal; one collective per
+    (bucket, kind, group, dtype, reduce op); graph stays topologically valid; idempotent
+    (a bucket that already has one collective is left as is).
+    """
+    graph = gm.graph
+    collectives = [c for c in find_collectives(graph) if c.wait is not None]
+    keys = plan.assign(gm, collectives)
+    groups: dict[tuple, list[Collective]] = defaultdict(list)
+    for c, key in zip(collectives, keys):
+        if key is not None:
+            groups[(key, c.kind, c.group_name, c.group_size, c.dtype, _reduce_op(c))].append(c)
+    fake_mode = fake_mode_of(graph)
+    merge = {"all_gather": _merge_all_gathers, "reduce_scatter": _merge_reduce_scatters,
+             "all_reduce": _merge_all_reduces}
+    for (key, kind, *_), members in groups.items():
+        if len(members) > 1:
+            merge[kind](graph, members, fake_mode, str(key))
+    # Users of an early reduction now read the merged one, defined at the bucket's last start.
+    stable_topological_sort(graph)
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _reduce_op(c: Collective) -> str | None:
+    if c.start.target is REDUCE_SCATTER or c.start.target is ALL_REDUCE:
+        return str(c.start.args[1])
+    return None
+
+
+def _custom(members: list[Collective], bucket: str) -> dict:
+    params = [p for c in members for p in c.params]
+    return {BUCKET_PARAMS_KEY: params, PARAM_KEY: params[0] if params else "", "ss_bucket": bucket}
+
+
+def _replace(old: Collective, new_value: fx.Node, graph: fx.Graph) -> None:
+    old.wait.replace_all_uses_with(new_value)
+    graph.erase_node(old.wait)
+    graph.erase_node(old.start)
+
+
+def _merge_all_gathers(graph, members, fake_mode, bucket):
+    pos = positions(graph)
+    members = sorted(members, key=lambda c: pos[c.start])
+    anchor = members[0].start
+    ws, name = members[0].group_size, members[0].group_name
+    custom = _custom(members, bucket)
+    for c in members[1:]:
+        hoist_before(c.start.args[0], anchor, pos)
+    with graph.inserting_before(anchor):
+        shards = [c.start.args[0] for c in members]
+        sizes = [math.prod(s.meta["val"].shape) for s in shards]
+        buf = call(graph, aten.cat.default, ([flat(graph, s, fake_mode) for s in shards],),
+                   fake_mode=fake_mode, custom=custom)
+        start = call(graph, ALL_GATHER, (buf, ws, name), fake_mode=fake_mode, custom=custom)
+        wait = call(graph, WAIT, (start,), fake_mode=fake_mode, custom=custom)
+        rows = call(graph, aten.view.default, (wait, [ws, sum(sizes)]), fake_mode=fake_mode,
+                    custom=custom)
+    # Copy-outs go right after the wait; reordering later moves them next to their users.
+    offset = 0
+    for c, size in zip(members, sizes):
+        with graph.inserting_before(c.wait):
+            full_shape = list(c.wait.meta["val"].shape)
+            part = call(graph, aten.slice.Tensor, (rows, 1, offset, offset + size),
+                        fake_mode=fake_mode, custom=custom)
+            part = call(graph, aten.clone.default, (part,),
+                        {"memory_format": torch.contiguous_format}, fake_mode=fake_mode,
+                        custom=custom)
+            out = call(graph, aten.view.default, (part, full_shape), fake_mode=fake_mode,
+                       custom=custom)
+        offset += size
+        _replace(c, out, graph)
+
+
+def _merge_reduce_scatters(graph, members, fake_mode, bucket):
+    pos = positions(graph)
+    members = sorted(members, key=lambda c: pos[c.start])
+    anchor = members[-1].start  # every input exists by the last original reduce-scatter
+    ws, name, op = members[0].group_size, members[0].group_name, members[0].start.args[1]
+    custom = _custom(members, bucket)
+    with graph.inserting_before(anchor):
+        grads = [c.start.args[0] for c in members]
+        cols = [math.prod(g.meta["val"].shape) // ws for g in grads]
+        per_rank = [call(graph, aten.view.default, (flat(graph, g, fake_mode), [ws, n]),
+                         fake_mode=fake_mode) for g, n in zip(grads, cols)]
+        buf = call(graph, aten.cat.default, (per_rank, 1), fake_mode=fake_mode, custom=custom)
+        buf = call(graph, aten.view.default, (buf, [-1]), fake_mode=fake_mode, custom=custom)
+        start = call(graph, REDUCE_SCATTER, (buf, op, ws, name), fake_mode=fake_mode,
+                     custom=custom)
+        wait = call(graph, WAIT, (start,), fake_mode=fake_mode, custom=custom)
+        outs, offset = [], 0
+        for c, n in zip(members, cols):
+            part = call(graph, aten.slice.Tensor, (wait, 0, offset, offset + n),
+                        fake_mode=fake_mode, custom=custom)
+            outs.append(call(graph, aten.view.default, (part, list(c.wait.meta["val"].shape)),
+                             fake_mode=fake_mode, custom=custom))
+            offset += n
+    for c, out in zip(members, outs):
+        _replace(c, out, graph)
+
+
+def _merge_all_reduces(graph, members, fake_mode, bucket):
+    pos = positions(graph)
+    members = sorted(members, key=lambda c: pos[c.start])
+    anchor = members[-1].start
+    name, op = members[0].group_name, members[0].start.args[1]
+    custom = _custom(members, bucket)
+    with graph.inserting_before(anchor):
+        inputs = [c.start.args[0] for c in members]
+        sizes = [math.prod(i.meta["val"].shape) for i in inputs]
+        buf = call(graph, aten.cat.default, ([flat(graph, i, fake_mode) for i in inputs],),
+                   fake_mode=fake_mode, custom=custom)
+        start = call(graph, ALL_REDUCE, (buf, op, name), fake_mode=fake_mode, custom=custom)
+        wait = call(graph, WAIT, (start,), fake_mode=fake_mode, custom=custom)
+        outs, offset = [], 0
+        for c, n in zip(members, sizes):
+            part = call(graph, aten.slice.Tensor, (wait, 0, offset, offset + n),
+                        fake_mode=fake_mode, custom=custom)
+            outs.append(call(graph, aten.view.default, (part, list(c.wait.meta["val"].shape)),
+                             fake_mode=fake_mode, custom=custom))
+            offset += n
+    for c, out in zip(members, outs):
+        _replace(c, out, graph)

@@ -1,0 +1,464 @@
+"""Cost model for the bucket planner and the schedule simulator: compute time, comm time, memory.
+
+Three independent estimates, all from an FX graph's ``meta["val"]`` (FakeTensors or tensors) or
+``meta["tensor_meta"]`` (ShapeProp), so they work on CPU and on fake-process-group dry runs:
+
+* compute: ``node_flops`` (torch.utils.flop_counter formulas) and ``node_time`` =
+  max(FLOPs / flops_per_s, bytes touched / mem_bw) -- a roofline with one sustained rate each;
+* communication: ``comm_time`` = alpha + ring-algorithm bytes / bus bandwidth (alpha-beta);
+* memory: ``memory_timeline`` / ``peak_memory`` -- liveness of buffers in graph order, where
+  views, in-place ops and ``wait_tensor`` alias their base instead of allocating.
+
+Collectives and waits cost 0 in ``node_time``; the caller costs them with ``comm_time`` (see
+``collective_time``) because they run on a different stream than compute.
+"""
+from __future__ import annotations
+
+import math
+import operator
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+from torch.fx.experimental.symbolic_shapes import optimization_hint
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
+
+from .collectives import WAIT, Collective, is_collective, is_wait
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Per-rank machine numbers. Times are seconds, rates are per second, sizes are bytes."""
+
+    name: str
+    flops_per_s: float    # sustained matmul FLOP/s of one rank in the compute dtype
+    alpha_s: float        # fixed latency of one collective
+    bandwidth_Bps: float  # per-rank bus bandwidth of collectives inside the data-parallel group
+    mem_bw_Bps: float     # memory bandwidth seen by non-matmul (elementwise, reduction) ops
+    memory_bytes: int     # device memory of one rank
+
+    def __post_init__(self):
+        for f in ("flops_per_s", "alpha_s", "bandwidth_Bps", "mem_bw_Bps", "memory_bytes"):
+            if not getattr(self, f) > 0:
+                raise ValueError(f"Hardware.{f}={getattr(self, f)!r} must be > 0")
+
+
+def _host_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 16 * 2**30
+
+
+GPU_EFFICIENCY = 0.5  # sustained / peak dense matmul throughput assumed for large-model training
+
+HARDWARE: dict[str, Hardware] = {
+    # This CPU machine, gloo over loopback. Matmul: measured once with torch 2.13, 1 thread,
+    # fp32 mm: 1024^3 -> 2.05e11 FLOP/s, 512^3 -> 2.0e11, 256^3 -> 1.2e11; we take 1.5e11 as the
+    # sustained rate of the mixed sizes of a small model. out-of-place add (read+write): 28 GB/s
+    # for 8-32 MiB tensors, 14 GB/s at 256 MiB; we take 2e10.
+    # Collectives: DESIGN.md section 6 measured ~0.5 ms per gloo collective, loopback <= ~1 GB/s.
+    "local": Hardware("local", flops_per_s=1.5e11, alpha_s=5e-4, bandwidth_Bps=1e9,
+                      mem_bw_Bps=2e10, memory_bytes=_host_memory()),
+    # H100 SXM: 989 TFLOP/s bf16 dense peak, 3.35 TB/s HBM3, 80 GB; one 400 Gb/s IB NIC per GPU
+    # (= 50 GB/s) for a data-parallel group spanning nodes; NCCL inter-node latency ~30 us.
+    "h100-ib400": Hardware("h100-ib400", flops_per_s=989e12 * GPU_EFFICIENCY, alpha_s=30e-6,
+                           bandwidth_Bps=50e9, mem_bw_Bps=3.35e12, memory_bytes=80 * 2**30),
+    # A100 SXM 80GB: 312 TFLOP/s bf16 dense peak, 2.0 TB/s HBM2e; 200 Gb/s IB per GPU (25 GB/s).
+    "a100-ib200": Hardware("a100-ib200", flops_per_s=312e12 * GPU_EFFICIENCY, alpha_s=30e-6,
+                           bandwidth_Bps=25e9, mem_bw_Bps=2.0e12, memory_bytes=80 * 2**30),
+}
+
+
+def get_hardware(name: str) -> Hardware:
+    if name not in HARDWARE:
+        raise ValueError(f"hardware={name!r} is not one of {sorted(HARDWARE)}")
+    return HARDWARE[name]
+
+
+# ---------------------------------------------------------------------------------------------
+# Communication
+
+# Bytes each rank sends (= receives) in a ring algorithm, as a multiple of `nbytes`, where nbytes
+# is the gathered output of an all-gather, the full input of a reduce-scatter, the tensor of an
+# all-reduce.
+_RING_FACTOR = {"all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+                "all_reduce": lambda n: 2 * (n - 1) / n}
+
+
+def comm_time(kind: str, nbytes: int, group_size: int, hw: Hardware) -> float:
+    """Seconds for one collective: alpha + ring bytes / bandwidth; 0 for a group of one."""
+    if kind not in _RING_FACTOR:
+        raise ValueError(f"kind={kind!r} is not one of {sorted(_RING_FACTOR)}")
+    if group_size <= 1:
+        return 0.0
+    return hw.alpha_s + _RING_FACTOR[kind](group_size) * nbytes / hw.bandwidth_Bps
+
+
+def collective_time(c: Collective, hw: Hardware, group_size: int | None = None) -> float:
+    """comm_time of a found Collective (its nbytes is the produced buffer: the shard for a
+    reduce-scatter, so the full input is nbytes * group size). all_reduce nodes do not carry
+    their group size; pass it."""
+    n = group_size if group_size is not None else c.group_size
+    nbytes = c.nbytes * n if c.kind == "reduce_scatter" else c.nbytes
+    return comm_time(c.kind, nbytes, n, hw)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shapes from node metadata
+
+UNBACKED_FALLBACK = 4096  # size assumed for a data-dependent (unbacked) symbolic dimension
+
+
+def _int(x) -> int:
+    if isinstance(x, torch.SymInt):
+        try:
+            return int(optimization_hint(x, fallback=UNBACKED_FALLBACK))
+        except Exception:
+            return UNBACKED_FALLBACK
+    return int(x)
+
+
+@dataclass(frozen=True)
+class _Spec:
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of distinct elements (a stride-0, i.e. expanded, dim counts once)."""
+        if any(s == 0 for s in self.shape):
+            return 0
+        n = math.prod(s for s, st in zip(self.shape, self.stride) if st != 0)
+        return n * _itemsize(self.dtype)
+
+    @property
+    def contiguous(self) -> bool:
+        expected = 1
+        for size, stride in reversed(list(zip(self.shape, self.stride))):
+            if size != 1 and stride != expected:
+                return False
+            expected *= size
+        return True
+
+    def meta(self) -> torch.Tensor:
+        return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device="meta")
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return dtype.itemsize if hasattr(dtype, "itemsize") else torch.empty((), dtype=dtype).element_size()
+
+
+def _to_spec(v):
+    """Tensor -> _Spec; tuple/list -> list (recursively); TensorMetadata -> _Spec; else None."""
+    if isinstance(v, torch.Tensor):
+        return _Spec(tuple(_int(s) for s in v.shape), tuple(_int(s) for s in v.stride()), v.dtype)
+    if hasattr(v, "shape") and hasattr(v, "stride") and hasattr(v, "dtype"):  # TensorMetadata
+        return _Spec(tuple(_int(s) for s in v.shape), tuple(_int(s) for s in v.stride), v.dtype)
+    if isinstance(v, (tuple, list)):
+        return [_to_spec(x) for x in v]
+    return None
+
+
+def _node_spec(node: fx.Node):
+    if "val" in node.meta:
+        return _to_spec(node.meta["val"])
+    return _to_spec(node.meta.get("tensor_meta"))
+
+
+def _spec_bytes(spec) -> int:
+    if isinstance(spec, _Spec):
+        return spec.nbytes
+    if isinstance(spec, list):
+        return sum(_spec_bytes(s) for s in spec)
+    return 0
+
+
+def node_bytes(node: fx.Node) -> int:
+    """Bytes of a node's output tensors (tuples summed); 0 when it has no tensor metadata."""
+    return _spec_bytes(_node_spec(node))
+
+
+# ---------------------------------------------------------------------------------------------
+# Compute
+
+# CPU (and other) attention kernels torch's flop_registry does not list; same math as the
+# flash variants, whose formulas read only (grad_out,) query, key, value shapes.
+_EXTRA_FLOPS = {
+    aten._scaled_dot_product_flash_attention_for_cpu:
+        flop_registry[aten._scaled_dot_product_flash_attention],
+    aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        flop_registry[aten._scaled_dot_product_flash_attention_backward],
+}
+_FLOPS = {**flop_registry, **_EXTRA_FLOPS}
+
+# Outputs that share their input's storage although the op schema does not say so.
+_ALIAS_TARGETS = {operator.getitem, WAIT, aten._unsafe_view.default}
+# Allocate without touching memory: cost no time.
+_NO_TRAFFIC = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default}
+# Alias their input only when it is contiguous (otherwise they copy).
+_MAYBE_VIEW = {aten.reshape, aten.reshape_as, aten.flatten, aten.contiguous}
+
+
+def _meta_arg(a):
+    if not isinstance(a, fx.Node):
+        return a
+    v = a.meta.get("val")
+    if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return _int(v) if isinstance(v, torch.SymInt) else v.node.hint
+    spec = _node_spec(a)
+    if isinstance(spec, _Spec):
+        return spec.meta()
+    if isinstance(spec, list):
+        return [s.meta() if isinstance(s, _Spec) else None for s in spec]
+    return v
+
+
+def _decomposes(op) -> bool:
+    return isinstance(op, torch._ops.OpOverload) and torch._C._dispatch_has_kernel_for_dispatch_key(
+        op.name(), "CompositeImplicitAutograd")
+
+
+def node_flops(node: fx.Node) -> int:
+    """FLOPs of one node (matmuls, convolutions, attention), from torch.utils.flop_counter's
+    formulas on the node's metadata shapes. Ops torch has no formula for count 0, except
+    CompositeImplicit ops (e.g. aten.linear, aten.matmul in pre-dispatch graphs), which are run
+    on meta tensors under FlopCounterMode. Never raises."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return 0
+    try:
+        args, kwargs = fx.node.map_aggregate((node.args, node.kwargs), _meta_arg)
+        packet = node.target.overloadpacket
+        if packet in _FLOPS:
+            out = _node_spec(node)
+            out = out.meta() if isinstance(out, _Spec) else (
+                [s.meta() if isinstance(s, _Spec) else None for s in out] if out else None)
+            return int(_FLOPS[packet](*args, **kwargs, out_val=out))
+        if _decomposes(node.target):
+            with FlopCounterMode(display=False) as counter:
+                node.target(*args, **kwargs)
+            return int(counter.get_total_flops())
+    except Exception:
+        return 0
+    return 0
+
+
+def _aliases_input(node: fx.Node) -> bool:
+    """True when the output shares storage with an input (views, in-place ops, wait_tensor,
+    getitem); reshape/contiguous-like ops only when their input is contiguous (then they view)."""
+    if node.op != "call_function":
+        return False
+    t = node.target
+    if t in _ALIAS_TARGETS:
+        return True
+    if not isinstance(t, torch._ops.OpOverload):
+        return False
+    if not any(r.alias_info is not None for r in t._schema.returns):
+        return False
+    if t.overloadpacket in _MAYBE_VIEW:
+        src = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+        spec = _node_spec(src) if src is not None else None
+        return isinstance(spec, _Spec) and spec.contiguous
+    return True
+
+
+def _aliased_inputs(node: fx.Node) -> list[fx.Node]:
+    """The input(s) whose storage the output of an aliasing node shares."""
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        for arg, val in zip(t._schema.arguments, node.args):
+            if arg.alias_info is not None and isinstance(val, fx.Node):
+                return [val]
+    first = node.args[0] if node.args else None
+    return [first] if isinstance(first, fx.Node) else []
+
+
+def node_time(node: fx.Node, hw: Hardware) -> float:
+    """Roofline seconds of a compute node: max(FLOPs / flops_per_s, bytes read+written / mem_bw).
+    0 for placeholders, output, views/getitem, collectives and waits (see comm_time)."""
+    if node.op != "call_function" or is_collective(node) or is_wait(node):
+        return 0.0
+    if node.target in _NO_TRAFFIC or _aliases_input(node):
+        return 0.0
+    out = node_bytes(node)
+    if out == 0 and not isinstance(_node_spec(node), (_Spec, list)):
+        return 0.0  # no tensor output (sym_size, scalar arithmetic, ...)
+    moved = out + sum(node_bytes(a) for a in node.all_input_nodes)
+    return max(node_flops(node) / hw.flops_per_s, moved / hw.mem_bw_Bps)
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory
+
+def _graph(g) -> fx.Graph:
+    return g.graph if isinstance(g, fx.GraphModule) else g
+
+
+def _liveness(graph: fx.Graph):
+    """Buffers of a graph: returns (nodes, alloc, frees, size, is_input), where alloc[i] lists
+    the buffer keys node i allocates, frees[i] those whose last use is node i."""
+    nodes = list(graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    size: dict[tuple, int] = {}
+    is_input: dict[tuple, bool] = {}
+    alloc: list[list[tuple]] = [[] for _ in nodes]
+    refs: dict[fx.Node, set] = {}            # buffers a node's value lives in
+    elems: dict[fx.Node, list[set]] = {}     # per-output buffers of a multi-output producer
+    last: dict[tuple, int] = {}
+
+    for i, n in enumerate(nodes):
+        if n.op == "call_function" and n.target is operator.getitem and \
+                isinstance(n.args[0], fx.Node) and n.args[0] in elems and \
+                isinstance(n.args[1], int) and n.args[1] < len(elems[n.args[0]]):
+            refs[n] = set(elems[n.args[0]][n.args[1]])
+        elif n.op == "call_function" and _aliases_input(n):
+            refs[n] = set().union(*(refs.get(a, set()) for a in _aliased_inputs(n)))
+        elif n.op != "output":
+            spec = _node_spec(n)
+            parts = spec if isinstance(spec, list) else [spec]
+            keys = []
+            for j, s in enumerate(parts):
+                b = _spec_bytes(s)
+                key = (n.name, j)
+                if b:
+                    size[key], is_input[key] = b, n.op in ("placeholder", "get_attr")
+                    alloc[i].append(key)
+                    last[key] = i
+                keys.append({key} if b else set())
+            refs[n] = set().union(*keys) if keys else set()
+            if isinstance(spec, list):
+                elems[n] = keys
+        else:
+            refs[n] = set()
+
+        def use(keys, at=i):
+            for k in keys:
+                if k in last:
+                    last[k] = max(last[k], at)
+
+        for a in n.all_input_nodes:
+            is_item = (n.target is operator.getitem and a in elems and a is n.args[0])
+            use(refs[n] if is_item else refs.get(a, set()))
+        if is_wait(n):  # a collective reads its input until it completes
+            start = n.args[0]
+            if isinstance(start, fx.Node) and is_collective(start):
+                for a in start.all_input_nodes:
+                    use(refs.get(a, set()))
+
+    frees: list[list[tuple]] = [[] for _ in nodes]
+    for k, i in last.items():
+        frees[i].append(k)
+    return nodes, alloc, frees, size, is_input
+
+
+def memory_timeline(graph, include_inputs: bool = True) -> list[int]:
+    """Bytes live while each node runs (its inputs and its fresh outputs), in graph order.
+
+    A node's output is allocated at the node and freed after the last user of it or of any
+    alias of it (views, in-place results, getitem, wait_tensor). A collective's buffer is live
+    from its start until after the last user of its wait; its input is held until the wait.
+    Placeholders (and get_attr constants) are inputs: live from the start until their last use,
+    counted only with ``include_inputs``."""
+    nodes, alloc, frees, size, is_input = _liveness(_graph(graph))
+    live = sum(b for k, b in size.items() if is_input[k]) if include_inputs else 0
+    timeline = []
+    for i in range(len(nodes)):
+        live += sum(size[k] for k in alloc[i] if not is_input[k])
+        timeline.append(live)
+        live -= sum(size[k] for k in frees[i] if include_inputs or not is_input[k])
+    return timeline
+
+
+def peak_memory(graph, include_inputs: bool = True) -> tuple[int, fx.Node | None]:
+    """(peak bytes of memory_timeline, first node where it occurs); (0, None) for no nodes."""
+    g = _graph(graph)
+    timeline = memory_timeline(g, include_inputs)
+    if not timeline:
+        return 0, None
+    i = max(range(len(timeline)), key=timeline.__getitem__)
+    return timeline[i], list(g.nodes)[i]
+
+
+def input_bytes(graph) -> int:
+    """Bytes of the graph's placeholders and get_attr constants."""
+    return sum(node_bytes(n) for n in _graph(graph).nodes if n.op in ("placeholder", "get_attr"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Calibration
+
+def _median_time(fn, reps: int, budget_s: float, sync=lambda: None) -> float:
+    fn()
+    sync()  # warm-up
+    times, deadline = [], time.perf_counter() + budget_s
+    while len(times) < reps and (len(times) < 3 or time.perf_counter() < deadline):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def calibrate_local(seconds_budget: float = 5.0, group=None, device: str | torch.device = "cpu"
+                    ) -> Hardware:
+    """Measure this process: fp32 matmul FLOP/s and elementwise memory bandwidth on `device`
+    (with the current torch thread count), and, if torch.distributed is initialised and the
+    group has > 1 rank, alpha (median all-gather of 1 element per rank) and bus bandwidth
+    (median all-gather of 4 MiB per rank). Collective timings use fixed repetition counts (every
+    rank must issue the same collectives) and are max-reduced so all ranks return the same
+    Hardware. Unmeasured fields come from HARDWARE["local"]."""
+    base = HARDWARE["local"]
+    device = torch.device(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    n = 1024
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    flops = 2 * n**3 / _median_time(lambda: torch.mm(a, b), 9, 0.35 * seconds_budget, sync)
+    del a, b
+    x = torch.randn(8 * 2**20, device=device)  # 32 MiB: past L2, a large activation
+    y = torch.empty_like(x)
+    mem_bw = 2 * x.numel() * x.element_size() / _median_time(
+        lambda: torch.add(x, 1.0, out=y), 9, 0.2 * seconds_budget, sync)
+    del x, y
+    alpha, bw = base.alpha_s, base.bandwidth_Bps
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        alpha, bw = _calibrate_comm(group, dist)
+    return Hardware("local-calibrated", flops_per_s=flops, alpha_s=alpha, bandwidth_Bps=bw,
+                    mem_bw_Bps=mem_bw, memory_bytes=base.memory_bytes)
+
+
+def _calibrate_comm(group, dist) -> tuple[float, float]:
+    ws = dist.get_world_size(group)
+    backend = str(dist.get_backend(group))
+    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else \
+        torch.device("cpu")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+    def gather_time(per_rank: int, reps: int) -> float:
+        inp = torch.ones(per_rank, device=device)
+        out = torch.empty(per_rank * ws, device=device)
+        dist.barrier(group)
+        times = []
+        for _ in range(reps + 1):  # first is warm-up
+            t0 = time.perf_counter()
+            gather(out, inp, group=group)
+            sync()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[1:])
+
+    small = gather_time(1, 11)
+    per_rank = 2**20  # 4 MiB fp32 per rank
+    large = gather_time(per_rank, 5)
+    t = torch.tensor([small, large], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    small, large = t.tolist()
+    moved = _RING_FACTOR["all_gather"](ws) * per_rank * 4 * ws
+    return small, moved / max(large - small, 1e-9)

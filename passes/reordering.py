@@ -1,0 +1,155 @@
+"""Move collectives so communication overlaps compute, under a memory cap.
+
+* all-gather: the wait and its copy-out chain go right before the first real use; the start
+  (with the pure ops that build its input) is issued before the compute of earlier buckets
+  (prefetch) as far back as the cap allows: at every point, the bytes of gathered buffers that
+  are issued and not yet released (last use) stay ≤ ``memory_cap_bytes``. Default cap: two of
+  the largest gathered buffers (current + prefetched, as YaFSDP); a cap of one buffer disables
+  prefetch.
+* reduce-scatter / all-reduce: the start right after its input is ready; the wait sinks towards
+  its first use but no further than the next reduction's start, so at most one reduction is in
+  flight and full-size gradient buffers are freed a block later at most. On a process group
+  collectives run in issue order, so a prefetch issued after the previous reduce-scatter hides
+  both under the same compute (SimpleFSDP's backward schedule).
+"""
+from __future__ import annotations
+
+from torch import fx
+
+from .collectives import Collective, find_collectives
+from .graph_utils import hoist_before, positions
+
+# Ops that only reshape/copy a gathered buffer into parameter form: they travel with the wait.
+_CHAIN_OPS = {"view", "_unsafe_view", "slice", "clone", "alias", "reshape", "t", "permute",
+              "transpose", "expand", "as_strided", "contiguous", "getitem"}
+
+
+def _op_name(node: fx.Node) -> str:
+    target = node.target
+    name = getattr(target, "__name__", str(target))
+    return name.split(".")[0]
+
+
+def gather_chain(wait: fx.Node) -> list[fx.Node]:
+    """The wait plus the copy-out/view nodes that only depend on it, in graph order."""
+    chain, frontier = [wait], [wait]
+    members = {wait}
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if (user.op == "call_function" and _op_name(user) in _CHAIN_OPS
+                    and user not in members
+                    and all(a in members for a in user.all_input_nodes)):
+                members.add(user)
+                chain.append(user)
+                frontier.append(user)
+    pos = positions(wait.graph)
+    return sorted(chain, key=pos.__getitem__)
+
+
+def _first_use(chain: list[fx.Node], pos) -> fx.Node | None:
+    members = set(chain)
+    users = [u for n in chain for u in n.users if u not in members]
+    return min(users, key=pos.__getitem__) if users else None
+
+
+def _last_use(chain: list[fx.Node], pos) -> int:
+    members = set(chain)
+    users = [pos[u] for n in chain for u in n.users if u not in members]
+    return max(users) if users else pos[chain[-1]]
+
+
+def default_cap(collectives: list[Collective]) -> int:
+    sizes = [c.nbytes for c in collectives if c.kind == "all_gather"]
+    return 2 * max(sizes) if sizes else 0
+
+
+def reorder_for_overlap(gm: fx.GraphModule, plan=None) -> fx.GraphModule:
+    """Reorder ``gm`` in place (see module doc) and return it.
+
+    ``plan.memory_cap_bytes`` (optional) caps gathered bytes in flight. Guarantees: same
+    outputs (only the order of nodes changes); def-before-use; every wait before its first use;
+    the cap holds along the final order; idempotent.
+    """
+    graph = gm.graph
+    collectives = [c for c in find_collectives(graph) if c.wait is not None]
+    cap = getattr(plan, "memory_cap_bytes", None) or default_cap(collectives)
+    _place_gather_waits(graph, collectives)
+    _prefetch_gathers(graph, collectives, cap)
+    _place_reductions(graph, collectives)
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _place_gather_waits(graph: fx.Graph, collectives: list[Collective]) -> None:
+    for c in collectives:
+        if c.kind != "all_gather":
+            continue
+        pos = positions(graph)
+        chain = gather_chain(c.wait)
+        use = _first_use(chain, pos)
+        if use is None:
+            continue
+        for node in chain:  # keeps the chain's own order
+            use.prepend(node)
+
+
+def _prefetch_gathers(graph: fx.Graph, collectives: list[Collective], cap: int) -> None:
+    ags = [c for c in collectives if c.kind == "all_gather"]
+    pos = positions(graph)
+    use_of = {c.start: _first_use(gather_chain(c.wait), pos) for c in ags}
+    ags = [c for c in ags if use_of[c.start] is not None]
+    ags.sort(key=lambda c: pos[use_of[c.start]])
+    for j, c in enumerate(ags):
+        target = None
+        for k in range(j - 1, -1, -1):  # try one bucket earlier at a time
+            candidate = use_of[ags[k].start]
+            if not _fits(graph, ags, c, candidate, cap):
+                break
+            target = candidate
+        if target is not None and positions(graph)[c.start] > positions(graph)[target]:
+            hoist_before(c.start, target, positions(graph))
+
+
+def _fits(graph, ags, c, candidate, cap) -> bool:
+    """Would issuing ``c`` right before ``candidate`` keep gathered bytes in flight ≤ cap?"""
+    pos = positions(graph)
+    lo = pos[candidate]
+    hi = _last_use(gather_chain(c.wait), pos)
+    events = []
+    for other in ags:
+        if other is c:
+            continue
+        start = pos[other.start]
+        end = _last_use(gather_chain(other.wait), pos)
+        if start <= hi and end >= lo:
+            events.append((max(start, lo), other.nbytes))
+            events.append((min(end, hi) + 0.5, -other.nbytes))
+    alive, peak = c.nbytes, c.nbytes
+    for _, delta in sorted(events):
+        alive += delta
+        peak = max(peak, alive)
+    return peak <= cap
+
+
+def _place_reductions(graph: fx.Graph, collectives: list[Collective]) -> None:
+    reds = [c for c in collectives if c.kind != "all_gather"]
+    for c in reds:  # issue as soon as the input exists
+        pos = positions(graph)
+        last_input = max(c.start.all_input_nodes, key=pos.__getitem__)
+        if pos[c.start] > pos[last_input] + 1:
+            last_input.append(c.start)
+    pos = positions(graph)
+    reds.sort(key=lambda c: pos[c.start])
+    for i, c in enumerate(reds):
+        pos = positions(graph)
+        chain = gather_chain(c.wait)
+        use = _first_use(chain, pos)
+        if use is None:
+            continue
+        dest = use
+        if i + 1 < len(reds) and pos[reds[i + 1].start] < pos[dest]:
+            dest = reds[i + 1].start
+        for node in chain:
+            dest.prepend(node)

@@ -1,0 +1,31 @@
+"""torch's own overlap scheduler + bucketing, wrapped as a comparison baseline.
+
+Never called by our passes; only the ``*_upstreambucketing`` backends use it. Its default
+estimators benchmark on a GPU, so we feed it our CPU-capable cost model instead.
+"""
+from __future__ import annotations
+
+from torch import fx
+
+
+def upstream_overlap_bucketing(gm: fx.GraphModule, hardware: str = "local") -> fx.GraphModule:
+    from torch._inductor.fx_passes.overlap_scheduling import schedule_overlap_bucketing
+
+    from .collectives import KINDS, group_args, tensor_nbytes
+    from .cost_model import comm_time, get_hardware, node_time
+
+    hw = get_hardware(hardware)
+
+    def estimate(node: fx.Node, override_size=None) -> float | None:
+        if node.op != "call_function":
+            return None
+        if node.target in KINDS:
+            size, _ = group_args(node)
+            nbytes = override_size if override_size is not None else tensor_nbytes(node)
+            return 1e3 * comm_time(KINDS[node.target], nbytes, max(size, 1), hw)  # ms
+        return 1e3 * node_time(node, hw)
+
+    return schedule_overlap_bucketing(gm, collective_bucketing=True,
+                                      custom_runtime_estimation=estimate,
+                                      collective_estimator="analytical",
+                                      compute_estimator="analytical")
