@@ -103,7 +103,7 @@ def test_unknown_cli_key(argv, key, suggestion):
 
 
 def test_unknown_toml_key_and_section(tmp_path):
-    with pytest.raises(ValueError, match=r"'training.global_batchsize'.*'training.global_batch_size'"):
+    with pytest.raises(ValueError, match=r"'training.global_batchsize'.*'training.global_batch_"):
         load(write(tmp_path, "[training]\nglobal_batchsize = 4\n"))
     with pytest.raises(ValueError, match=r"'optimiser.lr'.*'optimizer.lr'"):
         load(write(tmp_path, "[optimiser]\nlr = 0.1\n"))
@@ -213,3 +213,16 @@ def test_main_prints(capsys):
     assert "training.steps" in capsys.readouterr().err
     assert main(["--help"]) == 0
     assert "--training.grad_reduction" in capsys.readouterr().out
+
+
+def test_backend_check_skipped_without_registry(monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "simplesharded.backends", None)  # import → ImportError
+    assert load_config(None, ["--compile.backend", "anything"]).compile.backend == "anything"
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_shipped_config_names_a_registered_model(path):
+    models = pytest.importorskip("simplesharded.models")
+    cfg = load(path)
+    assert cfg.model.flavor in models.MODELS[cfg.model.name][1]
