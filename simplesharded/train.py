@@ -1,0 +1,306 @@
+"""``python -m simplesharded.train`` (normally via ./run_train.sh / torchrun).
+
+meta-device model → activation checkpointing → data_parallel → torch.compile(our backend)
+→ AdamW on shards, warmup + decay, clipping over sharded grads, accumulation, validation,
+DCP checkpoints, metrics. Errors in the configuration exit with code 2 and one line.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from simplesharded import checkpoint as ckpt
+from simplesharded.backends import make_backend
+from simplesharded.config import Config, load_config, resolve
+from simplesharded.data import build_data
+from simplesharded.mesh import build_mesh, init_distributed
+from simplesharded.metrics import MetricsLogger, format_record, memory_stats, peak_flops
+from simplesharded.models import build_model, get_model_spec
+from simplesharded.sharding import MixedPrecisionPolicy, data_parallel, disable_gather
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+EXIT_CONFIG, EXIT_NONFINITE = 2, 3
+
+
+class NonFiniteError(RuntimeError):
+    pass
+
+
+def check_static(cfg: Config, world_size: int) -> Config:
+    """Everything that can be checked before any process-group work; returns resolved cfg."""
+    cfg = resolve(cfg, world_size)
+    _, args = get_model_spec(cfg.model.name, cfg.model.flavor)
+    if cfg.training.seq_len > args.max_seq_len:
+        raise ValueError(f"training.seq_len={cfg.training.seq_len} is above the maximum "
+                         f"{args.max_seq_len} of model {cfg.model.name}/{cfg.model.flavor}")
+    path = cfg.training.dataset_path
+    if path and not os.access(path, os.R_OK):
+        raise ValueError(f"training.dataset_path={path!r} does not exist or is not readable")
+    if cfg.parallelism.mode == "hybrid_shard" and cfg.parallelism.data_parallel_replicate_degree < 2:
+        raise ValueError("parallelism.mode='hybrid_shard' needs "
+                         "data_parallel_replicate_degree >= 2 (a 2-D mesh)")
+    return cfg
+
+
+def apply_activation_checkpointing(model: torch.nn.Module, mode: str, every: int) -> None:
+    """Wrap block forwards in non-reentrant checkpointing; FQNs stay unchanged."""
+    if mode == "none":
+        return
+    layers = model.layers.values() if isinstance(model.layers, torch.nn.ModuleDict) else model.layers
+    for i, block in enumerate(layers):
+        if mode == "full" or i % every == 0:
+            block.forward = functools.partial(_checkpointed, block.forward)
+
+
+def _checkpointed(fn, *args, **kwargs):
+    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
+
+def lr_lambda(cfg: Config):
+    s, total = cfg.lr_scheduler, cfg.training.steps
+
+    def f(step: int) -> float:  # step counts optimizer steps already taken
+        if step < s.warmup_steps:
+            return (step + 1) / (s.warmup_steps + 1)
+        if s.decay_type == "constant":
+            return 1.0
+        progress = min(1.0, (step - s.warmup_steps) / max(1, total - s.warmup_steps))
+        decay = 0.5 * (1 + math.cos(math.pi * progress)) if s.decay_type == "cosine" else 1 - progress
+        return s.min_lr_ratio + (1 - s.min_lr_ratio) * decay
+
+    return f
+
+
+def build_optimizer(cfg: Config, params):
+    o = cfg.optimizer
+    if o.name == "SGD":
+        return torch.optim.SGD(params, lr=o.lr, momentum=o.beta1, weight_decay=o.weight_decay)
+    return torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                             weight_decay=o.weight_decay)
+
+
+def grad_norm_and_clip(params, max_norm: float) -> torch.Tensor:
+    """Global L2 norm over sharded grads (a DTensor norm reduces across ranks), clipped."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm
+
+
+class Trainer:
+    def __init__(self, cfg: Config, device: str):
+        self.cfg, self.device = cfg, device
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        p, t = cfg.parallelism, cfg.training
+        self.mesh = build_mesh(p.data_parallel_replicate_degree, p.data_parallel_shard_degree,
+                               device)
+        torch.manual_seed(cfg.job.seed)
+        self.data = build_data(cfg, self.rank, self.world)
+        model = build_model(cfg.model.name, cfg.model.flavor, device="meta")
+        if self.data.tokenizer.vocab_size > model.args.vocab_size if hasattr(model, "args") else False:
+            raise ValueError(f"model.tokenizer_path: vocabulary {self.data.tokenizer.vocab_size} "
+                             f"does not fit the model's vocab_size {model.args.vocab_size}")
+        apply_activation_checkpointing(model, cfg.activation_checkpoint.mode,
+                                       cfg.activation_checkpoint.selective_every)
+        pdt, rdt = DTYPES[t.mixed_precision_param], DTYPES[t.mixed_precision_reduce]
+        mp = MixedPrecisionPolicy(pdt, rdt) if (pdt, rdt) != (torch.float32, torch.float32) else None
+        data_parallel(model, self.mesh, p.mode, mp_policy=mp,
+                      reshard_after_forward=p.reshard_after_forward, grad_reduction=t.grad_reduction)
+        with disable_gather(model):
+            model.init_weights(buffer_device=torch.device(device))
+        self.model = model
+        self.step_fn = model
+        if cfg.compile.enable:
+            c = cfg.compile
+            opts = {"dump_graphs": c.dump_graphs or None}
+            if "bucketing" in c.backend:
+                opts["memory_cap_bytes"] = int(c.memory_cap_mb * 2**20) or None
+                opts["hardware"] = c.hardware
+            self.step_fn = torch.compile(model, backend=make_backend(c.backend, **opts),
+                                         fullgraph=True)
+        self.params = [q for q in model.parameters() if q.requires_grad]
+        self.optimizer = build_optimizer(cfg, self.params)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
+        self.tokens_per_step = t.global_batch_size * t.seq_len
+        self.flops_per_token = model.num_flops_per_token(t.seq_len)
+        self.peak = peak_flops(device, cfg.metrics.peak_tflops)
+        self.ckpt_folder = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
+        self.step = 0
+
+    # ------------------------------------------------------------------ steps
+    def loss_fn(self, logits, labels):
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
+
+    def train_step(self) -> dict[str, float]:
+        t = self.cfg.training
+        self.optimizer.zero_grad(set_to_none=True)
+        local_tokens = t.local_batch_size * t.seq_len * t.gradient_accumulation_steps
+        # sum: every rank divides by the global token count and gradients are summed, so the
+        # result is the exact global mean; avg: local mean, gradients averaged over ranks.
+        denom = self.tokens_per_step if t.grad_reduction == "sum" else local_tokens
+        loss_sum = torch.zeros((), device=self.device)
+        for _ in range(t.gradient_accumulation_steps):
+            inputs, labels = next(self.data.train)
+            inputs, labels = inputs.to(self.device), labels.to(self.device)
+            loss = self.loss_fn(self.step_fn(inputs), labels)
+            (loss / denom).backward()
+            loss_sum += loss.detach()
+        norm = grad_norm_and_clip(self.params, t.max_norm)
+        dist.all_reduce(loss_sum)
+        loss = (loss_sum / self.tokens_per_step).item()
+        norm = norm.item()
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            if t.on_nonfinite == "stop":
+                raise NonFiniteError(f"non-finite loss={loss} or grad_norm={norm} at step "
+                                     f"{self.step + 1}; training stopped, checkpoints untouched")
+            self.optimizer.zero_grad(set_to_none=True)
+            self._print(f"step {self.step + 1}: non-finite loss/grad norm, step skipped")
+        else:
+            self.optimizer.step()
+            if hasattr(self.model, "update_expert_bias"):
+                self.model.update_expert_bias()
+        self.scheduler.step()
+        return {"loss": loss, "grad_norm": norm}
+
+    @torch.no_grad()
+    def validate(self) -> float:
+        loader = self.data.validation
+        loader.reset()
+        total = torch.zeros((), device=self.device)
+        for _ in range(self.cfg.training.val_steps):
+            inputs, labels = next(loader)
+            total += self.loss_fn(self.model(inputs.to(self.device)), labels.to(self.device))
+        dist.all_reduce(total)
+        n = self.cfg.training.val_steps * loader.global_batch_size * self.cfg.training.seq_len
+        return (total / n).item()
+
+    # ------------------------------------------------------------------ loop
+    def maybe_load(self) -> None:
+        c = self.cfg.checkpoint
+        if not c.enable or c.load_step == 0:
+            return
+        if c.load_step == -1 and not ckpt.complete_steps(self.ckpt_folder):
+            return
+        state = ckpt.load(self.ckpt_folder, c.load_step, self.model, self.optimizer,
+                          self.data.train.state_dict())
+        self.data.train.load_state_dict(state["loader"])
+        torch.set_rng_state(state["rng"])
+        self.step = int(state["step"])
+        for _ in range(self.step):
+            self.scheduler.step()
+        self._print(f"[checkpoint] resumed from step {self.step}")
+
+    def run(self) -> list[float]:
+        cfg, losses = self.cfg, []
+        self.maybe_load()
+        logger = MetricsLogger(cfg.job.dump_folder, enabled=self.rank == 0,
+                               save_jsonl=cfg.metrics.save_jsonl,
+                               tensorboard=cfg.metrics.enable_tensorboard)
+        bar = None
+        if self.rank == 0 and cfg.metrics.progress_bar:
+            from tqdm import tqdm
+            bar = tqdm(total=cfg.training.steps, initial=self.step, desc="train", unit="step",
+                       dynamic_ncols=True, file=sys.stderr)
+        profiler = self._profiler()
+        with profiler or contextlib.nullcontext():
+            while self.step < cfg.training.steps:
+                t0 = time.perf_counter()
+                record = self.train_step()
+                self.step += 1
+                dt = time.perf_counter() - t0
+                losses.append(record["loss"])
+                record.update(lr=self.scheduler.get_last_lr()[0],
+                              tokens_per_s=self.tokens_per_step / dt, step_s=dt,
+                              **memory_stats(self.device))
+                if self.peak:
+                    record["mfu_pct"] = (100 * self.flops_per_token * self.tokens_per_step
+                                         / dt / self.world / self.peak)
+                if cfg.training.val_every and self.step % cfg.training.val_every == 0:
+                    record["val_loss"] = self.validate()
+                if self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps:
+                    logger.log(self.step, record)
+                    line = format_record(self.step, record)
+                    if "val_loss" in record:
+                        line += f"  val {record['val_loss']:.4f}"
+                    self._print(line, bar)
+                if bar:
+                    bar.update(1)
+                if cfg.checkpoint.enable and (self.step % cfg.checkpoint.interval == 0
+                                              or self.step == cfg.training.steps):
+                    ckpt.save(self.ckpt_folder, self.step, self.model, self.optimizer,
+                              self.data.train.state_dict(), cfg.checkpoint.keep_latest_k)
+                if profiler:
+                    profiler.step()
+        if bar:
+            bar.close()
+        logger.close()
+        return losses
+
+    def _profiler(self):
+        p = self.cfg.profiling
+        if not p.enable_profiling:
+            return None
+        folder = os.path.join(self.cfg.job.dump_folder, p.save_traces_folder)
+
+        def on_trace(prof):
+            os.makedirs(folder, exist_ok=True)
+            prof.export_chrome_trace(os.path.join(folder, f"step{self.step}_rank{self.rank}.json"))
+
+        return torch.profiler.profile(
+            schedule=torch.profiler.schedule(wait=max(0, p.profile_freq - 2), warmup=1, active=1),
+            on_trace_ready=on_trace)
+
+    def _print(self, line: str, bar=None) -> None:
+        if self.rank != 0:
+            return
+        if bar is not None:
+            bar.write(line)
+        else:
+            print(line, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        cfg = load_config(None, argv)
+        cfg = check_static(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    device = init_distributed()
+    if cfg.training.deterministic:
+        torch.use_deterministic_algorithms(True)
+    code = 0
+    try:
+        trainer = Trainer(cfg, device)
+        if trainer.rank == 0:
+            print(f"[simplesharded] {cfg.model.name}/{cfg.model.flavor} world={trainer.world} "
+                  f"mode={cfg.parallelism.mode} mesh={tuple(trainer.mesh.mesh.shape)} "
+                  f"compile={cfg.compile.backend if cfg.compile.enable else 'off'}", flush=True)
+        trainer.run()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        code = EXIT_CONFIG
+    except NonFiniteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        code = EXIT_NONFINITE
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
