@@ -71,7 +71,17 @@ def group_args(node: fx.Node) -> tuple[int, str]:
         return int(node.args[1]), str(node.args[2])
     if node.target is REDUCE_SCATTER:
         return int(node.args[2]), str(node.args[3])
-    return 0, str(node.args[2])  # all_reduce(input, op, group_name)
+    return _group_size(str(node.args[2])), str(node.args[2])  # all_reduce(input, op, name)
+
+
+def _group_size(name: str) -> int:
+    """Size of a live process group by name (0 if it cannot be resolved, e.g. in a test)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    try:
+        return _resolve_process_group(name).size()
+    except Exception:
+        return 0
 
 
 def wait_of(node: fx.Node) -> fx.Node | None:

@@ -22,8 +22,10 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import optimization_hint
+from torch.fx.passes.shape_prop import TensorMetadata
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from .collectives import WAIT, Collective, is_collective, is_wait
@@ -48,13 +50,6 @@ class Hardware:
                 raise ValueError(f"Hardware.{f}={getattr(self, f)!r} must be > 0")
 
 
-def _host_memory() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 16 * 2**30
-
-
 GPU_EFFICIENCY = 0.5  # sustained / peak dense matmul throughput assumed for large-model training
 
 HARDWARE: dict[str, Hardware] = {
@@ -62,9 +57,11 @@ HARDWARE: dict[str, Hardware] = {
     # fp32 mm: 1024^3 -> 2.05e11 FLOP/s, 512^3 -> 2.0e11, 256^3 -> 1.2e11; we take 1.5e11 as the
     # sustained rate of the mixed sizes of a small model. out-of-place add (read+write): 28 GB/s
     # for 8-32 MiB tensors, 14 GB/s at 256 MiB; we take 2e10.
-    # Collectives: DESIGN.md section 6 measured ~0.5 ms per gloo collective, loopback <= ~1 GB/s.
+    # Collectives: DESIGN.md section 6 measured ~0.5 ms per gloo collective, loopback <= ~1 GB/s;
+    # calibrate_local at 2 gloo ranks gave alpha 0.25-0.4 ms and 0.6-1.2 GB/s.
     "local": Hardware("local", flops_per_s=1.5e11, alpha_s=5e-4, bandwidth_Bps=1e9,
-                      mem_bw_Bps=2e10, memory_bytes=_host_memory()),
+                      mem_bw_Bps=2e10,
+                      memory_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
     # H100 SXM: 989 TFLOP/s bf16 dense peak, 3.35 TB/s HBM3, 80 GB; one 400 Gb/s IB NIC per GPU
     # (= 50 GB/s) for a data-parallel group spanning nodes; NCCL inter-node latency ~30 us.
     "h100-ib400": Hardware("h100-ib400", flops_per_s=989e12 * GPU_EFFICIENCY, alpha_s=30e-6,
@@ -124,65 +121,34 @@ def _int(x) -> int:
     return int(x)
 
 
-@dataclass(frozen=True)
-class _Spec:
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of distinct elements (a stride-0, i.e. expanded, dim counts once)."""
-        if any(s == 0 for s in self.shape):
-            return 0
-        n = math.prod(s for s, st in zip(self.shape, self.stride) if st != 0)
-        return n * _itemsize(self.dtype)
-
-    @property
-    def contiguous(self) -> bool:
-        expected = 1
-        for size, stride in reversed(list(zip(self.shape, self.stride))):
-            if size != 1 and stride != expected:
-                return False
-            expected *= size
-        return True
-
-    def meta(self) -> torch.Tensor:
-        return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device="meta")
+def _node_meta(node: fx.Node):
+    """A node's output as meta tensor(s) with concrete sizes: Tensor, list for tuple/list
+    outputs (recursively), or None. Reads meta["val"] (aot/inductor) or meta["tensor_meta"]."""
+    return _as_meta(node.meta["val"] if "val" in node.meta else node.meta.get("tensor_meta"))
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return dtype.itemsize if hasattr(dtype, "itemsize") else torch.empty((), dtype=dtype).element_size()
-
-
-def _to_spec(v):
-    """Tensor -> _Spec; tuple/list -> list (recursively); TensorMetadata -> _Spec; else None."""
-    if isinstance(v, torch.Tensor):
-        return _Spec(tuple(_int(s) for s in v.shape), tuple(_int(s) for s in v.stride()), v.dtype)
-    if hasattr(v, "shape") and hasattr(v, "stride") and hasattr(v, "dtype"):  # TensorMetadata
-        return _Spec(tuple(_int(s) for s in v.shape), tuple(_int(s) for s in v.stride), v.dtype)
+def _as_meta(v):
+    if isinstance(v, (torch.Tensor, TensorMetadata)):
+        stride = v.stride() if isinstance(v, torch.Tensor) else v.stride
+        return torch.empty_strided([_int(x) for x in v.shape], [_int(x) for x in stride],
+                                   dtype=v.dtype, device="meta")
     if isinstance(v, (tuple, list)):
-        return [_to_spec(x) for x in v]
+        return [_as_meta(x) for x in v]
     return None
 
 
-def _node_spec(node: fx.Node):
-    if "val" in node.meta:
-        return _to_spec(node.meta["val"])
-    return _to_spec(node.meta.get("tensor_meta"))
-
-
-def _spec_bytes(spec) -> int:
-    if isinstance(spec, _Spec):
-        return spec.nbytes
-    if isinstance(spec, list):
-        return sum(_spec_bytes(s) for s in spec)
-    return 0
+def _bytes(t) -> int:
+    """Bytes of distinct elements (an expanded, stride-0 dim counts once); lists summed."""
+    if isinstance(t, list):
+        return sum(_bytes(x) for x in t)
+    if not isinstance(t, torch.Tensor) or t.numel() == 0:
+        return 0
+    return math.prod(n for n, st in zip(t.shape, t.stride()) if st != 0) * t.element_size()
 
 
 def node_bytes(node: fx.Node) -> int:
     """Bytes of a node's output tensors (tuples summed); 0 when it has no tensor metadata."""
-    return _spec_bytes(_node_spec(node))
+    return _bytes(_node_meta(node))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,12 +164,14 @@ _EXTRA_FLOPS = {
 }
 _FLOPS = {**flop_registry, **_EXTRA_FLOPS}
 
-# Outputs that share their input's storage although the op schema does not say so.
-_ALIAS_TARGETS = {operator.getitem, WAIT, aten._unsafe_view.default}
+# Views although their schema does not say so (wait_tensor returns the collective's buffer,
+# _unsafe_view reuses its freshly computed input).
+_VIEW_TARGETS = {operator.getitem, WAIT, aten._unsafe_view.default}
 # Allocate without touching memory: cost no time.
 _NO_TRAFFIC = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default}
-# Alias their input only when it is contiguous (otherwise they copy).
-_MAYBE_VIEW = {aten.reshape, aten.reshape_as, aten.flatten, aten.contiguous}
+# Schema says "may alias": a view only when the input is contiguous and the dtype unchanged.
+_MAYBE_VIEW = {aten.reshape, aten.reshape_as, aten.flatten, aten.contiguous, aten.to,
+               aten.type_as}
 
 
 def _meta_arg(a):
@@ -212,17 +180,11 @@ def _meta_arg(a):
     v = a.meta.get("val")
     if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return _int(v) if isinstance(v, torch.SymInt) else v.node.hint
-    spec = _node_spec(a)
-    if isinstance(spec, _Spec):
-        return spec.meta()
-    if isinstance(spec, list):
-        return [s.meta() if isinstance(s, _Spec) else None for s in spec]
-    return v
+    return _node_meta(a)
 
 
-def _decomposes(op) -> bool:
-    return isinstance(op, torch._ops.OpOverload) and torch._C._dispatch_has_kernel_for_dispatch_key(
-        op.name(), "CompositeImplicitAutograd")
+def _decomposes(op: torch._ops.OpOverload) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
 
 
 def node_flops(node: fx.Node) -> int:
@@ -230,42 +192,43 @@ def node_flops(node: fx.Node) -> int:
     formulas on the node's metadata shapes. Ops torch has no formula for count 0, except
     CompositeImplicit ops (e.g. aten.linear, aten.matmul in pre-dispatch graphs), which are run
     on meta tensors under FlopCounterMode. Never raises."""
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+    t = node.target
+    if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload) or not (
+            t.overloadpacket in _FLOPS or _decomposes(t)):
         return 0
     try:
         args, kwargs = fx.node.map_aggregate((node.args, node.kwargs), _meta_arg)
-        packet = node.target.overloadpacket
-        if packet in _FLOPS:
-            out = _node_spec(node)
-            out = out.meta() if isinstance(out, _Spec) else (
-                [s.meta() if isinstance(s, _Spec) else None for s in out] if out else None)
-            return int(_FLOPS[packet](*args, **kwargs, out_val=out))
-        if _decomposes(node.target):
-            with FlopCounterMode(display=False) as counter:
-                node.target(*args, **kwargs)
-            return int(counter.get_total_flops())
+        if t.overloadpacket in _FLOPS:
+            return int(_FLOPS[t.overloadpacket](*args, **kwargs, out_val=_node_meta(node)))
+        with FlopCounterMode(display=False) as counter:
+            t(*args, **kwargs)
+        return int(counter.get_total_flops())
     except Exception:
         return 0
-    return 0
 
 
-def _aliases_input(node: fx.Node) -> bool:
-    """True when the output shares storage with an input (views, in-place ops, wait_tensor,
-    getitem); reshape/contiguous-like ops only when their input is contiguous (then they view)."""
-    if node.op != "call_function":
-        return False
+def _alias_kind(node: fx.Node) -> str | None:
+    """"view" (output shares an input's storage, no data moved), "inplace" (writes into an
+    input, returns it) or None (fresh output)."""
     t = node.target
-    if t in _ALIAS_TARGETS:
-        return True
+    if node.op != "call_function":
+        return None
+    if t in _VIEW_TARGETS:
+        return "view"
     if not isinstance(t, torch._ops.OpOverload):
-        return False
-    if not any(r.alias_info is not None for r in t._schema.returns):
-        return False
+        return None
+    infos = [r.alias_info for r in t._schema.returns if r.alias_info is not None]
+    if not infos:
+        return None
+    if any(i.is_write for i in infos):
+        return "inplace"
     if t.overloadpacket in _MAYBE_VIEW:
         src = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
-        spec = _node_spec(src) if src is not None else None
-        return isinstance(spec, _Spec) and spec.contiguous
-    return True
+        i, o = _node_meta(src) if src is not None else None, _node_meta(node)
+        if not (isinstance(i, torch.Tensor) and isinstance(o, torch.Tensor)
+                and i.is_contiguous() and i.dtype == o.dtype):
+            return None
+    return "view"
 
 
 def _aliased_inputs(node: fx.Node) -> list[fx.Node]:
@@ -284,12 +247,11 @@ def node_time(node: fx.Node, hw: Hardware) -> float:
     0 for placeholders, output, views/getitem, collectives and waits (see comm_time)."""
     if node.op != "call_function" or is_collective(node) or is_wait(node):
         return 0.0
-    if node.target in _NO_TRAFFIC or _aliases_input(node):
+    if node.target in _NO_TRAFFIC or _alias_kind(node) == "view":
         return 0.0
-    out = node_bytes(node)
-    if out == 0 and not isinstance(_node_spec(node), (_Spec, list)):
+    if _node_meta(node) is None:
         return 0.0  # no tensor output (sym_size, scalar arithmetic, ...)
-    moved = out + sum(node_bytes(a) for a in node.all_input_nodes)
+    moved = node_bytes(node) + sum(node_bytes(a) for a in node.all_input_nodes)
     return max(node_flops(node) / hw.flops_per_s, moved / hw.mem_bw_Bps)
 
 
@@ -304,52 +266,38 @@ def _liveness(graph: fx.Graph):
     """Buffers of a graph: returns (nodes, alloc, frees, size, is_input), where alloc[i] lists
     the buffer keys node i allocates, frees[i] those whose last use is node i."""
     nodes = list(graph.nodes)
-    index = {n: i for i, n in enumerate(nodes)}
-    size: dict[tuple, int] = {}
+    size: dict[tuple, int] = {}              # buffer key (node name, output index) -> bytes
     is_input: dict[tuple, bool] = {}
     alloc: list[list[tuple]] = [[] for _ in nodes]
     refs: dict[fx.Node, set] = {}            # buffers a node's value lives in
     elems: dict[fx.Node, list[set]] = {}     # per-output buffers of a multi-output producer
-    last: dict[tuple, int] = {}
-
+    last: dict[tuple, int] = {}              # buffer key -> index of its last use
     for i, n in enumerate(nodes):
-        if n.op == "call_function" and n.target is operator.getitem and \
-                isinstance(n.args[0], fx.Node) and n.args[0] in elems and \
-                isinstance(n.args[1], int) and n.args[1] < len(elems[n.args[0]]):
-            refs[n] = set(elems[n.args[0]][n.args[1]])
-        elif n.op == "call_function" and _aliases_input(n):
-            refs[n] = set().union(*(refs.get(a, set()) for a in _aliased_inputs(n)))
-        elif n.op != "output":
-            spec = _node_spec(n)
-            parts = spec if isinstance(spec, list) else [spec]
-            keys = []
-            for j, s in enumerate(parts):
-                b = _spec_bytes(s)
-                key = (n.name, j)
-                if b:
-                    size[key], is_input[key] = b, n.op in ("placeholder", "get_attr")
-                    alloc[i].append(key)
-                    last[key] = i
-                keys.append({key} if b else set())
-            refs[n] = set().union(*keys) if keys else set()
-            if isinstance(spec, list):
-                elems[n] = keys
+        src, idx = (n.args + (None, None))[:2] if n.op == "call_function" else (None, None)
+        item = n.target is operator.getitem and src in elems and isinstance(idx, int) and \
+            -len(elems[src]) <= idx < len(elems[src])
+        if item:  # one output of a multi-output op: keeps only that output alive
+            refs[n] = elems[src][idx]
+        elif _alias_kind(n) is not None:
+            refs[n] = set().union(*(refs[a] for a in _aliased_inputs(n) if a in refs))
         else:
-            refs[n] = set()
-
-        def use(keys, at=i):
-            for k in keys:
-                if k in last:
-                    last[k] = max(last[k], at)
-
-        for a in n.all_input_nodes:
-            is_item = (n.target is operator.getitem and a in elems and a is n.args[0])
-            use(refs[n] if is_item else refs.get(a, set()))
-        if is_wait(n):  # a collective reads its input until it completes
-            start = n.args[0]
-            if isinstance(start, fx.Node) and is_collective(start):
-                for a in start.all_input_nodes:
-                    use(refs.get(a, set()))
+            out = _node_meta(n) if n.op != "output" else None
+            parts = []
+            for j, t in enumerate(out if isinstance(out, list) else [out]):
+                key, b = (n.name, j), _bytes(t)
+                if b:
+                    size[key], last[key] = b, i
+                    is_input[key] = n.op in ("placeholder", "get_attr")
+                    alloc[i].append(key)
+                parts.append({key} if b else set())
+            refs[n] = set().union(*parts)
+            if isinstance(out, list):
+                elems[n] = parts
+        used = [refs[n]] if item else [refs.get(a, set()) for a in n.all_input_nodes]
+        if is_wait(n) and isinstance(src, fx.Node) and is_collective(src):
+            used += [refs.get(a, set()) for a in src.all_input_nodes]  # read until complete
+        for k in set().union(*used):
+            last[k] = i
 
     frees: list[list[tuple]] = [[] for _ in nodes]
     for k, i in last.items():
@@ -426,20 +374,18 @@ def calibrate_local(seconds_budget: float = 5.0, group=None, device: str | torch
         lambda: torch.add(x, 1.0, out=y), 9, 0.2 * seconds_budget, sync)
     del x, y
     alpha, bw = base.alpha_s, base.bandwidth_Bps
-    import torch.distributed as dist
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        alpha, bw = _calibrate_comm(group, dist)
+        alpha, bw = _calibrate_comm(group)
     return Hardware("local-calibrated", flops_per_s=flops, alpha_s=alpha, bandwidth_Bps=bw,
                     mem_bw_Bps=mem_bw, memory_bytes=base.memory_bytes)
 
 
-def _calibrate_comm(group, dist) -> tuple[float, float]:
+def _calibrate_comm(group) -> tuple[float, float]:
     ws = dist.get_world_size(group)
     backend = str(dist.get_backend(group))
     device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else \
         torch.device("cpu")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
     def gather_time(per_rank: int, reps: int) -> float:

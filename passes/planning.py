@@ -70,7 +70,7 @@ class AutoPlan:
         return self.memory_cap_bytes or int(0.04 * hw.memory_bytes)
 
     def assign(self, gm: fx.GraphModule, collectives: list[Collective]) -> list[str | None]:
-        from .cost_model import comm_time, get_hardware, node_time
+        from .cost_model import collective_time, get_hardware, node_time
 
         hw = get_hardware(self.hardware) if isinstance(self.hardware, str) else self.hardware
         nodes = list(gm.graph.nodes)
@@ -98,7 +98,8 @@ class AutoPlan:
                     cur = buckets[-1]
                     merged = cur + unit
                     nbytes = sum(collectives[i].nbytes for i in merged)
-                    t = comm_time(kind, nbytes, collectives[merged[0]].group_size, hw)
+                    t = sum(collective_time(collectives[i], hw) for i in merged) - (
+                        len(merged) - 1) * hw.alpha_s  # one latency for the merged transfer
                     latency_bound = t <= 2 * hw.alpha_s
                     if nbytes <= bucket_limit and (latency_bound or t <= prev_window):
                         buckets[-1] = merged

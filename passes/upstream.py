@@ -22,6 +22,8 @@ def upstream_overlap_bucketing(gm: fx.GraphModule, hardware: str = "local") -> f
         if node.target in KINDS:
             size, _ = group_args(node)
             nbytes = override_size if override_size is not None else tensor_nbytes(node)
+            if KINDS[node.target] == "reduce_scatter":
+                nbytes *= size  # comm_time wants the full input, the node holds the shard
             return 1e3 * comm_time(KINDS[node.target], nbytes, max(size, 1), hw)  # ms
         return 1e3 * node_time(node, hw)
 
