@@ -17,8 +17,8 @@ from collections import defaultdict
 import torch
 from torch import fx
 
-from .collectives import (ALL_GATHER, ALL_REDUCE, BUCKET_PARAMS_KEY, PARAM_KEY, REDUCE_SCATTER,
-                          WAIT, Collective, find_collectives)
+from .collectives import (ALL_GATHER, ALL_REDUCE, BUCKET_PARAMS_KEY, PARAM_KEY, PLAIN,
+                          REDUCE_SCATTER, WAIT, Collective, find_collectives)
 from .graph_utils import (aten, call, fake_mode_of, flat, hoist_before, positions,
                           stable_topological_sort)
 
@@ -32,7 +32,8 @@ def bucket_collectives(gm: fx.GraphModule, plan) -> fx.GraphModule:
     (a bucket that already has one collective is left as is).
     """
     graph = gm.graph
-    collectives = [c for c in find_collectives(graph) if c.wait is not None]
+    collectives = [c for c in find_collectives(graph)
+                   if c.wait is not None and c.start.target in PLAIN]
     keys = plan.assign(gm, collectives)
     groups: dict[tuple, list[Collective]] = defaultdict(list)
     for c, key in zip(collectives, keys):

@@ -15,7 +15,12 @@ ALL_GATHER = _c10d.all_gather_into_tensor.default
 REDUCE_SCATTER = _c10d.reduce_scatter_tensor.default
 ALL_REDUCE = _c10d.all_reduce.default
 WAIT = _c10d.wait_tensor.default
-KINDS = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE: "all_reduce"}
+KINDS = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE: "all_reduce",
+         # Forms that write into a given buffer (torch's own bucketing emits them); counted
+         # and costed, but our passes only rewrite the three plain forms above.
+         _c10d.all_gather_into_tensor_out.default: "all_gather",
+         _c10d.reduce_scatter_tensor_out.default: "reduce_scatter"}
+PLAIN = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE)
 
 # Annotation keys written by simplesharded.sharding.gather_param (fx.traceback.annotate) and
 # by our bucketing pass on the nodes it creates.
@@ -67,9 +72,10 @@ def tensor_nbytes(node: fx.Node) -> int:
 
 def group_args(node: fx.Node) -> tuple[int, str]:
     """(group size, group name) of a collective node, whatever its op's argument order."""
-    if node.target is ALL_GATHER:
+    kind = KINDS[node.target]
+    if kind == "all_gather":
         return int(node.args[1]), str(node.args[2])
-    if node.target is REDUCE_SCATTER:
+    if kind == "reduce_scatter":
         return int(node.args[2]), str(node.args[3])
     return _group_size(str(node.args[2])), str(node.args[2])  # all_reduce(input, op, name)
 

@@ -36,6 +36,7 @@ class PassPipeline:
     joint: Sequence[tuple[str, GraphPass]] = ()
     graph: Sequence[tuple[str, GraphPass]] = ()
     dump_dir: str | None = None
+    observer: Callable[[str, str, fx.GraphModule], None] | None = None  # (kind, stage, gm)
     _seq: itertools.count = field(default_factory=itertools.count, repr=False)
 
     def run_joint(self, gm: fx.GraphModule) -> fx.GraphModule:
@@ -54,6 +55,8 @@ class PassPipeline:
         return gm
 
     def _dump(self, gm, kind, stage):
+        if self.observer is not None:
+            self.observer(kind, stage, gm)
         if not self.dump_dir:
             return
         os.makedirs(self.dump_dir, exist_ok=True)

@@ -61,7 +61,13 @@ class BlockPlan:
 class AutoPlan:
     """Cost-model buckets. ``hardware``: profile name or a cost_model.Hardware.
     ``memory_cap_bytes``: bytes of gathered buffers alive at once (a bucket gets half);
-    default 4% of the hardware's memory."""
+    default 4% of the hardware's memory.
+
+    Greedy over per-module units in execution order: a unit joins the open bucket when the
+    simulated two-stream makespan of the prefix is no worse than starting a new bucket (one
+    latency saved vs. overlap lost), and the bucket stays within half the cap and within a
+    quarter of the graph's bytes of that kind (so there are at least four buckets).
+    """
 
     hardware: object = "local"
     memory_cap_bytes: int | None = None
@@ -86,31 +92,63 @@ class AutoPlan:
             return pos[c.start]
 
         keys: list[str | None] = [None] * len(collectives)
-        bucket_limit = self.cap(hw) // 2
         for kind in ("all_gather", "reduce_scatter", "all_reduce"):
             idx = sorted((i for i, c in enumerate(collectives) if c.kind == kind and c.params),
                          key=lambda i: anchor(collectives[i]))
             units = _units(idx, collectives)
-            buckets: list[list[int]] = []
-            prev_window = 0.0  # compute a one-ahead prefetch hides the current bucket under
-            for unit in units:
-                if buckets:
-                    cur = buckets[-1]
-                    merged = cur + unit
-                    nbytes = sum(collectives[i].nbytes for i in merged)
-                    t = sum(collective_time(collectives[i], hw) for i in merged) - (
-                        len(merged) - 1) * hw.alpha_s  # one latency for the merged transfer
-                    latency_bound = t <= 2 * hw.alpha_s
-                    if nbytes <= bucket_limit and (latency_bound or t <= prev_window):
-                        buckets[-1] = merged
+            marks = [anchor(collectives[u[0]]) for u in units] + [len(nodes)]
+            if kind == "all_gather":  # compute that runs after the unit's params arrive
+                work = [elapsed[marks[k + 1]] - elapsed[marks[k]] for k in range(len(units))]
+            else:  # compute that produces the unit's gradients
+                work = [elapsed[marks[k]] - elapsed[marks[k - 1] if k else 0]
+                        for k in range(len(units))]
+            comm = [sum(collective_time(collectives[i], hw) for i in u) for u in units]
+            # Full-size bytes a bucket keeps alive (a reduce-scatter's input is group × shard).
+            nbytes = [sum(collectives[i].nbytes * (collectives[i].group_size
+                                                   if kind == "reduce_scatter" else 1)
+                          for i in u) for u in units]
+            # Half the cap, and at least four buckets so transfers can pipeline with compute.
+            limit = min(self.cap(hw) // 2, max(max(nbytes, default=0), sum(nbytes) // 4))
+            buckets: list[list[int]] = []  # lists of unit indices
+            for k in range(len(units)):
+                if buckets and sum(nbytes[u] for u in buckets[-1]) + nbytes[k] <= limit:
+                    merged = buckets[:-1] + [buckets[-1] + [k]]
+                    split = buckets + [[k]]
+                    sim = _simulate_prefetch if kind == "all_gather" else _simulate_reduce
+                    if sim(merged, comm, work, hw.alpha_s) <= sim(split, comm, work, hw.alpha_s):
+                        buckets = merged
                         continue
-                    prev_window = elapsed[anchor(collectives[unit[0]])] - elapsed[
-                        anchor(collectives[cur[0]])]
-                buckets.append(list(unit))
+                buckets.append([k])
             for b, members in enumerate(buckets):
-                for i in members:
-                    keys[i] = f"auto{b}"
+                for k in members:
+                    for i in units[k]:
+                        keys[i] = f"auto{b}"
         return keys
+
+
+def _bucket_times(buckets, comm, work, alpha):
+    for b in buckets:  # one latency per merged collective instead of one per unit
+        yield sum(comm[k] for k in b) - alpha * (len(b) - 1), sum(work[k] for k in b)
+
+
+def _simulate_prefetch(buckets, comm, work, alpha) -> float:
+    """Two streams, one-ahead prefetch: bucket b's gather is issued when compute of b-1
+    starts, runs after the previous gather, and compute of b waits for it."""
+    comm_end = compute_start = compute_end = 0.0
+    for c, w in _bucket_times(buckets, comm, work, alpha):
+        comm_end = max(comm_end, compute_start) + c
+        compute_start = max(compute_end, comm_end)
+        compute_end = compute_start + w
+    return compute_end
+
+
+def _simulate_reduce(buckets, comm, work, alpha) -> float:
+    """Reductions start once their gradients are computed and run one after another."""
+    comm_end = compute_end = 0.0
+    for c, w in _bucket_times(buckets, comm, work, alpha):
+        compute_end += w
+        comm_end = max(comm_end, compute_end) + c
+    return max(comm_end, compute_end)
 
 
 def _units(idx: list[int], collectives: list[Collective]) -> list[list[int]]:

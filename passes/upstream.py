@@ -5,6 +5,8 @@ estimators benchmark on a GPU, so we feed it our CPU-capable cost model instead.
 """
 from __future__ import annotations
 
+from unittest import mock
+
 from torch import fx
 
 
@@ -27,7 +29,13 @@ def upstream_overlap_bucketing(gm: fx.GraphModule, hardware: str = "local") -> f
             return 1e3 * comm_time(KINDS[node.target], nbytes, max(size, 1), hw)  # ms
         return 1e3 * node_time(node, hw)
 
-    return schedule_overlap_bucketing(gm, collective_bucketing=True,
-                                      custom_runtime_estimation=estimate,
-                                      collective_estimator="analytical",
-                                      compute_estimator="analytical")
+    import torch._inductor.fx_passes.overlap_scheduling as upstream
+
+    # Its roofline estimator asks triton for GPU DRAM bandwidth; scope a CPU-safe one to this
+    # call only (restored on exit, so other compiles see torch unchanged).
+    with mock.patch.object(upstream, "estimate_roofline_runtime_ms",
+                           lambda node, *a, **k: 1e3 * node_time(node, hw)):
+        return schedule_overlap_bucketing(gm, collective_bucketing=True,
+                                          custom_runtime_estimation=estimate,
+                                          collective_estimator="analytical",
+                                          compute_estimator="analytical")

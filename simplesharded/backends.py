@@ -37,6 +37,7 @@ class BackendOptions:
     bucket_patterns: tuple[str, ...] = ()  # block plan: regexes whose match names a bucket
     hardware: str = "local"  # cost-model profile for the auto plan
     plan: object | None = None  # a ready plan object (overrides the name's default plan)
+    observer: Callable | None = None  # observer(kind, stage, gm) after every pass (tools/tests)
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,8 @@ class _ReorderPlan:
 
 def _pipeline(opts: BackendOptions, graph_passes=()) -> PassPipeline:
     joint = [("recompute", functools.partial(tag_gathers_for_recompute, plan=opts))]
-    return PassPipeline(joint=joint, graph=list(graph_passes), dump_dir=opts.dump_graphs)
+    return PassPipeline(joint=joint, graph=list(graph_passes), dump_dir=opts.dump_graphs,
+                        observer=opts.observer)
 
 
 def _compile(compiler: str, pipeline: PassPipeline) -> Callable:
