@@ -35,17 +35,28 @@ def trace(cfg, world_size: int, local_batch: int, n_layers: int | None = None) -
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from simplesharded import MixedPrecisionPolicy, data_parallel, make_backend
+    from simplesharded import MixedPrecisionPolicy, data_parallel
     from simplesharded.mesh import build_mesh
     from simplesharded.models import build_model
+
+    from functorch.compile import min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+
+    from simplesharded.passes.recompute import tag_gathers_for_recompute
 
     p, t = cfg.parallelism, cfg.training
     graphs: dict[str, torch.fx.GraphModule] = {}
 
-    def keep(kind, stage, gm):
-        if kind in ("fw", "bw") and stage == "input":
-            graphs[kind] = copy.deepcopy(gm)
+    class _Captured(Exception):
+        pass
 
+    def partition(joint, inputs, **kwargs):
+        # Only the graphs are wanted: stop right after partitioning (nothing runs on fakes).
+        graphs["fw"], graphs["bw"] = min_cut_rematerialization_partition(
+            tag_gathers_for_recompute(joint), inputs, **kwargs)
+        raise _Captured
+
+    capture = aot_autograd(fw_compiler=lambda gm, _: gm, partition_fn=partition)
     t0 = time.perf_counter()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
@@ -63,9 +74,11 @@ def trace(cfg, world_size: int, local_batch: int, n_layers: int | None = None) -
             data_parallel(model, mesh, p.mode, mp_policy=mp,
                           reshard_after_forward=p.reshard_after_forward)
             tokens = torch.randint(0, 256, (local_batch, t.seq_len))
-            compiled = torch.compile(model, fullgraph=True,
-                                     backend=make_backend("aot_eager", observer=keep))
-            compiled(tokens).float().sum().backward()
+            try:
+                torch.compile(model, fullgraph=True, backend=capture)(tokens)
+            except Exception:
+                if "bw" not in graphs:
+                    raise
     finally:
         torch._dynamo.reset()
         dist.destroy_process_group()
@@ -241,7 +254,7 @@ def _evaluate(traced: Traced, name: str, ns, cfg, hw, cap) -> dict:
             "exposed_s": fs.exposed_comm_s + bs.exposed_comm_s,
             "comm_bytes": fs.comm_bytes + bs.comm_bytes,
             "collectives": len(find_collectives(fw)) + len(find_collectives(bw)),
-            "peak_act": mem.peak_activations, "fw_sched": fs, "bw_sched": bs}
+            "peak_act": int(mem.peak_activations), "fw_sched": fs, "bw_sched": bs}
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.fx.traceback as fx_traceback
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
@@ -25,6 +26,7 @@ from simplesharded.data import build_data
 from simplesharded.mesh import build_mesh, init_distributed
 from simplesharded.metrics import MetricsLogger, format_record, memory_stats, peak_flops
 from simplesharded.models import build_model, get_model_spec
+from simplesharded.passes.recompute import AC_KEY
 from simplesharded.sharding import MixedPrecisionPolicy, data_parallel, disable_gather
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -51,18 +53,31 @@ def check_static(cfg: Config, world_size: int) -> Config:
     return cfg
 
 
-def apply_activation_checkpointing(model: torch.nn.Module, mode: str, every: int) -> None:
-    """Wrap block forwards in non-reentrant checkpointing; FQNs stay unchanged."""
+def apply_activation_checkpointing(model: torch.nn.Module, mode: str, every: int,
+                                   compiled: bool = True) -> None:
+    """Recompute block activations in backward (``full``: every block; ``selective``: every
+    ``every``-th block). FQNs stay unchanged.
+
+    Compiled: the block is annotated and passes/recompute.py tags its ops in the joint graph
+    (torch.utils.checkpoint's compiled form saves a DeviceMesh when DTensor parameters are
+    gathered inside the region, which aot_autograd rejects). Eager: torch.utils.checkpoint.
+    """
     if mode == "none":
         return
     layers = model.layers.values() if isinstance(model.layers, torch.nn.ModuleDict) else model.layers
     for i, block in enumerate(layers):
         if mode == "full" or i % every == 0:
-            block.forward = functools.partial(_checkpointed, block.forward)
+            wrap = _annotated if compiled else _checkpointed
+            block.forward = functools.partial(wrap, block.forward, i)
 
 
-def _checkpointed(fn, *args, **kwargs):
+def _checkpointed(fn, index, *args, **kwargs):
     return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
+
+def _annotated(fn, index, *args, **kwargs):
+    with fx_traceback.annotate({AC_KEY: index}):
+        return fn(*args, **kwargs)
 
 
 def lr_lambda(cfg: Config):
@@ -113,7 +128,8 @@ class Trainer:
             raise ValueError(f"model.tokenizer_path: vocabulary {self.data.tokenizer.vocab_size} "
                              f"does not fit the model's vocab_size {model.args.vocab_size}")
         apply_activation_checkpointing(model, cfg.activation_checkpoint.mode,
-                                       cfg.activation_checkpoint.selective_every)
+                                       cfg.activation_checkpoint.selective_every,
+                                       compiled=cfg.compile.enable)
         pdt, rdt = DTYPES[t.mixed_precision_param], DTYPES[t.mixed_precision_reduce]
         mp = MixedPrecisionPolicy(pdt, rdt) if (pdt, rdt) != (torch.float32, torch.float32) else None
         data_parallel(model, self.mesh, p.mode, mp_policy=mp,
