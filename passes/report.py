@@ -18,7 +18,7 @@ DEFAULT_BACKENDS = ("aot_eager", "aot_eager_blockbucketing", "aot_eager_autobuck
 
 def trace_counts(model_name: str, flavor: str, backend: str, world_size: int = 2,
                  mode: str = "fully_shard", reshard_after_forward: bool = True,
-                 seq_len: int = 64, **backend_options) -> dict[str, dict[str, dict[str, int]]]:
+                 seq_len: int = 64, n_layers: int | None = None, **backend_options) -> dict[str, dict[str, dict[str, int]]]:
     """{"fw"|"bw": {"before"|"after": counts}} for one compile; needs a (fake) process group."""
     from simplesharded import data_parallel, disable_gather, make_backend
     from simplesharded.mesh import build_mesh
@@ -34,7 +34,8 @@ def trace_counts(model_name: str, flavor: str, backend: str, world_size: int = 2
             seen[kind]["after"] = count_collectives(gm)
 
     torch.manual_seed(0)
-    model = build_model(model_name, flavor, device="meta")
+    model = build_model(model_name, flavor, device="meta",
+                        **({"n_layers": n_layers} if n_layers else {}))
     mesh = build_mesh(2 if mode == "hybrid_shard" else 1, -1, "cpu")
     data_parallel(model, mesh, mode, reshard_after_forward=reshard_after_forward)
     with disable_gather(model):
@@ -57,6 +58,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="llama3")
     ap.add_argument("--flavor", default="debug")
     ap.add_argument("--world-size", type=int, default=2)
+    ap.add_argument("--n-layers", type=int, default=None, help="override the flavor's depth")
     ap.add_argument("--mode", default="fully_shard",
                     choices=["replicate", "fully_shard", "hybrid_shard"])
     ap.add_argument("--no-reshard", action="store_true", help="reshard_after_forward=False")
@@ -68,7 +70,7 @@ def main(argv=None) -> int:
         for name in args.backends:
             torch._dynamo.reset()
             c = trace_counts(args.model, args.flavor, name, args.world_size, args.mode,
-                             not args.no_reshard)
+                             not args.no_reshard, n_layers=args.n_layers)
             rows.append((name, c))
     finally:
         dist.destroy_process_group()

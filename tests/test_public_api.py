@@ -1,0 +1,97 @@
+"""The public surface: backend registry errors, the report CLI's counts, and the README's
+"use the passes in your own backend" example, on real traced graphs (fake process group)."""
+import pytest
+import torch
+import torch.distributed as dist
+
+import simplesharded as ss
+from simplesharded.passes.report import fake_world, main as report_main, trace_counts
+
+
+@pytest.fixture
+def fake_pg():
+    fake_world(2)
+    yield
+    torch._dynamo.reset()
+    dist.destroy_process_group()
+
+
+def test_unknown_backend_lists_choices():
+    with pytest.raises(ValueError, match=r"compile.backend='nope' is not one of \[.*"
+                                         r"'aot_eager_autobucketing'.*'inductor_blockbucketing'"):
+        ss.make_backend("nope")
+
+
+def test_unknown_backend_option_is_an_error():
+    with pytest.raises(ValueError, match="bucket_cap"):
+        ss.make_backend("aot_eager_blockbucketing", bucket_cap=3)
+
+
+def test_every_design_backend_name_is_registered():
+    expected = {"eager", "aot_eager", "inductor"} | {
+        f"{c}_{k}bucketing" for c in ("aot_eager", "inductor") for k in ("auto", "block", "upstream")}
+    assert expected <= set(ss.BACKENDS)
+
+
+def test_torch_backend_names_pass_through():
+    assert ss.make_backend("aot_eager_decomp_partition") == "aot_eager_decomp_partition"
+
+
+def test_block_bucketing_counts_on_llama3_debug(fake_pg):
+    n_blocks = 4
+    plain = trace_counts("llama3", "debug", "aot_eager", n_layers=n_blocks)
+    block = trace_counts("llama3", "debug", "aot_eager_blockbucketing", n_layers=n_blocks)
+    n_params = 2 + 9 * n_blocks + 1  # tok_embeddings, norm, output; 9 per block
+    assert plain["fw"]["after"]["all_gather"] == n_params
+    assert plain["bw"]["after"]["reduce_scatter"] == n_params
+    # one bucket per block + embeddings (pre) + final norm/output (post)
+    assert block["fw"]["after"]["all_gather"] == n_blocks + 2
+    assert block["bw"]["after"]["reduce_scatter"] == n_blocks + 2
+    # re-gathers in backward: every bucket except the embedding (its weight is not needed
+    # to compute any gradient)
+    assert block["bw"]["after"]["all_gather"] == n_blocks + 1
+    assert block["fw"]["before"] == plain["fw"]["after"]
+
+
+def test_no_regather_without_reshard(fake_pg):
+    counts = trace_counts("llama3", "debug", "aot_eager_blockbucketing",
+                          reshard_after_forward=False, n_layers=2)
+    assert counts["bw"]["after"]["all_gather"] == 0
+
+
+def test_report_cli_prints_before_and_after(capsys):
+    assert report_main(["--backends", "aot_eager_blockbucketing", "--n-layers", "2"]) == 0
+    out = capsys.readouterr().out
+    # 2 + 9*2 + 1 = 21 parameters → 2 blocks + pre + post
+    assert "aot_eager_blockbucketing" in out and "21→4" in out
+
+
+def test_readme_custom_backend_example(fake_pg):
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+
+    from simplesharded.models import build_model
+    from simplesharded.passes import (BlockPlan, bucket_collectives, count_collectives,
+                                      reorder_for_overlap, tag_gathers_for_recompute)
+
+    seen = []
+    plan = BlockPlan(memory_cap_bytes=None)
+
+    def compiler(gm, example_inputs):
+        gm = reorder_for_overlap(bucket_collectives(gm, plan), plan)
+        seen.append(count_collectives(gm))
+        return make_boxed_func(gm.forward)
+
+    def partition(joint, inputs, **kw):
+        return min_cut_rematerialization_partition(tag_gathers_for_recompute(joint), inputs, **kw)
+
+    my_backend = aot_autograd(fw_compiler=compiler, bw_compiler=compiler, partition_fn=partition)
+    mesh = ss.build_mesh(1, -1, "cpu")
+    model = build_model("llama3", "debug", device="meta", n_layers=2)
+    ss.data_parallel(model, mesh, "fully_shard")
+    with ss.disable_gather(model):
+        model.init_weights(buffer_device=torch.device("cpu"))
+    compiled = torch.compile(model, backend=my_backend, fullgraph=True)
+    compiled(torch.randint(0, 256, (1, 16))).sum().backward()
+    fw, bw = seen
+    assert fw["all_gather"] == 2 + 2 and bw["reduce_scatter"] == 2 + 2
