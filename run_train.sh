@@ -10,6 +10,9 @@ if [ -z "${NGPU:-}" ]; then
     NGPU=$(python -c "import torch; print(torch.cuda.device_count() or 2)" 2>/dev/null)
 fi
 NNODES="${NNODES:-1}"
+# torchrun --max-restarts: restarted gloo ranks must not reuse the dead workers' store
+# (pytorch/pytorch#135712).
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 # On CPU each rank gets an equal share of the cores; on GPU one thread is enough.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / NGPU : 1 ))}"
 if [ "$NNODES" -eq 1 ] && [ -z "${MASTER_ADDR:-}" ]; then

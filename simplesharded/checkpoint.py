@@ -14,6 +14,7 @@ import shutil
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
 
@@ -100,7 +101,9 @@ def _load_one(folder, step, model, optimizer, loader_state_template) -> dict:
     _check_shapes(path, state["model"])
     try:
         dcp.load(state, checkpoint_id=path)
-    except Exception as e:  # DCP raises several types for corrupt/truncated files
+    # DCP raises several types for corrupt/truncated files; its CheckpointException derives
+    # from BaseException in torch 2.13, so it must be named.
+    except (Exception, CheckpointException) as e:
         msg = str(e).strip().splitlines()
         raise CheckpointError(f"checkpoint {path!r} could not be loaded ({type(e).__name__}"
                               f"{': ' + msg[0] if msg else ''})") from e

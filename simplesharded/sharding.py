@@ -47,6 +47,7 @@ class _GatherSpec:
     reduce_dtype: torch.dtype | None
     grad_scale: float  # 1/dp for grad_reduction="avg", else 1.0
     reshard_after_forward: bool
+    hybrid: bool = False  # (Replicate, Shard(0)) on a 2-D mesh
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -70,12 +71,30 @@ def gather_param(shard: DTensor, spec: _GatherSpec, fqn: str) -> torch.Tensor:
     """
     with fx_traceback.annotate({GATHER_ANNOTATION: fqn,
                                 "ss_reshard": spec.reshard_after_forward}):
+        if spec.hybrid:
+            shard = _reduce_replicas_after_scatter(shard)
         full = shard.redistribute(placements=spec.replicate, forward_dtype=spec.param_dtype,
                                   backward_dtype=spec.reduce_dtype)
-        local = full.to_local(grad_placements=spec.grad_placements)
+        # Hybrid: the gradient is still partial over replicas here; the all-reduce over them
+        # happens on the shard (see _reduce_replicas_after_scatter), not on the full tensor.
+        grad_placements = (Replicate(), Partial()) if spec.hybrid else spec.grad_placements
+        local = full.to_local(grad_placements=grad_placements)
         if spec.grad_scale != 1.0:
             local = _ScaleGrad.apply(local, spec.grad_scale)
     return local
+
+
+def _reduce_replicas_after_scatter(shard: DTensor) -> DTensor:
+    """Identity in forward. In backward the gradient arrives reduce-scattered over dp_shard but
+    still partial over dp_replicate; re-labelling it (Partial, Shard(0)) makes autograd
+    all-reduce it over the replicas at shard size: HSDP's reduce-scatter-then-all-reduce, which
+    moves 1/dp_shard of the bytes of DTensor's default all-reduce-then-reduce-scatter."""
+    # The no-op redistribute is where the all-reduce lands: its backward brings the gradient
+    # (labelled Partial over replicas by to_local below) back to (Replicate, Shard(0)).
+    same = shard.redistribute(placements=shard.placements)
+    local = same.to_local(grad_placements=(Partial(), Shard(0)))
+    return DTensor.from_local(local, shard.device_mesh, shard.placements, run_check=False,
+                              shape=shard.shape, stride=shard.stride())
 
 
 def _sharded_property(name: str) -> property:
@@ -147,7 +166,7 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
         replicate=(Replicate(),) * mesh.ndim, grad_placements=(Partial(),) * mesh.ndim,
         param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype,
         grad_scale=1.0 / mesh.size() if grad_reduction == "avg" else 1.0,
-        reshard_after_forward=bool(reshard_after_forward))
+        reshard_after_forward=bool(reshard_after_forward), hybrid=mode == "hybrid_shard")
 
     shards: dict[int, nn.Parameter] = {}  # id(original param) → its one shard (tied params)
     for mod_name, module in list(model.named_modules()):

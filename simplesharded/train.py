@@ -124,7 +124,7 @@ class Trainer:
         torch.manual_seed(cfg.job.seed)
         self.data = build_data(cfg, self.rank, self.world)
         model = build_model(cfg.model.name, cfg.model.flavor, device="meta")
-        if self.data.tokenizer.vocab_size > model.args.vocab_size if hasattr(model, "args") else False:
+        if self.data.tokenizer.vocab_size > model.args.vocab_size:
             raise ValueError(f"model.tokenizer_path: vocabulary {self.data.tokenizer.vocab_size} "
                              f"does not fit the model's vocab_size {model.args.vocab_size}")
         apply_activation_checkpointing(model, cfg.activation_checkpoint.mode,
@@ -132,10 +132,18 @@ class Trainer:
                                        compiled=cfg.compile.enable)
         pdt, rdt = DTYPES[t.mixed_precision_param], DTYPES[t.mixed_precision_reduce]
         mp = MixedPrecisionPolicy(pdt, rdt) if (pdt, rdt) != (torch.float32, torch.float32) else None
+        # DTensor's offset-based RNG (distinct, world-size independent values per shard) is
+        # CUDA-only; on CPU every shard would draw the same numbers. There the model is
+        # initialised in full on each rank (same seed ⇒ same values) and then sharded.
+        init_full = device == "cpu"
+        if init_full:
+            model.to_empty(device=device)
+            model.init_weights(buffer_device=torch.device(device))
         data_parallel(model, self.mesh, p.mode, mp_policy=mp,
                       reshard_after_forward=p.reshard_after_forward, grad_reduction=t.grad_reduction)
-        with disable_gather(model):
-            model.init_weights(buffer_device=torch.device(device))
+        if not init_full:
+            with disable_gather(model):
+                model.init_weights(buffer_device=torch.device(device))
         self.model = model
         self.step_fn = model
         if cfg.compile.enable:
