@@ -41,6 +41,7 @@ class BenchArgs:
     warmup: int = 3
     steps: int = 20
     seed: int = 0
+    profile_dir: str = ""  # when set: torch.profiler trace + op table per rank for 2 steps
 
 
 @dataclass
@@ -89,12 +90,19 @@ def _prepare(variant: str, args: BenchArgs, mesh):
     return model, opt
 
 
-def _count_collectives(step) -> int:
-    """Collectives issued by one step, from profiler events of the process-group backend."""
+def _count_collectives(step, variant: str, rank: int, profile_dir: str) -> int:
+    """Collectives issued by one step, from profiler events of the process-group backend;
+    with ``profile_dir`` also a chrome trace and the top ops by self CPU time per rank."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step()
     names = [e.name for e in prof.events()]
+    if profile_dir:
+        os.makedirs(profile_dir, exist_ok=True)
+        stem = os.path.join(profile_dir, f"{variant}_rank{rank}")
+        prof.export_chrome_trace(stem + ".json")
+        with open(stem + ".txt", "w") as f:
+            f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     return sum(1 for n in names if n.startswith(("gloo:", "nccl:")))
 
 
@@ -132,7 +140,7 @@ def _worker(rank: int, variant: str, args: BenchArgs, port: int, out_dir: str) -
             step()
             dist.barrier()
             result.step_s.append(time.perf_counter() - t0)
-        result.collectives_per_step = _count_collectives(step)
+        result.collectives_per_step = _count_collectives(step, variant, rank, args.profile_dir)
         result.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     except Exception as e:  # reported in the table, the other variants still run
         result.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
@@ -221,6 +229,8 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", nargs="+", default=None,
                     help="default: all of " + " ".join(BASELINES) + " ss_<every backend>")
     ap.add_argument("--json", default=None, help="write rows and raw timings here")
+    ap.add_argument("--profile", default="", metavar="DIR",
+                    help="write a torch.profiler chrome trace and op table per variant and rank")
     ns = ap.parse_args(argv)
     variants = ns.variants or all_variants()
     unknown = sorted(set(variants) - set(all_variants()))
@@ -230,7 +240,7 @@ def main(argv=None) -> int:
         ap.error(f"--global-batch {ns.global_batch} is not divisible by --world-size "
                  f"{ns.world_size}")
     args = BenchArgs(ns.model, ns.flavor, ns.world_size, ns.global_batch, ns.seq_len,
-                     ns.warmup, ns.steps)
+                     ns.warmup, ns.steps, profile_dir=ns.profile)
     results: dict[str, list[RunResult]] = {v: [] for v in variants}
     for rep in range(ns.reps):
         for v in variants:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import time
 from dataclasses import dataclass
 
@@ -25,7 +26,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class Traced:
     fw: torch.fx.GraphModule
     bw: torch.fx.GraphModule
-    param_numel: int  # global parameter count
+    param_shapes: list  # global parameter shapes
     trace_s: float
 
 
@@ -67,7 +68,7 @@ def trace(cfg, world_size: int, local_batch: int, n_layers: int | None = None) -
         with FakeTensorMode(allow_non_fake_inputs=True):
             extra = {"n_layers": n_layers} if n_layers else {}
             model = build_model(cfg.model.name, cfg.model.flavor, device="meta", **extra)
-            numel = sum(q.numel() for q in model.parameters())
+            shapes = [tuple(q.shape) for q in model.parameters()]
             from simplesharded.train import apply_activation_checkpointing
             apply_activation_checkpointing(model, cfg.activation_checkpoint.mode,
                                            cfg.activation_checkpoint.selective_every)
@@ -82,7 +83,7 @@ def trace(cfg, world_size: int, local_batch: int, n_layers: int | None = None) -
     finally:
         torch._dynamo.reset()
         dist.destroy_process_group()
-    return Traced(graphs["fw"], graphs["bw"], numel, time.perf_counter() - t0)
+    return Traced(graphs["fw"], graphs["bw"], shapes, time.perf_counter() - t0)
 
 
 def apply_plan(traced: Traced, name: str, hardware: str, cap_bytes: int | None):
@@ -113,20 +114,36 @@ class MemoryReport:
         return self.params + self.grads + self.optimizer + self.peak_activations
 
 
+def local_numel(shapes, world_size: int, mode: str, replicate: int = 1) -> int:
+    """Elements of rank 0's shards (the largest: DTensor gives uneven remainders to the last
+    ranks), summed over parameters of the given global shapes."""
+    if mode == "replicate":
+        return sum(math.prod(s) for s in shapes)
+    shards = world_size // replicate if mode == "hybrid_shard" else world_size
+    return sum(-(-s[0] // shards) * math.prod(s[1:]) for s in shapes if len(s))
+
+
+def static_memory(shapes, world_size: int, mode: str, optimizer: str,
+                  replicate: int = 1) -> tuple[int, int, int]:
+    """Per-rank bytes of (fp32 parameter shards, fp32 gradients, optimizer states)."""
+    n = local_numel(shapes, world_size, mode, replicate)
+    states = {"AdamW": 2, "SGD": 1}.get(optimizer, 2)
+    return 4 * n, 4 * n, states * 4 * n
+
+
 def memory_report(traced: Traced, world_size: int, mode: str, optimizer: str,
-                  fw_bw=None) -> MemoryReport:
-    """Per-rank bytes. Shards are fp32 (master weights); AdamW keeps two fp32 states."""
+                  fw_bw=None, replicate: int = 1) -> MemoryReport:
+    """Per-rank bytes: static state (see static_memory) + the transient peak of the graphs."""
     from simplesharded.passes.cost_model import peak_memory
 
     fw, bw = fw_bw or (traced.fw, traced.bw)
-    shard = traced.param_numel if mode == "replicate" else -(-traced.param_numel // world_size)
-    params = grads = 4 * shard
-    states = {"AdamW": 2, "SGD": 1}.get(optimizer, 2)
+    params, grads, opt = static_memory(traced.param_shapes, world_size, mode, optimizer,
+                                       replicate)
     fw_peak, _ = peak_memory(fw, include_inputs=False)
     bw_peak, _ = peak_memory(bw, include_inputs=False)
     saved = sum(_nbytes(n) for n in bw.graph.nodes if n.op == "placeholder"
                 and not n.name.startswith(("primals", "tangents")))
-    return MemoryReport(params, grads, states * 4 * shard, max(fw_peak, saved + bw_peak))
+    return MemoryReport(params, grads, opt, int(max(fw_peak, saved + bw_peak)))
 
 
 def _nbytes(node) -> int:
@@ -201,7 +218,9 @@ def main(argv=None) -> int:
     tokens = local_batch * cfg.training.seq_len
     how = ("traced in full" if sizes == [None] else
            f"extrapolated from traces of {sizes[0]} and {sizes[1]} blocks")
-    full_numel = sum(q.numel() for q in _meta_params(cfg))
+    full_shapes = [tuple(q.shape) for q in _meta_params(cfg)]
+    full_numel = sum(math.prod(q) for q in full_shapes)
+    rep = cfg.parallelism.data_parallel_replicate_degree
     size = f"{full_numel / 1e9:.2f}B" if full_numel >= 1e9 else f"{full_numel / 1e6:.1f}M"
     print(f"{cfg.model.name}/{cfg.model.flavor} ({size} params, {n_layers} "
           f"blocks) on {ns.world_size} ranks of {hw.name}, mode {cfg.parallelism.mode}, "
@@ -215,9 +234,9 @@ def main(argv=None) -> int:
         m = per_trace[0] if len(per_trace) == 1 else {
             k: per_trace[0][k] + (n_layers - 4) / 2 * (per_trace[1][k] - per_trace[0][k])
             for k in per_trace[0] if isinstance(per_trace[0][k], (int, float))}
-        shard = full_numel if cfg.parallelism.mode == "replicate" else -(-full_numel // ns.world_size)
-        states = {"AdamW": 2, "SGD": 1}.get(cfg.optimizer.name, 2)
-        static = (2 + states) * 4 * shard  # fp32 shard + grad + optimizer states
+        static = sum(static_memory(full_shapes, ns.world_size, cfg.parallelism.mode,
+                                   cfg.optimizer.name, rep))
+        shard = local_numel(full_shapes, ns.world_size, cfg.parallelism.mode, rep)
         step = m["fw_s"] + m["bw_s"] + 7 * 4 * shard / hw.mem_bw_Bps  # + AdamW, memory bound
         print(f"| {name} | {step:.3f} | {m['exposed_s']:.3f} | {m['comm_bytes'] / 1e9:.2f} | "
               f"{m['collectives']:.0f} | {tokens / step:,.0f} | "
@@ -249,7 +268,7 @@ def _evaluate(traced: Traced, name: str, ns, cfg, hw, cap) -> dict:
     fw, bw = apply_plan(traced, name, ns.hardware, cap)
     fs, bs = simulate(fw, hw), simulate(bw, hw)
     mem = memory_report(traced, ns.world_size, cfg.parallelism.mode, cfg.optimizer.name,
-                        (fw, bw))
+                        (fw, bw), cfg.parallelism.data_parallel_replicate_degree)
     return {"fw_s": fs.makespan, "bw_s": bs.makespan,
             "exposed_s": fs.exposed_comm_s + bs.exposed_comm_s,
             "comm_bytes": fs.comm_bytes + bs.comm_bytes,
