@@ -7,9 +7,9 @@ leave alone) and a ``memory_cap_bytes`` the reordering pass honours.
   the first numeric component (``layers.3``), or the text matched by the first user pattern.
   Parameters outside blocks go to ``pre`` (before the first block in the graph: embeddings)
   or ``post`` (after it: final norm + output).
-* ``AutoPlan``: merges consecutive per-module collectives while the merged transfer still hides
-  under the compute that a one-ahead prefetch puts next to it, and two buckets stay under the
-  memory cap (cost model in cost_model.py).
+* ``AutoPlan``: tries bucket sizes on a ladder (and the block plan), runs the real passes on
+  a copy of the graph for each and keeps the one whose two-stream simulation is fastest
+  (cost model in cost_model.py, simulator in simulate.py).
 """
 from __future__ import annotations
 
@@ -63,92 +63,100 @@ class AutoPlan:
     ``memory_cap_bytes``: bytes of gathered buffers alive at once (a bucket gets half);
     default 4% of the hardware's memory.
 
-    Greedy over per-module units in execution order: a unit joins the open bucket when the
-    simulated two-stream makespan of the prefix is no worse than starting a new bucket (one
-    latency saved vs. overlap lost), and the bucket stays within half the cap and within a
-    quarter of the graph's bytes of that kind (so there are at least four buckets).
+    Candidates: per-module units (a module is never split) merged in execution order up to a
+    byte size, for a ladder of sizes, plus the block plan when the FQNs have blocks. Each
+    candidate is applied to a copy of the graph with the real bucketing and reordering passes
+    and simulated on two streams (simulate.py); the shortest makespan wins (ties: fewer
+    collectives). So the plan accounts for latency per collective, the copy-in/copy-out the
+    bucket costs on the compute stream, and the overlap that prefetch under the cap achieves.
     """
 
     hardware: object = "local"
     memory_cap_bytes: int | None = None
+    sizes: int = 8  # rungs on the bucket-size ladder
 
     def cap(self, hw) -> int:
         return self.memory_cap_bytes or int(0.04 * hw.memory_bytes)
 
     def assign(self, gm: fx.GraphModule, collectives: list[Collective]) -> list[str | None]:
-        from .cost_model import collective_time, get_hardware, node_time
+        from .cost_model import get_hardware
 
         hw = get_hardware(self.hardware) if isinstance(self.hardware, str) else self.hardware
-        nodes = list(gm.graph.nodes)
-        pos = {n: i for i, n in enumerate(nodes)}
-        elapsed = [0.0]  # elapsed[i] = compute time of nodes[:i]
-        for n in nodes:
-            elapsed.append(elapsed[-1] + node_time(n, hw))
+        candidates = self.candidates(gm, collectives, hw)
+        best = min(candidates, key=lambda keys: (_simulated(gm, keys, hw, self.memory_cap_bytes),
+                                                 len(set(keys))))
+        return best
+
+    def candidates(self, gm, collectives, hw) -> list[list[str | None]]:
+        pos = {n: i for i, n in enumerate(gm.graph.nodes)}
 
         def anchor(c: Collective) -> int:
-            # An all-gather matters where its result is first used; a reduction where it starts.
             if c.kind == "all_gather" and c.wait is not None and c.wait.users:
                 return min(pos[u] for u in c.wait.users)
             return pos[c.start]
 
-        keys: list[str | None] = [None] * len(collectives)
+        per_kind = {}
         for kind in ("all_gather", "reduce_scatter", "all_reduce"):
             idx = sorted((i for i, c in enumerate(collectives) if c.kind == kind and c.params),
                          key=lambda i: anchor(collectives[i]))
             units = _units(idx, collectives)
-            marks = [anchor(collectives[u[0]]) for u in units] + [len(nodes)]
-            if kind == "all_gather":  # compute that runs after the unit's params arrive
-                work = [elapsed[marks[k + 1]] - elapsed[marks[k]] for k in range(len(units))]
-            else:  # compute that produces the unit's gradients
-                work = [elapsed[marks[k]] - elapsed[marks[k - 1] if k else 0]
-                        for k in range(len(units))]
-            comm = [sum(collective_time(collectives[i], hw) for i in u) for u in units]
-            # Full-size bytes a bucket keeps alive (a reduce-scatter's input is group × shard).
-            nbytes = [sum(collectives[i].nbytes * (collectives[i].group_size
-                                                   if kind == "reduce_scatter" else 1)
-                          for i in u) for u in units]
-            # Half the cap, and at least four buckets so transfers can pipeline with compute.
-            limit = min(self.cap(hw) // 2, max(max(nbytes, default=0), sum(nbytes) // 4))
-            buckets: list[list[int]] = []  # lists of unit indices
-            for k in range(len(units)):
-                if buckets and sum(nbytes[u] for u in buckets[-1]) + nbytes[k] <= limit:
-                    merged = buckets[:-1] + [buckets[-1] + [k]]
-                    split = buckets + [[k]]
-                    sim = _simulate_prefetch if kind == "all_gather" else _simulate_reduce
-                    if sim(merged, comm, work, hw.alpha_s) <= sim(split, comm, work, hw.alpha_s):
-                        buckets = merged
-                        continue
-                buckets.append([k])
-            for b, members in enumerate(buckets):
-                for k in members:
-                    for i in units[k]:
+            sizes = [sum(_full_bytes(collectives[i]) for i in u) for u in units]
+            per_kind[kind] = (units, sizes)
+        largest = max((max(sz, default=0) for _, sz in per_kind.values()), default=0)
+        total = max((sum(sz) for _, sz in per_kind.values()), default=0)
+        top = min(self.cap(hw) // 2, max(total // 2, largest))
+        ladder, limit = [], max(largest, 1)
+        while limit < top and len(ladder) < self.sizes - 1:
+            ladder.append(limit)
+            limit *= 4
+        ladder.append(max(top, largest))
+        out = []
+        for limit in ladder:
+            keys: list[str | None] = [None] * len(collectives)
+            for kind, (units, sizes) in per_kind.items():
+                b, acc = 0, 0
+                for unit, size in zip(units, sizes):
+                    if acc and acc + size > limit:
+                        b, acc = b + 1, 0
+                    acc += size
+                    for i in unit:
                         keys[i] = f"auto{b}"
-        return keys
+            out.append(keys)
+        block = BlockPlan().assign(gm, collectives)
+        if any(k not in (None, "pre", "post") for k in block):
+            out.append(block)
+        return out
 
 
-def _bucket_times(buckets, comm, work, alpha):
-    for b in buckets:  # one latency per merged collective instead of one per unit
-        yield sum(comm[k] for k in b) - alpha * (len(b) - 1), sum(work[k] for k in b)
+@dataclass(frozen=True)
+class _FixedPlan:
+    keys: tuple
+
+    def assign(self, gm, collectives):
+        return list(self.keys)
 
 
-def _simulate_prefetch(buckets, comm, work, alpha) -> float:
-    """Two streams, one-ahead prefetch: bucket b's gather is issued when compute of b-1
-    starts, runs after the previous gather, and compute of b waits for it."""
-    comm_end = compute_start = compute_end = 0.0
-    for c, w in _bucket_times(buckets, comm, work, alpha):
-        comm_end = max(comm_end, compute_start) + c
-        compute_start = max(compute_end, comm_end)
-        compute_end = compute_start + w
-    return compute_end
+@dataclass(frozen=True)
+class _Cap:
+    memory_cap_bytes: int | None
 
 
-def _simulate_reduce(buckets, comm, work, alpha) -> float:
-    """Reductions start once their gradients are computed and run one after another."""
-    comm_end = compute_end = 0.0
-    for c, w in _bucket_times(buckets, comm, work, alpha):
-        compute_end += w
-        comm_end = max(comm_end, compute_end) + c
-    return max(comm_end, compute_end)
+def _simulated(gm: fx.GraphModule, keys, hw, cap) -> float:
+    import copy
+
+    from .bucketing import bucket_collectives
+    from .reordering import reorder_for_overlap
+    from .simulate import simulate
+
+    trial = copy.deepcopy(gm)
+    bucket_collectives(trial, _FixedPlan(tuple(keys)))
+    reorder_for_overlap(trial, _Cap(cap))
+    return simulate(trial, hw).makespan
+
+
+def _full_bytes(c: Collective) -> int:
+    """Bytes of the full-size buffer a bucket keeps alive (a reduce-scatter's input)."""
+    return c.nbytes * (c.group_size if c.kind == "reduce_scatter" else 1)
 
 
 def _units(idx: list[int], collectives: list[Collective]) -> list[list[int]]:
