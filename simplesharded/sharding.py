@@ -71,13 +71,14 @@ def gather_param(shard: DTensor, spec: _GatherSpec, fqn: str) -> torch.Tensor:
     """
     with fx_traceback.annotate({GATHER_ANNOTATION: fqn,
                                 "ss_reshard": spec.reshard_after_forward}):
-        if spec.hybrid:
+        if spec.hybrid and shard.placements == (Replicate(), Shard(0)):
             shard = _reduce_replicas_after_scatter(shard)
         full = shard.redistribute(placements=spec.replicate, forward_dtype=spec.param_dtype,
                                   backward_dtype=spec.reduce_dtype)
         # Hybrid: the gradient is still partial over replicas here; the all-reduce over them
         # happens on the shard (see _reduce_replicas_after_scatter), not on the full tensor.
-        grad_placements = (Replicate(), Partial()) if spec.hybrid else spec.grad_placements
+        hybrid = spec.hybrid and shard.placements == (Replicate(), Shard(0))
+        grad_placements = (Replicate(), Partial()) if hybrid else spec.grad_placements
         local = full.to_local(grad_placements=grad_placements)
         if spec.grad_scale != 1.0:
             local = _ScaleGrad.apply(local, spec.grad_scale)
@@ -177,7 +178,9 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
         for name in names:
             param = module._parameters[name]
             if id(param) not in shards:
-                shards[id(param)] = nn.Parameter(_to_shard(param, mesh, placements),
+                # A 0-dim parameter has no dim 0 to shard: it is replicated (all-reduced).
+                where = placements if param.dim() > 0 else (Replicate(),) * mesh.ndim
+                shards[id(param)] = nn.Parameter(_to_shard(param, mesh, where),
                                                  requires_grad=param.requires_grad)
             module._parameters[name] = shards[id(param)]
             fqns[name] = f"{mod_name}.{name}" if mod_name else name

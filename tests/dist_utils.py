@@ -1,0 +1,194 @@
+"""Helpers for multi-process tests: spawn gloo ranks on CPU and collect one result per rank.
+
+``spawn(world_size, fn, *args)`` runs ``fn(rank, world_size, *args)`` in ``world_size`` fresh
+processes (``torch.multiprocessing`` spawn) after a gloo ``init_process_group`` on a free TCP
+port, and returns ``[result of rank 0, result of rank 1, ...]``. Results travel back as pickle
+files; an exception in any rank is re-raised in the parent as ``RankError`` carrying that rank's
+traceback (the other ranks are terminated, so a rank stuck in a collective cannot hang the
+suite). ``fn`` must be importable (a module-level function of a test module or of this file).
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import os
+import pickle
+import shutil
+import socket
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
+
+# Environment every rank starts with: one thread per rank (2 cores are shared by up to 4
+# ranks). Inductor: its FX-graph and AOT-autograd caches are off (a cached graph would skip our
+# post-grad passes, DESIGN §6), but the compiled-kernel cache stays on in a private directory
+# shared by every rank of the session: kernels are keyed by their source and built under a
+# file lock, so ranks compiling identical kernels build each once (halves inductor compile
+# time here versus TORCHINDUCTOR_FORCE_DISABLE_CACHES=1, which gives every compile a fresh dir).
+BASE_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+            "TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0",
+            "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+_SESSION_CACHE: list[str] = []
+
+
+def _session_cache_dir() -> str:
+    if not _SESSION_CACHE:
+        d = tempfile.mkdtemp(prefix="ss_inductor_cache_")
+        atexit.register(shutil.rmtree, d, ignore_errors=True)
+        _SESSION_CACHE.append(d)
+    return _SESSION_CACHE[0]
+
+
+class RankError(RuntimeError):
+    """A spawned rank raised; the message holds its rank and traceback."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _environ(env: dict[str, str]):
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _entry(rank: int, world_size: int, port: int, outdir: str, timeout_s: float,
+           fn: Callable, args: tuple) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    path = os.path.join(outdir, f"rank{rank}.pkl")
+
+    def error(e: BaseException):  # stamped when raised: the earliest is the likely cause
+        return ("error", (time.time(), f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        try:
+            result = ("ok", fn(rank, world_size, *args))
+        except BaseException as e:  # noqa: BLE001 - shipped to the parent, which re-raises
+            result = error(e)
+        finally:
+            dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001
+        result = error(e)
+    with open(path + ".tmp", "wb") as f:
+        pickle.dump(result, f)
+    os.replace(path + ".tmp", path)
+    if result[0] == "error":
+        raise SystemExit(1)
+
+
+def spawn(world_size: int, fn: Callable, *args, timeout_s: float = 300.0,
+          env: dict[str, str] | None = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; results by rank.
+
+    ``timeout_s`` bounds every collective (gloo timeout) and, plus a minute, the whole job.
+    Retried once if the free port was taken by someone else before rank 0 bound it.
+    """
+    try:
+        return _spawn_once(world_size, fn, args, timeout_s, env)
+    except RankError as e:
+        if "address already in use" not in str(e).lower():
+            raise
+        return _spawn_once(world_size, fn, args, timeout_s, env)
+
+
+def _spawn_once(world_size, fn, args, timeout_s, env):
+    env = {**BASE_ENV, **(env or {})}
+    with tempfile.TemporaryDirectory(prefix="ss_spawn_") as outdir:
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", _session_cache_dir())
+        port = free_port()
+        with _environ(env):  # children inherit the environment at start
+            ctx = mp.start_processes(_entry, args=(world_size, port, outdir, timeout_s, fn, args),
+                                     nprocs=world_size, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout_s + 60
+        failure = None
+        try:
+            while True:
+                try:
+                    if ctx.join(timeout=1.0):
+                        break
+                except ProcessException as e:  # a rank died; others are terminated by join
+                    failure = e
+                    break
+                if time.monotonic() > deadline:
+                    failure = TimeoutError(f"spawn({world_size}, {fn.__name__}) timed out")
+                    break
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.terminate()
+                    p.join(5)
+        results, errors = [], []
+        for rank in range(world_size):
+            path = os.path.join(outdir, f"rank{rank}.pkl")
+            if not os.path.exists(path):
+                results.append(None)
+                continue
+            with open(path, "rb") as f:
+                status, value = pickle.load(f)
+            if status == "error":
+                errors.append((value[0], f"--- rank {rank} ---\n{value[1]}"))
+            results.append(value if status == "ok" else None)
+        if errors:  # earliest first: later ones are usually peers losing their connection
+            raise RankError(f"{len(errors)} of {world_size} ranks of {fn.__name__} raised "
+                            "(earliest first):\n" + "\n".join(e for _, e in sorted(errors)))
+        if failure is not None:
+            raise RankError(f"{fn.__name__}: {failure}")
+        return results
+
+
+def build_mesh_for(world_size: int, mode: str):
+    """The data-parallel mesh a mode runs on: 2-D (2, world/2) for hybrid_shard, else 1-D."""
+    from simplesharded.mesh import build_mesh
+    if mode == "hybrid_shard":
+        return build_mesh(dp_replicate=2, dp_shard=world_size // 2, device="cpu")
+    return build_mesh(dp_replicate=1, dp_shard=world_size, device="cpu")
+
+
+def max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a-b| / max(max|b|, tiny): one relative number per tensor."""
+    a, b = a.detach().double(), b.detach().double()
+    if a.numel() == 0:
+        return 0.0
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def memo(fn: Callable) -> Callable:
+    """Cache ``fn``'s result *or exception* per arguments, so tests sharing one spawned job
+    spawn it once even when it fails."""
+    cache: dict = {}
+
+    def wrapper(*args):
+        if args not in cache:
+            try:
+                cache[args] = (True, fn(*args))
+            except Exception as e:  # noqa: BLE001 - re-raised for every caller
+                cache[args] = (False, e)
+        ok, value = cache[args]
+        if not ok:
+            raise value
+        return value
+
+    wrapper.__name__ = fn.__name__
+    return wrapper

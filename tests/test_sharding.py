@@ -1,0 +1,232 @@
+"""Fast single-process tests of the sharding frontend (simplesharded/sharding.py, mesh.py).
+
+A fake process group (torch's ``fake`` backend, world size 4, this process is rank 0) gives a
+real 4-way DeviceMesh without spawning: sharding is then visible (local shard < global shape)
+and collectives can be counted with ``CommDebugMode`` (they move no data).
+"""
+from __future__ import annotations
+
+import io
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.debug import CommDebugMode
+
+import simplesharded as ss
+from simplesharded.mesh import resolve_degrees
+
+import toy
+
+WORLD = 4
+
+
+@pytest.fixture(scope="module")
+def fake_world():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    assert not dist.is_initialized(), "another test left a process group initialised"
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def mesh1d(fake_world):
+    return ss.build_mesh(dp_replicate=1, dp_shard=WORLD, device="cpu")
+
+
+@pytest.fixture
+def mesh2d(fake_world):
+    return ss.build_mesh(dp_replicate=2, dp_shard=WORLD // 2, device="cpu")
+
+
+# ---------------------------------------------------------------- bad input → ValueError
+
+
+def test_unknown_mode_lists_choices(mesh1d):
+    with pytest.raises(ValueError) as e:
+        ss.data_parallel(toy.make_model(), mesh1d, mode="zero3")
+    msg = str(e.value)
+    assert "'zero3'" in msg
+    for mode in ("replicate", "fully_shard", "hybrid_shard"):
+        assert mode in msg
+
+
+def test_hybrid_shard_needs_2d_mesh(mesh1d):
+    model = toy.make_model()
+    with pytest.raises(ValueError, match="2-D mesh"):
+        ss.data_parallel(model, mesh1d, mode="hybrid_shard")
+    # Nothing was touched by the failed call: it can still be wrapped.
+    assert not any(isinstance(p, DTensor) for p in model.parameters())
+    ss.data_parallel(model, mesh1d, mode="fully_shard")
+
+
+def test_already_wrapped(mesh1d):
+    model = ss.data_parallel(toy.make_model(), mesh1d, mode="fully_shard")
+    with pytest.raises(ValueError, match="already"):
+        ss.data_parallel(model, mesh1d, mode="fully_shard")
+    with pytest.raises(ValueError, match="already"):
+        ss.data_parallel(model, mesh1d, mode="replicate")
+
+
+def test_mesh_device_differs_from_params():
+    # The check reads only mesh.device_type (and ndim for the mode); no process group needed.
+    fake_mesh = types.SimpleNamespace(device_type="cuda", ndim=1)
+    with pytest.raises(ValueError) as e:
+        ss.data_parallel(toy.make_model(), fake_mesh, mode="fully_shard")
+    assert "'cpu'" in str(e.value) and "'cuda'" in str(e.value)
+
+
+@pytest.mark.parametrize("bad", ["mean", "SUM", None])
+def test_bad_grad_reduction(mesh1d, bad):
+    with pytest.raises(ValueError) as e:
+        ss.data_parallel(toy.make_model(), mesh1d, mode="fully_shard", grad_reduction=bad)
+    assert "avg" in str(e.value) and "sum" in str(e.value)
+
+
+# ---------------------------------------------------------------- resolve_degrees
+
+
+def test_resolve_degrees_fills_minus_one():
+    assert (resolve_degrees(8).replicate, resolve_degrees(8).shard) == (1, 8)
+    d = resolve_degrees(8, dp_replicate=2)
+    assert (d.replicate, d.shard, d.world) == (2, 4, 8)
+    d = resolve_degrees(8, dp_replicate=-1, dp_shard=4)
+    assert (d.replicate, d.shard) == (2, 4)
+    d = resolve_degrees(4, dp_replicate=2, dp_shard=2)
+    assert (d.replicate, d.shard) == (2, 2)
+
+
+def test_resolve_degrees_product_mismatch_names_both_numbers():
+    with pytest.raises(ValueError) as e:
+        resolve_degrees(8, dp_replicate=3, dp_shard=2)
+    msg = str(e.value)
+    assert "6" in msg and "8" in msg  # the product and the world size
+    with pytest.raises(ValueError) as e:
+        resolve_degrees(4, dp_replicate=2, dp_shard=4)
+    assert "8" in str(e.value) and "4" in str(e.value)
+
+
+@pytest.mark.parametrize("kwargs", [dict(dp_replicate=3), dict(dp_replicate=-1, dp_shard=3),
+                                    dict(dp_replicate=-1, dp_shard=-1), dict(dp_shard=0),
+                                    dict(dp_replicate=True), dict(dp_shard=2.0)])
+def test_resolve_degrees_rejects(kwargs):
+    with pytest.raises(ValueError):
+        resolve_degrees(8, **kwargs)
+
+
+# ---------------------------------------------------------------- placements, names, state dict
+
+
+@pytest.mark.parametrize("mode,placements", [("replicate", (Replicate(),)),
+                                             ("fully_shard", (Shard(0),))])
+def test_placements_1d(mesh1d, mode, placements):
+    model = ss.data_parallel(toy.make_model(), mesh1d, mode=mode)
+    for name, p in model.named_parameters():
+        assert isinstance(p, nn.Parameter) and isinstance(p, DTensor), name
+        assert p.placements == placements, name
+
+
+def test_placements_hybrid(mesh2d):
+    ref = toy.make_model()
+    model = ss.data_parallel(toy.make_model(), mesh2d, mode="hybrid_shard")
+    for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+        assert p.placements == (Replicate(), Shard(0)), name
+        assert p.shape == r.shape and p.requires_grad
+        # rank 0 holds chunk 0 of torch.chunk(rows, 2), e.g. 4 of the 7 rows of fc1
+        assert torch.equal(p.to_local(), r.detach().chunk(WORLD // 2)[0]), name
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("mode", ["replicate", "fully_shard"])
+def test_names_and_state_dict_keys_unchanged(mesh1d, mode, tied):
+    ref = toy.make_model(tied=tied)
+    model = ss.data_parallel(toy.make_model(tied=tied), mesh1d, mode=mode)
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    assert list(model.state_dict()) == list(ref.state_dict())
+    assert [n for n, _ in model.named_modules()] == [n for n, _ in ref.named_modules()]
+    if tied:  # one shard serves both modules
+        assert model.blocks[0].fc2._parameters["weight"] is model.blocks[-1].fc2._parameters["weight"]
+        assert len(list(model.parameters())) == len(list(ref.parameters())) == 18
+
+
+def test_state_dict_holds_shards_and_saving_does_not_gather(mesh1d):
+    ref = toy.make_model()
+    model = ss.data_parallel(toy.make_model(), mesh1d, mode="fully_shard")
+    with CommDebugMode() as comm:
+        sd = model.state_dict()
+        buf = io.BytesIO()
+        torch.save(sd, buf)
+    assert comm.get_total_counts() == 0, comm.get_comm_counts()
+    ref_sd = ref.state_dict()
+    for k, v in sd.items():
+        assert isinstance(v, DTensor), k
+        assert v.shape == ref_sd[k].shape, k
+        assert v.to_local().shape[0] == ref_sd[k].chunk(WORLD)[0].shape[0] < v.shape[0], k
+    # the serialized state holds shards only: about 1/WORLD of the full fp32 bytes + overhead
+    full_bytes = sum(t.numel() * t.element_size() for t in ref_sd.values())
+    local_bytes = sum(v.to_local().numel() * 4 for v in sd.values())
+    assert local_bytes < full_bytes / 2
+
+
+def test_reading_a_param_gathers_and_disable_gather_returns_shard(mesh1d):
+    model = ss.data_parallel(toy.make_model(), mesh1d, mode="fully_shard")
+    fc1 = model.blocks[0].fc1
+    with CommDebugMode() as comm:
+        w = fc1.weight
+    assert comm.get_total_counts() == 1  # one all-gather
+    assert not isinstance(w, DTensor) and w.shape == (7, 8)
+    with ss.disable_gather(model) as m:
+        assert m is model
+        with CommDebugMode() as comm:
+            shard = fc1.weight
+        assert comm.get_total_counts() == 0
+        assert shard is fc1._parameters["weight"] and isinstance(shard, DTensor)
+        assert shard.to_local().shape == (2, 8) and shard.shape == (7, 8)
+        with ss.disable_gather(model):  # nesting keeps it disabled, restores to disabled
+            pass
+        assert isinstance(fc1.weight, DTensor)
+    assert not isinstance(fc1.weight, DTensor)  # restored
+    with pytest.raises(RuntimeError, match="boom"):
+        with ss.disable_gather(model):
+            raise RuntimeError("boom")
+    assert not isinstance(fc1.weight, DTensor)  # restored after an exception too
+
+
+def test_replicate_read_does_not_communicate(mesh1d):
+    model = ss.data_parallel(toy.make_model(), mesh1d, mode="replicate")
+    with CommDebugMode() as comm:
+        w = model.blocks[0].fc1.weight
+    assert comm.get_total_counts() == 0 and w.shape == (7, 8)
+
+
+def test_meta_model_gets_cpu_shards(mesh1d):
+    model = toy.make_model(device="meta")
+    ss.data_parallel(model, mesh1d, mode="fully_shard")
+    for name, p in model.named_parameters():
+        assert isinstance(p, DTensor) and p.to_local().device.type == "cpu", name
+        assert not p.is_meta and p.shape == dict(toy.make_model().named_parameters())[name].shape
+
+
+def test_scalar_parameter_is_replicated(mesh1d):
+    """A 0-dim parameter cannot be sharded on dim 0; it is replicated instead of failing."""
+    from torch.distributed.tensor import Replicate
+
+    class WithScale(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.scale = torch.nn.Parameter(torch.tensor(2.0))
+
+        def forward(self, x):
+            return self.lin(x) * self.scale
+
+    model = ss.data_parallel(WithScale(), mesh1d, "fully_shard")
+    assert model._parameters["scale"].placements == (Replicate(),)
+    assert model.lin._parameters["weight"].to_local().shape == (4 // WORLD, 4)
