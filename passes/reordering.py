@@ -1,8 +1,8 @@
 """Move collectives so communication overlaps compute, under a memory cap.
 
 * all-gather: the wait and its copy-out chain go right before the first real use; the start
-  (with the pure ops that build its input) is issued before the compute of earlier buckets
-  (prefetch) as far back as the cap allows: at every point, the bytes of gathered buffers that
+  (with the pure ops that build its input) first goes right before its wait, then is issued
+  before the compute of earlier buckets (prefetch) as far back as the cap allows: at every point, the bytes of gathered buffers that
   are issued and not yet released (last use) stay ≤ ``memory_cap_bytes``. Default cap: two of
   the largest gathered buffers (current + prefetched, as YaFSDP); a cap of one buffer disables
   prefetch.
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from .collectives import Collective, find_collectives
+from .collectives import Collective, find_collectives, is_collective, is_wait
 from .graph_utils import hoist_before, positions
 
 # Ops that only reshape/copy a gathered buffer into parameter form: they travel with the wait.
@@ -59,6 +59,10 @@ def _last_use(chain: list[fx.Node], pos) -> int:
     return max(users) if users else pos[chain[-1]]
 
 
+def is_collective_or_wait(node: fx.Node) -> bool:
+    return is_collective(node) or is_wait(node)
+
+
 def default_cap(collectives: list[Collective]) -> int:
     sizes = [c.nbytes for c in collectives if c.kind == "all_gather"]
     return 2 * max(sizes) if sizes else 0
@@ -95,8 +99,26 @@ def _place_gather_waits(graph: fx.Graph, collectives: list[Collective]) -> None:
             use.prepend(node)
 
 
+def _sink_to_wait(c: Collective) -> None:
+    """Start right before its wait (no prefetch), with the pure ops that only build its input:
+    the baseline prefetch starts from, whatever order bucketing or tracing left."""
+    moved = [c.start]
+    frontier = list(c.start.all_input_nodes)
+    while frontier:
+        node = frontier.pop()
+        if (node.op == "call_function" and len(node.users) == 1
+                and next(iter(node.users)) in moved and not is_collective_or_wait(node)):
+            moved.append(node)
+            frontier.extend(node.all_input_nodes)
+    pos = positions(c.start.graph)
+    for node in sorted(moved, key=pos.__getitem__):
+        c.wait.prepend(node)
+
+
 def _prefetch_gathers(graph: fx.Graph, collectives: list[Collective], cap: int) -> None:
     ags = [c for c in collectives if c.kind == "all_gather"]
+    for c in ags:
+        _sink_to_wait(c)
     pos = positions(graph)
     use_of = {c.start: _first_use(gather_chain(c.wait), pos) for c in ags}
     ags = [c for c in ags if use_of[c.start] is not None]
@@ -104,7 +126,9 @@ def _prefetch_gathers(graph: fx.Graph, collectives: list[Collective], cap: int) 
     for j, c in enumerate(ags):
         target = None
         for k in range(j - 1, -1, -1):  # try one bucket earlier at a time
-            candidate = use_of[ags[k].start]
+            # Before the earlier bucket's wait (its chain sits right before its first use), so
+            # a second run finds every start already in place.
+            candidate = ags[k].wait
             if not _fits(graph, ags, c, candidate, cap):
                 break
             target = candidate
