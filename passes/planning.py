@@ -82,6 +82,11 @@ class AutoPlan:
         from .cost_model import get_hardware
 
         hw = get_hardware(self.hardware) if isinstance(self.hardware, str) else self.hardware
+        # An already bucketed graph keeps its buckets (idempotence): re-planning from merged
+        # collectives could merge further, e.g. the two dtype halves of one bucket.
+        existing = [(c.start.meta.get("custom") or {}).get("ss_bucket") for c in collectives]
+        if any(existing):
+            return existing
         candidates = self.candidates(gm, collectives, hw)
         best = min(candidates, key=lambda keys: (_simulated(gm, keys, hw, self.memory_cap_bytes),
                                                  len(set(keys))))
@@ -123,8 +128,12 @@ class AutoPlan:
                         keys[i] = f"auto{b}"
             out.append(keys)
         block = BlockPlan().assign(gm, collectives)
-        if any(k not in (None, "pre", "post") for k in block):
-            out.append(block)
+        block_bytes: dict = {}
+        for c, key in zip(collectives, block):
+            block_bytes[(key, c.kind)] = block_bytes.get((key, c.kind), 0) + _full_bytes(c)
+        if (any(k not in (None, "pre", "post") for k in block)
+                and max(block_bytes.values(), default=0) <= max(top, largest)):
+            out.append(block)  # only within the same bucket limit as the ladder
         return out
 
 

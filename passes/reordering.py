@@ -54,8 +54,11 @@ def _first_use(chain: list[fx.Node], pos) -> fx.Node | None:
 
 
 def _last_use(chain: list[fx.Node], pos) -> int:
+    """Last compute use of a gathered buffer. The output node does not count: a gathered
+    parameter saved for backward (reshard_after_forward=False) is saved state from then on,
+    not a prefetch buffer in flight."""
     members = set(chain)
-    users = [pos[u] for n in chain for u in n.users if u not in members]
+    users = [pos[u] for n in chain for u in n.users if u not in members and u.op != "output"]
     return max(users) if users else pos[chain[-1]]
 
 
@@ -73,7 +76,8 @@ def reorder_for_overlap(gm: fx.GraphModule, plan=None) -> fx.GraphModule:
 
     ``plan.memory_cap_bytes`` (optional) caps gathered bytes in flight. Guarantees: same
     outputs (only the order of nodes changes); def-before-use; every wait before its first use;
-    the cap holds along the final order; idempotent.
+    prefetch never raises the gathered bytes in flight above the cap (a graph whose buckets
+    need more at once without any prefetch keeps that floor); idempotent.
     """
     graph = gm.graph
     collectives = [c for c in find_collectives(graph) if c.wait is not None]
