@@ -43,6 +43,10 @@ class Hardware:
     bandwidth_Bps: float  # per-rank bus bandwidth of collectives inside the data-parallel group
     mem_bw_Bps: float     # memory bandwidth seen by non-matmul (elementwise, reduction) ops
     memory_bytes: int     # device memory of one rank
+    # Fraction of a transfer that runs beside compute. GPUs: 1 (copy engines / NICs). A CPU
+    # rank whose collectives are moved by threads on the same cores as its compute: ~0.
+    comm_overlap: float = 1.0
+    collective_overhead_s: float = 0.0  # compute-stream cost of issuing + waiting, per collective
 
     def __post_init__(self):
         for f in ("flops_per_s", "alpha_s", "bandwidth_Bps", "mem_bw_Bps", "memory_bytes"):
@@ -59,8 +63,12 @@ HARDWARE: dict[str, Hardware] = {
     # for 8-32 MiB tensors, 14 GB/s at 256 MiB; we take 2e10.
     # Collectives: DESIGN.md section 6 measured ~0.5 ms per gloo collective, loopback <= ~1 GB/s;
     # calibrate_local at 2 gloo ranks gave alpha 0.25-0.4 ms and 0.6-1.2 GB/s.
+    # Fitted to python -m simplesharded.bench (llama3 small, 2 ranks on 2 cores): gloo's
+    # transfer threads share the cores with compute (comm_overlap 0), each collective costs
+    # ~1 ms of dispatch/wake-up on the compute thread, and large copies run at ~5 GB/s while
+    # the other rank and gloo also stream memory.
     "local": Hardware("local", flops_per_s=1.5e11, alpha_s=5e-4, bandwidth_Bps=1e9,
-                      mem_bw_Bps=2e10,
+                      mem_bw_Bps=5e9, comm_overlap=0.0, collective_overhead_s=1e-3,
                       memory_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
     # H100 SXM: 989 TFLOP/s bf16 dense peak, 3.35 TB/s HBM3, 80 GB; one 400 Gb/s IB NIC per GPU
     # (= 50 GB/s) for a data-parallel group spanning nodes; NCCL inter-node latency ~30 us.

@@ -4,7 +4,9 @@ Nodes run in graph order on the compute stream (cost: cost_model.node_time). A c
 start enqueues its transfer on the communication stream, which runs transfers one at a time
 in issue order (as a NCCL/gloo process group does); the transfer begins when both the start
 node has been reached and the previous transfer is done. A ``wait_tensor`` blocks the compute
-stream until its transfer ends: that blocked time is the *exposed* communication.
+stream until its transfer ends: that blocked time is the *exposed* communication. Hardware
+whose transfers use the compute cores (``comm_overlap`` < 1) or that pays a per-collective
+overhead also charges those to the compute stream at the start node.
 """
 from __future__ import annotations
 
@@ -64,6 +66,14 @@ def simulate(graph: fx.Graph | fx.GraphModule, hw, node_cost=None, comm_cost=Non
             begin = max(now, comm_free)
             comm_free = done[node] = begin + t
             sched.comm_s += t
+            # What the compute thread pays for this collective: issuing it, and the part of
+            # the transfer that cannot run beside compute (CPU ranks moving bytes themselves).
+            busy = getattr(hw, "collective_overhead_s", 0.0) + (
+                1.0 - getattr(hw, "comm_overlap", 1.0)) * t
+            if busy > 0:
+                sched.intervals.append(Interval("compute", now, now + busy, "comm_cpu"))
+                sched.compute_s += busy
+                now += busy
             n = max(c.group_size, 1)
             full = c.nbytes * n if c.kind == "reduce_scatter" else c.nbytes
             sched.comm_bytes += int(_SEND_FACTOR[c.kind] * full * (n - 1) / n)

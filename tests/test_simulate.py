@@ -8,7 +8,7 @@ from simplesharded.passes.collectives import ALL_GATHER, REDUCE_SCATTER, WAIT
 from simplesharded.passes.cost_model import get_hardware
 from simplesharded.passes.simulate import simulate
 
-HW = get_hardware("local")
+HW = get_hardware("h100-ib400")  # transfers beside compute, no per-collective overhead
 
 
 def _graph(order):
@@ -29,10 +29,10 @@ def _graph(order):
     return g, nodes
 
 
-def _run(order, compute, comm):
+def _run(order, compute, comm, hw=HW):
     g, nodes = _graph(order)
     cost = {nodes[k]: v for k, v in compute.items()}
-    return simulate(g, HW, node_cost=lambda n: cost.get(n, 0.0),
+    return simulate(g, hw, node_cost=lambda n: cost.get(n, 0.0),
                     comm_cost=lambda c: comm[next(k for k, v in nodes.items() if v is c.start)])
 
 
@@ -66,6 +66,18 @@ def test_reduction_fully_hidden_and_tail_exposed():
 def test_no_overlap_when_wait_follows_start():
     s = _run([("start", "ag1"), ("wait", "w_ag1"), ("compute", "A")], {"A": 2.0}, {"ag1": 3.0})
     assert s.makespan == pytest.approx(5.0) and s.exposed_comm_s == pytest.approx(3.0)
+
+
+def test_cpu_ranks_pay_transfers_on_the_compute_thread():
+    """comm_overlap=0 (gloo threads on the compute cores): the transfer (5) and the issue
+    overhead (1) delay compute A (3) even though the wait comes later; nothing is exposed."""
+    import dataclasses
+
+    cpu = dataclasses.replace(HW, comm_overlap=0.0, collective_overhead_s=1.0)
+    s = _run([("start", "ag1"), ("compute", "A"), ("wait", "w_ag1"), ("compute", "B")],
+             {"A": 3.0, "B": 2.0}, {"ag1": 5.0}, hw=cpu)
+    assert s.makespan == pytest.approx(1 + 5 + 3 + 2)
+    assert s.exposed_comm_s == 0.0
 
 
 @pytest.mark.parametrize("world,mode", [(2, "fully_shard"), (4, "fully_shard"),
