@@ -118,13 +118,7 @@ def _merge_reduce_scatters(graph, members, fake_mode, bucket):
         start = call(graph, REDUCE_SCATTER, (buf, op, ws, name), fake_mode=fake_mode,
                      custom=custom)
         wait = call(graph, WAIT, (start,), fake_mode=fake_mode, custom=custom)
-        outs, offset = [], 0
-        for c, n in zip(members, cols):
-            part = call(graph, aten.slice.Tensor, (wait, 0, offset, offset + n),
-                        fake_mode=fake_mode, custom=custom)
-            outs.append(call(graph, aten.view.default, (part, list(c.wait.meta["val"].shape)),
-                             fake_mode=fake_mode, custom=custom))
-            offset += n
+        outs = _split(graph, wait, members, cols, fake_mode, custom)
     for c, out in zip(members, outs):
         _replace(c, out, graph)
 
@@ -142,12 +136,18 @@ def _merge_all_reduces(graph, members, fake_mode, bucket):
                    fake_mode=fake_mode, custom=custom)
         start = call(graph, ALL_REDUCE, (buf, op, name), fake_mode=fake_mode, custom=custom)
         wait = call(graph, WAIT, (start,), fake_mode=fake_mode, custom=custom)
-        outs, offset = [], 0
-        for c, n in zip(members, sizes):
-            part = call(graph, aten.slice.Tensor, (wait, 0, offset, offset + n),
-                        fake_mode=fake_mode, custom=custom)
-            outs.append(call(graph, aten.view.default, (part, list(c.wait.meta["val"].shape)),
-                             fake_mode=fake_mode, custom=custom))
-            offset += n
+        outs = _split(graph, wait, members, cols, fake_mode, custom)
     for c, out in zip(members, outs):
         _replace(c, out, graph)
+
+
+def _split(graph, wait, members, sizes, fake_mode, custom) -> list[fx.Node]:
+    """Views of consecutive pieces of a reduced flat buffer, shaped like each old result."""
+    outs, offset = [], 0
+    for c, n in zip(members, sizes):
+        part = call(graph, aten.slice.Tensor, (wait, 0, offset, offset + n),
+                    fake_mode=fake_mode, custom=custom)
+        outs.append(call(graph, aten.view.default, (part, list(c.wait.meta["val"].shape)),
+                         fake_mode=fake_mode, custom=custom))
+        offset += n
+    return outs

@@ -64,11 +64,12 @@ HARDWARE: dict[str, Hardware] = {
     # Collectives: DESIGN.md section 6 measured ~0.5 ms per gloo collective, loopback <= ~1 GB/s;
     # calibrate_local at 2 gloo ranks gave alpha 0.25-0.4 ms and 0.6-1.2 GB/s.
     # Fitted to python -m simplesharded.bench (llama3 small, 2 ranks on 2 cores): gloo's
-    # transfer threads share the cores with compute (comm_overlap 0), each collective costs
+    # transfer threads share the cores with compute (about half a transfer overlaps), each
+    # collective costs
     # ~1 ms of dispatch/wake-up on the compute thread, and large copies run at ~5 GB/s while
     # the other rank and gloo also stream memory.
     "local": Hardware("local", flops_per_s=1.5e11, alpha_s=5e-4, bandwidth_Bps=1e9,
-                      mem_bw_Bps=5e9, comm_overlap=0.0, collective_overhead_s=1e-3,
+                      mem_bw_Bps=5e9, comm_overlap=0.5, collective_overhead_s=1e-3,
                       memory_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
     # H100 SXM: 989 TFLOP/s bf16 dense peak, 3.35 TB/s HBM3, 80 GB; one 400 Gb/s IB NIC per GPU
     # (= 50 GB/s) for a data-parallel group spanning nodes; NCCL inter-node latency ~30 us.
