@@ -131,9 +131,12 @@ class AutoPlan:
         block_bytes: dict = {}
         for c, key in zip(collectives, block):
             block_bytes[(key, c.kind)] = block_bytes.get((key, c.kind), 0) + _full_bytes(c)
-        if (any(k not in (None, "pre", "post") for k in block)
-                and max(block_bytes.values(), default=0) <= max(top, largest)):
-            out.append(block)  # only within the same bucket limit as the ladder
+        within = max(block_bytes.values(), default=0) <= max(top, largest)
+        # A user cap binds the block plan too; the default cap never rules out what
+        # *_blockbucketing would do anyway (deep models' blocks can exceed 2% of memory).
+        if any(k not in (None, "pre", "post") for k in block) and (
+                within or self.memory_cap_bytes is None):
+            out.append(block)
         return out
 
 
