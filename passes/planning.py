@@ -88,9 +88,9 @@ class AutoPlan:
         if any(existing):
             return existing
         candidates = self.candidates(gm, collectives, hw)
-        best = min(candidates, key=lambda keys: (_simulated(gm, keys, hw, self.memory_cap_bytes),
-                                                 len(set(keys))))
-        return best
+        scores = _agree([_simulated(gm, keys, hw, self.memory_cap_bytes) for keys in candidates])
+        best = min(range(len(candidates)), key=lambda i: (scores[i], len(set(candidates[i]))))
+        return candidates[best]
 
     def candidates(self, gm, collectives, hw) -> list[list[str | None]]:
         pos = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -138,6 +138,23 @@ class AutoPlan:
                 within or self.memory_cap_bytes is None):
             out.append(block)
         return out
+
+
+def _agree(scores: list[float]) -> list[float]:
+    """Every rank must pick the same buckets, or their collectives no longer match. Graphs
+    differ slightly between ranks (padding of uneven shards), so simulated scores can too:
+    take the worst score of each candidate over all ranks (one small gather at compile
+    time; the candidate list itself depends only on rank-invariant sizes)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
+        return scores  # nothing to agree with (the fake group of dry runs moves no data)
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    everyone: list = [None] * dist.get_world_size()
+    with _disable_current_modes():  # we run inside the compiler: real tensors, not fakes
+        dist.all_gather_object(everyone, scores)
+    return [max(column) for column in zip(*everyone)]
 
 
 @dataclass(frozen=True)
