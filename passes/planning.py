@@ -88,7 +88,7 @@ class AutoPlan:
         if any(existing):
             return existing
         candidates = self.candidates(gm, collectives, hw)
-        scores = _agree([_simulated(gm, keys, hw, self.memory_cap_bytes) for keys in candidates])
+        scores = [_simulated(gm, keys, hw, self.memory_cap_bytes) for keys in candidates]
         best = min(range(len(candidates)), key=lambda i: (scores[i], len(set(candidates[i]))))
         return candidates[best]
 
@@ -140,23 +140,6 @@ class AutoPlan:
         return out
 
 
-def _agree(scores: list[float]) -> list[float]:
-    """Every rank must pick the same buckets, or their collectives no longer match. Graphs
-    differ slightly between ranks (padding of uneven shards), so simulated scores can too:
-    take the worst score of each candidate over all ranks (one small gather at compile
-    time; the candidate list itself depends only on rank-invariant sizes)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
-        return scores  # nothing to agree with (the fake group of dry runs moves no data)
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    everyone: list = [None] * dist.get_world_size()
-    with _disable_current_modes():  # we run inside the compiler: real tensors, not fakes
-        dist.all_gather_object(everyone, scores)
-    return [max(column) for column in zip(*everyone)]
-
-
 @dataclass(frozen=True)
 class _FixedPlan:
     keys: tuple
@@ -180,7 +163,21 @@ def _simulated(gm: fx.GraphModule, keys, hw, cap) -> float:
     trial = copy.deepcopy(gm)
     bucket_collectives(trial, _FixedPlan(tuple(keys)))
     reorder_for_overlap(trial, _Cap(cap))
-    return simulate(trial, hw).makespan
+    return simulate(trial, hw, node_cost=lambda n: _rank_invariant_time(n, hw)).makespan
+
+
+def _rank_invariant_time(node: fx.Node, hw) -> float:
+    """node_time, except for the padding of uneven shards: it exists only on ranks whose
+    chunk is short, and every rank must pick the same buckets (or the collectives no longer
+    match) without talking to the others at compile time (caches may skip a rank's compile).
+    Everything else in the graph is the same on every rank."""
+    import torch
+
+    from .cost_model import node_time
+
+    if node.target is torch.ops.aten.constant_pad_nd.default:
+        return 0.0
+    return node_time(node, hw)
 
 
 def _full_bytes(c: Collective) -> int:
