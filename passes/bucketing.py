@@ -136,7 +136,7 @@ def _merge_all_reduces(graph, members, fake_mode, bucket):
                    fake_mode=fake_mode, custom=custom)
         start = call(graph, ALL_REDUCE, (buf, op, name), fake_mode=fake_mode, custom=custom)
         wait = call(graph, WAIT, (start,), fake_mode=fake_mode, custom=custom)
-        outs = _split(graph, wait, members, cols, fake_mode, custom)
+        outs = _split(graph, wait, members, sizes, fake_mode, custom)
     for c, out in zip(members, outs):
         _replace(c, out, graph)
 
