@@ -110,8 +110,27 @@ def find_collectives(graph: fx.Graph | fx.GraphModule) -> list[Collective]:
             kind=KINDS[node.target], start=node, wait=wait_of(node), nbytes=tensor_nbytes(node),
             group_name=name, group_size=size,
             dtype=val.dtype if isinstance(val, torch.Tensor) else None,
-            params=node_params(node)))
+            params=node_params(node) or _inherited_params(node)))
     return found
+
+
+def _inherited_params(node: fx.Node, depth: int = 4) -> list[str]:
+    """Params of an unannotated collective, from the view/cast chain that feeds it.
+
+    DTensor issues a replicate gradient's all-reduce outside the annotated region (when the
+    Partial gradient meets the Replicate parameter), so the node itself carries no
+    ``ss_param``, but the gradient it reduces does."""
+    for _ in range(depth):
+        inputs = node.all_input_nodes
+        if len(inputs) != 1:
+            return []
+        node = inputs[0]
+        if is_collective(node):
+            return []
+        found = node_params(node)
+        if found:
+            return found
+    return []
 
 
 def count_collectives(graph: fx.Graph | fx.GraphModule) -> dict[str, int]:

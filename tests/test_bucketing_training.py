@@ -55,7 +55,7 @@ def _code_counts(code: str) -> dict[str, int]:
     return {k: len(re.findall(pat, code)) for k, pat in _COLLECTIVE.items()}
 
 
-def _train(rank, world, backend, n_layers, opt_name, get_code=False):
+def _train(rank, world, backend, n_layers, opt_name, get_code=False, mode="fully_shard"):
     """STEPS steps of one backend; returns losses, final local shards, the collective counts
     of the graphs our pipeline produced (kind → counts) and, optionally, of inductor's code."""
     import simplesharded as ss
@@ -69,7 +69,7 @@ def _train(rank, world, backend, n_layers, opt_name, get_code=False):
         graph_counts[kind] = count_collectives(gm)
 
     torch._dynamo.reset()
-    model = ss.data_parallel(toy_blocks.make_model(n_layers=n_layers), mesh, "fully_shard")
+    model = ss.data_parallel(toy_blocks.make_model(n_layers=n_layers), mesh, mode)
     opt = (torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
            if opt_name == "adamw" else torch.optim.SGD(model.parameters(), lr=0.1))
     compiled = torch.compile(model, fullgraph=True,
@@ -101,6 +101,11 @@ def _train(rank, world, backend, n_layers, opt_name, get_code=False):
 
 def aot_job(rank, world):
     return {be: _train(rank, world, be, toy_blocks.N_LAYERS, "adamw") for be in AOT}
+
+
+def aot_replicate_job(rank, world):
+    return {be: _train(rank, world, be, toy_blocks.N_LAYERS, "adamw", mode="replicate")
+            for be in AOT[:2]}
 
 
 def inductor_job(rank, world):
@@ -191,6 +196,20 @@ def test_aot_eager_bucketing_bitwise():
                 assert torch.equal(got["params"][name], p), (rank, be, name)
         assert ref["losses"][-1] < ref["losses"][0]  # it trains
     assert ranks[0]["aot_eager"]["losses"] != ranks[1]["aot_eager"]["losses"]  # data differ
+
+
+def test_replicate_all_reduce_bucketing_bitwise():
+    """Replicate mode: one all-reduce per block instead of one per parameter, same bits."""
+    n = _n_params(toy_blocks.N_LAYERS)
+    for rank, res in enumerate(_run("aot_replicate_job")):
+        ref, blk = res["aot_eager"], res["aot_eager_blockbucketing"]
+        assert ref["graph_counts"]["bw"]["all_reduce"] == n
+        assert blk["graph_counts"]["bw"]["all_reduce"] == toy_blocks.N_LAYERS + 2
+        assert blk["graph_counts"]["bw"]["reduce_scatter"] == 0
+        assert blk["losses"] == ref["losses"], (rank, blk["losses"], ref["losses"])
+        for name, p in ref["params"].items():
+            assert torch.equal(blk["params"][name], p), (rank, name)
+        assert ref["losses"][-1] < ref["losses"][0]
 
 
 def test_inductor_bucketing_matches_inductor():

@@ -97,9 +97,6 @@ def test_readme_custom_backend_example(fake_pg):
     assert fw["all_gather"] == 2 + 2 and bw["reduce_scatter"] == 2 + 2
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known gap: all-reduces (replicate mode, HSDP replica reduction) are found but not "
-    "bucketed: the plan gets no ss_param for them, so each stays its own collective"))
 def test_hybrid_block_bucketing_merges_all_reduces():
     """HSDP: the per-bucket reduce-scatters and replica all-reduces are both merged."""
     fake_world(4)
