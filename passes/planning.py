@@ -78,6 +78,15 @@ class AutoPlan:
     def cap(self, hw) -> int:
         return self.memory_cap_bytes or int(0.04 * hw.memory_bytes)
 
+    @property
+    def keep_gathered_bytes(self) -> int:
+        """Budget for parameters kept gathered from forward to backward (``reshard="auto"``,
+        passes/recompute.py): half the cap, the other half being prefetch buffers."""
+        from .cost_model import get_hardware
+
+        hw = get_hardware(self.hardware) if isinstance(self.hardware, str) else self.hardware
+        return self.cap(hw) // 2
+
     def assign(self, gm: fx.GraphModule, collectives: list[Collective]) -> list[str | None]:
         from .cost_model import get_hardware
 

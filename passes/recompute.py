@@ -5,6 +5,14 @@ forward to backward, which defeats sharding. Every forward op that turns a shard
 parameter carries the ``ss_param`` annotation (set in simplesharded/sharding.py); this pass
 marks those ops MUST_RECOMPUTE when their parameter reshards after forward, and the last op of
 each chain MUST_SAVE when it does not. The partitioner then re-gathers in backward.
+
+A parameter annotated ``ss_reshard="auto"`` is decided here, per unit (a block by FQN, or the
+parameters before/after all blocks), in forward order. Backward runs the units in reverse, so
+the trailing ones are needed first and keeping them gathered saves a re-gather that nothing
+could hide. Without a budget: keep the last block and what follows it (torchtitan's default
+policy; FSDP2 does the same for its root). With ``plan.keep_gathered_bytes``: keep trailing
+units while their gathered bytes fit the budget (DeepSpeed ZeRO-3's ``max_live_parameters``
+idea), so a small model keeps everything and a large one keeps nothing it cannot afford.
 """
 from __future__ import annotations
 
@@ -30,6 +38,7 @@ def tag_gathers_for_recompute(gm: fx.GraphModule, plan=None) -> fx.GraphModule:
     """
     override = getattr(plan, "reshard_after_forward", None)
     backward = tangent_dependent(gm.graph)
+    kept = kept_gathered(gm.graph, backward, getattr(plan, "keep_gathered_bytes", None))
     for node in gm.graph.nodes:
         custom = node.meta.get("custom") or {}
         if node.op != "call_function" or node in backward:
@@ -45,6 +54,8 @@ def tag_gathers_for_recompute(gm: fx.GraphModule, plan=None) -> fx.GraphModule:
                 node.meta["ac_graph_id"] = region
             continue
         reshard = custom.get(RESHARD_KEY, True) if override is None else override
+        if reshard == "auto":
+            reshard = custom[PARAM_KEY] not in kept
         if reshard:
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             node.meta["ac_graph_id"] = region
@@ -52,6 +63,40 @@ def tag_gathers_for_recompute(gm: fx.GraphModule, plan=None) -> fx.GraphModule:
                      for u in node.users):
             node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
     return gm
+
+
+def kept_gathered(graph: fx.Graph, backward: set[fx.Node], budget: int | None) -> set[str]:
+    """FQNs of ``reshard="auto"`` parameters that stay gathered from forward to backward."""
+    from .collectives import tensor_nbytes
+    from .planning import block_key
+
+    units: dict[str, list] = {}  # unit → [first forward position, bytes, fqns], forward order
+    nbytes: dict[str, int] = {}
+    seen_block = False
+    for pos, node in enumerate(graph.nodes):
+        custom = node.meta.get("custom") or {}
+        if node in backward or custom.get(RESHARD_KEY) != "auto" or PARAM_KEY not in custom:
+            continue
+        fqn = custom[PARAM_KEY]
+        nbytes[fqn] = max(nbytes.get(fqn, 0), tensor_nbytes(node))
+        if any(fqn in u[2] for u in units.values()):
+            continue
+        key = block_key(fqn)
+        seen_block = seen_block or key is not None
+        key = key if key is not None else ("post" if seen_block else "pre")
+        units.setdefault(key, [pos, 0, []])[2].append(fqn)
+    order = sorted(units, key=lambda k: units[k][0])
+    if budget is None:
+        blocks = [i for i, k in enumerate(order) if k not in ("pre", "post")]
+        return {f for k in order[blocks[-1]:] for f in units[k][2]} if blocks else set()
+    kept, total = set(), 0
+    for key in reversed(order):
+        size = sum(nbytes[f] for f in units[key][2])
+        if total + size > budget:
+            break
+        total += size
+        kept.update(units[key][2])
+    return kept
 
 
 def _seeded(node: fx.Node) -> bool:

@@ -17,7 +17,7 @@ DEFAULT_BACKENDS = ("aot_eager", "aot_eager_blockbucketing", "aot_eager_autobuck
 
 
 def trace_counts(model_name: str, flavor: str, backend: str, world_size: int = 2,
-                 mode: str = "fully_shard", reshard_after_forward: bool = True,
+                 mode: str = "fully_shard", reshard_after_forward: bool | str = "auto",
                  seq_len: int = 64, n_layers: int | None = None, **backend_options) -> dict[str, dict[str, dict[str, int]]]:
     """{"fw"|"bw": {"before"|"after": counts}} for one compile; needs a (fake) process group."""
     from simplesharded import data_parallel, disable_gather, make_backend
@@ -61,7 +61,8 @@ def main(argv=None) -> int:
     ap.add_argument("--n-layers", type=int, default=None, help="override the flavor's depth")
     ap.add_argument("--mode", default="fully_shard",
                     choices=["replicate", "fully_shard", "hybrid_shard"])
-    ap.add_argument("--no-reshard", action="store_true", help="reshard_after_forward=False")
+    ap.add_argument("--reshard", default="auto", choices=["auto", "always", "never"],
+                    help="data_parallel's reshard_after_forward (auto, True, False)")
     ap.add_argument("--backends", nargs="+", default=list(DEFAULT_BACKENDS))
     args = ap.parse_args(argv)
     fake_world(args.world_size)
@@ -69,13 +70,14 @@ def main(argv=None) -> int:
         rows = []
         for name in args.backends:
             torch._dynamo.reset()
+            reshard = {"always": True, "never": False}.get(args.reshard, "auto")
             c = trace_counts(args.model, args.flavor, name, args.world_size, args.mode,
-                             not args.no_reshard, n_layers=args.n_layers)
+                             reshard, n_layers=args.n_layers)
             rows.append((name, c))
     finally:
         dist.destroy_process_group()
     print(f"collectives per step: {args.model}/{args.flavor}, {args.mode}, "
-          f"world {args.world_size}, reshard_after_forward={not args.no_reshard}")
+          f"world {args.world_size}, reshard_after_forward={args.reshard}")
     print(f"{'backend':32s} {'fw AG':>11s} {'bw AG':>11s} {'bw RS':>11s} {'bw AR':>11s} {'total':>13s}")
     for name, c in rows:
         def pair(kind, op):

@@ -32,7 +32,8 @@ class BackendOptions:
     reshard_after_forward."""
 
     dump_graphs: str | None = None  # directory: graphs before/after each pass
-    reshard_after_forward: bool | None = None  # None: per parameter, as data_parallel set it
+    # None: per parameter, as data_parallel set it (True, False or "auto"); a bool overrides it
+    reshard_after_forward: bool | None = None
     memory_cap_bytes: int | None = None  # gathered bytes in flight (default: two buckets)
     bucket_patterns: tuple[str, ...] = ()  # block plan: regexes whose match names a bucket
     hardware: str = "local"  # cost-model profile for the auto plan
@@ -45,8 +46,15 @@ class _ReorderPlan:
     memory_cap_bytes: int | None
 
 
-def _pipeline(opts: BackendOptions, graph_passes=()) -> PassPipeline:
-    joint = [("recompute", functools.partial(tag_gathers_for_recompute, plan=opts))]
+@dataclass(frozen=True)
+class _RecomputePlan:
+    reshard_after_forward: bool | None
+    keep_gathered_bytes: int | None  # budget for reshard="auto" (None: keep the last block)
+
+
+def _pipeline(opts: BackendOptions, graph_passes=(), keep_gathered_bytes=None) -> PassPipeline:
+    recompute = _RecomputePlan(opts.reshard_after_forward, keep_gathered_bytes)
+    joint = [("recompute", functools.partial(tag_gathers_for_recompute, plan=recompute))]
     return PassPipeline(joint=joint, graph=list(graph_passes), dump_dir=opts.dump_graphs,
                         observer=opts.observer)
 
@@ -68,7 +76,8 @@ def _ours(compiler: str, kind: str, opts: BackendOptions) -> Callable:
     passes = [("bucketing", functools.partial(bucket_collectives, plan=plan)),
               ("reordering", functools.partial(reorder_for_overlap,
                                                plan=_ReorderPlan(opts.memory_cap_bytes)))]
-    return _compile(compiler, _pipeline(opts, passes))
+    keep = getattr(plan, "keep_gathered_bytes", None)
+    return _compile(compiler, _pipeline(opts, passes, keep))
 
 
 def _upstream(compiler: str, opts: BackendOptions) -> Callable:

@@ -91,7 +91,15 @@ class Parallelism:
     # (shard degree == 1: plain DDP). An explicit mode is never changed, only validated.
     mode: str = _opt("fully_shard", "data parallel mode",
                      ("fully_shard", "hybrid_shard", "replicate"))
-    reshard_after_forward: bool = _opt(True, "free gathered params after forward (re-gather in bw)")
+    reshard_after_forward: str = _opt(
+        "auto", "free gathered params after forward and re-gather in backward: always, never, "
+        "or auto (the compile plan decides per block; see data_parallel)",
+        ("auto", "always", "never"))
+
+    @property
+    def reshard(self) -> bool | str:
+        """The value data_parallel takes."""
+        return {"always": True, "never": False}.get(self.reshard_after_forward, "auto")
 
 
 @dataclass

@@ -73,7 +73,7 @@ def trace(cfg, world_size: int, local_batch: int, n_layers: int | None = None) -
             apply_activation_checkpointing(model, cfg.activation_checkpoint.mode,
                                            cfg.activation_checkpoint.selective_every)
             data_parallel(model, mesh, p.mode, mp_policy=mp,
-                          reshard_after_forward=p.reshard_after_forward)
+                          reshard_after_forward=p.reshard)
             tokens = torch.randint(0, 256, (local_batch, t.seq_len))
             try:
                 torch.compile(model, fullgraph=True, backend=capture)(tokens)

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 MODES = ("replicate", "fully_shard", "hybrid_shard")
 GRAD_REDUCTIONS = ("sum", "avg")
+RESHARD_CHOICES = (True, False, "auto")
 # Key of the fx annotation put on every op of a parameter gather (see passes/recompute.py).
 GATHER_ANNOTATION = "ss_param"
 
@@ -46,7 +47,7 @@ class _GatherSpec:
     param_dtype: torch.dtype | None
     reduce_dtype: torch.dtype | None
     grad_scale: float  # 1/dp for grad_reduction="avg", else 1.0
-    reshard_after_forward: bool
+    reshard_after_forward: bool | str  # True, False or "auto" (the compile plan decides)
     hybrid: bool = False  # (Replicate, Shard(0)) on a 2-D mesh
 
 
@@ -144,17 +145,29 @@ def _to_shard(t: torch.Tensor, mesh: DeviceMesh, placements: tuple) -> DTensor:
 
 def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
                   mp_policy: MixedPrecisionPolicy | None = None,
-                  reshard_after_forward: bool = True, grad_reduction: str = "sum") -> nn.Module:
+                  reshard_after_forward: bool | str = "auto",
+                  grad_reduction: str = "sum") -> nn.Module:
     """Shard ``model`` in place over ``mesh`` and return it.
 
     mode: ``replicate`` (DDP-like), ``fully_shard`` (FSDP/ZeRO-3) or ``hybrid_shard``
     (replicate over mesh dim 0, shard over dim 1; needs a 2-D mesh).
+    reshard_after_forward: ``True`` frees every gathered parameter after forward and
+    re-gathers it in backward (ZeRO-3); ``False`` keeps them all until backward (ZeRO-2 memory
+    for parameters); ``"auto"`` lets the compiled plan decide per block: the plain and
+    block-bucketing backends keep the last block and what follows it (backward needs them
+    first, as torchtitan's and FSDP2's defaults do), the autobucketing backends keep trailing
+    blocks while their bytes fit the plan's memory budget (passes/recompute.py).
+    Eager (uncompiled) runs keep what autograd saves, whatever this says.
     grad_reduction: ``sum`` (normalise the loss by the global token count yourself) or ``avg``
     (gradients are pre-divided by the data-parallel size, then summed).
     A model on the meta device gets uninitialised shards on the mesh's device: run its
     init under :func:`disable_gather` (``with disable_gather(model): model.init_weights()``).
     """
     placements = _placements(mode, mesh)
+    if reshard_after_forward not in RESHARD_CHOICES or isinstance(reshard_after_forward, int) \
+            and not isinstance(reshard_after_forward, bool):
+        raise ValueError(f"reshard_after_forward={reshard_after_forward!r} is not one of "
+                         f"{list(RESHARD_CHOICES)}")
     if grad_reduction not in GRAD_REDUCTIONS:
         raise ValueError(f"grad_reduction={grad_reduction!r} is not one of {sorted(GRAD_REDUCTIONS)}")
     if any(getattr(m, "_ss_spec", None) is not None for m in model.modules()):
@@ -167,7 +180,7 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
         replicate=(Replicate(),) * mesh.ndim, grad_placements=(Partial(),) * mesh.ndim,
         param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype,
         grad_scale=1.0 / mesh.size() if grad_reduction == "avg" else 1.0,
-        reshard_after_forward=bool(reshard_after_forward), hybrid=mode == "hybrid_shard")
+        reshard_after_forward=reshard_after_forward, hybrid=mode == "hybrid_shard")
 
     shards: dict[int, nn.Parameter] = {}  # id(original param) → its one shard (tied params)
     for mod_name, module in list(model.named_modules()):

@@ -140,7 +140,7 @@ class Trainer:
             model.to_empty(device=device)
             model.init_weights(buffer_device=torch.device(device))
         data_parallel(model, self.mesh, p.mode, mp_policy=mp,
-                      reshard_after_forward=p.reshard_after_forward, grad_reduction=t.grad_reduction)
+                      reshard_after_forward=p.reshard, grad_reduction=t.grad_reduction)
         if not init_full:
             with disable_gather(model):
                 model.init_weights(buffer_device=torch.device(device))

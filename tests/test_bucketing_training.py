@@ -69,7 +69,9 @@ def _train(rank, world, backend, n_layers, opt_name, get_code=False, mode="fully
         graph_counts[kind] = count_collectives(gm)
 
     torch._dynamo.reset()
-    model = ss.data_parallel(toy_blocks.make_model(n_layers=n_layers), mesh, mode)
+    # ZeRO-3 (every block re-gathered in backward): the counts below assume it
+    model = ss.data_parallel(toy_blocks.make_model(n_layers=n_layers), mesh, mode,
+                             reshard_after_forward=True)
     opt = (torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
            if opt_name == "adamw" else torch.optim.SGD(model.parameters(), lr=0.1))
     compiled = torch.compile(model, fullgraph=True,

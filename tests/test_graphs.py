@@ -201,7 +201,7 @@ def check_replicate(rank, world, meshes):
 
 
 def check_hybrid(rank, world, meshes):
-    model = _wrap(meshes["hybrid_shard"], "hybrid_shard")
+    model = _wrap(meshes["hybrid_shard"], "hybrid_shard", reshard_after_forward=True)
     cm, graphs = _capture_compile(model)
     loss, grads = _sharded_step(cm, model, rank, world)
     out = _summarize(graphs, model)
@@ -214,7 +214,7 @@ def check_mixed_precision(rank, world, meshes):
     import simplesharded as ss
 
     mp = ss.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    model = _wrap(meshes["fully_shard"], "fully_shard", mp_policy=mp)
+    model = _wrap(meshes["fully_shard"], "fully_shard", mp_policy=mp, reshard_after_forward=True)
     cm, graphs = _capture_compile(model)
     x, y = toy.rank_batch(rank)
     out_t = cm(x)

@@ -39,8 +39,10 @@ def test_torch_backend_names_pass_through():
 
 def test_block_bucketing_counts_on_llama3_debug(fake_pg):
     n_blocks = 4
-    plain = trace_counts("llama3", "debug", "aot_eager", n_layers=n_blocks)
-    block = trace_counts("llama3", "debug", "aot_eager_blockbucketing", n_layers=n_blocks)
+    plain = trace_counts("llama3", "debug", "aot_eager", n_layers=n_blocks,
+                         reshard_after_forward=True)
+    block = trace_counts("llama3", "debug", "aot_eager_blockbucketing", n_layers=n_blocks,
+                         reshard_after_forward=True)
     n_params = 2 + 9 * n_blocks + 1  # tok_embeddings, norm, output; 9 per block
     assert plain["fw"]["after"]["all_gather"] == n_params
     assert plain["bw"]["after"]["reduce_scatter"] == n_params
@@ -53,6 +55,31 @@ def test_block_bucketing_counts_on_llama3_debug(fake_pg):
     assert block["fw"]["before"] == plain["fw"]["after"]
 
 
+def test_auto_reshard_keeps_the_last_block_and_head(fake_pg):
+    """reshard_after_forward="auto" (the default): plain and block backends keep the last
+    block and norm/output gathered (backward needs them first); the autobucketing plan keeps
+    every block whose bytes fit its budget (all of a debug model)."""
+    n_blocks = 4
+    plain = trace_counts("llama3", "debug", "aot_eager", n_layers=n_blocks)
+    block = trace_counts("llama3", "debug", "aot_eager_blockbucketing", n_layers=n_blocks)
+    auto = trace_counts("llama3", "debug", "aot_eager_autobucketing", n_layers=n_blocks)
+    # re-gathered: the blocks but the last; never the embedding; not norm/output
+    assert plain["bw"]["after"]["all_gather"] == 9 * (n_blocks - 1)
+    assert block["bw"]["after"]["all_gather"] == n_blocks - 1
+    assert auto["bw"]["after"]["all_gather"] == 0
+    small = trace_counts("llama3", "debug", "aot_eager_autobucketing", n_layers=n_blocks,
+                         memory_cap_bytes=1)  # budget 0: nothing kept, as reshard=True
+    assert small["bw"]["after"]["all_gather"] >= 1
+    assert small["bw"]["before"]["all_gather"] == 9 * n_blocks + 2
+
+
+def test_reshard_after_forward_rejects_bad_values(fake_pg):
+    with pytest.raises(ValueError, match=r"reshard_after_forward='sometimes' is not one of "
+                                         r"\[True, False, 'auto'\]"):
+        ss.data_parallel(torch.nn.Linear(2, 2), ss.build_mesh(1, -1, "cpu"),
+                         reshard_after_forward="sometimes")
+
+
 def test_no_regather_without_reshard(fake_pg):
     counts = trace_counts("llama3", "debug", "aot_eager_blockbucketing",
                           reshard_after_forward=False, n_layers=2)
@@ -60,7 +87,8 @@ def test_no_regather_without_reshard(fake_pg):
 
 
 def test_report_cli_prints_before_and_after(capsys):
-    assert report_main(["--backends", "aot_eager_blockbucketing", "--n-layers", "2"]) == 0
+    assert report_main(["--backends", "aot_eager_blockbucketing", "--n-layers", "2",
+                        "--reshard", "always"]) == 0
     out = capsys.readouterr().out
     # 2 + 9*2 + 1 = 21 parameters → 2 blocks + pre + post
     assert "aot_eager_blockbucketing" in out and "21→4" in out
