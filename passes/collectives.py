@@ -21,6 +21,10 @@ KINDS = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE:
          _c10d.all_gather_into_tensor_out.default: "all_gather",
          _c10d.reduce_scatter_tensor_out.default: "reduce_scatter"}
 PLAIN = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE)
+# An all-to-all is one of our collectives only when a pass of ours emitted it to implement
+# another kind (passes/lowering.py); its node then carries meta["custom"][LOWERED_KEY] = kind.
+ALL_TO_ALL = _c10d.all_to_all_single.default
+LOWERED_KEY = "ss_lowered"
 
 # Annotation keys written by simplesharded.sharding.gather_param (fx.traceback.annotate) and
 # by our bucketing pass on the nodes it creates.
@@ -48,7 +52,29 @@ class Collective:
 
 
 def is_collective(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target in KINDS
+    return node.op == "call_function" and (node.target in KINDS or _lowered_kind(node) is not None)
+
+
+def _lowered_kind(node: fx.Node) -> str | None:
+    if node.target is not ALL_TO_ALL:
+        return None
+    return (node.meta.get("custom") or {}).get(LOWERED_KEY)
+
+
+def kind_of(node: fx.Node) -> str:
+    """"all_gather", "reduce_scatter" or "all_reduce" for a node where is_collective holds."""
+    return _lowered_kind(node) or KINDS[node.target]
+
+
+def process_group_backend(group_name: str) -> str:
+    """"gloo", "nccl", "fake", ... for a live process group; "" if it cannot be resolved."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    try:
+        return str(dist.get_backend(_resolve_process_group(group_name)))
+    except Exception:
+        return ""
 
 
 def is_wait(node: fx.Node) -> bool:
@@ -72,6 +98,8 @@ def tensor_nbytes(node: fx.Node) -> int:
 
 def group_args(node: fx.Node) -> tuple[int, str]:
     """(group size, group name) of a collective node, whatever its op's argument order."""
+    if node.target is ALL_TO_ALL:  # all_to_all_single(input, out_splits, in_splits, name)
+        return len(node.args[1]), str(node.args[3])
     kind = KINDS[node.target]
     if kind == "all_gather":
         return int(node.args[1]), str(node.args[2])
@@ -106,8 +134,11 @@ def find_collectives(graph: fx.Graph | fx.GraphModule) -> list[Collective]:
             continue
         size, name = group_args(node)
         val = node.meta.get("val")
+        nbytes = tensor_nbytes(node)
+        if node.target is ALL_TO_ALL and size:  # a lowered reduce-scatter: its shard's bytes
+            nbytes //= size
         found.append(Collective(
-            kind=KINDS[node.target], start=node, wait=wait_of(node), nbytes=tensor_nbytes(node),
+            kind=kind_of(node), start=node, wait=wait_of(node), nbytes=nbytes,
             group_name=name, group_size=size,
             dtype=val.dtype if isinstance(val, torch.Tensor) else None,
             params=node_params(node) or _inherited_params(node)))

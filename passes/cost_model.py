@@ -68,8 +68,8 @@ HARDWARE: dict[str, Hardware] = {
     # collective costs
     # ~1 ms of dispatch/wake-up on the compute thread, and large copies run at ~5 GB/s while
     # the other rank and gloo also stream memory.
-    "local": Hardware("local", flops_per_s=1.5e11, alpha_s=5e-4, bandwidth_Bps=1e9,
-                      mem_bw_Bps=5e9, comm_overlap=0.5, collective_overhead_s=1e-3,
+    "local": Hardware("local", flops_per_s=1.5e11, alpha_s=5e-4, bandwidth_Bps=3e8,
+                      mem_bw_Bps=5e9, comm_overlap=0.85, collective_overhead_s=1e-3,
                       memory_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
     # H100 SXM: 989 TFLOP/s bf16 dense peak, 3.35 TB/s HBM3, 80 GB; one 400 Gb/s IB NIC per GPU
     # (= 50 GB/s) for a data-parallel group spanning nodes; NCCL inter-node latency ~30 us.

@@ -6,6 +6,7 @@ torch config is changed outside the backend's own ``config.patch`` (see passes/p
   eager, aot_eager, inductor            collectives untouched (reshard-after-forward tagging only)
   {aot_eager,inductor}_blockbucketing   one bucket per transformer block + overlap reordering
   {aot_eager,inductor}_autobucketing    cost-model buckets + overlap reordering
+  (both then lower gloo's emulated reduce-scatter to all-to-all + sum: passes/lowering.py)
   {aot_eager,inductor}_upstreambucketing torch's own schedule_overlap_bucketing (baseline only)
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Callable
 import torch
 
 from simplesharded.passes.bucketing import bucket_collectives
+from simplesharded.passes.lowering import lower_reduce_scatters
 from simplesharded.passes.pipeline import PassPipeline, aot_backend, inductor_backend
 from simplesharded.passes.planning import AutoPlan, BlockPlan
 from simplesharded.passes.recompute import tag_gathers_for_recompute
@@ -75,7 +77,8 @@ def _ours(compiler: str, kind: str, opts: BackendOptions) -> Callable:
         plan = AutoPlan(opts.hardware, opts.memory_cap_bytes)
     passes = [("bucketing", functools.partial(bucket_collectives, plan=plan)),
               ("reordering", functools.partial(reorder_for_overlap,
-                                               plan=_ReorderPlan(opts.memory_cap_bytes)))]
+                                               plan=_ReorderPlan(opts.memory_cap_bytes))),
+              ("lowering", lower_reduce_scatters)]
     keep = getattr(plan, "keep_gathered_bytes", None)
     return _compile(compiler, _pipeline(opts, passes, keep))
 

@@ -2,7 +2,7 @@
 
 Builds the model on the meta device, shards it over a *fake* process group of --world-size
 ranks inside FakeTensorMode (no real memory, no communication), traces one forward+backward
-once, then for each backend plan applies our passes to copies of the traced graphs and
+(once per reshard-after-forward decision), then for each backend plan applies our passes to copies of the traced graphs and
 simulates the schedule on two streams with the cost model (passes/simulate.py). Prints step
 time, exposed communication, bytes sent per rank and peak memory per rank; --timeline draws
 the two-stream timeline of the first plan.
@@ -30,9 +30,12 @@ class Traced:
     trace_s: float
 
 
-def trace(cfg, world_size: int, local_batch: int, n_layers: int | None = None) -> Traced:
+def trace(cfg, world_size: int, local_batch: int, n_layers: int | None = None,
+          keep_gathered_bytes: int | None = None) -> Traced:
     """fw/bw graphs (after reshard-after-forward tagging and partitioning, before bucketing).
-    ``n_layers`` builds the model with that many blocks instead of the flavor's."""
+    ``n_layers`` builds the model with that many blocks instead of the flavor's;
+    ``keep_gathered_bytes``: the budget of reshard_after_forward="auto" (passes/recompute.py)."""
+    from simplesharded.backends import _RecomputePlan
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -54,7 +57,8 @@ def trace(cfg, world_size: int, local_batch: int, n_layers: int | None = None) -
     def partition(joint, inputs, **kwargs):
         # Only the graphs are wanted: stop right after partitioning (nothing runs on fakes).
         graphs["fw"], graphs["bw"] = min_cut_rematerialization_partition(
-            tag_gathers_for_recompute(joint), inputs, **kwargs)
+            tag_gathers_for_recompute(joint, _RecomputePlan(None, keep_gathered_bytes)),
+            inputs, **kwargs)
         raise _Captured
 
     capture = aot_autograd(fw_compiler=lambda gm, _: gm, partition_fn=partition)
@@ -213,8 +217,15 @@ def main(argv=None) -> int:
     # versions and extrapolate linearly (exact for the per-block part, and 10x faster).
     sizes = [None] if n_layers <= ns.full_trace_layers else [4, 6]
     t0 = time.perf_counter()
-    traces = [trace(cfg, ns.world_size, local_batch, k) for k in sizes]
     cap = int(ns.memory_cap_mb * 2**20) or None
+    # reshard_after_forward="auto" is decided on the joint graph: the autobucketing plan keeps
+    # blocks within its budget, the others the last block; one trace per distinct decision.
+    from simplesharded.passes.planning import AutoPlan
+    keeps = {name: AutoPlan(ns.hardware, cap).keep_gathered_bytes
+             if "autobucketing" in name and cfg.parallelism.reshard == "auto" else None
+             for name in ns.plans}
+    traced = {keep: [trace(cfg, ns.world_size, local_batch, k, keep) for k in sizes]
+              for keep in dict.fromkeys(keeps.values())}
     tokens = local_batch * cfg.training.seq_len
     how = ("traced in full" if sizes == [None] else
            f"extrapolated from traces of {sizes[0]} and {sizes[1]} blocks")
@@ -230,7 +241,7 @@ def main(argv=None) -> int:
           "peak mem GiB/rank |\n|---|---:|---:|---:|---:|---:|---:|")
     drawn = None
     for name in ns.plans:
-        per_trace = [_evaluate(tr, name, ns, cfg, hw, cap) for tr in traces]
+        per_trace = [_evaluate(tr, name, ns, cfg, hw, cap) for tr in traced[keeps[name]]]
         m = per_trace[0] if len(per_trace) == 1 else {
             k: per_trace[0][k] + (n_layers - 4) / 2 * (per_trace[1][k] - per_trace[0][k])
             for k in per_trace[0] if isinstance(per_trace[0][k], (int, float))}

@@ -48,7 +48,8 @@ AOT = ("aot_eager", "aot_eager_blockbucketing", "aot_eager_autobucketing")
 INDUCTOR = ("inductor_blockbucketing", "inductor_autobucketing", "inductor")
 
 _COLLECTIVE = {"all_gather": r"all_gather_into_tensor(_out)?\.default\(",
-               "reduce_scatter": r"reduce_scatter_tensor(_out)?\.default\("}
+               # our bucketing backends lower gloo's reduce-scatter to all_to_all_single + sum
+               "reduce_scatter": r"(reduce_scatter_tensor(_out)?|all_to_all_single)\.default\("}
 
 
 def _code_counts(code: str) -> dict[str, int]:
@@ -67,6 +68,9 @@ def _train(rank, world, backend, n_layers, opt_name, get_code=False, mode="fully
 
     def observe(kind, stage, gm):  # the last stage seen is what gets compiled/run
         graph_counts[kind] = count_collectives(gm)
+        graph_counts[kind]["all_to_all"] = sum(
+            n.target is torch.ops._c10d_functional.all_to_all_single.default
+            for n in gm.graph.nodes)
 
     torch._dynamo.reset()
     # ZeRO-3 (every block re-gathered in backward): the counts below assume it
@@ -185,6 +189,10 @@ def test_aot_eager_bucketing_bitwise():
         assert ref["graph_counts"]["fw"]["all_gather"] == n
         assert ref["graph_counts"]["bw"]["reduce_scatter"] == n
         blk = res["aot_eager_blockbucketing"]["graph_counts"]
+        # gloo's reduce-scatters were lowered to all-to-alls (passes/lowering.py), plain
+        # aot_eager's were not
+        assert blk["bw"]["all_to_all"] == blk["bw"]["reduce_scatter"] > 0
+        assert ref["graph_counts"]["bw"]["all_to_all"] == 0
         for kind in ("fw", "bw"):
             for coll, count in want[kind].items():
                 assert blk[kind][coll] == count, (rank, kind, coll, blk[kind])
