@@ -33,8 +33,10 @@ def tag_gathers_for_recompute(gm: fx.GraphModule, plan=None) -> fx.GraphModule:
     activation checkpointing, which composes with the parameter gathers inside the block.
     Guarantees: only forward nodes annotated with ``ss_param`` are tagged; with
     ``ss_reshard=True`` every such node is MUST_RECOMPUTE (so no gathered tensor is saved for
-    backward), otherwise the chain's output is MUST_SAVE. ``plan`` may carry
-    ``reshard_after_forward`` (bool) to override the per-parameter annotation. Idempotent.
+    backward), otherwise the chain's output is MUST_SAVE; ``ss_reshard="auto"`` is resolved per
+    unit by :func:`kept_gathered`. ``plan`` may carry ``reshard_after_forward`` (bool) to
+    override the per-parameter annotation, and ``keep_gathered_bytes`` (the "auto" budget).
+    Idempotent.
     """
     override = getattr(plan, "reshard_after_forward", None)
     backward = tangent_dependent(gm.graph)
@@ -70,7 +72,7 @@ def kept_gathered(graph: fx.Graph, backward: set[fx.Node], budget: int | None) -
     from .collectives import tensor_nbytes
     from .planning import block_key
 
-    units: dict[str, list] = {}  # unit → [first forward position, bytes, fqns], forward order
+    units: dict[str, tuple[int, list[str]]] = {}  # unit → (first forward position, fqns)
     nbytes: dict[str, int] = {}
     seen_block = False
     for pos, node in enumerate(graph.nodes):
@@ -79,23 +81,23 @@ def kept_gathered(graph: fx.Graph, backward: set[fx.Node], budget: int | None) -
             continue
         fqn = custom[PARAM_KEY]
         nbytes[fqn] = max(nbytes.get(fqn, 0), tensor_nbytes(node))
-        if any(fqn in u[2] for u in units.values()):
+        if any(fqn in fqns for _, fqns in units.values()):
             continue
         key = block_key(fqn)
         seen_block = seen_block or key is not None
         key = key if key is not None else ("post" if seen_block else "pre")
-        units.setdefault(key, [pos, 0, []])[2].append(fqn)
+        units.setdefault(key, (pos, []))[1].append(fqn)
     order = sorted(units, key=lambda k: units[k][0])
     if budget is None:
         blocks = [i for i, k in enumerate(order) if k not in ("pre", "post")]
-        return {f for k in order[blocks[-1]:] for f in units[k][2]} if blocks else set()
+        return {f for k in order[blocks[-1]:] for f in units[k][1]} if blocks else set()
     kept, total = set(), 0
     for key in reversed(order):
-        size = sum(nbytes[f] for f in units[key][2])
+        size = sum(nbytes[f] for f in units[key][1])
         if total + size > budget:
             break
         total += size
-        kept.update(units[key][2])
+        kept.update(units[key][1])
     return kept
 
 

@@ -73,6 +73,23 @@ def test_auto_reshard_keeps_the_last_block_and_head(fake_pg):
     assert small["bw"]["before"]["all_gather"] == 9 * n_blocks + 2
 
 
+def test_auto_reshard_budget_keeps_trailing_blocks_that_fit(fake_pg):
+    """A budget of exactly norm + output + the last block keeps those (backward runs them
+    first) and re-gathers the other blocks; one byte less keeps only norm + output."""
+    from simplesharded.models import build_model
+
+    n_blocks = 4
+    sizes = {n: p.numel() * 4 for n, p in
+             build_model("llama3", "debug", device="meta", n_layers=n_blocks).named_parameters()}
+    head = sizes["norm.weight"] + sizes["output.weight"]
+    last = sum(v for k, v in sizes.items() if k.startswith(f"layers.{n_blocks - 1}."))
+    for budget, regathered in ((head + last, 9 * (n_blocks - 1)), (head + last - 1, 9 * n_blocks)):
+        torch._dynamo.reset()
+        counts = trace_counts("llama3", "debug", "aot_eager_autobucketing", n_layers=n_blocks,
+                              memory_cap_bytes=2 * budget)  # the budget is half the cap
+        assert counts["bw"]["before"]["all_gather"] == regathered, (budget, counts)
+
+
 def test_reshard_after_forward_rejects_bad_values(fake_pg):
     with pytest.raises(ValueError, match=r"reshard_after_forward='sometimes' is not one of "
                                          r"\[True, False, 'auto'\]"):
