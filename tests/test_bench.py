@@ -1,0 +1,71 @@
+"""The benchmark CLIs: ratio arithmetic and target verdicts, argument errors, and real (tiny)
+runs of `python -m simplesharded.bench` and `python -m simplesharded.bench_collectives`."""
+import json
+
+import pytest
+
+from simplesharded import bench, bench_collectives
+
+
+def _run(variant, ms):
+    return bench.RunResult(variant, step_s=[ms / 1e3] * 3, first_step_s=ms / 1e3 + 1.0,
+                           collectives_per_step=4, peak_rss_mb=100.0)
+
+
+def test_summarize_ratios_and_targets():
+    results = {"fsdp2_eager": [_run("fsdp2_eager", 1500)],
+               "compute_floor": [_run("compute_floor", 1000)],
+               "compute_floor_concurrent": [_run("compute_floor_concurrent", 1100)],
+               "ss_aot_eager_autobucketing": [_run("ss_aot_eager_autobucketing", 1140),
+                                              _run("ss_aot_eager_autobucketing", 1160)],
+               "ss_aot_eager_upstreambucketing": [_run("ss_aot_eager_upstreambucketing", 1300)]}
+    rows = {r["variant"]: r for r in bench.summarize(results, bench.BenchArgs())}
+    auto = rows["ss_aot_eager_autobucketing"]
+    assert auto["step_ms"] == pytest.approx(1150)  # median over repetitions
+    assert auto["x_fsdp2_eager"] == pytest.approx(1150 / 1500)
+    assert auto["x_compute_floor"] == pytest.approx(1.15)
+    assert auto["x_compute_floor_concurrent"] == pytest.approx(1150 / 1100)
+    assert auto["compile_s"] == pytest.approx(2.14 - 1.15)  # first step of rep 1 − median
+    verdicts = bench.targets(list(rows.values()))
+    assert "MISS ss_aot_eager_autobucketing / fsdp2_eager = 0.77 (target ≤ 0.7)" in verdicts
+    assert "PASS ss_aot_eager_autobucketing / compute_floor = 1.15 (target ≤ 1.15)" in verdicts
+    table = bench.format_table(list(rows.values()), bench.BenchArgs())
+    assert "| ss_aot_eager_autobucketing | 1150 | 0.77 | 1.15 | 1.05 | 4 | 1.0 | 100 |" in table
+
+
+def test_failed_variant_is_reported_not_hidden():
+    bad = bench.RunResult("ddp", error="RuntimeError: boom")
+    rows = bench.summarize({"ddp": [bad]}, bench.BenchArgs())
+    assert rows == [{"variant": "ddp", "error": "RuntimeError: boom"}]
+    assert "failed: RuntimeError: boom" in bench.format_table(rows, bench.BenchArgs())
+
+
+def test_unknown_variant_is_an_error(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--variants", "fsdp3"])
+    assert "--variants ['fsdp3'] not one of" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_tiny_bench_runs_end_to_end(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert bench.main(["--flavor", "debug", "--seq-len", "32", "--warmup", "1", "--steps", "2",
+                       "--reps", "1", "--json", str(out), "--variants", "compute_floor",
+                       "ss_aot_eager_blockbucketing"]) == 0
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert "error" not in rows["ss_aot_eager_blockbucketing"], rows
+    assert rows["compute_floor"]["collectives_per_step"] == 0
+    # debug llama3 (6 blocks), counted at runtime from gloo's events: forward gathers
+    # embeddings + 6 blocks + head (8), backward re-gathers blocks 0-4 (the last block and the
+    # head stay gathered: reshard_after_forward="auto"), 8 reductions
+    assert rows["ss_aot_eager_blockbucketing"]["collectives_per_step"] == 8 + 5 + 8
+    assert "| ss_aot_eager_blockbucketing |" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_bench_collectives_forms_agree(capfd):
+    # the worker raises if all-to-all + sum or the in-place all-reduce differ from gloo's RS
+    assert bench_collectives.main(["--reps", "2"]) == 0
+    out = capfd.readouterr().out  # printed by the spawned rank 0
+    for form in ("reduce_scatter", "all_to_all_sum", "all_reduce_inplace", "all_gather"):
+        assert f"| {form} |" in out
