@@ -2,7 +2,9 @@
 
 * all-gather: the wait and its copy-out chain go right before the first real use; the start
   (with the pure ops that build its input) first goes right before its wait, then is issued
-  before the compute of earlier buckets (prefetch) as far back as the cap allows: at every point, the bytes of gathered buffers that
+  before the compute of earlier buckets (prefetch) as far back as the cap allows (the graph's
+  start included; if not even one bucket ahead fits, right after the earliest release of an
+  earlier bucket that makes it fit): at every point, the bytes of gathered buffers that
   are issued and not yet released (last use) stay ≤ ``memory_cap_bytes``. Default cap: two of
   the largest gathered buffers (current + prefetched, as YaFSDP); a cap of one buffer disables
   prefetch.
@@ -129,15 +131,50 @@ def _prefetch_gathers(graph: fx.Graph, collectives: list[Collective], cap: int) 
     ags.sort(key=lambda c: pos[use_of[c.start]])
     for j, c in enumerate(ags):
         target = None
-        for k in range(j - 1, -1, -1):  # try one bucket earlier at a time
-            # Before the earlier bucket's wait (its chain sits right before its first use), so
-            # a second run finds every start already in place.
-            candidate = ags[k].wait
-            if not _fits(graph, ags, c, candidate, cap):
+        # Before the earlier bucket's wait (its chain sits right before its first use), so a
+        # second run finds every start already in place; then the start of the graph, so the
+        # first gather of a graph that begins with compute (a backward whose first blocks stay
+        # gathered) is issued at once, ahead of that compute's reduce-scatters.
+        candidates = [ags[k].wait for k in range(j - 1, -1, -1)] + [
+            _graph_start(graph, c, ags[j - 1].start if j else None)]
+        for candidate in candidates:  # one bucket earlier at a time
+            if candidate is None or not _fits(graph, ags, c, candidate, cap):
                 break
             target = candidate
+        if target is None:  # not even one bucket ahead: as early as memory frees up
+            target = _after_release(graph, ags, j, c, cap)
         if target is not None and positions(graph)[c.start] > positions(graph)[target]:
             hoist_before(c.start, target, positions(graph))
+
+
+def _graph_start(graph, c, previous) -> fx.Node | None:
+    """The first node that is neither a placeholder nor something ``c``'s start depends on,
+    and comes after ``previous`` (the gather used before ``c``: issue order = use order)."""
+    cone, stack = set(), [c.start]
+    while stack:
+        node = stack.pop()
+        if node not in cone:
+            cone.add(node)
+            stack.extend(node.all_input_nodes)
+    after = previous is None
+    for n in graph.nodes:
+        if after and n.op != "placeholder" and n not in cone:
+            return n
+        after = after or n is previous
+    return None
+
+
+def _after_release(graph, ags, j, c, cap) -> fx.Node | None:
+    """The earliest node right after an earlier bucket's last use (where gathered bytes in
+    flight drop) at which issuing ``c`` fits the cap, if it is before ``c``'s start."""
+    pos = positions(graph)
+    nodes = list(graph.nodes)
+    for p in sorted({_last_use(gather_chain(a.wait), pos) for a in ags[:j]}):
+        if p + 1 >= pos[c.start]:
+            break
+        if _fits(graph, ags, c, nodes[p + 1], cap):
+            return nodes[p + 1]
+    return None
 
 
 def _fits(graph, ags, c, candidate, cap) -> bool:

@@ -49,6 +49,8 @@ CONFIGS = {
     # layers.1: fp32 attention + bf16 feed-forward (two dtypes in one bucket); layers.2: bf16
     "w8-bf16": (8, dict(bf16_blocks={1: "ffn", 2: "block"}), {}),
     "w2-noreshard": (2, {}, dict(reshard_after_forward=False)),
+    # the default policy: the last block and the head stay gathered from forward to backward
+    "w2-auto": (2, {}, dict(reshard_after_forward="auto")),
 }
 FP32 = ("w2", "w8")
 _captured: dict[str, tuple] = {}
@@ -228,10 +230,11 @@ def expected_counts(config: str) -> dict[str, dict[str, int]]:
     """One collective per (bucket, dtype): buckets embed, layers.0-3, head."""
     extra = 1 if config == "w8-bf16" else 0  # layers.1 holds fp32 and bf16 params
     reshard = "noreshard" not in config
+    # backward re-gathers every bucket except the embedding (its backward needs only the token
+    # ids), and only when resharding after forward; "auto" keeps the last block and the head
+    regathered = {"w2-noreshard": 0, "w2-auto": N_LAYERS - 1}.get(config, N_LAYERS + 1 + extra)
     return {"fw": {"all_gather": N_LAYERS + 2 + extra, "reduce_scatter": 0, "all_reduce": 0},
-            # backward re-gathers every bucket except the embedding (its backward needs only
-            # the token ids), and only when resharding after forward
-            "bw": {"all_gather": (N_LAYERS + 1 + extra) if reshard else 0,
+            "bw": {"all_gather": regathered,
                    "reduce_scatter": N_LAYERS + 2 + extra, "all_reduce": 0}}
 
 
@@ -361,6 +364,21 @@ def test_bytes_in_flight_within_cap(config, which, frac):
     assert_one_reduction_in_flight(gm)
     if cap >= sum(szs):
         assert [d for _, d in pu.prefetch_depths(gm)] == list(range(len(szs)))
+
+
+def test_first_backward_gather_issued_at_graph_start():
+    """With the last block kept gathered, backward begins with that block's compute and its
+    reduce-scatter; the first re-gather must not queue behind them: it is issued before any
+    matmul and before the first reduce-scatter (prefetch from the graph's start)."""
+    out = reorder_for_overlap(block_bucketed("w2-auto", "bw"), None)
+    nodes = list(out.graph.nodes)
+
+    def first(pred):
+        return next(i for i, n in enumerate(nodes) if pred(n))
+
+    ag = first(lambda n: n.target is pu.AG)
+    assert ag < first(lambda n: n.target is pu.RS)
+    assert ag < first(lambda n: n.target is torch.ops.aten.mm.default)
 
 
 def test_prefetch_without_reshard_after_forward():
