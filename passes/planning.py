@@ -78,19 +78,20 @@ class AutoPlan:
     def cap(self, hw) -> int:
         return self.memory_cap_bytes or int(0.04 * hw.memory_bytes)
 
+    def hw(self):
+        """The cost-model Hardware (``hardware`` may name a profile)."""
+        from .cost_model import get_hardware
+
+        return get_hardware(self.hardware) if isinstance(self.hardware, str) else self.hardware
+
     @property
     def keep_gathered_bytes(self) -> int:
         """Budget for parameters kept gathered from forward to backward (``reshard="auto"``,
         passes/recompute.py): half the cap, the other half being prefetch buffers."""
-        from .cost_model import get_hardware
-
-        hw = get_hardware(self.hardware) if isinstance(self.hardware, str) else self.hardware
-        return self.cap(hw) // 2
+        return self.cap(self.hw()) // 2
 
     def assign(self, gm: fx.GraphModule, collectives: list[Collective]) -> list[str | None]:
-        from .cost_model import get_hardware
-
-        hw = get_hardware(self.hardware) if isinstance(self.hardware, str) else self.hardware
+        hw = self.hw()
         # An already bucketed graph keeps its buckets (idempotence): re-planning from merged
         # collectives could merge further, e.g. the two dtype halves of one bucket.
         existing = [(c.start.meta.get("custom") or {}).get("ss_bucket") for c in collectives]

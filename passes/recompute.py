@@ -73,15 +73,16 @@ def kept_gathered(graph: fx.Graph, backward: set[fx.Node], budget: int | None) -
     from .planning import block_key
 
     units: dict[str, tuple[int, list[str]]] = {}  # unit → (first forward position, fqns)
-    nbytes: dict[str, int] = {}
+    nbytes: dict[str, int] = {}  # fqn → gathered bytes (the largest node of its chain)
     seen_block = False
     for pos, node in enumerate(graph.nodes):
         custom = node.meta.get("custom") or {}
         if node in backward or custom.get(RESHARD_KEY) != "auto" or PARAM_KEY not in custom:
             continue
         fqn = custom[PARAM_KEY]
+        first = fqn not in nbytes
         nbytes[fqn] = max(nbytes.get(fqn, 0), tensor_nbytes(node))
-        if any(fqn in fqns for _, fqns in units.values()):
+        if not first:
             continue
         key = block_key(fqn)
         seen_block = seen_block or key is not None

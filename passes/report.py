@@ -61,7 +61,9 @@ def main(argv=None) -> int:
     ap.add_argument("--n-layers", type=int, default=None, help="override the flavor's depth")
     ap.add_argument("--mode", default="fully_shard",
                     choices=["replicate", "fully_shard", "hybrid_shard"])
-    ap.add_argument("--reshard", default="auto", choices=["auto", "always", "never"],
+    from simplesharded.sharding import RESHARD_BY_NAME
+
+    ap.add_argument("--reshard", default="auto", choices=list(RESHARD_BY_NAME),
                     help="data_parallel's reshard_after_forward (auto, True, False)")
     ap.add_argument("--backends", nargs="+", default=list(DEFAULT_BACKENDS))
     args = ap.parse_args(argv)
@@ -70,9 +72,8 @@ def main(argv=None) -> int:
         rows = []
         for name in args.backends:
             torch._dynamo.reset()
-            reshard = {"always": True, "never": False}.get(args.reshard, "auto")
             c = trace_counts(args.model, args.flavor, name, args.world_size, args.mode,
-                             reshard, n_layers=args.n_layers)
+                             RESHARD_BY_NAME[args.reshard], n_layers=args.n_layers)
             rows.append((name, c))
     finally:
         dist.destroy_process_group()

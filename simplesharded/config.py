@@ -99,7 +99,9 @@ class Parallelism:
     @property
     def reshard(self) -> bool | str:
         """The value data_parallel takes."""
-        return {"always": True, "never": False}.get(self.reshard_after_forward, "auto")
+        from simplesharded.sharding import RESHARD_BY_NAME
+
+        return RESHARD_BY_NAME[self.reshard_after_forward]
 
 
 @dataclass

@@ -2,8 +2,9 @@
 
 Builds the model on the meta device, shards it over a *fake* process group of --world-size
 ranks inside FakeTensorMode (no real memory, no communication), traces one forward+backward
-(once per reshard-after-forward decision), then for each backend plan applies our passes to copies of the traced graphs and
-simulates the schedule on two streams with the cost model (passes/simulate.py). Prints step
+(once per reshard-after-forward decision), then for each backend plan applies our passes to
+copies of the traced graphs and simulates the schedule on two streams with the cost model
+(passes/simulate.py). Prints step
 time, exposed communication, bytes sent per rank and peak memory per rank; --timeline draws
 the two-stream timeline of the first plan.
 """

@@ -23,6 +23,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 MODES = ("replicate", "fully_shard", "hybrid_shard")
 GRAD_REDUCTIONS = ("sum", "avg")
 RESHARD_CHOICES = (True, False, "auto")
+# Config/CLI spelling of reshard_after_forward (config.py, passes/report.py) → data_parallel's.
+RESHARD_BY_NAME = {"always": True, "never": False, "auto": "auto"}
 # Key of the fx annotation put on every op of a parameter gather (see passes/recompute.py).
 GATHER_ANNOTATION = "ss_param"
 
@@ -164,8 +166,7 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     init under :func:`disable_gather` (``with disable_gather(model): model.init_weights()``).
     """
     placements = _placements(mode, mesh)
-    if reshard_after_forward not in RESHARD_CHOICES or isinstance(reshard_after_forward, int) \
-            and not isinstance(reshard_after_forward, bool):
+    if not (isinstance(reshard_after_forward, bool) or reshard_after_forward == "auto"):
         raise ValueError(f"reshard_after_forward={reshard_after_forward!r} is not one of "
                          f"{list(RESHARD_CHOICES)}")
     if grad_reduction not in GRAD_REDUCTIONS:
