@@ -5,6 +5,7 @@ This file is the one place that knows the op names of torch's functional collect
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -12,6 +13,9 @@ from torch import fx
 
 _c10d = torch.ops._c10d_functional
 ALL_GATHER = _c10d.all_gather_into_tensor.default
+# One gather per input, one output each, read through getitem; our gloo lowering emits it
+# (passes/coalesce_gathers.py).
+ALL_GATHER_COALESCED = _c10d.all_gather_into_tensor_coalesced.default
 REDUCE_SCATTER = _c10d.reduce_scatter_tensor.default
 ALL_REDUCE = _c10d.all_reduce.default
 WAIT = _c10d.wait_tensor.default
@@ -19,6 +23,7 @@ KINDS = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE:
          # Forms that write into a given buffer (torch's own bucketing emits them); counted
          # and costed, but our passes only rewrite the three plain forms above.
          _c10d.all_gather_into_tensor_out.default: "all_gather",
+         ALL_GATHER_COALESCED: "all_gather",
          _c10d.reduce_scatter_tensor_out.default: "reduce_scatter"}
 PLAIN = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE)
 # An all-to-all is one of our collectives only when a pass of ours emitted it to implement
@@ -90,10 +95,10 @@ def node_params(node: fx.Node) -> list[str]:
 
 
 def tensor_nbytes(node: fx.Node) -> int:
+    """Bytes of a node's tensor value, or of all tensors of a list value (coalesced ops)."""
     val = node.meta.get("val")
-    if isinstance(val, torch.Tensor):
-        return int(val.numel()) * val.element_size()
-    return 0
+    vals = val if isinstance(val, (list, tuple)) else [val]
+    return sum(int(v.numel()) * v.element_size() for v in vals if isinstance(v, torch.Tensor))
 
 
 def group_args(node: fx.Node) -> tuple[int, str]:
@@ -119,9 +124,23 @@ def _group_size(name: str) -> int:
 
 
 def wait_of(node: fx.Node) -> fx.Node | None:
+    """The wait of a collective; for a coalesced one (outputs read through getitem, one wait
+    each) the first in graph order, which is where the whole transfer must have ended."""
     waits = [u for u in node.users if is_wait(u)]
+    if node.target is ALL_GATHER_COALESCED:
+        waits = [w for g in node.users for w in g.users if is_wait(w)]
+        order = {n: i for i, n in enumerate(node.graph.nodes)} if len(waits) > 1 else {}
+        return min(waits, key=order.__getitem__) if waits else None
     assert len(waits) <= 1, f"{node} has {len(waits)} waits"
     return waits[0] if waits else None
+
+
+def started_by(wait: fx.Node) -> fx.Node:
+    """The collective node a wait waits for (through the getitem of a coalesced one)."""
+    src = wait.args[0]
+    if src.op == "call_function" and src.target is operator.getitem:
+        return src.args[0]
+    return src
 
 
 def find_collectives(graph: fx.Graph | fx.GraphModule) -> list[Collective]:
@@ -137,6 +156,8 @@ def find_collectives(graph: fx.Graph | fx.GraphModule) -> list[Collective]:
         nbytes = tensor_nbytes(node)
         if node.target is ALL_TO_ALL and size:  # a lowered reduce-scatter: its shard's bytes
             nbytes //= size
+        if isinstance(val, (list, tuple)):  # coalesced: its outputs share one dtype here
+            val = val[0] if val else None
         found.append(Collective(
             kind=kind_of(node), start=node, wait=wait_of(node), nbytes=nbytes,
             group_name=name, group_size=size,

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
-from .collectives import find_collectives, is_wait
+from .collectives import find_collectives, is_wait, started_by
 
 
 @dataclass
@@ -78,8 +78,8 @@ def simulate(graph: fx.Graph | fx.GraphModule, hw, node_cost=None, comm_cost=Non
             full = c.nbytes * n if c.kind == "reduce_scatter" else c.nbytes
             sched.comm_bytes += int(_SEND_FACTOR[c.kind] * full * (n - 1) / n)
             sched.intervals.append(Interval("comm", begin, comm_free, c.kind))
-        elif is_wait(node) and node.args[0] in done:
-            end = done[node.args[0]]
+        elif is_wait(node) and started_by(node) in done:
+            end = done[started_by(node)]
             if end > now:
                 sched.exposed_comm_s += end - now
                 now = end

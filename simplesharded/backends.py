@@ -6,7 +6,8 @@ torch config is changed outside the backend's own ``config.patch`` (see passes/p
   eager, aot_eager, inductor            collectives untouched (reshard-after-forward tagging only)
   {aot_eager,inductor}_blockbucketing   one bucket per transformer block + overlap reordering
   {aot_eager,inductor}_autobucketing    cost-model buckets + overlap reordering
-  (both then lower gloo's emulated reduce-scatter to all-to-all + sum: passes/lowering.py)
+  (on gloo both then lower the emulated reduce-scatter to all-to-all + adds, passes/lowering.py,
+   and gather each bucket straight into per-parameter outputs, passes/coalesce_gathers.py)
   {aot_eager,inductor}_upstreambucketing torch's own schedule_overlap_bucketing (baseline only)
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Callable
 import torch
 
 from simplesharded.passes.bucketing import bucket_collectives
+from simplesharded.passes.coalesce_gathers import coalesce_gathers
 from simplesharded.passes.lowering import lower_reduce_scatters
 from simplesharded.passes.pipeline import PassPipeline, aot_backend, inductor_backend
 from simplesharded.passes.planning import AutoPlan, BlockPlan
@@ -78,7 +80,8 @@ def _ours(compiler: str, kind: str, opts: BackendOptions) -> Callable:
     passes = [("bucketing", functools.partial(bucket_collectives, plan=plan)),
               ("reordering", functools.partial(reorder_for_overlap,
                                                plan=_ReorderPlan(opts.memory_cap_bytes))),
-              ("lowering", lower_reduce_scatters)]
+              ("lowering", lower_reduce_scatters),
+              ("coalescing", coalesce_gathers)]
     keep = getattr(plan, "keep_gathered_bytes", None)
     return _compile(compiler, _pipeline(opts, passes, keep))
 

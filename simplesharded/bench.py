@@ -45,6 +45,7 @@ class BenchArgs:
     warmup: int = 3
     steps: int = 20
     seed: int = 0
+    optimizer_impl: str = "foreach"  # AdamW kernels for every variant (as the trainer's default)
     profile_dir: str = ""  # when set: torch.profiler trace + op table per rank for 2 steps
 
 
@@ -55,6 +56,8 @@ class RunResult:
     first_step_s: float = 0.0
     collectives_per_step: int = 0
     peak_rss_mb: float = 0.0
+    main_cpu_s: float = 0.0  # CPU time per timed step: the main (compute) thread
+    other_cpu_s: float = 0.0  # ... every other thread (gloo's workers, autograd, ...)
     error: str = ""
 
 
@@ -90,7 +93,8 @@ def _prepare(variant: str, args: BenchArgs, mesh):
         data_parallel(model, mesh, "fully_shard")
         if backend != "eager":
             model = torch.compile(model, backend=make_backend(backend), fullgraph=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    from simplesharded.train import OPTIMIZER_IMPL
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **OPTIMIZER_IMPL[args.optimizer_impl])
     return model, opt
 
 
@@ -108,6 +112,25 @@ def _count_collectives(step, variant: str, rank: int, profile_dir: str) -> int:
         with open(stem + ".txt", "w") as f:
             f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     return sum(1 for n in names if n.startswith(("gloo:", "nccl:")))
+
+
+def _thread_cpu_s() -> tuple[float, float]:
+    """CPU seconds so far of this process's main thread and of all its other threads
+    (Linux /proc; (0, 0) elsewhere). On 2 cores, comm threads' CPU is time compute loses."""
+    main = other = 0.0
+    try:
+        tick = os.sysconf("SC_CLK_TCK")
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+            cpu = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+            if int(tid) == os.getpid():
+                main += cpu
+            else:
+                other += cpu
+    except OSError:
+        return 0.0, 0.0
+    return main, other
 
 
 def _worker(rank: int, variant: str, args: BenchArgs, port: int, out_dir: str) -> None:
@@ -138,12 +161,15 @@ def _worker(rank: int, variant: str, args: BenchArgs, port: int, out_dir: str) -
             step()
             if i == 0:
                 result.first_step_s = time.perf_counter() - t0
+        cpu0 = _thread_cpu_s()
         for _ in range(args.steps):
             dist.barrier()
             t0 = time.perf_counter()
             step()
             dist.barrier()
             result.step_s.append(time.perf_counter() - t0)
+        cpu1 = _thread_cpu_s()
+        result.main_cpu_s, result.other_cpu_s = ((b - a) / args.steps for a, b in zip(cpu0, cpu1))
         result.collectives_per_step = _count_collectives(step, variant, rank, args.profile_dir)
         result.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     except Exception as e:  # reported in the table, the other variants still run
@@ -180,7 +206,9 @@ def summarize(results: dict[str, list[RunResult]], args: BenchArgs) -> list[dict
         rows.append({"variant": variant, "step_ms": 1e3 * med,
                      "compile_s": max(0.0, ok[0].first_step_s - med),
                      "collectives_per_step": ok[0].collectives_per_step,
-                     "peak_rss_mb": max(r.peak_rss_mb for r in ok), "reps": len(ok)})
+                     "peak_rss_mb": max(r.peak_rss_mb for r in ok), "reps": len(ok),
+                     "main_cpu_ms": 1e3 * statistics.median(r.main_cpu_s for r in ok),
+                     "other_cpu_ms": 1e3 * statistics.median(r.other_cpu_s for r in ok)})
     base = {r["variant"]: r.get("step_ms") for r in rows}
     for r in rows:
         if "step_ms" in r:
@@ -192,17 +220,18 @@ def summarize(results: dict[str, list[RunResult]], args: BenchArgs) -> list[dict
 
 def format_table(rows: list[dict], args: BenchArgs) -> str:
     head = (f"| variant | step ms | × fsdp2_eager | × compute_floor | × floor concurrent | "
-            f"collectives/step | compile s | peak RSS MB/rank |\n"
-            f"|---|---:|---:|---:|---:|---:|---:|---:|")
+            f"collectives/step | compile s | peak RSS MB/rank | CPU ms/step main + other threads |\n"
+            f"|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     lines = [head]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['variant']} | failed: {r['error']} | | | | | | |")
+            lines.append(f"| {r['variant']} | failed: {r['error']} | | | | | | | |")
             continue
         lines.append(f"| {r['variant']} | {r['step_ms']:.0f} | {r.get('x_fsdp2_eager', 0):.2f} | "
                      f"{r.get('x_compute_floor', 0):.2f} | "
                      f"{r.get('x_compute_floor_concurrent', 0):.2f} | {r['collectives_per_step']} | "
-                     f"{r['compile_s']:.1f} | {r['peak_rss_mb']:.0f} |")
+                     f"{r['compile_s']:.1f} | {r['peak_rss_mb']:.0f} | "
+                     f"{r.get('main_cpu_ms', 0):.0f} + {r.get('other_cpu_ms', 0):.0f} |")
     return "\n".join(lines)
 
 
@@ -234,6 +263,10 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--variants", nargs="+", default=None,
                     help="default: all of " + " ".join(BASELINES) + " ss_<every backend>")
+    ap.add_argument("--optimizer-impl", default="foreach",
+                    choices=("for-loop", "foreach", "fused"),
+                    help="AdamW kernels, the same for every variant (default: foreach, as the "
+                         "trainer's optimizer.implementation)")
     ap.add_argument("--json", default=None, help="write rows and raw timings here")
     ap.add_argument("--profile", default="", metavar="DIR",
                     help="write a torch.profiler chrome trace and op table per variant and rank")
@@ -246,7 +279,8 @@ def main(argv=None) -> int:
         ap.error(f"--global-batch {ns.global_batch} is not divisible by --world-size "
                  f"{ns.world_size}")
     args = BenchArgs(ns.model, ns.flavor, ns.world_size, ns.global_batch, ns.seq_len,
-                     ns.warmup, ns.steps, profile_dir=ns.profile)
+                     ns.warmup, ns.steps, profile_dir=ns.profile,
+                     optimizer_impl=ns.optimizer_impl)
     results: dict[str, list[RunResult]] = {v: [] for v in variants}
     for rep in range(ns.reps):
         for v in variants:
@@ -258,8 +292,8 @@ def main(argv=None) -> int:
                   file=sys.stderr, flush=True)
     rows = summarize(results, args)
     print(f"\n{args.model}/{args.flavor}, {args.world_size} ranks (gloo, CPU), global batch "
-          f"{args.global_batch} × seq {args.seq_len}, fp32, {args.steps} timed steps × "
-          f"{ns.reps} reps (median)\n")
+          f"{args.global_batch} × seq {args.seq_len}, fp32, AdamW {args.optimizer_impl}, "
+          f"{args.steps} timed steps × {ns.reps} reps (median)\n")
     print(format_table(rows, args))
     print()
     for line in targets(rows):

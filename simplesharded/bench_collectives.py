@@ -1,11 +1,12 @@
 """``python -m simplesharded.bench_collectives``: one bucket's collectives, side by side.
 
-Times, on --world-size gloo ranks, the forms a bucketed reduce-scatter can take on this
-transport: gloo's own ``reduce_scatter_tensor`` (an all-reduce of the whole buffer in
-disguise), the all-to-all + local sum that passes/lowering.py emits, and an in-place
-all-reduce; plus the bucket's all-gather for scale. The bucket is one llama3-small block's
-parameters (3.1M fp32 elements). Prints median wall ms and process CPU ms (all threads) per
-call, and checks every form gives the same values as gloo's reduce-scatter.
+Times, on --world-size gloo ranks, the forms a bucketed collective can take on this transport.
+Reduce-scatter: gloo's own ``reduce_scatter_tensor`` (an all-reduce of the whole buffer in
+disguise), the all-to-all + local adds that passes/lowering.py emits, and an in-place
+all-reduce. All-gather: one flat buffer plus a copy-out per parameter (passes/bucketing.py),
+and the coalesced gather straight into per-parameter outputs (passes/coalesce_gathers.py).
+The bucket is one llama3-small block's parameters (3.1M fp32 elements). Prints median wall ms
+and process CPU ms (all threads) per call; checks the forms of each kind agree.
 """
 from __future__ import annotations
 
@@ -19,39 +20,65 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-BUCKET_NUMEL = 3_145_728  # ~ one llama3-small block (3.15M parameters)
 
 
-def _worker(rank: int, world: int, port: int, reps: int) -> None:
+def block_numels(world: int) -> list[int]:
+    """Element counts of one llama3-small block's parameters, each rounded to ``world`` rows
+    (a Shard(0) gather's padded size)."""
+    from simplesharded.models import build_model
+    block = next(iter(build_model("llama3", "small", device="meta").layers.values()))
+    return [-(-p.numel() // world) * world for p in block.parameters()]
+
+
+def _worker(rank: int, world: int, port: int, reps: int, numels: list[int]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     c10d, name = torch.ops._c10d_functional, dist.group.WORLD.group_name
-    n = BUCKET_NUMEL // world * world
-    grads = torch.randn(n, generator=torch.Generator().manual_seed(rank))
+    n = sum(numels)
+    gen = torch.Generator().manual_seed(rank)
+    grads = torch.randn(n, generator=gen)
+    shards = [torch.randn(k // world, generator=gen) for k in numels]
     chunk = [n // world] * world
 
     def reduce_scatter():
         return c10d.wait_tensor(c10d.reduce_scatter_tensor(grads, "sum", world, name))
 
-    def all_to_all_sum():
-        out = c10d.wait_tensor(c10d.all_to_all_single(grads, chunk, chunk, name))
-        return out.view(world, -1).sum(0)
+    def all_to_all_add():
+        parts = c10d.wait_tensor(c10d.all_to_all_single(grads, chunk, chunk, name)).view(world, -1)
+        total = parts[0]
+        for r in range(1, world):
+            total = total + parts[r]
+        return total
 
     def all_reduce_inplace():
         out = c10d.wait_tensor(c10d.all_reduce_(grads.clone(), "sum", name))
         return out.view(world, -1)[rank]
 
-    def all_gather():
-        return c10d.wait_tensor(c10d.all_gather_into_tensor(grads[: n // world], world, name))
+    def all_gather_flat():
+        buf = torch.cat(shards)
+        rows = c10d.wait_tensor(c10d.all_gather_into_tensor(buf, world, name)).view(world, -1)
+        outs, offset = [], 0
+        for s in shards:
+            outs.append(rows[:, offset:offset + s.numel()].clone())
+            offset += s.numel()
+        return outs
+
+    def all_gather_coalesced():
+        outs = c10d.all_gather_into_tensor_coalesced(shards, world, name)
+        return [c10d.wait_tensor(o) for o in outs]
 
     ref = reduce_scatter()
-    for form in (all_to_all_sum, all_reduce_inplace):
+    for form in (all_to_all_add, all_reduce_inplace):
         got = form()
         if not torch.allclose(got, ref, rtol=1e-6, atol=1e-6):
             raise AssertionError(f"{form.__name__} differs from reduce_scatter_tensor")
+    for a, b in zip(all_gather_flat(), all_gather_coalesced()):
+        if not torch.equal(a.flatten(), b):
+            raise AssertionError("all_gather_coalesced differs from all_gather_flat")
     rows = []
-    for form in (reduce_scatter, all_to_all_sum, all_reduce_inplace, all_gather):
+    for form in (reduce_scatter, all_to_all_add, all_reduce_inplace, all_gather_flat,
+                 all_gather_coalesced):
         form()
         dist.barrier()
         wall, cpu = [], []
@@ -66,6 +93,9 @@ def _worker(rank: int, world: int, port: int, reps: int) -> None:
         print(f"| form | wall ms | CPU ms (process) | × reduce_scatter CPU |\n|---|---:|---:|---:|")
         for form, w, c in rows:
             print(f"| {form} | {1e3 * w:.1f} | {1e3 * c:.1f} | {c / rows[0][2]:.2f} |")
+        flat, coalesced = rows[3][2], rows[4][2]
+        print(f"all_gather_coalesced / all_gather_flat CPU: {coalesced / flat:.2f}")
+    dist.barrier()  # no rank tears its connections down while a peer still sends
     dist.destroy_process_group()
 
 
@@ -79,7 +109,10 @@ def main(argv=None) -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_worker, args=(ns.world_size, port, ns.reps), nprocs=ns.world_size, join=True)
+    # sizes from the parent: the workers import nothing but torch
+    numels = block_numels(ns.world_size)
+    mp.spawn(_worker, args=(ns.world_size, port, ns.reps, numels), nprocs=ns.world_size,
+             join=True)
     return 0
 
 

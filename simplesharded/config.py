@@ -50,6 +50,10 @@ class Optimizer:
     beta2: float = _opt(0.95, "AdamW beta2")
     eps: float = _opt(1e-8, "AdamW eps")
     weight_decay: float = _opt(0.1, "decoupled weight decay")
+    implementation: str = _opt(
+        "foreach", "update kernels: for-loop (ops per parameter: with DTensor shards, hundreds "
+        "of dispatches a step), foreach (ops over all tensors at once, torchtitan's default), "
+        "fused (one kernel)", ("for-loop", "foreach", "fused"))
 
 
 @dataclass

@@ -196,8 +196,9 @@ def main(argv=None) -> int:
     ap.add_argument("--memory-cap-mb", type=float, default=0.0)
     ap.add_argument("--timeline", default=None, help="PNG path for the two-stream timeline")
     ap.add_argument("--timeline-plan", default="aot_eager_autobucketing")
-    ap.add_argument("--full-trace-layers", type=int, default=8,
-                    help="trace every block up to this depth; deeper models are extrapolated")
+    ap.add_argument("--full-trace-layers", type=int, default=32,
+                    help="trace every block up to this depth (exact); deeper models are "
+                         "extrapolated from traces of 4 and 6 blocks")
     ns, rest = ap.parse_known_args(argv)
     try:
         hw = get_hardware(ns.hardware)
@@ -243,9 +244,17 @@ def main(argv=None) -> int:
     drawn = None
     for name in ns.plans:
         per_trace = [_evaluate(tr, name, ns, cfg, hw, cap) for tr in traced[keeps[name]]]
-        m = per_trace[0] if len(per_trace) == 1 else {
-            k: per_trace[0][k] + (n_layers - 4) / 2 * (per_trace[1][k] - per_trace[0][k])
-            for k in per_trace[0] if isinstance(per_trace[0][k], (int, float))}
+        m = per_trace[0] if len(per_trace) == 1 else _extrapolate(per_trace, n_layers)
+        if len(per_trace) > 1 and "autobucketing" in name:
+            # Cost-model buckets may span several blocks, so their grouping (and with it the
+            # gathered bytes in flight and the collective count) is not periodic in depth:
+            # scale those from the block plan of the same traces instead.
+            ref = [_evaluate(tr, "aot_eager_blockbucketing", ns, cfg, hw, cap)
+                   for tr in traced[keeps[name]]]
+            ref_m = _extrapolate(ref, n_layers)
+            m["peak_act"] = ref_m["peak_act"] + per_trace[-1]["peak_act"] - ref[-1]["peak_act"]
+            m["collectives"] = ref_m["collectives"] * per_trace[-1]["collectives"] / max(
+                1, ref[-1]["collectives"])
         static = sum(static_memory(full_shapes, ns.world_size, cfg.parallelism.mode,
                                    cfg.optimizer.name, rep))
         shard = local_numel(full_shapes, ns.world_size, cfg.parallelism.mode, rep)
@@ -266,6 +275,13 @@ def main(argv=None) -> int:
                       f"{hw.name}, plan {name}")
         print(f"timeline written to {ns.timeline}")
     return 0
+
+
+def _extrapolate(per_trace: list[dict], n_layers: int) -> dict:
+    """Numbers of a ``n_layers``-block model from traces of 4 and 6 blocks (linear in depth)."""
+    a, b = per_trace
+    return {k: a[k] + (n_layers - 4) / 2 * (b[k] - a[k])
+            for k in a if isinstance(a[k], (int, float))}
 
 
 def _meta_params(cfg):

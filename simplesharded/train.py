@@ -95,12 +95,19 @@ def lr_lambda(cfg: Config):
     return f
 
 
+# optimizer.implementation → torch.optim keyword arguments
+OPTIMIZER_IMPL = {"for-loop": {"foreach": False}, "foreach": {"foreach": True},
+                  "fused": {"fused": True}}
+
+
 def build_optimizer(cfg: Config, params):
     o = cfg.optimizer
+    impl = OPTIMIZER_IMPL[o.implementation]
     if o.name == "SGD":
-        return torch.optim.SGD(params, lr=o.lr, momentum=o.beta1, weight_decay=o.weight_decay)
+        return torch.optim.SGD(params, lr=o.lr, momentum=o.beta1, weight_decay=o.weight_decay,
+                               **impl)
     return torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                             weight_decay=o.weight_decay)
+                             weight_decay=o.weight_decay, **impl)
 
 
 def grad_norm_and_clip(params, max_norm: float) -> torch.Tensor:

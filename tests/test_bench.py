@@ -9,7 +9,8 @@ from simplesharded import bench, bench_collectives
 
 def _run(variant, ms):
     return bench.RunResult(variant, step_s=[ms / 1e3] * 3, first_step_s=ms / 1e3 + 1.0,
-                           collectives_per_step=4, peak_rss_mb=100.0)
+                           collectives_per_step=4, peak_rss_mb=100.0,
+                           main_cpu_s=0.9 * ms / 1e3, other_cpu_s=0.05)
 
 
 def test_summarize_ratios_and_targets():
@@ -30,7 +31,33 @@ def test_summarize_ratios_and_targets():
     assert "MISS ss_aot_eager_autobucketing / fsdp2_eager = 0.77 (target ≤ 0.7)" in verdicts
     assert "PASS ss_aot_eager_autobucketing / compute_floor = 1.15 (target ≤ 1.15)" in verdicts
     table = bench.format_table(list(rows.values()), bench.BenchArgs())
-    assert "| ss_aot_eager_autobucketing | 1150 | 0.77 | 1.15 | 1.05 | 4 | 1.0 | 100 |" in table
+    assert ("| ss_aot_eager_autobucketing | 1150 | 0.77 | 1.15 | 1.05 | 4 | 1.0 | 100 | "
+            "1035 + 50 |") in table
+
+
+def test_thread_cpu_accounting_sees_other_threads():
+    """The table's CPU column: a busy helper thread shows up as "other", not as "main"."""
+    import threading
+    import time
+
+    main0, other0 = bench._thread_cpu_s()
+    spun, release = threading.Event(), threading.Event()
+
+    def spin():
+        end = time.thread_time() + 0.3
+        while time.thread_time() < end:
+            pass
+        spun.set()
+        release.wait()  # stay alive: a finished thread leaves /proc/self/task
+
+    t = threading.Thread(target=spin)
+    t.start()
+    spun.wait()
+    main1, other1 = bench._thread_cpu_s()
+    release.set()
+    t.join()
+    assert other1 - other0 >= 0.1
+    assert main1 - main0 < 0.2
 
 
 def test_failed_variant_is_reported_not_hidden():
@@ -64,8 +91,11 @@ def test_tiny_bench_runs_end_to_end(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_bench_collectives_forms_agree(capfd):
-    # the worker raises if all-to-all + sum or the in-place all-reduce differ from gloo's RS
+    # the worker raises if all-to-all + adds or the in-place all-reduce differ from gloo's RS,
+    # or the coalesced gather from the flat one
     assert bench_collectives.main(["--reps", "2"]) == 0
     out = capfd.readouterr().out  # printed by the spawned rank 0
-    for form in ("reduce_scatter", "all_to_all_sum", "all_reduce_inplace", "all_gather"):
+    for form in ("reduce_scatter", "all_to_all_add", "all_reduce_inplace", "all_gather_flat",
+                 "all_gather_coalesced"):
         assert f"| {form} |" in out
+    assert "all_gather_coalesced / all_gather_flat CPU:" in out

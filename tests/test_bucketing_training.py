@@ -47,7 +47,9 @@ ENV = {"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1", "OMP_NUM_THREADS": "1"}
 AOT = ("aot_eager", "aot_eager_blockbucketing", "aot_eager_autobucketing")
 INDUCTOR = ("inductor_blockbucketing", "inductor_autobucketing", "inductor")
 
-_COLLECTIVE = {"all_gather": r"all_gather_into_tensor(_out)?\.default\(",
+# on gloo our bucketing backends gather multi-parameter buckets with the coalesced form
+# (passes/coalesce_gathers.py)
+_COLLECTIVE = {"all_gather": r"all_gather_into_tensor(_out|_coalesced)?\.default\(",
                # our bucketing backends lower gloo's reduce-scatter to all_to_all_single + sum
                "reduce_scatter": r"(reduce_scatter_tensor(_out)?|all_to_all_single)\.default\("}
 
@@ -70,6 +72,9 @@ def _train(rank, world, backend, n_layers, opt_name, get_code=False, mode="fully
         graph_counts[kind] = count_collectives(gm)
         graph_counts[kind]["all_to_all"] = sum(
             n.target is torch.ops._c10d_functional.all_to_all_single.default
+            for n in gm.graph.nodes)
+        graph_counts[kind]["all_gather_coalesced"] = sum(
+            n.target is torch.ops._c10d_functional.all_gather_into_tensor_coalesced.default
             for n in gm.graph.nodes)
 
     torch._dynamo.reset()
@@ -193,6 +198,11 @@ def test_aot_eager_bucketing_bitwise():
         # aot_eager's were not
         assert blk["bw"]["all_to_all"] == blk["bw"]["reduce_scatter"] > 0
         assert ref["graph_counts"]["bw"]["all_to_all"] == 0
+        # and every multi-parameter gather bucket is gathered straight into per-parameter
+        # outputs (passes/coalesce_gathers.py); plain aot_eager's single gathers are not
+        # (all but the embedding's bucket, which holds one parameter)
+        assert blk["fw"]["all_gather_coalesced"] == blk["fw"]["all_gather"] - 1 > 0
+        assert ref["graph_counts"]["fw"]["all_gather_coalesced"] == 0
         for kind in ("fw", "bw"):
             for coll, count in want[kind].items():
                 assert blk[kind][coll] == count, (rank, kind, coll, blk[kind])

@@ -226,3 +226,20 @@ def test_shipped_config_names_a_registered_model(path):
     models = pytest.importorskip("simplesharded.models")
     cfg = load(path)
     assert cfg.model.flavor in models.MODELS[cfg.model.name][1]
+
+
+def test_optimizer_implementation_reaches_torch():
+    """optimizer.implementation: bad values are named; each choice becomes torch's kwarg."""
+    import torch
+
+    from simplesharded.train import build_optimizer
+
+    with pytest.raises(ValueError, match=r"optimizer.implementation='loop' is not one of"):
+        load(None, ["--optimizer.implementation", "loop"])
+    assert Config().optimizer.implementation == "foreach"
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    for impl, key in [("for-loop", "foreach"), ("foreach", "foreach"), ("fused", "fused")]:
+        for name in ("AdamW", "SGD"):
+            cfg = load(None, ["--optimizer.implementation", impl, "--optimizer.name", name])
+            opt = build_optimizer(cfg, params)
+            assert opt.defaults[key] is (impl != "for-loop"), (impl, name, opt.defaults)

@@ -108,3 +108,28 @@ def test_static_memory_matches_real_shards(world, mode):
         assert static_memory(shapes, world, mode, "AdamW") == (params, params, state)
     finally:
         dist.destroy_process_group()
+
+
+def _plan_rows(capsys, *extra) -> dict[str, list[str]]:
+    from simplesharded import plan
+
+    assert plan.main(["--config", "configs/llama3_debug.toml", "--world-size", "8",
+                      "--hardware", "h100-ib400", *extra]) == 0
+    out = capsys.readouterr().out
+    return {cells[0]: cells[1:] for line in out.splitlines() if line.startswith("| aot_eager")
+            for cells in [[c.strip() for c in line.strip("|").split("|")]]}
+
+
+@pytest.mark.slow
+def test_plan_extrapolation_agrees_with_full_trace_at_the_traced_depth(capsys, monkeypatch):
+    """The 6-block debug model traced in full vs "extrapolated" from its 4- and 6-block traces:
+    at depth 6 the extrapolation (linear for the periodic plans, scaled from the block plan
+    for autobucketing) must give the full trace's numbers. Also covers the CLI end to end."""
+    import os
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    # "auto": the block and autobucketing plans see different traces (their own keep budgets)
+    args = ("--parallelism.reshard_after_forward", "auto")
+    full = _plan_rows(capsys, *args)
+    extrapolated = _plan_rows(capsys, "--full-trace-layers", "2", *args)
+    assert set(full) == {"aot_eager", "aot_eager_blockbucketing", "aot_eager_autobucketing"}
+    assert full == extrapolated, (full, extrapolated)
