@@ -47,6 +47,7 @@ class Hardware:
     # rank whose collectives are moved by threads on the same cores as its compute: ~0.
     comm_overlap: float = 1.0
     collective_overhead_s: float = 0.0  # compute-stream cost of issuing + waiting, per collective
+    transport: str = "nccl"  # the process-group backend: "gloo" graphs get our gloo lowerings
 
     def __post_init__(self):
         for f in ("flops_per_s", "alpha_s", "bandwidth_Bps", "mem_bw_Bps", "memory_bytes"):
@@ -70,6 +71,7 @@ HARDWARE: dict[str, Hardware] = {
     # the other rank and gloo also stream memory.
     "local": Hardware("local", flops_per_s=1.5e11, alpha_s=5e-4, bandwidth_Bps=3e8,
                       mem_bw_Bps=5e9, comm_overlap=0.85, collective_overhead_s=1e-3,
+                      transport="gloo",
                       memory_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
     # H100 SXM: 989 TFLOP/s bf16 dense peak, 3.35 TB/s HBM3, 80 GB; one 400 Gb/s IB NIC per GPU
     # (= 50 GB/s) for a data-parallel group spanning nodes; NCCL inter-node latency ~30 us.

@@ -26,10 +26,13 @@ from .graph_utils import aten, call, fake_mode_of
 LOWERED_BACKENDS = ("gloo",)
 
 
-def lower_reduce_scatters(gm: fx.GraphModule, plan=None) -> fx.GraphModule:
-    """Rewrite every sum reduce-scatter on a gloo group as all-to-all + local sum; return ``gm``
-    (edited in place). Guarantees: same values (bitwise for 2 ranks); the new collective is
-    issued where the old one was and waited where it was waited; idempotent."""
+def lower_reduce_scatters(gm: fx.GraphModule, plan=None,
+                          transports: tuple[str, ...] | None = LOWERED_BACKENDS
+                          ) -> fx.GraphModule:
+    """Rewrite every sum reduce-scatter on a group of one of ``transports`` (None: any) as
+    all-to-all + local adds; return ``gm`` (edited in place). Guarantees: same values (bitwise
+    for 2 ranks); the new collective is issued where the old one was and waited where it was
+    waited; idempotent."""
     graph = gm.graph
     fake_mode = fake_mode_of(graph)
     backends: dict[str, str] = {}
@@ -41,7 +44,7 @@ def lower_reduce_scatters(gm: fx.GraphModule, plan=None) -> fx.GraphModule:
             continue
         if name not in backends:
             backends[name] = process_group_backend(str(name))
-        if backends[name] not in LOWERED_BACKENDS:
+        if transports is not None and backends[name] not in transports:
             continue
         shard_shape = list(c.wait.meta["val"].shape)
         rows = inp.meta["val"].shape[0]

@@ -92,8 +92,12 @@ def trace(cfg, world_size: int, local_batch: int, n_layers: int | None = None,
 
 
 def apply_plan(traced: Traced, name: str, hardware: str, cap_bytes: int | None):
-    """Copies of the traced graphs with backend ``name``'s passes applied."""
+    """Copies of the traced graphs with backend ``name``'s passes applied (on a gloo
+    ``hardware`` profile also the gloo lowerings, which the fake process group would skip)."""
     from simplesharded.passes.bucketing import bucket_collectives
+    from simplesharded.passes.coalesce_gathers import coalesce_gathers
+    from simplesharded.passes.cost_model import get_hardware
+    from simplesharded.passes.lowering import lower_reduce_scatters
     from simplesharded.passes.planning import AutoPlan, BlockPlan
     from simplesharded.passes.reordering import reorder_for_overlap
 
@@ -101,9 +105,13 @@ def apply_plan(traced: Traced, name: str, hardware: str, cap_bytes: int | None):
     if name.endswith("bucketing"):
         plan = (BlockPlan(memory_cap_bytes=cap_bytes) if "block" in name
                 else AutoPlan(hardware, cap_bytes))
+        gloo = get_hardware(hardware).transport == "gloo"
         for gm in (fw, bw):
             bucket_collectives(gm, plan)
             reorder_for_overlap(gm, plan)
+            if gloo:
+                lower_reduce_scatters(gm, transports=None)
+                coalesce_gathers(gm, transports=None)
     return fw, bw
 
 

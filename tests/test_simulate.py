@@ -1,4 +1,6 @@
 """The two-stream simulator on hand-built schedules, and plan's memory report vs real tensors."""
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -110,10 +112,13 @@ def test_static_memory_matches_real_shards(world, mode):
         dist.destroy_process_group()
 
 
+DEBUG_CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "llama3_debug.toml")
+
+
 def _plan_rows(capsys, *extra) -> dict[str, list[str]]:
     from simplesharded import plan
 
-    assert plan.main(["--config", "configs/llama3_debug.toml", "--world-size", "8",
+    assert plan.main(["--config", DEBUG_CONFIG, "--world-size", "8",
                       "--hardware", "h100-ib400", *extra]) == 0
     out = capsys.readouterr().out
     return {cells[0]: cells[1:] for line in out.splitlines() if line.startswith("| aot_eager")
@@ -121,15 +126,33 @@ def _plan_rows(capsys, *extra) -> dict[str, list[str]]:
 
 
 @pytest.mark.slow
-def test_plan_extrapolation_agrees_with_full_trace_at_the_traced_depth(capsys, monkeypatch):
+def test_plan_extrapolation_agrees_with_full_trace_at_the_traced_depth(capsys):
     """The 6-block debug model traced in full vs "extrapolated" from its 4- and 6-block traces:
     at depth 6 the extrapolation (linear for the periodic plans, scaled from the block plan
     for autobucketing) must give the full trace's numbers. Also covers the CLI end to end."""
-    import os
-    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     # "auto": the block and autobucketing plans see different traces (their own keep budgets)
     args = ("--parallelism.reshard_after_forward", "auto")
     full = _plan_rows(capsys, *args)
     extrapolated = _plan_rows(capsys, "--full-trace-layers", "2", *args)
     assert set(full) == {"aot_eager", "aot_eager_blockbucketing", "aot_eager_autobucketing"}
     assert full == extrapolated, (full, extrapolated)
+
+
+@pytest.mark.slow
+def test_plan_applies_gloo_lowerings_only_for_gloo_profiles():
+    """`plan` runs on a fake process group, which the gloo lowerings would skip: on the
+    `local` (gloo) profile it applies them itself, so the simulated graph is the one that runs."""
+    from simplesharded import plan
+    from simplesharded.config import load_config
+    from simplesharded.passes.collectives import ALL_GATHER_COALESCED, ALL_TO_ALL
+
+    cfg = load_config(DEBUG_CONFIG, ["--activation_checkpoint.mode", "none"])
+    traced = plan.trace(cfg, 2, 1, n_layers=2)
+
+    def count(gm, target):
+        return sum(n.target is target for n in gm.graph.nodes)
+
+    for hardware, lowered in (("local", True), ("h100-ib400", False)):
+        fw, bw = plan.apply_plan(traced, "aot_eager_blockbucketing", hardware, None)
+        assert (count(fw, ALL_GATHER_COALESCED) > 0) is lowered, hardware
+        assert (count(bw, ALL_TO_ALL) > 0) is lowered, hardware
