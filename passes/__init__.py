@@ -8,6 +8,7 @@ from .planning import AutoPlan, BlockPlan
 from .recompute import tag_gathers_for_recompute
 from .reordering import reorder_for_overlap
 
-__all__ = ["bucket_collectives", "coalesce_gathers", "Collective", "count_collectives", "find_collectives",
-           "lower_reduce_scatters", "PassPipeline", "aot_backend", "inductor_backend",
+__all__ = ["bucket_collectives", "coalesce_gathers", "Collective", "count_collectives",
+           "find_collectives", "lower_reduce_scatters", "PassPipeline", "aot_backend",
+           "inductor_backend",
            "AutoPlan", "BlockPlan", "tag_gathers_for_recompute", "reorder_for_overlap"]

@@ -24,7 +24,7 @@ import operator
 from torch import fx
 
 from .collectives import (ALL_GATHER, ALL_GATHER_COALESCED, WAIT, find_collectives,
-                          process_group_backend)
+                          on_transport)
 from .graph_utils import aten, call, fake_mode_of
 
 COALESCED_BACKENDS = ("gloo",)
@@ -45,9 +45,7 @@ def coalesce_gathers(gm: fx.GraphModule, plan=None,
         match = _match(c)
         if match is None:
             continue
-        if c.group_name not in backends:
-            backends[c.group_name] = process_group_backend(c.group_name)
-        if transports is not None and backends[c.group_name] not in transports:
+        if not on_transport(c.group_name, transports, backends):
             continue
         cat, rows, clones = match
         inputs = list(cat.args[0])

@@ -82,6 +82,16 @@ def process_group_backend(group_name: str) -> str:
         return ""
 
 
+def on_transport(group_name: str, transports: tuple[str, ...] | None, cache: dict) -> bool:
+    """Is the group's backend one of ``transports`` (None: any)? ``cache``: name → backend,
+    kept by the caller for one pass run (resolving a group is not free)."""
+    if transports is None:
+        return True
+    if group_name not in cache:
+        cache[group_name] = process_group_backend(group_name)
+    return cache[group_name] in transports
+
+
 def is_wait(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is WAIT
 

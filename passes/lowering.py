@@ -20,7 +20,7 @@ from __future__ import annotations
 from torch import fx
 
 from .collectives import (ALL_TO_ALL, LOWERED_KEY, REDUCE_SCATTER, find_collectives,
-                          process_group_backend)
+                          on_transport)
 from .graph_utils import aten, call, fake_mode_of
 
 LOWERED_BACKENDS = ("gloo",)
@@ -42,9 +42,7 @@ def lower_reduce_scatters(gm: fx.GraphModule, plan=None,
         inp, op, ws, name = c.start.args[:4]
         if str(op) != "sum" or ws <= 1:
             continue
-        if name not in backends:
-            backends[name] = process_group_backend(str(name))
-        if transports is not None and backends[name] not in transports:
+        if not on_transport(str(name), transports, backends):
             continue
         shard_shape = list(c.wait.meta["val"].shape)
         rows = inp.meta["val"].shape[0]
