@@ -23,8 +23,7 @@ import operator
 
 from torch import fx
 
-from .collectives import (ALL_GATHER, ALL_GATHER_COALESCED, WAIT, find_collectives,
-                          on_transport)
+from .collectives import ALL_GATHER, ALL_GATHER_COALESCED, WAIT, collectives_on
 from .graph_utils import aten, call, fake_mode_of
 
 COALESCED_BACKENDS = ("gloo",)
@@ -38,14 +37,9 @@ def coalesce_gathers(gm: fx.GraphModule, plan=None,
     exact pattern bucketing emits is left alone; idempotent."""
     graph = gm.graph
     fake_mode = fake_mode_of(graph)
-    backends: dict[str, str] = {}
-    for c in find_collectives(graph):
-        if c.start.target is not ALL_GATHER or c.wait is None:
-            continue
+    for c in collectives_on(graph, ALL_GATHER, transports):
         match = _match(c)
         if match is None:
-            continue
-        if not on_transport(c.group_name, transports, backends):
             continue
         cat, rows, clones = match
         inputs = list(cat.args[0])

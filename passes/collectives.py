@@ -82,14 +82,22 @@ def process_group_backend(group_name: str) -> str:
         return ""
 
 
-def on_transport(group_name: str, transports: tuple[str, ...] | None, cache: dict) -> bool:
-    """Is the group's backend one of ``transports`` (None: any)? ``cache``: name → backend,
-    kept by the caller for one pass run (resolving a group is not free)."""
-    if transports is None:
-        return True
-    if group_name not in cache:
-        cache[group_name] = process_group_backend(group_name)
-    return cache[group_name] in transports
+def collectives_on(graph: fx.Graph, target, transports: tuple[str, ...] | None
+                   ) -> list["Collective"]:
+    """The waited collectives of op ``target`` whose process group's backend is one of
+    ``transports`` (None: any), in graph order: what a transport-specific lowering rewrites."""
+    backends: dict[str, str] = {}  # resolving a group is not free: once per group
+    out = []
+    for c in find_collectives(graph):
+        if c.start.target is not target or c.wait is None:
+            continue
+        if transports is not None:
+            if c.group_name not in backends:
+                backends[c.group_name] = process_group_backend(c.group_name)
+            if backends[c.group_name] not in transports:
+                continue
+        out.append(c)
+    return out
 
 
 def is_wait(node: fx.Node) -> bool:

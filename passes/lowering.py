@@ -19,8 +19,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from .collectives import (ALL_TO_ALL, LOWERED_KEY, REDUCE_SCATTER, find_collectives,
-                          on_transport)
+from .collectives import ALL_TO_ALL, LOWERED_KEY, REDUCE_SCATTER, collectives_on
 from .graph_utils import aten, call, fake_mode_of
 
 LOWERED_BACKENDS = ("gloo",)
@@ -35,14 +34,9 @@ def lower_reduce_scatters(gm: fx.GraphModule, plan=None,
     waited; idempotent."""
     graph = gm.graph
     fake_mode = fake_mode_of(graph)
-    backends: dict[str, str] = {}
-    for c in find_collectives(graph):
-        if c.start.target is not REDUCE_SCATTER or c.wait is None:
-            continue
+    for c in collectives_on(graph, REDUCE_SCATTER, transports):
         inp, op, ws, name = c.start.args[:4]
         if str(op) != "sum" or ws <= 1:
-            continue
-        if not on_transport(str(name), transports, backends):
             continue
         shard_shape = list(c.wait.meta["val"].shape)
         rows = inp.meta["val"].shape[0]

@@ -220,7 +220,8 @@ def summarize(results: dict[str, list[RunResult]], args: BenchArgs) -> list[dict
 
 def format_table(rows: list[dict], args: BenchArgs) -> str:
     head = (f"| variant | step ms | × fsdp2_eager | × compute_floor | × floor concurrent | "
-            f"collectives/step | compile s | peak RSS MB/rank | CPU ms/step main + other threads |\n"
+            f"collectives/step | compile s | peak RSS MB/rank | "
+            f"CPU ms/step main + other threads |\n"
             f"|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     lines = [head]
     for r in rows:
@@ -263,8 +264,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--variants", nargs="+", default=None,
                     help="default: all of " + " ".join(BASELINES) + " ss_<every backend>")
-    ap.add_argument("--optimizer-impl", default="foreach",
-                    choices=("for-loop", "foreach", "fused"),
+    from simplesharded.train import OPTIMIZER_IMPL
+    ap.add_argument("--optimizer-impl", default="foreach", choices=list(OPTIMIZER_IMPL),
                     help="AdamW kernels, the same for every variant (default: foreach, as the "
                          "trainer's optimizer.implementation)")
     ap.add_argument("--json", default=None, help="write rows and raw timings here")

@@ -250,15 +250,21 @@ def main(argv=None) -> int:
     print("| plan | step s | exposed comm s | comm GB/rank | collectives | tokens/s/rank | "
           "peak mem GiB/rank |\n|---|---:|---:|---:|---:|---:|---:|")
     drawn = None
+    evaluated: dict[tuple, list[dict]] = {}
+
+    def evaluate(name: str, keep) -> list[dict]:  # per trace; each (plan, traces) once
+        if (name, keep) not in evaluated:
+            evaluated[name, keep] = [_evaluate(tr, name, ns, cfg, hw, cap) for tr in traced[keep]]
+        return evaluated[name, keep]
+
     for name in ns.plans:
-        per_trace = [_evaluate(tr, name, ns, cfg, hw, cap) for tr in traced[keeps[name]]]
+        per_trace = evaluate(name, keeps[name])
         m = per_trace[0] if len(per_trace) == 1 else _extrapolate(per_trace, n_layers)
         if len(per_trace) > 1 and "autobucketing" in name:
             # Cost-model buckets may span several blocks, so their grouping (and with it the
             # gathered bytes in flight and the collective count) is not periodic in depth:
             # scale those from the block plan of the same traces instead.
-            ref = [_evaluate(tr, "aot_eager_blockbucketing", ns, cfg, hw, cap)
-                   for tr in traced[keeps[name]]]
+            ref = evaluate("aot_eager_blockbucketing", keeps[name])
             ref_m = _extrapolate(ref, n_layers)
             m["peak_act"] = ref_m["peak_act"] + per_trace[-1]["peak_act"] - ref[-1]["peak_act"]
             m["collectives"] = ref_m["collectives"] * per_trace[-1]["collectives"] / max(
