@@ -15,6 +15,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                               RowwiseParallel, SequenceParallel)
 
 
 @dataclass
@@ -37,6 +40,20 @@ class Llama3Args:
             raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
         if (self.dim // self.n_heads) % 2:
             raise ValueError(f"head_dim={self.dim // self.n_heads} must be even for RoPE")
+
+    def tp_sizes(self) -> dict[str, int]:
+        """Sizes a tensor-parallel degree must divide: TP splits heads, FFN and vocabulary."""
+        return {"n_heads": self.n_heads, "n_kv_heads": self.n_kv_heads,
+                "ffn_hidden_dim": ffn_hidden_dim(self.dim, self.multiple_of,
+                                                 self.ffn_dim_multiplier),
+                "vocab_size": self.vocab_size}
+
+    def check_tp(self, tp: int) -> None:
+        """ValueError naming the degree and the sizes it does not divide."""
+        bad = {k: v for k, v in self.tp_sizes().items() if v % tp}
+        if bad:
+            sizes = ", ".join(f"{k}={v}" for k, v in bad.items())
+            raise ValueError(f"tensor_parallel_degree={tp} does not divide {sizes}")
 
 
 FLAVORS: dict[str, Llama3Args] = {
@@ -110,12 +127,13 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
         B, S, _ = x.shape
-        q = self.wq(x).view(B, S, self.n_heads, self.head_dim)
-        k = self.wk(x).view(B, S, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(B, S, self.n_kv_heads, self.head_dim)
+        # -1 heads: under tensor parallelism each rank holds n_heads / tp of them.
+        q = self.wq(x).view(B, S, -1, self.head_dim)
+        k = self.wk(x).view(B, S, -1, self.head_dim)
+        v = self.wv(x).view(B, S, -1, self.head_dim)
         q, k = apply_rotary_emb(q, freqs_cis), apply_rotary_emb(k, freqs_cis)
         # GQA: each kv head serves n_heads // n_kv_heads consecutive query heads.
-        n_rep = self.n_heads // self.n_kv_heads
+        n_rep = q.shape[2] // k.shape[2]
         k, v = k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2)
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                            is_causal=True)
@@ -159,6 +177,36 @@ class TransformerBlock(nn.Module):
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), freqs_cis)
         return h + self.feed_forward(self.ffn_norm(h))
+
+
+def attention_tp_plan(prefix: str, sequence_parallel: bool) -> dict:
+    """One block's attention and norms: q/k/v column-wise (heads split), o row-wise; with
+    sequence parallelism the norms run on a sequence shard and the block's input is
+    all-gathered before q/k/v (its output reduce-scattered after o)."""
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan = {
+        f"{prefix}.attention": PrepareModuleInput(input_layouts=(seq, None),
+                                                  desired_input_layouts=(Replicate(), None)),
+        f"{prefix}.attention.wq": ColwiseParallel(),
+        f"{prefix}.attention.wk": ColwiseParallel(),
+        f"{prefix}.attention.wv": ColwiseParallel(),
+        f"{prefix}.attention.wo": RowwiseParallel(output_layouts=seq),
+    }
+    if sequence_parallel:
+        plan[f"{prefix}.attention_norm"] = SequenceParallel()
+        plan[f"{prefix}.ffn_norm"] = SequenceParallel()
+    return plan
+
+
+def ffn_tp_plan(prefix: str, sequence_parallel: bool) -> dict:
+    """A SwiGLU: w1/w3 column-wise, w2 row-wise (the hidden dim is split)."""
+    seq = Shard(1) if sequence_parallel else Replicate()
+    return {
+        prefix: PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+        f"{prefix}.w1": ColwiseParallel(),
+        f"{prefix}.w2": RowwiseParallel(output_layouts=seq),
+        f"{prefix}.w3": ColwiseParallel(),
+    }
 
 
 class Llama3(nn.Module):
@@ -208,6 +256,28 @@ class Llama3(nn.Module):
         for layer in self.layers.values():
             h = layer(h, freqs_cis)
         return self.output(self.norm(h))
+
+    def tp_plan(self, sequence_parallel: bool = True) -> dict:
+        """Tensor-parallel plan for ``parallelize_module(model, mesh["tp"], plan)``: module FQN
+        → torch ParallelStyle. Embedding row-wise (vocabulary split), every block's attention
+        and SwiGLU split by heads / hidden units, output column-wise with its logits gathered
+        (the loss sees full logits). With ``sequence_parallel`` the activations between blocks
+        are sharded on the sequence dim (norms and residual adds run on 1/tp of the tokens)."""
+        seq = Shard(1) if sequence_parallel else Replicate()
+        plan = {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+            "output": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
+        }
+        if sequence_parallel:
+            plan["norm"] = SequenceParallel()
+        for name in self.layers:
+            plan.update(attention_tp_plan(f"layers.{name}", sequence_parallel))
+            plan.update(self.feed_forward_tp_plan(f"layers.{name}.feed_forward",
+                                                  sequence_parallel))
+        return plan
+
+    def feed_forward_tp_plan(self, prefix: str, sequence_parallel: bool) -> dict:
+        return ffn_tp_plan(prefix, sequence_parallel)
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())

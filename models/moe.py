@@ -21,7 +21,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .llama3 import FeedForward, Llama3, Llama3Args, trunc_normal_init_
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+
+from .llama3 import FeedForward, Llama3, Llama3Args, ffn_tp_plan, trunc_normal_init_
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 LOAD_BALANCE = ("bias", "aux_loss", "none")
@@ -52,6 +55,12 @@ class MoEArgs(Llama3Args):
             raise ValueError(f"load_balance={self.load_balance!r} is not one of {sorted(LOAD_BALANCE)}")
         if not 1 <= self.top_k <= self.n_routed_experts:
             raise ValueError(f"top_k={self.top_k} must be in [1, n_routed_experts={self.n_routed_experts}]")
+
+    def tp_sizes(self) -> dict[str, int]:
+        """TP splits attention heads, the dense layers' SwiGLU and the vocabulary (the MoE
+        layers are replicated over tp until expert parallelism)."""
+        return {"n_heads": self.n_heads, "n_kv_heads": self.n_kv_heads,
+                "dense_hidden_dim": self.dense_hidden_dim, "vocab_size": self.vocab_size}
 
 
 FLAVORS: dict[str, MoEArgs] = {
@@ -191,6 +200,18 @@ class MoETransformer(Llama3):
     def build_feed_forward(self, layer_id: int) -> nn.Module:
         a = self.args
         return FeedForward(a.dim, a.dense_hidden_dim) if layer_id < a.n_dense_layers else MoE(a)
+
+    def feed_forward_tp_plan(self, prefix: str, sequence_parallel: bool) -> dict:
+        """Dense layers as Llama's; a MoE layer runs whole on every tp rank (its experts are
+        not split yet): with sequence parallelism its input is all-gathered and its output
+        cut back to this rank's sequence shard (a local slice)."""
+        if not isinstance(self.get_submodule(prefix), MoE):
+            return ffn_tp_plan(prefix, sequence_parallel)
+        if not sequence_parallel:
+            return {}
+        return {prefix: PrepareModuleInputOutput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+            output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),))}
 
     def moe_layers(self) -> list[MoE]:
         return [m for m in self.modules() if isinstance(m, MoE)]

@@ -29,11 +29,12 @@ def bucket_collectives(gm: fx.GraphModule, plan) -> fx.GraphModule:
     ``plan.assign(gm, collectives) -> list[key | None]`` gives a bucket key per collective
     (None: leave alone). Guarantees: outputs bitwise equal; one collective per
     (bucket, kind, group, dtype, reduce op); graph stays topologically valid; idempotent
-    (a bucket that already has one collective is left as is).
+    (a bucket that already has one collective is left as is); only data-parallel collectives
+    (``Collective.ours``) are offered to the plan, so TP collectives are never merged.
     """
     graph = gm.graph
     collectives = [c for c in find_collectives(graph)
-                   if c.wait is not None and c.start.target in PLAIN]
+                   if c.wait is not None and c.start.target in PLAIN and c.ours]
     keys = plan.assign(gm, collectives)
     groups: dict[tuple, list[Collective]] = defaultdict(list)
     for c, key in zip(collectives, keys):

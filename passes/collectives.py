@@ -35,6 +35,10 @@ LOWERED_KEY = "ss_lowered"
 # by our bucketing pass on the nodes it creates.
 PARAM_KEY = "ss_param"
 BUCKET_PARAMS_KEY = "ss_bucket_params"
+# The process groups of the parameter's data-parallel dims (gather_param's annotation): a
+# collective is a data-parallel one, and so ours to bucket and move, only on one of these.
+# Anything else in the graph (tensor-parallel collectives, a user's own) is left where it is.
+DP_GROUPS_KEY = "ss_dp_groups"
 
 
 @dataclass
@@ -49,6 +53,11 @@ class Collective:
     group_size: int
     dtype: torch.dtype | None
     params: list[str] = field(default_factory=list)
+
+    @property
+    def ours(self) -> bool:
+        """A data-parallel collective of a parameter: the only kind our passes rewrite/move."""
+        return bool(self.params)
 
     @property
     def module(self) -> str:
@@ -84,12 +93,12 @@ def process_group_backend(group_name: str) -> str:
 
 def collectives_on(graph: fx.Graph, target, transports: tuple[str, ...] | None
                    ) -> list["Collective"]:
-    """The waited collectives of op ``target`` whose process group's backend is one of
+    """Our waited collectives of op ``target`` whose process group's backend is one of
     ``transports`` (None: any), in graph order: what a transport-specific lowering rewrites."""
     backends: dict[str, str] = {}  # resolving a group is not free: once per group
     out = []
     for c in find_collectives(graph):
-        if c.start.target is not target or c.wait is None:
+        if c.start.target is not target or c.wait is None or not c.ours:
             continue
         if transports is not None:
             if c.group_name not in backends:
@@ -102,6 +111,18 @@ def collectives_on(graph: fx.Graph, target, transports: tuple[str, ...] | None
 
 def is_wait(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is WAIT
+
+
+def group_label(group_name: str) -> str:
+    """The mesh dim a process group was made for ("dp_shard", "tp", ...), from the
+    description DeviceMesh gives its groups; the group name when there is none."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    try:
+        desc = _resolve_process_group(group_name).group_desc
+    except Exception:
+        return group_name
+    return desc[len("mesh_"):] if desc.startswith("mesh_") else group_name
 
 
 def node_params(node: fx.Node) -> list[str]:
@@ -176,16 +197,20 @@ def find_collectives(graph: fx.Graph | fx.GraphModule) -> list[Collective]:
             nbytes //= size
         if isinstance(val, (list, tuple)):  # coalesced: its outputs share one dtype here
             val = val[0] if val else None
+        source = node if node_params(node) else _param_source(node)
+        params = node_params(source) if source is not None else []
+        dp_groups = (source.meta.get("custom") or {}).get(DP_GROUPS_KEY) if params else None
+        if dp_groups is not None and name not in dp_groups:
+            params = []  # e.g. TP's all-reduce of a replicated weight's gradient
         found.append(Collective(
             kind=kind_of(node), start=node, wait=wait_of(node), nbytes=nbytes,
             group_name=name, group_size=size,
-            dtype=val.dtype if isinstance(val, torch.Tensor) else None,
-            params=node_params(node) or _inherited_params(node)))
+            dtype=val.dtype if isinstance(val, torch.Tensor) else None, params=params))
     return found
 
 
-def _inherited_params(node: fx.Node, depth: int = 4) -> list[str]:
-    """Params of an unannotated collective, from the view/cast chain that feeds it.
+def _param_source(node: fx.Node, depth: int = 4) -> fx.Node | None:
+    """The annotated node an unannotated collective reduces, up its view/cast chain.
 
     DTensor issues a replicate gradient's all-reduce outside the annotated region (when the
     Partial gradient meets the Replicate parameter), so the node itself carries no
@@ -193,14 +218,13 @@ def _inherited_params(node: fx.Node, depth: int = 4) -> list[str]:
     for _ in range(depth):
         inputs = node.all_input_nodes
         if len(inputs) != 1:
-            return []
+            return None
         node = inputs[0]
         if is_collective(node):
-            return []
-        found = node_params(node)
-        if found:
-            return found
-    return []
+            return None
+        if node_params(node):
+            return node
+    return None
 
 
 def count_collectives(graph: fx.Graph | fx.GraphModule) -> dict[str, int]:
@@ -208,6 +232,19 @@ def count_collectives(graph: fx.Graph | fx.GraphModule) -> dict[str, int]:
     counts = {kind: 0 for kind in KINDS.values()}
     for c in find_collectives(graph):
         counts[c.kind] += 1
+    return counts
+
+
+def count_by_group(graph: fx.Graph | fx.GraphModule) -> dict[tuple[str, str], int]:
+    """{(group label, kind): n} for one graph: the mesh dim of each collective's group (see
+    :func:`group_label`; "dp_shard", "dp_replicate", "tp") and its kind."""
+    counts: dict[tuple[str, str], int] = {}
+    labels: dict[str, str] = {}
+    for c in find_collectives(graph):
+        if c.group_name not in labels:
+            labels[c.group_name] = group_label(c.group_name)
+        key = (labels[c.group_name], c.kind)
+        counts[key] = counts.get(key, 0) + 1
     return counts
 
 

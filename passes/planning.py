@@ -170,7 +170,9 @@ def _simulated(gm: fx.GraphModule, keys, hw, cap) -> float:
     from .reordering import reorder_for_overlap
     from .simulate import simulate
 
-    trial = copy.deepcopy(gm)
+    # A new graph on the same attributes: the passes only edit the graph, and deep-copying a
+    # tensor constant next to the fake tensors that describe it fails.
+    trial = fx.GraphModule(gm, copy.deepcopy(gm.graph))
     bucket_collectives(trial, _FixedPlan(tuple(keys)))
     reorder_for_overlap(trial, _Cap(cap))
     return simulate(trial, hw, node_cost=lambda n: _rank_invariant_time(n, hw)).makespan

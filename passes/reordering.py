@@ -74,7 +74,7 @@ def default_cap(collectives: list[Collective]) -> int:
 
 
 def reorder_for_overlap(gm: fx.GraphModule, plan=None) -> fx.GraphModule:
-    """Reorder ``gm`` in place (see module doc) and return it.
+    """Reorder ``gm``'s data-parallel collectives in place (see module doc) and return it.
 
     ``plan.memory_cap_bytes`` (optional) caps gathered bytes in flight. Guarantees: same
     outputs (only the order of nodes changes); def-before-use; every wait before its first use;
@@ -82,7 +82,10 @@ def reorder_for_overlap(gm: fx.GraphModule, plan=None) -> fx.GraphModule:
     need more at once without any prefetch keeps that floor); idempotent.
     """
     graph = gm.graph
-    collectives = [c for c in find_collectives(graph) if c.wait is not None]
+    # Only data-parallel collectives move: anything else (TP) keeps its place in the graph,
+    # so every process group sees the same issue order on every rank, and a collective on the
+    # critical path (TP's) is never pushed behind a prefetch.
+    collectives = [c for c in find_collectives(graph) if c.wait is not None and c.ours]
     cap = getattr(plan, "memory_cap_bytes", None) or default_cap(collectives)
     _place_gather_waits(graph, collectives)
     _prefetch_gathers(graph, collectives, cap)

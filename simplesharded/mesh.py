@@ -1,7 +1,10 @@
 """Device / backend choice and device-mesh construction.
 
-cuda → nccl, anything else → cpu + gloo. The mesh is 1-D ``("dp_shard",)`` or 2-D
-``("dp_replicate", "dp_shard")``; nothing downstream may assume one or the other.
+cuda → nccl, anything else → cpu + gloo. One rule for the mesh's dims, outermost first:
+``dp_replicate`` (only when > 1), ``dp_shard`` (always), ``tp`` (only when > 1). So a pure FSDP
+mesh is 1-D ``("dp_shard",)``, HSDP is ``("dp_replicate", "dp_shard")`` and FSDP + TP is
+``("dp_shard", "tp")``; tp is innermost so a tp group is ranks on one node (fast links).
+Nothing downstream may assume a number of dims: it asks :func:`dp_dims` / :func:`tp_dim`.
 """
 from __future__ import annotations
 
@@ -14,6 +17,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 SHARD_DIM = "dp_shard"
 REPLICATE_DIM = "dp_replicate"
+TP_DIM = "tp"
+DP_DIMS = (REPLICATE_DIM, SHARD_DIM)
 
 
 def device_type() -> str:
@@ -28,40 +33,80 @@ def backend_for(device: str) -> str:
 
 @dataclass(frozen=True)
 class MeshDegrees:
-    """Resolved data-parallel degrees; ``replicate * shard == world``."""
+    """Resolved degrees; ``replicate * shard * tp == world``."""
 
     replicate: int
     shard: int
+    tp: int = 1
+
+    @property
+    def dp(self) -> int:
+        return self.replicate * self.shard
 
     @property
     def world(self) -> int:
-        return self.replicate * self.shard
+        return self.dp * self.tp
+
+    def dims(self) -> tuple[tuple[str, int], ...]:
+        """(name, size) of each mesh dim, outermost first, by the module doc's rule."""
+        dims = [(REPLICATE_DIM, self.replicate)] if self.replicate > 1 else []
+        dims.append((SHARD_DIM, self.shard))
+        if self.tp > 1:
+            dims.append((TP_DIM, self.tp))
+        return tuple(dims)
 
 
-def resolve_degrees(world_size: int, dp_replicate: int = 1, dp_shard: int = -1) -> MeshDegrees:
+def resolve_degrees(world_size: int, dp_replicate: int = 1, dp_shard: int = -1,
+                    tp: int = 1) -> MeshDegrees:
     """Fill a ``-1`` degree from the world size and check the product.
 
-    Raises ValueError naming both numbers when they do not multiply to the world size.
+    The one place degrees are resolved. Raises ValueError naming the degrees and the world
+    size when they do not multiply to it.
     """
     for name, val in (("dp_replicate", dp_replicate), ("dp_shard", dp_shard)):
         if not isinstance(val, int) or isinstance(val, bool) or (val < 1 and val != -1):
             raise ValueError(f"{name}={val!r} must be a positive int or -1 (fill the world)")
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ValueError(f"tp={tp!r} must be a positive int")
     if dp_replicate == -1 and dp_shard == -1:
         raise ValueError("dp_replicate and dp_shard cannot both be -1; set at most one to -1")
-    if dp_shard == -1:
-        if world_size % dp_replicate:
-            raise ValueError(
-                f"dp_replicate={dp_replicate} does not divide world size {world_size}")
-        dp_shard = world_size // dp_replicate
-    elif dp_replicate == -1:
-        if world_size % dp_shard:
-            raise ValueError(f"dp_shard={dp_shard} does not divide world size {world_size}")
-        dp_replicate = world_size // dp_shard
-    if dp_replicate * dp_shard != world_size:
+    tp_txt = f" x tp={tp}" if tp > 1 else ""
+    if dp_shard == -1 or dp_replicate == -1:
+        known = (dp_replicate if dp_shard == -1 else dp_shard) * tp
+        if world_size % known:
+            given = (f"dp_replicate={dp_replicate}" if dp_shard == -1
+                     else f"dp_shard={dp_shard}") + tp_txt
+            raise ValueError(f"{given} = {known} does not divide the world size {world_size}")
+        if dp_shard == -1:
+            dp_shard = world_size // known
+        else:
+            dp_replicate = world_size // known
+    if dp_replicate * dp_shard * tp != world_size:
         raise ValueError(
-            f"dp_replicate={dp_replicate} x dp_shard={dp_shard} = {dp_replicate * dp_shard} "
-            f"does not equal the world size {world_size}")
-    return MeshDegrees(dp_replicate, dp_shard)
+            f"dp_replicate={dp_replicate} x dp_shard={dp_shard}{tp_txt} = "
+            f"{dp_replicate * dp_shard * tp} does not equal the world size {world_size}")
+    return MeshDegrees(dp_replicate, dp_shard, tp)
+
+
+def dp_dims(mesh: DeviceMesh) -> tuple[str, ...]:
+    """Names of the mesh's data-parallel dims, outermost first (all dims of an unnamed mesh)."""
+    names = mesh.mesh_dim_names
+    if names is None:
+        return ()
+    return tuple(n for n in names if n in DP_DIMS)
+
+
+def tp_dim(mesh: DeviceMesh) -> str | None:
+    """``"tp"`` when the mesh has a tensor-parallel dim, else None."""
+    return TP_DIM if mesh.mesh_dim_names and TP_DIM in mesh.mesh_dim_names else None
+
+
+def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The data-parallel part of ``mesh`` (the mesh itself when it has no other dim)."""
+    names = dp_dims(mesh)
+    if not names or names == tuple(mesh.mesh_dim_names):
+        return mesh
+    return mesh[names if len(names) > 1 else names[0]]
 
 
 def init_distributed(device: str | None = None, timeout_s: float | None = None) -> str:
@@ -86,26 +131,24 @@ def init_distributed(device: str | None = None, timeout_s: float | None = None) 
     return device
 
 
-def build_mesh(dp_replicate: int = 1, dp_shard: int = -1, device: str | None = None) -> DeviceMesh:
-    """A 1-D ``dp_shard`` mesh, or a 2-D ``(dp_replicate, dp_shard)`` mesh when replicate > 1.
-
-    The process group must already exist (see :func:`init_distributed`).
+def build_mesh(dp_replicate: int = 1, dp_shard: int = -1, device: str | None = None,
+               tp: int = 1) -> DeviceMesh:
+    """The named mesh of the module doc: ``dp_shard`` always, ``dp_replicate`` and ``tp`` when
+    their degree is > 1. The process group must already exist (see :func:`init_distributed`).
     """
-    degrees = resolve_degrees(dist.get_world_size(), dp_replicate, dp_shard)
-    device = device or device_type()
-    if degrees.replicate == 1:
-        return init_device_mesh(device, (degrees.shard,), mesh_dim_names=(SHARD_DIM,))
-    return init_device_mesh(device, (degrees.replicate, degrees.shard),
-                            mesh_dim_names=(REPLICATE_DIM, SHARD_DIM))
+    degrees = resolve_degrees(dist.get_world_size(), dp_replicate, dp_shard, tp)
+    names, sizes = zip(*degrees.dims())
+    return init_device_mesh(device or device_type(), sizes, mesh_dim_names=names)
 
 
-def init_mesh(dp_replicate: int = 1, dp_shard: int = -1, device: str | None = None) -> DeviceMesh:
-    """Initialise the process group (if needed) and build the data-parallel mesh."""
+def init_mesh(dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1,
+              device: str | None = None) -> DeviceMesh:
+    """Initialise the process group (if needed) and build the mesh (see :func:`build_mesh`)."""
     if dist.is_initialized():
         # Validate before any collective work so a bad degree fails fast and clearly.
-        resolve_degrees(dist.get_world_size(), dp_replicate, dp_shard)
+        resolve_degrees(dist.get_world_size(), dp_replicate, dp_shard, tp)
     device = init_distributed(device)
-    return build_mesh(dp_replicate, dp_shard, device)
+    return build_mesh(dp_replicate, dp_shard, device, tp)
 
 
 def _free_port() -> int:

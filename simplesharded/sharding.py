@@ -1,11 +1,19 @@
 """The sharding frontend: ``data_parallel(model, mesh, mode=...)``.
 
-Each parameter is replaced, under the same name, by a DTensor shard. The owning module's class
-is swapped for a subclass with one property per parameter name, so ``module.weight`` inside
-``forward`` returns ``redistribute(Replicate)`` of the shard: under ``torch.compile`` that is a
-traced all-gather, and autograd turns its gradient (a ``Partial`` placement) into a traced
-reduce-scatter (all-reduce for replicated mesh dims). ``_parameters`` still holds the shards,
-so ``named_parameters()`` and ``state_dict()`` keep their keys and never gather.
+Each parameter is replaced, under the same name, by a DTensor shard on the whole mesh. The
+owning module's class is swapped for a subclass with one property per parameter name, so
+``module.weight`` inside ``forward`` returns the parameter gathered over the data-parallel
+dims: under ``torch.compile`` that is a traced all-gather, and autograd turns its gradient (a
+``Partial`` placement) into a traced reduce-scatter (all-reduce for replicated mesh dims).
+``_parameters`` still holds the shards, so ``named_parameters()`` and ``state_dict()`` keep
+their keys and never gather.
+
+Tensor parallelism composes: a parameter that ``parallelize_module`` already made a DTensor on
+``mesh["tp"]`` keeps its TP placement on the tp dim and is sharded further over the dp dims
+(TP shards first, then dp splits each TP shard: when both split dim 0 torch calls this a
+strided shard, ``_StridedShard``). Reading it gathers over dp only and hands the module the
+TP DTensor it expects; its gradient is reduced over dp only (TP's own collectives are the TP
+module's business). A plain parameter on a mesh with a tp dim is replicated over tp.
 """
 from __future__ import annotations
 
@@ -19,14 +27,21 @@ from torch import nn
 from torch.utils._pytree import tree_map
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from simplesharded.mesh import dp_mesh as _dp_mesh
+from simplesharded.passes.collectives import DP_GROUPS_KEY, PARAM_KEY
+from simplesharded.passes.recompute import RESHARD_KEY
+from simplesharded.mesh import tp_dim
 
 MODES = ("replicate", "fully_shard", "hybrid_shard")
 GRAD_REDUCTIONS = ("sum", "avg")
 RESHARD_CHOICES = (True, False, "auto")
 # Config/CLI spelling of reshard_after_forward (config.py, passes/report.py) → data_parallel's.
 RESHARD_BY_NAME = {"always": True, "never": False, "auto": "auto"}
-# Key of the fx annotation put on every op of a parameter gather (see passes/recompute.py).
-GATHER_ANNOTATION = "ss_param"
+# The fx annotations put on every op of a parameter gather: its FQN (passes/recompute.py and
+# every pass find parameters by it), the dp groups and the reshard decision.
+GATHER_ANNOTATION = PARAM_KEY
 
 
 @dataclass(frozen=True)
@@ -51,6 +66,20 @@ class _GatherSpec:
     grad_scale: float  # 1/dp for grad_reduction="avg", else 1.0
     reshard_after_forward: bool | str  # True, False or "auto" (the compile plan decides)
     hybrid: bool = False  # (Replicate, Shard(0)) on a 2-D mesh
+    dp_mesh: DeviceMesh | None = None  # set when the mesh has other dims than dp (tp)
+    dp_groups: tuple[str, ...] = ()  # process-group names of the dp dims (see DP_GROUPS_KEY)
+
+
+@dataclass(frozen=True)
+class _TPLayout:
+    """A parameter that is a TP DTensor to its module: how the gather rebuilds it."""
+
+    mesh: DeviceMesh  # mesh["tp"]
+    placement: object  # its TP placement (Shard(0) colwise, Shard(1) rowwise, Replicate, ...)
+    dp_placements: tuple  # this parameter's placements on the dp dims (for the dp view)
+    local_shape: torch.Size  # this rank's TP shard (what dp gathers back)
+    shape: torch.Size  # the global parameter
+    stride: tuple
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -66,14 +95,26 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-def gather_param(shard: DTensor, spec: _GatherSpec, fqn: str) -> torch.Tensor:
-    """Shard → full local tensor in param_dtype; its gradient is reduced back onto the shard.
+def gather_param(shard: DTensor, spec: _GatherSpec, fqn: str,
+                 tp: _TPLayout | None = None) -> torch.Tensor:
+    """Shard → full local tensor in param_dtype (the TP DTensor when ``tp`` is set); its
+    gradient is reduced back onto the shard over the dp dims only.
 
-    All ops are annotated with the parameter FQN so graph passes can find them in the forward,
-    joint and backward graphs without guessing from graph shape.
+    All dp ops are annotated with the parameter FQN so graph passes can find them in the
+    forward, joint and backward graphs without guessing from graph shape. The TP re-wrap is
+    outside the annotation: TP collectives (e.g. the all-reduce of a replicated norm weight's
+    gradient under sequence parallelism) belong to TP, not to the dp passes.
     """
-    with fx_traceback.annotate({GATHER_ANNOTATION: fqn,
-                                "ss_reshard": spec.reshard_after_forward}):
+    with fx_traceback.annotate({GATHER_ANNOTATION: fqn, DP_GROUPS_KEY: spec.dp_groups,
+                                RESHARD_KEY: spec.reshard_after_forward}):
+        if spec.dp_mesh is not None:
+            # The dp part of the shard as a DTensor on the dp dims only: its global tensor is
+            # this rank's TP shard (or the whole parameter when it is replicated over tp).
+            local_shape = tp.local_shape if tp is not None else shard.shape
+            placements = tp.dp_placements if tp is not None else _dp_only(shard.placements)
+            shard = DTensor.from_local(shard.to_local(), spec.dp_mesh, placements,
+                                       run_check=False, shape=local_shape,
+                                       stride=_contiguous_stride(local_shape))
         if spec.hybrid and shard.placements == (Replicate(), Shard(0)):
             shard = _reduce_replicas_after_scatter(shard)
         full = shard.redistribute(placements=spec.replicate, forward_dtype=spec.param_dtype,
@@ -85,7 +126,23 @@ def gather_param(shard: DTensor, spec: _GatherSpec, fqn: str) -> torch.Tensor:
         local = full.to_local(grad_placements=grad_placements)
         if spec.grad_scale != 1.0:
             local = _ScaleGrad.apply(local, spec.grad_scale)
+    if tp is not None:
+        local = DTensor.from_local(local, tp.mesh, (tp.placement,), run_check=False,
+                                   shape=tp.shape, stride=tp.stride)
     return local
+
+
+def _dp_only(placements: tuple) -> tuple:
+    """Placements on the dp dims of a plain parameter (the mesh's tp dim is the last one)."""
+    return tuple(placements[:-1])
+
+
+def _contiguous_stride(shape) -> tuple:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(int(size), 1)
+    return tuple(reversed(stride))
 
 
 def _reduce_replicas_after_scatter(shard: DTensor) -> DTensor:
@@ -106,12 +163,13 @@ def _sharded_property(name: str) -> property:
         shard = self._parameters[name]
         if shard is None or not self._ss_gather_enabled:
             return shard
-        return gather_param(shard, self._ss_spec, self._ss_fqns[name])
+        return gather_param(shard, self._ss_spec, self._ss_fqns[name], self._ss_tp.get(name))
 
     return property(get, doc=f"{name}: gathered on read (simplesharded)")
 
 
 def _placements(mode: str, mesh: DeviceMesh) -> tuple:
+    """Placements of a parameter on the data-parallel mesh ``mesh``."""
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is not one of {sorted(MODES)}")
     # Explicit three-way branch (DESIGN §9).
@@ -121,9 +179,25 @@ def _placements(mode: str, mesh: DeviceMesh) -> tuple:
         return (Shard(0),) * mesh.ndim
     if mesh.ndim != 2:
         raise ValueError(
-            f"mode='hybrid_shard' needs a 2-D mesh (dp_replicate, dp_shard); got a {mesh.ndim}-D "
-            f"mesh {tuple(mesh.mesh.shape)}; build it with init_mesh(dp_replicate=R, dp_shard=S)")
+            f"mode='hybrid_shard' needs a 2-D data-parallel mesh (dp_replicate, dp_shard); got "
+            f"{mesh.ndim}-D {tuple(mesh.mesh.shape)}; build it with "
+            f"init_mesh(dp_replicate=R, dp_shard=S)")
     return (Replicate(), Shard(0))
+
+
+def _full_placements(dp_placements: tuple, tp_placement, tp_size: int) -> tuple:
+    """Placements on the whole mesh (dp dims, then tp) of a parameter whose TP placement is
+    ``tp_placement``: TP shards first, dp then splits each TP shard, which on the same tensor
+    dim is a strided shard in DTensor's left-to-right convention."""
+    if tp_placement is None:
+        return dp_placements
+    out = []
+    for p in dp_placements:
+        if (isinstance(p, Shard) and isinstance(tp_placement, Shard)
+                and p.dim == tp_placement.dim):
+            p = _StridedShard(p.dim, split_factor=tp_size)
+        out.append(p)
+    return (*out, tp_placement)
 
 
 def _check_device(model: nn.Module, mesh: DeviceMesh) -> None:
@@ -143,6 +217,42 @@ def _to_shard(t: torch.Tensor, mesh: DeviceMesh, placements: tuple) -> DTensor:
         return DTensor.from_local(local, mesh, placements, run_check=False,
                                   shape=t.shape, stride=t.stride())
     return distribute_tensor(t.detach(), mesh, placements, src_data_rank=None)
+
+
+def _shard_param(param: torch.Tensor, mesh: DeviceMesh, dp: DeviceMesh, dp_placements: tuple,
+                 fqn: str) -> tuple[DTensor, _TPLayout | None]:
+    """The whole-mesh shard of one parameter, and its TP layout if it is a TP DTensor."""
+    tp_name = tp_dim(mesh)
+    if param.dim() == 0:  # no dim 0 to shard: replicated (all-reduced)
+        dp_placements = (Replicate(),) * dp.ndim
+    if not isinstance(param, DTensor):
+        if tp_name is None:
+            return _to_shard(param, mesh, dp_placements), None
+        return _to_shard(param, mesh, (*dp_placements, Replicate())), None
+    tp_mesh = mesh[tp_name] if tp_name else None
+    if (tp_mesh is None or param.device_mesh.ndim != 1
+            or param.device_mesh.mesh_dim_names != (tp_name,)
+            or not torch.equal(param.device_mesh.mesh, tp_mesh.mesh)):
+        raise ValueError(
+            f"parameter {fqn!r} is a DTensor on mesh {param.device_mesh} but data_parallel can "
+            f"only shard plain parameters or TP DTensors on mesh['tp'] of the mesh it is given "
+            f"({mesh}); apply parallelize_module(model, mesh['tp'], plan) with that mesh")
+    placement = param.placements[0]
+    if not isinstance(placement, (Shard, Replicate)) or isinstance(placement, _StridedShard):
+        raise ValueError(f"parameter {fqn!r} has TP placement {placement}; data_parallel "
+                         f"supports Shard(d) and Replicate() on the tp dim")
+    local = param.to_local()
+    placements = _full_placements(dp_placements, placement, tp_mesh.size())
+    if local.is_meta:
+        dp_local = distribute_tensor(local, dp, dp_placements, src_data_rank=None).to_local()
+        dp_local = torch.empty_like(dp_local, device=mesh.device_type)
+    else:
+        dp_local = distribute_tensor(local.detach(), dp, dp_placements,
+                                     src_data_rank=None).to_local()
+    shard = DTensor.from_local(dp_local, mesh, placements, run_check=False,
+                               shape=param.shape, stride=param.stride())
+    return shard, _TPLayout(tp_mesh, placement, dp_placements, local.shape, param.shape,
+                            param.stride())
 
 
 def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
@@ -165,7 +275,8 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     A model on the meta device gets uninitialised shards on the mesh's device: run its
     init under :func:`disable_gather` (``with disable_gather(model): model.init_weights()``).
     """
-    placements = _placements(mode, mesh)
+    dp = _dp_mesh(mesh)
+    placements = _placements(mode, dp)
     if not (isinstance(reshard_after_forward, bool) or reshard_after_forward == "auto"):
         raise ValueError(f"reshard_after_forward={reshard_after_forward!r} is not one of "
                          f"{list(RESHARD_CHOICES)}")
@@ -173,34 +284,37 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
         raise ValueError(f"grad_reduction={grad_reduction!r} is not one of {sorted(GRAD_REDUCTIONS)}")
     if any(getattr(m, "_ss_spec", None) is not None for m in model.modules()):
         raise ValueError("model is already wrapped by data_parallel; wrap it once")
-    if any(isinstance(p, DTensor) for p in model.parameters()):
-        raise ValueError("model already has DTensor parameters; data_parallel expects plain ones")
     _check_device(model, mesh)
     mp_policy = mp_policy or MixedPrecisionPolicy()
     spec = _GatherSpec(
-        replicate=(Replicate(),) * mesh.ndim, grad_placements=(Partial(),) * mesh.ndim,
+        replicate=(Replicate(),) * dp.ndim, grad_placements=(Partial(),) * dp.ndim,
         param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype,
-        grad_scale=1.0 / mesh.size() if grad_reduction == "avg" else 1.0,
-        reshard_after_forward=reshard_after_forward, hybrid=mode == "hybrid_shard")
+        grad_scale=1.0 / dp.size() if grad_reduction == "avg" else 1.0,
+        reshard_after_forward=reshard_after_forward, hybrid=mode == "hybrid_shard",
+        dp_mesh=dp if dp is not mesh else None,
+        dp_groups=tuple(dp.get_group(i).group_name for i in range(dp.ndim)))
 
-    shards: dict[int, nn.Parameter] = {}  # id(original param) → its one shard (tied params)
+    # id(original param) → its one shard and TP layout (tied parameters share both)
+    shards: dict[int, tuple[nn.Parameter, _TPLayout | None]] = {}
     for mod_name, module in list(model.named_modules()):
         names = [n for n, p in module._parameters.items() if p is not None]
         if not names:
             continue
-        fqns = {}
+        fqns, tp = {}, {}
         for name in names:
             param = module._parameters[name]
-            if id(param) not in shards:
-                # A 0-dim parameter has no dim 0 to shard: it is replicated (all-reduced).
-                where = placements if param.dim() > 0 else (Replicate(),) * mesh.ndim
-                shards[id(param)] = nn.Parameter(_to_shard(param, mesh, where),
-                                                 requires_grad=param.requires_grad)
-            module._parameters[name] = shards[id(param)]
             fqns[name] = f"{mod_name}.{name}" if mod_name else name
+            if id(param) not in shards:
+                shard, layout = _shard_param(param, mesh, dp, placements, fqns[name])
+                shards[id(param)] = (nn.Parameter(shard, requires_grad=param.requires_grad),
+                                     layout)
+            module._parameters[name], layout = shards[id(param)]
+            if layout is not None:
+                tp[name] = layout
         _swap_class(module, names)
         module._ss_spec = spec
         module._ss_fqns = fqns
+        module._ss_tp = tp
         module._ss_gather_enabled = True
     for module in model.modules():  # buffers are replicated plain tensors on the mesh device
         for name, buf in list(module._buffers.items()):

@@ -377,8 +377,11 @@ def chain_graph(n_layers: int, world_size: int = 2, save_gathered: bool = False,
     h = placeholder("x", (3, rows))
     shards = [placeholder(f"shard{i}", (rows // world_size, rows)) for i in range(n_layers)]
     gathered = []
-    for s in shards:
-        w = op(WAIT, op(AG, s, world_size, "0"))
+    for i, s in enumerate(shards):
+        start = op(AG, s, world_size, "0")
+        w = op(WAIT, start)
+        for node in (start, w):  # as sharding.gather_param annotates them: a dp gather
+            node.meta["custom"] = {"ss_param": f"layers.{i}.weight"}
         h = op(aten.mm.default, h, w)
         gathered.append(w)
     g.output((h, *gathered) if save_gathered else (h,))
