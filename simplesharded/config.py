@@ -90,6 +90,10 @@ class Training:
 class Parallelism:
     data_parallel_replicate_degree: int = _opt(1, "replicas (outer mesh dim, HSDP)")
     data_parallel_shard_degree: int = _opt(-1, "shards per replica; -1 = fill the world")
+    tensor_parallel_degree: int = _opt(1, "tensor-parallel degree (innermost mesh dim: ranks "
+                                          "of one node); 1 = no tensor parallelism")
+    enable_sequence_parallel: bool = _opt(True, "with tensor parallelism, shard activations "
+                                                "between blocks on the sequence dim")
     # Natural default: when the mode is not given explicitly and the replicate degree is > 1,
     # load_config picks hybrid_shard (shard degree != 1: both mesh dims are used) or replicate
     # (shard degree == 1: plain DDP). An explicit mode is never changed, only validated.
@@ -378,7 +382,7 @@ def validate(cfg: Config, backends: Iterable[str] | None = None) -> None:
     t, o, s, p = cfg.training, cfg.optimizer, cfg.lr_scheduler, cfg.parallelism
     for key in ("training.global_batch_size", "training.seq_len", "training.steps",
                 "training.gradient_accumulation_steps", "training.val_steps",
-                "parallelism.data_parallel_replicate_degree",
+                "parallelism.data_parallel_replicate_degree", "parallelism.tensor_parallel_degree",
                 "activation_checkpoint.selective_every", "checkpoint.interval",
                 "metrics.log_freq", "profiling.profile_freq"):
         need(get(key) >= 1, key, ">= 1")
@@ -417,30 +421,31 @@ def validate(cfg: Config, backends: Iterable[str] | None = None) -> None:
 def resolve(cfg: Config, world_size: int) -> Config:
     """Return a copy with the -1 degrees and local_batch_size filled for `world_size` ranks.
 
-    Batch rule: global_batch_size = local_batch_size * dp * gradient_accumulation_steps.
+    Batch rule: global_batch_size = local_batch_size * dp * gradient_accumulation_steps, where
+    dp = world_size / tensor_parallel_degree (the tp ranks of one dp rank share its batch).
     """
+    from simplesharded.mesh import resolve_degrees
+
     cfg = copy.deepcopy(cfg)
     p, t = cfg.parallelism, cfg.training
-    rep, shard = p.data_parallel_replicate_degree, p.data_parallel_shard_degree
-    if shard == -1:
-        if world_size % rep:
-            raise ValueError(f"parallelism.data_parallel_replicate_degree={rep} does not "
-                             f"divide the world size {world_size}")
-        shard = world_size // rep
-    if rep * shard != world_size:
-        raise ValueError(f"parallelism: data_parallel_replicate_degree={rep} * "
-                         f"data_parallel_shard_degree={shard} != world size {world_size}")
-    p.data_parallel_shard_degree = shard
-    per_step = world_size * t.gradient_accumulation_steps
+    try:
+        degrees = resolve_degrees(world_size, p.data_parallel_replicate_degree,
+                                  p.data_parallel_shard_degree, p.tensor_parallel_degree)
+    except ValueError as e:
+        raise ValueError(f"parallelism: {e} (data_parallel_replicate_degree x "
+                         f"data_parallel_shard_degree x tensor_parallel_degree)") from None
+    p.data_parallel_shard_degree = degrees.shard
+    dp = degrees.dp
+    per_step = dp * t.gradient_accumulation_steps
     if t.local_batch_size == -1:
         if t.global_batch_size % per_step:
             raise ValueError(f"training.global_batch_size={t.global_batch_size} is not divisible"
-                             f" by dp ({world_size}) * gradient_accumulation_steps "
+                             f" by dp ({dp}) * gradient_accumulation_steps "
                              f"({t.gradient_accumulation_steps})")
         t.local_batch_size = t.global_batch_size // per_step
     elif t.local_batch_size * per_step != t.global_batch_size:
         raise ValueError(f"training.global_batch_size={t.global_batch_size} != local_batch_size "
-                         f"({t.local_batch_size}) * dp ({world_size}) * "
+                         f"({t.local_batch_size}) * dp ({dp}) * "
                          f"gradient_accumulation_steps ({t.gradient_accumulation_steps})")
     return cfg
 

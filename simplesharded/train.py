@@ -1,7 +1,7 @@
 """``python -m simplesharded.train`` (normally via ./run_train.sh / torchrun).
 
-meta-device model → activation checkpointing → data_parallel → torch.compile(our backend)
-→ AdamW on shards, warmup + decay, clipping over sharded grads, accumulation, validation,
+meta-device model → tensor parallelism → activation checkpointing → data_parallel →
+torch.compile(our backend) (all four in :func:`parallelize`) → AdamW on shards, warmup + decay, clipping over sharded grads, accumulation, validation,
 DCP checkpoints, metrics. Errors in the configuration exit with code 2 and one line.
 """
 from __future__ import annotations
@@ -18,12 +18,13 @@ import torch.distributed as dist
 import torch.fx.traceback as fx_traceback
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
 
 from simplesharded import checkpoint as ckpt
 from simplesharded.backends import make_backend
 from simplesharded.config import Config, load_config, resolve
 from simplesharded.data import build_data
-from simplesharded.mesh import build_mesh, init_distributed
+from simplesharded.mesh import build_mesh, init_distributed, tp_dim
 from simplesharded.metrics import MetricsLogger, format_record, memory_stats, peak_flops
 from simplesharded.models import build_model, get_model_spec
 from simplesharded.passes.recompute import AC_KEY
@@ -50,6 +51,17 @@ def check_static(cfg: Config, world_size: int) -> Config:
     if cfg.parallelism.mode == "hybrid_shard" and cfg.parallelism.data_parallel_replicate_degree < 2:
         raise ValueError("parallelism.mode='hybrid_shard' needs "
                          "data_parallel_replicate_degree >= 2 (a 2-D mesh)")
+    tp = cfg.parallelism.tensor_parallel_degree
+    if tp > 1:
+        try:
+            args.check_tp(tp)
+        except ValueError as e:
+            raise ValueError(f"parallelism.{e} of model {cfg.model.name}/{cfg.model.flavor}"
+                             ) from None
+        if cfg.parallelism.enable_sequence_parallel and cfg.training.seq_len % tp:
+            raise ValueError(f"parallelism.tensor_parallel_degree={tp} does not divide "
+                             f"training.seq_len={cfg.training.seq_len} (sequence parallelism "
+                             f"splits the sequence; or --no-parallelism.enable_sequence_parallel)")
     return cfg
 
 
@@ -121,24 +133,44 @@ def grad_norm_and_clip(params, max_norm: float) -> torch.Tensor:
     return norm
 
 
+def parallelize(model: torch.nn.Module, mesh, cfg: Config):
+    """TP → activation checkpointing → data_parallel → compile, in that order; returns the
+    callable a step runs (the compiled model, or the model itself)."""
+    p, t, c = cfg.parallelism, cfg.training, cfg.compile
+    if tp_dim(mesh):
+        parallelize_module(model, mesh[tp_dim(mesh)], model.tp_plan(p.enable_sequence_parallel))
+    apply_activation_checkpointing(model, cfg.activation_checkpoint.mode,
+                                   cfg.activation_checkpoint.selective_every,
+                                   compiled=c.enable)
+    pdt, rdt = DTYPES[t.mixed_precision_param], DTYPES[t.mixed_precision_reduce]
+    mp = MixedPrecisionPolicy(pdt, rdt) if (pdt, rdt) != (torch.float32, torch.float32) else None
+    data_parallel(model, mesh, p.mode, mp_policy=mp, reshard_after_forward=p.reshard,
+                  grad_reduction=t.grad_reduction)
+    if not c.enable:
+        return model
+    opts = {"dump_graphs": c.dump_graphs or None}
+    if "bucketing" in c.backend:
+        opts["memory_cap_bytes"] = int(c.memory_cap_mb * 2**20) or None
+        opts["hardware"] = c.hardware
+    return torch.compile(model, backend=make_backend(c.backend, **opts), fullgraph=True)
+
+
 class Trainer:
     def __init__(self, cfg: Config, device: str):
         self.cfg, self.device = cfg, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         p, t = cfg.parallelism, cfg.training
         self.mesh = build_mesh(p.data_parallel_replicate_degree, p.data_parallel_shard_degree,
-                               device)
+                               device, p.tensor_parallel_degree)
+        # tp is the innermost mesh dim: the tp ranks of one dp rank are consecutive and read
+        # the same batch.
+        self.tp = p.tensor_parallel_degree
         torch.manual_seed(cfg.job.seed)
-        self.data = build_data(cfg, self.rank, self.world)
+        self.data = build_data(cfg, self.rank // self.tp, self.world // self.tp)
         model = build_model(cfg.model.name, cfg.model.flavor, device="meta")
         if self.data.tokenizer.vocab_size > model.args.vocab_size:
             raise ValueError(f"model.tokenizer_path: vocabulary {self.data.tokenizer.vocab_size} "
                              f"does not fit the model's vocab_size {model.args.vocab_size}")
-        apply_activation_checkpointing(model, cfg.activation_checkpoint.mode,
-                                       cfg.activation_checkpoint.selective_every,
-                                       compiled=cfg.compile.enable)
-        pdt, rdt = DTYPES[t.mixed_precision_param], DTYPES[t.mixed_precision_reduce]
-        mp = MixedPrecisionPolicy(pdt, rdt) if (pdt, rdt) != (torch.float32, torch.float32) else None
         # DTensor's offset-based RNG (distinct, world-size independent values per shard) is
         # CUDA-only; on CPU every shard would draw the same numbers. There the model is
         # initialised in full on each rank (same seed ⇒ same values) and then sharded.
@@ -146,21 +178,11 @@ class Trainer:
         if init_full:
             model.to_empty(device=device)
             model.init_weights(buffer_device=torch.device(device))
-        data_parallel(model, self.mesh, p.mode, mp_policy=mp,
-                      reshard_after_forward=p.reshard, grad_reduction=t.grad_reduction)
+        self.step_fn = parallelize(model, self.mesh, cfg)
         if not init_full:
             with disable_gather(model):
                 model.init_weights(buffer_device=torch.device(device))
         self.model = model
-        self.step_fn = model
-        if cfg.compile.enable:
-            c = cfg.compile
-            opts = {"dump_graphs": c.dump_graphs or None}
-            if "bucketing" in c.backend:
-                opts["memory_cap_bytes"] = int(c.memory_cap_mb * 2**20) or None
-                opts["hardware"] = c.hardware
-            self.step_fn = torch.compile(model, backend=make_backend(c.backend, **opts),
-                                         fullgraph=True)
         self.params = [q for q in model.parameters() if q.requires_grad]
         self.optimizer = build_optimizer(cfg, self.params)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
@@ -189,8 +211,8 @@ class Trainer:
             (loss / denom).backward()
             loss_sum += loss.detach()
         norm = grad_norm_and_clip(self.params, t.max_norm)
-        dist.all_reduce(loss_sum)
-        loss = (loss_sum / self.tokens_per_step).item()
+        dist.all_reduce(loss_sum)  # every tp rank of a dp rank holds the same loss
+        loss = (loss_sum / (self.tokens_per_step * self.tp)).item()
         norm = norm.item()
         if not (math.isfinite(loss) and math.isfinite(norm)):
             if t.on_nonfinite == "stop":
@@ -214,7 +236,8 @@ class Trainer:
             inputs, labels = next(loader)
             total += self.loss_fn(self.model(inputs.to(self.device)), labels.to(self.device))
         dist.all_reduce(total)
-        n = self.cfg.training.val_steps * loader.global_batch_size * self.cfg.training.seq_len
+        n = (self.cfg.training.val_steps * loader.global_batch_size * self.cfg.training.seq_len
+             * self.tp)
         return (total / n).item()
 
     # ------------------------------------------------------------------ loop
