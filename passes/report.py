@@ -2,7 +2,8 @@
 
 Traces one forward+backward of a registry model wrapped by data_parallel on a fake process
 group (no communication, one process) and counts the collectives in the forward and backward
-graphs before our passes and after the last one.
+graphs before our passes and after the last one, per process group (the mesh dim it serves:
+dp_shard / dp_replicate for data parallelism, tp for tensor parallelism, with ``--tp N``).
 """
 from __future__ import annotations
 
@@ -18,25 +19,35 @@ DEFAULT_BACKENDS = ("aot_eager", "aot_eager_blockbucketing", "aot_eager_autobuck
 
 def trace_counts(model_name: str, flavor: str, backend: str, world_size: int = 2,
                  mode: str = "fully_shard", reshard_after_forward: bool | str = "auto",
-                 seq_len: int = 64, n_layers: int | None = None, **backend_options) -> dict[str, dict[str, dict[str, int]]]:
-    """{"fw"|"bw": {"before"|"after": counts}} for one compile; needs a (fake) process group."""
+                 seq_len: int = 64, n_layers: int | None = None, tp: int = 1,
+                 sequence_parallel: bool = True, **backend_options) -> dict[str, dict[str, dict]]:
+    """{"fw"|"bw": {"before"|"after": counts by kind, "groups_before"|"groups_after": counts
+    by (group label, kind)}} for one compile; needs a (fake) process group of
+    ``world_size`` = dp × tp ranks."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
     from simplesharded import data_parallel, disable_gather, make_backend
     from simplesharded.mesh import build_mesh
     from simplesharded.models import build_model
 
-    from .collectives import count_collectives
+    from .collectives import count_by_group, count_collectives
 
-    seen: dict[str, dict[str, dict[str, int]]] = defaultdict(dict)
+    seen: dict[str, dict[str, dict]] = defaultdict(dict)
 
     def observe(kind, stage, gm):
         if kind in ("fw", "bw"):
             seen[kind].setdefault("before", count_collectives(gm))
             seen[kind]["after"] = count_collectives(gm)
+            seen[kind].setdefault("groups_before", count_by_group(gm))
+            seen[kind]["groups_after"] = count_by_group(gm)
 
     torch.manual_seed(0)
     model = build_model(model_name, flavor, device="meta",
                         **({"n_layers": n_layers} if n_layers else {}))
-    mesh = build_mesh(2 if mode == "hybrid_shard" else 1, -1, "cpu")
+    mesh = build_mesh(2 if mode == "hybrid_shard" else 1, -1, "cpu", tp)
+    if tp > 1:
+        model.args.check_tp(tp)
+        parallelize_module(model, mesh["tp"], model.tp_plan(sequence_parallel))
     data_parallel(model, mesh, mode, reshard_after_forward=reshard_after_forward)
     with disable_gather(model):
         model.init_weights(buffer_device=torch.device("cpu"))
@@ -57,7 +68,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama3")
     ap.add_argument("--flavor", default="debug")
-    ap.add_argument("--world-size", type=int, default=2)
+    ap.add_argument("--world-size", type=int, default=2, help="ranks: dp x tp")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (sequence "
+                    "parallel on); the dp degree is world-size / tp")
     ap.add_argument("--n-layers", type=int, default=None, help="override the flavor's depth")
     ap.add_argument("--mode", default="fully_shard",
                     choices=["replicate", "fully_shard", "hybrid_shard"])
@@ -67,27 +80,40 @@ def main(argv=None) -> int:
                     help="data_parallel's reshard_after_forward (auto, True, False)")
     ap.add_argument("--backends", nargs="+", default=list(DEFAULT_BACKENDS))
     args = ap.parse_args(argv)
+    if args.tp < 1 or args.world_size % args.tp:
+        ap.error(f"--tp {args.tp} does not divide --world-size {args.world_size}")
     fake_world(args.world_size)
     try:
         rows = []
         for name in args.backends:
             torch._dynamo.reset()
             c = trace_counts(args.model, args.flavor, name, args.world_size, args.mode,
-                             RESHARD_BY_NAME[args.reshard], n_layers=args.n_layers)
+                             RESHARD_BY_NAME[args.reshard], n_layers=args.n_layers, tp=args.tp)
             rows.append((name, c))
+    except ValueError as e:
+        print(f"error: {e}")
+        return 2
     finally:
         dist.destroy_process_group()
     print(f"collectives per step: {args.model}/{args.flavor}, {args.mode}, "
-          f"world {args.world_size}, reshard_after_forward={args.reshard}")
-    print(f"{'backend':32s} {'fw AG':>11s} {'bw AG':>11s} {'bw RS':>11s} {'bw AR':>11s} {'total':>13s}")
+          f"world {args.world_size} (dp {args.world_size // args.tp} x tp {args.tp}), "
+          f"reshard_after_forward={args.reshard}; before our passes → after, per process group")
+    print(f"{'backend':32s} {'group':>12s} {'fw AG':>9s} {'fw RS':>9s} {'fw AR':>9s} "
+          f"{'bw AG':>9s} {'bw RS':>9s} {'bw AR':>9s} {'total':>11s}")
     for name, c in rows:
-        def pair(kind, op):
-            return f"{c[kind]['before'][op]}→{c[kind]['after'][op]}"
-        total_b = sum(sum(c[k]["before"].values()) for k in ("fw", "bw"))
-        total_a = sum(sum(c[k]["after"].values()) for k in ("fw", "bw"))
-        print(f"{name:32s} {pair('fw', 'all_gather'):>11s} {pair('bw', 'all_gather'):>11s} "
-              f"{pair('bw', 'reduce_scatter'):>11s} {pair('bw', 'all_reduce'):>11s} "
-              f"{f'{total_b}→{total_a}':>13s}")
+        groups = sorted({g for k in ("fw", "bw") for st in ("groups_before", "groups_after")
+                         for g, _ in c[k][st]})
+        for group in groups:
+            def pair(kind, op, stage):
+                return c[kind][f"groups_{stage}"].get((group, op), 0)
+            cells, tb, ta = [], 0, 0
+            for kind in ("fw", "bw"):
+                for op in ("all_gather", "reduce_scatter", "all_reduce"):
+                    b, a = pair(kind, op, "before"), pair(kind, op, "after")
+                    tb, ta = tb + b, ta + a
+                    cells.append(f"{b}→{a}")
+            print(f"{name:32s} {group:>12s} " + " ".join(f"{x:>9s}" for x in cells)
+                  + f" {f'{tb}→{ta}':>11s}")
     return 0
 
 

@@ -428,12 +428,11 @@ def resolve(cfg: Config, world_size: int) -> Config:
 
     cfg = copy.deepcopy(cfg)
     p, t = cfg.parallelism, cfg.training
-    try:
-        degrees = resolve_degrees(world_size, p.data_parallel_replicate_degree,
-                                  p.data_parallel_shard_degree, p.tensor_parallel_degree)
-    except ValueError as e:
-        raise ValueError(f"parallelism: {e} (data_parallel_replicate_degree x "
-                         f"data_parallel_shard_degree x tensor_parallel_degree)") from None
+    degrees = resolve_degrees(world_size, p.data_parallel_replicate_degree,
+                              p.data_parallel_shard_degree, p.tensor_parallel_degree,
+                              names=tuple(f"parallelism.{k}_degree" for k in (
+                                  "data_parallel_replicate", "data_parallel_shard",
+                                  "tensor_parallel")))
     p.data_parallel_shard_degree = degrees.shard
     dp = degrees.dp
     per_step = dp * t.gradient_accumulation_steps

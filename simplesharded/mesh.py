@@ -57,40 +57,47 @@ class MeshDegrees:
 
 
 def resolve_degrees(world_size: int, dp_replicate: int = 1, dp_shard: int = -1,
-                    tp: int = 1) -> MeshDegrees:
+                    tp: int = 1, names: tuple[str, str, str] = ("dp_replicate", "dp_shard", "tp")
+                    ) -> MeshDegrees:
     """Fill a ``-1`` degree from the world size and check the product.
 
-    The one place degrees are resolved. Raises ValueError naming the degrees and the world
-    size when they do not multiply to it.
+    The one place degrees are resolved. Raises ValueError naming the degrees (as ``names``
+    spells them: the API's or the config's keys) and the world size when they do not multiply
+    to it.
     """
-    for name, val in (("dp_replicate", dp_replicate), ("dp_shard", dp_shard)):
-        if not isinstance(val, int) or isinstance(val, bool) or (val < 1 and val != -1):
-            raise ValueError(f"{name}={val!r} must be a positive int or -1 (fill the world)")
-    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-        raise ValueError(f"tp={tp!r} must be a positive int")
+    values = (dp_replicate, dp_shard, tp)
+    for name, val in zip(names, values):
+        fill = name != names[2]
+        if not isinstance(val, int) or isinstance(val, bool) or (val < 1 and not
+                                                                 (fill and val == -1)):
+            raise ValueError(f"{name}={val!r} must be a positive int"
+                             + (" or -1 (fill the world)" if fill else ""))
     if dp_replicate == -1 and dp_shard == -1:
-        raise ValueError("dp_replicate and dp_shard cannot both be -1; set at most one to -1")
-    tp_txt = f" x tp={tp}" if tp > 1 else ""
-    if dp_shard == -1 or dp_replicate == -1:
+        raise ValueError(f"{names[0]} and {names[1]} cannot both be -1; set at most one to -1")
+    given = " x ".join(f"{n}={v}" for n, v in zip(names, values) if v != -1 and (v > 1 or
+                                                                              n == names[1]))
+    if -1 in (dp_replicate, dp_shard):
         known = (dp_replicate if dp_shard == -1 else dp_shard) * tp
         if world_size % known:
-            given = (f"dp_replicate={dp_replicate}" if dp_shard == -1
-                     else f"dp_shard={dp_shard}") + tp_txt
-            raise ValueError(f"{given} = {known} does not divide the world size {world_size}")
+            raise ValueError(f"{given}{_product(given, known)} does not divide the world size "
+                             f"{world_size}")
         if dp_shard == -1:
             dp_shard = world_size // known
         else:
             dp_replicate = world_size // known
-    if dp_replicate * dp_shard * tp != world_size:
-        raise ValueError(
-            f"dp_replicate={dp_replicate} x dp_shard={dp_shard}{tp_txt} = "
-            f"{dp_replicate * dp_shard * tp} does not equal the world size {world_size}")
+    elif dp_replicate * dp_shard * tp != world_size:
+        raise ValueError(f"{given}{_product(given, dp_replicate * dp_shard * tp)} does not "
+                         f"equal the world size {world_size}")
     return MeshDegrees(dp_replicate, dp_shard, tp)
+
+
+def _product(given: str, value: int) -> str:
+    return f" = {value}" if " x " in given else ""
 
 
 def dp_dims(mesh: DeviceMesh) -> tuple[str, ...]:
     """Names of the mesh's data-parallel dims, outermost first (all dims of an unnamed mesh)."""
-    names = mesh.mesh_dim_names
+    names = getattr(mesh, "mesh_dim_names", None)
     if names is None:
         return ()
     return tuple(n for n in names if n in DP_DIMS)
@@ -98,7 +105,8 @@ def dp_dims(mesh: DeviceMesh) -> tuple[str, ...]:
 
 def tp_dim(mesh: DeviceMesh) -> str | None:
     """``"tp"`` when the mesh has a tensor-parallel dim, else None."""
-    return TP_DIM if mesh.mesh_dim_names and TP_DIM in mesh.mesh_dim_names else None
+    names = getattr(mesh, "mesh_dim_names", None)
+    return TP_DIM if names and TP_DIM in names else None
 
 
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:

@@ -179,7 +179,7 @@ def _placements(mode: str, mesh: DeviceMesh) -> tuple:
         return (Shard(0),) * mesh.ndim
     if mesh.ndim != 2:
         raise ValueError(
-            f"mode='hybrid_shard' needs a 2-D data-parallel mesh (dp_replicate, dp_shard); got "
+            f"mode='hybrid_shard' needs a 2-D mesh of dp dims (dp_replicate, dp_shard); got "
             f"{mesh.ndim}-D {tuple(mesh.mesh.shape)}; build it with "
             f"init_mesh(dp_replicate=R, dp_shard=S)")
     return (Replicate(), Shard(0))
@@ -241,14 +241,13 @@ def _shard_param(param: torch.Tensor, mesh: DeviceMesh, dp: DeviceMesh, dp_place
     if not isinstance(placement, (Shard, Replicate)) or isinstance(placement, _StridedShard):
         raise ValueError(f"parameter {fqn!r} has TP placement {placement}; data_parallel "
                          f"supports Shard(d) and Replicate() on the tp dim")
-    local = param.to_local()
+    local = param.detach().to_local()
     placements = _full_placements(dp_placements, placement, tp_mesh.size())
     if local.is_meta:
         dp_local = distribute_tensor(local, dp, dp_placements, src_data_rank=None).to_local()
         dp_local = torch.empty_like(dp_local, device=mesh.device_type)
     else:
-        dp_local = distribute_tensor(local.detach(), dp, dp_placements,
-                                     src_data_rank=None).to_local()
+        dp_local = distribute_tensor(local, dp, dp_placements, src_data_rank=None).to_local()
     shard = DTensor.from_local(dp_local, mesh, placements, run_check=False,
                                shape=param.shape, stride=param.stride())
     return shard, _TPLayout(tp_mesh, placement, dp_placements, local.shape, param.shape,

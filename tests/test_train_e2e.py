@@ -383,8 +383,7 @@ def test_degrees_not_matching_world(tmp_path):
     r = run(train_cmd(2, "--parallelism.data_parallel_shard_degree", "3",
                       "--job.dump_folder", str(tmp_path / "out")), tmp_path, timeout=120)
     assert r.returncode != 0, r
-    want = ("error: parallelism: data_parallel_replicate_degree=1 * "
-            "data_parallel_shard_degree=3 != world size 2")
+    want = ("error: parallelism.data_parallel_shard_degree=3 does not equal the world size 2")
     assert want in r.error_lines(), r
     assert "exitcode  : 2" in r.stderr, r  # torchrun's report of the worker's exit code
     assert "[simplesharded]" not in r.stdout, r  # failed before building anything
