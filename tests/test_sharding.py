@@ -230,3 +230,103 @@ def test_scalar_parameter_is_replicated(mesh1d):
     model = ss.data_parallel(WithScale(), mesh1d, "fully_shard")
     assert model._parameters["scale"].placements == (Replicate(),)
     assert model.lin._parameters["weight"].to_local().shape == (4 // WORLD, 4)
+
+
+# ---------------------------------------------------------------- tensor parallel degrees
+
+
+def test_resolve_degrees_with_tp():
+    d = resolve_degrees(8, dp_shard=-1, tp=2)
+    assert (d.replicate, d.shard, d.tp, d.dp, d.world) == (1, 4, 2, 4, 8)
+    d = resolve_degrees(16, dp_replicate=2, dp_shard=-1, tp=4)
+    assert (d.replicate, d.shard, d.tp) == (2, 2, 4)
+    # one rule for the mesh dims: dp_shard always, dp_replicate and tp only when > 1
+    assert resolve_degrees(4, tp=2).dims() == (("dp_shard", 2), ("tp", 2))
+    assert resolve_degrees(2, dp_shard=1, tp=2).dims() == (("dp_shard", 1), ("tp", 2))
+    assert resolve_degrees(4).dims() == (("dp_shard", 4),)
+    assert [n for n, _ in resolve_degrees(8, 2, 2, 2).dims()] == ["dp_replicate", "dp_shard",
+                                                                   "tp"]
+
+
+@pytest.mark.parametrize("kwargs,needles", [
+    (dict(tp=3), ["tp=3", "does not divide the world size 8"]),
+    (dict(dp_shard=2, tp=2), ["dp_shard=2 x tp=2 = 4", "world size 8"]),
+    (dict(tp=0), ["tp=0", "positive"]),
+    (dict(tp=-1), ["tp=-1"]),
+])
+def test_resolve_degrees_tp_errors_name_the_degrees(kwargs, needles):
+    with pytest.raises(ValueError) as e:
+        resolve_degrees(8, **kwargs)
+    for n in needles:
+        assert n in str(e.value), (n, str(e.value))
+
+
+def test_tp_degree_must_divide_model_sizes():
+    from simplesharded.models import get_model_spec
+
+    _, args = get_model_spec("llama3", "debug")  # 16 heads, 4 kv heads, vocab 512
+    args.check_tp(4)
+    with pytest.raises(ValueError) as e:
+        args.check_tp(8)
+    assert str(e.value) == "tensor_parallel_degree=8 does not divide n_kv_heads=4"
+    _, args = get_model_spec("llama3", "70B")
+    args.check_tp(8)
+    _, moe = get_model_spec("deepseek_v3", "debug")
+    with pytest.raises(ValueError, match="dense_hidden_dim=768"):
+        moe.check_tp(512)
+
+
+def test_tp_plan_is_plain_data_over_real_modules():
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    from simplesharded.models import build_model
+
+    for name in ("llama3", "deepseek_v3"):
+        model = build_model(name, "debug", device="meta", n_layers=2)
+        for sp in (True, False):
+            plan = model.tp_plan(sequence_parallel=sp)
+            assert all(isinstance(v, ParallelStyle) for v in plan.values())
+            for fqn in plan:  # every key names a module of the model
+                model.get_submodule(fqn)
+            assert ("norm" in plan) == sp  # norms are sequence-parallel only with SP
+    plan = build_model("llama3", "debug", device="meta", n_layers=2).tp_plan()
+    assert {k for k in plan if k.startswith("layers.0.")} == {
+        f"layers.0.{m}" for m in ("attention", "attention.wq", "attention.wk", "attention.wv",
+                                  "attention.wo", "attention_norm", "ffn_norm", "feed_forward",
+                                  "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")}
+
+
+def test_data_parallel_rejects_dtensor_not_on_the_tp_dim(fake_world):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = ss.build_mesh(dp_replicate=1, dp_shard=WORLD // 2, device="cpu", tp=2)
+    model = toy.make_model()
+    lin = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
+    name = next(n for n, m in model.named_modules() if m is lin)
+    lin.weight = torch.nn.Parameter(distribute_tensor(lin.weight.detach(), mesh["dp_shard"],
+                                                      [Shard(0)]))
+    with pytest.raises(ValueError) as e:
+        ss.data_parallel(model, mesh)
+    assert f"'{name}.weight'" in str(e.value) and "mesh['tp']" in str(e.value)
+
+
+def test_tp_parameter_layout_on_the_whole_mesh(fake_world):
+    """A colwise (Shard(0)) TP weight becomes a strided shard over dp then Shard(0) over tp;
+    a rowwise one (Shard(1)) keeps Shard(0) over dp; a plain one is replicated over tp."""
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh = ss.build_mesh(dp_replicate=1, dp_shard=WORLD // 2, device="cpu", tp=2)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.Linear(12, 8),
+                                torch.nn.LayerNorm(8))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    ss.data_parallel(model, mesh)
+    dp = WORLD // 2
+    got = {n: (p.placements, tuple(p.shape), tuple(p.to_local().shape))
+           for n, p in model.named_parameters()}
+    assert got["0.weight"] == ((_StridedShard(0, split_factor=2), Shard(0)), (12, 8),
+                               (12 // 2 // dp, 8))
+    assert got["1.weight"] == ((Shard(0), Shard(1)), (8, 12), (8 // dp, 6))
+    assert got["1.bias"][0] == (Shard(0), Replicate())  # rowwise bias: replicated over tp
+    assert got["2.weight"][0] == (Shard(0), Replicate())
