@@ -122,6 +122,8 @@ def group_label(group_name: str) -> str:
         desc = _resolve_process_group(group_name).group_desc
     except Exception:
         return group_name
+    if desc == "default_pg":  # a 1-D mesh over every rank reuses the default group
+        return "world"
     return desc[len("mesh_"):] if desc.startswith("mesh_") else group_name
 
 

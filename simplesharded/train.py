@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import math
 import os
 import sys
@@ -125,7 +126,16 @@ def build_optimizer(cfg: Config, params):
 def grad_norm_and_clip(params, max_norm: float) -> torch.Tensor:
     """Global L2 norm over sharded grads (a DTensor norm reduces across ranks), clipped."""
     grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    # On a dp x tp mesh DTensor reduces the norm's partial over each mesh dim in turn and logs
+    # that one collective over a flattened mesh would be faster: true, and irrelevant for one
+    # scalar a step, so the advice is not printed by every rank.
+    redistribute_log = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = redistribute_log.level
+    redistribute_log.setLevel(logging.ERROR)
+    try:
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    finally:
+        redistribute_log.setLevel(level)
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
     if max_norm > 0:
