@@ -103,7 +103,7 @@ def _layout_job(rank, world, rep, shard, tp, mode, cases):
     from torch.distributed.tensor.parallel import parallelize_module
 
     import simplesharded as ss
-    from simplesharded.passes.collectives import count_by_group
+    from simplesharded.passes.collectives import count_by_group, find_collectives, group_label
 
     mode = "fully_shard" if mode == "inductor" else mode
     out = {}
@@ -115,6 +115,9 @@ def _layout_job(rank, world, rep, shard, tp, mode, cases):
             if kind in ("fw", "bw"):
                 counts.setdefault((kind, "before"), count_by_group(gm))
                 counts[(kind, "after")] = count_by_group(gm)
+                # issue order per process group of the graph that runs (the last stage)
+                counts[(kind, "order")] = [(group_label(c.group_name), c.kind, c.nbytes)
+                                           for c in find_collectives(gm)]
 
         mesh = ss.build_mesh(rep, shard, "cpu", tp)
         model = make_model()
@@ -169,6 +172,19 @@ def test_bucketed_tp_is_bitwise_unbucketed(backend):
         assert not diff, f"{backend}: not bitwise equal to aot_eager: {diff}"
 
 
+def test_every_rank_issues_the_same_collectives_in_the_same_order():
+    """What keeps a 3-D mesh from hanging: on every process group, every rank issues the same
+    collectives in the same order (ranks differ only in which TP shard they hold)."""
+    results = run_layout((1, 2, 2, "fully_shard"))
+    for case in (("aot_eager_blockbucketing", True), ("aot_eager_autobucketing", True)):
+        orders = [r[case][3] for r in results]
+        for kind in ("fw", "bw"):
+            first = orders[0][(kind, "order")]
+            assert {g for g, _, _ in first} == {"dp_shard", "tp"}
+            for rank, o in enumerate(orders[1:], 1):
+                assert o[(kind, "order")] == first, (case, kind, rank)
+
+
 def _by(counts, kind, stage, group):
     return {k: n for (g, k), n in counts[(kind, stage)].items() if g == group}
 
@@ -190,3 +206,68 @@ def test_tp_collectives_untouched_and_dp_one_per_block_bucket():
     assert _by(block, "fw", "before", "dp_shard") == {"all_gather": 9 * n_blocks + 3}
     plain = results[("aot_eager", True)][3]
     assert _by(plain, "fw", "after", "dp_shard") == {"all_gather": 9 * n_blocks + 3}
+
+
+class UnevenMLP(torch.nn.Module):
+    """Sizes that split unevenly: 10 hidden units over tp 2 → 5 rows per TP shard, which dp 2
+    splits 3 + 2 (the strided shard's uneven case); 7 outputs over dp 2 → 4 + 3."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(6, 10)
+        self.down = torch.nn.Linear(10, 7, bias=False)
+        self.norm = torch.nn.LayerNorm(7)
+
+    def forward(self, x):
+        return self.norm(self.down(torch.relu(self.up(x))))
+
+
+def _uneven_job(rank, world, backend):
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    import simplesharded as ss
+
+    torch.manual_seed(0)
+    model = UnevenMLP()
+    mesh = ss.build_mesh(1, 2, "cpu", tp=2)
+    parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    param_dtype = torch.bfloat16 if backend.endswith("bf16") else torch.float32
+    backend = backend.removesuffix("-bf16")
+    ss.data_parallel(model, mesh, mp_policy=ss.MixedPrecisionPolicy(param_dtype, torch.float32))
+    seen = []
+    model.up.register_forward_hook(lambda m, i, o: seen.append(m.weight.dtype))
+    step_fn = model if backend == "eager" else torch.compile(
+        model, backend=ss.make_backend(backend), fullgraph=True)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    dp = rank // 2
+    loss = (step_fn(x[2 * dp:2 * dp + 2]) * _target()[2 * dp:2 * dp + 2]).sum()
+    loss.backward()
+    shapes = {n: tuple(p.to_local().shape) for n, p in model.named_parameters()}
+    if backend == "eager":  # mixed precision: gathered in param_dtype, reduced onto fp32
+        assert seen == [param_dtype], seen
+        assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+    return {n: _full(p.grad) for n, p in model.named_parameters()}, shapes
+
+
+def _target():
+    # a fixed random projection (the sum of a LayerNorm's squares would be ~constant, its
+    # gradient ~0 and pure rounding noise)
+    return torch.randn(4, 7, generator=torch.Generator().manual_seed(2))
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager_blockbucketing", "eager-bf16"])
+def test_uneven_strided_shards(backend):
+    """Uneven strided shards give the reference gradients; with bf16 parameters (mixed
+    precision) within bf16 rounding."""
+    torch.manual_seed(0)
+    ref = UnevenMLP()
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    (ref(x) * _target()).sum().backward()
+    results = spawn(4, _uneven_job, backend)
+    grads, _ = results[0]
+    tol = 2e-2 if backend.endswith("bf16") else TOL  # bf16 has an 8-bit mantissa
+    for n, p in ref.named_parameters():
+        assert max_rel_diff(grads[n], p.grad) <= tol, n
+    # the layout really is uneven: dp ranks 0 and 1 of TP shard 0 hold 3 and 2 rows of up
+    assert results[0][1]["up.weight"] == (3, 6) and results[2][1]["up.weight"] == (2, 6)
