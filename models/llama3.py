@@ -257,16 +257,21 @@ class Llama3(nn.Module):
             h = layer(h, freqs_cis)
         return self.output(self.norm(h))
 
-    def tp_plan(self, sequence_parallel: bool = True) -> dict:
+    def tp_plan(self, sequence_parallel: bool = True, loss_parallel: bool = False) -> dict:
         """Tensor-parallel plan for ``parallelize_module(model, mesh["tp"], plan)``: module FQN
         → torch ParallelStyle. Embedding row-wise (vocabulary split), every block's attention
-        and SwiGLU split by heads / hidden units, output column-wise with its logits gathered
-        (the loss sees full logits). With ``sequence_parallel`` the activations between blocks
-        are sharded on the sequence dim (norms and residual adds run on 1/tp of the tokens)."""
+        and SwiGLU split by heads / hidden units, output column-wise. With
+        ``sequence_parallel`` the activations between blocks are sharded on the sequence dim
+        (norms and residual adds run on 1/tp of the tokens). The logits are gathered over tp
+        (plain tensors), or with ``loss_parallel`` stay a DTensor sharded on the vocabulary
+        for a cross-entropy under ``torch.distributed.tensor.parallel.loss_parallel()``."""
         seq = Shard(1) if sequence_parallel else Replicate()
+        output = (ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1),
+                                  use_local_output=False) if loss_parallel else
+                  ColwiseParallel(input_layouts=seq, output_layouts=Replicate()))
         plan = {
             "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-            "output": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
+            "output": output,
         }
         if sequence_parallel:
             plan["norm"] = SequenceParallel()

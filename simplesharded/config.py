@@ -94,6 +94,8 @@ class Parallelism:
                                           "of one node); 1 = no tensor parallelism")
     enable_sequence_parallel: bool = _opt(True, "with tensor parallelism, shard activations "
                                                 "between blocks on the sequence dim")
+    enable_loss_parallel: bool = _opt(True, "with tensor parallelism, compute the loss on "
+                                            "vocabulary-sharded logits (no full logits)")
     # Natural default: when the mode is not given explicitly and the replicate degree is > 1,
     # load_config picks hybrid_shard (shard degree != 1: both mesh dims are used) or replicate
     # (shard degree == 1: plain DDP). An explicit mode is never changed, only validated.

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.fx.traceback as fx_traceback
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 from simplesharded import checkpoint as ckpt
 from simplesharded.backends import make_backend
@@ -143,12 +143,23 @@ def grad_norm_and_clip(params, max_norm: float) -> torch.Tensor:
     return norm
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A loss-parallel loss is a DTensor replicated over tp: its local value is the loss."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def uses_loss_parallel(cfg: Config) -> bool:
+    p = cfg.parallelism
+    return p.tensor_parallel_degree > 1 and p.enable_loss_parallel
+
+
 def parallelize(model: torch.nn.Module, mesh, cfg: Config):
     """TP → activation checkpointing → data_parallel → compile, in that order; returns the
     callable a step runs (the compiled model, or the model itself)."""
     p, t, c = cfg.parallelism, cfg.training, cfg.compile
     if tp_dim(mesh):
-        parallelize_module(model, mesh[tp_dim(mesh)], model.tp_plan(p.enable_sequence_parallel))
+        parallelize_module(model, mesh[tp_dim(mesh)],
+                           model.tp_plan(p.enable_sequence_parallel, uses_loss_parallel(cfg)))
     apply_activation_checkpointing(model, cfg.activation_checkpoint.mode,
                                    cfg.activation_checkpoint.selective_every,
                                    compiled=c.enable)
@@ -175,6 +186,7 @@ class Trainer:
         # tp is the innermost mesh dim: the tp ranks of one dp rank are consecutive and read
         # the same batch.
         self.tp = p.tensor_parallel_degree
+        self.loss_parallel = uses_loss_parallel(cfg)
         torch.manual_seed(cfg.job.seed)
         self.data = build_data(cfg, self.rank // self.tp, self.world // self.tp)
         model = build_model(cfg.model.name, cfg.model.flavor, device="meta")
@@ -204,7 +216,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
     def loss_fn(self, logits, labels):
+        """Summed cross-entropy. Under loss parallelism the logits are a DTensor sharded on the
+        vocabulary over tp: torch's loss_parallel computes the same log-softmax with the max
+        and the sum of exponentials all-reduced over tp (no rank materialises full logits)."""
         return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
+
+    def _loss_context(self):
+        return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
 
     def train_step(self) -> dict[str, float]:
         t = self.cfg.training
@@ -217,9 +235,10 @@ class Trainer:
         for _ in range(t.gradient_accumulation_steps):
             inputs, labels = next(self.data.train)
             inputs, labels = inputs.to(self.device), labels.to(self.device)
-            loss = self.loss_fn(self.step_fn(inputs), labels)
-            (loss / denom).backward()
-            loss_sum += loss.detach()
+            with self._loss_context():  # backward too: the loss's own backward is parallel
+                loss = self.loss_fn(self.step_fn(inputs), labels)
+                (loss / denom).backward()
+            loss_sum += _local(loss.detach())
         norm = grad_norm_and_clip(self.params, t.max_norm)
         dist.all_reduce(loss_sum)  # every tp rank of a dp rank holds the same loss
         loss = (loss_sum / (self.tokens_per_step * self.tp)).item()
@@ -244,7 +263,9 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         for _ in range(self.cfg.training.val_steps):
             inputs, labels = next(loader)
-            total += self.loss_fn(self.model(inputs.to(self.device)), labels.to(self.device))
+            with self._loss_context():
+                total += _local(self.loss_fn(self.model(inputs.to(self.device)),
+                                             labels.to(self.device)))
         dist.all_reduce(total)
         n = (self.cfg.training.val_steps * loader.global_batch_size * self.cfg.training.seq_len
              * self.tp)
