@@ -1,15 +1,32 @@
 #!/usr/bin/env bash
 # Train with torchrun. Env: CONFIG_FILE (default configs/llama3_debug.toml), NGPU (processes per
 # node; default: number of GPUs, else 2 CPU processes), NNODES, NODE_RANK, MASTER_ADDR,
-# MASTER_PORT (multi-node). Every argument is passed to the trainer: --section.key value.
+# MASTER_PORT (multi-node). Every argument is passed to the trainer: --section.key value
+# (--help lists every key). Config errors are reported here, once, before torchrun starts.
 set -euo pipefail
 cd "$(dirname "$0")"
 source scripts/bootstrap.sh
 CONFIG_FILE="${CONFIG_FILE:-configs/llama3_debug.toml}"
+for arg in "$@"; do  # help once from this process, not from every rank
+    if [ "$arg" = "-h" ] || [ "$arg" = "--help" ]; then
+        exec python -m simplesharded.train "$@"
+    fi
+done
 if [ -z "${NGPU:-}" ]; then
     NGPU=$(python -c "import torch; print(torch.cuda.device_count() or 2)" 2>/dev/null)
 fi
 NNODES="${NNODES:-1}"
+for var in NGPU NNODES; do
+    if ! [[ "${!var}" =~ ^[1-9][0-9]*$ ]]; then
+        echo "error: $var='${!var}' must be a positive integer" >&2
+        exit 2
+    fi
+done
+# Preflight: a config or degree error is one line and exit 2 here, before torchrun starts any
+# rank (each rank would print it again, then torchrun its ChildFailedError traceback). The
+# ranks repeat these checks for direct torchrun users.
+WORLD_SIZE=$((NGPU * NNODES)) python -m simplesharded.train --check-only \
+    --job.config_file "$CONFIG_FILE" "$@" || exit
 # torchrun --max-restarts: restarted gloo ranks must not reuse the dead workers' store
 # (pytorch/pytorch#135712).
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"

@@ -451,8 +451,10 @@ def resolve(cfg: Config, world_size: int) -> Config:
     return cfg
 
 
-def _help() -> str:
-    lines = ["usage: python -m simplesharded.config [--json] [--section.key VALUE ...]", ""]
+def help_text(usage: str = "python -m simplesharded.config [--json] [--section.key VALUE ...]"
+              ) -> str:
+    """Every key with its type, default, help and choices (the trainer's --help shows it too)."""
+    lines = [f"usage: {usage}", ""]
     for section, cls in _sections().items():
         for f in dataclasses.fields(cls):
             choices = f.metadata.get("choices")
@@ -465,7 +467,7 @@ def _help() -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
-        print(_help())
+        print(help_text())
         return 0
     as_json = "--json" in argv
     argv = [a for a in argv if a != "--json"]

@@ -3,6 +3,8 @@
 meta-device model → tensor parallelism → activation checkpointing → data_parallel →
 torch.compile(our backend) (all four in :func:`parallelize`) → AdamW on shards, warmup + decay, clipping over sharded grads, accumulation, validation,
 DCP checkpoints, metrics. Errors in the configuration exit with code 2 and one line.
+``--help`` lists every key; ``--check-only`` runs only those checks (run_train.sh's
+preflight, with WORLD_SIZE set to the number of processes torchrun would start).
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 from simplesharded import checkpoint as ckpt
 from simplesharded.backends import make_backend
-from simplesharded.config import Config, load_config, resolve
+from simplesharded.config import Config, help_text, load_config, resolve
 from simplesharded.data import build_data
 from simplesharded.mesh import build_mesh, init_distributed, tp_dim
 from simplesharded.metrics import MetricsLogger, format_record, memory_stats, peak_flops
@@ -357,13 +359,22 @@ class Trainer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(help_text("python -m simplesharded.train | ./run_train.sh [--section.key VALUE ...]"))
+        return 0
+    # --check-only: run_train.sh's preflight. The same checks once, in one process, before
+    # torchrun starts any rank (otherwise every rank prints the error, then torchrun a traceback).
+    check_only = "--check-only" in argv
+    argv = [a for a in argv if a != "--check-only"]
     try:
         cfg = load_config(None, argv)
         cfg = check_static(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG
+    if check_only:
+        return 0
     device = init_distributed()
     if cfg.training.deterministic:
         torch.use_deterministic_algorithms(True)

@@ -243,3 +243,23 @@ def test_optimizer_implementation_reaches_torch():
             cfg = load(None, ["--optimizer.implementation", impl, "--optimizer.name", name])
             opt = build_optimizer(cfg, params)
             assert opt.defaults[key] is (impl != "for-loop"), (impl, name, opt.defaults)
+
+
+def test_train_check_only(monkeypatch, capsys):
+    """`python -m simplesharded.train --check-only` (run_train.sh's preflight): the trainer's
+    static checks for WORLD_SIZE ranks, then exit without touching a process group."""
+    import torch.distributed as dist
+
+    from simplesharded.train import main as train_main
+
+    path = os.path.join(ROOT, "configs", "llama3_debug.toml")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert train_main(["--check-only", "--job.config_file", path]) == 0
+    assert not dist.is_initialized()
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("WORLD_SIZE", "3")  # global batch 8 does not split over 3 ranks
+    assert train_main(["--job.config_file", path, "--check-only"]) == 2
+    assert capsys.readouterr().err == ("error: training.global_batch_size=8 is not divisible by "
+                                       "dp (3) * gradient_accumulation_steps (1)\n")
+    assert train_main(["--check-only", "--help"]) == 0
+    assert "--training.steps (int" in capsys.readouterr().out

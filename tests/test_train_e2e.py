@@ -435,3 +435,71 @@ def test_tp_compiled_loss_curve_matches_dp_only(tmp_path):
     tp, dp = read_losses(tmp_path / "tp2"), read_losses(tmp_path / "dp4")
     assert sorted(tp) == list(range(1, 11))
     assert_close(tp, dp, range(1, 11), 1e-4, "tp 2 x dp 2 vs dp 4")
+
+
+# ---------------------------------------------------------------------------- run_train.sh
+
+RUN_TRAIN = str(ROOT / "run_train.sh")
+
+
+def run_train_sh(env: dict[str, str], *args: str) -> list[str]:
+    """`env … ./run_train.sh args` with NGPU/NNODES/MASTER_ADDR only as `env` says."""
+    sets = [f"{k}={v}" for k, v in env.items()]
+    return ["env", "-u", "NGPU", "-u", "NNODES", "-u", "MASTER_ADDR", *sets, RUN_TRAIN, *args]
+
+
+def _own_stderr(r: Result) -> Result:
+    """r without bootstrap's lines (printed only when it (re)installs the venv)."""
+    lines = [ln for ln in r.stderr.splitlines() if not ln.startswith("[bootstrap] ")]
+    return Result(r.cmd, r.returncode, r.stdout, "\n".join(lines))
+
+
+def test_run_train_sh_config_errors_before_torchrun(tmp_path):
+    """The README's command reports a config or degree error once, as one line and exit 2,
+    before torchrun starts: no per-rank copies, no ChildFailedError traceback, no dump folder."""
+    dump = ["--job.dump_folder", str(tmp_path / "out")]
+    cases = {
+        "unknown key": ({}, ["--training.stepz", "3"],
+                        ["'training.stepz'", "did you mean 'training.steps'?"]),
+        "shard degree vs world": ({"NGPU": "2"}, ["--parallelism.data_parallel_shard_degree", "3"],
+                                  ["parallelism.data_parallel_shard_degree=3", "world size 2"]),
+        "tp degree vs world": ({"NGPU": "4"}, ["--parallelism.tensor_parallel_degree", "3"],
+                               ["parallelism.tensor_parallel_degree=3", "world size 4"]),
+        # the world is NGPU x NNODES: checked on each node before the rendezvous
+        "world spans nodes": ({"NGPU": "2", "NNODES": "2", "MASTER_ADDR": "127.0.0.1"},
+                              ["--parallelism.data_parallel_shard_degree", "2"],
+                              ["parallelism.data_parallel_shard_degree=2", "world size 4"]),
+        "NGPU not a number": ({"NGPU": "two"}, [], ["NGPU='two'", "positive integer"]),
+    }
+    cmds = [run_train_sh(env, *args, *dump) for env, args, _ in cases.values()]
+    results = run_many(cmds, tmp_path, timeout=180)
+    for (name, (_, _, needles)), r in zip(cases.items(), results):
+        r = _own_stderr(r)
+        try:
+            assert r.returncode == 2, r
+            assert len(r.stderr.splitlines()) == 1, r  # exactly one line, blank ones included
+            _one_error_line(r, *needles)
+            assert "ChildFailedError" not in r.stderr and r.stdout == "", r
+        except AssertionError as e:
+            raise AssertionError(f"case {name!r}: {e}") from None
+    assert not (tmp_path / "out").exists()
+
+
+def test_run_train_sh_help(tmp_path):
+    """--help prints every key once and exits 0 (the preflight must not reject it)."""
+    r = _own_stderr(run(run_train_sh({"NGPU": "2"}, "--help"), tmp_path, timeout=120))
+    assert r.returncode == 0 and r.stderr == "", r
+    assert r.stdout.startswith("usage: ") and "--training.steps (int, default 30)" in r.stdout, r
+    assert r.stdout.count("usage: ") == 1, r  # once: from run_train.sh, not from each rank
+    assert "[simplesharded]" not in r.stdout, r  # no training started
+
+
+@pytest.mark.slow
+def test_run_train_sh_valid_config_trains(tmp_path):
+    """A valid config passes the preflight and trains under torchrun as before."""
+    dump = tmp_path / "out"
+    r = run(run_train_sh({"NGPU": "2"}, *COMMON, "--training.steps", "2",
+                         "--job.dump_folder", str(dump)), tmp_path)
+    assert r.returncode == 0, r
+    assert "[simplesharded] llama3/debug world=2" in r.stdout, r
+    assert sorted(read_losses(dump)) == [1, 2], r
