@@ -4,9 +4,10 @@ Builds the model on the meta device and parallelizes it as the trainer does
 (train.parallelize: tensor parallelism on the mesh's tp dim, activation checkpointing,
 data_parallel) over a *fake* process group of --world-size ranks (no communication; the
 shards of the meta model are never written, so they take no memory), traces one
-forward+backward (once per reshard-after-forward decision), then for each backend plan
-applies our passes to copies of the traced graphs and simulates the schedule with the cost
-model (passes/simulate.py: a compute stream and a communication lane per link). Prints step time, exposed communication, bytes sent per rank,
+forward+backward (once per reshard-after-forward decision; each trace in a forked process),
+then for each backend plan applies our passes to copies of the traced graphs and simulates
+the schedule with the cost model (passes/simulate.py: a compute stream and a communication
+lane per link). Prints step time, exposed communication, bytes sent per rank,
 tokens/s per rank and peak memory per rank, then communication per process group (dp_shard,
 tp, ...); --timeline draws the timeline of the first plan.
 """
@@ -16,7 +17,9 @@ import argparse
 import contextlib
 import copy
 import math
+import multiprocessing
 import time
+import traceback
 from dataclasses import dataclass
 
 import torch
@@ -252,14 +255,54 @@ def main(argv=None) -> int:
     keeps = {name: AutoPlan(ns.hardware, cap).keep_gathered_bytes
              if "autobucketing" in name and p.reshard == "auto" else None
              for name in ns.plans}
-    with fake_world(ns.world_size):  # the plans' cost model resolves the traced groups
-        traced = {keep: [trace(cfg, cfg.training.local_batch_size, k, keep) for k in sizes]
-                  for keep in dict.fromkeys(keeps.values())}
-        _report(ns, cfg, hw, traced, keeps, sizes, n_layers, cap, t0)
+    # Each plan on each trace, as {keep: [{plan: numbers} per trace size]}. The autobucketing
+    # extrapolation also needs the block plan of its traces.
+    need = {keep: {n for n in ns.plans if keeps[n] == keep} for keep in keeps.values()}
+    for keep, names in need.items():
+        if len(sizes) > 1 and any("autobucketing" in n for n in names):
+            names.add("aot_eager_blockbucketing")
+    evaluated = {keep: [_in_child(_trace_and_evaluate, cfg, ns, hw, cap, k, keep, sorted(names))
+                        for k in sizes] for keep, names in need.items()}
+    _report(ns, cfg, hw, evaluated, keeps, sizes, n_layers, t0)
     return 0
 
 
-def _report(ns, cfg, hw, traced, keeps, sizes, n_layers, cap, t0) -> None:
+def _trace_and_evaluate(cfg, ns, hw, cap, n_layers, keep, names) -> dict[str, dict]:
+    """{plan: _evaluate's numbers} for the plans ``names`` on one trace (see trace); the
+    fake process group stays up throughout: the plans' cost model resolves the traced groups."""
+    with fake_world(ns.world_size):
+        traced = trace(cfg, cfg.training.local_batch_size, n_layers, keep)
+        return {name: _evaluate(traced, name, ns, cfg, hw, cap) for name in names}
+
+
+def _in_child(fn, *args):
+    """``fn(*args)`` in a forked child process: its (picklable) result, or a RuntimeError with
+    the child's traceback. One trace per process: torch 2.13 fails the second compile in a
+    process of a model whose output is a DTensor (loss parallel: "Node tangents_N was
+    invalid, but is output" in the partitioner). A fork re-imports nothing."""
+    ctx = multiprocessing.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+
+    def run():
+        try:
+            send.send((True, fn(*args)))
+        except BaseException:
+            send.send((False, traceback.format_exc()))
+
+    child = ctx.Process(target=run)
+    child.start()
+    send.close()  # the child holds the only writer: its death ends recv() with EOFError
+    try:
+        ok, value = receive.recv()  # before join: a large result fills the pipe until read
+    except EOFError:
+        ok, value = False, "the child process died without a result"
+    child.join()
+    if not ok:
+        raise RuntimeError(f"planning in a child process failed:\n{value}")
+    return value
+
+
+def _report(ns, cfg, hw, evaluated, keeps, sizes, n_layers, t0) -> None:
     from simplesharded.mesh import resolve_degrees
 
     p, t = cfg.parallelism, cfg.training
@@ -275,17 +318,15 @@ def _report(ns, cfg, hw, traced, keeps, sizes, n_layers, cap, t0) -> None:
     print(f"{cfg.model.name}/{cfg.model.flavor} ({size} params, {n_layers} "
           f"blocks) on {ns.world_size} ranks of {hw.name} (mesh {mesh}), mode {p.mode}, "
           f"{local_batch} × {t.seq_len} tokens per dp rank, AC "
-          f"{cfg.activation_checkpoint.mode}; {how} in {time.perf_counter() - t0:.0f}s\n")
+          f"{cfg.activation_checkpoint.mode}; {how}, traced and simulated in "
+          f"{time.perf_counter() - t0:.0f}s\n")
     print("| plan | step s | exposed comm s | comm GB/rank | collectives | tokens/s/rank | "
           "peak mem GiB/rank |\n|---|---:|---:|---:|---:|---:|---:|")
     drawn = None
-    evaluated: dict[tuple, list[dict]] = {}
     rows = []
 
-    def evaluate(name: str, keep) -> list[dict]:  # per trace; each (plan, traces) once
-        if (name, keep) not in evaluated:
-            evaluated[name, keep] = [_evaluate(tr, name, ns, cfg, hw, cap) for tr in traced[keep]]
-        return evaluated[name, keep]
+    def evaluate(name: str, keep) -> list[dict]:  # per trace
+        return [per_plan[name] for per_plan in evaluated[keep]]
 
     for name in ns.plans:
         per_trace = evaluate(name, keeps[name])

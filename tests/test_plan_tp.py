@@ -138,3 +138,24 @@ def test_plan_traces_tp_and_dp_groups():
     # one all-gather per bucket in forward (pre, 2 blocks, post) + re-gathers and reductions
     assert dp[("dp_shard", "reduce_scatter")] == 4
     assert set(plain_links) == {"dp_shard"}
+
+
+def test_plan_cli_reports_communication_per_group(capsys):
+    """`python -m simplesharded.plan` on dp 2 x tp 2 (loss parallel, as the trainer runs it):
+    the mesh in the header, one row per process group, TP's on the intra-node link."""
+    from simplesharded import plan
+
+    assert plan.main(["--config", DEBUG_CONFIG, "--world-size", "4", "--hardware", "h100-ib400",
+                      "--plans", "aot_eager_blockbucketing", "--parallelism.tensor_parallel_degree",
+                      "2", "--activation_checkpoint.mode", "none"]) == 0
+    out = capsys.readouterr().out
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines()
+            if line.startswith("| aot_eager_blockbucketing")]
+    step = next(r for r in rows if len(r) == 7)
+    groups = {r[1]: r for r in rows if len(r) == 7 and r[1] in ("dp_shard", "tp")}
+    assert set(groups) == {"dp_shard", "tp"}
+    assert groups["tp"][2] == INTRA_NODE and int(groups["tp"][3]) > 0
+    assert int(groups["dp_shard"][3]) > 0
+    assert int(step[4]) == int(groups["dp_shard"][3]) + int(groups["tp"][3])  # collectives
+    # global batch 8 over dp 2: 4 sequences per dp rank, shared by its 2 tp ranks
+    assert "(mesh dp_shard 2 × tp 2)" in out and "4 × 128 tokens per dp rank" in out
