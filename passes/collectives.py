@@ -127,6 +127,19 @@ def group_label(group_name: str) -> str:
     return desc[len("mesh_"):] if desc.startswith("mesh_") else group_name
 
 
+def group_ranks(group_name: str) -> tuple[tuple[int, ...], int] | None:
+    """(global ranks of a live process group, world size), or None when it cannot be
+    resolved (no process group, e.g. a hand-built graph in a test)."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    try:
+        ranks = dist.get_process_group_ranks(_resolve_process_group(group_name))
+        return tuple(sorted(ranks)), dist.get_world_size()
+    except Exception:
+        return None
+
+
 def node_params(node: fx.Node) -> list[str]:
     """Parameter FQNs a node serves, from the annotations sharding/bucketing put on it."""
     custom = node.meta.get("custom") or {}
@@ -237,11 +250,13 @@ def count_collectives(graph: fx.Graph | fx.GraphModule) -> dict[str, int]:
     return counts
 
 
-def count_by_group(graph: fx.Graph | fx.GraphModule) -> dict[tuple[str, str], int]:
+def count_by_group(graph: fx.Graph | fx.GraphModule, labels: dict[str, str] | None = None
+                   ) -> dict[tuple[str, str], int]:
     """{(group label, kind): n} for one graph: the mesh dim of each collective's group (see
-    :func:`group_label`; "dp_shard", "dp_replicate", "tp") and its kind."""
+    :func:`group_label`; "dp_shard", "dp_replicate", "tp") and its kind. ``labels``: known
+    {group name: label} (simplesharded.mesh.group_labels), tried first."""
     counts: dict[tuple[str, str], int] = {}
-    labels: dict[str, str] = {}
+    labels = dict(labels or {})
     for c in find_collectives(graph):
         if c.group_name not in labels:
             labels[c.group_name] = group_label(c.group_name)

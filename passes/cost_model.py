@@ -5,7 +5,8 @@ Three independent estimates, all from an FX graph's ``meta["val"]`` (FakeTensors
 
 * compute: ``node_flops`` (torch.utils.flop_counter formulas) and ``node_time`` =
   max(FLOPs / flops_per_s, bytes touched / mem_bw) -- a roofline with one sustained rate each;
-* communication: ``comm_time`` = alpha + ring-algorithm bytes / bus bandwidth (alpha-beta);
+* communication: ``comm_time`` = alpha + ring-algorithm bytes / bus bandwidth (alpha-beta), on
+  the link the group's ranks use (``group_link``: intra-node NVLink-class or inter-node NIC);
 * memory: ``memory_timeline`` / ``peak_memory`` -- liveness of buffers in graph order, where
   views, in-place ops and ``wait_tensor`` alias their base instead of allocating.
 
@@ -14,6 +15,7 @@ Collectives and waits cost 0 in ``node_time``; the caller costs them with ``comm
 """
 from __future__ import annotations
 
+import functools
 import math
 import operator
 import os
@@ -28,7 +30,7 @@ from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.fx.passes.shape_prop import TensorMetadata
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
-from .collectives import WAIT, Collective, is_collective, is_wait
+from .collectives import WAIT, Collective, group_ranks, is_collective, is_wait
 
 aten = torch.ops.aten
 
@@ -39,8 +41,8 @@ class Hardware:
 
     name: str
     flops_per_s: float    # sustained matmul FLOP/s of one rank in the compute dtype
-    alpha_s: float        # fixed latency of one collective
-    bandwidth_Bps: float  # per-rank bus bandwidth of collectives inside the data-parallel group
+    alpha_s: float        # fixed latency of one collective across nodes
+    bandwidth_Bps: float  # per-rank bus bandwidth of a collective whose group spans nodes
     mem_bw_Bps: float     # memory bandwidth seen by non-matmul (elementwise, reduction) ops
     memory_bytes: int     # device memory of one rank
     # Fraction of a transfer that runs beside compute. GPUs: 1 (copy engines / NICs). A CPU
@@ -48,11 +50,21 @@ class Hardware:
     comm_overlap: float = 1.0
     collective_overhead_s: float = 0.0  # compute-stream cost of issuing + waiting, per collective
     transport: str = "nccl"  # the process-group backend: "gloo" graphs get our gloo lowerings
+    # A node holds gpus_per_node consecutive global ranks (torchrun's numbering). A group
+    # whose ranks stay within nodes (see group_link) uses the intra-node link instead;
+    # intra_node_bandwidth_Bps = 0: there is none, every group uses alpha_s / bandwidth_Bps.
+    gpus_per_node: int = 1
+    intra_node_alpha_s: float = 0.0
+    intra_node_bandwidth_Bps: float = 0.0
 
     def __post_init__(self):
-        for f in ("flops_per_s", "alpha_s", "bandwidth_Bps", "mem_bw_Bps", "memory_bytes"):
+        for f in ("flops_per_s", "alpha_s", "bandwidth_Bps", "mem_bw_Bps", "memory_bytes",
+                  "gpus_per_node"):
             if not getattr(self, f) > 0:
                 raise ValueError(f"Hardware.{f}={getattr(self, f)!r} must be > 0")
+        for f in ("intra_node_alpha_s", "intra_node_bandwidth_Bps"):
+            if getattr(self, f) < 0:
+                raise ValueError(f"Hardware.{f}={getattr(self, f)!r} must be >= 0")
 
 
 GPU_EFFICIENCY = 0.5  # sustained / peak dense matmul throughput assumed for large-model training
@@ -74,12 +86,20 @@ HARDWARE: dict[str, Hardware] = {
                       transport="gloo",
                       memory_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
     # H100 SXM: 989 TFLOP/s bf16 dense peak, 3.35 TB/s HBM3, 80 GB; one 400 Gb/s IB NIC per GPU
-    # (= 50 GB/s) for a data-parallel group spanning nodes; NCCL inter-node latency ~30 us.
+    # (= 50 GB/s) for a group spanning nodes; NCCL inter-node latency ~30 us. 8 GPUs per node
+    # on NVLink 4 + NVSwitch: 18 links x 25 GB/s = 450 GB/s per direction per GPU; we assume
+    # NCCL's ring all-gather / reduce-scatter reach 80% of it as bus bandwidth (360 GB/s),
+    # about what nccl-tests report for large messages on 8 x H100 SXM, latency ~10 us.
     "h100-ib400": Hardware("h100-ib400", flops_per_s=989e12 * GPU_EFFICIENCY, alpha_s=30e-6,
-                           bandwidth_Bps=50e9, mem_bw_Bps=3.35e12, memory_bytes=80 * 2**30),
+                           bandwidth_Bps=50e9, mem_bw_Bps=3.35e12, memory_bytes=80 * 2**30,
+                           gpus_per_node=8, intra_node_alpha_s=10e-6,
+                           intra_node_bandwidth_Bps=360e9),
     # A100 SXM 80GB: 312 TFLOP/s bf16 dense peak, 2.0 TB/s HBM2e; 200 Gb/s IB per GPU (25 GB/s).
+    # 8 GPUs per node on NVLink 3: 12 links x 25 GB/s = 300 GB/s per direction; 80% = 240 GB/s.
     "a100-ib200": Hardware("a100-ib200", flops_per_s=312e12 * GPU_EFFICIENCY, alpha_s=30e-6,
-                           bandwidth_Bps=25e9, mem_bw_Bps=2.0e12, memory_bytes=80 * 2**30),
+                           bandwidth_Bps=25e9, mem_bw_Bps=2.0e12, memory_bytes=80 * 2**30,
+                           gpus_per_node=8, intra_node_alpha_s=10e-6,
+                           intra_node_bandwidth_Bps=240e9),
 }
 
 
@@ -99,22 +119,69 @@ _RING_FACTOR = {"all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n:
                 "all_reduce": lambda n: 2 * (n - 1) / n}
 
 
-def comm_time(kind: str, nbytes: int, group_size: int, hw: Hardware) -> float:
-    """Seconds for one collective: alpha + ring bytes / bandwidth; 0 for a group of one."""
+INTRA_NODE, INTER_NODE = "intra-node", "inter-node"  # the links of a Hardware
+
+
+@functools.lru_cache(maxsize=256)
+def intra_node(ranks: tuple[int, ...], world_size: int, gpus_per_node: int) -> bool:
+    """Whether a process group with these global ranks, and every group of its family, has
+    all its ranks within one node (nodes: ``gpus_per_node`` consecutive ranks).
+
+    Decided for the family, not for the group alone, so that every rank decides the same:
+    each rank sees only its own group, and all ranks must pick the same buckets without
+    talking to each other. A DeviceMesh dim's groups are arithmetic progressions of one size
+    n and stride s that tile the world (the mesh is ``arange(world)`` in row-major order);
+    the family is every such progression. A group that is not one (a user-made group) is
+    taken to span nodes, which no rank can contradict.
+    """
+    n = len(ranks)
+    if n <= 1:
+        return True
+    stride = ranks[1] - ranks[0]
+    if stride <= 0 or any(b - a != stride for a, b in zip(ranks, ranks[1:])) or \
+            world_size % (n * stride) or ranks[0] >= world_size:
+        return False
+    bases = (b for b in range(world_size) if (b // stride) % n == 0)
+    return all(b // gpus_per_node == (b + (n - 1) * stride) // gpus_per_node for b in bases)
+
+
+def group_link(group_name: str, hw: Hardware) -> str:
+    """INTRA_NODE when ``hw`` has an intra-node link and the group's family lies within nodes
+    (:func:`intra_node`; with tp innermost, tp groups do when tp divides gpus_per_node), else
+    INTER_NODE, also for a group that cannot be resolved (no live process group)."""
+    if not hw.intra_node_bandwidth_Bps:
+        return INTER_NODE
+    found = group_ranks(group_name)
+    if found is None:
+        return INTER_NODE
+    ranks, world = found
+    return INTRA_NODE if intra_node(ranks, world, hw.gpus_per_node) else INTER_NODE
+
+
+def comm_time(kind: str, nbytes: int, group_size: int, hw: Hardware,
+              link: str = INTER_NODE) -> float:
+    """Seconds for one collective on ``link``: alpha + ring bytes / bandwidth; 0 for a group
+    of one."""
     if kind not in _RING_FACTOR:
         raise ValueError(f"kind={kind!r} is not one of {sorted(_RING_FACTOR)}")
+    if link not in (INTRA_NODE, INTER_NODE):
+        raise ValueError(f"link={link!r} is not one of {[INTRA_NODE, INTER_NODE]}")
     if group_size <= 1:
         return 0.0
-    return hw.alpha_s + _RING_FACTOR[kind](group_size) * nbytes / hw.bandwidth_Bps
+    alpha, bandwidth = ((hw.intra_node_alpha_s, hw.intra_node_bandwidth_Bps)
+                        if link == INTRA_NODE and hw.intra_node_bandwidth_Bps
+                        else (hw.alpha_s, hw.bandwidth_Bps))
+    return alpha + _RING_FACTOR[kind](group_size) * nbytes / bandwidth
 
 
-def collective_time(c: Collective, hw: Hardware, group_size: int | None = None) -> float:
+def collective_time(c: Collective, hw: Hardware, group_size: int | None = None,
+                    link: str | None = None) -> float:
     """comm_time of a found Collective (its nbytes is the produced buffer: the shard for a
-    reduce-scatter, so the full input is nbytes * group size). all_reduce nodes do not carry
-    their group size; pass it."""
+    reduce-scatter, so the full input is nbytes * group size) on its group's link (``link``
+    overrides :func:`group_link`). all_reduce nodes do not carry their group size; pass it."""
     n = group_size if group_size is not None else c.group_size
     nbytes = c.nbytes * n if c.kind == "reduce_scatter" else c.nbytes
-    return comm_time(c.kind, nbytes, n, hw)
+    return comm_time(c.kind, nbytes, n, hw, link or group_link(c.group_name, hw))
 
 
 # ---------------------------------------------------------------------------------------------

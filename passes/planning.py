@@ -8,7 +8,7 @@ leave alone) and a ``memory_cap_bytes`` the reordering pass honours.
   Parameters outside blocks go to ``pre`` (before the first block in the graph: embeddings)
   or ``post`` (after it: final norm + output).
 * ``AutoPlan``: tries bucket sizes on a ladder (and the block plan), runs the real passes on
-  a copy of the graph for each and keeps the one whose two-stream simulation is fastest
+  a copy of the graph for each and keeps the one whose simulation (simulate.py) is fastest
   (cost model in cost_model.py, simulator in simulate.py).
 """
 from __future__ import annotations
@@ -66,8 +66,8 @@ class AutoPlan:
     Candidates: per-module units (a module is never split) merged in execution order up to a
     byte size, for a ladder of sizes, plus the block plan when the FQNs have blocks. Each
     candidate is applied to a copy of the graph with the real bucketing and reordering passes
-    and simulated on two streams (simulate.py); the shortest makespan wins (ties: fewer
-    collectives). So the plan accounts for latency per collective, the copy-in/copy-out the
+    and simulated (simulate.py: compute + a comm lane per link); the shortest makespan wins
+    (ties: fewer collectives). So the plan accounts for latency per collective, the copy-in/copy-out the
     bucket costs on the compute stream, and the overlap that prefetch under the cap achieves.
     """
 

@@ -1,12 +1,25 @@
-"""Simulate an FX graph's schedule on two streams: compute and communication.
+"""Simulate an FX graph's schedule on a compute stream and one communication lane per link.
 
 Nodes run in graph order on the compute stream (cost: cost_model.node_time). A collective
-start enqueues its transfer on the communication stream, which runs transfers one at a time
-in issue order (as a NCCL/gloo process group does); the transfer begins when both the start
-node has been reached and the previous transfer is done. A ``wait_tensor`` blocks the compute
-stream until its transfer ends: that blocked time is the *exposed* communication. Hardware
-whose transfers use the compute cores (``comm_overlap`` < 1) or that pays a per-collective
-overhead also charges those to the compute stream at the start node.
+start enqueues its transfer on the lane of its group's link (cost_model.group_link: the
+intra-node link, e.g. NVLink, or the inter-node one, e.g. one IB NIC per GPU). A lane runs its
+transfers one at a time in issue order; a transfer begins when both the start node has been
+reached and the lane's previous transfer is done. A ``wait_tensor`` blocks the compute stream
+until its transfer ends: that blocked time is the *exposed* communication. Hardware whose
+transfers use the compute cores (``comm_overlap`` < 1) or that pays a per-collective overhead
+also charges those to the compute stream at the start node.
+
+Why a lane per link, not one per process group (NCCL gives each process group its own
+stream, so collectives of different groups do run concurrently): what limits concurrent
+transfers is the wire they share. With tp innermost, a tp group's collectives move over
+NVLink and a dp group's over the NICs, so a tensor-parallel all-gather does not queue behind a
+data-parallel prefetch: separate lanes. Two groups on the same link (HSDP's dp_shard and
+dp_replicate both crossing nodes) split its bandwidth when they overlap, which finishes both
+no earlier than running them back to back: one lane, in issue order. One lane per group
+would count that bandwidth twice; one lane for everything (the previous model) would make
+every tensor-parallel collective wait for the prefetches ahead of it. Not modelled: the SMs
+and HBM bandwidth NCCL kernels take from compute (a few percent for large transfers).
+Hardware without an intra-node link has one lane, as before.
 """
 from __future__ import annotations
 
@@ -14,15 +27,26 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
-from .collectives import find_collectives, is_wait, started_by
+from .collectives import find_collectives, group_label, is_wait, started_by
 
 
 @dataclass
 class Interval:
-    stream: str  # "compute" or "comm"
+    stream: str  # "compute" or the link of a communication lane (cost_model.INTRA_NODE, ...)
     start: float
     end: float
     label: str
+
+
+@dataclass
+class GroupComm:
+    """Communication of one process group (by mesh dim label) in a schedule."""
+
+    link: str
+    count: int = 0
+    bytes: int = 0  # bytes each rank sends (ring algorithms)
+    seconds: float = 0.0  # transfer time on its lane
+    exposed_s: float = 0.0  # compute-stream time spent waiting for this group's transfers
 
 
 @dataclass
@@ -33,38 +57,47 @@ class Schedule:
     exposed_comm_s: float = 0.0
     comm_bytes: int = 0  # bytes each rank sends (ring algorithms)
     intervals: list[Interval] = field(default_factory=list)
-
-    def shifted(self, offset: float) -> "Schedule":
-        return Schedule(self.makespan, self.compute_s, self.comm_s, self.exposed_comm_s,
-                        self.comm_bytes,
-                        [Interval(i.stream, i.start + offset, i.end + offset, i.label)
-                         for i in self.intervals])
+    by_group: dict[str, GroupComm] = field(default_factory=dict)  # group label -> totals
 
 
 _SEND_FACTOR = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0}
 
 
-def simulate(graph: fx.Graph | fx.GraphModule, hw, node_cost=None, comm_cost=None) -> Schedule:
-    """Two-stream timeline of ``graph`` on hardware ``hw`` (see module doc).
+def simulate(graph: fx.Graph | fx.GraphModule, hw, node_cost=None, comm_cost=None,
+             link_of=None, labels: dict[str, str] | None = None) -> Schedule:
+    """Timeline of ``graph`` on hardware ``hw`` (see module doc).
 
-    ``node_cost(node)`` / ``comm_cost(collective)`` override the cost model (tests use them
-    to build hand-computed schedules).
+    ``node_cost(node)`` / ``comm_cost(collective)`` / ``link_of(collective)`` override the
+    cost model and the link rule (tests use them to build hand-computed schedules).
+    ``labels``: {group name: label} for ``Schedule.by_group`` where known
+    (simplesharded.mesh.group_labels); other groups get collectives.group_label.
     """
-    from .cost_model import collective_time, node_time
+    from .cost_model import collective_time, group_link, node_time
 
     graph = graph.graph if isinstance(graph, fx.GraphModule) else graph
     node_cost = node_cost or (lambda n: node_time(n, hw))
-    comm_cost = comm_cost or (lambda c: collective_time(c, hw))
+    links: dict[str, str] = {}  # group name -> link; resolving a group is not free
+    labels = dict(labels or {})
+    if link_of is None:
+        def link_of(c):
+            if c.group_name not in links:
+                links[c.group_name] = group_link(c.group_name, hw)
+            return links[c.group_name]
+    comm_cost = comm_cost or (lambda c: collective_time(c, hw, link=link_of(c)))
     by_start = {c.start: c for c in find_collectives(graph)}
-    done: dict[fx.Node, float] = {}  # collective start node -> transfer end time
+    done: dict[fx.Node, tuple[float, GroupComm]] = {}  # start node -> (transfer end, group)
     sched = Schedule()
-    now = comm_free = 0.0
+    now = 0.0
+    lane_free: dict[str, tuple[float, GroupComm]] = {}  # link -> its last transfer's (end, group)
     for node in graph.nodes:
         if node in by_start:
             c = by_start[node]
-            t = comm_cost(c)
-            begin = max(now, comm_free)
-            comm_free = done[node] = begin + t
+            t, lane = comm_cost(c), link_of(c)
+            if c.group_name not in labels:
+                labels[c.group_name] = group_label(c.group_name)
+            g = sched.by_group.setdefault(labels[c.group_name], GroupComm(lane))
+            begin = max(now, lane_free.get(lane, (0.0,))[0])
+            lane_free[lane] = done[node] = (begin + t, g)
             sched.comm_s += t
             # What the compute thread pays for this collective: issuing it, and the part of
             # the transfer that cannot run beside compute (CPU ranks moving bytes themselves).
@@ -76,12 +109,15 @@ def simulate(graph: fx.Graph | fx.GraphModule, hw, node_cost=None, comm_cost=Non
                 now += busy
             n = max(c.group_size, 1)
             full = c.nbytes * n if c.kind == "reduce_scatter" else c.nbytes
-            sched.comm_bytes += int(_SEND_FACTOR[c.kind] * full * (n - 1) / n)
-            sched.intervals.append(Interval("comm", begin, comm_free, c.kind))
+            sent = int(_SEND_FACTOR[c.kind] * full * (n - 1) / n)
+            sched.comm_bytes += sent
+            g.count, g.bytes, g.seconds = g.count + 1, g.bytes + sent, g.seconds + t
+            sched.intervals.append(Interval(lane, begin, begin + t, c.kind))
         elif is_wait(node) and started_by(node) in done:
-            end = done[started_by(node)]
+            end, g = done[started_by(node)]
             if end > now:
                 sched.exposed_comm_s += end - now
+                g.exposed_s += end - now
                 now = end
         else:
             t = node_cost(node)
@@ -89,8 +125,11 @@ def simulate(graph: fx.Graph | fx.GraphModule, hw, node_cost=None, comm_cost=Non
                 sched.intervals.append(Interval("compute", now, now + t, _label(node)))
                 sched.compute_s += t
                 now += t
-    sched.makespan = max(now, comm_free)
-    sched.exposed_comm_s += max(0.0, comm_free - now)  # transfers still running at the end
+    comm_end, last = max(lane_free.values(), key=lambda e: e[0], default=(0.0, None))
+    sched.makespan = max(now, comm_end)
+    if comm_end > now:  # transfers still running at the end: the last one's group waits
+        sched.exposed_comm_s += comm_end - now
+        last.exposed_s += comm_end - now
     return sched
 
 

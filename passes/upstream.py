@@ -14,7 +14,7 @@ def upstream_overlap_bucketing(gm: fx.GraphModule, hardware: str = "local") -> f
     from torch._inductor.fx_passes.overlap_scheduling import schedule_overlap_bucketing
 
     from .collectives import KINDS, group_args, tensor_nbytes
-    from .cost_model import comm_time, get_hardware, node_time
+    from .cost_model import comm_time, get_hardware, group_link, node_time
 
     hw = get_hardware(hardware)
 
@@ -22,11 +22,12 @@ def upstream_overlap_bucketing(gm: fx.GraphModule, hardware: str = "local") -> f
         if node.op != "call_function":
             return None
         if node.target in KINDS:
-            size, _ = group_args(node)
+            size, name = group_args(node)
             nbytes = override_size if override_size is not None else tensor_nbytes(node)
             if KINDS[node.target] == "reduce_scatter":
                 nbytes *= size  # comm_time wants the full input, the node holds the shard
-            return 1e3 * comm_time(KINDS[node.target], nbytes, max(size, 1), hw)  # ms
+            return 1e3 * comm_time(KINDS[node.target], nbytes, max(size, 1), hw,
+                                   group_link(name, hw))  # ms
         return 1e3 * node_time(node, hw)
 
     import torch._inductor.fx_passes.overlap_scheduling as upstream

@@ -109,6 +109,13 @@ def tp_dim(mesh: DeviceMesh) -> str | None:
     return TP_DIM if names and TP_DIM in names else None
 
 
+def group_labels(mesh: DeviceMesh) -> dict[str, str]:
+    """{process-group name: mesh dim name} for each dim of ``mesh``. What
+    passes/collectives.group_label reads from a group's description, except that a 1-D mesh
+    over the whole world reuses the default group, whose description names no dim."""
+    return {mesh.get_group(d).group_name: d for d in mesh.mesh_dim_names or ()}
+
+
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The data-parallel part of ``mesh`` (the mesh itself when it has no other dim)."""
     names = dp_dims(mesh)

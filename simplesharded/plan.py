@@ -1,54 +1,63 @@
 """``python -m simplesharded.plan``: dry-run a config at cluster scale, on this CPU.
 
-Builds the model on the meta device, shards it over a *fake* process group of --world-size
-ranks inside FakeTensorMode (no real memory, no communication), traces one forward+backward
-(once per reshard-after-forward decision), then for each backend plan applies our passes to
-copies of the traced graphs and simulates the schedule on two streams with the cost model
-(passes/simulate.py). Prints step
-time, exposed communication, bytes sent per rank and peak memory per rank; --timeline draws
-the two-stream timeline of the first plan.
+Builds the model on the meta device and parallelizes it as the trainer does
+(train.parallelize: tensor parallelism on the mesh's tp dim, activation checkpointing,
+data_parallel) over a *fake* process group of --world-size ranks (no communication; the
+shards of the meta model are never written, so they take no memory), traces one
+forward+backward (once per reshard-after-forward decision; each trace in a forked process),
+then for each backend plan applies our passes to copies of the traced graphs and simulates
+the schedule with the cost model (passes/simulate.py: a compute stream and a communication
+lane per link). Prints step time, exposed communication, bytes sent per rank,
+tokens/s per rank and peak memory per rank, then communication per process group (dp_shard,
+tp, ...); --timeline draws the timeline of the first plan.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import math
+import multiprocessing
 import time
+import traceback
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 PLANS = ("aot_eager", "aot_eager_blockbucketing", "aot_eager_autobucketing")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
 class Traced:
     fw: torch.fx.GraphModule
     bw: torch.fx.GraphModule
-    param_shapes: list  # global parameter shapes
     trace_s: float
+    local_numel: int  # elements of rank 0's parameter shards (over dp and tp)
+    group_labels: dict  # {process-group name: mesh dim} of the traced mesh
 
 
-def trace(cfg, world_size: int, local_batch: int, n_layers: int | None = None,
+def trace(cfg, local_batch: int, n_layers: int | None = None,
           keep_gathered_bytes: int | None = None) -> Traced:
-    """fw/bw graphs (after reshard-after-forward tagging and partitioning, before bucketing).
-    ``n_layers`` builds the model with that many blocks instead of the flavor's;
-    ``keep_gathered_bytes``: the budget of reshard_after_forward="auto" (passes/recompute.py)."""
+    """fw/bw graphs (after reshard-after-forward tagging and partitioning, before bucketing)
+    of rank 0 of a mesh with ``cfg``'s degrees (tp included) over the ranks of the current
+    process group (run it inside :func:`fake_world`); ``local_batch`` sequences per
+    data-parallel rank. ``n_layers`` builds the model with that many blocks instead of the
+    flavor's; ``keep_gathered_bytes``: the budget of reshard_after_forward="auto"
+    (passes/recompute.py)."""
     from simplesharded.backends import _RecomputePlan
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from simplesharded import MixedPrecisionPolicy, data_parallel
-    from simplesharded.mesh import build_mesh
+    from simplesharded.mesh import build_mesh, group_labels
     from simplesharded.models import build_model
+    from simplesharded.train import parallelize
 
     from functorch.compile import min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
 
     from simplesharded.passes.recompute import tag_gathers_for_recompute
 
+    cfg = copy.deepcopy(cfg)
+    cfg.compile.enable = True  # the compiled step is what the passes plan
     p, t = cfg.parallelism, cfg.training
     graphs: dict[str, torch.fx.GraphModule] = {}
 
@@ -63,32 +72,30 @@ def trace(cfg, world_size: int, local_batch: int, n_layers: int | None = None,
         raise _Captured
 
     capture = aot_autograd(fw_compiler=lambda gm, _: gm, partition_fn=partition)
+    if not dist.is_initialized():
+        raise RuntimeError("plan.trace needs a process group: call it inside fake_world(n)")
     t0 = time.perf_counter()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        rep = p.data_parallel_replicate_degree
-        mesh = build_mesh(rep, world_size // rep, "cpu")  # outside fake mode: real mesh object
-        pdt, rdt = DTYPES[t.mixed_precision_param], DTYPES[t.mixed_precision_reduce]
-        mp = MixedPrecisionPolicy(pdt, rdt) if (pdt, rdt) != (torch.float32,) * 2 else None
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            extra = {"n_layers": n_layers} if n_layers else {}
-            model = build_model(cfg.model.name, cfg.model.flavor, device="meta", **extra)
-            shapes = [tuple(q.shape) for q in model.parameters()]
-            from simplesharded.train import apply_activation_checkpointing
-            apply_activation_checkpointing(model, cfg.activation_checkpoint.mode,
-                                           cfg.activation_checkpoint.selective_every)
-            data_parallel(model, mesh, p.mode, mp_policy=mp,
-                          reshard_after_forward=p.reshard)
-            tokens = torch.randint(0, 256, (local_batch, t.seq_len))
-            try:
-                torch.compile(model, fullgraph=True, backend=capture)(tokens)
-            except Exception:
-                if "bw" not in graphs:
-                    raise
+        mesh = build_mesh(p.data_parallel_replicate_degree, p.data_parallel_shard_degree,
+                          "cpu", p.tensor_parallel_degree)
+        extra = {"n_layers": n_layers} if n_layers else {}
+        model = build_model(cfg.model.name, cfg.model.flavor, device="meta", **extra)
+        # Not under FakeTensorMode: the mesh slicing in TP and data_parallel runs tensor ops
+        # on the rank layout that fake tensors cannot (nonzero). The shards data_parallel
+        # makes of a meta model are uninitialised (torch.empty: no page is touched), and
+        # nothing runs: capture stops once the graphs are partitioned.
+        step = parallelize(model, mesh, cfg, backend=capture)
+        local_numel = sum(q.to_local().numel() for q in model.parameters())
+        tokens = torch.randint(0, 256, (local_batch, t.seq_len))
+        try:
+            step(tokens)
+        except Exception:
+            if "bw" not in graphs:
+                raise
     finally:
         torch._dynamo.reset()
-        dist.destroy_process_group()
-    return Traced(graphs["fw"], graphs["bw"], shapes, time.perf_counter() - t0)
+    return Traced(graphs["fw"], graphs["bw"], time.perf_counter() - t0, local_numel,
+                  group_labels(mesh))
 
 
 def apply_plan(traced: Traced, name: str, hardware: str, cap_bytes: int | None):
@@ -127,31 +134,19 @@ class MemoryReport:
         return self.params + self.grads + self.optimizer + self.peak_activations
 
 
-def local_numel(shapes, world_size: int, mode: str, replicate: int = 1) -> int:
-    """Elements of rank 0's shards (the largest: DTensor gives uneven remainders to the last
-    ranks), summed over parameters of the given global shapes."""
-    if mode == "replicate":
-        return sum(math.prod(s) for s in shapes)
-    shards = world_size // replicate if mode == "hybrid_shard" else world_size
-    return sum(-(-s[0] // shards) * math.prod(s[1:]) for s in shapes if len(s))
-
-
-def static_memory(shapes, world_size: int, mode: str, optimizer: str,
-                  replicate: int = 1) -> tuple[int, int, int]:
-    """Per-rank bytes of (fp32 parameter shards, fp32 gradients, optimizer states)."""
-    n = local_numel(shapes, world_size, mode, replicate)
+def static_memory(local_numel: int, optimizer: str) -> tuple[int, int, int]:
+    """Per-rank bytes of (fp32 parameter shards, fp32 gradients, optimizer states) of a rank
+    holding ``local_numel`` parameter elements (Traced.local_numel)."""
     states = {"AdamW": 2, "SGD": 1}.get(optimizer, 2)
-    return 4 * n, 4 * n, states * 4 * n
+    return 4 * local_numel, 4 * local_numel, states * 4 * local_numel
 
 
-def memory_report(traced: Traced, world_size: int, mode: str, optimizer: str,
-                  fw_bw=None, replicate: int = 1) -> MemoryReport:
+def memory_report(traced: Traced, optimizer: str, fw_bw=None) -> MemoryReport:
     """Per-rank bytes: static state (see static_memory) + the transient peak of the graphs."""
     from simplesharded.passes.cost_model import peak_memory
 
     fw, bw = fw_bw or (traced.fw, traced.bw)
-    params, grads, opt = static_memory(traced.param_shapes, world_size, mode, optimizer,
-                                       replicate)
+    params, grads, opt = static_memory(traced.local_numel, optimizer)
     fw_peak, _ = peak_memory(fw, include_inputs=False)
     bw_peak, _ = peak_memory(bw, include_inputs=False)
     saved = sum(_nbytes(n) for n in bw.graph.nodes if n.op == "placeholder"
@@ -173,15 +168,19 @@ def draw_timeline(path: str, fw_sched, bw_sched, title: str) -> None:
         raise ValueError("--timeline needs matplotlib: pip install matplotlib") from e
     colors = {"all_gather": "tab:blue", "reduce_scatter": "tab:orange",
               "all_reduce": "tab:red"}
-    fig, ax = plt.subplots(figsize=(14, 2.8))
+    # compute on top, then one row per communication lane (link)
+    lanes = sorted({iv.stream for s in (fw_sched, bw_sched) for iv in s.intervals} - {"compute"})
+    rows = {"compute": len(lanes), **{lane: len(lanes) - 1 - i for i, lane in enumerate(lanes)}}
+    fig, ax = plt.subplots(figsize=(14, 1.4 + 0.7 * len(rows)))
     for sched, offset in ((fw_sched, 0.0), (bw_sched, fw_sched.makespan)):
         for iv in sched.intervals:
-            y = 1 if iv.stream == "compute" else 0
-            color = colors.get(iv.label, "tab:green" if y else "tab:gray")
+            y = rows[iv.stream]
+            compute = iv.stream == "compute"
+            color = colors.get(iv.label, "tab:green" if compute else "tab:gray")
             ax.broken_barh([(1e3 * (iv.start + offset), 1e3 * (iv.end - iv.start))],
                            (y - 0.4, 0.8), facecolors=color, linewidth=0)
     ax.axvline(1e3 * fw_sched.makespan, color="k", linestyle=":", linewidth=1)
-    ax.set_yticks([0, 1], ["comm", "compute"])
+    ax.set_yticks(list(rows.values()), [f"comm {r}" if r != "compute" else r for r in rows])
     ax.set_xlabel("ms (forward | backward)")
     ax.set_title(title)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
@@ -191,18 +190,36 @@ def draw_timeline(path: str, fw_sched, bw_sched, title: str) -> None:
     plt.close(fig)
 
 
+@contextlib.contextmanager
+def fake_world(world_size: int):
+    """A fake process group of ``world_size`` ranks, this process being rank 0, for
+    :func:`trace` and everything after it: the traced graphs name its groups, and the cost
+    model resolves their ranks (which link a group uses) and mesh dims while it is alive, as
+    the passes do in a real job at compile time."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def main(argv=None) -> int:
     from simplesharded.config import load_config
+    from simplesharded.mesh import resolve_degrees
     from simplesharded.passes.cost_model import HARDWARE, get_hardware
+    from simplesharded.train import check_static
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True, help="a configs/*.toml file")
     ap.add_argument("--world-size", type=int, required=True)
     ap.add_argument("--hardware", default="h100-ib400", help=f"one of {sorted(HARDWARE)}")
     ap.add_argument("--local-batch", type=int, default=0,
-                    help="sequences per rank (default: global_batch_size / world size, min 1)")
+                    help="sequences per data-parallel rank, shared by its tp ranks (default: "
+                         "the config's, global_batch_size / dp as the trainer resolves it)")
     ap.add_argument("--plans", nargs="+", default=list(PLANS))
     ap.add_argument("--memory-cap-mb", type=float, default=0.0)
-    ap.add_argument("--timeline", default=None, help="PNG path for the two-stream timeline")
+    ap.add_argument("--timeline", default=None, help="PNG path for the timeline")
     ap.add_argument("--timeline-plan", default="aot_eager_autobucketing")
     ap.add_argument("--full-trace-layers", type=int, default=32,
                     help="trace every block up to this depth (exact); deeper models are "
@@ -214,13 +231,17 @@ def main(argv=None) -> int:
         bad = sorted(set(ns.plans) - set(PLANS))
         if bad:
             raise ValueError(f"--plans {bad} not one of {list(PLANS)}")
-        if ns.world_size % cfg.parallelism.data_parallel_replicate_degree:
-            raise ValueError(f"--world-size {ns.world_size} is not divisible by "
-                             f"data_parallel_replicate_degree "
-                             f"{cfg.parallelism.data_parallel_replicate_degree}")
+        cfg.training.dataset_path = ""  # nothing is read
+        if ns.local_batch:
+            p, t = cfg.parallelism, cfg.training
+            dp = resolve_degrees(ns.world_size, p.data_parallel_replicate_degree,
+                                 p.data_parallel_shard_degree, p.tensor_parallel_degree).dp
+            t.local_batch_size = ns.local_batch
+            t.global_batch_size = ns.local_batch * dp * t.gradient_accumulation_steps
+        cfg = check_static(cfg, ns.world_size)  # the trainer's checks: degrees, batch, tp
     except ValueError as e:
         ap.error(str(e))
-    local_batch = ns.local_batch or max(1, cfg.training.global_batch_size // ns.world_size)
+    p = cfg.parallelism
     from simplesharded.models import get_model_spec
     n_layers = get_model_spec(cfg.model.name, cfg.model.flavor)[1].n_layers
     # Blocks are identical, so the schedule is periodic: for deep models trace two short
@@ -232,30 +253,80 @@ def main(argv=None) -> int:
     # blocks within its budget, the others the last block; one trace per distinct decision.
     from simplesharded.passes.planning import AutoPlan
     keeps = {name: AutoPlan(ns.hardware, cap).keep_gathered_bytes
-             if "autobucketing" in name and cfg.parallelism.reshard == "auto" else None
+             if "autobucketing" in name and p.reshard == "auto" else None
              for name in ns.plans}
-    traced = {keep: [trace(cfg, ns.world_size, local_batch, k, keep) for k in sizes]
-              for keep in dict.fromkeys(keeps.values())}
-    tokens = local_batch * cfg.training.seq_len
+    # Each plan on each trace, as {keep: [{plan: numbers} per trace size]}. The autobucketing
+    # extrapolation also needs the block plan of its traces.
+    need = {keep: {n for n in ns.plans if keeps[n] == keep} for keep in keeps.values()}
+    for keep, names in need.items():
+        if len(sizes) > 1 and any("autobucketing" in n for n in names):
+            names.add("aot_eager_blockbucketing")
+    evaluated = {keep: [_in_child(_trace_and_evaluate, cfg, ns, hw, cap, k, keep, sorted(names))
+                        for k in sizes] for keep, names in need.items()}
+    _report(ns, cfg, hw, evaluated, keeps, sizes, n_layers, t0)
+    return 0
+
+
+def _trace_and_evaluate(cfg, ns, hw, cap, n_layers, keep, names) -> dict[str, dict]:
+    """{plan: _evaluate's numbers} for the plans ``names`` on one trace (see trace); the
+    fake process group stays up throughout: the plans' cost model resolves the traced groups."""
+    with fake_world(ns.world_size):
+        traced = trace(cfg, cfg.training.local_batch_size, n_layers, keep)
+        return {name: _evaluate(traced, name, ns, cfg, hw, cap) for name in names}
+
+
+def _in_child(fn, *args):
+    """``fn(*args)`` in a forked child process: its (picklable) result, or a RuntimeError with
+    the child's traceback. One trace per process: torch 2.13 fails the second compile in a
+    process of a model whose output is a DTensor (loss parallel: "Node tangents_N was
+    invalid, but is output" in the partitioner). A fork re-imports nothing."""
+    ctx = multiprocessing.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+
+    def run():
+        try:
+            send.send((True, fn(*args)))
+        except BaseException:
+            send.send((False, traceback.format_exc()))
+
+    child = ctx.Process(target=run)
+    child.start()
+    send.close()  # the child holds the only writer: its death ends recv() with EOFError
+    try:
+        ok, value = receive.recv()  # before join: a large result fills the pipe until read
+    except EOFError:
+        ok, value = False, "the child process died without a result"
+    child.join()
+    if not ok:
+        raise RuntimeError(f"planning in a child process failed:\n{value}")
+    return value
+
+
+def _report(ns, cfg, hw, evaluated, keeps, sizes, n_layers, t0) -> None:
+    from simplesharded.mesh import resolve_degrees
+
+    p, t = cfg.parallelism, cfg.training
+    local_batch, tp = t.local_batch_size, p.tensor_parallel_degree
+    tokens = local_batch * t.seq_len // tp  # per rank: a dp rank's tp ranks share its tokens
     how = ("traced in full" if sizes == [None] else
            f"extrapolated from traces of {sizes[0]} and {sizes[1]} blocks")
-    full_shapes = [tuple(q.shape) for q in _meta_params(cfg)]
-    full_numel = sum(math.prod(q) for q in full_shapes)
-    rep = cfg.parallelism.data_parallel_replicate_degree
+    full_numel = sum(math.prod(q.shape) for q in _meta_params(cfg))
     size = f"{full_numel / 1e9:.2f}B" if full_numel >= 1e9 else f"{full_numel / 1e6:.1f}M"
+    degrees = resolve_degrees(ns.world_size, p.data_parallel_replicate_degree,
+                              p.data_parallel_shard_degree, tp)
+    mesh = " × ".join(f"{name} {n}" for name, n in degrees.dims())
     print(f"{cfg.model.name}/{cfg.model.flavor} ({size} params, {n_layers} "
-          f"blocks) on {ns.world_size} ranks of {hw.name}, mode {cfg.parallelism.mode}, "
-          f"{local_batch} × {cfg.training.seq_len} tokens per rank, AC "
-          f"{cfg.activation_checkpoint.mode}; {how} in {time.perf_counter() - t0:.0f}s\n")
+          f"blocks) on {ns.world_size} ranks of {hw.name} (mesh {mesh}), mode {p.mode}, "
+          f"{local_batch} × {t.seq_len} tokens per dp rank, AC "
+          f"{cfg.activation_checkpoint.mode}; {how}, traced and simulated in "
+          f"{time.perf_counter() - t0:.0f}s\n")
     print("| plan | step s | exposed comm s | comm GB/rank | collectives | tokens/s/rank | "
           "peak mem GiB/rank |\n|---|---:|---:|---:|---:|---:|---:|")
     drawn = None
-    evaluated: dict[tuple, list[dict]] = {}
+    rows = []
 
-    def evaluate(name: str, keep) -> list[dict]:  # per trace; each (plan, traces) once
-        if (name, keep) not in evaluated:
-            evaluated[name, keep] = [_evaluate(tr, name, ns, cfg, hw, cap) for tr in traced[keep]]
-        return evaluated[name, keep]
+    def evaluate(name: str, keep) -> list[dict]:  # per trace
+        return [per_plan[name] for per_plan in evaluated[keep]]
 
     for name in ns.plans:
         per_trace = evaluate(name, keeps[name])
@@ -267,17 +338,25 @@ def main(argv=None) -> int:
             ref = evaluate("aot_eager_blockbucketing", keeps[name])
             ref_m = _extrapolate(ref, n_layers)
             m["peak_act"] = ref_m["peak_act"] + per_trace[-1]["peak_act"] - ref[-1]["peak_act"]
-            m["collectives"] = ref_m["collectives"] * per_trace[-1]["collectives"] / max(
-                1, ref[-1]["collectives"])
-        static = sum(static_memory(full_shapes, ns.world_size, cfg.parallelism.mode,
-                                   cfg.optimizer.name, rep))
-        shard = local_numel(full_shapes, ns.world_size, cfg.parallelism.mode, rep)
+            for key in [k for k in m if k == "collectives" or k.endswith(":count")]:
+                m[key] = ref_m.get(key, 0) * per_trace[-1][key] / max(1, ref[-1].get(key, 0))
+        shard = m["local_numel"]
+        static = sum(static_memory(shard, cfg.optimizer.name))
         step = m["fw_s"] + m["bw_s"] + 7 * 4 * shard / hw.mem_bw_Bps  # + AdamW, memory bound
         print(f"| {name} | {step:.3f} | {m['exposed_s']:.3f} | {m['comm_bytes'] / 1e9:.2f} | "
               f"{m['collectives']:.0f} | {tokens / step:,.0f} | "
               f"{(static + m['peak_act']) / 2**30:.1f} |")
+        rows += [(name, label, link, m) for label, link in per_trace[-1]["links"].items()]
         if drawn is None or name == ns.timeline_plan:
             drawn = (name, per_trace[-1], static, m["peak_act"])
+    print("\ncommunication per process group, per rank and step (comm s: transfer time on the "
+          "group's link; exposed s: compute waiting for it)\n\n"
+          "| plan | group | link | collectives | GB/rank | comm s | exposed s |\n"
+          "|---|---|---|---:|---:|---:|---:|")
+    for name, label, link, m in rows:
+        g = f"group:{label}:"
+        print(f"| {name} | {label} | {link} | {m[g + 'count']:.0f} | "
+              f"{m[g + 'bytes'] / 1e9:.2f} | {m[g + 'seconds']:.3f} | {m[g + 'exposed_s']:.3f} |")
     name, last, static, act = drawn
     print(f"\nmemory per rank ({name}): params + grads + optimizer {static / 2**30:.2f} GiB "
           f"(fp32 shards), gathered buffers + activations {act / 2**30:.2f} GiB; the device "
@@ -288,7 +367,6 @@ def main(argv=None) -> int:
                       f"{cfg.model.name}/{cfg.model.flavor}{shown}, {ns.world_size} × "
                       f"{hw.name}, plan {name}")
         print(f"timeline written to {ns.timeline}")
-    return 0
 
 
 def _extrapolate(per_trace: list[dict], n_layers: int) -> dict:
@@ -304,18 +382,27 @@ def _meta_params(cfg):
 
 
 def _evaluate(traced: Traced, name: str, ns, cfg, hw, cap) -> dict:
+    """One plan on one trace: its times, bytes, memory, and per process group (keys
+    ``group:<mesh dim>:count|bytes|seconds|exposed_s``, the dims' links under ``links``)."""
     from simplesharded.passes.collectives import find_collectives
     from simplesharded.passes.simulate import simulate
 
     fw, bw = apply_plan(traced, name, ns.hardware, cap)
-    fs, bs = simulate(fw, hw), simulate(bw, hw)
-    mem = memory_report(traced, ns.world_size, cfg.parallelism.mode, cfg.optimizer.name,
-                        (fw, bw), cfg.parallelism.data_parallel_replicate_degree)
-    return {"fw_s": fs.makespan, "bw_s": bs.makespan,
-            "exposed_s": fs.exposed_comm_s + bs.exposed_comm_s,
-            "comm_bytes": fs.comm_bytes + bs.comm_bytes,
-            "collectives": len(find_collectives(fw)) + len(find_collectives(bw)),
-            "peak_act": int(mem.peak_activations), "fw_sched": fs, "bw_sched": bs}
+    fs, bs = (simulate(gm, hw, labels=traced.group_labels) for gm in (fw, bw))
+    mem = memory_report(traced, cfg.optimizer.name, (fw, bw))
+    out = {"fw_s": fs.makespan, "bw_s": bs.makespan,
+           "exposed_s": fs.exposed_comm_s + bs.exposed_comm_s,
+           "comm_bytes": fs.comm_bytes + bs.comm_bytes,
+           "collectives": len(find_collectives(fw)) + len(find_collectives(bw)),
+           "peak_act": int(mem.peak_activations), "local_numel": traced.local_numel,
+           "fw_sched": fs, "bw_sched": bs, "links": {}}
+    for sched in (fs, bs):
+        for label, g in sched.by_group.items():
+            out["links"][label] = g.link
+            for field in ("count", "bytes", "seconds", "exposed_s"):
+                key = f"group:{label}:{field}"
+                out[key] = out.get(key, 0) + getattr(g, field)
+    return out
 
 
 if __name__ == "__main__":

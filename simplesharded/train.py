@@ -155,9 +155,11 @@ def uses_loss_parallel(cfg: Config) -> bool:
     return p.tensor_parallel_degree > 1 and p.enable_loss_parallel
 
 
-def parallelize(model: torch.nn.Module, mesh, cfg: Config):
+def parallelize(model: torch.nn.Module, mesh, cfg: Config, backend=None):
     """TP → activation checkpointing → data_parallel → compile, in that order; returns the
-    callable a step runs (the compiled model, or the model itself)."""
+    callable a step runs (the compiled model, or the model itself). ``backend``: a
+    torch.compile backend used instead of the configured one (``python -m simplesharded.plan``
+    captures the graphs with its own, so it traces what the trainer compiles)."""
     p, t, c = cfg.parallelism, cfg.training, cfg.compile
     if tp_dim(mesh):
         parallelize_module(model, mesh[tp_dim(mesh)],
@@ -171,6 +173,8 @@ def parallelize(model: torch.nn.Module, mesh, cfg: Config):
                   grad_reduction=t.grad_reduction)
     if not c.enable:
         return model
+    if backend is not None:
+        return torch.compile(model, backend=backend, fullgraph=True)
     opts = {"dump_graphs": c.dump_graphs or None}
     if "bucketing" in c.backend:
         opts["memory_cap_bytes"] = int(c.memory_cap_mb * 2**20) or None

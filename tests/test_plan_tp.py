@@ -1,0 +1,161 @@
+"""The cost model's link rule (intra- vs inter-node process groups) and `plan` on a dp x tp
+mesh: the fake-process-group trace carries TP's collectives on the tp group and our dp
+collectives bucketed per block as without TP."""
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from simplesharded.passes.cost_model import (INTER_NODE, INTRA_NODE, comm_time, get_hardware,
+                                             group_link, intra_node)
+
+H100 = get_hardware("h100-ib400")
+DEBUG_CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "llama3_debug.toml")
+
+
+def _groups(sizes: tuple[int, ...], dim: int) -> list[tuple[int, ...]]:
+    """Every group of mesh dim ``dim`` of a row-major mesh of ``sizes`` (as DeviceMesh)."""
+    import torch
+
+    mesh = torch.arange(int(torch.tensor(sizes).prod())).view(sizes)
+    return [tuple(g.tolist()) for g in mesh.movedim(dim, -1).reshape(-1, sizes[dim])]
+
+
+@pytest.mark.parametrize("sizes,gpus_per_node,expected", [
+    ((32, 8), 8, (INTER_NODE, INTRA_NODE)),  # FSDP 32 x TP 8 on nodes of 8: tp on NVLink
+    ((4, 16), 8, (INTER_NODE, INTER_NODE)),  # tp 16 > a node
+    ((2, 4), 8, (INTRA_NODE, INTRA_NODE)),   # the whole mesh in one node
+    ((4, 2, 4), 8, (INTER_NODE, INTRA_NODE, INTRA_NODE)),  # dp_shard 2 x tp 4 fill a node
+    ((8, 3), 8, (INTER_NODE, INTER_NODE)),   # tp 3: groups 2,5,... straddle node borders
+])
+def test_link_of_every_mesh_dim_group(sizes, gpus_per_node, expected):
+    """Each group of a mesh dim gets the same link (rank-invariant), and it is the intra-node
+    one exactly when every group of the dim lies within one node."""
+    world = 1
+    for n in sizes:
+        world *= n
+    for dim, want in enumerate(expected):
+        groups = _groups(sizes, dim)
+        inside = all(g[0] // gpus_per_node == g[-1] // gpus_per_node for g in groups)
+        assert (want == INTRA_NODE) is inside  # the expectation itself, by brute force
+        got = {intra_node(g, world, gpus_per_node) for g in groups}
+        assert got == {want == INTRA_NODE}, (sizes, dim, got)
+
+
+def test_link_rule_is_decided_for_the_family_not_the_group():
+    """tp 3 on nodes of 8: ranks (0, 1, 2) sit in node 0, but their sibling (6, 7, 8) does
+    not; every rank must decide alike, so all say inter-node. A group that is no mesh dim's
+    (not an arithmetic progression tiling the world) is inter-node too."""
+    assert intra_node((0, 1, 2), 24, 8) is False
+    assert intra_node((0, 1, 3), 8, 8) is False
+    assert intra_node((5,), 8, 8) is True
+
+
+def test_comm_time_uses_the_link():
+    t_intra = comm_time("all_gather", 8e9, 8, H100, INTRA_NODE)
+    t_inter = comm_time("all_gather", 8e9, 8, H100, INTER_NODE)
+    assert t_intra == pytest.approx(H100.intra_node_alpha_s + 7e9 / H100.intra_node_bandwidth_Bps)
+    assert t_inter == pytest.approx(H100.alpha_s + 7e9 / H100.bandwidth_Bps)
+    assert t_inter > 5 * t_intra
+    # hardware without an intra-node link: one link for every group
+    flat = get_hardware("local")
+    assert comm_time("all_gather", 8e9, 8, flat, INTRA_NODE) == \
+        comm_time("all_gather", 8e9, 8, flat, INTER_NODE)
+    with pytest.raises(ValueError, match="link"):
+        comm_time("all_gather", 8, 2, H100, "pcie")
+
+
+def test_group_link_of_live_groups():
+    """On a fake process group of 16 ranks laid out dp_shard 2 x tp 8: the tp group is
+    intra-node and the dp group inter-node on nodes of 8; with nodes of 16 both are
+    intra-node; a profile without an intra-node link and an unknown group are inter-node."""
+    from simplesharded import plan
+    from simplesharded.mesh import build_mesh
+
+    with plan.fake_world(16):
+        mesh = build_mesh(1, -1, "cpu", tp=8)
+        dp, tp = (mesh.get_group(d).group_name for d in ("dp_shard", "tp"))
+        assert (group_link(dp, H100), group_link(tp, H100)) == (INTER_NODE, INTRA_NODE)
+        big = dataclasses.replace(H100, gpus_per_node=16)
+        assert (group_link(dp, big), group_link(tp, big)) == (INTRA_NODE, INTRA_NODE)
+        assert group_link(tp, get_hardware("local")) == INTER_NODE
+        assert group_link("no-such-group", H100) == INTER_NODE
+
+
+def _traced_counts(world: int, tp: int, hw) -> tuple[dict, dict, int, int]:
+    """Block-bucketed debug model (2 blocks) on ``world`` fake ranks with tensor parallel
+    degree ``tp``: ({(group label, kind): count} over fw+bw, {label: link}, traced local
+    shard elements, real local shard elements of the same model)."""
+    from simplesharded import plan
+    from simplesharded.config import load_config
+    from simplesharded.mesh import build_mesh
+    from simplesharded.models import build_model
+    from simplesharded.passes.collectives import count_by_group
+    from simplesharded.passes.simulate import simulate
+    from simplesharded.train import check_static, parallelize
+
+    cfg = check_static(load_config(DEBUG_CONFIG, [
+        "--activation_checkpoint.mode", "none", "--parallelism.tensor_parallel_degree",
+        str(tp), "--training.global_batch_size", str(world // tp)]), world)
+    with plan.fake_world(world):
+        traced = plan.trace(cfg, cfg.training.local_batch_size, n_layers=2)
+        fw, bw = plan.apply_plan(traced, "aot_eager_blockbucketing", "h100-ib400", None)
+        counts: dict = {}
+        for gm in (fw, bw):
+            for key, n in count_by_group(gm, traced.group_labels).items():
+                counts[key] = counts.get(key, 0) + n
+        links = {label: g.link for gm in (fw, bw)
+                 for label, g in simulate(gm, hw, labels=traced.group_labels).by_group.items()}
+        # the same layout on real (CPU) tensors, as the trainer builds it on CPU
+        p = cfg.parallelism
+        mesh = build_mesh(p.data_parallel_replicate_degree, p.data_parallel_shard_degree,
+                          "cpu", tp)
+        model = build_model("llama3", "debug", device="cpu", n_layers=2)
+        cfg.compile.enable = False
+        parallelize(model, mesh, cfg)
+        real = sum(q.to_local().numel() for q in model.parameters())
+    assert not dist.is_initialized()
+    return counts, links, traced.local_numel, real
+
+
+def test_plan_traces_tp_and_dp_groups():
+    """world 4 = dp 2 x tp 2: TP's collectives are on the tp group, ours on dp_shard with
+    one bucket per block exactly as the dp-2 trace without TP has them; with nodes of 2 ranks
+    tp is intra-node and dp inter-node. The planner's shard size is the trainer's."""
+    nodes_of_2 = dataclasses.replace(H100, gpus_per_node=2)
+    counts, links, traced, real = _traced_counts(4, 2, nodes_of_2)
+    tp_counts = {kind: n for (label, kind), n in counts.items() if label == "tp"}
+    assert tp_counts.get("all_gather", 0) > 0 and tp_counts.get("reduce_scatter", 0) > 0
+    # sequence parallelism: per block 2 gathers + 2 scatters in forward and again in backward
+    assert tp_counts["all_gather"] >= 2 * 2 * 2 and tp_counts["reduce_scatter"] >= 2 * 2 * 2
+    assert links == {"dp_shard": INTER_NODE, "tp": INTRA_NODE}
+    assert traced == real
+
+    plain, plain_links, _, _ = _traced_counts(2, 1, nodes_of_2)
+    dp = {k: n for k, n in counts.items() if k[0] == "dp_shard"}
+    assert dp == {k: n for k, n in plain.items() if k[0] == "dp_shard"}
+    # one all-gather per bucket in forward (pre, 2 blocks, post) + re-gathers and reductions
+    assert dp[("dp_shard", "reduce_scatter")] == 4
+    assert set(plain_links) == {"dp_shard"}
+
+
+def test_plan_cli_reports_communication_per_group(capsys):
+    """`python -m simplesharded.plan` on dp 2 x tp 2 (loss parallel, as the trainer runs it):
+    the mesh in the header, one row per process group, TP's on the intra-node link."""
+    from simplesharded import plan
+
+    assert plan.main(["--config", DEBUG_CONFIG, "--world-size", "4", "--hardware", "h100-ib400",
+                      "--plans", "aot_eager_blockbucketing", "--parallelism.tensor_parallel_degree",
+                      "2", "--activation_checkpoint.mode", "none"]) == 0
+    out = capsys.readouterr().out
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines()
+            if line.startswith("| aot_eager_blockbucketing")]
+    step = next(r for r in rows if len(r) == 7)
+    groups = {r[1]: r for r in rows if len(r) == 7 and r[1] in ("dp_shard", "tp")}
+    assert set(groups) == {"dp_shard", "tp"}
+    assert groups["tp"][2] == INTRA_NODE and int(groups["tp"][3]) > 0
+    assert int(groups["dp_shard"][3]) > 0
+    assert int(step[4]) == int(groups["dp_shard"][3]) + int(groups["tp"][3])  # collectives
+    # global batch 8 over dp 2: 4 sequences per dp rank, shared by its 2 tp ranks
+    assert "(mesh dp_shard 2 × tp 2)" in out and "4 × 128 tokens per dp rank" in out
