@@ -4,7 +4,13 @@ Every variant trains the same model on the same synthetic batch in its own spawn
 group; variants alternate within each repetition so drift hits all of them alike. Reported:
 median step time, ratios, collectives per step counted at runtime by the profiler (the same
 way for eager and compiled variants), compile seconds (first step minus a steady step, first
-repetition) and peak RSS per rank.
+repetition), peak RSS per rank and the first step's loss (rank 0), which must agree across
+variants: they compute the same thing or the comparison is void.
+
+``--tp N`` runs every variant on a dp × tp mesh (tp innermost, as the trainer's): torch TP with
+the model's plan on ``mesh["tp"]`` first, then the variant's data parallelism over the dp dims.
+FSDP2 becomes the standard 2-D recipe (``fully_shard`` per block + root on ``mesh["dp_shard"]``)
+and the floors keep their meaning with a tp group in place of a single rank.
 """
 from __future__ import annotations
 
@@ -24,10 +30,20 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 BASELINES = ("fsdp2_eager", "fsdp2_compiled", "ddp", "compute_floor", "compute_floor_concurrent")
-# compute_floor: one process alone on the machine (the issue's definition).
+# compute_floor: one process alone on the machine (the issue's definition); with --tp, one tp
+# group alone (tp ranks on one dp rank's batch): compute plus TP's own collectives, no dp.
 # compute_floor_concurrent: every rank runs the floor's step at the same time, with no
-# communication at all: what the ranks' compute costs while they share cores, caches and
-# memory bandwidth, i.e. the floor any data-parallel variant on this machine can reach.
+# data-parallel communication at all: what the ranks' compute (and TP) costs while they share
+# cores, caches and memory bandwidth, i.e. the floor any data-parallel variant on this machine
+# can reach. With --tp on 2 cores this is the floor that matters: 2×tp ranks share the cores.
+NO_TP_FORM = ("ddp",)  # DDP does not take TP DTensor parameters
+# With --tp the default set is the 2-D recipe's peers only: 4 ranks on 2 cores compiling a
+# TP graph take ~2 min per compiled variant (debug llama3), so the unbucketed ss_aot_eager,
+# compiled FSDP2 and the inductor backends are left for --variants to name.
+TP_DEFAULT = ("compute_floor", "compute_floor_concurrent", "fsdp2_eager",
+              "ss_aot_eager_blockbucketing", "ss_aot_eager_autobucketing")
+PARITY_RTOL = 1e-4
+RATIO_REFS = ("fsdp2_eager", "compute_floor", "compute_floor_concurrent")  # the × columns
 
 
 def all_variants() -> list[str]:
@@ -35,11 +51,18 @@ def all_variants() -> list[str]:
     return list(BASELINES) + [f"ss_{name}" for name in BACKENDS]
 
 
+def default_variants(tp: int) -> list[str]:
+    return all_variants() if tp == 1 else list(TP_DEFAULT)
+
+
 @dataclass
 class BenchArgs:
     model: str = "llama3"
     flavor: str = "small"
-    world_size: int = 2
+    n_layers: int | None = None  # override the flavor's depth (tiny runs, tests)
+    world_size: int = 2  # ranks in all (dp × tp)
+    tp: int = 1
+    sequence_parallel: bool = True  # with tp > 1, as the trainer's enable_sequence_parallel
     global_batch: int = 8
     seq_len: int = 256
     warmup: int = 3
@@ -47,6 +70,10 @@ class BenchArgs:
     seed: int = 0
     optimizer_impl: str = "foreach"  # AdamW kernels for every variant (as the trainer's default)
     profile_dir: str = ""  # when set: torch.profiler trace + op table per rank for 2 steps
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // self.tp
 
 
 @dataclass
@@ -58,13 +85,15 @@ class RunResult:
     peak_rss_mb: float = 0.0
     main_cpu_s: float = 0.0  # CPU time per timed step: the main (compute) thread
     other_cpu_s: float = 0.0  # ... every other thread (gloo's workers, autograd, ...)
+    first_loss: float = float("nan")  # rank 0's loss of the first step (initial weights)
     error: str = ""
 
 
 def _build(args: BenchArgs, device: str):
     from simplesharded.models import build_model
     torch.manual_seed(args.seed)
-    return build_model(args.model, args.flavor, device=device)
+    depth = {"n_layers": args.n_layers} if args.n_layers else {}
+    return build_model(args.model, args.flavor, device=device, **depth)
 
 
 def _blocks(model):
@@ -72,9 +101,18 @@ def _blocks(model):
     return list(layers.values()) if isinstance(layers, torch.nn.ModuleDict) else list(layers)
 
 
+def _world(variant: str, args: BenchArgs) -> int:
+    """Ranks a variant runs on: the floor is one dp rank's worth (1 rank, or its tp group)."""
+    return args.tp if variant == "compute_floor" else args.world_size
+
+
 def _prepare(variant: str, args: BenchArgs, mesh):
-    """The model (wrapped/compiled for the variant) and its optimizer."""
+    """The model (TP-parallelized when the mesh has a tp dim, then wrapped/compiled for the
+    variant) and its optimizer."""
+    from simplesharded.mesh import dp_mesh
+    from simplesharded.train import OPTIMIZER_IMPL, apply_tensor_parallel
     model = _build(args, "cpu")
+    apply_tensor_parallel(model, mesh, args.sequence_parallel)
     if variant.startswith("compute_floor"):
         pass
     elif variant == "ddp":
@@ -85,15 +123,14 @@ def _prepare(variant: str, args: BenchArgs, mesh):
         for block in _blocks(model):
             if variant == "fsdp2_compiled":
                 block.compile()  # per-block compile, as torchtitan does for FSDP2
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(block, mesh=dp_mesh(mesh))
+        fully_shard(model, mesh=dp_mesh(mesh))
     else:
         from simplesharded import data_parallel, make_backend
         backend = variant.removeprefix("ss_")
         data_parallel(model, mesh, "fully_shard")
         if backend != "eager":
             model = torch.compile(model, backend=make_backend(backend), fullgraph=True)
-    from simplesharded.train import OPTIMIZER_IMPL
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **OPTIMIZER_IMPL[args.optimizer_impl])
     return model, opt
 
@@ -136,16 +173,17 @@ def _thread_cpu_s() -> tuple[float, float]:
 def _worker(rank: int, variant: str, args: BenchArgs, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    world = 1 if variant == "compute_floor" else args.world_size
+    world = _world(variant, args)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     result = RunResult(variant)
     try:
-        from torch.distributed.device_mesh import init_device_mesh
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+        from simplesharded.mesh import build_mesh
+        mesh = build_mesh(1, world // args.tp, "cpu", args.tp)
         model, opt = _prepare(variant, args, mesh)
-        local_batch = args.global_batch // args.world_size
-        g = torch.Generator().manual_seed(args.seed + rank)
-        tokens = torch.randint(0, 256, (local_batch, args.seq_len + 1), generator=g)
+        # tp is the innermost mesh dim: the tp ranks of one dp rank read that dp rank's batch
+        g = torch.Generator().manual_seed(args.seed + rank // args.tp)
+        tokens = torch.randint(0, 256, (args.global_batch // args.dp, args.seq_len + 1),
+                               generator=g)
         x, y = tokens[:, :-1], tokens[:, 1:]
 
         def step():
@@ -154,6 +192,8 @@ def _worker(rank: int, variant: str, args: BenchArgs, port: int, out_dir: str) -
             loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
             loss.backward()
             opt.step()
+            if result.first_loss != result.first_loss:  # still NaN: this is the first step
+                result.first_loss = loss.item()
 
         for i in range(args.warmup):
             dist.barrier()
@@ -181,7 +221,7 @@ def _worker(rank: int, variant: str, args: BenchArgs, port: int, out_dir: str) -
 
 
 def run_variant(variant: str, args: BenchArgs) -> RunResult:
-    world = 1 if variant == "compute_floor" else args.world_size
+    world = _world(variant, args)
     with tempfile.TemporaryDirectory() as out_dir:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -208,11 +248,12 @@ def summarize(results: dict[str, list[RunResult]], args: BenchArgs) -> list[dict
                      "collectives_per_step": ok[0].collectives_per_step,
                      "peak_rss_mb": max(r.peak_rss_mb for r in ok), "reps": len(ok),
                      "main_cpu_ms": 1e3 * statistics.median(r.main_cpu_s for r in ok),
-                     "other_cpu_ms": 1e3 * statistics.median(r.other_cpu_s for r in ok)})
+                     "other_cpu_ms": 1e3 * statistics.median(r.other_cpu_s for r in ok),
+                     "first_losses": [r.first_loss for r in ok]})
     base = {r["variant"]: r.get("step_ms") for r in rows}
     for r in rows:
         if "step_ms" in r:
-            for ref in ("fsdp2_eager", "compute_floor", "compute_floor_concurrent"):
+            for ref in RATIO_REFS:
                 if base.get(ref):
                     r[f"x_{ref}"] = r["step_ms"] / base[ref]
     return rows
@@ -221,19 +262,38 @@ def summarize(results: dict[str, list[RunResult]], args: BenchArgs) -> list[dict
 def format_table(rows: list[dict], args: BenchArgs) -> str:
     head = (f"| variant | step ms | × fsdp2_eager | × compute_floor | × floor concurrent | "
             f"collectives/step | compile s | peak RSS MB/rank | "
-            f"CPU ms/step main + other threads |\n"
-            f"|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+            f"CPU ms/step main + other threads | loss step 1 |\n"
+            f"|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     lines = [head]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['variant']} | failed: {r['error']} | | | | | | | |")
+            lines.append(f"| {r['variant']} | failed: {r['error']} | | | | | | | | |")
             continue
-        lines.append(f"| {r['variant']} | {r['step_ms']:.0f} | {r.get('x_fsdp2_eager', 0):.2f} | "
-                     f"{r.get('x_compute_floor', 0):.2f} | "
-                     f"{r.get('x_compute_floor_concurrent', 0):.2f} | {r['collectives_per_step']} | "
+        # a reference that did not run shows as "–", not as a ratio of 0
+        ratios = " | ".join(f"{r[f'x_{ref}']:.2f}" if f"x_{ref}" in r else "–"
+                            for ref in RATIO_REFS)
+        lines.append(f"| {r['variant']} | {r['step_ms']:.0f} | {ratios} | "
+                     f"{r['collectives_per_step']} | "
                      f"{r['compile_s']:.1f} | {r['peak_rss_mb']:.0f} | "
-                     f"{r.get('main_cpu_ms', 0):.0f} + {r.get('other_cpu_ms', 0):.0f} |")
+                     f"{r.get('main_cpu_ms', 0):.0f} + {r.get('other_cpu_ms', 0):.0f} | "
+                     f"{r.get('first_losses', [float('nan')])[0]:.6f} |")
     return "\n".join(lines)
+
+
+def parity(rows: list[dict], rtol: float = PARITY_RTOL) -> tuple[bool, str]:
+    """Whether every run's first-step loss (rank 0, initial weights, same batch) agrees with
+    the first variant's within ``rtol``: else the variants did not compute the same thing."""
+    losses = [(r["variant"], x) for r in rows for x in r.get("first_losses", ())]
+    if not losses:
+        return True, "parity: no first-step losses (no variant ran)"
+    ref_name, ref = losses[0]
+    bad = [(v, x) for v, x in losses if not abs(x - ref) <= rtol * abs(ref)]  # NaN is bad
+    if bad:
+        return False, ("PARITY MISMATCH: first-step loss " + ", ".join(
+            f"{v} {x:.6f}" for v, x in bad) + f" vs {ref_name} {ref:.6f} (rtol {rtol})")
+    spread = max(abs(x - ref) for _, x in losses) / abs(ref)
+    return True, (f"parity: first-step losses of {len(losses)} runs agree with {ref_name} "
+                  f"({ref:.6f}) within {spread:.1e} relative (tolerance {rtol})")
 
 
 def targets(rows: list[dict]) -> list[str]:
@@ -252,18 +312,38 @@ def targets(rows: list[dict]) -> list[str]:
     return out
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama3")
     ap.add_argument("--flavor", default="small")
-    ap.add_argument("--world-size", type=int, default=2)
-    ap.add_argument("--global-batch", type=int, default=8)
-    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--n-layers", type=_positive_int, default=None,
+                    help="override the flavor's depth")
+    ap.add_argument("--world-size", type=_positive_int, default=None,
+                    help="ranks in all, dp × tp (default: 2 × --tp, i.e. dp 2)")
+    ap.add_argument("--tp", type=_positive_int, default=1,
+                    help="tensor-parallel degree: every variant runs on a dp × tp mesh, torch "
+                         "TP with the model's plan first (default: 1, no TP)")
+    ap.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
+                    help="with --tp > 1, shard activations between blocks on the sequence dim "
+                         "(the trainer's default)")
+    ap.add_argument("--global-batch", type=_positive_int, default=8)
+    ap.add_argument("--seq-len", type=_positive_int, default=256)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--steps", type=_positive_int, default=20)
+    ap.add_argument("--reps", type=_positive_int, default=3)
     ap.add_argument("--variants", nargs="+", default=None,
-                    help="default: all of " + " ".join(BASELINES) + " ss_<every backend>")
+                    help="default: all of " + " ".join(BASELINES) + " ss_<every backend>; "
+                         "with --tp > 1: " + " ".join(TP_DEFAULT))
     from simplesharded.train import OPTIMIZER_IMPL
     ap.add_argument("--optimizer-impl", default="foreach", choices=list(OPTIMIZER_IMPL),
                     help="AdamW kernels, the same for every variant (default: foreach, as the "
@@ -272,16 +352,35 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", default="", metavar="DIR",
                     help="write a torch.profiler chrome trace and op table per variant and rank")
     ns = ap.parse_args(argv)
-    variants = ns.variants or all_variants()
+    tp = ns.tp
+    world = ns.world_size or 2 * tp
+    variants = ns.variants or default_variants(tp)
     unknown = sorted(set(variants) - set(all_variants()))
     if unknown:
         ap.error(f"--variants {unknown} not one of {all_variants()}")
-    if ns.global_batch % ns.world_size:
-        ap.error(f"--global-batch {ns.global_batch} is not divisible by --world-size "
-                 f"{ns.world_size}")
-    args = BenchArgs(ns.model, ns.flavor, ns.world_size, ns.global_batch, ns.seq_len,
-                     ns.warmup, ns.steps, profile_dir=ns.profile,
-                     optimizer_impl=ns.optimizer_impl)
+    no_tp = sorted(set(variants) & set(NO_TP_FORM)) if tp > 1 else []
+    if no_tp:
+        ap.error(f"--variants {no_tp} have no tensor-parallel form; with --tp {tp} leave "
+                 f"them out")
+    if world % tp:
+        ap.error(f"--tp {tp} does not divide --world-size {world}")
+    if ns.global_batch % (world // tp):
+        ap.error(f"--global-batch {ns.global_batch} is not divisible by the data-parallel "
+                 f"degree {world // tp} (--world-size {world} / --tp {tp})")
+    from simplesharded.models import get_model_spec
+    try:
+        _, model_args = get_model_spec(ns.model, ns.flavor)
+        if tp > 1:
+            model_args.check_tp(tp)
+    except ValueError as e:
+        ap.error(f"{e} (--model {ns.model} --flavor {ns.flavor} --tp {tp})")
+    if tp > 1 and ns.sequence_parallel and ns.seq_len % tp:
+        ap.error(f"--tp {tp} does not divide --seq-len {ns.seq_len} (sequence parallelism "
+                 f"splits the sequence; or --no-sequence-parallel)")
+    args = BenchArgs(model=ns.model, flavor=ns.flavor, n_layers=ns.n_layers, world_size=world,
+                     tp=tp, sequence_parallel=ns.sequence_parallel, global_batch=ns.global_batch,
+                     seq_len=ns.seq_len, warmup=ns.warmup, steps=ns.steps,
+                     optimizer_impl=ns.optimizer_impl, profile_dir=ns.profile)
     results: dict[str, list[RunResult]] = {v: [] for v in variants}
     for rep in range(ns.reps):
         for v in variants:
@@ -292,19 +391,31 @@ def main(argv=None) -> int:
             print(f"[rep {rep + 1}/{ns.reps}] {v}: {status} ({time.time() - t0:.0f}s)",
                   file=sys.stderr, flush=True)
     rows = summarize(results, args)
-    print(f"\n{args.model}/{args.flavor}, {args.world_size} ranks (gloo, CPU), global batch "
-          f"{args.global_batch} × seq {args.seq_len}, fp32, AdamW {args.optimizer_impl}, "
-          f"{args.steps} timed steps × {ns.reps} reps (median)\n")
+    depth = f" ({args.n_layers} layers)" if args.n_layers else ""
+    mesh = f" = dp {args.dp} × tp {tp}" if tp > 1 else ""
+    print(f"\n{args.model}/{args.flavor}{depth}, {args.world_size} ranks{mesh} (gloo, CPU), "
+          f"global batch {args.global_batch} × seq {args.seq_len}, fp32, AdamW "
+          f"{args.optimizer_impl}, {args.steps} timed steps × {ns.reps} reps (median)")
+    if tp > 1:
+        sp = ", sequence parallel" if args.sequence_parallel else ""
+        print(f"torch TP (parallelize_module, the model's plan{sp}) under every variant; "
+              f"fsdp2_eager: fully_shard per block + root on the dp mesh; compute_floor: one tp "
+              f"group ({tp} ranks) alone; compute_floor_concurrent: all {args.dp} tp groups at "
+              f"once; neither floor communicates over dp")
+    print()
     print(format_table(rows, args))
     print()
-    for line in targets(rows):
-        print(line)
+    agree, line = parity(rows)
+    print(line)
+    if tp == 1:  # the issue's targets are for 1-D FSDP
+        for line in targets(rows):
+            print(line)
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump({"args": asdict(args), "rows": rows,
                        "raw": {v: [asdict(r) for r in rs] for v, rs in results.items()}}, f,
                       indent=1)
-    return 0
+    return 0 if agree else 1
 
 
 if __name__ == "__main__":

@@ -155,15 +155,22 @@ def uses_loss_parallel(cfg: Config) -> bool:
     return p.tensor_parallel_degree > 1 and p.enable_loss_parallel
 
 
+def apply_tensor_parallel(model: torch.nn.Module, mesh, sequence_parallel: bool,
+                          loss_parallel: bool = False) -> None:
+    """Torch TP with the model's own plan on ``mesh["tp"]`` (nothing when the mesh has no tp
+    dim): the first step of :func:`parallelize`, shared with the benchmark's TP peers."""
+    if tp_dim(mesh):
+        parallelize_module(model, mesh[tp_dim(mesh)],
+                           model.tp_plan(sequence_parallel, loss_parallel))
+
+
 def parallelize(model: torch.nn.Module, mesh, cfg: Config, backend=None):
     """TP → activation checkpointing → data_parallel → compile, in that order; returns the
     callable a step runs (the compiled model, or the model itself). ``backend``: a
     torch.compile backend used instead of the configured one (``python -m simplesharded.plan``
     captures the graphs with its own, so it traces what the trainer compiles)."""
     p, t, c = cfg.parallelism, cfg.training, cfg.compile
-    if tp_dim(mesh):
-        parallelize_module(model, mesh[tp_dim(mesh)],
-                           model.tp_plan(p.enable_sequence_parallel, uses_loss_parallel(cfg)))
+    apply_tensor_parallel(model, mesh, p.enable_sequence_parallel, uses_loss_parallel(cfg))
     apply_activation_checkpointing(model, cfg.activation_checkpoint.mode,
                                    cfg.activation_checkpoint.selective_every,
                                    compiled=c.enable)

@@ -89,6 +89,65 @@ def test_tiny_bench_runs_end_to_end(tmp_path, capsys):
     assert "| ss_aot_eager_blockbucketing |" in capsys.readouterr().out
 
 
+def test_parity_names_the_variant_that_computed_something_else():
+    runs = {"compute_floor": [bench.RunResult("compute_floor", [1.0], first_loss=6.0)],
+            "fsdp2_eager": [bench.RunResult("fsdp2_eager", [1.0], first_loss=6.0003)],
+            "ss_aot_eager": [bench.RunResult("ss_aot_eager", [1.0], first_loss=6.01)]}
+    rows = bench.summarize(runs, bench.BenchArgs())
+    ok, line = bench.parity(rows)
+    assert not ok
+    assert line.startswith("PARITY MISMATCH: first-step loss ss_aot_eager 6.010000 vs "
+                           "compute_floor 6.000000")
+    assert "fsdp2_eager" not in line  # 5e-5 relative: within the tolerance
+    assert bench.parity(rows[:2])[0]
+    # a reference that did not run is "–" in its column, not a ratio of 0
+    assert "| fsdp2_eager | 1000 | 1.00 | 1.00 | – |" in bench.format_table(rows,
+                                                                          bench.BenchArgs())
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tp", "2", "--variants", "ddp"], "--variants ['ddp'] have no tensor-parallel form"),
+    (["--tp", "2", "--world-size", "6"], "--global-batch 8 is not divisible by the "
+                                         "data-parallel degree 3"),
+    (["--tp", "2", "--world-size", "3"], "--tp 2 does not divide --world-size 3"),
+    (["--tp", "3", "--flavor", "debug"], "tensor_parallel_degree=3 does not divide n_heads=16"),
+    (["--tp", "2", "--seq-len", "33"], "--tp 2 does not divide --seq-len 33"),
+    (["--tp", "0"], "argument --tp: 0 is not a positive integer"),
+])
+def test_bad_tp_flags_are_one_line_errors(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(argv)
+    assert f"error: {message}" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_tiny_tp_bench_runs_end_to_end(tmp_path, capsys):
+    """dp 2 × tp 2 (4 ranks), one block: FSDP2 + torch TP, ours and the tp floor side by side,
+    on the same first-step loss (main() returns 1 when the losses disagree)."""
+    out = tmp_path / "r.json"
+    variants = ["compute_floor", "fsdp2_eager", "ss_aot_eager_autobucketing"]
+    assert bench.main(["--tp", "2", "--flavor", "debug", "--n-layers", "1", "--seq-len", "16",
+                       "--warmup", "1", "--steps", "1", "--reps", "1", "--json", str(out),
+                       "--variants", *variants]) == 0
+    report = json.loads(out.read_text())
+    assert (report["args"]["world_size"], report["args"]["tp"]) == (4, 2)
+    rows = {r["variant"]: r for r in report["rows"]}
+    assert list(rows) == variants
+    for name, row in rows.items():
+        assert "error" not in row, row
+        for ref in ("fsdp2_eager", "compute_floor"):
+            assert 0 < row[f"x_{ref}"] < float("inf"), (name, ref, row)
+    losses = [x for row in rows.values() for x in row["first_losses"]]
+    assert max(losses) - min(losses) <= 1e-4 * abs(losses[0])
+    # the floor is a tp group: TP's own collectives, none of dp's
+    assert 0 < rows["compute_floor"]["collectives_per_step"]
+    printed = capsys.readouterr().out
+    assert "4 ranks = dp 2 × tp 2" in printed
+    assert "parity: first-step losses of 3 runs agree" in printed
+    for name in variants:
+        assert f"| {name} |" in printed
+
+
 @pytest.mark.slow
 def test_bench_collectives_forms_agree(capfd):
     # the worker raises if all-to-all + adds or the in-place all-reduce differ from gloo's RS,
