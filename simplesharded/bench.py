@@ -29,21 +29,29 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-BASELINES = ("fsdp2_eager", "fsdp2_compiled", "ddp", "compute_floor", "compute_floor_concurrent")
+BASELINES = ("fsdp2_eager", "fsdp2_compiled", "ddp", "compute_floor", "compute_floor_concurrent",
+             "compute_floor_concurrent_compiled")
 # compute_floor: one process alone on the machine (the issue's definition); with --tp, one tp
 # group alone (tp ranks on one dp rank's batch): compute plus TP's own collectives, no dp.
 # compute_floor_concurrent: every rank runs the floor's step at the same time, with no
 # data-parallel communication at all: what the ranks' compute (and TP) costs while they share
 # cores, caches and memory bandwidth, i.e. the floor any data-parallel variant on this machine
 # can reach. With --tp on 2 cores this is the floor that matters: 2×tp ranks share the cores.
+# compute_floor_concurrent_compiled: the same under torch's plain aot_eager. The floor of our
+# compiled variants under TP: eager TP pays DTensor's per-op dispatch (sharding propagation in
+# Python), which compiling traces away. Without TP the eager floor is the lower one (aot_eager
+# runs a decomposed graph: ~20% more main-thread CPU on debug llama3), so it is not a default.
 NO_TP_FORM = ("ddp",)  # DDP does not take TP DTensor parameters
 # With --tp the default set is the 2-D recipe's peers only: 4 ranks on 2 cores compiling a
 # TP graph take ~2 min per compiled variant (debug llama3), so the unbucketed ss_aot_eager,
 # compiled FSDP2 and the inductor backends are left for --variants to name.
-TP_DEFAULT = ("compute_floor", "compute_floor_concurrent", "fsdp2_eager",
-              "ss_aot_eager_blockbucketing", "ss_aot_eager_autobucketing")
+TP_DEFAULT = ("compute_floor", "compute_floor_concurrent", "compute_floor_concurrent_compiled",
+              "fsdp2_eager", "ss_aot_eager_blockbucketing", "ss_aot_eager_autobucketing")
 PARITY_RTOL = 1e-4
-RATIO_REFS = ("fsdp2_eager", "compute_floor", "compute_floor_concurrent")  # the × columns
+# The × columns (variant → column label); a column appears when its variant ran.
+RATIO_REFS = {"fsdp2_eager": "fsdp2_eager", "compute_floor": "compute_floor",
+              "compute_floor_concurrent": "floor concurrent",
+              "compute_floor_concurrent_compiled": "floor concurrent compiled"}
 
 
 def all_variants() -> list[str]:
@@ -52,7 +60,11 @@ def all_variants() -> list[str]:
 
 
 def default_variants(tp: int) -> list[str]:
-    return all_variants() if tp == 1 else list(TP_DEFAULT)
+    """Without TP every variant but the compiled floor (see BASELINES: it is not the floor);
+    with TP the 2-D recipe's peers (TP_DEFAULT)."""
+    if tp > 1:
+        return list(TP_DEFAULT)
+    return [v for v in all_variants() if v != "compute_floor_concurrent_compiled"]
 
 
 @dataclass
@@ -114,7 +126,8 @@ def _prepare(variant: str, args: BenchArgs, mesh):
     model = _build(args, "cpu")
     apply_tensor_parallel(model, mesh, args.sequence_parallel)
     if variant.startswith("compute_floor"):
-        pass
+        if variant.endswith("_compiled"):  # torch's own backend: no pass of ours in the floor
+            model = torch.compile(model, backend="aot_eager", fullgraph=True)
     elif variant == "ddp":
         from torch.nn.parallel import DistributedDataParallel
         model = DistributedDataParallel(model)
@@ -260,19 +273,17 @@ def summarize(results: dict[str, list[RunResult]], args: BenchArgs) -> list[dict
 
 
 def format_table(rows: list[dict], args: BenchArgs) -> str:
-    head = (f"| variant | step ms | × fsdp2_eager | × compute_floor | × floor concurrent | "
-            f"collectives/step | compile s | peak RSS MB/rank | "
-            f"CPU ms/step main + other threads | loss step 1 |\n"
-            f"|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    lines = [head]
+    refs = [ref for ref in RATIO_REFS if any(f"x_{ref}" in r for r in rows)]
+    cols = (["variant", "step ms"] + [f"× {RATIO_REFS[ref]}" for ref in refs]
+            + ["collectives/step", "compile s", "peak RSS MB/rank",
+               "CPU ms/step main + other threads", "loss step 1"])
+    lines = ["| " + " | ".join(cols) + " |", "|---|" + "---:|" * (len(cols) - 1)]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['variant']} | failed: {r['error']} | | | | | | | | |")
+            lines.append(f"| {r['variant']} | failed: {r['error']} |" + " |" * (len(cols) - 2))
             continue
-        # a reference that did not run shows as "–", not as a ratio of 0
-        ratios = " | ".join(f"{r[f'x_{ref}']:.2f}" if f"x_{ref}" in r else "–"
-                            for ref in RATIO_REFS)
-        lines.append(f"| {r['variant']} | {r['step_ms']:.0f} | {ratios} | "
+        ratios = "".join(f"{r[f'x_{ref}']:.2f} | " for ref in refs)
+        lines.append(f"| {r['variant']} | {r['step_ms']:.0f} | {ratios}"
                      f"{r['collectives_per_step']} | "
                      f"{r['compile_s']:.1f} | {r['peak_rss_mb']:.0f} | "
                      f"{r.get('main_cpu_ms', 0):.0f} + {r.get('other_cpu_ms', 0):.0f} | "
