@@ -47,7 +47,10 @@ NO_TP_FORM = ("ddp",)  # DDP does not take TP DTensor parameters
 # compiled FSDP2 and the inductor backends are left for --variants to name.
 TP_DEFAULT = ("compute_floor", "compute_floor_concurrent", "compute_floor_concurrent_compiled",
               "fsdp2_eager", "ss_aot_eager_blockbucketing", "ss_aot_eager_autobucketing")
-PARITY_RTOL = 1e-4
+# Rank 0's losses of the first PARITY_STEPS steps must agree within PARITY_RTOL: step 1 checks
+# model, init and batch; step 2 also the gradient path (dp reduction, optimizer). The floors
+# train on one dp rank's batch, so they take part in step 1 only.
+PARITY_STEPS, PARITY_RTOL = 2, 1e-4
 # The × columns (variant → column label); a column appears when its variant ran.
 RATIO_REFS = {"fsdp2_eager": "fsdp2_eager", "compute_floor": "compute_floor",
               "compute_floor_concurrent": "floor concurrent",
@@ -97,7 +100,7 @@ class RunResult:
     peak_rss_mb: float = 0.0
     main_cpu_s: float = 0.0  # CPU time per timed step: the main (compute) thread
     other_cpu_s: float = 0.0  # ... every other thread (gloo's workers, autograd, ...)
-    first_loss: float = float("nan")  # rank 0's loss of the first step (initial weights)
+    losses: list[float] = field(default_factory=list)  # rank 0's, first PARITY_STEPS steps
     error: str = ""
 
 
@@ -205,8 +208,8 @@ def _worker(rank: int, variant: str, args: BenchArgs, port: int, out_dir: str) -
             loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
             loss.backward()
             opt.step()
-            if result.first_loss != result.first_loss:  # still NaN: this is the first step
-                result.first_loss = loss.item()
+            if len(result.losses) < PARITY_STEPS:
+                result.losses.append(loss.item())
 
         for i in range(args.warmup):
             dist.barrier()
@@ -262,7 +265,7 @@ def summarize(results: dict[str, list[RunResult]], args: BenchArgs) -> list[dict
                      "peak_rss_mb": max(r.peak_rss_mb for r in ok), "reps": len(ok),
                      "main_cpu_ms": 1e3 * statistics.median(r.main_cpu_s for r in ok),
                      "other_cpu_ms": 1e3 * statistics.median(r.other_cpu_s for r in ok),
-                     "first_losses": [r.first_loss for r in ok]})
+                     "losses": [r.losses for r in ok]})
     base = {r["variant"]: r.get("step_ms") for r in rows}
     for r in rows:
         if "step_ms" in r:
@@ -276,35 +279,47 @@ def format_table(rows: list[dict], args: BenchArgs) -> str:
     refs = [ref for ref in RATIO_REFS if any(f"x_{ref}" in r for r in rows)]
     cols = (["variant", "step ms"] + [f"× {RATIO_REFS[ref]}" for ref in refs]
             + ["collectives/step", "compile s", "peak RSS MB/rank",
-               "CPU ms/step main + other threads", "loss step 1"])
+               "CPU ms/step main + other threads"]
+            + [f"loss step {k + 1}" for k in range(PARITY_STEPS)])
     lines = ["| " + " | ".join(cols) + " |", "|---|" + "---:|" * (len(cols) - 1)]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['variant']} | failed: {r['error']} |" + " |" * (len(cols) - 2))
             continue
         ratios = "".join(f"{r[f'x_{ref}']:.2f} | " for ref in refs)
+        first = (r.get("losses") or [[]])[0]  # the first repetition's
+        losses = " | ".join(f"{first[k]:.6f}" if k < len(first) else "–"
+                            for k in range(PARITY_STEPS))
         lines.append(f"| {r['variant']} | {r['step_ms']:.0f} | {ratios}"
                      f"{r['collectives_per_step']} | "
                      f"{r['compile_s']:.1f} | {r['peak_rss_mb']:.0f} | "
                      f"{r.get('main_cpu_ms', 0):.0f} + {r.get('other_cpu_ms', 0):.0f} | "
-                     f"{r.get('first_losses', [float('nan')])[0]:.6f} |")
+                     f"{losses} |")
     return "\n".join(lines)
 
 
 def parity(rows: list[dict], rtol: float = PARITY_RTOL) -> tuple[bool, str]:
-    """Whether every run's first-step loss (rank 0, initial weights, same batch) agrees with
-    the first variant's within ``rtol``: else the variants did not compute the same thing."""
-    losses = [(r["variant"], x) for r in rows for x in r.get("first_losses", ())]
-    if not losses:
-        return True, "parity: no first-step losses (no variant ran)"
-    ref_name, ref = losses[0]
-    bad = [(v, x) for v, x in losses if not abs(x - ref) <= rtol * abs(ref)]  # NaN is bad
+    """Whether every run's loss at each of the first PARITY_STEPS steps agrees with the first
+    run's within ``rtol`` (see PARITY_STEPS for who takes part in which step): else the
+    variants did not compute the same thing. Returns (agree, one line saying so)."""
+    bad, said = [], []
+    for k in range(PARITY_STEPS):
+        losses = [(r["variant"], run[k] if k < len(run) else float("nan"))
+                  for r in rows if k == 0 or not r["variant"].startswith("compute_floor")
+                  for run in r.get("losses", ())]
+        if not losses:
+            continue
+        ref_name, ref = losses[0]
+        off = [(v, x) for v, x in losses if not abs(x - ref) <= rtol * abs(ref)]  # NaN is off
+        bad += [f"step {k + 1}: {v} {x:.6f} vs {ref_name} {ref:.6f}" for v, x in off]
+        if not off:
+            spread = max(abs(x - ref) for _, x in losses) / abs(ref)
+            said.append(f"step {k + 1}{' (no floors)' if k else ''}: {len(losses)} runs agree "
+                        f"with {ref_name} ({ref:.6f}) within {spread:.1e}")
     if bad:
-        return False, ("PARITY MISMATCH: first-step loss " + ", ".join(
-            f"{v} {x:.6f}" for v, x in bad) + f" vs {ref_name} {ref:.6f} (rtol {rtol})")
-    spread = max(abs(x - ref) for _, x in losses) / abs(ref)
-    return True, (f"parity: first-step losses of {len(losses)} runs agree with {ref_name} "
-                  f"({ref:.6f}) within {spread:.1e} relative (tolerance {rtol})")
+        return False, f"PARITY MISMATCH (rtol {rtol}): " + "; ".join(bad)
+    return True, (f"parity (rtol {rtol}): " + "; ".join(said) if said
+                  else "parity: no losses (no variant ran)")
 
 
 def targets(rows: list[dict]) -> list[str]:

@@ -90,20 +90,30 @@ def test_tiny_bench_runs_end_to_end(tmp_path, capsys):
 
 
 def test_parity_names_the_variant_that_computed_something_else():
-    runs = {"compute_floor": [bench.RunResult("compute_floor", [1.0], first_loss=6.0)],
-            "fsdp2_eager": [bench.RunResult("fsdp2_eager", [1.0], first_loss=6.0003)],
-            "ss_aot_eager": [bench.RunResult("ss_aot_eager", [1.0], first_loss=6.01)]}
+    def run(variant, *losses):
+        return [bench.RunResult(variant, [1.0], losses=list(losses))]
+
+    # the floors train on one dp rank's batch: their step 2 is not compared
+    runs = {"compute_floor": run("compute_floor", 6.0, 5.0),
+            "fsdp2_eager": run("fsdp2_eager", 6.0003, 5.9),
+            "ss_aot_eager": run("ss_aot_eager", 6.0, 5.9)}
     rows = bench.summarize(runs, bench.BenchArgs())
     ok, line = bench.parity(rows)
+    assert ok, line
+    assert line == ("parity (rtol 0.0001): step 1: 3 runs agree with compute_floor (6.000000) "
+                    "within 5.0e-05; step 2 (no floors): 2 runs agree with fsdp2_eager "
+                    "(5.900000) within 0.0e+00")
+    runs["ss_aot_eager"] = run("ss_aot_eager", 6.01, 5.8)
+    ok, line = bench.parity(bench.summarize(runs, bench.BenchArgs()))
     assert not ok
-    assert line.startswith("PARITY MISMATCH: first-step loss ss_aot_eager 6.010000 vs "
-                           "compute_floor 6.000000")
-    assert "fsdp2_eager" not in line  # 5e-5 relative: within the tolerance
-    assert bench.parity(rows[:2])[0]
+    assert line == ("PARITY MISMATCH (rtol 0.0001): step 1: ss_aot_eager 6.010000 vs "
+                    "compute_floor 6.000000; step 2: ss_aot_eager 5.800000 vs fsdp2_eager "
+                    "5.900000")
     # a reference that did not run has no column (not a ratio of 0)
     table = bench.format_table(rows, bench.BenchArgs())
     assert "| step ms | × fsdp2_eager | × compute_floor | collectives/step |" in table
-    assert "| fsdp2_eager | 1000 | 1.00 | 1.00 | 0 |" in table
+    assert ("| fsdp2_eager | 1000 | 1.00 | 1.00 | 0 | 0.0 | 0 | 0 + 0 | 6.000300 | 5.900000 |"
+            in table)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -138,13 +148,15 @@ def test_tiny_tp_bench_runs_end_to_end(tmp_path, capsys):
         assert "error" not in row, row
         for ref in ("fsdp2_eager", "compute_floor"):
             assert 0 < row[f"x_{ref}"] < float("inf"), (name, ref, row)
-    losses = [x for row in rows.values() for x in row["first_losses"]]
-    assert max(losses) - min(losses) <= 1e-4 * abs(losses[0])
+    for step in range(2):  # the floor trains on one dp rank's batch: step 1 only
+        losses = [run[step] for name, row in rows.items() for run in row["losses"]
+                  if step == 0 or name != "compute_floor"]
+        assert max(losses) - min(losses) <= 1e-4 * abs(losses[0]), (step, rows)
     # the floor is a tp group: TP's own collectives, none of dp's
     assert 0 < rows["compute_floor"]["collectives_per_step"]
     printed = capsys.readouterr().out
     assert "4 ranks = dp 2 × tp 2" in printed
-    assert "parity: first-step losses of 3 runs agree" in printed
+    assert "parity (rtol 0.0001): step 1: 3 runs agree" in printed
     for name in variants:
         assert f"| {name} |" in printed
 
