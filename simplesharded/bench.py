@@ -4,8 +4,8 @@ Every variant trains the same model on the same synthetic batch in its own spawn
 group; variants alternate within each repetition so drift hits all of them alike. Reported:
 median step time, ratios, collectives per step counted at runtime by the profiler (the same
 way for eager and compiled variants), compile seconds (first step minus a steady step, first
-repetition), peak RSS per rank and the first step's loss (rank 0), which must agree across
-variants: they compute the same thing or the comparison is void.
+repetition), peak RSS per rank and rank 0's losses of the first steps, which must agree across
+variants (see PARITY_STEPS): they compute the same thing or the comparison is void.
 
 ``--tp N`` runs every variant on a dp × tp mesh (tp innermost, as the trainer's): torch TP with
 the model's plan on ``mesh["tp"]`` first, then the variant's data parallelism over the dp dims.
