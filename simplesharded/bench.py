@@ -15,6 +15,7 @@ and the floors keep their meaning with a tp group in place of a single rank.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -78,6 +79,7 @@ class BenchArgs:
     world_size: int = 2  # ranks in all (dp × tp)
     tp: int = 1
     sequence_parallel: bool = True  # with tp > 1, as the trainer's enable_sequence_parallel
+    loss_parallel: bool = True  # with tp > 1, as the trainer's enable_loss_parallel
     global_batch: int = 8
     seq_len: int = 256
     warmup: int = 3
@@ -121,13 +123,17 @@ def _world(variant: str, args: BenchArgs) -> int:
     return args.tp if variant == "compute_floor" else args.world_size
 
 
+def _loss_parallel(args: BenchArgs) -> bool:
+    return args.tp > 1 and args.loss_parallel
+
+
 def _prepare(variant: str, args: BenchArgs, mesh):
     """The model (TP-parallelized when the mesh has a tp dim, then wrapped/compiled for the
     variant) and its optimizer."""
     from simplesharded.mesh import dp_mesh
     from simplesharded.train import OPTIMIZER_IMPL, apply_tensor_parallel
     model = _build(args, "cpu")
-    apply_tensor_parallel(model, mesh, args.sequence_parallel)
+    apply_tensor_parallel(model, mesh, args.sequence_parallel, _loss_parallel(args))
     if variant.startswith("compute_floor"):
         if variant.endswith("_compiled"):  # torch's own backend: no pass of ours in the floor
             model = torch.compile(model, backend="aot_eager", fullgraph=True)
@@ -201,15 +207,21 @@ def _worker(rank: int, variant: str, args: BenchArgs, port: int, out_dir: str) -
         tokens = torch.randint(0, 256, (args.global_batch // args.dp, args.seq_len + 1),
                                generator=g)
         x, y = tokens[:, :-1], tokens[:, 1:]
+        from simplesharded.train import _local
+        from torch.distributed.tensor.parallel import loss_parallel
+        # as the trainer: vocabulary-sharded logits, forward and backward of the loss parallel
+        loss_context = loss_parallel if _loss_parallel(args) else contextlib.nullcontext
 
         def step():
             opt.zero_grad(set_to_none=True)
-            logits = model(x)
-            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-            loss.backward()
+            with loss_context():
+                logits = model(x)
+                loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1),
+                                                         y.flatten())
+                loss.backward()
             opt.step()
             if len(result.losses) < PARITY_STEPS:
-                result.losses.append(loss.item())
+                result.losses.append(_local(loss.detach()).item())
 
         for i in range(args.warmup):
             dist.barrier()
@@ -362,6 +374,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
                     help="with --tp > 1, shard activations between blocks on the sequence dim "
                          "(the trainer's default)")
+    ap.add_argument("--loss-parallel", action=argparse.BooleanOptionalAction, default=True,
+                    help="with --tp > 1, vocabulary-sharded logits and torch's loss_parallel "
+                         "cross-entropy (the trainer's default)")
     ap.add_argument("--global-batch", type=_positive_int, default=8)
     ap.add_argument("--seq-len", type=_positive_int, default=256)
     ap.add_argument("--warmup", type=int, default=3)
@@ -404,7 +419,8 @@ def main(argv=None) -> int:
         ap.error(f"--tp {tp} does not divide --seq-len {ns.seq_len} (sequence parallelism "
                  f"splits the sequence; or --no-sequence-parallel)")
     args = BenchArgs(model=ns.model, flavor=ns.flavor, n_layers=ns.n_layers, world_size=world,
-                     tp=tp, sequence_parallel=ns.sequence_parallel, global_batch=ns.global_batch,
+                     tp=tp, sequence_parallel=ns.sequence_parallel,
+                     loss_parallel=ns.loss_parallel, global_batch=ns.global_batch,
                      seq_len=ns.seq_len, warmup=ns.warmup, steps=ns.steps,
                      optimizer_impl=ns.optimizer_impl, profile_dir=ns.profile)
     results: dict[str, list[RunResult]] = {v: [] for v in variants}
@@ -423,7 +439,8 @@ def main(argv=None) -> int:
           f"global batch {args.global_batch} × seq {args.seq_len}, fp32, AdamW "
           f"{args.optimizer_impl}, {args.steps} timed steps × {ns.reps} reps (median)")
     if tp > 1:
-        sp = ", sequence parallel" if args.sequence_parallel else ""
+        sp = ((", sequence parallel" if args.sequence_parallel else "")
+              + (", loss parallel" if args.loss_parallel else ""))
         print(f"torch TP (parallelize_module, the model's plan{sp}) under every variant; "
               f"fsdp2_eager: fully_shard per block + root on the dp mesh; compute_floor: one tp "
               f"group ({tp} ranks) alone; compute_floor_concurrent: all {args.dp} tp groups at "
