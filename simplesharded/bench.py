@@ -207,7 +207,7 @@ def _worker(rank: int, variant: str, args: BenchArgs, port: int, out_dir: str) -
         tokens = torch.randint(0, 256, (args.global_batch // args.dp, args.seq_len + 1),
                                generator=g)
         x, y = tokens[:, :-1], tokens[:, 1:]
-        from simplesharded.train import _local
+        from simplesharded.train import local_loss
         from torch.distributed.tensor.parallel import loss_parallel
         # as the trainer: vocabulary-sharded logits, forward and backward of the loss parallel
         loss_context = loss_parallel if _loss_parallel(args) else contextlib.nullcontext
@@ -221,7 +221,7 @@ def _worker(rank: int, variant: str, args: BenchArgs, port: int, out_dir: str) -
                 loss.backward()
             opt.step()
             if len(result.losses) < PARITY_STEPS:
-                result.losses.append(_local(loss.detach()).item())
+                result.losses.append(local_loss(loss.detach()).item())
 
         for i in range(args.warmup):
             dist.barrier()

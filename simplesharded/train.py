@@ -145,7 +145,7 @@ def grad_norm_and_clip(params, max_norm: float) -> torch.Tensor:
     return norm
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_loss(t: torch.Tensor) -> torch.Tensor:
     """A loss-parallel loss is a DTensor replicated over tp: its local value is the loss."""
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -251,7 +251,7 @@ class Trainer:
             with self._loss_context():  # backward too: the loss's own backward is parallel
                 loss = self.loss_fn(self.step_fn(inputs), labels)
                 (loss / denom).backward()
-            loss_sum += _local(loss.detach())
+            loss_sum += local_loss(loss.detach())
         norm = grad_norm_and_clip(self.params, t.max_norm)
         dist.all_reduce(loss_sum)  # every tp rank of a dp rank holds the same loss
         loss = (loss_sum / (self.tokens_per_step * self.tp)).item()
@@ -277,7 +277,7 @@ class Trainer:
         for _ in range(self.cfg.training.val_steps):
             inputs, labels = next(loader)
             with self._loss_context():
-                total += _local(self.loss_fn(self.model(inputs.to(self.device)),
+                total += local_loss(self.loss_fn(self.model(inputs.to(self.device)),
                                              labels.to(self.device)))
         dist.all_reduce(total)
         n = (self.cfg.training.val_steps * loader.global_batch_size * self.cfg.training.seq_len
