@@ -78,6 +78,7 @@ class _TPLayout:
     placement: object  # its TP placement (Shard(0) colwise, Shard(1) rowwise, Replicate, ...)
     dp_placements: tuple  # this parameter's placements on the dp dims (for the dp view)
     local_shape: torch.Size  # this rank's TP shard (what dp gathers back)
+    local_stride: tuple  # its contiguous stride
     shape: torch.Size  # the global parameter
     stride: tuple
 
@@ -110,11 +111,12 @@ def gather_param(shard: DTensor, spec: _GatherSpec, fqn: str,
         if spec.dp_mesh is not None:
             # The dp part of the shard as a DTensor on the dp dims only: its global tensor is
             # this rank's TP shard (or the whole parameter when it is replicated over tp).
-            local_shape = tp.local_shape if tp is not None else shard.shape
-            placements = tp.dp_placements if tp is not None else _dp_only(shard.placements)
+            if tp is not None:
+                shape, stride, placements = tp.local_shape, tp.local_stride, tp.dp_placements
+            else:  # a plain parameter: replicated over tp, the mesh's last dim
+                shape, stride, placements = shard.shape, shard.stride(), shard.placements[:-1]
             shard = DTensor.from_local(shard.to_local(), spec.dp_mesh, placements,
-                                       run_check=False, shape=local_shape,
-                                       stride=_contiguous_stride(local_shape))
+                                       run_check=False, shape=shape, stride=stride)
         if spec.hybrid and shard.placements == (Replicate(), Shard(0)):
             shard = _reduce_replicas_after_scatter(shard)
         full = shard.redistribute(placements=spec.replicate, forward_dtype=spec.param_dtype,
@@ -130,11 +132,6 @@ def gather_param(shard: DTensor, spec: _GatherSpec, fqn: str,
         local = DTensor.from_local(local, tp.mesh, (tp.placement,), run_check=False,
                                    shape=tp.shape, stride=tp.stride)
     return local
-
-
-def _dp_only(placements: tuple) -> tuple:
-    """Placements on the dp dims of a plain parameter (the mesh's tp dim is the last one)."""
-    return tuple(placements[:-1])
 
 
 def _contiguous_stride(shape) -> tuple:
@@ -250,8 +247,8 @@ def _shard_param(param: torch.Tensor, mesh: DeviceMesh, dp: DeviceMesh, dp_place
         dp_local = distribute_tensor(local, dp, dp_placements, src_data_rank=None).to_local()
     shard = DTensor.from_local(dp_local, mesh, placements, run_check=False,
                                shape=param.shape, stride=param.stride())
-    return shard, _TPLayout(tp_mesh, placement, dp_placements, local.shape, param.shape,
-                            param.stride())
+    return shard, _TPLayout(tp_mesh, placement, dp_placements, local.shape,
+                            _contiguous_stride(local.shape), param.shape, param.stride())
 
 
 def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
