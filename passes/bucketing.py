@@ -17,7 +17,7 @@ from collections import defaultdict
 import torch
 from torch import fx
 
-from .collectives import (ALL_GATHER, ALL_REDUCE, BUCKET_PARAMS_KEY, PARAM_KEY, PLAIN,
+from .collectives import (ALL_GATHER, ALL_REDUCE, BLOCK_KEY, BUCKET_PARAMS_KEY, PARAM_KEY, PLAIN,
                           REDUCE_SCATTER, WAIT, Collective, find_collectives)
 from .graph_utils import (aten, call, fake_mode_of, flat, hoist_before, positions,
                           stable_topological_sort)
@@ -61,7 +61,11 @@ def _reduce_op(c: Collective) -> str | None:
 
 def _custom(members: list[Collective], bucket: str) -> dict:
     params = [p for c in members for p in c.params]
-    return {BUCKET_PARAMS_KEY: params, PARAM_KEY: params[0] if params else "", "ss_bucket": bucket}
+    custom = {BUCKET_PARAMS_KEY: params, PARAM_KEY: params[0] if params else "",
+              "ss_bucket": bucket}
+    if members[0].block is not None:
+        custom[BLOCK_KEY] = members[0].block
+    return custom
 
 
 def _replace(old: Collective, new_value: fx.Node, graph: fx.Graph) -> None:

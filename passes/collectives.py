@@ -39,6 +39,8 @@ BUCKET_PARAMS_KEY = "ss_bucket_params"
 # collective is a data-parallel one, and so ours to bucket and move, only on one of these.
 # Anything else in the graph (tensor-parallel collectives, a user's own) is left where it is.
 DP_GROUPS_KEY = "ss_dp_groups"
+# FQN of the block (simplesharded/blocks.py) holding the parameter; absent outside blocks.
+BLOCK_KEY = "ss_block"
 
 
 @dataclass
@@ -53,6 +55,7 @@ class Collective:
     group_size: int
     dtype: torch.dtype | None
     params: list[str] = field(default_factory=list)
+    block: str | None = None  # the block of its (first) parameter (BLOCK_KEY), None outside
 
     @property
     def ours(self) -> bool:
@@ -148,6 +151,11 @@ def node_params(node: fx.Node) -> list[str]:
     return [custom[PARAM_KEY]] if PARAM_KEY in custom else []
 
 
+def node_block(node: fx.Node) -> str | None:
+    """The block (BLOCK_KEY annotation) of the parameter a node serves; None outside blocks."""
+    return (node.meta.get("custom") or {}).get(BLOCK_KEY)
+
+
 def tensor_nbytes(node: fx.Node) -> int:
     """Bytes of a node's tensor value, or of all tensors of a list value (coalesced ops)."""
     val = node.meta.get("val")
@@ -220,7 +228,8 @@ def find_collectives(graph: fx.Graph | fx.GraphModule) -> list[Collective]:
         found.append(Collective(
             kind=kind_of(node), start=node, wait=wait_of(node), nbytes=nbytes,
             group_name=name, group_size=size,
-            dtype=val.dtype if isinstance(val, torch.Tensor) else None, params=params))
+            dtype=val.dtype if isinstance(val, torch.Tensor) else None, params=params,
+            block=node_block(source) if params else None))
     return found
 
 

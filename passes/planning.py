@@ -3,8 +3,9 @@
 A plan has ``assign(gm, collectives) -> list[key | None]`` (one key per collective, None =
 leave alone) and a ``memory_cap_bytes`` the reordering pass honours.
 
-* ``BlockPlan``: one bucket per transformer block, from parameter FQNs: the FQN prefix up to
-  the first numeric component (``layers.3``), or the text matched by the first user pattern.
+* ``BlockPlan``: one bucket per block: the block data_parallel found in the module tree
+  (simplesharded/blocks.py; names need no digits), or the text the first user pattern
+  matches in the parameter FQN. No block at all in a large model is a warning.
   Parameters outside blocks go to ``pre`` (before the first block in the graph: embeddings)
   or ``post`` (after it: final norm + output).
 * ``AutoPlan``: tries bucket sizes on a ladder (and the block plan), runs the real passes on
@@ -14,6 +15,7 @@ leave alone) and a ``memory_cap_bytes`` the reordering pass honours.
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass
 
 from torch import fx
@@ -21,22 +23,26 @@ from torch import fx
 from .collectives import Collective
 
 
-def block_key(fqn: str, patterns: tuple[str, ...] = ()) -> str | None:
-    """The block an FQN belongs to, or None for parameters outside any block."""
+# A model whose parameters fill one bucket of at least this size because no block was found
+# gets a warning: the whole model gathered at once is an out-of-memory at scale, not a slowdown.
+NO_BLOCKS_WARN_BYTES = 64 << 20
+
+
+def block_key(c: Collective, patterns: tuple[str, ...] = ()) -> str | None:
+    """The block a collective's (first) parameter belongs to: the text the first matching
+    user pattern matches in its FQN, else the block data_parallel found in the module tree
+    (simplesharded/blocks.py, carried by the BLOCK_KEY annotation); None outside blocks."""
     for pat in patterns:
-        m = re.search(pat, fqn)
+        m = re.search(pat, c.params[0])
         if m:
             return m.group(0)
-    parts = fqn.split(".")
-    for i, part in enumerate(parts[:-1]):
-        if part.isdigit():
-            return ".".join(parts[: i + 1])
-    return None
+    return c.block
 
 
 @dataclass(frozen=True)
 class BlockPlan:
-    """One bucket per block (see module doc). ``patterns``: regexes tried before the default."""
+    """One bucket per block (see module doc). ``patterns``: regexes tried before the blocks
+    data_parallel found."""
 
     patterns: tuple[str, ...] = ()
     memory_cap_bytes: int | None = None
@@ -48,13 +54,29 @@ class BlockPlan:
             if not c.params:
                 keys.append(None)
                 continue
-            key = block_key(c.params[0], self.patterns)
+            key = block_key(c, self.patterns)
             if key is None:
                 key = "post" if c.kind in seen_block else "pre"
             else:
                 seen_block.add(c.kind)
             keys.append(key)
+        if not seen_block:
+            _warn_no_blocks(collectives)
         return keys
+
+
+def _warn_no_blocks(collectives: list[Collective]) -> None:
+    by_kind: dict[str, int] = {}
+    for c in collectives:
+        if c.params:
+            by_kind[c.kind] = by_kind.get(c.kind, 0) + _full_bytes(c)
+    largest = max(by_kind.values(), default=0)
+    if largest >= NO_BLOCKS_WARN_BYTES:
+        warnings.warn(
+            f"block bucketing found no blocks: every parameter lands in one bucket of "
+            f"{largest / 2**20:.0f} MiB, gathered at once; name them with "
+            f"data_parallel(..., blocks=[BlockClass]) or the bucket_patterns option",
+            stacklevel=2)
 
 
 @dataclass(frozen=True)
@@ -64,7 +86,7 @@ class AutoPlan:
     default 4% of the hardware's memory.
 
     Candidates: per-module units (a module is never split) merged in execution order up to a
-    byte size, for a ladder of sizes, plus the block plan when the FQNs have blocks. Each
+    byte size, for a ladder of sizes, plus the block plan when the model has blocks. Each
     candidate is applied to a copy of the graph with the real bucketing and reordering passes
     and simulated (simulate.py: compute + a comm lane per link); the shortest makespan wins
     (ties: fewer collectives). So the plan accounts for latency per collective, the copy-in/copy-out the

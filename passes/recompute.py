@@ -6,7 +6,8 @@ parameter carries the ``ss_param`` annotation (set in simplesharded/sharding.py)
 marks those ops MUST_RECOMPUTE when their parameter reshards after forward, and the last op of
 each chain MUST_SAVE when it does not. The partitioner then re-gathers in backward.
 
-A parameter annotated ``ss_reshard="auto"`` is decided here, per unit (a block by FQN, or the
+A parameter annotated ``ss_reshard="auto"`` is decided here, per unit (its block, found by
+data_parallel in the module tree and carried by the ``ss_block`` annotation, or the
 parameters before/after all blocks), in forward order. Backward runs the units in reverse, so
 the trailing ones are needed first and keeping them gathered saves a re-gather that nothing
 could hide. Without a budget: keep the last block and what follows it (torchtitan's default
@@ -69,8 +70,7 @@ def tag_gathers_for_recompute(gm: fx.GraphModule, plan=None) -> fx.GraphModule:
 
 def kept_gathered(graph: fx.Graph, backward: set[fx.Node], budget: int | None) -> set[str]:
     """FQNs of ``reshard="auto"`` parameters that stay gathered from forward to backward."""
-    from .collectives import tensor_nbytes
-    from .planning import block_key
+    from .collectives import node_block, tensor_nbytes
 
     units: dict[str, tuple[int, list[str]]] = {}  # unit → (first forward position, fqns)
     nbytes: dict[str, int] = {}  # fqn → gathered bytes (the largest node of its chain)
@@ -84,7 +84,7 @@ def kept_gathered(graph: fx.Graph, backward: set[fx.Node], budget: int | None) -
         nbytes[fqn] = max(nbytes.get(fqn, 0), tensor_nbytes(node))
         if not first:
             continue
-        key = block_key(fqn)
+        key = node_block(node)
         seen_block = seen_block or key is not None
         key = key if key is not None else ("post" if seen_block else "pre")
         units.setdefault(key, (pos, []))[1].append(fqn)

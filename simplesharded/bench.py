@@ -113,11 +113,6 @@ def _build(args: BenchArgs, device: str):
     return build_model(args.model, args.flavor, device=device, **depth)
 
 
-def _blocks(model):
-    layers = model.layers
-    return list(layers.values()) if isinstance(layers, torch.nn.ModuleDict) else list(layers)
-
-
 def _world(variant: str, args: BenchArgs) -> int:
     """Ranks a variant runs on: the floor is one dp rank's worth (1 rank, or its tp group)."""
     return args.tp if variant == "compute_floor" else args.world_size
@@ -142,7 +137,8 @@ def _prepare(variant: str, args: BenchArgs, mesh):
         model = DistributedDataParallel(model)
     elif variant.startswith("fsdp2"):
         from torch.distributed.fsdp import fully_shard
-        for block in _blocks(model):
+        from simplesharded.blocks import find_blocks
+        for _, block in find_blocks(model):
             if variant == "fsdp2_compiled":
                 block.compile()  # per-block compile, as torchtitan does for FSDP2
             fully_shard(block, mesh=dp_mesh(mesh))

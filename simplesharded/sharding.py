@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 import torch.fx.traceback as fx_traceback
@@ -30,7 +30,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from simplesharded.mesh import dp_mesh as _dp_mesh
-from simplesharded.passes.collectives import DP_GROUPS_KEY, PARAM_KEY
+from simplesharded.blocks import BlockSpec, block_of
+from simplesharded.passes.collectives import BLOCK_KEY, DP_GROUPS_KEY, PARAM_KEY
 from simplesharded.passes.recompute import RESHARD_KEY
 from simplesharded.mesh import tp_dim
 
@@ -97,7 +98,7 @@ class _ScaleGrad(torch.autograd.Function):
 
 
 def gather_param(shard: DTensor, spec: _GatherSpec, fqn: str,
-                 tp: _TPLayout | None = None) -> torch.Tensor:
+                 tp: _TPLayout | None = None, block: str | None = None) -> torch.Tensor:
     """Shard → full local tensor in param_dtype (the TP DTensor when ``tp`` is set); its
     gradient is reduced back onto the shard over the dp dims only.
 
@@ -106,8 +107,11 @@ def gather_param(shard: DTensor, spec: _GatherSpec, fqn: str,
     outside the annotation: TP collectives (e.g. the all-reduce of a replicated norm weight's
     gradient under sequence parallelism) belong to TP, not to the dp passes.
     """
-    with fx_traceback.annotate({GATHER_ANNOTATION: fqn, DP_GROUPS_KEY: spec.dp_groups,
-                                RESHARD_KEY: spec.reshard_after_forward}):
+    annotation = {GATHER_ANNOTATION: fqn, DP_GROUPS_KEY: spec.dp_groups,
+                  RESHARD_KEY: spec.reshard_after_forward}
+    if block is not None:
+        annotation[BLOCK_KEY] = block
+    with fx_traceback.annotate(annotation):
         if spec.dp_mesh is not None:
             # The dp part of the shard as a DTensor on the dp dims only: its global tensor is
             # this rank's TP shard (or the whole parameter when it is replicated over tp).
@@ -155,12 +159,45 @@ def _reduce_replicas_after_scatter(shard: DTensor) -> DTensor:
                               shape=shard.shape, stride=shard.stride())
 
 
+class _GatherScope:
+    """Parameters gathered during one forward of the wrapped root, by FQN: a parameter read
+    twice (tied weights, a module called twice) is gathered once, and autograd sums its
+    gradients at full size before the one reduction. ``gathered`` is None outside the root's
+    forward (a submodule called on its own, activation-checkpoint recomputation in backward):
+    each read then gathers."""
+
+    def __init__(self):
+        self.gathered: dict | None = None
+
+
+def _open_scope(scope: _GatherScope):
+    def hook(module, args, kwargs):
+        scope.gathered = {}
+
+    return hook
+
+
+def _close_scope(scope: _GatherScope):
+    def hook(module, args, kwargs, output):
+        scope.gathered = None
+
+    return hook
+
+
 def _sharded_property(name: str) -> property:
     def get(self):
         shard = self._parameters[name]
         if shard is None or not self._ss_gather_enabled:
             return shard
-        return gather_param(shard, self._ss_spec, self._ss_fqns[name], self._ss_tp.get(name))
+        fqn = self._ss_fqns[name]
+        gathered = self._ss_scope.gathered
+        if gathered is not None and fqn in gathered:
+            return gathered[fqn]
+        full = gather_param(shard, self._ss_spec, fqn, self._ss_tp.get(name),
+                            self._ss_blocks[name])
+        if gathered is not None:
+            gathered[fqn] = full
+        return full
 
     return property(get, doc=f"{name}: gathered on read (simplesharded)")
 
@@ -254,7 +291,8 @@ def _shard_param(param: torch.Tensor, mesh: DeviceMesh, dp: DeviceMesh, dp_place
 def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
                   mp_policy: MixedPrecisionPolicy | None = None,
                   reshard_after_forward: bool | str = "auto",
-                  grad_reduction: str = "sum") -> nn.Module:
+                  grad_reduction: str = "sum",
+                  blocks: Sequence[BlockSpec] | None = None) -> nn.Module:
     """Shard ``model`` in place over ``mesh`` and return it.
 
     mode: ``replicate`` (DDP-like), ``fully_shard`` (FSDP/ZeRO-3) or ``hybrid_shard``
@@ -268,6 +306,11 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     Eager (uncompiled) runs keep what autograd saves, whatever this says.
     grad_reduction: ``sum`` (normalise the loss by the global token count yourself) or ``avg``
     (gradients are pre-divided by the data-parallel size, then summed).
+    blocks: which modules are the model's blocks (one bucket each under
+    ``*_blockbucketing``, the units of ``"auto"``): None finds them in the module tree
+    (simplesharded/blocks.py); or module classes, class names or module-FQN regexes.
+    A parameter read more than once in one forward of ``model`` (tied weights, a module called
+    twice) is gathered once; its gradient is summed locally and reduced once.
     A model on the meta device gets uninitialised shards on the mesh's device: run its
     init under :func:`disable_gather` (``with disable_gather(model): model.init_weights()``).
     """
@@ -290,28 +333,35 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
         dp_mesh=dp if dp is not mesh else None,
         dp_groups=tuple(dp.get_group(i).group_name for i in range(dp.ndim)))
 
-    # id(original param) → its one shard and TP layout (tied parameters share both)
-    shards: dict[int, tuple[nn.Parameter, _TPLayout | None]] = {}
+    block_of_module = block_of(model, blocks)
+    scope = _GatherScope()
+    # id(original param) → its one shard, TP layout, FQN and block: tied parameters share all
+    # four (the FQN and block of the first owner, as named_parameters() reports it)
+    shards: dict[int, tuple[nn.Parameter, _TPLayout | None, str, str | None]] = {}
     for mod_name, module in list(model.named_modules()):
         names = [n for n, p in module._parameters.items() if p is not None]
         if not names:
             continue
-        fqns, tp = {}, {}
+        fqns, tp, in_block = {}, {}, {}
         for name in names:
             param = module._parameters[name]
-            fqns[name] = f"{mod_name}.{name}" if mod_name else name
             if id(param) not in shards:
-                shard, layout = _shard_param(param, mesh, dp, placements, fqns[name])
+                fqn = f"{mod_name}.{name}" if mod_name else name
+                shard, layout = _shard_param(param, mesh, dp, placements, fqn)
                 shards[id(param)] = (nn.Parameter(shard, requires_grad=param.requires_grad),
-                                     layout)
-            module._parameters[name], layout = shards[id(param)]
+                                     layout, fqn, block_of_module.get(mod_name))
+            module._parameters[name], layout, fqns[name], in_block[name] = shards[id(param)]
             if layout is not None:
                 tp[name] = layout
         _swap_class(module, names)
         module._ss_spec = spec
         module._ss_fqns = fqns
+        module._ss_blocks = in_block
         module._ss_tp = tp
+        module._ss_scope = scope
         module._ss_gather_enabled = True
+    model.register_forward_pre_hook(_open_scope(scope), with_kwargs=True)
+    model.register_forward_hook(_close_scope(scope), with_kwargs=True, always_call=True)
     for module in model.modules():  # buffers are replicated plain tensors on the mesh device
         for name, buf in list(module._buffers.items()):
             if buf is not None and buf.device.type != mesh.device_type:

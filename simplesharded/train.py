@@ -30,6 +30,7 @@ from simplesharded.data import build_data
 from simplesharded.mesh import build_mesh, init_distributed, tp_dim
 from simplesharded.metrics import MetricsLogger, format_record, memory_stats, peak_flops
 from simplesharded.models import build_model, get_model_spec
+from simplesharded.blocks import find_blocks
 from simplesharded.passes.recompute import AC_KEY
 from simplesharded.sharding import MixedPrecisionPolicy, data_parallel, disable_gather
 
@@ -71,7 +72,8 @@ def check_static(cfg: Config, world_size: int) -> Config:
 def apply_activation_checkpointing(model: torch.nn.Module, mode: str, every: int,
                                    compiled: bool = True) -> None:
     """Recompute block activations in backward (``full``: every block; ``selective``: every
-    ``every``-th block). FQNs stay unchanged.
+    ``every``-th block). Blocks are the ones data_parallel buckets (simplesharded/blocks.py).
+    FQNs stay unchanged.
 
     Compiled: the block is annotated and passes/recompute.py tags its ops in the joint graph
     (torch.utils.checkpoint's compiled form saves a DeviceMesh when DTensor parameters are
@@ -79,8 +81,7 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str, every: int
     """
     if mode == "none":
         return
-    layers = model.layers.values() if isinstance(model.layers, torch.nn.ModuleDict) else model.layers
-    for i, block in enumerate(layers):
+    for i, (_, block) in enumerate(find_blocks(model)):
         if mode == "full" or i % every == 0:
             wrap = _annotated if compiled else _checkpointed
             block.forward = functools.partial(wrap, block.forward, i)

@@ -381,7 +381,7 @@ def chain_graph(n_layers: int, world_size: int = 2, save_gathered: bool = False,
         start = op(AG, s, world_size, "0")
         w = op(WAIT, start)
         for node in (start, w):  # as sharding.gather_param annotates them: a dp gather
-            node.meta["custom"] = {"ss_param": f"layers.{i}.weight"}
+            node.meta["custom"] = {"ss_param": f"layers.{i}.weight", "ss_block": f"layers.{i}"}
         h = op(aten.mm.default, h, w)
         gathered.append(w)
     g.output((h, *gathered) if save_gathered else (h,))
