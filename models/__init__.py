@@ -10,17 +10,19 @@ import dataclasses
 import torch
 import torch.nn as nn
 
-from . import llama3, moe
+from . import gpt, llama3, moe
+from .gpt import GPT, GPTArgs
 from .llama3 import Llama3, Llama3Args
 from .moe import MoEArgs, MoETransformer
 
-MODELS: dict[str, tuple[type[nn.Module], dict[str, Llama3Args]]] = {
+MODELS: dict[str, tuple[type[nn.Module], dict]] = {
     "llama3": (Llama3, llama3.FLAVORS),
     "deepseek_v3": (MoETransformer, moe.FLAVORS),
+    "gpt": (GPT, gpt.FLAVORS),
 }
 
 
-def get_model_spec(name: str, flavor: str) -> tuple[type[nn.Module], Llama3Args]:
+def get_model_spec(name: str, flavor: str) -> tuple[type[nn.Module], object]:
     if name not in MODELS:
         raise ValueError(f"model.name={name!r} is not one of {sorted(MODELS)}")
     cls, flavors = MODELS[name]
@@ -48,4 +50,5 @@ def build_model(name: str, flavor: str, device: torch.device | str = "meta", **o
     return model
 
 
-__all__ = ["MODELS", "get_model_spec", "build_model", "Llama3", "Llama3Args", "MoETransformer", "MoEArgs"]
+__all__ = ["MODELS", "get_model_spec", "build_model", "Llama3", "Llama3Args", "MoETransformer",
+           "MoEArgs", "GPT", "GPTArgs"]

@@ -69,36 +69,46 @@ def tag_gathers_for_recompute(gm: fx.GraphModule, plan=None) -> fx.GraphModule:
 
 
 def kept_gathered(graph: fx.Graph, backward: set[fx.Node], budget: int | None) -> set[str]:
-    """FQNs of ``reshard="auto"`` parameters that stay gathered from forward to backward."""
+    """FQNs of ``reshard="auto"`` parameters that stay gathered from forward to backward.
+
+    A parameter belongs to the unit its last forward use falls in: a tied output weight
+    gathered with the embedding and read again by the head is needed first in backward, like
+    the head, and is alive through the whole forward anyway (it is gathered once)."""
     from .collectives import node_block, tensor_nbytes
 
-    units: dict[str, tuple[int, list[str]]] = {}  # unit → (first forward position, fqns)
+    pos = {node: i for i, node in enumerate(graph.nodes)}
+    starts: dict[str, int] = {}  # unit → first forward position
     nbytes: dict[str, int] = {}  # fqn → gathered bytes (the largest node of its chain)
+    last_use: dict[str, int] = {}  # fqn → position of its last forward reader
     seen_block = False
-    for pos, node in enumerate(graph.nodes):
+    for node in graph.nodes:
         custom = node.meta.get("custom") or {}
         if node in backward or custom.get(RESHARD_KEY) != "auto" or PARAM_KEY not in custom:
             continue
         fqn = custom[PARAM_KEY]
-        first = fqn not in nbytes
+        if fqn not in nbytes:
+            key = node_block(node)
+            seen_block = seen_block or key is not None
+            key = key if key is not None else ("post" if seen_block else "pre")
+            starts.setdefault(key, pos[node])
         nbytes[fqn] = max(nbytes.get(fqn, 0), tensor_nbytes(node))
-        if not first:
-            continue
-        key = node_block(node)
-        seen_block = seen_block or key is not None
-        key = key if key is not None else ("post" if seen_block else "pre")
-        units.setdefault(key, (pos, []))[1].append(fqn)
-    order = sorted(units, key=lambda k: units[k][0])
+        readers = [pos[u] for u in node.users if u not in backward
+                   and (u.meta.get("custom") or {}).get(PARAM_KEY) != fqn]
+        last_use[fqn] = max([last_use.get(fqn, pos[node]), *readers])
+    order = sorted(starts, key=starts.__getitem__)
+    units: dict[str, list[str]] = {k: [] for k in order}
+    for fqn, last in last_use.items():
+        units[max((k for k in order if starts[k] <= last), key=starts.__getitem__)].append(fqn)
     if budget is None:
         blocks = [i for i, k in enumerate(order) if k not in ("pre", "post")]
-        return {f for k in order[blocks[-1]:] for f in units[k][1]} if blocks else set()
+        return {f for k in order[blocks[-1]:] for f in units[k]} if blocks else set()
     kept, total = set(), 0
     for key in reversed(order):
-        size = sum(nbytes[f] for f in units[key][1])
+        size = sum(nbytes[f] for f in units[key])
         if total + size > budget:
             break
         total += size
-        kept.update(units[key][1])
+        kept.update(units[key])
     return kept
 
 

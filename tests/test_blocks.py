@@ -1,0 +1,176 @@
+"""Blocks from the module tree (simplesharded/blocks.py) and what the compiled graphs make of them.
+
+Detection is checked on hand-built trees (ModuleList, ModuleDict with non-numeric keys,
+Sequential, nested stacks, blocks as plain attributes, a model without repeated blocks) and on
+the zoo; the graphs of the GPT-shaped model (blocks in a ModuleDict under ``block_a``...,
+output tied to the embedding) must bucket one all-gather per block like llama3's and gather
+and reduce the tied weight once.
+"""
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from simplesharded.blocks import block_of, find_blocks
+from simplesharded.models import build_model
+
+
+def fqns(model, blocks=None):
+    return [f for f, _ in find_blocks(model, blocks)]
+
+
+class MLP(nn.Module):
+    def __init__(self, d=4):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+
+class Attn(nn.Module):  # q/k/v/o: repeated leaves of a plain module, never blocks
+    def __init__(self, d=4):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+
+
+class Layer(nn.Module):
+    def __init__(self, d=4, experts=0):
+        super().__init__()
+        self.attn, self.mlp = Attn(d), MLP(d)
+        if experts:
+            self.experts = nn.ModuleList(MLP(d) for _ in range(experts))
+
+
+class Stack(nn.Module):
+    def __init__(self, n, container="list", experts=0):
+        super().__init__()
+        self.emb = nn.Embedding(8, 4)
+        layers = [Layer(experts=experts) for _ in range(n)]
+        if container == "list":
+            self.layers = nn.ModuleList(layers)
+        elif container == "dict":
+            self.layers = nn.ModuleDict({name: m for name, m in zip("xyzw", layers)})
+        else:  # plain attributes
+            for name, m in zip(("first", "second", "third"), layers):
+                setattr(self, name, m)
+        self.head = nn.Linear(4, 8)
+
+
+def test_module_list_and_dict_without_digits():
+    assert fqns(Stack(3)) == ["layers.0", "layers.1", "layers.2"]
+    assert fqns(Stack(3, "dict")) == ["layers.x", "layers.y", "layers.z"]
+    assert fqns(Stack(1)) == ["layers.0"]  # one composite layer in a list is still a block
+
+
+def test_plain_attributes_when_no_container_qualifies():
+    assert fqns(Stack(3, "attrs")) == ["first", "second", "third"]
+
+
+def test_experts_stay_inside_their_block():
+    assert fqns(Stack(2, experts=4)) == ["layers.0", "layers.1"]
+
+
+def test_nested_stacks_are_all_found():
+    class EncDec(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder, self.decoder = Stack(2), Stack(3, "dict")
+
+    assert fqns(EncDec()) == ["encoder.layers.0", "encoder.layers.1", "decoder.layers.x",
+                              "decoder.layers.y", "decoder.layers.z"]
+
+
+def test_sequential_takes_only_the_repeated_class():
+    model = nn.Sequential(nn.Embedding(8, 4), Layer(), Layer(), nn.LayerNorm(4), nn.Linear(4, 8))
+    assert fqns(model) == ["1", "2"]
+    assert fqns(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))) == ["0", "2"]
+
+
+def test_no_repeated_blocks():
+    class Single(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.body, self.head = nn.Embedding(8, 4), Layer(), nn.Linear(4, 8)
+
+    assert fqns(Single()) == []
+    assert fqns(nn.Linear(3, 3)) == []
+    assert block_of(Single()) == {}
+
+
+def test_zoo():
+    assert fqns(build_model("llama3", "debug")) == [f"layers.{i}" for i in range(6)]
+    assert fqns(build_model("deepseek_v3", "debug"))[0] == "layers.0"
+    assert fqns(build_model("gpt", "debug")) == [f"blocks.block_{c}" for c in "abcd"]
+
+
+def test_user_named_blocks():
+    model = Stack(2)
+    assert fqns(model, [Layer]) == ["layers.0", "layers.1"]
+    assert fqns(model, ["Layer"]) == ["layers.0", "layers.1"]  # a class name
+    assert fqns(model, [r"layers\.\d+\.mlp"]) == ["layers.0.mlp", "layers.1.mlp"]
+    assert fqns(model, [MLP]) == ["layers.0.mlp", "layers.1.mlp"]  # outermost match only
+    assert block_of(model, [Layer])["layers.1.attn.q"] == "layers.1"
+    with pytest.raises(ValueError, match=r"blocks=\['Nope'\] match no module of Stack"):
+        find_blocks(model, ["Nope"])
+    with pytest.raises(ValueError, match="is not a module class"):
+        find_blocks(model, [3])
+
+
+# ------------------------------------------------------------------- graphs (fake process group)
+
+
+@pytest.fixture
+def counts():
+    from simplesharded.passes.report import trace_counts
+    from pass_utils import fake_world
+
+    def run(model, backend, **kw):
+        with fake_world(2):
+            return trace_counts(model, "debug", backend, **kw)
+    return run
+
+
+def test_gpt_blockbucketing_one_gather_per_block(counts):
+    """ModuleDict blocks under non-numeric keys bucket like llama3's layers.N: one all-gather
+    per block in forward plus the parameters before (embeddings) and after (final norm)."""
+    n_blocks = 4
+    c = counts("gpt", "aot_eager_blockbucketing")
+    assert c["fw"]["after"]["all_gather"] == n_blocks + 2
+    assert c["bw"]["after"]["reduce_scatter"] == n_blocks + 2
+
+
+def test_gpt_tied_weight_gathered_and_reduced_once(counts):
+    """52 distinct parameters (4 blocks of 12, wte/wpe, ln_f; the head is wte): one gather and
+    one reduction each, the tied weight included."""
+    model = build_model("gpt", "debug")
+    n_params = len(list(model.parameters()))
+    assert n_params == 4 * 12 + 4
+    c = counts("gpt", "aot_eager")
+    assert c["fw"]["before"]["all_gather"] == n_params
+    assert c["bw"]["before"]["reduce_scatter"] == n_params
+
+
+def test_no_blocks_in_a_large_model_warns():
+    """BlockPlan on a graph whose parameters carry no block: one warning with the bucket size."""
+    from pass_utils import chain_graph
+
+    from simplesharded.passes.bucketing import bucket_collectives
+    from simplesharded.passes.planning import BlockPlan
+
+    gm = chain_graph(3, rows=2048)  # 3 gathers of 2048 x 2048 fp32 = 48 MiB
+    for node in gm.graph.nodes:
+        (node.meta.get("custom") or {}).pop("ss_block", None)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        bucket_collectives(gm, BlockPlan())
+    msgs = [str(w.message) for w in seen if "found no blocks" in str(w.message)]
+    assert msgs == [], msgs  # below the threshold: silent
+    gm = chain_graph(5, rows=2048)  # 80 MiB in one bucket
+    for node in gm.graph.nodes:
+        (node.meta.get("custom") or {}).pop("ss_block", None)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        bucket_collectives(gm, BlockPlan())
+    msgs = [str(w.message) for w in seen if "found no blocks" in str(w.message)]
+    assert len(msgs) == 1 and "80 MiB" in msgs[0], msgs
+    assert sum(1 for n in gm.graph.nodes if n.target is torch.ops._c10d_functional
+               .all_gather_into_tensor.default) == 1
