@@ -174,3 +174,53 @@ def test_no_blocks_in_a_large_model_warns():
     assert len(msgs) == 1 and "80 MiB" in msgs[0], msgs
     assert sum(1 for n in gm.graph.nodes if n.target is torch.ops._c10d_functional
                .all_gather_into_tensor.default) == 1
+
+
+# ------------------------------------------------------------ runtime counts (2 gloo ranks)
+
+
+def _runtime_counts(rank, world):
+    """Collectives rank 0's gloo backend ran, by event name, for forward alone and for forward
+    + backward of one compiled step (after a warm-up step), per backend."""
+    import collections
+
+    from torch.profiler import ProfilerActivity, profile
+
+    import simplesharded as ss
+
+    def gloo_events(fn):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+        return dict(collections.Counter(e.name for e in prof.events()
+                                        if e.name.startswith("gloo:")))
+
+    out = {}
+    x = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(rank))
+    for backend in ("aot_eager", "aot_eager_blockbucketing"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = ss.data_parallel(build_model("gpt", "debug", device="cpu"),
+                                 ss.init_mesh(dp_shard=-1, device="cpu"))
+        cm = torch.compile(model, backend=ss.make_backend(backend), fullgraph=True)
+        cm(x).sum().backward()
+        out[backend] = {"fw": gloo_events(lambda: cm(x)),
+                        "step": gloo_events(lambda: cm(x).sum().backward())}
+    return out
+
+
+@pytest.mark.slow
+def test_runtime_counts_on_gpt():
+    """Counted by the profiler at runtime, not read from graphs: block bucketing issues one
+    all-gather per block bucket in forward (4 blocks + embeddings + final norm), and the
+    unbucketed step gathers each of the 52 parameters once in forward and reduces each once
+    (gloo runs a reduce-scatter as an all-reduce), the tied embedding/head weight included."""
+    from dist_utils import spawn
+
+    counts = spawn(2, _runtime_counts)[0]
+    plain, block = counts["aot_eager"], counts["aot_eager_blockbucketing"]
+    assert plain["fw"] == {"gloo:all_gather": 52}, plain
+    assert plain["step"]["gloo:all_reduce"] == 52, plain
+    fw_gathers = sum(n for name, n in block["fw"].items() if "all_gather" in name)
+    assert fw_gathers == 4 + 2 and set(block["fw"]) <= {"gloo:all_gather",
+                                                       "gloo:all_gather_into_tensor_coalesced",
+                                                       "gloo:allgather_coalesced"}, block
