@@ -17,7 +17,9 @@ TINY = {
     "deepseek_v3": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=259, max_seq_len=64,
                         dense_hidden_dim=128, moe_hidden_dim=32, n_routed_experts=4, top_k=2),
     "hf_llama": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=259, max_seq_len=64),
+    "gpt": dict(dim=64, n_layers=2, n_heads=4, vocab_size=259, max_seq_len=64),
 }
+FINAL_NORM = {"gpt": "ln_f"}  # the final norm's module, where it is not "norm"
 
 MOE_VARIANTS = [
     {},  # sigmoid + bias (V3)
@@ -224,7 +226,7 @@ def test_init_weights_in_place_and_deterministic(name):
     model.init_weights()
     for n, p in model.named_parameters():
         assert torch.equal(p, first[n]), n
-    assert model.norm.weight.eq(1).all()
+    assert model.get_submodule(FINAL_NORM.get(name, "norm")).weight.eq(1).all()
 
 
 def test_init_weights_from_meta():
