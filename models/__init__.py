@@ -1,28 +1,39 @@
-"""Model zoo registry: name -> (model class, flavors).
+"""Model zoo registry: name -> (model class or factory, flavors).
 
     model = build_model("llama3", "debug", device="cpu", max_seq_len=256)
+    logits = logits_of(model(tokens))   # our models return logits, transformers' an output object
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 
-from . import gpt, llama3, moe
+from . import gpt, hf_llama, llama3, moe
 from .gpt import GPT, GPTArgs
 from .llama3 import Llama3, Llama3Args
 from .moe import MoEArgs, MoETransformer
 
-MODELS: dict[str, tuple[type[nn.Module], dict]] = {
+# A builder is called as builder(args) -> nn.Module: a model class, or a factory returning a
+# module from elsewhere (hf_llama: transformers' own LlamaForCausalLM, left unwrapped).
+MODELS: dict[str, tuple[Callable[[Any], nn.Module], dict]] = {
     "llama3": (Llama3, llama3.FLAVORS),
     "deepseek_v3": (MoETransformer, moe.FLAVORS),
     "gpt": (GPT, gpt.FLAVORS),
+    "hf_llama": (hf_llama.build_hf_llama, hf_llama.FLAVORS),
 }
 
 
-def get_model_spec(name: str, flavor: str) -> tuple[type[nn.Module], object]:
+def logits_of(output: Any) -> torch.Tensor:
+    """The logits of a zoo model's forward output: our models return the tensor itself,
+    transformers' models a ModelOutput with ``.logits``."""
+    return output if isinstance(output, torch.Tensor) else output.logits
+
+
+def get_model_spec(name: str, flavor: str) -> tuple[Callable[[Any], nn.Module], object]:
     if name not in MODELS:
         raise ValueError(f"model.name={name!r} is not one of {sorted(MODELS)}")
     cls, flavors = MODELS[name]
@@ -50,5 +61,5 @@ def build_model(name: str, flavor: str, device: torch.device | str = "meta", **o
     return model
 
 
-__all__ = ["MODELS", "get_model_spec", "build_model", "Llama3", "Llama3Args", "MoETransformer",
-           "MoEArgs", "GPT", "GPTArgs"]
+__all__ = ["MODELS", "get_model_spec", "build_model", "logits_of", "Llama3", "Llama3Args",
+           "MoETransformer", "MoEArgs", "GPT", "GPTArgs"]

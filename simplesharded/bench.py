@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-BASELINES = ("fsdp2_eager", "fsdp2_compiled", "ddp", "compute_floor", "compute_floor_concurrent",
-             "compute_floor_concurrent_compiled")
+BASELINES = ("fsdp2_eager", "fsdp2_compiled", "ddp", "compute_floor", "compute_floor_inductor",
+             "compute_floor_concurrent", "compute_floor_concurrent_compiled")
 # compute_floor: one process alone on the machine (the issue's definition); with --tp, one tp
 # group alone (tp ranks on one dp rank's batch): compute plus TP's own collectives, no dp.
 # compute_floor_concurrent: every rank runs the floor's step at the same time, with no
@@ -42,6 +42,10 @@ BASELINES = ("fsdp2_eager", "fsdp2_compiled", "ddp", "compute_floor", "compute_f
 # compiled variants under TP: eager TP pays DTensor's per-op dispatch (sharding propagation in
 # Python), which compiling traces away. Without TP the eager floor is the lower one (aot_eager
 # runs a decomposed graph: ~20% more main-thread CPU on debug llama3), so it is not a default.
+# compute_floor_inductor: compute_floor compiled by inductor (fullgraph). Inductor fuses
+# kernels that eager runs one by one, so an inductor variant can beat the eager floor without
+# communicating any faster: ss_inductor_* and fsdp2_compiled (inductor per block) are also
+# measured against this floor (RATIO_ONLY). In the default set without TP.
 NO_TP_FORM = ("ddp",)  # DDP does not take TP DTensor parameters
 # With --tp the default set is the 2-D recipe's peers only: 4 ranks on 2 cores compiling a
 # TP graph take ~2 min per compiled variant (debug llama3), so the unbucketed ss_aot_eager,
@@ -54,8 +58,19 @@ TP_DEFAULT = ("compute_floor", "compute_floor_concurrent", "compute_floor_concur
 PARITY_STEPS, PARITY_RTOL = 2, 1e-4
 # The × columns (variant → column label); a column appears when its variant ran.
 RATIO_REFS = {"fsdp2_eager": "fsdp2_eager", "compute_floor": "compute_floor",
+              "compute_floor_inductor": "floor inductor",
               "compute_floor_concurrent": "floor concurrent",
               "compute_floor_concurrent_compiled": "floor concurrent compiled"}
+# References whose ratio only means something for some variants (name prefixes); the others
+# show "–" in that column. An inductor floor under an eager or aot_eager variant would mix
+# kernel fusion into the comparison of communication.
+RATIO_ONLY = {"compute_floor_inductor": ("ss_inductor", "fsdp2_compiled",
+                                         "compute_floor_inductor")}
+
+
+def ratio_applies(ref: str, variant: str) -> bool:
+    """Whether ``variant``'s row gets a ratio against reference variant ``ref``."""
+    return variant.startswith(RATIO_ONLY.get(ref, ""))
 
 
 def all_variants() -> list[str]:
@@ -64,8 +79,8 @@ def all_variants() -> list[str]:
 
 
 def default_variants(tp: int) -> list[str]:
-    """Without TP every variant but the compiled floor (see BASELINES: it is not the floor);
-    with TP the 2-D recipe's peers (TP_DEFAULT)."""
+    """Without TP every variant but the aot_eager floor (see BASELINES: it is not the floor;
+    the inductor floor is in); with TP the 2-D recipe's peers (TP_DEFAULT)."""
     if tp > 1:
         return list(TP_DEFAULT)
     return [v for v in all_variants() if v != "compute_floor_concurrent_compiled"]
@@ -114,8 +129,8 @@ def _build(args: BenchArgs, device: str):
 
 
 def _world(variant: str, args: BenchArgs) -> int:
-    """Ranks a variant runs on: the floor is one dp rank's worth (1 rank, or its tp group)."""
-    return args.tp if variant == "compute_floor" else args.world_size
+    """Ranks a variant runs on: the floors are one dp rank's worth (1 rank, or its tp group)."""
+    return args.tp if variant in ("compute_floor", "compute_floor_inductor") else args.world_size
 
 
 def _loss_parallel(args: BenchArgs) -> bool:
@@ -130,8 +145,11 @@ def _prepare(variant: str, args: BenchArgs, mesh):
     model = _build(args, "cpu")
     apply_tensor_parallel(model, mesh, args.sequence_parallel, _loss_parallel(args))
     if variant.startswith("compute_floor"):
-        if variant.endswith("_compiled"):  # torch's own backend: no pass of ours in the floor
+        # torch's own backends: no pass of ours in a floor
+        if variant.endswith("_compiled"):
             model = torch.compile(model, backend="aot_eager", fullgraph=True)
+        elif variant.endswith("_inductor"):
+            model = torch.compile(model, backend="inductor", fullgraph=True)
     elif variant == "ddp":
         from torch.nn.parallel import DistributedDataParallel
         model = DistributedDataParallel(model)
@@ -203,6 +221,7 @@ def _worker(rank: int, variant: str, args: BenchArgs, port: int, out_dir: str) -
         tokens = torch.randint(0, 256, (args.global_batch // args.dp, args.seq_len + 1),
                                generator=g)
         x, y = tokens[:, :-1], tokens[:, 1:]
+        from simplesharded.models import logits_of
         from simplesharded.train import local_loss
         from torch.distributed.tensor.parallel import loss_parallel
         # as the trainer: vocabulary-sharded logits, forward and backward of the loss parallel
@@ -211,7 +230,7 @@ def _worker(rank: int, variant: str, args: BenchArgs, port: int, out_dir: str) -
         def step():
             opt.zero_grad(set_to_none=True)
             with loss_context():
-                logits = model(x)
+                logits = logits_of(model(x))  # a tensor, or transformers' output object
                 loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1),
                                                          y.flatten())
                 loss.backward()
@@ -237,7 +256,9 @@ def _worker(rank: int, variant: str, args: BenchArgs, port: int, out_dir: str) -
         result.collectives_per_step = _count_collectives(step, variant, rank, args.profile_dir)
         result.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     except Exception as e:  # reported in the table, the other variants still run
-        result.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+        # the first non-empty line: some of torch's messages start with a newline
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+        result.error = f"{type(e).__name__}: {first}"[:200]
     finally:
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(asdict(result), f)
@@ -278,7 +299,7 @@ def summarize(results: dict[str, list[RunResult]], args: BenchArgs) -> list[dict
     for r in rows:
         if "step_ms" in r:
             for ref in RATIO_REFS:
-                if base.get(ref):
+                if base.get(ref) and ratio_applies(ref, r["variant"]):
                     r[f"x_{ref}"] = r["step_ms"] / base[ref]
     return rows
 
@@ -294,7 +315,8 @@ def format_table(rows: list[dict], args: BenchArgs) -> str:
         if "error" in r:
             lines.append(f"| {r['variant']} | failed: {r['error']} |" + " |" * (len(cols) - 2))
             continue
-        ratios = "".join(f"{r[f'x_{ref}']:.2f} | " for ref in refs)
+        ratios = "".join(f"{r[f'x_{ref}']:.2f} | " if f"x_{ref}" in r else "– | "
+                         for ref in refs)
         first = (r.get("losses") or [[]])[0]  # the first repetition's
         losses = " | ".join(f"{first[k]:.6f}" if k < len(first) else "–"
                             for k in range(PARITY_STEPS))
@@ -404,12 +426,21 @@ def main(argv=None) -> int:
     if ns.global_batch % (world // tp):
         ap.error(f"--global-batch {ns.global_batch} is not divisible by the data-parallel "
                  f"degree {world // tp} (--world-size {world} / --tp {tp})")
-    from simplesharded.models import get_model_spec
+    from simplesharded.models import MODELS, build_model, get_model_spec
+    if ns.model not in MODELS:
+        ap.error(f"--model {ns.model!r} is not one of {sorted(MODELS)}")
+    if ns.flavor not in MODELS[ns.model][1]:
+        ap.error(f"--flavor {ns.flavor!r} is not one of {sorted(MODELS[ns.model][1])} "
+                 f"(--model {ns.model})")
     try:
         _, model_args = get_model_spec(ns.model, ns.flavor)
         if tp > 1:
             model_args.check_tp(tp)
-    except ValueError as e:
+        # on meta, i.e. no memory and no init: the depth override and a missing optional
+        # dependency (hf_llama: transformers) fail here, once, not in every variant's ranks
+        build_model(ns.model, ns.flavor, device="meta",
+                    **({"n_layers": ns.n_layers} if ns.n_layers else {}))
+    except (ValueError, ImportError) as e:
         ap.error(f"{e} (--model {ns.model} --flavor {ns.flavor} --tp {tp})")
     if tp > 1 and ns.sequence_parallel and ns.seq_len % tp:
         ap.error(f"--tp {tp} does not divide --seq-len {ns.seq_len} (sequence parallelism "

@@ -1,6 +1,7 @@
 """The benchmark CLIs: ratio arithmetic and target verdicts, argument errors, and real (tiny)
 runs of `python -m simplesharded.bench` and `python -m simplesharded.bench_collectives`."""
 import json
+import sys
 
 import pytest
 
@@ -33,6 +34,29 @@ def test_summarize_ratios_and_targets():
     table = bench.format_table(list(rows.values()), bench.BenchArgs())
     assert ("| ss_aot_eager_autobucketing | 1150 | 0.77 | 1.15 | 1.05 | 4 | 1.0 | 100 | "
             "1035 + 50 |") in table
+
+
+def test_inductor_floor_ratio_only_for_inductor_variants():
+    """× floor inductor: for variants whose compute inductor compiles (ss_inductor_*, FSDP2's
+    per-block compile, the floor itself); "–" elsewhere, where the other columns still hold."""
+    results = {v: [_run(v, ms)] for v, ms in [
+        ("compute_floor", 1000), ("compute_floor_inductor", 800), ("fsdp2_compiled", 1200),
+        ("ss_inductor_blockbucketing", 1000), ("ss_aot_eager_blockbucketing", 1100)]}
+    rows = {r["variant"]: r for r in bench.summarize(results, bench.BenchArgs())}
+    assert rows["ss_inductor_blockbucketing"]["x_compute_floor_inductor"] == pytest.approx(1.25)
+    assert rows["fsdp2_compiled"]["x_compute_floor_inductor"] == pytest.approx(1.5)
+    assert rows["compute_floor_inductor"]["x_compute_floor_inductor"] == pytest.approx(1.0)
+    assert "x_compute_floor_inductor" not in rows["ss_aot_eager_blockbucketing"]
+    assert "x_compute_floor_inductor" not in rows["compute_floor"]
+    for row in rows.values():  # the eager floor's column is unchanged: every variant has it
+        assert row["x_compute_floor"] == pytest.approx(row["step_ms"] / 1000)
+    table = bench.format_table(list(rows.values()), bench.BenchArgs())
+    assert "| variant | step ms | × compute_floor | × floor inductor | collectives/step |" in table
+    assert "| ss_aot_eager_blockbucketing | 1100 | 1.10 | – | 4 |" in table
+    assert "| ss_inductor_blockbucketing | 1000 | 1.00 | 1.25 | 4 |" in table
+    # in the default set without TP (the inductor variants' floor), not in the 2-D one
+    assert "compute_floor_inductor" in bench.default_variants(1)
+    assert "compute_floor_inductor" not in bench.default_variants(2)
 
 
 def test_thread_cpu_accounting_sees_other_threads():
@@ -117,6 +141,11 @@ def test_parity_names_the_variant_that_computed_something_else():
 
 
 @pytest.mark.parametrize("argv, message", [
+    (["--model", "gpt3"], "--model 'gpt3' is not one of ["),
+    (["--model", "hf_llama", "--flavor", "8B"], "--flavor '8B' is not one of ['debug', 'small'] "
+                                                "(--model hf_llama)"),
+    (["--model", "hf_llama", "--tp", "2"], "tensor_parallel_degree=2: hf_llama has no "
+                                           "tensor-parallel plan"),
     (["--tp", "2", "--variants", "ddp"], "--variants ['ddp'] have no tensor-parallel form"),
     (["--tp", "2", "--world-size", "6"], "--global-batch 8 is not divisible by the "
                                          "data-parallel degree 3"),
@@ -129,6 +158,40 @@ def test_bad_tp_flags_are_one_line_errors(argv, message, capsys):
     with pytest.raises(SystemExit):
         bench.main(argv)
     assert f"error: {message}" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_hf_llama_without_transformers_is_one_line(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as when it is not installed
+    with pytest.raises(SystemExit):
+        bench.main(["--model", "hf_llama"])
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        "error: model hf_llama needs transformers: pip install 'simplesharded[hf]' "
+        "(--model hf_llama --flavor small --tp 1)")
+
+
+@pytest.mark.slow
+def test_tiny_hf_llama_bench_runs_end_to_end(tmp_path, capsys):
+    """A model we did not write (transformers' LlamaForCausalLM) under FSDP2 and our compiled
+    frontend, on the floor's first-step loss (main() returns 1 when the losses disagree)."""
+    out = tmp_path / "r.json"
+    variants = ["compute_floor", "ss_aot_eager_blockbucketing", "fsdp2_eager"]
+    assert bench.main(["--model", "hf_llama", "--flavor", "debug", "--n-layers", "2",
+                       "--seq-len", "32", "--warmup", "1", "--steps", "2", "--reps", "1",
+                       "--json", str(out), "--variants", *variants]) == 0
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == variants and not any("error" in r for r in rows.values()), rows
+    # two blocks (model.layers.0/1): forward gathers embeddings + 2 blocks + head (4),
+    # backward re-gathers block 0 (the last block and the head stay gathered), 4 reductions
+    assert rows["ss_aot_eager_blockbucketing"]["collectives_per_step"] == 4 + 1 + 4
+    # FSDP2 wraps what find_blocks found: root + 2 blocks gather in forward (3), the blocks
+    # re-gather in backward (2; the root stays gathered), 3 reduce-scatters
+    assert rows["fsdp2_eager"]["collectives_per_step"] == 3 + 2 + 3
+    printed = capsys.readouterr().out
+    assert "hf_llama/debug (2 layers), 2 ranks" in printed
+    assert ("parity (rtol 0.0001): step 1: 3 runs agree with compute_floor" in printed
+            and "step 2 (no floors): 2 runs agree" in printed)
+    for name in variants:
+        assert f"| {name} |" in printed
 
 
 @pytest.mark.slow

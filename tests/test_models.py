@@ -1,10 +1,13 @@
 """Fast single-process tests of the model zoo (models/)."""
 
+import re
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from simplesharded.models import MODELS, build_model, get_model_spec
+from simplesharded.models import MODELS, build_model, get_model_spec, logits_of
 from simplesharded.models.llama3 import precompute_freqs_cis
 from simplesharded.models.moe import MoE
 
@@ -13,7 +16,11 @@ TINY = {
     "llama3": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=259, max_seq_len=64),
     "deepseek_v3": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=259, max_seq_len=64,
                         dense_hidden_dim=128, moe_hidden_dim=32, n_routed_experts=4, top_k=2),
+    "hf_llama": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=259, max_seq_len=64),
+    "gpt": dict(dim=64, n_layers=2, n_heads=4, vocab_size=259, max_seq_len=64),
 }
+FINAL_NORM = {"gpt": "ln_f"}  # the final norm's module, where it is not "norm"
+
 MOE_VARIANTS = [
     {},  # sigmoid + bias (V3)
     dict(score_func="softmax", route_norm=False, load_balance="aux_loss"),  # V2-like
@@ -32,7 +39,7 @@ def batch(vocab=259, B=2, S=16, seed=0):
 
 
 def lm_loss(model, tokens):
-    logits = model(tokens[:, :-1])
+    logits = logits_of(model(tokens[:, :-1]))
     return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
 
 
@@ -40,9 +47,10 @@ def lm_loss(model, tokens):
 def test_forward_shape_debug_flavor(name):
     torch.manual_seed(0)
     model = build_model(name, "debug", device="cpu")
-    tokens = batch(model.args.vocab_size, B=2, S=32)
-    logits = model(tokens)
-    assert logits.shape == (2, 32, model.args.vocab_size)
+    vocab = get_model_spec(name, "debug")[1].vocab_size
+    tokens = batch(vocab, B=2, S=32)
+    logits = logits_of(model(tokens))
+    assert logits.shape == (2, 32, vocab)
     assert torch.isfinite(logits).all()
 
 
@@ -133,8 +141,9 @@ def test_expert_bias_update():
     assert moe.tokens_per_expert.sum() == 0
 
 
-@pytest.mark.parametrize("variant", [("llama3", {})] + [("deepseek_v3", v) for v in MOE_VARIANTS],
-                         ids=["llama3", "moe_bias", "moe_aux_loss", "moe_capacity"])
+@pytest.mark.parametrize("variant", [("llama3", {}), ("hf_llama", {})]
+                         + [("deepseek_v3", v) for v in MOE_VARIANTS],
+                         ids=["llama3", "hf_llama", "moe_bias", "moe_aux_loss", "moe_capacity"])
 def test_compile_fullgraph_matches_eager(variant):
     name, overrides = variant
     torch._dynamo.reset()
@@ -144,7 +153,8 @@ def test_compile_fullgraph_matches_eager(variant):
     compiled = torch.compile(tiny(name, **overrides), backend="aot_eager", fullgraph=True)
     loss_ref, loss_c = lm_loss(ref, tokens), lm_loss(compiled, tokens)
     torch.testing.assert_close(loss_c, loss_ref, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(compiled(tokens), ref(tokens), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits_of(compiled(tokens)), logits_of(ref(tokens)),
+                               atol=1e-5, rtol=1e-5)
     loss_ref.backward()
     loss_c.backward()
     for (n, p), q in zip(ref.named_parameters(), compiled.parameters()):
@@ -180,7 +190,7 @@ def test_flops_per_token():
 
 
 def test_unknown_name_or_flavor():
-    with pytest.raises(ValueError, match=r"model.name='gpt2' is not one of \['deepseek_v3', 'llama3'\]"):
+    with pytest.raises(ValueError, match=rf"model.name='gpt2' is not one of {re.escape(str(sorted(MODELS)))}"):
         get_model_spec("gpt2", "debug")
     with pytest.raises(ValueError, match=r"model.flavor='3B' is not one of \['16B', 'debug'\]"):
         build_model("deepseek_v3", "3B")
@@ -197,7 +207,10 @@ def test_overrides_replace_args():
     assert get_model_spec("llama3", "small")[1].vocab_size == 512  # registry unchanged
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+# transformers' init_weights initialises a module once (then marks it _is_hf_initialized, so a
+# second call is a no-op by design): hf_llama's init is checked from meta, where it first runs
+# (test_hf_llama_from_meta_then_init_weights).
+@pytest.mark.parametrize("name", [n for n in sorted(MODELS) if n != "hf_llama"])
 def test_init_weights_in_place_and_deterministic(name):
     model = tiny(name)
     before = {n: (p, p.data_ptr(), p.detach().clone()) for n, p in model.named_parameters()}
@@ -213,7 +226,7 @@ def test_init_weights_in_place_and_deterministic(name):
     model.init_weights()
     for n, p in model.named_parameters():
         assert torch.equal(p, first[n]), n
-    assert model.norm.weight.eq(1).all()
+    assert model.get_submodule(FINAL_NORM.get(name, "norm")).weight.eq(1).all()
 
 
 def test_init_weights_from_meta():
@@ -231,3 +244,111 @@ def test_mixed_precision_dtype():
     model = tiny("deepseek_v3").to(torch.bfloat16)
     assert model(batch(S=8)).dtype == torch.bfloat16
     assert isinstance(model.layers["1"].feed_forward, MoE)
+
+
+# --- hf_llama: transformers' LlamaForCausalLM, unwrapped, with our llama3 flavors' shapes ---
+
+def test_hf_llama_is_transformers_model_with_llama3_shapes():
+    from transformers import LlamaForCausalLM
+    for flavor in ("debug", "small"):
+        hf, ours = build_model("hf_llama", flavor), build_model("llama3", flavor)  # meta
+        assert type(hf) is LlamaForCausalLM  # not a wrapper: the module transformers defines
+        # same architecture, same sizes: identical parameter count (19.4M for small)
+        assert (sum(p.numel() for p in hf.parameters())
+                == sum(p.numel() for p in ours.parameters()))
+    names = dict(hf.named_parameters())  # small: 6 layers
+    assert names["model.layers.5.self_attn.q_proj.weight"].shape == (512, 512)
+    assert names["model.layers.0.self_attn.k_proj.weight"].shape == (256, 512)  # 4 kv heads of 64
+    assert names["model.layers.3.mlp.down_proj.weight"].shape == (512, 1536)  # ours' FFN width
+    assert {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"} <= set(names)
+    assert names["lm_head.weight"] is not names["model.embed_tokens.weight"]  # untied
+    cfg = hf.config
+    assert cfg._attn_implementation == "sdpa" and not cfg.use_cache
+    assert cfg.rope_parameters["rope_theta"] == 500000.0 and cfg.rms_norm_eps == 1e-5
+    assert build_model("hf_llama", "debug", n_layers=2).config.num_hidden_layers == 2
+
+
+def _llama3_to_hf(ours, hf):
+    """Copy our llama3's weights into transformers' Llama. Our RoPE rotates adjacent pairs
+    (2i, 2i+1), transformers' rotates (i, i + head_dim/2) by the same angle: q and k rows are
+    regrouped per head to match (the dot products q·k are unchanged by that permutation)."""
+    def regroup(w, n_heads):
+        return w.unflatten(0, (n_heads, -1, 2)).transpose(1, 2).flatten(0, 2)
+
+    a = ours.args
+    sd = {"model.embed_tokens.weight": ours.tok_embeddings.weight,
+          "model.norm.weight": ours.norm.weight, "lm_head.weight": ours.output.weight}
+    for i, blk in ours.layers.items():
+        at, ff, pre = blk.attention, blk.feed_forward, f"model.layers.{i}."
+        sd.update({pre + "self_attn.q_proj.weight": regroup(at.wq.weight, a.n_heads),
+                   pre + "self_attn.k_proj.weight": regroup(at.wk.weight, a.n_kv_heads),
+                   pre + "self_attn.v_proj.weight": at.wv.weight,
+                   pre + "self_attn.o_proj.weight": at.wo.weight,
+                   pre + "mlp.gate_proj.weight": ff.w1.weight, pre + "mlp.up_proj.weight": ff.w3.weight,
+                   pre + "mlp.down_proj.weight": ff.w2.weight,
+                   pre + "input_layernorm.weight": blk.attention_norm.weight,
+                   pre + "post_attention_layernorm.weight": blk.ffn_norm.weight})
+    missing, unexpected = hf.load_state_dict(sd, strict=True)
+    assert not missing and not unexpected
+
+
+def test_hf_llama_computes_what_our_llama3_computes():
+    """Same weights, same logits: the flavors really are our llama3's model (RoPE theta, eps,
+    GQA grouping, SwiGLU, untied head), written by someone else."""
+    ours, hf = tiny("llama3"), tiny("hf_llama", seed=1)
+    _llama3_to_hf(ours, hf)
+    tokens = batch(S=24)
+    torch.testing.assert_close(logits_of(hf(tokens)), ours(tokens), atol=1e-5, rtol=1e-4)
+
+
+def test_logits_of_either_kind_of_output():
+    ours, hf = tiny("llama3"), tiny("hf_llama")
+    tokens = batch(S=8)
+    out = ours(tokens)
+    assert logits_of(out) is out  # our models return the logits tensor itself
+    hf_out = hf(tokens)
+    assert type(hf_out).__name__ == "CausalLMOutputWithPast"
+    assert logits_of(hf_out) is hf_out.logits and hf_out.logits.shape == (2, 8, 259)
+
+
+def test_hf_llama_from_meta_then_init_weights():
+    """The sharded path: built on meta, materialised empty, then initialised in place,
+    deterministically, RoPE included (transformers' init_weights recomputes the
+    non-persistent inv_freq buffer)."""
+    models = []
+    for _ in range(2):
+        model = build_model("hf_llama", "debug", **TINY["hf_llama"])
+        assert all(p.is_meta for p in model.parameters())
+        model.to_empty(device="cpu")
+        ptrs = [p.data_ptr() for p in model.parameters()]
+        torch.manual_seed(0)
+        model.init_weights()
+        assert [p.data_ptr() for p in model.parameters()] == ptrs
+        models.append(model)
+    for (n, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+        assert torch.equal(p, q), n
+    assert model.model.norm.weight.eq(1).all() and model.lm_head.weight.std() > 0.01
+    a = get_model_spec("hf_llama", "debug")[1]
+    head_dim = TINY["hf_llama"]["dim"] // TINY["hf_llama"]["n_heads"]
+    inv_freq = 1.0 / a.rope_theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    torch.testing.assert_close(model.model.rotary_emb.inv_freq, inv_freq)
+    assert torch.isfinite(logits_of(model(batch(S=8)))).all()
+
+
+def test_hf_llama_errors_are_one_line():
+    with pytest.raises(ValueError, match=r"model.flavor='8B' is not one of \['debug', 'small'\] "
+                                         r"\(model.name='hf_llama'\)"):
+        build_model("hf_llama", "8B")
+    with pytest.raises(ValueError, match="hf_llama has no tensor-parallel plan"):
+        get_model_spec("hf_llama", "small")[1].check_tp(2)
+    with pytest.raises(ValueError, match="n_kv_heads"):  # llama3's checks hold
+        build_model("hf_llama", "debug", n_kv_heads=5)
+
+
+def test_hf_llama_without_transformers(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # what import sees when not installed
+    with pytest.raises(ImportError) as e:
+        build_model("hf_llama", "debug")
+    assert str(e.value) == ("model hf_llama needs transformers: "
+                            "pip install 'simplesharded[hf]'")
+    build_model("llama3", "debug")  # the rest of the zoo does not need it
