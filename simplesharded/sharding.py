@@ -162,26 +162,38 @@ def _reduce_replicas_after_scatter(shard: DTensor) -> DTensor:
 class _GatherScope:
     """Parameters gathered during one forward of the wrapped root, by FQN: a parameter read
     twice (tied weights, a module called twice) is gathered once, and autograd sums its
-    gradients at full size before the one reduction. ``gathered`` is None outside the root's
-    forward (a submodule called on its own, activation-checkpoint recomputation in backward):
-    each read then gathers."""
+    gradients at full size before the one reduction. Inactive outside the root's forward (a
+    submodule called on its own, activation-checkpoint recomputation in backward): each read
+    then gathers.
+
+    One dict for the model's life, emptied at both ends of the forward: under torch.compile
+    the traced forward then ends with the dict as it began (empty), so no gathered tensor
+    escapes the graph as an output (a fresh dict per forward would be rebuilt after the graph
+    from its outputs: every gathered parameter alive at once)."""
 
     def __init__(self):
-        self.gathered: dict | None = None
+        self.active = False
+        self.gathered: dict = {}
 
 
-def _open_scope(scope: _GatherScope):
-    def hook(module, args, kwargs):
-        scope.gathered = {}
+def _scope_root_forward(model: nn.Module, scope: _GatherScope) -> None:
+    """Open ``scope`` for the duration of ``model.forward``. Inside forward, not in hooks:
+    torch.compile runs a compiled module's hooks outside the traced frame, where the dict's
+    contents would become graph outputs."""
+    cls = model.__class__
+    inner = cls.forward
 
-    return hook
+    def forward(self, *args, **kwargs):
+        scope.gathered.clear()
+        scope.active = True
+        try:
+            return inner(self, *args, **kwargs)
+        finally:
+            scope.gathered.clear()
+            scope.active = False
 
-
-def _close_scope(scope: _GatherScope):
-    def hook(module, args, kwargs, output):
-        scope.gathered = None
-
-    return hook
+    model.__class__ = type(cls.__name__, (cls,), {
+        "forward": forward, "_ss_original_class": getattr(cls, "_ss_original_class", cls)})
 
 
 def _sharded_property(name: str) -> property:
@@ -190,13 +202,13 @@ def _sharded_property(name: str) -> property:
         if shard is None or not self._ss_gather_enabled:
             return shard
         fqn = self._ss_fqns[name]
-        gathered = self._ss_scope.gathered
-        if gathered is not None and fqn in gathered:
-            return gathered[fqn]
+        scope = self._ss_scope
+        if scope.active and fqn in scope.gathered:
+            return scope.gathered[fqn]
         full = gather_param(shard, self._ss_spec, fqn, self._ss_tp.get(name),
                             self._ss_blocks[name])
-        if gathered is not None:
-            gathered[fqn] = full
+        if scope.active:
+            scope.gathered[fqn] = full
         return full
 
     return property(get, doc=f"{name}: gathered on read (simplesharded)")
@@ -360,8 +372,7 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
         module._ss_tp = tp
         module._ss_scope = scope
         module._ss_gather_enabled = True
-    model.register_forward_pre_hook(_open_scope(scope), with_kwargs=True)
-    model.register_forward_hook(_close_scope(scope), with_kwargs=True, always_call=True)
+    _scope_root_forward(model, scope)
     for module in model.modules():  # buffers are replicated plain tensors on the mesh device
         for name, buf in list(module._buffers.items()):
             if buf is not None and buf.device.type != mesh.device_type:

@@ -224,3 +224,27 @@ def test_runtime_counts_on_gpt():
     assert fw_gathers == 4 + 2 and set(block["fw"]) <= {"gloo:all_gather",
                                                        "gloo:all_gather_into_tensor_coalesced",
                                                        "gloo:allgather_coalesced"}, block
+
+
+def test_no_gathered_parameter_escapes_the_graph():
+    """The once-per-forward gather cache lives inside the traced forward: the graph dynamo
+    captures returns the model output only, not the gathered parameters (as outputs they would
+    all be alive at once at the end of forward: the whole model gathered)."""
+    import toy
+    from pass_utils import fake_world
+
+    import simplesharded as ss
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    with fake_world(2) as mesh:
+        model = ss.data_parallel(toy.make_model(tied=True), mesh)
+        torch._dynamo.reset()
+        torch.compile(model, backend=capture, fullgraph=True)(torch.randn(5, toy.D_IN))
+        torch._dynamo.reset()
+    (out,) = [n for n in graphs[0].graph.nodes if n.op == "output"]
+    assert len(out.args[0]) == 1, out.args
