@@ -174,6 +174,7 @@ class _GatherScope:
     def __init__(self):
         self.active = False
         self.gathered: dict = {}
+        self.tied: set[str] = set()  # FQNs of parameters held by more than one module
 
 
 def _scope_root_forward(model: nn.Module, scope: _GatherScope) -> None:
@@ -203,11 +204,15 @@ def _sharded_property(name: str) -> property:
             return shard
         fqn = self._ss_fqns[name]
         scope = self._ss_scope
-        if scope.active and fqn in scope.gathered:
+        # Compiled, the graph decides what stays alive, so every read is cached. Eager, a
+        # cached gather would outlive its block (and defeat torch.utils.checkpoint there):
+        # only tied parameters, whose full tensor two modules need anyway, are cached.
+        cache = scope.active and (fqn in scope.tied or torch.compiler.is_compiling())
+        if cache and fqn in scope.gathered:
             return scope.gathered[fqn]
         full = gather_param(shard, self._ss_spec, fqn, self._ss_tp.get(name),
                             self._ss_blocks[name])
-        if scope.active:
+        if cache:
             scope.gathered[fqn] = full
         return full
 
@@ -322,7 +327,8 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     ``*_blockbucketing``, the units of ``"auto"``): None finds them in the module tree
     (simplesharded/blocks.py); or module classes, class names or module-FQN regexes.
     A parameter read more than once in one forward of ``model`` (tied weights, a module called
-    twice) is gathered once; its gradient is summed locally and reduced once.
+    twice) is gathered once; its gradient is summed locally and reduced once (eager: tied
+    weights only, so an uncompiled gather never outlives its block).
     A model on the meta device gets uninitialised shards on the mesh's device: run its
     init under :func:`disable_gather` (``with disable_gather(model): model.init_weights()``).
     """
@@ -362,6 +368,8 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
                 shard, layout = _shard_param(param, mesh, dp, placements, fqn)
                 shards[id(param)] = (nn.Parameter(shard, requires_grad=param.requires_grad),
                                      layout, fqn, block_of_module.get(mod_name))
+            else:
+                scope.tied.add(shards[id(param)][2])
             module._parameters[name], layout, fqns[name], in_block[name] = shards[id(param)]
             if layout is not None:
                 tp[name] = layout
