@@ -149,31 +149,30 @@ def test_gpt_tied_weight_gathered_and_reduced_once(counts):
     assert c["bw"]["before"]["reduce_scatter"] == n_params
 
 
-def test_no_blocks_in_a_large_model_warns():
-    """BlockPlan on a graph whose parameters carry no block: one warning with the bucket size."""
+def _no_block_warnings(n_layers: int) -> tuple[list[str], int]:
+    """BlockPlan on a chain of ``n_layers`` 2048 x 2048 fp32 gathers (16 MiB each) whose
+    parameters carry no block: its warnings and the all-gathers left."""
     from pass_utils import chain_graph
 
     from simplesharded.passes.bucketing import bucket_collectives
     from simplesharded.passes.planning import BlockPlan
 
-    gm = chain_graph(3, rows=2048)  # 3 gathers of 2048 x 2048 fp32 = 48 MiB
+    gm = chain_graph(n_layers, rows=2048)
     for node in gm.graph.nodes:
         (node.meta.get("custom") or {}).pop("ss_block", None)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         bucket_collectives(gm, BlockPlan())
-    msgs = [str(w.message) for w in seen if "found no blocks" in str(w.message)]
-    assert msgs == [], msgs  # below the threshold: silent
-    gm = chain_graph(5, rows=2048)  # 80 MiB in one bucket
-    for node in gm.graph.nodes:
-        (node.meta.get("custom") or {}).pop("ss_block", None)
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        bucket_collectives(gm, BlockPlan())
-    msgs = [str(w.message) for w in seen if "found no blocks" in str(w.message)]
-    assert len(msgs) == 1 and "80 MiB" in msgs[0], msgs
-    assert sum(1 for n in gm.graph.nodes if n.target is torch.ops._c10d_functional
-               .all_gather_into_tensor.default) == 1
+    gathers = sum(1 for n in gm.graph.nodes
+                  if n.target is torch.ops._c10d_functional.all_gather_into_tensor.default)
+    return [str(w.message) for w in seen if "found no blocks" in str(w.message)], gathers
+
+
+def test_no_blocks_in_a_large_model_warns():
+    """No block found: one bucket, and above 64 MiB one warning naming its size."""
+    assert _no_block_warnings(3) == ([], 1)  # 48 MiB: silent
+    msgs, gathers = _no_block_warnings(5)
+    assert gathers == 1 and len(msgs) == 1 and "80 MiB" in msgs[0], msgs
 
 
 # ------------------------------------------------------------ runtime counts (2 gloo ranks)
