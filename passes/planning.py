@@ -148,12 +148,16 @@ class AutoPlan:
             limit *= 4
         ladder.append(max(top, largest))
         out = []
-        for limit in ladder:
+        # Each rung twice: uniform buckets, and with the first forward all-gather bucket held to
+        # the lowest rung. Nothing runs before the first gather, so all of it is exposed; a
+        # small first bucket lets the second one stream under the first block's compute.
+        for limit, first in [(r, r) for r in ladder] + [(r, ladder[0]) for r in ladder[1:]]:
             keys: list[str | None] = [None] * len(collectives)
             for kind, (units, sizes) in per_kind.items():
                 b, acc = 0, 0
                 for unit, size in zip(units, sizes):
-                    if acc and acc + size > limit:
+                    cap = first if kind == "all_gather" and b == 0 else limit
+                    if acc and acc + size > cap:
                         b, acc = b + 1, 0
                     acc += size
                     for i in unit:

@@ -539,6 +539,30 @@ def test_auto_plan_respects_small_cap(which):
     check_auto_plan_contract("w2", which, 6000)
 
 
+def test_auto_plan_offers_a_small_first_gather_bucket():
+    """Besides uniform buckets per size rung, AutoPlan offers each rung with the first forward
+    all-gather bucket held to the lowest rung (all of the first gather is exposed), and the
+    simulator picks between them."""
+    from simplesharded.passes.collectives import find_collectives
+    from simplesharded.passes.cost_model import get_hardware
+
+    gm = pu.chain_graph(12, rows=256)
+    colls = [c for c in find_collectives(gm.graph) if c.ours]
+    plan = AutoPlan()
+    cands = plan.candidates(gm, colls, get_hardware("local"))
+
+    def bucket_sizes(keys):
+        sizes: dict = {}
+        for k in keys:
+            sizes[k] = sizes.get(k, 0) + 1
+        return [sizes[k] for k in dict.fromkeys(keys)]
+
+    shapes = [bucket_sizes(k) for k in cands]
+    ramped = [b for b in shapes if len(b) > 1 and b[0] < b[1]]
+    assert ramped, shapes
+    assert all(b[0] == 1 for b in ramped), shapes  # lowest rung here: one layer's weight
+
+
 # --------------------------------------------------------------------- capture sanity
 
 
