@@ -99,6 +99,13 @@ class GPT(nn.Module):
                     std /= math.sqrt(2 * self.args.n_layers)
                 nn.init.normal_(p, std=std)
 
+    def num_flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token: 6 per matrix weight (the tied head counts: it is a matmul;
+        position embeddings do not) + attention scores, 12 * L * D * T as llama3 counts them."""
+        a = self.args
+        n = sum(p.numel() for p in self.parameters()) - self.wpe.weight.numel()
+        return 6 * n + 12 * a.n_layers * a.dim * seq_len
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B, S] (int64) -> logits [B, S, vocab_size]."""
         S = tokens.shape[1]

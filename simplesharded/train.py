@@ -45,7 +45,13 @@ class NonFiniteError(RuntimeError):
 def check_static(cfg: Config, world_size: int) -> Config:
     """Everything that can be checked before any process-group work; returns resolved cfg."""
     cfg = resolve(cfg, world_size)
-    _, args = get_model_spec(cfg.model.name, cfg.model.flavor)
+    cls, args = get_model_spec(cfg.model.name, cfg.model.flavor)
+    if not hasattr(cls, "num_flops_per_token"):  # the trainer's model protocol (zoo models)
+        from simplesharded.models import MODELS
+        trainable = sorted(n for n, (c, _) in MODELS.items() if hasattr(c, "num_flops_per_token"))
+        raise ValueError(f"model.name={cfg.model.name!r} is not trainable here yet (bench it with "
+                         f"python -m simplesharded.bench --model {cfg.model.name}); the "
+                         f"trainer takes {trainable}")
     if cfg.training.seq_len > args.max_seq_len:
         raise ValueError(f"training.seq_len={cfg.training.seq_len} is above the maximum "
                          f"{args.max_seq_len} of model {cfg.model.name}/{cfg.model.flavor}")

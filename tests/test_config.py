@@ -263,3 +263,8 @@ def test_train_check_only(monkeypatch, capsys):
                                        "dp (3) * gradient_accumulation_steps (1)\n")
     assert train_main(["--check-only", "--help"]) == 0
     assert "--training.steps (int" in capsys.readouterr().out
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a bench-only zoo model: one line, not a traceback
+    assert train_main(["--check-only", "--job.config_file", path, "--model.name", "hf_llama"]) == 2
+    assert capsys.readouterr().err.startswith("error: model.name='hf_llama' is not trainable "
+                                              "here yet")
+    assert train_main(["--check-only", "--job.config_file", path, "--model.name", "gpt"]) == 0
