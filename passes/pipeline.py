@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 import torch
 from torch import fx
 
+from .agreement import insert_agreement_check
 from .collectives import count_collectives, is_backward_graph
 
 GraphPass = Callable[[fx.GraphModule], fx.GraphModule]
@@ -43,7 +44,9 @@ class PassPipeline:
         return self._run(gm, self.joint, "joint")
 
     def run_graph(self, gm: fx.GraphModule) -> fx.GraphModule:
-        return self._run(gm, self.graph, "bw" if is_backward_graph(gm) else "fw")
+        # Last: the ranks compare the sequence the passes produced (passes/agreement.py).
+        passes = list(self.graph) + [("agreement", insert_agreement_check)]
+        return self._run(gm, passes, "bw" if is_backward_graph(gm) else "fw")
 
     def _run(self, gm, passes, kind):
         self._dump(gm, kind, "input")

@@ -1,0 +1,194 @@
+"""Ranks agree on each compiled graph's collective sequence before its first collective runs.
+
+Every rank compiles its own graphs, and every pass of ours must make the same decisions on
+every rank (docs/rank_agreement.md says why they do). If they ever do not, the collectives no
+longer match: gloo dies with "Received data size doesn't match", NCCL hangs. This pass is the
+guard. It writes at the head of a graph one ``simplesharded::agree`` node carrying the
+graph's fingerprint: per collective, in graph order, its op, the mesh dim of its process group
+(group names differ between the groups of one mesh dim; the dim does not), its tensors'
+dtypes and shapes and its other arguments. The node is compiled into the graph, so a graph
+read back from a compile cache keeps it. At run time the node does its work once per
+fingerprint and process: it publishes the fingerprint in the process group's store and waits
+for every rank's, then either returns or raises, on every rank, an error naming each rank's
+first differing collective. A rank that never arrives (it compiled a different number of
+graphs) is named after ``SIMPLESHARDED_AGREE_TIMEOUT_S`` seconds (default 600, NCCL's own
+watchdog default), never a silent hang.
+
+The store, not a collective, carries the check: a store wait has a timeout and cannot be
+mismatched by the very collectives it is checking.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+
+import torch
+from torch import fx
+
+from .collectives import group_label, group_ranks
+
+TIMEOUT_ENV = "SIMPLESHARDED_AGREE_TIMEOUT_S"
+_NAMESPACE = "_c10d_functional"
+_KEY_PREFIX = "simplesharded/agree"
+
+
+def fingerprint(graph: fx.Graph) -> list[list]:
+    """Per collective start (every ``_c10d_functional`` op but ``wait_tensor``), in graph
+    order: ``[skeleton, line, ranks]``. ``skeleton`` (op, dtypes, mesh dim) must be the same on
+    every rank; ``line`` adds shapes and arguments, which must match among the members of the
+    group (``ranks``, its global ranks): the groups of one mesh dim may legitimately move
+    different sizes (uneven shards all-reduced over dp_replicate)."""
+    out = []
+    for node in graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+            continue
+        if target.namespace != _NAMESPACE or target._opname == "wait_tensor":
+            continue
+        names = [a.name for a in target._schema.arguments]
+        args = [_describe(a, name) for a, name in zip(node.args, names)]
+        group = node.args[names.index("group_name")] if "group_name" in names else None
+        found = group_ranks(group) if group is not None else None
+        dtypes = sorted({str(v.dtype) for v in _tensor_vals(node.args)})
+        skeleton = f"{target._opname}({', '.join(dtypes)}, {_describe(group, 'group_name')})"
+        out.append([skeleton, f"{target._opname}({', '.join(args)})",
+                    list(found[0]) if found else []])
+    return out
+
+
+def _tensor_vals(args):
+    for a in args:
+        if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor):
+            yield a.meta["val"]
+        elif isinstance(a, (list, tuple)):
+            yield from _tensor_vals(a)
+
+
+def _describe(a, name: str) -> str:
+    if name == "group_name":
+        label = group_label(a) if a is not None else "?"
+        if label == a:  # not a mesh dim: the name is per group, its size is shared
+            found = group_ranks(a)
+            label = f"{len(found[0])} ranks" if found else "?"
+        return f"group={label}"
+    if isinstance(a, fx.Node):
+        v = a.meta.get("val")
+        return f"{v.dtype}{list(v.shape)}" if isinstance(v, torch.Tensor) else "?"
+    if isinstance(a, (list, tuple)):
+        return "[" + ", ".join(_describe(x, name) for x in a) + "]"
+    return repr(a)
+
+
+def insert_agreement_check(gm: fx.GraphModule) -> fx.GraphModule:
+    """Put one ``simplesharded::agree(fingerprint)`` node first in a graph that has collectives;
+    return ``gm`` (edited in place). Invariants: nothing else changes; a graph without
+    collectives is untouched; idempotent (an existing check is replaced by a fresh one, since
+    the passes before it may have changed the sequence)."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is _AGREE:
+            graph.erase_node(node)
+    lines = fingerprint(graph)
+    if not lines:
+        return gm
+    first = next(n for n in graph.nodes if n.op != "placeholder")
+    with graph.inserting_before(first):
+        graph.call_function(_AGREE, (json.dumps(lines),))
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+# Fingerprints this process has already agreed on; run-time state of the check only.
+_agreed: set[str] = set()
+_checks = 0  # graphs checked so far: the n-th check on every rank compares with the n-th
+
+
+@torch.library.custom_op("simplesharded::agree", mutates_args=())
+def agree(fingerprint: str) -> None:
+    """Compare this graph's collective sequence with every rank's, once per process."""
+    global _checks
+    import torch.distributed as dist
+
+    if fingerprint in _agreed or not dist.is_available() or not dist.is_initialized():
+        return
+    if dist.get_world_size() == 1 or str(dist.get_backend()) == "fake":
+        _agreed.add(fingerprint)
+        return
+    _checks += 1
+    compare(fingerprint, _checks)
+    _agreed.add(fingerprint)
+
+
+@agree.register_fake
+def _(fingerprint: str) -> None:
+    return None
+
+
+_AGREE = torch.ops.simplesharded.agree.default
+fx.node.has_side_effect(_AGREE)  # no outputs: dead-code elimination must keep it
+
+
+def compare(fingerprint: str, seq: int, timeout_s: float | None = None) -> None:
+    """Publish ``fingerprint`` as check ``seq`` of this rank, wait for every rank's, raise
+    the same error on every rank if they differ."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if timeout_s is None:
+        timeout_s = float(os.environ.get(TIMEOUT_ENV, "600"))
+    store = _get_default_store()
+    keys = [f"{_KEY_PREFIX}/{seq}/{r}" for r in range(world)]
+    store.set(keys[rank], fingerprint)
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout_s))
+    except Exception:  # the store says only "timeout"; find who is missing
+        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        raise RuntimeError(
+            f"simplesharded: rank {rank} compiled graph #{seq} with collectives, but rank(s) "
+            f"{missing} did not reach graph #{seq} within {timeout_s:.0f} s ({TIMEOUT_ENV}): "
+            f"the ranks compiled different graphs, which would hang their collectives"
+        ) from None
+    sequences = [json.loads(store.get(k).decode()) for k in keys]
+    mismatch = first_difference(sequences)
+    if mismatch is not None:
+        raise RuntimeError(mismatch)
+
+
+def first_difference(sequences: list[list[list]]) -> str | None:
+    """None when the ranks' sequences agree, else one message naming the first differing
+    collective of each rank that differs: from rank 0 in order and kind (``skeleton``), or
+    from the first member of its group in shapes and arguments (``line``)."""
+    ref = sequences[0]
+    parts = []
+    for r, seq in enumerate(sequences[1:], start=1):
+        a, b = [e[0] for e in ref], [e[0] for e in seq]
+        if a != b:
+            i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            parts.append(f"collective #{i}: rank 0 {_entry(ref, i)}, rank {r} {_entry(seq, i)} "
+                         f"({len(a)} vs {len(b)} collectives)")
+    if not parts:  # same kinds everywhere: members of each group must move the same tensors
+        for i in range(len(ref)):
+            first: dict[tuple, int] = {}
+            for r, seq in enumerate(sequences):
+                members = tuple(seq[i][2])
+                q = first.setdefault(members, r)
+                if seq[i][1] != sequences[q][i][1]:
+                    parts.append(f"collective #{i}: rank {q} {_entry(sequences[q], i)}, "
+                                 f"rank {r} {_entry(seq, i)}")
+            if parts:
+                break
+    if not parts:
+        return None
+    return ("simplesharded: ranks compiled different collective sequences (their plans "
+            "differ, e.g. different backend options per rank); first difference: "
+            + "; ".join(parts))
+
+
+def _entry(seq: list[list], i: int, limit: int = 200) -> str:
+    if i >= len(seq):
+        return "<end of graph>"
+    line = seq[i][1]
+    return line if len(line) <= limit else line[:limit - 5] + " ...)"
