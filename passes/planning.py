@@ -10,7 +10,7 @@ leave alone) and a ``memory_cap_bytes`` the reordering pass honours.
   or ``post`` (after it: final norm + output).
 * ``AutoPlan``: tries bucket sizes on a ladder (and the block plan), runs the real passes on
   a copy of the graph for each and keeps the one whose simulation (simulate.py) is fastest
-  (cost model in cost_model.py, simulator in simulate.py).
+  (cost model in compute_cost.py / comm_cost.py, simulator in simulate.py).
 """
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def _warn_no_blocks(collectives: list[Collective]) -> None:
 
 @dataclass(frozen=True)
 class AutoPlan:
-    """Cost-model buckets. ``hardware``: profile name or a cost_model.Hardware.
+    """Cost-model buckets. ``hardware``: profile name or a hardware.Hardware.
     ``memory_cap_bytes``: bytes of gathered buffers alive at once (a bucket gets half);
     default 4% of the hardware's memory.
 
@@ -102,7 +102,7 @@ class AutoPlan:
 
     def hw(self):
         """The cost-model Hardware (``hardware`` may name a profile)."""
-        from .cost_model import get_hardware
+        from .hardware import get_hardware
 
         return get_hardware(self.hardware) if isinstance(self.hardware, str) else self.hardware
 
@@ -211,7 +211,7 @@ def _rank_invariant_time(node: fx.Node, hw) -> float:
     Everything else in the graph is the same on every rank."""
     import torch
 
-    from .cost_model import node_time
+    from .compute_cost import node_time
 
     if node.target is torch.ops.aten.constant_pad_nd.default:
         return 0.0

@@ -1,7 +1,7 @@
 """Simulate an FX graph's schedule on a compute stream and one communication lane per link.
 
-Nodes run in graph order on the compute stream (cost: cost_model.node_time). A collective
-start enqueues its transfer on the lane of its group's link (cost_model.group_link: the
+Nodes run in graph order on the compute stream (cost: compute_cost.node_time). A collective
+start enqueues its transfer on the lane of its group's link (comm_cost.group_link: the
 intra-node link, e.g. NVLink, or the inter-node one, e.g. one IB NIC per GPU). A lane runs its
 transfers one at a time in issue order; a transfer begins when both the start node has been
 reached and the lane's previous transfer is done. A ``wait_tensor`` blocks the compute stream
@@ -32,7 +32,7 @@ from .collectives import find_collectives, group_label, is_wait, started_by
 
 @dataclass
 class Interval:
-    stream: str  # "compute" or the link of a communication lane (cost_model.INTRA_NODE, ...)
+    stream: str  # "compute" or the link of a communication lane (comm_cost.INTRA_NODE, ...)
     start: float
     end: float
     label: str
@@ -72,7 +72,8 @@ def simulate(graph: fx.Graph | fx.GraphModule, hw, node_cost=None, comm_cost=Non
     ``labels``: {group name: label} for ``Schedule.by_group`` where known
     (simplesharded.mesh.group_labels); other groups get collectives.group_label.
     """
-    from .cost_model import collective_time, group_link, node_time
+    from .comm_cost import collective_time, group_link
+    from .compute_cost import node_time
 
     graph = graph.graph if isinstance(graph, fx.GraphModule) else graph
     node_cost = node_cost or (lambda n: node_time(n, hw))

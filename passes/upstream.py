@@ -14,7 +14,9 @@ def upstream_overlap_bucketing(gm: fx.GraphModule, hardware: str = "local") -> f
     from torch._inductor.fx_passes.overlap_scheduling import schedule_overlap_bucketing
 
     from .collectives import KINDS, group_args, tensor_nbytes
-    from .cost_model import comm_time, get_hardware, group_link, node_time
+    from .comm_cost import comm_time, group_link
+    from .compute_cost import node_time
+    from .hardware import get_hardware
 
     hw = get_hardware(hardware)
 

@@ -103,7 +103,7 @@ def apply_plan(traced: Traced, name: str, hardware: str, cap_bytes: int | None):
     ``hardware`` profile also the gloo lowerings, which the fake process group would skip)."""
     from simplesharded.passes.bucketing import bucket_collectives
     from simplesharded.passes.coalesce_gathers import coalesce_gathers
-    from simplesharded.passes.cost_model import get_hardware
+    from simplesharded.passes.hardware import get_hardware
     from simplesharded.passes.lowering import lower_reduce_scatters
     from simplesharded.passes.planning import AutoPlan, BlockPlan
     from simplesharded.passes.reordering import reorder_for_overlap
@@ -143,7 +143,7 @@ def static_memory(local_numel: int, optimizer: str) -> tuple[int, int, int]:
 
 def memory_report(traced: Traced, optimizer: str, fw_bw=None) -> MemoryReport:
     """Per-rank bytes: static state (see static_memory) + the transient peak of the graphs."""
-    from simplesharded.passes.cost_model import peak_memory
+    from simplesharded.passes.memory import peak_memory
 
     fw, bw = fw_bw or (traced.fw, traced.bw)
     params, grads, opt = static_memory(traced.local_numel, optimizer)
@@ -208,7 +208,7 @@ def fake_world(world_size: int):
 def main(argv=None) -> int:
     from simplesharded.config import load_config
     from simplesharded.mesh import resolve_degrees
-    from simplesharded.passes.cost_model import HARDWARE, get_hardware
+    from simplesharded.passes.hardware import HARDWARE, get_hardware
     from simplesharded.train import check_static
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True, help="a configs/*.toml file")

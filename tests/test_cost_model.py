@@ -10,9 +10,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.flop_counter import FlopCounterMode
 
 from simplesharded.passes.collectives import ALL_GATHER, WAIT, find_collectives
-from simplesharded.passes.cost_model import (HARDWARE, Hardware, calibrate_local, collective_time,
-                                             comm_time, get_hardware, memory_timeline,
-                                             node_flops, node_time, peak_memory)
+from simplesharded.passes.comm_cost import collective_time, comm_time
+from simplesharded.passes.compute_cost import node_flops, node_time
+from simplesharded.passes.hardware import HARDWARE, Hardware, calibrate_local, get_hardware
+from simplesharded.passes.memory import memory_timeline, peak_memory
 
 aten = torch.ops.aten
 HW = Hardware("test", flops_per_s=1e12, alpha_s=1e-3, bandwidth_Bps=1e9, mem_bw_Bps=1e10,

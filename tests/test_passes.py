@@ -544,7 +544,7 @@ def test_auto_plan_offers_a_small_first_gather_bucket():
     all-gather bucket held to the lowest rung (all of the first gather is exposed), and the
     simulator picks between them."""
     from simplesharded.passes.collectives import find_collectives
-    from simplesharded.passes.cost_model import get_hardware
+    from simplesharded.passes.hardware import get_hardware
 
     gm = pu.chain_graph(12, rows=256)
     colls = [c for c in find_collectives(gm.graph) if c.ours]

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from simplesharded.passes.cost_model import (INTER_NODE, INTRA_NODE, comm_time, get_hardware,
-                                             group_link, intra_node)
+from simplesharded.passes.comm_cost import INTER_NODE, INTRA_NODE, comm_time, group_link, intra_node
+from simplesharded.passes.hardware import get_hardware
 
 H100 = get_hardware("h100-ib400")
 DEBUG_CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "llama3_debug.toml")

@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch import fx
 
 from simplesharded.passes.collectives import ALL_GATHER, REDUCE_SCATTER, WAIT
-from simplesharded.passes.cost_model import get_hardware
+from simplesharded.passes.hardware import get_hardware
 from simplesharded.passes.simulate import simulate
 
 HW = get_hardware("h100-ib400")  # transfers beside compute, no per-collective overhead
@@ -63,7 +63,7 @@ def test_groups_on_different_links_do_not_queue_behind_each_other():
     """A dp prefetch (5, inter-node) is in flight when a tp all-gather (1) is issued and
     waited at once. On its own intra-node lane the tp gather ends at 1, not behind the
     prefetch at 6; when both groups share a link it queues (one wire, issue order)."""
-    from simplesharded.passes.cost_model import INTER_NODE, INTRA_NODE
+    from simplesharded.passes.comm_cost import INTER_NODE, INTRA_NODE
 
     order = [("start", "ag1"), ("start", "tp_ag"), ("wait", "w_tp_ag"), ("compute", "A"),
              ("wait", "w_ag1"), ("compute", "B")]

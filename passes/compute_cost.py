@@ -1,0 +1,81 @@
+"""Compute time of an FX node: FLOPs from torch.utils.flop_counter's formulas, and a roofline
+``node_time`` = max(FLOPs / flops_per_s, bytes touched / mem_bw) with one sustained rate each.
+
+Collectives and waits cost 0 here: they run on a communication stream, costed by
+comm_cost.py. Shapes come from the node's metadata (node_meta.py), so no tensor is ever run.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import fx
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
+
+from .collectives import is_collective, is_wait
+from .node_meta import alias_kind, concrete_int, node_bytes, node_value
+
+if TYPE_CHECKING:
+    from .hardware import Hardware
+
+aten = torch.ops.aten
+
+
+# CPU (and other) attention kernels torch's flop_registry does not list; same math as the
+# flash variants, whose formulas read only (grad_out,) query, key, value shapes.
+_EXTRA_FLOPS = {
+    aten._scaled_dot_product_flash_attention_for_cpu:
+        flop_registry[aten._scaled_dot_product_flash_attention],
+    aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        flop_registry[aten._scaled_dot_product_flash_attention_backward],
+}
+_FLOPS = {**flop_registry, **_EXTRA_FLOPS}
+
+# Allocate without touching memory: cost no time.
+_NO_TRAFFIC = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default}
+
+
+def _meta_arg(a):
+    if not isinstance(a, fx.Node):
+        return a
+    v = a.meta.get("val")
+    if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return concrete_int(v) if isinstance(v, torch.SymInt) else v.node.hint
+    return node_value(a)
+
+
+def _decomposes(op: torch._ops.OpOverload) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
+
+
+def node_flops(node: fx.Node) -> int:
+    """FLOPs of one node (matmuls, convolutions, attention), from torch.utils.flop_counter's
+    formulas on the node's metadata shapes. Ops torch has no formula for count 0, except
+    CompositeImplicit ops (e.g. aten.linear, aten.matmul in pre-dispatch graphs), which are run
+    on meta tensors under FlopCounterMode. Never raises."""
+    t = node.target
+    if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload) or not (
+            t.overloadpacket in _FLOPS or _decomposes(t)):
+        return 0
+    try:
+        args, kwargs = fx.node.map_aggregate((node.args, node.kwargs), _meta_arg)
+        if t.overloadpacket in _FLOPS:
+            return int(_FLOPS[t.overloadpacket](*args, **kwargs, out_val=node_value(node)))
+        with FlopCounterMode(display=False) as counter:
+            t(*args, **kwargs)
+        return int(counter.get_total_flops())
+    except Exception:
+        return 0
+
+
+def node_time(node: fx.Node, hw: Hardware) -> float:
+    """Roofline seconds of a compute node: max(FLOPs / flops_per_s, bytes read+written / mem_bw).
+    0 for placeholders, output, views/getitem, collectives and waits (comm_cost.py)."""
+    if node.op != "call_function" or is_collective(node) or is_wait(node):
+        return 0.0
+    if node.target in _NO_TRAFFIC or alias_kind(node) == "view":
+        return 0.0
+    if node_value(node) is None:
+        return 0.0  # no tensor output (sym_size, scalar arithmetic, ...)
+    moved = node_bytes(node) + sum(node_bytes(a) for a in node.all_input_nodes)
+    return max(node_flops(node) / hw.flops_per_s, moved / hw.mem_bw_Bps)
