@@ -1,18 +1,14 @@
 """Hardware profiles for the cost model: per-rank compute, memory and link numbers
-(``Hardware``, ``HARDWARE``, ``get_hardware``), and ``calibrate_local``, which measures this
-process and its process group instead.
+(``Hardware``, ``HARDWARE``, ``get_hardware``). Hand-written profiles for the planner, and
+calibration files that ``python -m simplesharded.calibrate`` measures (simplesharded/calibrate.py,
+which the default backends use).
 """
 from __future__ import annotations
 
-import os
-import statistics
-import time
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
-from .comm_cost import RING_FACTOR
 
 
 @dataclass(frozen=True)
@@ -55,7 +51,7 @@ HARDWARE: dict[str, Hardware] = {
     # sustained rate of the mixed sizes of a small model. out-of-place add (read+write): 28 GB/s
     # for 8-32 MiB tensors, 14 GB/s at 256 MiB; we take 2e10.
     # Collectives: DESIGN.md section 6 measured ~0.5 ms per gloo collective, loopback <= ~1 GB/s;
-    # calibrate_local at 2 gloo ranks gave alpha 0.25-0.4 ms and 0.6-1.2 GB/s.
+    # A 2-rank gloo calibration gave alpha 0.25-0.4 ms and 0.6-1.2 GB/s.
     # Fitted to python -m simplesharded.bench (llama3 small, 2 ranks on 2 cores): gloo's
     # transfer threads share the cores with compute (about half a transfer overlaps), each
     # collective costs
@@ -63,8 +59,7 @@ HARDWARE: dict[str, Hardware] = {
     # the other rank and gloo also stream memory.
     "local": Hardware("local", flops_per_s=1.5e11, alpha_s=5e-4, bandwidth_Bps=3e8,
                       mem_bw_Bps=5e9, comm_overlap=0.85, collective_overhead_s=1e-3,
-                      transport="gloo",
-                      memory_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
+                      transport="gloo", memory_bytes=24 * 2**30),
     # H100 SXM: 989 TFLOP/s bf16 dense peak, 3.35 TB/s HBM3, 80 GB; one 400 Gb/s IB NIC per GPU
     # (= 50 GB/s) for a group spanning nodes; NCCL inter-node latency ~30 us. 8 GPUs per node
     # on NVLink 4 + NVSwitch: 18 links x 25 GB/s = 450 GB/s per direction per GPU; we assume
@@ -84,75 +79,14 @@ HARDWARE: dict[str, Hardware] = {
 
 
 def get_hardware(name: str) -> Hardware:
+    """A profile by name, or the profile a calibration file holds (``*.json``, written by
+    ``python -m simplesharded.calibrate``: its ``"hardware"`` entry has Hardware's fields)."""
+    if name.endswith(".json"):
+        try:
+            return Hardware(**json.loads(Path(name).read_text())["hardware"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"hardware={name!r}: not a readable calibration file ({e})") from None
     if name not in HARDWARE:
-        raise ValueError(f"hardware={name!r} is not one of {sorted(HARDWARE)}")
+        raise ValueError(f"hardware={name!r} is not one of {sorted(HARDWARE)} or a calibration "
+                         ".json file")
     return HARDWARE[name]
-
-
-def _median_time(fn, reps: int, budget_s: float, sync=lambda: None) -> float:
-    fn()
-    sync()  # warm-up
-    times, deadline = [], time.perf_counter() + budget_s
-    while len(times) < reps and (len(times) < 3 or time.perf_counter() < deadline):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def calibrate_local(seconds_budget: float = 5.0, group=None, device: str | torch.device = "cpu"
-                    ) -> Hardware:
-    """Measure this process: fp32 matmul FLOP/s and elementwise memory bandwidth on `device`
-    (with the current torch thread count), and, if torch.distributed is initialised and the
-    group has > 1 rank, alpha (median all-gather of 1 element per rank) and bus bandwidth
-    (median all-gather of 4 MiB per rank). Collective timings use fixed repetition counts (every
-    rank must issue the same collectives) and are max-reduced so all ranks return the same
-    Hardware. Unmeasured fields come from HARDWARE["local"]."""
-    base = HARDWARE["local"]
-    device = torch.device(device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    n = 1024
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-    flops = 2 * n**3 / _median_time(lambda: torch.mm(a, b), 9, 0.35 * seconds_budget, sync)
-    del a, b
-    x = torch.randn(8 * 2**20, device=device)  # 32 MiB: past L2, a large activation
-    y = torch.empty_like(x)
-    mem_bw = 2 * x.numel() * x.element_size() / _median_time(
-        lambda: torch.add(x, 1.0, out=y), 9, 0.2 * seconds_budget, sync)
-    del x, y
-    alpha, bw = base.alpha_s, base.bandwidth_Bps
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        alpha, bw = _calibrate_comm(group)
-    return Hardware("local-calibrated", flops_per_s=flops, alpha_s=alpha, bandwidth_Bps=bw,
-                    mem_bw_Bps=mem_bw, memory_bytes=base.memory_bytes)
-
-
-def _calibrate_comm(group) -> tuple[float, float]:
-    ws = dist.get_world_size(group)
-    backend = str(dist.get_backend(group))
-    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else \
-        torch.device("cpu")
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-    def gather_time(per_rank: int, reps: int) -> float:
-        inp = torch.ones(per_rank, device=device)
-        out = torch.empty(per_rank * ws, device=device)
-        dist.barrier(group)
-        times = []
-        for _ in range(reps + 1):  # first is warm-up
-            t0 = time.perf_counter()
-            gather(out, inp, group=group)
-            sync()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times[1:])
-
-    small = gather_time(1, 11)
-    per_rank = 2**20  # 4 MiB fp32 per rank
-    large = gather_time(per_rank, 5)
-    t = torch.tensor([small, large], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    small, large = t.tolist()
-    moved = RING_FACTOR["all_gather"](ws) * per_rank * 4 * ws
-    return small, moved / max(large - small, 1e-9)

@@ -20,10 +20,12 @@ DEFAULT_BACKENDS = ("aot_eager", "aot_eager_blockbucketing", "aot_eager_autobuck
 def trace_counts(model_name: str, flavor: str, backend: str, world_size: int = 2,
                  mode: str = "fully_shard", reshard_after_forward: bool | str = "auto",
                  seq_len: int = 64, n_layers: int | None = None, tp: int = 1,
-                 sequence_parallel: bool = True, **backend_options) -> dict[str, dict[str, dict]]:
+                 sequence_parallel: bool = True, hardware: str = "local",
+                 **backend_options) -> dict[str, dict[str, dict]]:
     """{"fw"|"bw": {"before"|"after": counts by kind, "groups_before"|"groups_after": counts
     by (group label, kind)}} for one compile; needs a (fake) process group of
-    ``world_size`` = dp × tp ranks."""
+    ``world_size`` = dp × tp ranks. ``hardware``: the auto plan's profile (a fake process
+    group has nothing to calibrate)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     from simplesharded import data_parallel, disable_gather, make_backend
@@ -52,7 +54,8 @@ def trace_counts(model_name: str, flavor: str, backend: str, world_size: int = 2
     with disable_gather(model):
         model.init_weights(buffer_device=torch.device("cpu"))
     compiled = torch.compile(model, fullgraph=True,
-                             backend=make_backend(backend, observer=observe, **backend_options))
+                             backend=make_backend(backend, observer=observe, hardware=hardware,
+                                                  **backend_options))
     tokens = torch.randint(0, 256, (1, seq_len))
     compiled(tokens).float().sum().backward()
     return dict(seen)

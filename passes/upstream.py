@@ -10,7 +10,7 @@ from unittest import mock
 from torch import fx
 
 
-def upstream_overlap_bucketing(gm: fx.GraphModule, hardware: str = "local") -> fx.GraphModule:
+def upstream_overlap_bucketing(gm: fx.GraphModule, hardware="local") -> fx.GraphModule:
     from torch._inductor.fx_passes.overlap_scheduling import schedule_overlap_bucketing
 
     from .collectives import KINDS, group_args, tensor_nbytes
@@ -18,7 +18,7 @@ def upstream_overlap_bucketing(gm: fx.GraphModule, hardware: str = "local") -> f
     from .compute_cost import node_time
     from .hardware import get_hardware
 
-    hw = get_hardware(hardware)
+    hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
 
     def estimate(node: fx.Node, override_size=None) -> float | None:
         if node.op != "call_function":

@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from simplesharded.calibrate import resolve_hardware
 from simplesharded.passes.bucketing import bucket_collectives
 from simplesharded.passes.coalesce_gathers import coalesce_gathers
 from simplesharded.passes.lowering import lower_reduce_scatters
@@ -40,7 +41,10 @@ class BackendOptions:
     reshard_after_forward: bool | None = None
     memory_cap_bytes: int | None = None  # gathered bytes in flight (default: two buckets)
     bucket_patterns: tuple[str, ...] = ()  # block plan: regexes whose match names a bucket
-    hardware: str = "local"  # cost-model profile for the auto plan
+    # cost-model numbers for the auto plan: "calibrated" (measured at make_backend time by
+    # every rank together, or read from the cache: simplesharded/calibrate.py), a calibration
+    # .json file, a profile name of passes/hardware.py, or a Hardware
+    hardware: object = "calibrated"
     plan: object | None = None  # a ready plan object (overrides the name's default plan)
     observer: Callable | None = None  # observer(kind, stage, gm) after every pass (tools/tests)
 
@@ -76,7 +80,7 @@ def _ours(compiler: str, kind: str, opts: BackendOptions) -> Callable:
     if plan is None and kind == "block":
         plan = BlockPlan(tuple(opts.bucket_patterns), opts.memory_cap_bytes)
     elif plan is None:
-        plan = AutoPlan(opts.hardware, opts.memory_cap_bytes)
+        plan = AutoPlan(resolve_hardware(opts.hardware), opts.memory_cap_bytes)
     passes = [("bucketing", functools.partial(bucket_collectives, plan=plan)),
               ("reordering", functools.partial(reorder_for_overlap,
                                                plan=_ReorderPlan(opts.memory_cap_bytes))),
@@ -87,7 +91,8 @@ def _ours(compiler: str, kind: str, opts: BackendOptions) -> Callable:
 
 
 def _upstream(compiler: str, opts: BackendOptions) -> Callable:
-    passes = [("upstream", functools.partial(upstream_overlap_bucketing, hardware=opts.hardware))]
+    passes = [("upstream", functools.partial(upstream_overlap_bucketing,
+                                             hardware=resolve_hardware(opts.hardware)))]
     return _compile(compiler, _pipeline(opts, passes))
 
 

@@ -121,7 +121,9 @@ class Compile:
     model_backend_override: str = _opt("", "alias of backend; if set it wins")
     memory_cap_mb: float = _opt(0.0, "prefetch memory cap for the passes; 0 = pass default")
     dump_graphs: str = _opt("", "directory to write FX graphs before/after passes")
-    hardware: str = _opt("local", "hardware profile for the cost model")
+    hardware: str = _opt("calibrated", "cost-model numbers: 'calibrated' (measured at start-up, "
+                         "cached; python -m simplesharded.calibrate), a calibration .json "
+                         "file, or a profile name")
 
 
 @dataclass
@@ -364,6 +366,23 @@ def _known_backends() -> set[str] | None:
     return set(names) if names is not None else None
 
 
+def _check_hardware(spec: str) -> None:
+    from simplesharded.passes.hardware import HARDWARE
+
+    if spec == "calibrated" or spec in HARDWARE:
+        return
+    if spec.endswith(".json"):
+        from simplesharded.passes.hardware import get_hardware
+
+        try:
+            get_hardware(spec)
+        except ValueError as e:
+            raise ValueError(f"compile.{e}") from None
+        return
+    raise ValueError(f"compile.hardware={spec!r} is not 'calibrated', a calibration .json file "
+                     f"or one of {sorted(HARDWARE)}")
+
+
 def validate(cfg: Config, backends: Iterable[str] | None = None) -> None:
     """Value-level checks that need no process group. Raises ValueError on the first problem."""
     for section, cls in _sections().items():
@@ -409,6 +428,7 @@ def validate(cfg: Config, backends: Iterable[str] | None = None) -> None:
               and p.data_parallel_shard_degree != 1), "parallelism.mode",
          "hybrid_shard when both data parallel degrees are > 1")
 
+    _check_hardware(cfg.compile.hardware)
     known = set(backends) if backends is not None else _known_backends()
     name = cfg.compile.backend
     if known is not None and name not in known:

@@ -1,0 +1,391 @@
+"""Measure this machine and its process groups once, agree on the numbers, cache them.
+
+``python -m simplesharded.calibrate [--nproc N]`` prints the figures and writes the cache;
+``make_backend(..., hardware="calibrated")`` (the default) reads it, measuring first when
+there is none. What is measured, on the real device and the real process group:
+
+* compute: matmul FLOP/s (fp32 on CPU, bf16 on GPU: the training dtypes) and the bandwidth an
+  elementwise op sees; device memory from the device (host RAM on CPU);
+* per collective kind (all-gather, reduce-scatter, all-reduce, all-to-all): latency (one
+  element per rank) and bus bandwidth (4 MiB per rank); on gloo the reduce-scatter is timed
+  in the form our passes issue (all-to-all + adds, passes/lowering.py);
+* with concurrent compute: the compute-stream time a transfer costs (``comm_overlap``) and
+  the cost per collective of issuing and waiting (``collective_overhead_s``), the two numbers
+  the simulator charges to the compute stream.
+
+Every rank must end with the same numbers (each rank compiles its own plan, and the plans must
+match, docs/rank_agreement.md). So the numbers are reduced over the group (times: the slowest
+rank's; memory: the smallest), every collective loop has a fixed repetition count, and the
+cache is used only when every rank holds the same cache entry (one tiny all-gather decides,
+always issued by every rank). All of it runs at start-up, outside compilation: a collective at
+compile time deadlocks when one rank's compile is served from a cache.
+
+The cache is one JSON file per (hosts, device, transport, world size) under
+``$SIMPLESHARDED_CACHE_DIR`` (default ``~/.cache/simplesharded``). Pin a profile by passing its
+file as ``hardware="path.json"`` (``--compile.hardware`` in the trainer): it is then loaded
+as is, never re-measured.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from simplesharded.passes.comm_cost import RING_FACTOR
+from simplesharded.passes.hardware import Hardware, get_hardware
+
+CALIBRATED = "calibrated"  # the hardware name that means "measure (or read the cache)"
+CACHE_ENV = "SIMPLESHARDED_CACHE_DIR"
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+_LARGE = 2**20  # elements per rank (4 MiB fp32) for the bandwidth point
+_A2A_FACTOR = lambda n: (n - 1) / n  # noqa: E731  bytes each rank sends in an all-to-all
+
+
+def resolve_hardware(spec: str | Hardware, group=None) -> Hardware:
+    """The one place a hardware option becomes numbers: a Hardware as is, ``"calibrated"``
+    (measured here or read from the cache, see module doc), else ``get_hardware`` (a profile
+    name or a calibration .json file)."""
+    if isinstance(spec, Hardware):
+        return spec
+    if spec == CALIBRATED:
+        return calibrated_hardware(group)
+    return get_hardware(spec)
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurements (every collective loop: fixed repetitions, same on every rank)
+
+def _sync(device: torch.device):
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
+def _median(fn, reps: int, sync) -> float:
+    fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_compute(device: torch.device) -> dict:
+    sync = _sync(device)
+    dtype, n = (torch.bfloat16, 4096) if device.type == "cuda" else (torch.float32, 1024)
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    flops = 2 * n**3 / _median(lambda: torch.mm(a, b), 9, sync)
+    x = torch.randn(8 * 2**20, device=device)  # 32 MiB: past the caches, like an activation
+    y = torch.empty_like(x)
+    mem_bw = 2 * x.nbytes / _median(lambda: torch.add(x, 1.0, out=y), 9, sync)
+    return {"flops_per_s": flops, "mem_bw_Bps": mem_bw, "matmul_dtype": str(dtype)}
+
+
+def device_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _collective(kind: str, per_rank: int, group, device, transport: str):
+    """A zero-argument function issuing one ``kind`` collective of ``per_rank`` fp32 elements
+    per rank, and the bytes that kind's ring moves per rank (for the bandwidth fit)."""
+    ws = dist.get_world_size(group)
+    inp = torch.ones(per_rank * (1 if kind == "all_gather" else ws), device=device)
+    out = torch.empty(per_rank * (ws if kind in ("all_gather", "all_to_all") else 1)
+                      if kind != "all_reduce" else 0, device=device)
+    if kind == "all_gather":
+        fn = lambda: _gather(out, inp, group=group)  # noqa: E731
+    elif kind == "all_reduce":
+        fn = lambda: dist.all_reduce(inp, group=group)  # noqa: E731
+    elif kind == "all_to_all" or transport == "gloo":  # gloo's RS as our passes issue it
+        buf = torch.empty_like(inp)
+
+        def fn():
+            dist.all_to_all_single(buf, inp, group=group)
+            if kind == "reduce_scatter":
+                torch.sum(buf.view(ws, -1), 0, out=out)
+    else:
+        fn = lambda: _scatter(out, inp, group=group)  # noqa: E731
+    factor = _A2A_FACTOR(ws) if kind == "all_to_all" else RING_FACTOR[kind](ws)
+    moved = factor * inp.nbytes * (ws if kind == "all_gather" else 1)
+    return fn, moved
+
+
+def measure_collectives(group, device, transport: str) -> dict:
+    sync = _sync(device)
+    out = {}
+    for kind in KINDS:
+        small, _ = _collective(kind, 1, group, device, transport)
+        large, moved = _collective(kind, _LARGE, group, device, transport)
+        t_small, t_large = _median(small, 11, sync), _median(large, 5, sync)
+        out[kind] = {"alpha_s": t_small, "bandwidth_Bps": moved / max(t_large - t_small, 1e-9),
+                     "large_s": t_large}
+    return out
+
+
+def measure_overlap(group, device, transport: str) -> dict:
+    """The simulator charges each collective ``collective_overhead_s + (1 - comm_overlap) *
+    transfer`` on the compute stream. Measure both the way they arise: compute alone, then the
+    same compute with collectives in flight beside it."""
+    sync = _sync(device)
+    dtype, n = (torch.bfloat16, 4096) if device.type == "cuda" else (torch.float32, 512)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    large, _ = _collective("all_gather", _LARGE, group, device, transport)
+    t_comm = _median(large, 5, sync)
+    t_mm = _median(lambda: torch.mm(a, a), 5, sync)
+    # compute ≈ 2 transfers; the count sets how many collectives run below: agree on it
+    chunks = torch.tensor([max(4, min(400, int(2 * t_comm / max(t_mm, 1e-9))))], device=device)
+    dist.all_reduce(chunks, op=dist.ReduceOp.MAX, group=group)
+    chunks = int(chunks.item())
+
+    def compute():
+        for _ in range(chunks):
+            torch.mm(a, a)
+
+    inp = torch.ones(_LARGE, device=device)
+    out = torch.empty(_LARGE * dist.get_world_size(group), device=device)
+    tiny_in, tiny_out = inp[:1], out[:dist.get_world_size(group)]
+
+    def with_transfer():
+        work = _gather(out, inp, group=group, async_op=True)
+        compute()
+        work.wait()
+
+    def with_small_collectives():  # one tiny collective in flight per compute chunk
+        for _ in range(chunks):
+            work = _gather(tiny_out, tiny_in, group=group, async_op=True)
+            torch.mm(a, a)
+            work.wait()
+
+    t_compute = _median(compute, 5, sync)
+    t_both = _median(with_transfer, 5, sync)
+    t_small = _median(with_small_collectives, 5, sync)
+    overhead = max(0.0, (t_small - t_compute) / chunks)
+    exposed = min(1.0, max(0.0, (t_both - t_compute - overhead) / max(t_comm, 1e-9)))
+    return {"comm_overlap": 1.0 - exposed, "collective_overhead_s": overhead,
+            "compute_s": t_compute, "compute_with_transfer_s": t_both,
+            "compute_with_small_collectives_s": t_small, "transfer_s": t_comm}
+
+
+# ---------------------------------------------------------------------------------------------
+# Agreement and the profile
+
+_MAX = ("alpha_s", "large_s", "collective_overhead_s", "compute_s", "compute_with_transfer_s",
+        "compute_with_small_collectives_s", "transfer_s")  # times: the slowest rank's
+
+
+def _agree(values: dict, group, device) -> dict:
+    """Reduce every number over the group: times to the max, rates and memory to the min."""
+    flat = sorted(_leaves(values))
+    t = torch.tensor([v for _, v in flat], dtype=torch.float64, device=device)
+    is_time = torch.tensor([k[-1] in _MAX for k, _ in flat], device=device)
+    hi, lo = t.clone(), t.clone()
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+    agreed = torch.where(is_time, hi, lo).tolist()
+    out: dict = json.loads(json.dumps(values))
+    for (path, _), v in zip(flat, agreed):
+        node = out
+        for k in path[:-1]:
+            node = node[k]
+        node[path[-1]] = v
+    return out
+
+
+def _leaves(d: dict, prefix=()):
+    for k, v in d.items():
+        if isinstance(v, dict):
+            yield from _leaves(v, prefix + (k,))
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            yield prefix + (k,), float(v)
+
+
+def _profile(measured: dict, transport: str) -> Hardware:
+    """The cost model's numbers from the measurements. One link (every group of one host uses
+    the same loopback or NVLink; across hosts the world group's figures are the slower link).
+    Latency and bandwidth: the FSDP pair, all-gather and reduce-scatter, averaged."""
+    comm = measured.get("collectives")
+    if comm:
+        pair = [comm["all_gather"], comm["reduce_scatter"]]
+        alpha = statistics.fmean(p["alpha_s"] for p in pair)
+        bandwidth = 2 / sum(1 / p["bandwidth_Bps"] for p in pair)
+    else:  # one rank: no collective ever runs; any positive numbers do
+        alpha, bandwidth = 1e-5, 1e11
+    overlap = measured.get("overlap", {"comm_overlap": 1.0, "collective_overhead_s": 0.0})
+    return Hardware(CALIBRATED, flops_per_s=measured["compute"]["flops_per_s"],
+                    alpha_s=alpha, bandwidth_Bps=bandwidth,
+                    mem_bw_Bps=measured["compute"]["mem_bw_Bps"],
+                    memory_bytes=int(measured["memory_bytes"]),
+                    comm_overlap=overlap["comm_overlap"],
+                    collective_overhead_s=overlap["collective_overhead_s"],
+                    transport=transport)
+
+
+def calibrate(group=None, device: torch.device | str | None = None) -> dict:
+    """Measure (see module doc) and agree over ``group``; every rank returns the same dict
+    ``{"hardware": Hardware fields, "measured": raw figures, "key": cache key}``. Without an
+    initialised process group: this process's compute only."""
+    distributed = dist.is_available() and dist.is_initialized()
+    device = torch.device(device) if device is not None else _default_device(group)
+    transport = str(dist.get_backend(group)) if distributed else \
+        ("nccl" if device.type == "cuda" else "gloo")
+    measured = {"compute": measure_compute(device), "memory_bytes": device_memory(device)}
+    if distributed and dist.get_world_size(group) > 1:
+        measured["collectives"] = measure_collectives(group, device, transport)
+        measured["overlap"] = measure_overlap(group, device, transport)
+        measured = _agree(measured, group, device)
+    hw = _profile(measured, transport)
+    return {"hardware": dataclasses.asdict(hw), "measured": measured,
+            "key": cache_key(group, device)}
+
+
+def _default_device(group) -> torch.device:
+    if dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def cache_key(group=None, device: torch.device | None = None) -> str:
+    """Names what the numbers hold for: the hosts, the device, the transport, the ranks."""
+    device = device or _default_device(group)
+    distributed = dist.is_available() and dist.is_initialized()
+    ws = dist.get_world_size(group) if distributed else 1
+    hosts = [None] * ws
+    if distributed and ws > 1:
+        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    else:
+        hosts = [socket.gethostname()]
+    dev = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    transport = str(dist.get_backend(group)) if distributed else "none"
+    raw = json.dumps([sorted(set(hosts)), dev, transport, ws, torch.__version__])
+    return f"{dev.replace(' ', '_')}-{transport}-ws{ws}-" + hashlib.sha256(raw.encode()).hexdigest()[:12]
+
+
+def cache_path(key: str) -> Path:
+    root = os.environ.get(CACHE_ENV) or os.path.join(Path.home(), ".cache", "simplesharded")
+    return Path(root) / f"calibration-{key}.json"
+
+
+def calibrated_hardware(group=None, force: bool = False) -> Hardware:
+    """The calibrated Hardware, the same on every rank: from the cache when every rank holds
+    the same entry, else measured now by all ranks together and cached."""
+    return Hardware(**calibrated(group, force)["hardware"])
+
+
+def calibrated(group=None, force: bool = False) -> dict:
+    if dist.is_available() and dist.is_initialized() and str(dist.get_backend(group)) == "fake":
+        raise ValueError("hardware='calibrated' needs a real process group (this one is fake: "
+                         "nothing to measure); pass a profile name or a calibration .json file")
+    key = cache_key(group)
+    path = cache_path(key)
+    cached = None
+    if not force and path.exists():
+        try:
+            cached = json.loads(path.read_text())
+            Hardware(**cached["hardware"])
+        except (OSError, ValueError, KeyError, TypeError):
+            cached = None
+    if _everyone_has(cached, group):
+        return cached
+    result = calibrate(group)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(result, indent=1, sort_keys=True))
+    os.replace(tmp, path)  # ranks sharing a host write the same numbers; last one wins
+    return result
+
+
+def _everyone_has(cached: dict | None, group) -> bool:
+    """True on every rank or on none: all ranks hold one identical cache entry. Always one
+    all-gather (every rank issues it, cache or not), so the ranks never diverge here."""
+    digest = -1 if cached is None else int.from_bytes(
+        hashlib.sha256(json.dumps(cached["hardware"], sort_keys=True).encode()).digest()[:7],
+        "big")
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return digest >= 0
+    device = _default_device(group)
+    mine = torch.tensor([digest], dtype=torch.int64, device=device)
+    every = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
+    _gather(every, mine, group=group)
+    return digest >= 0 and bool((every == digest).all())
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+def format_report(result: dict, path: Path | None = None) -> str:
+    hw, m = result["hardware"], result["measured"]
+    lines = [f"calibration {result['key']}" + (f"  ({path})" if path else ""),
+             f"  matmul        {hw['flops_per_s'] / 1e12:8.3f} TFLOP/s ({m['compute']['matmul_dtype']})",
+             f"  elementwise   {hw['mem_bw_Bps'] / 1e9:8.2f} GB/s",
+             f"  memory        {hw['memory_bytes'] / 2**30:8.1f} GiB"]
+    for kind, c in m.get("collectives", {}).items():
+        lines.append(f"  {kind:<14}latency {c['alpha_s'] * 1e3:7.3f} ms   bus bandwidth "
+                     f"{c['bandwidth_Bps'] / 1e9:7.3f} GB/s")
+    if "overlap" in m:
+        o = m["overlap"]
+        lines.append(f"  beside compute: {o['comm_overlap'] * 100:.0f} % of a transfer hidden, "
+                     f"{o['collective_overhead_s'] * 1e3:.3f} ms per collective on the compute stream")
+    lines.append(f"  profile: alpha {hw['alpha_s'] * 1e3:.3f} ms, bandwidth "
+                 f"{hw['bandwidth_Bps'] / 1e9:.3f} GB/s, transport {hw['transport']}")
+    return "\n".join(lines)
+
+
+def _rank_main(rank: int, nproc: int, port: int, force: bool, queue) -> None:
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=nproc)
+    try:
+        result = calibrated(force=force)
+        if rank == 0:
+            queue.put((result, str(cache_path(result["key"]))))
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m simplesharded.calibrate",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nproc", type=int, default=None,
+                    help="ranks on this host (default: the GPU count, or 2 on CPU)")
+    ap.add_argument("--force", action="store_true", help="measure even if a cache entry exists")
+    ns = ap.parse_args(argv)
+    import torch.multiprocessing as mp
+
+    nproc = ns.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
+    if nproc < 1:
+        print(f"--nproc={nproc}: must be >= 1", file=sys.stderr)
+        return 2
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.start_processes(_rank_main, args=(nproc, port, ns.force, queue), nprocs=nproc,
+                       start_method="spawn")
+    result, path = queue.get()
+    print(format_report(result, Path(path)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Self-calibration (simplesharded/calibrate.py): measured numbers, identical on every rank,
+cached per machine and world size, re-measured by all ranks together when any rank lacks the
+entry, and pinnable as a file.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from dist_utils import spawn
+
+from simplesharded import calibrate
+from simplesharded.passes.hardware import Hardware, get_hardware
+
+
+def test_single_process_measures_compute_then_reads_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(calibrate.CACHE_ENV, str(tmp_path))
+    first = calibrate.calibrated()
+    hw = Hardware(**first["hardware"])
+    assert 1e8 < hw.flops_per_s < 1e16 and hw.mem_bw_Bps > 1e8 and hw.memory_bytes > 2**28
+    path = calibrate.cache_path(first["key"])
+    assert path.exists() and json.loads(path.read_text()) == first
+
+    def no_measuring(*a, **k):
+        raise AssertionError("measured although the cache holds the entry")
+
+    monkeypatch.setattr(calibrate, "calibrate", no_measuring)
+    assert calibrate.calibrated_hardware() == hw
+    assert calibrate.resolve_hardware(calibrate.CALIBRATED) == hw
+
+
+def test_a_calibration_file_pins_the_profile(tmp_path):
+    hw = dataclasses.replace(get_hardware("h100-ib400"), name="pinned")
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({"hardware": dataclasses.asdict(hw)}))
+    assert get_hardware(str(path)) == hw
+    assert calibrate.resolve_hardware(str(path)) == hw
+    with pytest.raises(ValueError, match=r"hardware='.*missing.json': not a readable calibration"):
+        get_hardware(str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match=r"hardware='tpu' is not one of .* or a calibration"):
+        calibrate.resolve_hardware("tpu")
+
+
+def _calibrate_job(rank, world, cache_dir):
+    import os
+
+    os.environ[calibrate.CACHE_ENV] = cache_dir
+    first = calibrate.calibrated()
+    # rank 1 loses its entry: every rank must measure again (together), none may hang
+    if rank == 1:
+        calibrate.cache_path(first["key"]).unlink()
+    second = calibrate.calibrated()
+    third = calibrate.calibrated()  # every rank now holds the same entry: read, not measured
+    return first, second, third
+
+
+def test_every_rank_ends_with_the_same_profile(tmp_path):
+    """2 gloo ranks, each with its own cache directory (as on two hosts)."""
+    dirs = [str(tmp_path / f"host{r}") for r in range(2)]
+    results = spawn(2, _calibrate_job_per_host, dirs, timeout_s=120)
+    (a1, a2, a3), (b1, b2, b3) = results
+    assert a1 == b1 and a2 == b2 and a3 == b3  # identical numbers on every rank, every time
+    assert a2 == a3  # the third call read what the second measured
+    m = a1["measured"]
+    assert set(m["collectives"]) == set(calibrate.KINDS)
+    for c in m["collectives"].values():
+        assert c["alpha_s"] > 0 and c["bandwidth_Bps"] > 0
+    hw = Hardware(**a1["hardware"])
+    assert hw.transport == "gloo" and 0.0 <= hw.comm_overlap <= 1.0
+    assert hw.collective_overhead_s >= 0.0
+
+
+def _calibrate_job_per_host(rank, world, dirs):
+    return _calibrate_job(rank, world, dirs[rank])
