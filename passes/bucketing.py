@@ -17,13 +17,15 @@ from collections import defaultdict
 import torch
 from torch import fx
 
-from .collectives import (ALL_GATHER, ALL_REDUCE, BLOCK_KEY, BUCKET_PARAMS_KEY, PARAM_KEY, PLAIN,
-                          REDUCE_SCATTER, WAIT, Collective, find_collectives)
+from .annotations import BLOCK_KEY, BUCKET_KEY, BUCKET_PARAMS_KEY, PARAM_KEY
+from .collectives import (ALL_GATHER, ALL_REDUCE, PLAIN, REDUCE_SCATTER, WAIT, Collective,
+                          find_collectives)
 from .graph_utils import (aten, call, fake_mode_of, flat, hoist_before, positions,
                           stable_topological_sort)
+from .plan_protocol import Plan
 
 
-def bucket_collectives(gm: fx.GraphModule, plan) -> fx.GraphModule:
+def bucket_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     """Merge collectives that ``plan`` puts in the same bucket; return ``gm`` (edited in place).
 
     ``plan.assign(gm, collectives) -> list[key | None]`` gives a bucket key per collective
@@ -32,10 +34,22 @@ def bucket_collectives(gm: fx.GraphModule, plan) -> fx.GraphModule:
     (a bucket that already has one collective is left as is); only data-parallel collectives
     (``Collective.ours``) are offered to the plan, so TP collectives are never merged.
     """
-    graph = gm.graph
-    collectives = [c for c in find_collectives(graph)
-                   if c.wait is not None and c.start.target in PLAIN and c.ours]
-    keys = plan.assign(gm, collectives)
+    collectives = bucketable(gm.graph)
+    merge_buckets(gm.graph, collectives, plan.assign(gm, collectives))
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def bucketable(graph: fx.Graph) -> list[Collective]:
+    """The collectives bucketing offers a plan: ours, plain and waited, in graph order."""
+    return [c for c in find_collectives(graph)
+            if c.wait is not None and c.start.target in PLAIN and c.ours]
+
+
+def merge_buckets(graph: fx.Graph, collectives: list[Collective], keys: list) -> None:
+    """The graph edit of bucket_collectives for given keys (one per collective); AutoPlan runs
+    it on copies of a graph to compare candidates."""
     groups: dict[tuple, list[Collective]] = defaultdict(list)
     for c, key in zip(collectives, keys):
         if key is not None:
@@ -48,9 +62,6 @@ def bucket_collectives(gm: fx.GraphModule, plan) -> fx.GraphModule:
             merge[kind](graph, members, fake_mode, str(key))
     # Users of an early reduction now read the merged one, defined at the bucket's last start.
     stable_topological_sort(graph)
-    graph.lint()
-    gm.recompile()
-    return gm
 
 
 def _reduce_op(c: Collective) -> str | None:
@@ -62,7 +73,7 @@ def _reduce_op(c: Collective) -> str | None:
 def _custom(members: list[Collective], bucket: str) -> dict:
     params = [p for c in members for p in c.params]
     custom = {BUCKET_PARAMS_KEY: params, PARAM_KEY: params[0] if params else "",
-              "ss_bucket": bucket}
+              BUCKET_KEY: bucket}
     if members[0].block is not None:
         custom[BLOCK_KEY] = members[0].block
     return custom

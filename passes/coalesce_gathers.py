@@ -29,7 +29,7 @@ from .graph_utils import aten, call, fake_mode_of
 COALESCED_BACKENDS = ("gloo",)
 
 
-def coalesce_gathers(gm: fx.GraphModule, plan=None,
+def coalesce_gathers(gm: fx.GraphModule,
                      transports: tuple[str, ...] | None = COALESCED_BACKENDS) -> fx.GraphModule:
     """Rewrite every bucketed all-gather on a group of one of ``transports`` (None: any) as a
     coalesced all-gather with one output per parameter; return ``gm`` (edited in place).

@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
+from .annotations import (BLOCK_KEY, BUCKET_PARAMS_KEY, DP_GROUPS_KEY, LOWERED_KEY, PARAM_KEY,
+                          annotations)
+
 _c10d = torch.ops._c10d_functional
 ALL_GATHER = _c10d.all_gather_into_tensor.default
 # One gather per input, one output each, read through getitem; our gloo lowering emits it
@@ -27,20 +30,8 @@ KINDS = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE:
          _c10d.reduce_scatter_tensor_out.default: "reduce_scatter"}
 PLAIN = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE)
 # An all-to-all is one of our collectives only when a pass of ours emitted it to implement
-# another kind (passes/lowering.py); its node then carries meta["custom"][LOWERED_KEY] = kind.
+# another kind (passes/lowering.py); its node then carries the LOWERED_KEY annotation = kind.
 ALL_TO_ALL = _c10d.all_to_all_single.default
-LOWERED_KEY = "ss_lowered"
-
-# Annotation keys written by simplesharded.sharding.gather_param (fx.traceback.annotate) and
-# by our bucketing pass on the nodes it creates.
-PARAM_KEY = "ss_param"
-BUCKET_PARAMS_KEY = "ss_bucket_params"
-# The process groups of the parameter's data-parallel dims (gather_param's annotation): a
-# collective is a data-parallel one, and so ours to bucket and move, only on one of these.
-# Anything else in the graph (tensor-parallel collectives, a user's own) is left where it is.
-DP_GROUPS_KEY = "ss_dp_groups"
-# FQN of the block (simplesharded/blocks.py) holding the parameter; absent outside blocks.
-BLOCK_KEY = "ss_block"
 
 
 @dataclass
@@ -75,7 +66,7 @@ def is_collective(node: fx.Node) -> bool:
 def _lowered_kind(node: fx.Node) -> str | None:
     if node.target is not ALL_TO_ALL:
         return None
-    return (node.meta.get("custom") or {}).get(LOWERED_KEY)
+    return annotations(node).get(LOWERED_KEY)
 
 
 def kind_of(node: fx.Node) -> str:
@@ -145,7 +136,7 @@ def group_ranks(group_name: str) -> tuple[tuple[int, ...], int] | None:
 
 def node_params(node: fx.Node) -> list[str]:
     """Parameter FQNs a node serves, from the annotations sharding/bucketing put on it."""
-    custom = node.meta.get("custom") or {}
+    custom = annotations(node)
     if BUCKET_PARAMS_KEY in custom:
         return list(custom[BUCKET_PARAMS_KEY])
     return [custom[PARAM_KEY]] if PARAM_KEY in custom else []
@@ -153,7 +144,7 @@ def node_params(node: fx.Node) -> list[str]:
 
 def node_block(node: fx.Node) -> str | None:
     """The block (BLOCK_KEY annotation) of the parameter a node serves; None outside blocks."""
-    return (node.meta.get("custom") or {}).get(BLOCK_KEY)
+    return annotations(node).get(BLOCK_KEY)
 
 
 def tensor_nbytes(node: fx.Node) -> int:
@@ -222,7 +213,7 @@ def find_collectives(graph: fx.Graph | fx.GraphModule) -> list[Collective]:
             val = val[0] if val else None
         source = node if node_params(node) else _param_source(node)
         params = node_params(source) if source is not None else []
-        dp_groups = (source.meta.get("custom") or {}).get(DP_GROUPS_KEY) if params else None
+        dp_groups = annotations(source).get(DP_GROUPS_KEY) if params else None
         if dp_groups is not None and name not in dp_groups:
             params = []  # e.g. TP's all-reduce of a replicated weight's gradient
         found.append(Collective(

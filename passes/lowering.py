@@ -19,13 +19,14 @@ from __future__ import annotations
 
 from torch import fx
 
-from .collectives import ALL_TO_ALL, LOWERED_KEY, REDUCE_SCATTER, collectives_on
+from .annotations import LOWERED_KEY
+from .collectives import ALL_TO_ALL, REDUCE_SCATTER, collectives_on
 from .graph_utils import aten, call, fake_mode_of
 
 LOWERED_BACKENDS = ("gloo",)
 
 
-def lower_reduce_scatters(gm: fx.GraphModule, plan=None,
+def lower_reduce_scatters(gm: fx.GraphModule,
                           transports: tuple[str, ...] | None = LOWERED_BACKENDS
                           ) -> fx.GraphModule:
     """Rewrite every sum reduce-scatter on a group of one of ``transports`` (None: any) as

@@ -1,7 +1,5 @@
-"""Bucket plans: which collectives share one buffer.
-
-A plan has ``assign(gm, collectives) -> list[key | None]`` (one key per collective, None =
-leave alone) and a ``memory_cap_bytes`` the reordering pass honours.
+"""The built-in plans (plan_protocol.Plan): which collectives share one buffer, the memory cap
+of reordering, and what reshard_after_forward="auto" keeps gathered.
 
 * ``BlockPlan``: one bucket per block: the block data_parallel found in the module tree
   (simplesharded/blocks.py; names need no digits), or the text the first user pattern
@@ -20,6 +18,7 @@ from dataclasses import dataclass
 
 from torch import fx
 
+from .annotations import BUCKET_KEY, annotations
 from .collectives import Collective
 
 
@@ -42,10 +41,13 @@ def block_key(c: Collective, patterns: tuple[str, ...] = ()) -> str | None:
 @dataclass(frozen=True)
 class BlockPlan:
     """One bucket per block (see module doc). ``patterns``: regexes tried before the blocks
-    data_parallel found."""
+    data_parallel found. ``keep_gathered_bytes`` None keeps the last block and what follows
+    it gathered (reshard_after_forward="auto", passes/recompute.py)."""
 
     patterns: tuple[str, ...] = ()
     memory_cap_bytes: int | None = None
+    keep_gathered_bytes: int | None = None
+    reshard_after_forward: bool | None = None
 
     def assign(self, gm: fx.GraphModule, collectives: list[Collective]) -> list[str | None]:
         keys: list[str | None] = []
@@ -96,6 +98,7 @@ class AutoPlan:
     hardware: object = "local"
     memory_cap_bytes: int | None = None
     sizes: int = 8  # rungs on the bucket-size ladder
+    reshard_after_forward: bool | None = None
 
     def cap(self, hw) -> int:
         return self.memory_cap_bytes or int(0.04 * hw.memory_bytes)
@@ -116,7 +119,7 @@ class AutoPlan:
         hw = self.hw()
         # An already bucketed graph keeps its buckets (idempotence): re-planning from merged
         # collectives could merge further, e.g. the two dtype halves of one bucket.
-        existing = [(c.start.meta.get("custom") or {}).get("ss_bucket") for c in collectives]
+        existing = [annotations(c.start).get(BUCKET_KEY) for c in collectives]
         if any(existing):
             return existing
         candidates = self.candidates(gm, collectives, hw)
@@ -176,31 +179,18 @@ class AutoPlan:
         return out
 
 
-@dataclass(frozen=True)
-class _FixedPlan:
-    keys: tuple
-
-    def assign(self, gm, collectives):
-        return list(self.keys)
-
-
-@dataclass(frozen=True)
-class _Cap:
-    memory_cap_bytes: int | None
-
-
 def _simulated(gm: fx.GraphModule, keys, hw, cap) -> float:
     import copy
 
-    from .bucketing import bucket_collectives
-    from .reordering import reorder_for_overlap
+    from .bucketing import bucketable, merge_buckets
+    from .reordering import reorder_graph
     from .simulate import simulate
 
-    # A new graph on the same attributes: the passes only edit the graph, and deep-copying a
-    # tensor constant next to the fake tensors that describe it fails.
-    trial = fx.GraphModule(gm, copy.deepcopy(gm.graph))
-    bucket_collectives(trial, _FixedPlan(tuple(keys)))
-    reorder_for_overlap(trial, _Cap(cap))
+    # A copy of the graph only: the passes only edit the graph, and deep-copying a tensor
+    # constant next to the fake tensors that describe it fails.
+    trial = copy.deepcopy(gm.graph)
+    merge_buckets(trial, bucketable(trial), keys)
+    reorder_graph(trial, cap)
     return simulate(trial, hw, node_cost=lambda n: _rank_invariant_time(n, hw)).makespan
 
 

@@ -20,13 +20,12 @@ from __future__ import annotations
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .collectives import PARAM_KEY, tangent_dependent
+from .annotations import AC_KEY, PARAM_KEY, RESHARD_KEY, annotations
+from .collectives import node_block, tangent_dependent, tensor_nbytes
+from .plan_protocol import Plan
 
-RESHARD_KEY = "ss_reshard"
-AC_KEY = "ss_ac"  # annotation of a block under activation checkpointing (value: block index)
 
-
-def tag_gathers_for_recompute(gm: fx.GraphModule, plan=None) -> fx.GraphModule:
+def tag_gathers_for_recompute(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     """Tag the joint graph ``gm`` in place and return it.
 
     Also: forward nodes annotated ``ss_ac`` (blocks under activation checkpointing, see
@@ -35,15 +34,15 @@ def tag_gathers_for_recompute(gm: fx.GraphModule, plan=None) -> fx.GraphModule:
     Guarantees: only forward nodes annotated with ``ss_param`` are tagged; with
     ``ss_reshard=True`` every such node is MUST_RECOMPUTE (so no gathered tensor is saved for
     backward), otherwise the chain's output is MUST_SAVE; ``ss_reshard="auto"`` is resolved per
-    unit by :func:`kept_gathered`. ``plan`` may carry ``reshard_after_forward`` (bool) to
-    override the per-parameter annotation, and ``keep_gathered_bytes`` (the "auto" budget).
+    unit by :func:`kept_gathered`. Reads ``plan.reshard_after_forward`` (a bool overrides the
+    per-parameter annotation) and ``plan.keep_gathered_bytes`` (the "auto" budget).
     Idempotent.
     """
-    override = getattr(plan, "reshard_after_forward", None)
+    override = plan.reshard_after_forward
     backward = tangent_dependent(gm.graph)
-    kept = kept_gathered(gm.graph, backward, getattr(plan, "keep_gathered_bytes", None))
+    kept = kept_gathered(gm.graph, backward, plan.keep_gathered_bytes)
     for node in gm.graph.nodes:
-        custom = node.meta.get("custom") or {}
+        custom = annotations(node)
         if node.op != "call_function" or node in backward:
             continue
         # One region id per checkpointed block (0 = none): the partitioner saves the boundary
@@ -62,7 +61,7 @@ def tag_gathers_for_recompute(gm: fx.GraphModule, plan=None) -> fx.GraphModule:
         if reshard:
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             node.meta["ac_graph_id"] = region
-        elif not any((u.meta.get("custom") or {}).get(PARAM_KEY) == custom[PARAM_KEY]
+        elif not any(annotations(u).get(PARAM_KEY) == custom[PARAM_KEY]
                      for u in node.users):
             node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
     return gm
@@ -74,15 +73,13 @@ def kept_gathered(graph: fx.Graph, backward: set[fx.Node], budget: int | None) -
     A parameter belongs to the unit its last forward use falls in: a tied output weight
     gathered with the embedding and read again by the head is needed first in backward, like
     the head, and is alive through the whole forward anyway (it is gathered once)."""
-    from .collectives import node_block, tensor_nbytes
-
     pos = {node: i for i, node in enumerate(graph.nodes)}
     starts: dict[str, int] = {}  # unit → first forward position
     nbytes: dict[str, int] = {}  # fqn → gathered bytes (the largest node of its chain)
     last_use: dict[str, int] = {}  # fqn → position of its last forward reader
     seen_block = False
     for node in graph.nodes:
-        custom = node.meta.get("custom") or {}
+        custom = annotations(node)
         if node in backward or custom.get(RESHARD_KEY) != "auto" or PARAM_KEY not in custom:
             continue
         fqn = custom[PARAM_KEY]
@@ -93,7 +90,7 @@ def kept_gathered(graph: fx.Graph, backward: set[fx.Node], budget: int | None) -
             starts.setdefault(key, pos[node])
         nbytes[fqn] = max(nbytes.get(fqn, 0), tensor_nbytes(node))
         readers = [pos[u] for u in node.users if u not in backward
-                   and (u.meta.get("custom") or {}).get(PARAM_KEY) != fqn]
+                   and annotations(u).get(PARAM_KEY) != fqn]
         last_use[fqn] = max([last_use.get(fqn, pos[node]), *readers])
     order = sorted(starts, key=starts.__getitem__)
     units: dict[str, list[str]] = {k: [] for k in order}

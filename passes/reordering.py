@@ -20,6 +20,7 @@ from torch import fx
 
 from .collectives import Collective, find_collectives, is_collective, is_wait
 from .graph_utils import hoist_before, positions
+from .plan_protocol import Plan
 
 # Ops that only reshape/copy a gathered buffer into parameter form: they travel with the wait.
 _CHAIN_OPS = {"view", "_unsafe_view", "slice", "clone", "alias", "reshape", "t", "permute",
@@ -73,26 +74,31 @@ def default_cap(collectives: list[Collective]) -> int:
     return 2 * max(sizes) if sizes else 0
 
 
-def reorder_for_overlap(gm: fx.GraphModule, plan=None) -> fx.GraphModule:
+def reorder_for_overlap(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     """Reorder ``gm``'s data-parallel collectives in place (see module doc) and return it.
 
-    ``plan.memory_cap_bytes`` (optional) caps gathered bytes in flight. Guarantees: same
-    outputs (only the order of nodes changes); def-before-use; every wait before its first use;
-    prefetch never raises the gathered bytes in flight above the cap (a graph whose buckets
-    need more at once without any prefetch keeps that floor); idempotent.
+    ``plan.memory_cap_bytes`` caps gathered bytes in flight (None: two of the largest
+    gathered buffers). Guarantees: same outputs (only the order of nodes changes);
+    def-before-use; every wait before its first use; prefetch never raises the gathered bytes
+    in flight above the cap (a graph whose buckets need more at once without any prefetch
+    keeps that floor); idempotent.
     """
-    graph = gm.graph
+    reorder_graph(gm.graph, plan.memory_cap_bytes)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def reorder_graph(graph: fx.Graph, memory_cap_bytes: int | None) -> None:
+    """The graph edit of reorder_for_overlap; AutoPlan runs it on copies of a graph."""
     # Only data-parallel collectives move: anything else (TP) keeps its place in the graph,
     # so every process group sees the same issue order on every rank, and a collective on the
     # critical path (TP's) is never pushed behind a prefetch.
     collectives = [c for c in find_collectives(graph) if c.wait is not None and c.ours]
-    cap = getattr(plan, "memory_cap_bytes", None) or default_cap(collectives)
+    cap = memory_cap_bytes or default_cap(collectives)
     _place_gather_waits(graph, collectives)
     _prefetch_gathers(graph, collectives, cap)
     _place_reductions(graph, collectives)
-    graph.lint()
-    gm.recompile()
-    return gm
 
 
 def _place_gather_waits(graph: fx.Graph, collectives: list[Collective]) -> None:

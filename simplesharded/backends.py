@@ -23,6 +23,7 @@ from simplesharded.passes.bucketing import bucket_collectives
 from simplesharded.passes.coalesce_gathers import coalesce_gathers
 from simplesharded.passes.lowering import lower_reduce_scatters
 from simplesharded.passes.pipeline import PassPipeline, aot_backend, inductor_backend
+from simplesharded.passes.plan_protocol import Plan
 from simplesharded.passes.planning import AutoPlan, BlockPlan
 from simplesharded.passes.recompute import tag_gathers_for_recompute
 from simplesharded.passes.reordering import reorder_for_overlap
@@ -41,28 +42,34 @@ class BackendOptions:
     reshard_after_forward: bool | None = None
     memory_cap_bytes: int | None = None  # gathered bytes in flight (default: two buckets)
     bucket_patterns: tuple[str, ...] = ()  # block plan: regexes whose match names a bucket
-    # cost-model numbers for the auto plan: "calibrated" (measured at make_backend time by
-    # every rank together, or read from the cache: simplesharded/calibrate.py), a calibration
-    # .json file, a profile name of passes/hardware.py, or a Hardware
+    # cost-model numbers of the auto plan and the upstream baseline: "calibrated" (measured
+    # at make_backend time by every rank together, or read from the cache:
+    # simplesharded/calibrate.py), a calibration .json file, a profile name of
+    # passes/hardware.py, or a Hardware
     hardware: object = "calibrated"
-    plan: object | None = None  # a ready plan object (overrides the name's default plan)
+    # A ready plan (passes.Plan) instead of the one the backend builds from the options above
+    # (give those to the plan itself).
+    plan: Plan | None = None
     observer: Callable | None = None  # observer(kind, stage, gm) after every pass (tools/tests)
 
 
-@dataclass(frozen=True)
-class _ReorderPlan:
-    memory_cap_bytes: int | None
+# Options a built-in plan is made of: with plan=..., they belong on that plan.
+_PLAN_OPTIONS = ("reshard_after_forward", "memory_cap_bytes", "bucket_patterns")
 
 
-@dataclass(frozen=True)
-class _RecomputePlan:
-    reshard_after_forward: bool | None
-    keep_gathered_bytes: int | None  # budget for reshard="auto" (None: keep the last block)
+def _plan(kind: str, opts: BackendOptions) -> Plan:
+    """The plan every pass of the backend reads: ``opts.plan``, else the built-in one."""
+    if opts.plan is not None:
+        return opts.plan
+    if kind == "auto":
+        return AutoPlan(resolve_hardware(opts.hardware), opts.memory_cap_bytes,
+                        reshard_after_forward=opts.reshard_after_forward)
+    return BlockPlan(tuple(opts.bucket_patterns), opts.memory_cap_bytes,
+                     reshard_after_forward=opts.reshard_after_forward)
 
 
-def _pipeline(opts: BackendOptions, graph_passes=(), keep_gathered_bytes=None) -> PassPipeline:
-    recompute = _RecomputePlan(opts.reshard_after_forward, keep_gathered_bytes)
-    joint = [("recompute", functools.partial(tag_gathers_for_recompute, plan=recompute))]
+def _pipeline(opts: BackendOptions, plan: Plan, graph_passes=()) -> PassPipeline:
+    joint = [("recompute", functools.partial(tag_gathers_for_recompute, plan=plan))]
     return PassPipeline(joint=joint, graph=list(graph_passes), dump_dir=opts.dump_graphs,
                         observer=opts.observer)
 
@@ -72,28 +79,22 @@ def _compile(compiler: str, pipeline: PassPipeline) -> Callable:
 
 
 def _plain(compiler: str, opts: BackendOptions) -> Callable:
-    return _compile(compiler, _pipeline(opts))
+    return _compile(compiler, _pipeline(opts, _plan("block", opts)))
 
 
 def _ours(compiler: str, kind: str, opts: BackendOptions) -> Callable:
-    plan = opts.plan
-    if plan is None and kind == "block":
-        plan = BlockPlan(tuple(opts.bucket_patterns), opts.memory_cap_bytes)
-    elif plan is None:
-        plan = AutoPlan(resolve_hardware(opts.hardware), opts.memory_cap_bytes)
+    plan = _plan(kind, opts)
     passes = [("bucketing", functools.partial(bucket_collectives, plan=plan)),
-              ("reordering", functools.partial(reorder_for_overlap,
-                                               plan=_ReorderPlan(opts.memory_cap_bytes))),
+              ("reordering", functools.partial(reorder_for_overlap, plan=plan)),
               ("lowering", lower_reduce_scatters),
               ("coalescing", coalesce_gathers)]
-    keep = getattr(plan, "keep_gathered_bytes", None)
-    return _compile(compiler, _pipeline(opts, passes, keep))
+    return _compile(compiler, _pipeline(opts, plan, passes))
 
 
 def _upstream(compiler: str, opts: BackendOptions) -> Callable:
     passes = [("upstream", functools.partial(upstream_overlap_bucketing,
                                              hardware=resolve_hardware(opts.hardware)))]
-    return _compile(compiler, _pipeline(opts, passes))
+    return _compile(compiler, _pipeline(opts, _plan("block", opts), passes))
 
 
 def _eager(opts: BackendOptions) -> str:
@@ -118,6 +119,15 @@ def make_backend(name: str, **options) -> Callable | str:
     if isinstance(options.get("bucket_patterns"), str):
         options["bucket_patterns"] = (options["bucket_patterns"],)
     opts = BackendOptions(**options)
+    if opts.plan is not None:
+        if not isinstance(opts.plan, Plan):
+            raise ValueError(f"plan={opts.plan!r} lacks a member of passes.Plan "
+                             f"(assign, memory_cap_bytes, keep_gathered_bytes, "
+                             f"reshard_after_forward)")
+        both = [o for o in _PLAN_OPTIONS if options.get(o) not in (None, ())]
+        if both:
+            raise ValueError(f"backend option(s) {both} and plan=... both given: set them on "
+                             f"the plan")
     if name in BACKENDS:
         return BACKENDS[name](opts)
     if name in torch._dynamo.list_backends(exclude_tags=()):

@@ -45,8 +45,6 @@ def trace(cfg, local_batch: int, n_layers: int | None = None,
     data-parallel rank. ``n_layers`` builds the model with that many blocks instead of the
     flavor's; ``keep_gathered_bytes``: the budget of reshard_after_forward="auto"
     (passes/recompute.py)."""
-    from simplesharded.backends import _RecomputePlan
-
     from simplesharded.mesh import build_mesh, group_labels
     from simplesharded.models import build_model
     from simplesharded.train import parallelize
@@ -54,6 +52,7 @@ def trace(cfg, local_batch: int, n_layers: int | None = None,
     from functorch.compile import min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
 
+    from simplesharded.passes.planning import BlockPlan
     from simplesharded.passes.recompute import tag_gathers_for_recompute
 
     cfg = copy.deepcopy(cfg)
@@ -67,7 +66,7 @@ def trace(cfg, local_batch: int, n_layers: int | None = None,
     def partition(joint, inputs, **kwargs):
         # Only the graphs are wanted: stop right after partitioning (nothing runs on fakes).
         graphs["fw"], graphs["bw"] = min_cut_rematerialization_partition(
-            tag_gathers_for_recompute(joint, _RecomputePlan(None, keep_gathered_bytes)),
+            tag_gathers_for_recompute(joint, BlockPlan(keep_gathered_bytes=keep_gathered_bytes)),
             inputs, **kwargs)
         raise _Captured
 
@@ -196,9 +195,8 @@ def fake_world(world_size: int):
     :func:`trace` and everything after it: the traced graphs name its groups, and the cost
     model resolves their ranks (which link a group uses) and mesh dims while it is alive, as
     the passes do in a real job at compile time."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    # torch registers its "fake" backend (no communication) itself; no store needed.
+    dist.init_process_group("fake", rank=0, world_size=world_size)
     try:
         yield
     finally:

@@ -31,8 +31,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from simplesharded.mesh import dp_mesh as _dp_mesh
 from simplesharded.blocks import BlockSpec, block_of
-from simplesharded.passes.collectives import BLOCK_KEY, DP_GROUPS_KEY, PARAM_KEY
-from simplesharded.passes.recompute import RESHARD_KEY
+from simplesharded.passes.annotations import BLOCK_KEY, DP_GROUPS_KEY, PARAM_KEY, RESHARD_KEY
 from simplesharded.mesh import tp_dim
 
 MODES = ("replicate", "fully_shard", "hybrid_shard")
@@ -40,9 +39,6 @@ GRAD_REDUCTIONS = ("sum", "avg")
 RESHARD_CHOICES = (True, False, "auto")
 # Config/CLI spelling of reshard_after_forward (config.py, passes/report.py) → data_parallel's.
 RESHARD_BY_NAME = {"always": True, "never": False, "auto": "auto"}
-# The fx annotations put on every op of a parameter gather: its FQN (passes/recompute.py and
-# every pass find parameters by it), the dp groups and the reshard decision.
-GATHER_ANNOTATION = PARAM_KEY
 
 
 @dataclass(frozen=True)
@@ -107,7 +103,7 @@ def gather_param(shard: DTensor, spec: _GatherSpec, fqn: str,
     outside the annotation: TP collectives (e.g. the all-reduce of a replicated norm weight's
     gradient under sequence parallelism) belong to TP, not to the dp passes.
     """
-    annotation = {GATHER_ANNOTATION: fqn, DP_GROUPS_KEY: spec.dp_groups,
+    annotation = {PARAM_KEY: fqn, DP_GROUPS_KEY: spec.dp_groups,
                   RESHARD_KEY: spec.reshard_after_forward}
     if block is not None:
         annotation[BLOCK_KEY] = block

@@ -31,7 +31,7 @@ from simplesharded.mesh import build_mesh, init_distributed, tp_dim
 from simplesharded.metrics import MetricsLogger, format_record, memory_stats, peak_flops
 from simplesharded.models import build_model, get_model_spec
 from simplesharded.blocks import find_blocks
-from simplesharded.passes.recompute import AC_KEY
+from simplesharded.passes.annotations import AC_KEY
 from simplesharded.sharding import MixedPrecisionPolicy, data_parallel, disable_gather
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

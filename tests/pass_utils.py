@@ -65,7 +65,10 @@ def capture_backend():
     """(backend, captured): an aot_autograd backend that runs our joint recompute tagging and
     torch's partitioner, and appends a deepcopy of every fw/bw graph to ``captured`` before
     anything else touches it (then runs the graph unchanged)."""
+    import functools
+
     from simplesharded.passes.pipeline import PassPipeline, aot_backend
+    from simplesharded.passes.planning import BlockPlan
     from simplesharded.passes.recompute import tag_gathers_for_recompute
 
     captured: list[fx.GraphModule] = []
@@ -74,7 +77,8 @@ def capture_backend():
         captured.append(copy.deepcopy(gm))
         return gm
 
-    pipeline = PassPipeline(joint=[("recompute", tag_gathers_for_recompute)],
+    recompute = functools.partial(tag_gathers_for_recompute, plan=BlockPlan())
+    pipeline = PassPipeline(joint=[("recompute", recompute)],
                             graph=[("capture", capture)])
     return aot_backend(pipeline), captured
 

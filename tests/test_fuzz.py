@@ -2,6 +2,7 @@
 and bucket plans. Shard layouts round-trip exactly; bucketing preserves outputs bitwise;
 reordering keeps a valid order, waits before uses and the memory cap."""
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -13,6 +14,7 @@ from torch import fx
 
 import simplesharded as ss
 from simplesharded.passes.bucketing import bucket_collectives
+from simplesharded.passes.planning import BlockPlan
 from simplesharded.passes.reordering import reorder_for_overlap
 
 from pass_utils import (AG, RS, WAIT, bitwise_equal, check_waits_before_use,
@@ -92,19 +94,17 @@ def _fsdp_graph(params, world, hidden):
     return fx.GraphModule(torch.nn.Module(), g)
 
 
-class _Keys:
-    def __init__(self, groups):
-        self.groups = groups
+@dataclasses.dataclass(frozen=True)
+class _Keys:  # a passes.Plan of fixed buckets
+    groups: list
+    memory_cap_bytes: int | None = None
+    keep_gathered_bytes: int | None = None
+    reshard_after_forward: bool | None = None
 
     def assign(self, gm, collectives):
         index = {f"layers.{i // 2}.p{i}": i for i in range(len(self.groups))}
         return [f"b{self.groups[index[c.params[0]]]}" if c.params else None
                 for c in collectives]
-
-
-class _Cap:
-    def __init__(self, cap):
-        self.memory_cap_bytes = cap
 
 
 @st.composite
@@ -145,12 +145,12 @@ def test_bucketing_and_reordering_invariants(case):
     cap = None if cap_factor is None else cap_factor * largest
     # Prefetch may never push the bytes in flight above the cap; what the graph needs without
     # any prefetch (two dtypes of one bucket used together, say) is the floor.
-    no_prefetch = reorder_for_overlap(copy.deepcopy(gm), _Cap(1))
+    no_prefetch = reorder_for_overlap(copy.deepcopy(gm), BlockPlan(memory_cap_bytes=1))
     floor = gathered_bytes_in_flight(no_prefetch)
-    reorder_for_overlap(gm, _Cap(cap))
+    reorder_for_overlap(gm, BlockPlan(memory_cap_bytes=cap))
     check_waits_before_use(gm)
     ordered = graph_signature(gm)
-    reorder_for_overlap(gm, _Cap(cap))
+    reorder_for_overlap(gm, BlockPlan(memory_cap_bytes=cap))
     assert graph_signature(gm) == ordered, "reordering is not idempotent"
     assert gathered_bytes_in_flight(gm) <= max(cap or 2 * largest, floor)
     final, _ = run_simulated(gm, inputs, world)

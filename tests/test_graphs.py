@@ -11,6 +11,7 @@ asserts on its part, so a failing check fails (or xfails) only its own test.
 """
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import tempfile
@@ -40,6 +41,7 @@ TIGHT = 1e-6  # fp32 aot_eager vs eager reference: only the order of the gradien
 def _capture_compile(model):
     """torch.compile with aot_eager + our recompute pass + a pass recording (fw, bw) graphs."""
     from simplesharded.passes.pipeline import PassPipeline, aot_backend
+    from simplesharded.passes.planning import BlockPlan
     from simplesharded.passes.recompute import tag_gathers_for_recompute
 
     graphs = []
@@ -48,7 +50,8 @@ def _capture_compile(model):
         graphs.append(gm)
         return gm
 
-    pipeline = PassPipeline(joint=[("recompute", tag_gathers_for_recompute)],
+    recompute = functools.partial(tag_gathers_for_recompute, plan=BlockPlan())
+    pipeline = PassPipeline(joint=[("recompute", recompute)],
                             graph=[("capture", record)])
     return torch.compile(model, backend=aot_backend(pipeline), fullgraph=True), graphs
 

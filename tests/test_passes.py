@@ -197,7 +197,7 @@ def test_bucket_and_reorder_preserve_outputs_bitwise(config, which, plan):
 def test_reorder_alone_preserves_outputs_bitwise(config, which):
     """Reordering the unbucketed (per-parameter) graph is also only a permutation."""
     world, g = graph(config, which)
-    reordered = reorder_for_overlap(pu.fresh(g), None)
+    reordered = reorder_for_overlap(pu.fresh(g), BlockPlan())
     pu.check_waits_before_use(reordered)
     # only moves nodes: same nodes (by name), same targets
     assert sorted((n.name, str(n.target)) for n in reordered.graph.nodes) == \
@@ -318,7 +318,7 @@ def test_order_default_cap(config, which):
     all-gather issued before the compute of the previous bucket, bytes in flight ≤ cap, at most
     one reduction in flight; with equal-size fp32 blocks exactly two buffers are alive at once
     (current + prefetched, YaFSDP)."""
-    gm = reorder_for_overlap(block_bucketed(config, which), None)
+    gm = reorder_for_overlap(block_bucketed(config, which), BlockPlan())
     pu.check_waits_before_use(gm)
     cap = 2 * max(sizes(gm))
     assert pu.gathered_bytes_in_flight(gm) <= cap
@@ -370,7 +370,7 @@ def test_first_backward_gather_issued_at_graph_start():
     """With the last block kept gathered, backward begins with that block's compute and its
     reduce-scatter; the first re-gather must not queue behind them: it is issued before any
     matmul and before the first reduce-scatter (prefetch from the graph's start)."""
-    out = reorder_for_overlap(block_bucketed("w2-auto", "bw"), None)
+    out = reorder_for_overlap(block_bucketed("w2-auto", "bw"), BlockPlan())
     nodes = list(out.graph.nodes)
 
     def first(pred):
@@ -382,7 +382,7 @@ def test_first_backward_gather_issued_at_graph_start():
 
 
 def test_prefetch_without_reshard_after_forward():
-    gm = reorder_for_overlap(block_bucketed("w2-noreshard", "fw"), None)
+    gm = reorder_for_overlap(block_bucketed("w2-noreshard", "fw"), BlockPlan())
     pos = pu._pos(gm)
     rows = bucket_first_uses(gm)
     for (prev, _, prev_use), (cur, starts, _) in zip(rows, rows[1:]):
@@ -398,7 +398,7 @@ def test_handbuilt_chain_prefetch_and_cap():
     gm = pu.chain_graph(4)
     ref = pu.run_simulated(gm, pu.make_inputs(gm), 2)[0]
     one = pu._nbytes(pu.starts(gm, pu.AG)[0])
-    out = reorder_for_overlap(pu.fresh(gm), None)  # default cap: 2 buffers
+    out = reorder_for_overlap(pu.fresh(gm), BlockPlan())  # default cap: 2 buffers
     pu.check_waits_before_use(out)
     assert [d for _, d in pu.prefetch_depths(out)] == [0, 1, 1, 1]
     assert pu.gathered_bytes_in_flight(out) == 2 * one
@@ -412,14 +412,14 @@ def test_handbuilt_chain_prefetch_and_cap():
 def test_handbuilt_chain_reordering_idempotent():
     """Minimal regression for the bug fixed in e27df76: x@AG(s0)@AG(s1) used to give
     [ag0, wait0, ag1, mm0, ...] once and [ag0, ag1, wait0, mm0, ...] twice."""
-    once = reorder_for_overlap(pu.chain_graph(2), None)
+    once = reorder_for_overlap(pu.chain_graph(2), BlockPlan())
     order = [n.name for n in once.graph.nodes]
-    twice = reorder_for_overlap(once, None)
+    twice = reorder_for_overlap(once, BlockPlan())
     assert [n.name for n in twice.graph.nodes] == order
 
 
 def test_handbuilt_chain_prefetch_with_saved_gathers():
-    out = reorder_for_overlap(pu.chain_graph(3, save_gathered=True), None)
+    out = reorder_for_overlap(pu.chain_graph(3, save_gathered=True), BlockPlan())
     assert pu.prefetch_depth(out) >= 1
 
 
@@ -575,7 +575,7 @@ def test_manual_passes_equal_backend_pipeline(config):
     for which in ("fw", "bw"):
         bucketed = block_bucketed(config, which)
         assert pu.graph_signature(bucketed) == pu.graph_signature(stages[which]["bucketing"])
-        reordered = reorder_for_overlap(bucketed, None)
+        reordered = reorder_for_overlap(bucketed, BlockPlan())
         assert pu.graph_signature(reordered) == pu.graph_signature(stages[which]["reordering"])
 
 
@@ -612,7 +612,7 @@ def test_coalesced_gathers_drop_the_copy_out_and_keep_outputs(config, which):
     from simplesharded.passes.collectives import count_collectives
 
     world, g = graph(config, which)
-    reordered = reorder_for_overlap(block_bucketed(config, which), None)
+    reordered = reorder_for_overlap(block_bucketed(config, which), BlockPlan())
     multi = [s for s in pu.starts(reordered, pu.AG) if len(pu.node_params(s)) > 1]
     if not multi:
         pytest.skip("no multi-parameter gather in this graph")

@@ -128,7 +128,8 @@ def test_readme_custom_backend_example(fake_pg):
         return make_boxed_func(gm.forward)
 
     def partition(joint, inputs, **kw):
-        return min_cut_rematerialization_partition(tag_gathers_for_recompute(joint), inputs, **kw)
+        joint = tag_gathers_for_recompute(joint, plan)
+        return min_cut_rematerialization_partition(joint, inputs, **kw)
 
     my_backend = aot_autograd(fw_compiler=compiler, bw_compiler=compiler, partition_fn=partition)
     mesh = ss.build_mesh(1, -1, "cpu")

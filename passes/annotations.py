@@ -1,0 +1,34 @@
+"""The annotation keys in ``node.meta["custom"]`` (written with ``fx.traceback.annotate`` while
+tracing, or by our passes on the nodes they create), defined once; every writer and reader
+imports them from here.
+
+Written by data_parallel (simplesharded/sharding.py) on every op that gathers a parameter:
+  PARAM_KEY          the parameter's FQN; how every pass finds what a collective serves
+  DP_GROUPS_KEY      the process groups of its data-parallel dims: a collective is ours to
+                     bucket and move only on one of these (TP's collectives stay where they are)
+  BLOCK_KEY          FQN of its block (simplesharded/blocks.py); absent outside blocks
+  RESHARD_KEY        its reshard_after_forward: True, False or "auto" (passes/recompute.py)
+Written by activation checkpointing under compile (simplesharded/train.py):
+  AC_KEY             index of the checkpointed block a forward op belongs to
+Written by our passes:
+  BUCKET_KEY         the bucket a merged collective implements (bucketing.py)
+  BUCKET_PARAMS_KEY  FQNs of every parameter a merged collective serves (bucketing.py)
+  LOWERED_KEY        the kind an all-to-all implements (lowering.py): it is then one of ours
+"""
+from __future__ import annotations
+
+from torch import fx
+
+PARAM_KEY = "ss_param"
+DP_GROUPS_KEY = "ss_dp_groups"
+BLOCK_KEY = "ss_block"
+RESHARD_KEY = "ss_reshard"
+AC_KEY = "ss_ac"
+BUCKET_KEY = "ss_bucket"
+BUCKET_PARAMS_KEY = "ss_bucket_params"
+LOWERED_KEY = "ss_lowered"
+
+
+def annotations(node: fx.Node) -> dict:
+    """The node's annotations ({} when it has none)."""
+    return node.meta.get("custom") or {}
