@@ -31,6 +31,12 @@ import time
 
 import torch
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+# the test suite's helpers: gloo ranks in fresh processes (errors shipped to the parent), and
+# the relative difference its parity tests use
+from dist_utils import max_rel_diff, spawn  # noqa: E402
+
 BACKENDS = ("eager", "aot_eager", "aot_eager_blockbucketing", "aot_eager_autobucketing",
             "inductor", "inductor_blockbucketing", "inductor_autobucketing")
 CHECKS = ("parity", "parity_gloo2", "bench", "calibrate")
@@ -45,13 +51,6 @@ NEEDED_OPS = ("all_gather_into_tensor", "reduce_scatter_tensor")
 
 def _tol(backend: str) -> float:
     return TOL["inductor" if backend.startswith("inductor") else "other"]
-
-
-def _max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    if a.numel() == 0:
-        return 0.0
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
 def _train(backend: str, mesh, device: str, rank: int) -> dict:
@@ -95,7 +94,7 @@ def _compare(results: dict, rank: int) -> list[tuple[str, str, str]]:
             out.append(("FAIL", be, got["error"]))
             continue
         loss_diff = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"]))
-        shard_diff = max(_max_rel_diff(got["shards"][n], p) for n, p in ref["shards"].items())
+        shard_diff = max(max_rel_diff(got["shards"][n], p) for n, p in ref["shards"].items())
         ok = loss_diff <= _tol(be) and shard_diff <= _tol(be) and all(
             map(math.isfinite, got["losses"]))
         out.append(("PASS" if ok else "FAIL", be,
@@ -161,9 +160,6 @@ def _gloo2_job(rank: int, world: int, device: str, backends) -> dict:
 
 
 def check_parity_gloo2(device: str, backends) -> list[tuple[str, str, str]]:
-    sys.path.insert(0, os.path.join(_root(), "tests"))
-    from dist_utils import spawn  # the test suite's gloo launcher (fresh ranks, errors shipped)
-
     tag = f"parity[2 ranks, gloo on {device}] "
     ranks = spawn(2, _gloo2_job, device, tuple(backends), timeout_s=600)
     skip = next((r["unsupported"] for r in ranks if "unsupported" in r), None)
@@ -172,13 +168,9 @@ def check_parity_gloo2(device: str, backends) -> list[tuple[str, str, str]]:
     return [(s, tag + be, d) for r in ranks for s, be, d in r["rows"]]
 
 
-def _root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
 def _subprocess(cmd: list[str], timeout_s: int) -> tuple[int, str]:
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=_root())
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
     except subprocess.TimeoutExpired:
         return 124, f"timed out after {timeout_s}s: {' '.join(cmd)}"
     return p.returncode, p.stdout + p.stderr
