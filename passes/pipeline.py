@@ -6,7 +6,8 @@ Two adapters run the same passes:
     partitioner) and fw/bw compilers that run the graph passes, then execute the FX graph.
   * ``inductor_backend``: ``compile_fx`` inside a ``torch._inductor.config.patch`` that installs
     our joint pre-pass and post-grad pass; the patch is owned by the call, so nothing leaks
-    into other compiles.
+    into other compiles. When the pipeline has graph passes, their output order is pinned for
+    inductor's scheduler (pin_order.py) and torch's own collective scheduling stays off.
 """
 from __future__ import annotations
 
@@ -24,6 +25,18 @@ from .agreement import insert_agreement_check
 from .collectives import count_collectives, is_backward_graph
 
 GraphPass = Callable[[fx.GraphModule], fx.GraphModule]
+
+# torch's own collective bucketing and overlap scheduling (all off by default): set globally,
+# they would run after our post-grad pass and redo its buckets and order, so a compile with
+# our graph passes scopes them off. (What inductor does on by default, fusion and
+# reorder_for_peak_memory, is handled by pin_order.py.)
+TORCH_COLLECTIVE_SCHEDULING_OFF = {
+    "aten_distributed_optimizations.enable_overlap_scheduling": False,
+    "bucket_all_gathers_fx": "none",
+    "bucket_reduce_scatters_fx": "none",
+    "bucket_all_reduces_fx": "none",
+    "reorder_for_compute_comm_overlap": False,
+}
 
 
 @dataclass
@@ -96,10 +109,14 @@ def aot_backend(pipeline: PassPipeline):
 
 
 def inductor_backend(pipeline: PassPipeline):
-    """A torch.compile backend: inductor with our joint pre-pass and post-grad pass."""
+    """A torch.compile backend: inductor with our joint pre-pass and post-grad pass. With graph
+    passes, inductor runs their collectives and matmuls in the order they left them
+    (pin_order.py); without (plain ``inductor``) it schedules as torch's own backend does."""
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx
     from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    from .pin_order import pin_order
 
     class _Joint(CustomGraphPass):
         def __call__(self, graph: fx.Graph) -> None:
@@ -111,11 +128,14 @@ def inductor_backend(pipeline: PassPipeline):
     class _PostGrad(CustomGraphPass):
         def __call__(self, graph: fx.Graph) -> None:
             pipeline.run_graph(graph.owning_module)
+            if pipeline.graph:
+                pin_order(graph.owning_module)
 
         def uuid(self):
             return "ss-postgrad-" + pipeline.uuid()
 
-    patches = {"joint_custom_pre_pass": _Joint(), "post_grad_custom_post_pass": _PostGrad()}
+    patches = {"joint_custom_pre_pass": _Joint(), "post_grad_custom_post_pass": _PostGrad(),
+               **(TORCH_COLLECTIVE_SCHEDULING_OFF if pipeline.graph else {})}
 
     def backend(gm: fx.GraphModule, example_inputs):
         with inductor_config.patch(patches):

@@ -7,6 +7,10 @@ way for eager and compiled variants), compile seconds (first step minus a steady
 repetition), peak RSS per rank and rank 0's losses of the first steps, which must agree across
 variants (see PARITY_STEPS): they compute the same thing or the comparison is void.
 
+``--device cuda`` (or this machine's other accelerator type) runs rank r on device r mod the
+devices present, with the process-group backend mesh.backend_for picks (NCCL for cuda); the
+default ``cpu`` uses gloo.
+
 ``--tp N`` runs every variant on a dp × tp mesh (tp innermost, as the trainer's): torch TP with
 the model's plan on ``mesh["tp"]`` first, then the variant's data parallelism over the dp dims.
 FSDP2 becomes the standard 2-D recipe (``fully_shard`` per block + root on ``mesh["dp_shard"]``)
@@ -102,6 +106,7 @@ class BenchArgs:
     seed: int = 0
     optimizer_impl: str = "foreach"  # AdamW kernels for every variant (as the trainer's default)
     profile_dir: str = ""  # when set: torch.profiler trace + op table per rank for 2 steps
+    device: str = "cpu"  # or an accelerator type ("cuda"): one device per rank
 
     @property
     def dp(self) -> int:
@@ -142,7 +147,7 @@ def _prepare(variant: str, args: BenchArgs, mesh):
     variant) and its optimizer."""
     from simplesharded.mesh import dp_mesh
     from simplesharded.train import OPTIMIZER_IMPL, apply_tensor_parallel
-    model = _build(args, "cpu")
+    model = _build(args, "cpu").to(args.device)  # initialised on CPU: the same weights anywhere
     apply_tensor_parallel(model, mesh, args.sequence_parallel, _loss_parallel(args))
     if variant.startswith("compute_floor"):
         # torch's own backends: no pass of ours in a floor
@@ -206,20 +211,28 @@ def _thread_cpu_s() -> tuple[float, float]:
     return main, other
 
 
+def _sync(device: str) -> None:
+    """Wait for the accelerator's queued work, so a step's time includes it."""
+    if device != "cpu":
+        torch.accelerator.synchronize()
+
+
 def _worker(rank: int, variant: str, args: BenchArgs, port: int, out_dir: str) -> None:
+    from simplesharded.mesh import backend_for, build_mesh
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     world = _world(variant, args)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if args.device != "cpu":
+        torch.accelerator.set_device_index(rank % torch.accelerator.device_count())
+    dist.init_process_group(backend_for(args.device), rank=rank, world_size=world)
     result = RunResult(variant)
     try:
-        from simplesharded.mesh import build_mesh
-        mesh = build_mesh(1, world // args.tp, "cpu", args.tp)
+        mesh = build_mesh(1, world // args.tp, args.device, args.tp)
         model, opt = _prepare(variant, args, mesh)
         # tp is the innermost mesh dim: the tp ranks of one dp rank read that dp rank's batch
         g = torch.Generator().manual_seed(args.seed + rank // args.tp)
         tokens = torch.randint(0, 256, (args.global_batch // args.dp, args.seq_len + 1),
-                               generator=g)
+                               generator=g).to(args.device)
         x, y = tokens[:, :-1], tokens[:, 1:]
         from simplesharded.models import logits_of
         from simplesharded.train import local_loss
@@ -242,6 +255,7 @@ def _worker(rank: int, variant: str, args: BenchArgs, port: int, out_dir: str) -
             dist.barrier()
             t0 = time.perf_counter()
             step()
+            _sync(args.device)
             if i == 0:
                 result.first_step_s = time.perf_counter() - t0
         cpu0 = _thread_cpu_s()
@@ -249,6 +263,7 @@ def _worker(rank: int, variant: str, args: BenchArgs, port: int, out_dir: str) -
             dist.barrier()
             t0 = time.perf_counter()
             step()
+            _sync(args.device)
             dist.barrier()
             result.step_s.append(time.perf_counter() - t0)
         cpu1 = _thread_cpu_s()
@@ -408,6 +423,9 @@ def main(argv=None) -> int:
                     help="AdamW kernels, the same for every variant (default: foreach, as the "
                          "trainer's optimizer.implementation)")
     ap.add_argument("--json", default=None, help="write rows and raw timings here")
+    ap.add_argument("--device", default="cpu",
+                    help="cpu: gloo ranks (default); cuda (this machine's accelerator type): "
+                         "one device per rank, NCCL for cuda")
     ap.add_argument("--profile", default="", metavar="DIR",
                     help="write a torch.profiler chrome trace and op table per variant and rank")
     ns = ap.parse_args(argv)
@@ -421,6 +439,10 @@ def main(argv=None) -> int:
     if no_tp:
         ap.error(f"--variants {no_tp} have no tensor-parallel form; with --tp {tp} leave "
                  f"them out")
+    accelerator = torch.accelerator.current_accelerator()
+    if ns.device != "cpu" and getattr(accelerator, "type", None) != ns.device:
+        ap.error(f"--device {ns.device}: this machine's accelerator is "
+                 f"{getattr(accelerator, 'type', 'none')}; use cpu or that")
     if world % tp:
         ap.error(f"--tp {tp} does not divide --world-size {world}")
     if ns.global_batch % (world // tp):
@@ -449,7 +471,8 @@ def main(argv=None) -> int:
                      tp=tp, sequence_parallel=ns.sequence_parallel,
                      loss_parallel=ns.loss_parallel, global_batch=ns.global_batch,
                      seq_len=ns.seq_len, warmup=ns.warmup, steps=ns.steps,
-                     optimizer_impl=ns.optimizer_impl, profile_dir=ns.profile)
+                     optimizer_impl=ns.optimizer_impl, profile_dir=ns.profile,
+                     device=ns.device)
     results: dict[str, list[RunResult]] = {v: [] for v in variants}
     for rep in range(ns.reps):
         for v in variants:
@@ -462,7 +485,9 @@ def main(argv=None) -> int:
     rows = summarize(results, args)
     depth = f" ({args.n_layers} layers)" if args.n_layers else ""
     mesh = f" = dp {args.dp} × tp {tp}" if tp > 1 else ""
-    print(f"\n{args.model}/{args.flavor}{depth}, {args.world_size} ranks{mesh} (gloo, CPU), "
+    from simplesharded.mesh import backend_for
+    print(f"\n{args.model}/{args.flavor}{depth}, {args.world_size} ranks{mesh} "
+          f"({backend_for(args.device)}, {args.device}), "
           f"global batch {args.global_batch} × seq {args.seq_len}, fp32, AdamW "
           f"{args.optimizer_impl}, {args.steps} timed steps × {ns.reps} reps (median)")
     if tp > 1:

@@ -153,6 +153,7 @@ def test_parity_names_the_variant_that_computed_something_else():
     (["--tp", "3", "--flavor", "debug"], "tensor_parallel_degree=3 does not divide n_heads=16"),
     (["--tp", "2", "--seq-len", "33"], "--tp 2 does not divide --seq-len 33"),
     (["--tp", "0"], "argument --tp: 0 is not a positive integer"),
+    (["--device", "nodevice"], "--device nodevice: this machine's accelerator is "),
 ])
 def test_bad_tp_flags_are_one_line_errors(argv, message, capsys):
     with pytest.raises(SystemExit):

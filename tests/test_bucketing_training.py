@@ -11,16 +11,17 @@ from the same initial shards, in one spawned job per compiler.
 * inductor: ``inductor_blockbucketing`` / ``inductor_autobucketing`` vs ``inductor`` within a
   relative tolerance (SGD). The bucketed graph compiles to different kernels (the concatenation
   and copy-out nodes change inductor's fusion groups), and inductor's C++ reductions may then be
-  split/vectorised differently, which reassociates fp32 sums: a few ulps per step. Vectorisation
-  is switched off here only to cut C++ compile time on this 2-core machine (~50 s instead of
-  ~70 s for this job; results then happen to be bitwise equal). With it on we observed, for this
-  exact run, loss rel. diff ≤ 4.6e-7 and parameter rel. diff ≤ 2.3e-7, and for 4 blocks with
-  AdamW loss rel. diff ≤ 2e-6 and parameter abs. diff ≤ 2.5e-5 (Adam turns tiny gradient
-  differences into lr-sized updates, DESIGN §6). INDUCTOR_TOL = 1e-4 (relative, as in
-  test_parity.py) covers these with margin, while any bucketing bug (wrong rows, wrong
-  reduction) is an O(1) error.
+  split/vectorised differently, which reassociates fp32 sums: a few ulps per step. C++
+  vectorisation is on, as in production: we observed, for this exact run, loss rel. diff
+  ≤ 4.6e-7 and parameter rel. diff ≤ 2.3e-7, and for 4 blocks with AdamW loss rel. diff ≤ 2e-6
+  and parameter abs. diff ≤ 2.5e-5 (Adam turns tiny gradient differences into lr-sized updates,
+  DESIGN §6). INDUCTOR_TOL = 1e-4 (relative, as in test_parity.py) covers these with margin,
+  while any bucketing bug (wrong rows, wrong reduction) is an O(1) error.
   The generated code is checked to contain the bucketed collective counts, so the post-grad pass
-  really ran (no cache bypass: the workers set TORCHINDUCTOR_FORCE_DISABLE_CACHES=1).
+  really ran (no cache bypass: dist_utils.BASE_ENV turns inductor's FX-graph and AOT caches
+  off; only compiled kernels are shared, between the two ranks), and to
+  run the collective starts and waits in the order our passes left them among the matmuls
+  (tests/inductor_code.py; inductor's scheduler moved them until passes/pin_order.py).
 * the inductor hooks do not leak: after compiling with the bucketing backends,
   ``torch._inductor.config.post_grad_custom_post_pass`` and ``joint_custom_pre_pass`` are None,
   and a later plain ``torch.compile(backend="inductor")`` of another model in the same process
@@ -36,6 +37,7 @@ import torch
 
 import toy_blocks
 from dist_utils import max_rel_diff, spawn
+from inductor_code import code_order, format_order, graph_order, overlapped
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +45,6 @@ WORLD = 2
 STEPS = 10
 INDUCTOR_LAYERS = 1  # C++ compile time grows with kernels (~1 s each here); buckets: 3
 INDUCTOR_TOL = 1e-4
-ENV = {"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1", "OMP_NUM_THREADS": "1"}
 AOT = ("aot_eager", "aot_eager_blockbucketing", "aot_eager_autobucketing")
 INDUCTOR = ("inductor_blockbucketing", "inductor_autobucketing", "inductor")
 
@@ -60,15 +61,18 @@ def _code_counts(code: str) -> dict[str, int]:
 
 def _train(rank, world, backend, n_layers, opt_name, get_code=False, mode="fully_shard"):
     """STEPS steps of one backend; returns losses, final local shards, the collective counts
-    of the graphs our pipeline produced (kind → counts) and, optionally, of inductor's code."""
+    and the order of collectives among matmuls (tests/inductor_code.py) of the graphs our
+    pipeline produced (kind → ...) and, optionally, the same of inductor's code."""
     import simplesharded as ss
     from simplesharded.mesh import build_mesh
     from simplesharded.passes.collectives import count_collectives
 
     mesh = build_mesh(dp_replicate=1, dp_shard=world, device="cpu")
     graph_counts: dict[str, dict] = {}
+    graph_orders: dict[str, list] = {}
 
     def observe(kind, stage, gm):  # the last stage seen is what gets compiled/run
+        graph_orders[kind] = graph_order(gm)
         graph_counts[kind] = count_collectives(gm)
         graph_counts[kind]["all_to_all"] = sum(
             n.target is torch.ops._c10d_functional.all_to_all_single.default
@@ -86,7 +90,7 @@ def _train(rank, world, backend, n_layers, opt_name, get_code=False, mode="fully
     compiled = torch.compile(model, fullgraph=True,
                              backend=ss.make_backend(backend, observer=observe))
     numel = world * toy_blocks.BATCH_PER_RANK * toy_blocks.SEQ
-    losses, code_counts = [], None
+    losses, code_counts, code_orders = [], None, None
     for step in range(STEPS):
         tokens, targets = toy_blocks.batch(rank, step)
 
@@ -101,13 +105,15 @@ def _train(rank, world, backend, n_layers, opt_name, get_code=False, mode="fully
 
             loss, codes = run_and_get_code(fwd_bwd)
             code_counts = [_code_counts(c) for c in codes]
+            code_orders = [code_order(c) for c in codes]
         else:
             loss = fwd_bwd()
         opt.step()
         losses.append(loss.item())
     params = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
     torch._dynamo.reset()
-    return dict(losses=losses, params=params, graph_counts=graph_counts, code_counts=code_counts)
+    return dict(losses=losses, params=params, graph_counts=graph_counts, code_counts=code_counts,
+                graph_orders=graph_orders, code_orders=code_orders)
 
 
 def aot_job(rank, world):
@@ -137,15 +143,14 @@ def inductor_job(rank, world):
 
     PassPipeline.run_joint, PassPipeline.run_graph = counting_joint, counting_graph
     out = {"hooks_after": {}}
-    with inductor_config.patch({"cpp.vec_isa_ok": False}):  # compile time, see module doc
-        for be in INDUCTOR:
-            if be == "inductor":  # our plain backend (reference) runs last
-                out["calls_before_plain"] = dict(calls)
-                out["plain_torch"] = _plain_torch_inductor(rank, world)
-                out["calls_after_plain"] = dict(calls)
-            out[be] = _train(rank, world, be, INDUCTOR_LAYERS, "sgd", get_code=True)
-            out["hooks_after"][be] = (inductor_config.post_grad_custom_post_pass,
-                                      inductor_config.joint_custom_pre_pass)
+    for be in INDUCTOR:
+        if be == "inductor":  # our plain backend (reference) runs last
+            out["calls_before_plain"] = dict(calls)
+            out["plain_torch"] = _plain_torch_inductor(rank, world)
+            out["calls_after_plain"] = dict(calls)
+        out[be] = _train(rank, world, be, INDUCTOR_LAYERS, "sgd", get_code=True)
+        out["hooks_after"][be] = (inductor_config.post_grad_custom_post_pass,
+                                  inductor_config.joint_custom_pre_pass)
     return out
 
 
@@ -171,7 +176,7 @@ def _plain_torch_inductor(rank, world):
 
 @functools.lru_cache(maxsize=None)
 def _run(job_name):
-    return spawn(WORLD, globals()[job_name], timeout_s=900, env=ENV)
+    return spawn(WORLD, globals()[job_name], timeout_s=900)
 
 
 def _block_counts(n_layers):
@@ -254,6 +259,22 @@ def test_inductor_bucketing_matches_inductor():
                 assert abs(a - b) <= INDUCTOR_TOL * abs(b), (rank, be, s, a, b)
             for name, p in ref["params"].items():
                 assert max_rel_diff(got["params"][name], p) <= INDUCTOR_TOL, (rank, be, name)
+
+
+def test_inductor_keeps_our_collective_order():
+    """Inductor's generated code issues and waits for every collective where our passes put it
+    among the matmuls (the kernels that map one-to-one to graph nodes), forward and backward.
+    Both graphs overlap something (a start with a matmul before its wait), so an order that
+    sank every start down to its wait would fail here."""
+    for rank, res in enumerate(_run("inductor_job")):
+        for be in INDUCTOR[:2]:
+            got = res[be]
+            for kind, code in zip(("fw", "bw"), got["code_orders"]):
+                ours = got["graph_orders"][kind]
+                assert code == ours, (f"rank {rank} {be} {kind}: inductor's order differs\n"
+                                      f" ours:     {format_order(ours)}\n"
+                                      f" inductor: {format_order(code)}")
+                assert overlapped(ours), (rank, be, kind, format_order(ours))
 
 
 def test_inductor_hooks_restored_after_compile():
