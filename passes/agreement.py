@@ -87,14 +87,14 @@ def insert_agreement_check(gm: fx.GraphModule) -> fx.GraphModule:
     the passes before it may have changed the sequence)."""
     graph = gm.graph
     for node in list(graph.nodes):
-        if node.op == "call_function" and node.target is _AGREE:
+        if node.op == "call_function" and node.target is AGREE_OP:
             graph.erase_node(node)
     lines = fingerprint(graph)
     if not lines:
         return gm
     first = next(n for n in graph.nodes if n.op != "placeholder")
     with graph.inserting_before(first):
-        graph.call_function(_AGREE, (json.dumps(lines),))
+        graph.call_function(AGREE_OP, (json.dumps(lines),))
     graph.lint()
     gm.recompile()
     return gm
@@ -126,8 +126,8 @@ def _(fingerprint: str) -> None:
     return None
 
 
-_AGREE = torch.ops.simplesharded.agree.default
-fx.node.has_side_effect(_AGREE)  # no outputs: dead-code elimination must keep it
+AGREE_OP = torch.ops.simplesharded.agree.default
+fx.node.has_side_effect(AGREE_OP)  # no outputs: dead-code elimination must keep it
 
 
 def compare(fingerprint: str, seq: int, timeout_s: float | None = None) -> None:
