@@ -191,21 +191,19 @@ def _simulated(gm: fx.GraphModule, keys, hw, cap) -> float:
     trial = copy.deepcopy(gm.graph)
     merge_buckets(trial, bucketable(trial), keys)
     reorder_graph(trial, cap)
-    return simulate(trial, hw, node_cost=lambda n: _rank_invariant_time(n, hw)).makespan
+    return simulate(trial, hw, node_cost=_rank_invariant_time(trial, hw)).makespan
 
 
-def _rank_invariant_time(node: fx.Node, hw) -> float:
-    """node_time, except for the padding of uneven shards: it exists only on ranks whose
-    chunk is short, and every rank must pick the same buckets (or the collectives no longer
-    match) without talking to the others at compile time (caches may skip a rank's compile).
-    Everything else in the graph is the same on every rank."""
-    import torch
-
+def _rank_invariant_time(graph: fx.Graph, hw):
+    """node_time, except for the nodes that work on this rank's own chunk (rank_local.py):
+    their size differs between ranks with uneven shards, and every rank must pick the same
+    buckets (or the collectives no longer match) without talking to the others at compile
+    time (caches may skip a rank's compile). Everything else is the same on every rank."""
     from .compute_cost import node_time
+    from .rank_local import rank_local_nodes
 
-    if node.target is torch.ops.aten.constant_pad_nd.default:
-        return 0.0
-    return node_time(node, hw)
+    local = rank_local_nodes(graph)
+    return lambda node: 0.0 if node in local else node_time(node, hw)
 
 
 def _full_bytes(c: Collective) -> int:
