@@ -50,7 +50,7 @@ HARDWARE: dict[str, Hardware] = {
     # fp32 mm: 1024^3 -> 2.05e11 FLOP/s, 512^3 -> 2.0e11, 256^3 -> 1.2e11; we take 1.5e11 as the
     # sustained rate of the mixed sizes of a small model. out-of-place add (read+write): 28 GB/s
     # for 8-32 MiB tensors, 14 GB/s at 256 MiB; we take 2e10.
-    # Collectives: DESIGN.md section 6 measured ~0.5 ms per gloo collective, loopback <= ~1 GB/s;
+    # Collectives: ~0.5 ms per gloo collective and loopback <= ~1 GB/s measured early on;
     # A 2-rank gloo calibration gave alpha 0.25-0.4 ms and 0.6-1.2 GB/s.
     # Fitted to python -m simplesharded.bench (llama3 small, 2 ranks on 2 cores): gloo's
     # transfer threads share the cores with compute (about half a transfer overlaps), each

@@ -432,7 +432,7 @@ def validate(cfg: Config, backends: Iterable[str] | None = None) -> None:
     known = set(backends) if backends is not None else _known_backends()
     name = cfg.compile.backend
     if known is not None and name not in known:
-        # DESIGN: names torch itself knows pass through, but only when checking the registry.
+        # Names torch itself knows pass through, but only when checking the registry.
         if backends is None:
             import torch._dynamo
             if name in torch._dynamo.list_backends(exclude_tags=()):

@@ -219,7 +219,7 @@ def _placements(mode: str, mesh: DeviceMesh) -> tuple:
     """Placements of a parameter on the data-parallel mesh ``mesh``."""
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is not one of {sorted(MODES)}")
-    # Explicit three-way branch (DESIGN §9).
+    # Explicit three-way branch: one case per mode.
     if mode == "replicate":
         return (Replicate(),) * mesh.ndim
     if mode == "fully_shard":

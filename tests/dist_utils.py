@@ -28,7 +28,7 @@ from torch.multiprocessing.spawn import ProcessException
 
 # Environment every rank starts with: one thread per rank (2 cores are shared by up to 4
 # ranks). Inductor: its FX-graph and AOT-autograd caches are off (a cached graph would skip our
-# post-grad passes, DESIGN §6), but the compiled-kernel cache stays on in a private directory
+# post-grad passes in these tests), but the compiled-kernel cache stays on in a private directory
 # shared by every rank of the session: kernels are keyed by their source and built under a
 # file lock, so ranks compiling identical kernels build each once (halves inductor compile
 # time here versus TORCHINDUCTOR_FORCE_DISABLE_CACHES=1, which gives every compile a fresh dir).

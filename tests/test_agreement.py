@@ -25,7 +25,7 @@ from pass_utils import chain_graph
 from simplesharded.passes.agreement import (first_difference, fingerprint,
                                             insert_agreement_check)
 
-_AGREE = torch.ops.simplesharded.agree.default
+AGREE_OP = torch.ops.simplesharded.agree.default
 
 
 def test_fingerprint_and_check_node_on_a_hand_built_graph():
@@ -37,7 +37,7 @@ def test_fingerprint_and_check_node_on_a_hand_built_graph():
     assert all(skel == lines[0][0] for skel, _, _ in lines)
     insert_agreement_check(gm)
     insert_agreement_check(gm)  # idempotent: one check, first after the placeholders
-    checks = [n for n in gm.graph.nodes if n.target is _AGREE]
+    checks = [n for n in gm.graph.nodes if n.target is AGREE_OP]
     assert len(checks) == 1
     non_placeholders = [n for n in gm.graph.nodes if n.op != "placeholder"]
     assert non_placeholders[0] is checks[0]

@@ -15,7 +15,7 @@ from the same initial shards, in one spawned job per compiler.
   vectorisation is on, as in production: we observed, for this exact run, loss rel. diff
   ≤ 4.6e-7 and parameter rel. diff ≤ 2.3e-7, and for 4 blocks with AdamW loss rel. diff ≤ 2e-6
   and parameter abs. diff ≤ 2.5e-5 (Adam turns tiny gradient differences into lr-sized updates,
-  DESIGN §6). INDUCTOR_TOL = 1e-4 (relative, as in test_parity.py) covers these with margin,
+  see test_parity.py). INDUCTOR_TOL = 1e-4 (relative, as in test_parity.py) covers these with margin,
   while any bucketing bug (wrong rows, wrong reduction) is an O(1) error.
   The generated code is checked to contain the bucketed collective counts, so the post-grad pass
   really ran (no cache bypass: dist_utils.BASE_ENV turns inductor's FX-graph and AOT caches

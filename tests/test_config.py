@@ -9,7 +9,7 @@ from simplesharded.config import Config, load_config, main, parse_cli, resolve, 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.toml")))
-# DESIGN §3 backend names; passed explicitly so these tests do not depend on the compiler stack.
+# The backend names (simplesharded/backends.py); passed explicitly so these tests do not depend on the compiler stack.
 BACKENDS = [f"{c}{s}" for c in ("aot_eager", "inductor")
             for s in ("", "_autobucketing", "_blockbucketing", "_upstreambucketing")] + ["eager"]
 

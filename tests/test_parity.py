@@ -54,7 +54,7 @@ CASES = [(mode, world, be) for (mode, world), bes in CONFIGS.items() for be in b
 TOL = {"eager": 1e-6, "aot_eager": 1e-6, "inductor": 1e-4, "aot_eager_blockbucketing": 1e-6}
 # AdamW parameters: the first Adam steps move a parameter by ~lr·sign(grad), so a gradient
 # whose true value is ~0 (e.g. a bias with a structurally zero gradient) turns rounding noise
-# into an lr-sized update and parameter parity can miss by far more than rounding (DESIGN §6).
+# into an lr-sized update and parameter parity can miss by far more than rounding.
 # The toy has no such gradient, and we observe AdamW parameters within 2.1e-7, so the same
 # tolerance is used; the SGD run (update linear in the gradient) is the parameter check that
 # stays tight for any model.
