@@ -217,9 +217,10 @@ def _leaves(d: dict, prefix=()):
 
 
 def _profile(measured: dict, transport: str) -> Hardware:
-    """The cost model's numbers from the measurements. One link (every group of one host uses
-    the same loopback or NVLink; across hosts the world group's figures are the slower link).
-    Latency and bandwidth: the FSDP pair, all-gather and reduce-scatter, averaged."""
+    """The cost model's numbers from the measurements: the whole group's figures for groups
+    that span hosts (or for every group, on one host), the within-host figures for groups
+    inside a host. Latency and bandwidth: the FSDP pair, all-gather and reduce-scatter,
+    averaged."""
     comm = measured.get("collectives")
     if comm:
         pair = [comm["all_gather"], comm["reduce_scatter"]]
@@ -227,6 +228,12 @@ def _profile(measured: dict, transport: str) -> Hardware:
         bandwidth = 2 / sum(1 / p["bandwidth_Bps"] for p in pair)
     else:  # one rank: no collective ever runs; any positive numbers do
         alpha, bandwidth = 1e-5, 1e11
+    intra = {}
+    if "collectives_intra_node" in measured:
+        pair = [measured["collectives_intra_node"][k] for k in ("all_gather", "reduce_scatter")]
+        intra = {"gpus_per_node": int(measured["ranks_per_host"]),
+                 "intra_node_alpha_s": statistics.fmean(p["alpha_s"] for p in pair),
+                 "intra_node_bandwidth_Bps": 2 / sum(1 / p["bandwidth_Bps"] for p in pair)}
     overlap = measured.get("overlap", {"comm_overlap": 1.0, "collective_overhead_s": 0.0})
     return Hardware(CALIBRATED, flops_per_s=measured["compute"]["flops_per_s"],
                     alpha_s=alpha, bandwidth_Bps=bandwidth,
@@ -234,25 +241,54 @@ def _profile(measured: dict, transport: str) -> Hardware:
                     memory_bytes=int(measured["memory_bytes"]),
                     comm_overlap=overlap["comm_overlap"],
                     collective_overhead_s=overlap["collective_overhead_s"],
-                    transport=transport)
+                    transport=transport, **intra)
 
 
 def calibrate(group=None, device: torch.device | str | None = None) -> dict:
     """Measure (see module doc) and agree over ``group``; every rank returns the same dict
     ``{"hardware": Hardware fields, "measured": raw figures, "key": cache key}``. Without an
-    initialised process group: this process's compute only."""
+    initialised process group: this process's compute only. Ranks on several hosts, several
+    per host (consecutive, as torchrun numbers them): the collectives are measured twice, on
+    the whole group (the link between hosts bounds it) and within each host (the intra-node
+    link that tensor-parallel groups use)."""
     distributed = dist.is_available() and dist.is_initialized()
     device = torch.device(device) if device is not None else _default_device(group)
     transport = str(dist.get_backend(group)) if distributed else \
         ("nccl" if device.type == "cuda" else "gloo")
     measured = {"compute": measure_compute(device), "memory_bytes": device_memory(device)}
+    hosts = _hosts(group)
     if distributed and dist.get_world_size(group) > 1:
         measured["collectives"] = measure_collectives(group, device, transport)
         measured["overlap"] = measure_overlap(group, device, transport)
+        per_host = _ranks_per_host(hosts)
+        if per_host and group in (None, dist.group.WORLD):
+            intra, _ = dist.new_subgroups(group_size=per_host)
+            measured["collectives_intra_node"] = measure_collectives(intra, device, transport)
+            measured["ranks_per_host"] = per_host
         measured = _agree(measured, group, device)
     hw = _profile(measured, transport)
     return {"hardware": dataclasses.asdict(hw), "measured": measured,
-            "key": cache_key(group, device)}
+            "key": cache_key(group, device, hosts)}
+
+
+def _hosts(group=None) -> list[str]:
+    """Every rank's host name, by rank (one all-gather, issued by every rank)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return [socket.gethostname()]
+    hosts = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    return hosts
+
+
+def _ranks_per_host(hosts: list[str]) -> int:
+    """n when the ranks fill several hosts n consecutive ranks at a time (n > 1), else 0."""
+    n = hosts.count(hosts[0])
+    if len(set(hosts)) < 2 or n < 2 or len(hosts) % n:
+        return 0
+    blocks = [hosts[i:i + n] for i in range(0, len(hosts), n)]
+    if all(len(set(b)) == 1 for b in blocks) and len({b[0] for b in blocks}) == len(blocks):
+        return n
+    return 0
 
 
 def _default_device(group) -> torch.device:
@@ -261,20 +297,19 @@ def _default_device(group) -> torch.device:
     return torch.device("cpu")
 
 
-def cache_key(group=None, device: torch.device | None = None) -> str:
-    """Names what the numbers hold for: the hosts, the device, the transport, the ranks."""
+def cache_key(group=None, device: torch.device | None = None,
+              hosts: list[str] | None = None) -> str:
+    """Names what the numbers hold for: the hosts (by rank), the device, the transport, the
+    ranks."""
     device = device or _default_device(group)
     distributed = dist.is_available() and dist.is_initialized()
     ws = dist.get_world_size(group) if distributed else 1
-    hosts = [None] * ws
-    if distributed and ws > 1:
-        dist.all_gather_object(hosts, socket.gethostname(), group=group)
-    else:
-        hosts = [socket.gethostname()]
+    hosts = hosts if hosts is not None else _hosts(group)
     dev = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     transport = str(dist.get_backend(group)) if distributed else "none"
-    raw = json.dumps([sorted(set(hosts)), dev, transport, ws, torch.__version__])
-    return f"{dev.replace(' ', '_')}-{transport}-ws{ws}-" + hashlib.sha256(raw.encode()).hexdigest()[:12]
+    raw = json.dumps([hosts, dev, transport, ws, torch.__version__])
+    digest = hashlib.sha256(raw.encode()).hexdigest()[:12]
+    return f"{dev.replace(' ', '_')}-{transport}-ws{ws}-{digest}"
 
 
 def cache_path(key: str) -> Path:

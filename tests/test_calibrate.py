@@ -74,3 +74,29 @@ def test_every_rank_ends_with_the_same_profile(tmp_path):
 
 def _calibrate_job_per_host(rank, world, dirs):
     return _calibrate_job(rank, world, dirs[rank])
+
+
+def test_ranks_per_host():
+    assert calibrate._ranks_per_host(["a"]) == 0
+    assert calibrate._ranks_per_host(["a", "a"]) == 0  # one host: one link
+    assert calibrate._ranks_per_host(["a", "a", "b", "b"]) == 2
+    assert calibrate._ranks_per_host(["a", "b", "a", "b"]) == 0  # not consecutive
+    assert calibrate._ranks_per_host(["a", "b"]) == 0  # one rank per host: no intra link
+
+
+def _two_hosts_job(rank, world, cache_dir):
+    import os
+    import socket
+
+    os.environ[calibrate.CACHE_ENV] = cache_dir
+    socket.gethostname = lambda: f"host{rank // 2}"  # ranks 0, 1 and 2, 3 share a "host"
+    return calibrate.calibrated(force=True)
+
+
+def test_two_hosts_measure_the_link_within_a_host(tmp_path):
+    results = spawn(4, _two_hosts_job, str(tmp_path), timeout_s=120)
+    assert all(r == results[0] for r in results)
+    hw = Hardware(**results[0]["hardware"])
+    assert hw.gpus_per_node == 2
+    assert hw.intra_node_alpha_s > 0 and hw.intra_node_bandwidth_Bps > 0
+    assert set(results[0]["measured"]["collectives_intra_node"]) == set(calibrate.KINDS)

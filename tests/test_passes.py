@@ -4,7 +4,8 @@ The forward and backward graphs of ``toy_blocks.ToyBlocks`` (embeddings → 4 bl
 output; 7-row uneven parameters) are captured once per configuration from a real
 ``torch.compile`` under a fake process group at world sizes 2 and 8 (rank 0's graphs), after
 our joint recompute tagging and torch's partitioner, before any bucketing/reordering: exactly
-what the backends' graph passes receive. Then the passes' invariants (passes/README.md) are checked on them:
+what the backends' graph passes receive. Then the passes' invariants (passes/README.md) are
+checked on them:
 
 1. same outputs, bitwise: graphs are executed by a simulating interpreter (pass_utils) before
    and after each pass on the same random inputs;
