@@ -11,6 +11,7 @@ dtypes inside one bucket become one collective per dtype.
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 
@@ -20,7 +21,7 @@ from torch import fx
 from .annotations import BLOCK_KEY, BUCKET_KEY, BUCKET_PARAMS_KEY, PARAM_KEY
 from .collectives import (ALL_GATHER, ALL_REDUCE, PLAIN, REDUCE_SCATTER, WAIT, Collective,
                           find_collectives)
-from .graph_utils import (aten, call, fake_mode_of, flat, hoist_before, positions,
+from .graph_utils import (NodeOrder, aten, call, fake_mode_of, flat, hoist_before,
                           stable_topological_sort)
 from .plan_protocol import Plan
 
@@ -55,10 +56,12 @@ def merge_buckets(graph: fx.Graph, collectives: list[Collective], keys: list) ->
         if key is not None:
             groups[(key, c.kind, c.group_name, c.group_size, c.dtype, _reduce_op(c))].append(c)
     fake_mode = fake_mode_of(graph)
-    merge = {"all_gather": _merge_all_gathers, "reduce_scatter": _merge_reduce_scatters,
-             "all_reduce": _merge_all_reduces}
+    order = NodeOrder(graph)  # one for all merges: renumbering per bucket is quadratic
+    merge = {"all_gather": functools.partial(_merge_all_gathers, order=order),
+             "reduce_scatter": _merge_reduce_scatters, "all_reduce": _merge_all_reduces}
     for (key, kind, *_), members in groups.items():
         if len(members) > 1:
+            members = sorted(members, key=lambda c: order[c.start])
             merge[kind](graph, members, fake_mode, str(key))
     # Users of an early reduction now read the merged one, defined at the bucket's last start.
     stable_topological_sort(graph)
@@ -85,14 +88,12 @@ def _replace(old: Collective, new_value: fx.Node, graph: fx.Graph) -> None:
     graph.erase_node(old.start)
 
 
-def _merge_all_gathers(graph, members, fake_mode, bucket):
-    pos = positions(graph)
-    members = sorted(members, key=lambda c: pos[c.start])
+def _merge_all_gathers(graph, members, fake_mode, bucket, order):
     anchor = members[0].start
     ws, name = members[0].group_size, members[0].group_name
     custom = _custom(members, bucket)
     for c in members[1:]:
-        hoist_before(c.start.args[0], anchor, pos)
+        hoist_before(c.start.args[0], anchor, order)
     with graph.inserting_before(anchor):
         shards = [c.start.args[0] for c in members]
         sizes = [math.prod(s.meta["val"].shape) for s in shards]
@@ -119,8 +120,6 @@ def _merge_all_gathers(graph, members, fake_mode, bucket):
 
 
 def _merge_reduce_scatters(graph, members, fake_mode, bucket):
-    pos = positions(graph)
-    members = sorted(members, key=lambda c: pos[c.start])
     anchor = members[-1].start  # every input exists by the last original reduce-scatter
     ws, name, op = members[0].group_size, members[0].group_name, members[0].start.args[1]
     custom = _custom(members, bucket)
@@ -140,8 +139,6 @@ def _merge_reduce_scatters(graph, members, fake_mode, bucket):
 
 
 def _merge_all_reduces(graph, members, fake_mode, bucket):
-    pos = positions(graph)
-    members = sorted(members, key=lambda c: pos[c.start])
     anchor = members[-1].start
     name, op = members[0].group_name, members[0].start.args[1]
     custom = _custom(members, bucket)

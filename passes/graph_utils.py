@@ -2,6 +2,8 @@
 while keeping def-before-use."""
 from __future__ import annotations
 
+from fractions import Fraction
+
 import torch
 from torch import fx
 from torch._guards import detect_fake_mode
@@ -32,22 +34,65 @@ def call(graph: fx.Graph, target, args, kwargs=None, *, fake_mode=None, custom=N
     return node
 
 
-def positions(graph: fx.Graph) -> dict[fx.Node, int]:
-    return {n: i for i, n in enumerate(graph.nodes)}
+class NodeOrder:
+    """Where each node of a graph stands, kept exact while nodes move or are inserted, so a
+    pass compares positions in O(1) without renumbering the graph after every edit (which made
+    reordering quadratic in graph size).
+
+    Nodes start ``_GAP`` apart. A moved or inserted node is numbered when first looked up,
+    with the run of unnumbered nodes around it spread evenly between its numbered neighbours;
+    a gap with no integer left takes fractions. A number once given never changes, so
+    positions read before an edit stay comparable after it. Move nodes with
+    :meth:`move_before` / :meth:`move_after`."""
+
+    _GAP = 1 << 32
+
+    def __init__(self, graph: fx.Graph):
+        self._pos: dict[fx.Node, int | Fraction] = {
+            n: (i + 1) * self._GAP for i, n in enumerate(graph.nodes)}
+
+    def __getitem__(self, node: fx.Node) -> int | Fraction:
+        if node not in self._pos:
+            self._place(node)
+        return self._pos[node]
+
+    def move_before(self, node: fx.Node, anchor: fx.Node) -> None:
+        anchor.prepend(node)
+        self._pos.pop(node, None)
+
+    def move_after(self, node: fx.Node, anchor: fx.Node) -> None:
+        anchor.append(node)
+        self._pos.pop(node, None)
+
+    def _place(self, node: fx.Node) -> None:
+        first, last = node, node
+        while first.prev.op != "root" and first.prev not in self._pos:
+            first = first.prev
+        while last.next.op != "root" and last.next not in self._pos:
+            last = last.next
+        run = [first]
+        while run[-1] is not last:
+            run.append(run[-1].next)
+        lo = self._pos[first.prev] if first.prev.op != "root" else 0
+        hi = self._pos[last.next] if last.next.op != "root" else lo + (len(run) + 1) * self._GAP
+        if hi - lo >= len(run) + 1:  # room for a step of at least 1
+            for k, n in enumerate(run, 1):
+                self._pos[n] = lo + (hi - lo) * k // (len(run) + 1)
+        else:
+            step = Fraction(hi - lo, len(run) + 1)
+            for k, n in enumerate(run, 1):
+                self._pos[n] = lo + k * step
 
 
-def hoist_before(node: fx.Node, anchor: fx.Node, pos: dict[fx.Node, int]) -> None:
+def hoist_before(node: fx.Node, anchor: fx.Node, order: NodeOrder) -> None:
     """Move ``node`` and any of its inputs that come after ``anchor`` to just before it.
 
-    Only for pure nodes whose inputs can move (shard casts/pads feeding an all-gather);
-    ``pos`` is the order before any move and is updated for moved nodes.
-    """
-    if node.op == "placeholder" or pos[node] < pos[anchor]:
+    Only for pure nodes whose inputs can move (shard casts/pads feeding an all-gather)."""
+    if node.op == "placeholder" or order[node] < order[anchor]:
         return
     for inp in node.all_input_nodes:
-        hoist_before(inp, anchor, pos)
-    anchor.prepend(node)
-    pos[node] = pos[anchor] - 0.5  # still before anchor, after everything already before it
+        hoist_before(inp, anchor, order)
+    order.move_before(node, anchor)
 
 
 def is_contiguous(node: fx.Node) -> bool:

@@ -123,8 +123,11 @@ class AutoPlan:
         if any(existing):
             return existing
         candidates = self.candidates(gm, collectives, hw)
-        scores = [_simulated(gm, keys, hw, self.memory_cap_bytes) for keys in candidates]
-        best = min(range(len(candidates)), key=lambda i: (scores[i], len(set(candidates[i]))))
+        trials = _Trials(gm.graph, hw, self.memory_cap_bytes)
+        # Rungs often coincide (a small model fits one bucket at every size): simulate once.
+        scores = {keys: trials.makespan(keys) for keys in map(tuple, candidates)}
+        best = min(range(len(candidates)),
+                   key=lambda i: (scores[tuple(candidates[i])], len(set(candidates[i]))))
         return candidates[best]
 
     def candidates(self, gm, collectives, hw) -> list[list[str | None]]:
@@ -179,31 +182,55 @@ class AutoPlan:
         return out
 
 
-def _simulated(gm: fx.GraphModule, keys, hw, cap) -> float:
-    import copy
+class _Trials:
+    """Simulated makespans of candidates, each bucketed and reordered by the real passes' graph
+    edits on a copy of one graph (a copy of the graph only: no GraphModule, no code generated;
+    deep-copying a tensor constant next to the fake tensors that describe it would fail).
+    The compute time of a node the edits left as it was (same inputs) is the original node's,
+    computed once for all candidates."""
 
-    from .bucketing import bucketable, merge_buckets
-    from .reordering import reorder_graph
-    from .simulate import simulate
+    def __init__(self, graph: fx.Graph, hw, cap: int | None):
+        self.graph, self.hw, self.cap = graph, hw, cap
+        self.costs: dict[fx.Node, float] = {}
 
-    # A copy of the graph only: the passes only edit the graph, and deep-copying a tensor
-    # constant next to the fake tensors that describe it fails.
-    trial = copy.deepcopy(gm.graph)
-    merge_buckets(trial, bucketable(trial), keys)
-    reorder_graph(trial, cap)
-    return simulate(trial, hw, node_cost=_rank_invariant_time(trial, hw)).makespan
+    def makespan(self, keys) -> float:
+        import copy
+
+        from .bucketing import bucketable, merge_buckets
+        from .compute_cost import node_time
+        from .reordering import reorder_graph
+        from .simulate import simulate
+
+        trial = copy.deepcopy(self.graph)
+        origin = dict(zip(trial.nodes, self.graph.nodes))  # a copy keeps the node order
+        merge_buckets(trial, bucketable(trial), list(keys))
+        reorder_graph(trial, self.cap)
+
+        def time_of(node: fx.Node) -> float:
+            old = origin.get(node)
+            if old is None or [origin.get(a) for a in node.all_input_nodes] != \
+                    old.all_input_nodes:
+                return node_time(node, self.hw)
+            if old not in self.costs:
+                self.costs[old] = node_time(old, self.hw)
+            return self.costs[old]
+
+        return simulate(trial, self.hw,
+                        node_cost=_rank_invariant_time(trial, self.hw, time_of)).makespan
 
 
-def _rank_invariant_time(graph: fx.Graph, hw):
-    """node_time, except for the nodes that work on this rank's own chunk (rank_local.py):
-    their size differs between ranks with uneven shards, and every rank must pick the same
-    buckets (or the collectives no longer match) without talking to the others at compile
-    time (caches may skip a rank's compile). Everything else is the same on every rank."""
+def _rank_invariant_time(graph: fx.Graph, hw, time_of=None):
+    """``time_of`` (default node_time), except for the nodes that work on this rank's own
+    chunk (rank_local.py): their size differs between ranks with uneven shards, and every
+    rank must pick the same buckets (or the collectives no longer match) without talking to
+    the others at compile time (caches may skip a rank's compile). Everything else is the
+    same on every rank."""
     from .compute_cost import node_time
     from .rank_local import rank_local_nodes
 
     local = rank_local_nodes(graph)
-    return lambda node: 0.0 if node in local else node_time(node, hw)
+    time_of = time_of or (lambda node: node_time(node, hw))
+    return lambda node: 0.0 if node in local else time_of(node)
 
 
 def _full_bytes(c: Collective) -> int:

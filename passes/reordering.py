@@ -19,7 +19,7 @@ from __future__ import annotations
 from torch import fx
 
 from .collectives import Collective, find_collectives, is_collective, is_wait
-from .graph_utils import hoist_before, positions
+from .graph_utils import NodeOrder, hoist_before
 from .plan_protocol import Plan
 
 # Ops that only reshape/copy a gathered buffer into parameter form: they travel with the wait.
@@ -33,7 +33,7 @@ def _op_name(node: fx.Node) -> str:
     return name.split(".")[0]
 
 
-def gather_chain(wait: fx.Node) -> list[fx.Node]:
+def gather_chain(wait: fx.Node, order: NodeOrder) -> list[fx.Node]:
     """The wait plus the copy-out/view nodes that only depend on it, in graph order."""
     chain, frontier = [wait], [wait]
     members = {wait}
@@ -46,23 +46,17 @@ def gather_chain(wait: fx.Node) -> list[fx.Node]:
                 members.add(user)
                 chain.append(user)
                 frontier.append(user)
-    pos = positions(wait.graph)
-    return sorted(chain, key=pos.__getitem__)
+    return sorted(chain, key=order.__getitem__)
 
 
-def _first_use(chain: list[fx.Node], pos) -> fx.Node | None:
+def _chain_uses(chain: list[fx.Node]) -> list[fx.Node]:
+    """Nodes outside the chain that read it."""
     members = set(chain)
-    users = [u for n in chain for u in n.users if u not in members]
-    return min(users, key=pos.__getitem__) if users else None
+    return [u for n in chain for u in n.users if u not in members]
 
 
-def _last_use(chain: list[fx.Node], pos) -> int:
-    """Last compute use of a gathered buffer. The output node does not count: a gathered
-    parameter saved for backward (reshard_after_forward=False) is saved state from then on,
-    not a prefetch buffer in flight."""
-    members = set(chain)
-    users = [pos[u] for n in chain for u in n.users if u not in members and u.op != "output"]
-    return max(users) if users else pos[chain[-1]]
+def _first_use(chain: list[fx.Node], order: NodeOrder) -> fx.Node | None:
+    return min(_chain_uses(chain), key=order.__getitem__, default=None)
 
 
 def is_collective_or_wait(node: fx.Node) -> bool:
@@ -96,25 +90,25 @@ def reorder_graph(graph: fx.Graph, memory_cap_bytes: int | None) -> None:
     # critical path (TP's) is never pushed behind a prefetch.
     collectives = [c for c in find_collectives(graph) if c.wait is not None and c.ours]
     cap = memory_cap_bytes or default_cap(collectives)
-    _place_gather_waits(graph, collectives)
-    _prefetch_gathers(graph, collectives, cap)
-    _place_reductions(graph, collectives)
+    order = NodeOrder(graph)
+    _place_gather_waits(collectives, order)
+    _Prefetch(graph, collectives, cap, order).run()
+    _place_reductions(collectives, order)
 
 
-def _place_gather_waits(graph: fx.Graph, collectives: list[Collective]) -> None:
+def _place_gather_waits(collectives: list[Collective], order: NodeOrder) -> None:
     for c in collectives:
         if c.kind != "all_gather":
             continue
-        pos = positions(graph)
-        chain = gather_chain(c.wait)
-        use = _first_use(chain, pos)
+        chain = gather_chain(c.wait, order)
+        use = _first_use(chain, order)
         if use is None:
             continue
         for node in chain:  # keeps the chain's own order
-            use.prepend(node)
+            order.move_before(node, use)
 
 
-def _sink_to_wait(c: Collective) -> None:
+def _sink_to_wait(c: Collective, order: NodeOrder) -> None:
     """Start right before its wait (no prefetch), with the pure ops that only build its input:
     the baseline prefetch starts from, whatever order bucketing or tracing left."""
     moved = [c.start]
@@ -125,105 +119,117 @@ def _sink_to_wait(c: Collective) -> None:
                 and next(iter(node.users)) in moved and not is_collective_or_wait(node)):
             moved.append(node)
             frontier.extend(node.all_input_nodes)
-    pos = positions(c.start.graph)
-    for node in sorted(moved, key=pos.__getitem__):
-        c.wait.prepend(node)
+    for node in sorted(moved, key=order.__getitem__):
+        order.move_before(node, c.wait)
 
 
-def _prefetch_gathers(graph: fx.Graph, collectives: list[Collective], cap: int) -> None:
-    ags = [c for c in collectives if c.kind == "all_gather"]
-    for c in ags:
-        _sink_to_wait(c)
-    pos = positions(graph)
-    use_of = {c.start: _first_use(gather_chain(c.wait), pos) for c in ags}
-    ags = [c for c in ags if use_of[c.start] is not None]
-    ags.sort(key=lambda c: pos[use_of[c.start]])
-    for j, c in enumerate(ags):
-        target = None
-        # Before the earlier bucket's wait (its chain sits right before its first use), so a
-        # second run finds every start already in place; then the start of the graph, so the
-        # first gather of a graph that begins with compute (a backward whose first blocks stay
-        # gathered) is issued at once, ahead of that compute's reduce-scatters.
-        candidates = [ags[k].wait for k in range(j - 1, -1, -1)] + [
-            _graph_start(graph, c, ags[j - 1].start if j else None)]
-        for candidate in candidates:  # one bucket earlier at a time
-            if candidate is None or not _fits(graph, ags, c, candidate, cap):
+class _Prefetch:
+    """Issue each all-gather as early as the cap allows (module doc). The chains and their
+    users are found once: moving starts changes neither."""
+
+    def __init__(self, graph: fx.Graph, collectives: list[Collective], cap: int,
+                 order: NodeOrder):
+        self.graph, self.cap, self.order = graph, cap, order
+        self.ags = [c for c in collectives if c.kind == "all_gather"]
+        self.chain = {c.start: gather_chain(c.wait, order) for c in self.ags}
+        # The output node is not a use: a gathered parameter saved for backward
+        # (reshard_after_forward=False) is saved state from then on, not a buffer in flight.
+        self.uses = {s: [u for u in _chain_uses(chain) if u.op != "output"]
+                     for s, chain in self.chain.items()}
+
+    def last_use(self, c: Collective) -> fx.Node:
+        """Last compute use of a gathered buffer (its chain's last node if none)."""
+        return max(self.uses[c.start] or self.chain[c.start], key=self.order.__getitem__)
+
+    def run(self) -> None:
+        order = self.order
+        for c in self.ags:
+            _sink_to_wait(c, order)
+        use_of = {c.start: _first_use(self.chain[c.start], order) for c in self.ags}
+        ags = [c for c in self.ags if use_of[c.start] is not None]
+        ags.sort(key=lambda c: order[use_of[c.start]])
+        for j, c in enumerate(ags):
+            target = None
+            # Before the earlier bucket's wait (its chain sits right before its first use), so
+            # a second run finds every start already in place; then the start of the graph, so
+            # the first gather of a graph that begins with compute (a backward whose first
+            # blocks stay gathered) is issued at once, ahead of that compute's reduce-scatters.
+            candidates = [ags[k].wait for k in range(j - 1, -1, -1)] + [
+                self.graph_start(c, ags[j - 1].start if j else None)]
+            for candidate in candidates:  # one bucket earlier at a time
+                if candidate is None or not self.fits(ags, c, candidate):
+                    break
+                target = candidate
+            if target is None:  # not even one bucket ahead: as early as memory frees up
+                target = self.after_release(ags, j, c)
+            if target is not None and order[c.start] > order[target]:
+                hoist_before(c.start, target, order)
+
+    def graph_start(self, c: Collective, previous: fx.Node | None) -> fx.Node | None:
+        """The first node that is neither a placeholder nor something ``c``'s start depends
+        on, and comes after ``previous`` (the gather used before ``c``: issue order = use
+        order)."""
+        cone, stack = set(), [c.start]
+        while stack:
+            node = stack.pop()
+            if node not in cone:
+                cone.add(node)
+                stack.extend(node.all_input_nodes)
+        node = previous.next if previous is not None else next(iter(self.graph.nodes), None)
+        while node is not None and node.op != "root":
+            if node.op != "placeholder" and node not in cone:
+                return node
+            node = node.next
+        return None
+
+    def after_release(self, ags, j, c) -> fx.Node | None:
+        """The earliest node right after an earlier bucket's last use (where gathered bytes in
+        flight drop) at which issuing ``c`` fits the cap, if it is before ``c``'s start."""
+        order = self.order
+        for last in sorted({self.last_use(a) for a in ags[:j]}, key=order.__getitem__):
+            after = last.next
+            if after.op == "root" or order[after] >= order[c.start]:
                 break
-            target = candidate
-        if target is None:  # not even one bucket ahead: as early as memory frees up
-            target = _after_release(graph, ags, j, c, cap)
-        if target is not None and positions(graph)[c.start] > positions(graph)[target]:
-            hoist_before(c.start, target, positions(graph))
+            if self.fits(ags, c, after):
+                return after
+        return None
+
+    def fits(self, ags, c, candidate) -> bool:
+        """Would issuing ``c`` right before ``candidate`` keep gathered bytes in flight ≤ cap?"""
+        order = self.order
+        lo = order[candidate]
+        hi = order[self.last_use(c)]
+        events = []
+        for other in ags:
+            if other is c:
+                continue
+            start = order[other.start]
+            end = order[self.last_use(other)]
+            if start <= hi and end >= lo:
+                # (position, released after the node at that position, bytes)
+                events.append((max(start, lo), 0, other.nbytes))
+                events.append((min(end, hi), 1, -other.nbytes))
+        alive, peak = c.nbytes, c.nbytes
+        for *_, delta in sorted(events):
+            alive += delta
+            peak = max(peak, alive)
+        return peak <= self.cap
 
 
-def _graph_start(graph, c, previous) -> fx.Node | None:
-    """The first node that is neither a placeholder nor something ``c``'s start depends on,
-    and comes after ``previous`` (the gather used before ``c``: issue order = use order)."""
-    cone, stack = set(), [c.start]
-    while stack:
-        node = stack.pop()
-        if node not in cone:
-            cone.add(node)
-            stack.extend(node.all_input_nodes)
-    after = previous is None
-    for n in graph.nodes:
-        if after and n.op != "placeholder" and n not in cone:
-            return n
-        after = after or n is previous
-    return None
-
-
-def _after_release(graph, ags, j, c, cap) -> fx.Node | None:
-    """The earliest node right after an earlier bucket's last use (where gathered bytes in
-    flight drop) at which issuing ``c`` fits the cap, if it is before ``c``'s start."""
-    pos = positions(graph)
-    nodes = list(graph.nodes)
-    for p in sorted({_last_use(gather_chain(a.wait), pos) for a in ags[:j]}):
-        if p + 1 >= pos[c.start]:
-            break
-        if _fits(graph, ags, c, nodes[p + 1], cap):
-            return nodes[p + 1]
-    return None
-
-
-def _fits(graph, ags, c, candidate, cap) -> bool:
-    """Would issuing ``c`` right before ``candidate`` keep gathered bytes in flight ≤ cap?"""
-    pos = positions(graph)
-    lo = pos[candidate]
-    hi = _last_use(gather_chain(c.wait), pos)
-    events = []
-    for other in ags:
-        if other is c:
-            continue
-        start = pos[other.start]
-        end = _last_use(gather_chain(other.wait), pos)
-        if start <= hi and end >= lo:
-            events.append((max(start, lo), other.nbytes))
-            events.append((min(end, hi) + 0.5, -other.nbytes))
-    alive, peak = c.nbytes, c.nbytes
-    for _, delta in sorted(events):
-        alive += delta
-        peak = max(peak, alive)
-    return peak <= cap
-
-
-def _place_reductions(graph: fx.Graph, collectives: list[Collective]) -> None:
+def _place_reductions(collectives: list[Collective], order: NodeOrder) -> None:
     reds = [c for c in collectives if c.kind != "all_gather"]
     for c in reds:  # issue as soon as the input exists
-        pos = positions(graph)
-        last_input = max(c.start.all_input_nodes, key=pos.__getitem__)
-        if pos[c.start] > pos[last_input] + 1:
-            last_input.append(c.start)
-    pos = positions(graph)
-    reds.sort(key=lambda c: pos[c.start])
+        last_input = max(c.start.all_input_nodes, key=order.__getitem__)
+        if last_input.next is not c.start:
+            order.move_after(c.start, last_input)
+    reds.sort(key=lambda c: order[c.start])
     for i, c in enumerate(reds):
-        pos = positions(graph)
-        chain = gather_chain(c.wait)
-        use = _first_use(chain, pos)
+        chain = gather_chain(c.wait, order)
+        use = _first_use(chain, order)
         if use is None:
             continue
         dest = use
-        if i + 1 < len(reds) and pos[reds[i + 1].start] < pos[dest]:
+        if i + 1 < len(reds) and order[reds[i + 1].start] < order[dest]:
             dest = reds[i + 1].start
         for node in chain:
-            dest.prepend(node)
+            order.move_before(node, dest)

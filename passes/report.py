@@ -11,7 +11,6 @@ import argparse
 from collections import defaultdict
 
 import torch
-import torch.distributed as dist
 
 DEFAULT_BACKENDS = ("aot_eager", "aot_eager_blockbucketing", "aot_eager_autobucketing",
                     "aot_eager_upstreambucketing")
@@ -61,11 +60,6 @@ def trace_counts(model_name: str, flavor: str, backend: str, world_size: int = 2
     return dict(seen)
 
 
-def fake_world(world_size: int) -> None:
-    # torch registers its "fake" backend (no communication) itself; no store needed.
-    dist.init_process_group("fake", rank=0, world_size=world_size)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama3")
@@ -84,19 +78,20 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.tp < 1 or args.world_size % args.tp:
         ap.error(f"--tp {args.tp} does not divide --world-size {args.world_size}")
-    fake_world(args.world_size)
+    from simplesharded.dry_run import fake_world
+
     try:
-        rows = []
-        for name in args.backends:
-            torch._dynamo.reset()
-            c = trace_counts(args.model, args.flavor, name, args.world_size, args.mode,
-                             RESHARD_BY_NAME[args.reshard], n_layers=args.n_layers, tp=args.tp)
-            rows.append((name, c))
+        with fake_world(args.world_size):
+            rows = []
+            for name in args.backends:
+                torch._dynamo.reset()
+                c = trace_counts(args.model, args.flavor, name, args.world_size, args.mode,
+                                 RESHARD_BY_NAME[args.reshard], n_layers=args.n_layers,
+                                 tp=args.tp)
+                rows.append((name, c))
     except ValueError as e:
         print(f"error: {e}")
         return 2
-    finally:
-        dist.destroy_process_group()
     print(f"collectives per step: {args.model}/{args.flavor}, {args.mode}, "
           f"world {args.world_size} (dp {args.world_size // args.tp} x tp {args.tp}), "
           f"reshard_after_forward={args.reshard}; before our passes → after, per process group")

@@ -70,10 +70,10 @@ def test_group_link_of_live_groups():
     """On a fake process group of 16 ranks laid out dp_shard 2 x tp 8: the tp group is
     intra-node and the dp group inter-node on nodes of 8; with nodes of 16 both are
     intra-node; a profile without an intra-node link and an unknown group are inter-node."""
-    from simplesharded import plan
+    from simplesharded import dry_run
     from simplesharded.mesh import build_mesh
 
-    with plan.fake_world(16):
+    with dry_run.fake_world(16):
         mesh = build_mesh(1, -1, "cpu", tp=8)
         dp, tp = (mesh.get_group(d).group_name for d in ("dp_shard", "tp"))
         assert (group_link(dp, H100), group_link(tp, H100)) == (INTER_NODE, INTRA_NODE)
@@ -87,7 +87,7 @@ def _traced_counts(world: int, tp: int, hw) -> tuple[dict, dict, int, int]:
     """Block-bucketed debug model (2 blocks) on ``world`` fake ranks with tensor parallel
     degree ``tp``: ({(group label, kind): count} over fw+bw, {label: link}, traced local
     shard elements, real local shard elements of the same model)."""
-    from simplesharded import plan
+    from simplesharded import dry_run
     from simplesharded.config import load_config
     from simplesharded.mesh import build_mesh
     from simplesharded.models import build_model
@@ -98,9 +98,9 @@ def _traced_counts(world: int, tp: int, hw) -> tuple[dict, dict, int, int]:
     cfg = check_static(load_config(DEBUG_CONFIG, [
         "--activation_checkpoint.mode", "none", "--parallelism.tensor_parallel_degree",
         str(tp), "--training.global_batch_size", str(world // tp)]), world)
-    with plan.fake_world(world):
-        traced = plan.trace(cfg, cfg.training.local_batch_size, n_layers=2)
-        fw, bw = plan.apply_plan(traced, "aot_eager_blockbucketing", "h100-ib400", None)
+    with dry_run.fake_world(world):
+        traced = dry_run.trace(cfg, cfg.training.local_batch_size, n_layers=2)
+        fw, bw = dry_run.apply_plan(traced, "aot_eager_blockbucketing", "h100-ib400", None)
         counts: dict = {}
         for gm in (fw, bw):
             for key, n in count_by_group(gm, traced.group_labels).items():

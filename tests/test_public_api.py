@@ -2,18 +2,17 @@
 "use the passes in your own backend" example, on real traced graphs (fake process group)."""
 import pytest
 import torch
-import torch.distributed as dist
 
 import simplesharded as ss
-from simplesharded.passes.report import fake_world, main as report_main, trace_counts
+from simplesharded.dry_run import fake_world
+from simplesharded.passes.report import main as report_main, trace_counts
 
 
 @pytest.fixture
 def fake_pg():
-    fake_world(2)
-    yield
-    torch._dynamo.reset()
-    dist.destroy_process_group()
+    with fake_world(2):
+        yield
+        torch._dynamo.reset()
 
 
 def test_unknown_backend_lists_choices():
@@ -145,13 +144,12 @@ def test_readme_custom_backend_example(fake_pg):
 
 def test_hybrid_block_bucketing_merges_all_reduces():
     """HSDP: the per-bucket reduce-scatters and replica all-reduces are both merged."""
-    fake_world(4)
-    try:
-        counts = trace_counts("llama3", "debug", "aot_eager_blockbucketing", world_size=4,
-                              mode="hybrid_shard", n_layers=2)
-    finally:
-        torch._dynamo.reset()
-        dist.destroy_process_group()
+    with fake_world(4):
+        try:
+            counts = trace_counts("llama3", "debug", "aot_eager_blockbucketing", world_size=4,
+                                  mode="hybrid_shard", n_layers=2)
+        finally:
+            torch._dynamo.reset()
     assert counts["bw"]["before"]["all_reduce"] == 2 + 9 * 2 + 1
     assert counts["bw"]["after"]["all_reduce"] == 2 + 2
     assert counts["bw"]["after"]["reduce_scatter"] == 2 + 2

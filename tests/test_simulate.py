@@ -113,13 +113,13 @@ def test_cpu_ranks_pay_transfers_on_the_compute_thread():
 @pytest.mark.parametrize("world,mode", [(2, "fully_shard"), (4, "fully_shard"),
                                         (2, "replicate")])
 def test_static_memory_matches_real_shards(world, mode):
-    """plan.static_memory of rank 0's shard elements == bytes of its real shards, grads and
+    """dry_run.static_memory of rank 0's shard elements == bytes of its real shards, grads and
     AdamW states."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import simplesharded as ss
     from simplesharded.models import build_model
-    from simplesharded.plan import static_memory
+    from simplesharded.dry_run import static_memory
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
@@ -171,7 +171,7 @@ def test_plan_extrapolation_agrees_with_full_trace_at_the_traced_depth(capsys):
 def test_plan_applies_gloo_lowerings_only_for_gloo_profiles():
     """`plan` runs on a fake process group, which the gloo lowerings would skip: on the
     `local` (gloo) profile it applies them itself, so the simulated graph is the one that runs."""
-    from simplesharded import plan
+    from simplesharded import dry_run
     from simplesharded.config import load_config
     from simplesharded.passes.collectives import ALL_GATHER_COALESCED, ALL_TO_ALL
 
@@ -180,9 +180,9 @@ def test_plan_applies_gloo_lowerings_only_for_gloo_profiles():
     def count(gm, target):
         return sum(n.target is target for n in gm.graph.nodes)
 
-    with plan.fake_world(2):
-        traced = plan.trace(cfg, 1, n_layers=2)
+    with dry_run.fake_world(2):
+        traced = dry_run.trace(cfg, 1, n_layers=2)
         for hardware, lowered in (("local", True), ("h100-ib400", False)):
-            fw, bw = plan.apply_plan(traced, "aot_eager_blockbucketing", hardware, None)
+            fw, bw = dry_run.apply_plan(traced, "aot_eager_blockbucketing", hardware, None)
             assert (count(fw, ALL_GATHER_COALESCED) > 0) is lowered, hardware
             assert (count(bw, ALL_TO_ALL) > 0) is lowered, hardware

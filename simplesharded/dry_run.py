@@ -1,0 +1,162 @@
+"""Trace a config's training step at cluster scale on this CPU, and apply plans to it.
+
+``fake_world(n)`` stands up a fake process group of n ranks (torch's "fake" backend: no
+communication, this process is rank 0). ``trace`` builds the model on the meta device,
+parallelizes it as the trainer does (train.parallelize: tensor parallelism, activation
+checkpointing, data_parallel) and captures rank 0's forward and backward graphs after
+partitioning; the shards of the meta model are never written, so they take no memory.
+``apply_plan`` runs a backend's passes on copies of those graphs, and ``memory_report`` adds
+the per-rank static state to their peak. ``python -m simplesharded.plan`` (plan.py) reports on
+them; tests use them directly.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int):
+    """A fake process group of ``world_size`` ranks, this process being rank 0, for
+    :func:`trace` and everything after it: the traced graphs name its groups, and the cost
+    model resolves their ranks (which link a group uses) and mesh dims while it is alive, as
+    the passes do in a real job at compile time."""
+    # torch registers its "fake" backend (no communication) itself; no store needed.
+    dist.init_process_group("fake", rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@dataclass
+class Traced:
+    fw: torch.fx.GraphModule
+    bw: torch.fx.GraphModule
+    trace_s: float
+    local_numel: int  # elements of rank 0's parameter shards (over dp and tp)
+    group_labels: dict  # {process-group name: mesh dim} of the traced mesh
+
+
+def trace(cfg, local_batch: int, n_layers: int | None = None,
+          keep_gathered_bytes: int | None = None) -> Traced:
+    """fw/bw graphs (after reshard-after-forward tagging and partitioning, before bucketing)
+    of rank 0 of a mesh with ``cfg``'s degrees (tp included) over the ranks of the current
+    process group (run it inside :func:`fake_world`); ``local_batch`` sequences per
+    data-parallel rank. ``n_layers`` builds the model with that many blocks instead of the
+    flavor's; ``keep_gathered_bytes``: the budget of reshard_after_forward="auto"
+    (passes/recompute.py)."""
+    from simplesharded.mesh import build_mesh, group_labels
+    from simplesharded.models import build_model
+    from simplesharded.train import parallelize
+
+    from functorch.compile import min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+
+    from simplesharded.passes.planning import BlockPlan
+    from simplesharded.passes.recompute import tag_gathers_for_recompute
+
+    cfg = copy.deepcopy(cfg)
+    cfg.compile.enable = True  # the compiled step is what the passes plan
+    p, t = cfg.parallelism, cfg.training
+    graphs: dict[str, torch.fx.GraphModule] = {}
+
+    class _Captured(Exception):
+        pass
+
+    def partition(joint, inputs, **kwargs):
+        # Only the graphs are wanted: stop right after partitioning (nothing runs on fakes).
+        graphs["fw"], graphs["bw"] = min_cut_rematerialization_partition(
+            tag_gathers_for_recompute(joint, BlockPlan(keep_gathered_bytes=keep_gathered_bytes)),
+            inputs, **kwargs)
+        raise _Captured
+
+    capture = aot_autograd(fw_compiler=lambda gm, _: gm, partition_fn=partition)
+    if not dist.is_initialized():
+        raise RuntimeError("trace needs a process group: call it inside fake_world(n)")
+    t0 = time.perf_counter()
+    try:
+        mesh = build_mesh(p.data_parallel_replicate_degree, p.data_parallel_shard_degree,
+                          "cpu", p.tensor_parallel_degree)
+        extra = {"n_layers": n_layers} if n_layers else {}
+        model = build_model(cfg.model.name, cfg.model.flavor, device="meta", **extra)
+        # Not under FakeTensorMode: the mesh slicing in TP and data_parallel runs tensor ops
+        # on the rank layout that fake tensors cannot (nonzero). The shards data_parallel
+        # makes of a meta model are uninitialised (torch.empty: no page is touched), and
+        # nothing runs: capture stops once the graphs are partitioned.
+        step = parallelize(model, mesh, cfg, backend=capture)
+        local_numel = sum(q.to_local().numel() for q in model.parameters())
+        tokens = torch.randint(0, 256, (local_batch, t.seq_len))
+        try:
+            step(tokens)
+        except Exception:
+            if "bw" not in graphs:
+                raise
+    finally:
+        torch._dynamo.reset()
+    return Traced(graphs["fw"], graphs["bw"], time.perf_counter() - t0, local_numel,
+                  group_labels(mesh))
+
+
+def apply_plan(traced: Traced, name: str, hardware: str, cap_bytes: int | None):
+    """Copies of the traced graphs with backend ``name``'s passes applied (on a gloo
+    ``hardware`` profile also the gloo lowerings, which the fake process group would skip)."""
+    from simplesharded.passes.bucketing import bucket_collectives
+    from simplesharded.passes.coalesce_gathers import coalesce_gathers
+    from simplesharded.passes.hardware import get_hardware
+    from simplesharded.passes.lowering import lower_reduce_scatters
+    from simplesharded.passes.planning import AutoPlan, BlockPlan
+    from simplesharded.passes.reordering import reorder_for_overlap
+
+    fw, bw = copy.deepcopy(traced.fw), copy.deepcopy(traced.bw)
+    if name.endswith("bucketing"):
+        plan = (BlockPlan(memory_cap_bytes=cap_bytes) if "block" in name
+                else AutoPlan(hardware, cap_bytes))
+        gloo = get_hardware(hardware).transport == "gloo"
+        for gm in (fw, bw):
+            bucket_collectives(gm, plan)
+            reorder_for_overlap(gm, plan)
+            if gloo:
+                lower_reduce_scatters(gm, transports=None)
+                coalesce_gathers(gm, transports=None)
+    return fw, bw
+
+
+@dataclass
+class MemoryReport:
+    params: int
+    grads: int
+    optimizer: int
+    peak_activations: int  # fw/bw transient peak: gathered buffers + activations
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.peak_activations
+
+
+def static_memory(local_numel: int, optimizer: str) -> tuple[int, int, int]:
+    """Per-rank bytes of (fp32 parameter shards, fp32 gradients, optimizer states) of a rank
+    holding ``local_numel`` parameter elements (Traced.local_numel)."""
+    states = {"AdamW": 2, "SGD": 1}.get(optimizer, 2)
+    return 4 * local_numel, 4 * local_numel, states * 4 * local_numel
+
+
+def memory_report(traced: Traced, optimizer: str, fw_bw=None) -> MemoryReport:
+    """Per-rank bytes: static state (see static_memory) + the transient peak of the graphs."""
+    from simplesharded.passes.collectives import tensor_nbytes
+    from simplesharded.passes.memory import peak_memory
+
+    fw, bw = fw_bw or (traced.fw, traced.bw)
+    params, grads, opt = static_memory(traced.local_numel, optimizer)
+    fw_peak, _ = peak_memory(fw, include_inputs=False)
+    bw_peak, _ = peak_memory(bw, include_inputs=False)
+    saved = sum(tensor_nbytes(n) for n in bw.graph.nodes if n.op == "placeholder"
+                and not n.name.startswith(("primals", "tangents")))
+    return MemoryReport(params, grads, opt, int(max(fw_peak, saved + bw_peak)))
+
+
