@@ -45,10 +45,13 @@ RESHARD_BY_NAME = {"always": True, "never": False, "auto": "auto"}
 class MixedPrecisionPolicy:
     """``param_dtype``: dtype of the gathered parameter (the all-gather runs in it).
     ``reduce_dtype``: dtype the gradient is reduced in before it lands on the fp32 shard.
-    ``None`` keeps the parameter's own dtype."""
+    ``output_dtype``: dtype the root's floating-point outputs are cast to (FSDP2's knob: e.g.
+    fp32 logits for the loss from a bf16 model). ``None`` keeps what the model produced (for
+    the first two: the parameter's own dtype)."""
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True  # cast floating-point inputs of the root to param_dtype
 
 
@@ -173,10 +176,12 @@ class _GatherScope:
         self.tied: set[str] = set()  # FQNs of parameters held by more than one module
 
 
-def _scope_root_forward(model: nn.Module, scope: _GatherScope) -> None:
-    """Open ``scope`` for the duration of ``model.forward``. Inside forward, not in hooks:
-    torch.compile runs a compiled module's hooks outside the traced frame, where the dict's
-    contents would become graph outputs."""
+def _scope_root_forward(model: nn.Module, scope: _GatherScope,
+                        output_dtype: torch.dtype | None = None) -> None:
+    """Open ``scope`` for the duration of ``model.forward`` and cast its floating-point
+    outputs to ``output_dtype`` (if set). Inside forward, not in hooks: torch.compile runs a
+    compiled module's hooks outside the traced frame, where the dict's contents would become
+    graph outputs and a cast would be a graph of its own."""
     cls = model.__class__
     inner = cls.forward
 
@@ -184,10 +189,14 @@ def _scope_root_forward(model: nn.Module, scope: _GatherScope) -> None:
         scope.gathered.clear()
         scope.active = True
         try:
-            return inner(self, *args, **kwargs)
+            out = inner(self, *args, **kwargs)
         finally:
             scope.gathered.clear()
             scope.active = False
+        if output_dtype is None:
+            return out
+        return tree_map(lambda t: t.to(output_dtype) if isinstance(t, torch.Tensor)
+                        and t.is_floating_point() else t, out)
 
     model.__class__ = type(cls.__name__, (cls,), {
         "forward": forward, "_ss_original_class": getattr(cls, "_ss_original_class", cls)})
@@ -376,7 +385,7 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
         module._ss_tp = tp
         module._ss_scope = scope
         module._ss_gather_enabled = True
-    _scope_root_forward(model, scope)
+    _scope_root_forward(model, scope, mp_policy.output_dtype)
     for module in model.modules():  # buffers are replicated plain tensors on the mesh device
         for name, buf in list(module._buffers.items()):
             if buf is not None and buf.device.type != mesh.device_type:

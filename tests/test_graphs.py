@@ -216,7 +216,8 @@ def check_hybrid(rank, world, meshes):
 def check_mixed_precision(rank, world, meshes):
     import simplesharded as ss
 
-    mp = ss.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mp = ss.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                 output_dtype=torch.float32)
     model = _wrap(meshes["fully_shard"], "fully_shard", mp_policy=mp, reshard_after_forward=True)
     cm, graphs = _capture_compile(model)
     x, y = toy.rank_batch(rank)
@@ -459,7 +460,7 @@ def test_mixed_precision_dtypes():
             (torch.bfloat16, torch.bfloat16)}
         # gradients are reduced in fp32
         assert {(c["in_dtype"], c["dtype"]) for c in bw_rs} == {(torch.float32, torch.float32)}
-        assert r["output_dtype"] == torch.bfloat16
+        assert r["output_dtype"] == torch.float32  # the policy's output_dtype
         assert set(r["grad_dtypes"].values()) == {(torch.float32, torch.float32)}
         assert set(r["param_dtypes"].values()) == {torch.float32}
         assert not [s for s in r["saved"] if s["gathered"]]
