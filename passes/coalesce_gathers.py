@@ -36,12 +36,12 @@ def coalesce_gathers(gm: fx.GraphModule,
     Guarantees: same values (copies only); issue and wait points unchanged; anything but the
     exact pattern bucketing emits is left alone; idempotent."""
     graph = gm.graph
+    matches = [(c, m) for c in collectives_on(graph, ALL_GATHER, transports)
+               if (m := _match(c)) is not None]
+    if not matches:  # nothing to rewrite (NCCL): no code to regenerate either
+        return gm
     fake_mode = fake_mode_of(graph)
-    for c in collectives_on(graph, ALL_GATHER, transports):
-        match = _match(c)
-        if match is None:
-            continue
-        cat, rows, clones = match
+    for c, (cat, rows, clones) in matches:
         inputs = list(cat.args[0])
         ws = c.group_size
         start_custom = c.start.meta.get("custom")

@@ -2,33 +2,37 @@
 while keeping def-before-use."""
 from __future__ import annotations
 
+import contextlib
 from fractions import Fraction
 
 import torch
 from torch import fx
 from torch._guards import detect_fake_mode
-from torch.utils._pytree import tree_map
+from torch._subclasses import FakeTensor
 
 aten = torch.ops.aten
 
 
 def fake_mode_of(graph: fx.Graph):
+    """The mode :func:`call` computes new nodes' values in: the graph's FakeTensorMode; a null
+    context when its values are meta tensors (computed on them directly); else None."""
     vals = [n.meta["val"] for n in graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+    # Before detect_fake_mode, which inside a compile answers the compile's mode whatever the
+    # values are.
+    if vals and all(v.device.type == "meta" and not isinstance(v, FakeTensor) for v in vals):
+        return contextlib.nullcontext()
     return detect_fake_mode(vals)
 
 
 def call(graph: fx.Graph, target, args, kwargs=None, *, fake_mode=None, custom=None) -> fx.Node:
     """Insert ``target(*args)`` at the graph's current insertion point and fill meta["val"]
     by running it on the inputs' fake values (passes after us and inductor read it)."""
-    kwargs = kwargs or {}
-    node = graph.call_function(target, tuple(args), kwargs)
-
-    def val(a):
-        return a.meta["val"] if isinstance(a, fx.Node) else a
-
+    node = graph.call_function(target, tuple(args), kwargs or {})
     if fake_mode is not None:
+        # fx's own map_arg, not pytree: this runs for every node a pass creates
+        vals, kwvals = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
         with fake_mode:
-            node.meta["val"] = target(*tree_map(val, tuple(args)), **tree_map(val, kwargs))
+            node.meta["val"] = target(*vals, **kwvals)
     if custom is not None:
         node.meta["custom"] = dict(custom)
     return node

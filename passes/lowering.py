@@ -34,15 +34,16 @@ def lower_reduce_scatters(gm: fx.GraphModule,
     for 2 ranks); the new collective is issued where the old one was and waited where it was
     waited; idempotent."""
     graph = gm.graph
+    lowered = [c for c in collectives_on(graph, REDUCE_SCATTER, transports)
+               if str(c.start.args[1]) == "sum" and c.group_size > 1
+               and not c.start.args[0].meta["val"].shape[0] % c.group_size]
+    if not lowered:  # nothing to rewrite (NCCL): no code to regenerate either
+        return gm
     fake_mode = fake_mode_of(graph)
-    for c in collectives_on(graph, REDUCE_SCATTER, transports):
+    for c in lowered:
         inp, op, ws, name = c.start.args[:4]
-        if str(op) != "sum" or ws <= 1:
-            continue
         shard_shape = list(c.wait.meta["val"].shape)
         rows = inp.meta["val"].shape[0]
-        if rows % ws:
-            continue
         splits = [rows // ws] * ws
         custom = dict(c.start.meta.get("custom") or {}, **{LOWERED_KEY: "reduce_scatter"})
         with graph.inserting_before(c.start):

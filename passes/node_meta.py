@@ -40,12 +40,27 @@ def node_value(node: fx.Node):
 
 def _as_meta(v):
     if isinstance(v, (torch.Tensor, TensorMetadata)):
-        stride = v.stride() if isinstance(v, torch.Tensor) else v.stride
-        return torch.empty_strided([concrete_int(x) for x in v.shape],
-                                   [concrete_int(x) for x in stride], dtype=v.dtype, device="meta")
+        return _meta_tensor(v)
     if isinstance(v, (tuple, list)):
         return [_as_meta(x) for x in v]
     return None
+
+
+def _meta_tensor(v: torch.Tensor | TensorMetadata) -> torch.Tensor:
+    stride = v.stride() if isinstance(v, torch.Tensor) else v.stride
+    return torch.empty_strided([concrete_int(x) for x in v.shape],
+                               [concrete_int(x) for x in stride], dtype=v.dtype, device="meta")
+
+
+def to_meta(val):
+    """``meta["val"]`` with every tensor in it replaced by a meta tensor of the same concrete
+    shape, strides and dtype, and everything else kept: all the cost model reads, and ops run
+    on it ~30x faster than on FakeTensors (AutoPlan's trial graphs)."""
+    if isinstance(val, torch.Tensor):
+        return _meta_tensor(val)
+    if isinstance(val, (tuple, list)):
+        return type(val)(to_meta(x) for x in val)
+    return val
 
 
 def value_bytes(t) -> int:

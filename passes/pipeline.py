@@ -24,6 +24,7 @@ from torch import fx
 from .agreement import insert_agreement_check
 from .collectives import count_collectives, is_backward_graph
 
+# Returns the graph module ready to run: a pass that edits the graph regenerates its code.
 GraphPass = Callable[[fx.GraphModule], fx.GraphModule]
 
 # torch's own collective bucketing and overlap scheduling (all off by default): set globally,
@@ -66,7 +67,6 @@ class PassPipeline:
         for name, p in passes:
             gm = p(gm)
             gm.graph.lint()
-            gm.recompile()
             self._dump(gm, kind, name)
         return gm
 

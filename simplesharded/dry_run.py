@@ -38,7 +38,8 @@ def fake_world(world_size: int):
 class Traced:
     fw: torch.fx.GraphModule
     bw: torch.fx.GraphModule
-    trace_s: float
+    trace_s: float  # the compile up to our graph passes: dynamo, aot_autograd, partitioning
+    recompute_s: float  # of which our joint-graph pass (passes/recompute.py)
     local_numel: int  # elements of rank 0's parameter shards (over dp and tp)
     group_labels: dict  # {process-group name: mesh dim} of the traced mesh
 
@@ -65,15 +66,18 @@ def trace(cfg, local_batch: int, n_layers: int | None = None,
     cfg.compile.enable = True  # the compiled step is what the passes plan
     p, t = cfg.parallelism, cfg.training
     graphs: dict[str, torch.fx.GraphModule] = {}
+    recompute_s = 0.0
 
     class _Captured(Exception):
         pass
 
     def partition(joint, inputs, **kwargs):
+        nonlocal recompute_s
+        t = time.perf_counter()
+        tag_gathers_for_recompute(joint, BlockPlan(keep_gathered_bytes=keep_gathered_bytes))
+        recompute_s = time.perf_counter() - t
         # Only the graphs are wanted: stop right after partitioning (nothing runs on fakes).
-        graphs["fw"], graphs["bw"] = min_cut_rematerialization_partition(
-            tag_gathers_for_recompute(joint, BlockPlan(keep_gathered_bytes=keep_gathered_bytes)),
-            inputs, **kwargs)
+        graphs["fw"], graphs["bw"] = min_cut_rematerialization_partition(joint, inputs, **kwargs)
         raise _Captured
 
     capture = aot_autograd(fw_compiler=lambda gm, _: gm, partition_fn=partition)
@@ -99,13 +103,14 @@ def trace(cfg, local_batch: int, n_layers: int | None = None,
                 raise
     finally:
         torch._dynamo.reset()
-    return Traced(graphs["fw"], graphs["bw"], time.perf_counter() - t0, local_numel,
-                  group_labels(mesh))
+    return Traced(graphs["fw"], graphs["bw"], time.perf_counter() - t0, recompute_s,
+                  local_numel, group_labels(mesh))
 
 
 def apply_plan(traced: Traced, name: str, hardware: str, cap_bytes: int | None):
     """Copies of the traced graphs with backend ``name``'s passes applied (on a gloo
-    ``hardware`` profile also the gloo lowerings, which the fake process group would skip)."""
+    ``hardware`` profile also the gloo lowerings, which the fake process group would skip);
+    for a backend without passes, the traced graphs themselves (to read, not to edit)."""
     from simplesharded.passes.bucketing import bucket_collectives
     from simplesharded.passes.coalesce_gathers import coalesce_gathers
     from simplesharded.passes.hardware import get_hardware
@@ -113,17 +118,23 @@ def apply_plan(traced: Traced, name: str, hardware: str, cap_bytes: int | None):
     from simplesharded.passes.planning import AutoPlan, BlockPlan
     from simplesharded.passes.reordering import reorder_for_overlap
 
-    fw, bw = copy.deepcopy(traced.fw), copy.deepcopy(traced.bw)
-    if name.endswith("bucketing"):
-        plan = (BlockPlan(memory_cap_bytes=cap_bytes) if "block" in name
-                else AutoPlan(hardware, cap_bytes))
-        gloo = get_hardware(hardware).transport == "gloo"
-        for gm in (fw, bw):
-            bucket_collectives(gm, plan)
-            reorder_for_overlap(gm, plan)
-            if gloo:
-                lower_reduce_scatters(gm, transports=None)
-                coalesce_gathers(gm, transports=None)
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    if not name.endswith("bucketing"):
+        return traced.fw, traced.bw
+    # Copies of the graphs in lazy graph modules (dynamo's own kind): nothing here runs them,
+    # so the passes' recompiles generate no code. Attributes stay shared: passes never
+    # write them.
+    fw, bw = (_LazyGraphModule(gm, copy.deepcopy(gm.graph)) for gm in (traced.fw, traced.bw))
+    plan = (BlockPlan(memory_cap_bytes=cap_bytes) if "block" in name
+            else AutoPlan(hardware, cap_bytes))
+    gloo = get_hardware(hardware).transport == "gloo"
+    for gm in (fw, bw):
+        bucket_collectives(gm, plan)
+        reorder_for_overlap(gm, plan)
+        if gloo:
+            lower_reduce_scatters(gm, transports=None)
+            coalesce_gathers(gm, transports=None)
     return fw, bw
 
 

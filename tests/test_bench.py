@@ -1,11 +1,13 @@
 """The benchmark CLIs: ratio arithmetic and target verdicts, argument errors, and real (tiny)
-runs of `python -m simplesharded.bench` and `python -m simplesharded.bench_collectives`."""
+runs of `python -m simplesharded.bench`, `python -m simplesharded.bench_collectives` and
+`python -m simplesharded.bench_passes`."""
 import json
+import re
 import sys
 
 import pytest
 
-from simplesharded import bench, bench_collectives
+from simplesharded import bench, bench_collectives, bench_passes
 
 
 def _run(variant, ms):
@@ -235,3 +237,16 @@ def test_bench_collectives_forms_agree(capfd):
                  "all_gather_coalesced"):
         assert f"| {form} |" in out
     assert "all_gather_coalesced / all_gather_flat CPU:" in out
+
+
+def test_bench_passes_times_every_pass_of_both_backends(capsys):
+    from pathlib import Path
+
+    config = Path(__file__).resolve().parent.parent / "configs" / "llama3_debug.toml"
+    assert bench_passes.main(["--config", str(config), "--world-size", "2", "--n-layers", "2",
+                              "--hardware", "local"]) == 0
+    out = capsys.readouterr().out
+    for name in bench_passes.BACKENDS:
+        for kind in ("fw", "bw"):
+            assert re.search(rf"\| {name} \| {kind} \|( [0-9.]+ \|){{5}}", out), out
+        assert re.search(rf"{name}: our passes [0-9.]+ s of a [0-9.]+ s compile", out), out

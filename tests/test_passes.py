@@ -564,6 +564,61 @@ def test_auto_plan_offers_a_small_first_gather_bucket():
     assert all(b[0] == 1 for b in ramped), shapes  # lowest rung here: one layer's weight
 
 
+@pytest.mark.parametrize("config", ["w8-bf16", "w2-auto"])
+def test_auto_plan_trials_score_what_the_passes_build(config):
+    """AutoPlan scores a candidate on a copy whose values are meta tensors, reusing the compute
+    time of the nodes the edits left alone: the same makespan as simulating the real passes'
+    result (fake values, every node costed afresh)."""
+    import copy
+
+    from simplesharded.passes.bucketing import bucketable, merge_buckets
+    from simplesharded.passes.hardware import get_hardware
+    from simplesharded.passes.planning import _rank_invariant_time, _Trials
+    from simplesharded.passes.reordering import reorder_graph
+    from simplesharded.passes.simulate import simulate
+
+    hw = get_hardware("local")
+    for which in ("fw", "bw"):
+        gm = graph(config, which)[1]
+        cands = AutoPlan().candidates(gm, bucketable(gm.graph), hw)
+        trials = _Trials(gm.graph, hw, None)
+        for keys in cands:
+            ref = copy.deepcopy(gm.graph)
+            merge_buckets(ref, bucketable(ref), keys)
+            reorder_graph(ref, None)
+            want = simulate(ref, hw, node_cost=_rank_invariant_time(ref, hw)).makespan
+            assert trials.makespan(tuple(keys)) == want
+
+
+def test_node_order_follows_moves_and_inserts():
+    """NodeOrder answers like a fresh enumeration of the graph after any moves and inserts,
+    also once a gap between two positions has no integer left."""
+    import random
+
+    from torch import fx
+
+    from simplesharded.passes.graph_utils import NodeOrder
+
+    class Dense(NodeOrder):
+        _GAP = 2  # gaps run out at once
+
+    rng = random.Random(0)
+    g = fx.Graph()
+    x = g.placeholder("x")
+    nodes = [g.call_function(torch.neg, (x,)) for _ in range(12)]
+    g.output(nodes[-1])
+    order = Dense(g)
+    for _ in range(400):
+        a, b = rng.sample(nodes, 2)
+        (order.move_before if rng.random() < 0.5 else order.move_after)(a, b)
+        if rng.random() < 0.3:
+            with g.inserting_before(b):
+                nodes.append(g.call_function(torch.neg, (x,)))
+        truth = {n: i for i, n in enumerate(g.nodes)}
+        p, q = rng.sample(list(g.nodes), 2)
+        assert (order[p] < order[q]) == (truth[p] < truth[q])
+
+
 # --------------------------------------------------------------------- capture sanity
 
 
