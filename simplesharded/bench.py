@@ -218,7 +218,7 @@ def _sync(device: str) -> None:
 
 
 def _worker(rank: int, variant: str, args: BenchArgs, port: int, out_dir: str) -> None:
-    from simplesharded.mesh import backend_for, build_mesh
+    from simplesharded.mesh import backend_for, build_mesh, exit_rank
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     world = _world(variant, args)
@@ -270,6 +270,7 @@ def _worker(rank: int, variant: str, args: BenchArgs, port: int, out_dir: str) -
         result.main_cpu_s, result.other_cpu_s = ((b - a) / args.steps for a, b in zip(cpu0, cpu1))
         result.collectives_per_step = _count_collectives(step, variant, rank, args.profile_dir)
         result.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        dist.barrier()  # the profiler is stopped and no collective is in flight on any rank
     except Exception as e:  # reported in the table, the other variants still run
         # the first non-empty line: some of torch's messages start with a newline
         first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
@@ -278,6 +279,7 @@ def _worker(rank: int, variant: str, args: BenchArgs, port: int, out_dir: str) -
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(asdict(result), f)
         dist.destroy_process_group()
+    exit_rank(0)  # gloo's threads outlive destroy_process_group: see exit_rank
 
 
 def run_variant(variant: str, args: BenchArgs) -> RunResult:

@@ -9,7 +9,9 @@ Nothing downstream may assume a number of dims: it asks :func:`dp_dims` / :func:
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -144,6 +146,23 @@ def init_distributed(device: str | None = None, timeout_s: float | None = None) 
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     return device
+
+
+def exit_rank(code: int = 0) -> NoReturn:
+    """End a spawned rank's process without interpreter shutdown: call it last, after
+    ``destroy_process_group`` and once everything the rank reports is written.
+
+    ``destroy_process_group`` does not stop gloo while anything still holds the group, and
+    DTensor's meshes, dynamo's caches and ``torch.distributed.nn.functional``'s defaults (bound
+    at import, which dynamo does after init) all do: gloo's worker and transport threads (rank
+    0's store server too) outlive it. Interpreter shutdown under them aborted ranks with SIGABRT
+    (a gloo thread dropping a finished collective's tensors needs the GIL; shutdown ends that
+    thread inside a destructor: std::terminate). ``os._exit`` runs no finalizer they can race.
+    See benchmarks/RESULTS.md, Session 6.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def build_mesh(dp_replicate: int = 1, dp_shard: int = -1, device: str | None = None,

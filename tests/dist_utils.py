@@ -26,6 +26,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
+from simplesharded.mesh import exit_rank
+
 # Environment every rank starts with: one thread per rank (2 cores are shared by up to 4
 # ranks). Inductor: its FX-graph and AOT-autograd caches are off (a cached graph would skip our
 # post-grad passes in these tests), but the compiled-kernel cache stays on in a private directory
@@ -94,8 +96,7 @@ def _entry(rank: int, world_size: int, port: int, outdir: str, timeout_s: float,
     with open(path + ".tmp", "wb") as f:
         pickle.dump(result, f)
     os.replace(path + ".tmp", path)
-    if result[0] == "error":
-        raise SystemExit(1)
+    exit_rank(1 if result[0] == "error" else 0)  # gloo outlives destroy_process_group
 
 
 def spawn(world_size: int, fn: Callable, *args, timeout_s: float = 300.0,
