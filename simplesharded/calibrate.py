@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from simplesharded.mesh import exit_rank
 from simplesharded.passes.comm_cost import RING_FACTOR
 from simplesharded.passes.hardware import Hardware, get_hardware
 
@@ -389,12 +390,12 @@ def _rank_main(rank: int, nproc: int, port: int, force: bool, queue) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=nproc)
-    try:
-        result = calibrated(force=force)
-        if rank == 0:
-            queue.put((result, str(cache_path(result["key"]))))
-    finally:
-        dist.destroy_process_group()
+    result = calibrated(force=force)
+    if rank == 0:
+        queue.put((result, str(cache_path(result["key"]))))
+    dist.barrier()
+    dist.destroy_process_group()
+    exit_rank(0)  # gloo's threads outlive the group: no interpreter shutdown under them
 
 
 def main(argv=None) -> int:
