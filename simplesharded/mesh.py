@@ -152,13 +152,11 @@ def exit_rank(code: int = 0) -> NoReturn:
     """End a spawned rank's process without interpreter shutdown: call it last, after
     ``destroy_process_group`` and once everything the rank reports is written.
 
-    ``destroy_process_group`` does not stop gloo while anything still holds the group, and
-    DTensor's meshes, dynamo's caches and ``torch.distributed.nn.functional``'s defaults (bound
-    at import, which dynamo does after init) all do: gloo's worker and transport threads (rank
-    0's store server too) outlive it. Interpreter shutdown under them aborted ranks with SIGABRT
-    (a gloo thread dropping a finished collective's tensors needs the GIL; shutdown ends that
-    thread inside a destructor: std::terminate). ``os._exit`` runs no finalizer they can race.
-    See benchmarks/RESULTS.md, Session 6.
+    ``destroy_process_group`` does not stop gloo while anything holds the group, and DTensor's
+    meshes, dynamo's caches and ``torch.distributed.nn.functional``'s defaults (bound when it is
+    imported, after init) do: gloo's threads, and rank 0's store server, outlive it. Interpreter
+    shutdown under them aborted ranks (SIGABRT; benchmarks/RESULTS.md, Session 6).
+    ``os._exit`` runs no finalizer or destructor they could race.
     """
     sys.stdout.flush()
     sys.stderr.flush()
