@@ -154,6 +154,13 @@ def compare(fingerprint: str, seq: int, timeout_s: float | None = None) -> None:
     sequences = [json.loads(store.get(k).decode()) for k in keys]
     mismatch = first_difference(sequences)
     if mismatch is not None:
+        # Rank 0 hosts the store: if it raised and exited while a peer was still reading,
+        # the peer would see "Connection reset by peer" instead of this message.
+        store.set(f"{keys[rank]}/read", "1")
+        try:
+            store.wait([f"{k}/read" for k in keys], datetime.timedelta(seconds=30))
+        except Exception:  # a peer that is gone cannot read any more: raise anyway
+            pass
         raise RuntimeError(mismatch)
 
 
