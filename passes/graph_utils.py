@@ -1,5 +1,6 @@
-"""Small FX helpers shared by the passes: create nodes with fake-tensor metadata, move nodes
-while keeping def-before-use."""
+"""Small FX helpers shared by the passes: create nodes with fake-tensor (or meta) metadata,
+move nodes while keeping def-before-use, and node positions that stay exact while nodes move
+(``NodeOrder``)."""
 from __future__ import annotations
 
 import contextlib

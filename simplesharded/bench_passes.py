@@ -4,7 +4,8 @@ Traces the config's training step as the trainer compiles it, over a fake proces
 --world-size ranks (dry_run.py: dynamo, aot_autograd, our joint recompute pass,
 partitioning), then runs the graph passes of the block- and autobucketing backends on copies
 of the forward and backward graphs, exactly as the backend pipeline calls them, and prints
-each pass's wall time and the passes' share of the whole compile (trace + passes). The
+each pass's time and the passes' share of the whole compile (trace + passes), in CPU seconds
+of this process: on a shared machine wall time also counts the others' work. The
 lowerings are the real backend's: on the fake process group they find no gloo group and
 return at once, as on NCCL. ``--n-layers`` traces that many blocks instead of the flavor's.
 """
@@ -33,7 +34,7 @@ def pass_times(traced, name: str, hardware: str) -> dict[str, dict[str, float]]:
     last = [0.0]
 
     def observe(kind, stage, gm):  # called before the first pass and after each
-        now = time.perf_counter()
+        now = time.process_time()
         if stage != "input":
             out[kind][stage] = now - last[0]
         last[0] = now
@@ -70,10 +71,10 @@ def main(argv=None) -> int:
     depth = ns.n_layers or "all"
     print(f"{cfg.model.name}/{cfg.model.flavor} ({depth} blocks) on {ns.world_size} ranks: "
           f"fw {len(traced.fw.graph.nodes)} nodes, bw {len(traced.bw.graph.nodes)} nodes; "
-          f"compile up to our graph passes {traced.trace_s:.1f} s (of which our recompute "
+          f"compile up to our graph passes {traced.trace_s:.1f} CPU s (of which our recompute "
           f"pass {traced.recompute_s:.2f} s)\n")
     stages = list(rows[0][1]["fw"])
-    print("| backend | graph | " + " | ".join(f"{s} s" for s in stages) + " | passes s |")
+    print("| backend | graph | " + " | ".join(f"{s} s" for s in stages) + " | passes CPU s |")
     print("|---|---|" + "---:|" * (len(stages) + 1))
     for name, times in rows:
         for kind in ("fw", "bw"):
@@ -84,7 +85,7 @@ def main(argv=None) -> int:
     for name, times in rows:
         ours = traced.recompute_s + sum(sum(t.values()) for t in times.values())
         total = traced.trace_s + ours - traced.recompute_s
-        print(f"{name}: our passes {ours:.1f} s of a {total:.1f} s compile "
+        print(f"{name}: our passes {ours:.1f} s of a {total:.1f} CPU s compile "
               f"({100 * ours / total:.0f} %)")
     return 0
 

@@ -38,8 +38,10 @@ def fake_world(world_size: int):
 class Traced:
     fw: torch.fx.GraphModule
     bw: torch.fx.GraphModule
-    trace_s: float  # the compile up to our graph passes: dynamo, aot_autograd, partitioning
-    recompute_s: float  # of which our joint-graph pass (passes/recompute.py)
+    # CPU seconds of this process (the machine may be shared) of the compile up to our graph
+    # passes (dynamo, aot_autograd, partitioning), and of our joint-graph pass within it
+    trace_s: float
+    recompute_s: float
     local_numel: int  # elements of rank 0's parameter shards (over dp and tp)
     group_labels: dict  # {process-group name: mesh dim} of the traced mesh
 
@@ -73,9 +75,9 @@ def trace(cfg, local_batch: int, n_layers: int | None = None,
 
     def partition(joint, inputs, **kwargs):
         nonlocal recompute_s
-        t = time.perf_counter()
+        t = time.process_time()
         tag_gathers_for_recompute(joint, BlockPlan(keep_gathered_bytes=keep_gathered_bytes))
-        recompute_s = time.perf_counter() - t
+        recompute_s = time.process_time() - t
         # Only the graphs are wanted: stop right after partitioning (nothing runs on fakes).
         graphs["fw"], graphs["bw"] = min_cut_rematerialization_partition(joint, inputs, **kwargs)
         raise _Captured
@@ -83,7 +85,7 @@ def trace(cfg, local_batch: int, n_layers: int | None = None,
     capture = aot_autograd(fw_compiler=lambda gm, _: gm, partition_fn=partition)
     if not dist.is_initialized():
         raise RuntimeError("trace needs a process group: call it inside fake_world(n)")
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     try:
         mesh = build_mesh(p.data_parallel_replicate_degree, p.data_parallel_shard_degree,
                           "cpu", p.tensor_parallel_degree)
@@ -103,7 +105,7 @@ def trace(cfg, local_batch: int, n_layers: int | None = None,
                 raise
     finally:
         torch._dynamo.reset()
-    return Traced(graphs["fw"], graphs["bw"], time.perf_counter() - t0, recompute_s,
+    return Traced(graphs["fw"], graphs["bw"], time.process_time() - t0, recompute_s,
                   local_numel, group_labels(mesh))
 
 
