@@ -70,9 +70,10 @@ def main(argv=None) -> int:
     ap.add_argument("--memory-cap-mb", type=float, default=0.0)
     ap.add_argument("--timeline", default=None, help="PNG path for the timeline")
     ap.add_argument("--timeline-plan", default="aot_eager_autobucketing")
-    ap.add_argument("--full-trace-layers", type=int, default=32,
-                    help="trace every block up to this depth (exact); deeper models are "
-                         "extrapolated from traces of 4 and 6 blocks")
+    ap.add_argument("--full-trace-layers", type=int, default=8,
+                    help="trace every block up to this depth; deeper models are extrapolated "
+                         "from traces of 4 and 6 blocks (blocks repeat, so the step is "
+                         "periodic in depth: llama3 8B's numbers are the same either way)")
     ns, rest = ap.parse_known_args(argv)
     try:
         hw = get_hardware(ns.hardware)
@@ -174,21 +175,9 @@ def _report(ns, cfg, hw, evaluated, keeps, sizes, n_layers, t0) -> None:
     drawn = None
     rows = []
 
-    def evaluate(name: str, keep) -> list[dict]:  # per trace
-        return [per_plan[name] for per_plan in evaluated[keep]]
-
     for name in ns.plans:
-        per_trace = evaluate(name, keeps[name])
-        m = per_trace[0] if len(per_trace) == 1 else _extrapolate(per_trace, n_layers)
-        if len(per_trace) > 1 and "autobucketing" in name:
-            # Cost-model buckets may span several blocks, so their grouping (and with it the
-            # gathered bytes in flight and the collective count) is not periodic in depth:
-            # scale those from the block plan of the same traces instead.
-            ref = evaluate("aot_eager_blockbucketing", keeps[name])
-            ref_m = _extrapolate(ref, n_layers)
-            m["peak_act"] = ref_m["peak_act"] + per_trace[-1]["peak_act"] - ref[-1]["peak_act"]
-            for key in [k for k in m if k == "collectives" or k.endswith(":count")]:
-                m[key] = ref_m.get(key, 0) * per_trace[-1][key] / max(1, ref[-1].get(key, 0))
+        per_trace = [per_plan[name] for per_plan in evaluated[keeps[name]]]
+        m = _numbers(name, evaluated[keeps[name]], n_layers)
         shard = m["local_numel"]
         static = sum(static_memory(shard, cfg.optimizer.name))
         step = m["fw_s"] + m["bw_s"] + 7 * 4 * shard / hw.mem_bw_Bps  # + AdamW, memory bound
@@ -216,6 +205,25 @@ def _report(ns, cfg, hw, evaluated, keeps, sizes, n_layers, t0) -> None:
                       f"{cfg.model.name}/{cfg.model.flavor}{shown}, {ns.world_size} × "
                       f"{hw.name}, plan {name}")
         print(f"timeline written to {ns.timeline}")
+
+
+def _numbers(name: str, per_trace: list[dict], n_layers: int) -> dict:
+    """Plan ``name``'s numbers at depth ``n_layers`` from ``per_trace`` ({plan: numbers} of
+    one full trace, or of the 4- and 6-block traces)."""
+    if len(per_trace) == 1:
+        return per_trace[0][name]
+    own = [numbers[name] for numbers in per_trace]
+    m = _extrapolate(own, n_layers)
+    if "autobucketing" in name:
+        # Cost-model buckets may span several blocks, so their grouping (and with it the
+        # gathered bytes in flight and the collective count) is not periodic in depth:
+        # scale those from the block plan of the same traces instead.
+        ref = [numbers["aot_eager_blockbucketing"] for numbers in per_trace]
+        ref_m = _extrapolate(ref, n_layers)
+        m["peak_act"] = ref_m["peak_act"] + own[-1]["peak_act"] - ref[-1]["peak_act"]
+        for key in [k for k in m if k == "collectives" or k.endswith(":count")]:
+            m[key] = ref_m.get(key, 0) * own[-1][key] / max(1, ref[-1].get(key, 0))
+    return m
 
 
 def _extrapolate(per_trace: list[dict], n_layers: int) -> dict:
