@@ -18,7 +18,6 @@ from typing import Callable
 
 import torch
 
-from simplesharded.calibrate import resolve_hardware
 from simplesharded.passes.bucketing import bucket_collectives
 from simplesharded.passes.coalesce_gathers import coalesce_gathers
 from simplesharded.passes.lowering import lower_reduce_scatters
@@ -57,12 +56,20 @@ class BackendOptions:
 _PLAN_OPTIONS = ("reshard_after_forward", "memory_cap_bytes", "bucket_patterns")
 
 
+def _hardware(opts: BackendOptions):
+    # imported here, not at the top: `python -m simplesharded.calibrate` runs that module as
+    # __main__, and an import from the package's __init__ would load it a second time
+    from simplesharded.calibrate import resolve_hardware
+
+    return resolve_hardware(opts.hardware)
+
+
 def _plan(kind: str, opts: BackendOptions) -> Plan:
     """The plan every pass of the backend reads: ``opts.plan``, else the built-in one."""
     if opts.plan is not None:
         return opts.plan
     if kind == "auto":
-        return AutoPlan(resolve_hardware(opts.hardware), opts.memory_cap_bytes,
+        return AutoPlan(_hardware(opts), opts.memory_cap_bytes,
                         reshard_after_forward=opts.reshard_after_forward)
     return BlockPlan(tuple(opts.bucket_patterns), opts.memory_cap_bytes,
                      reshard_after_forward=opts.reshard_after_forward)
@@ -93,7 +100,7 @@ def _ours(compiler: str, kind: str, opts: BackendOptions) -> Callable:
 
 def _upstream(compiler: str, opts: BackendOptions) -> Callable:
     passes = [("upstream", functools.partial(upstream_overlap_bucketing,
-                                             hardware=resolve_hardware(opts.hardware)))]
+                                             hardware=_hardware(opts)))]
     return _compile(compiler, _pipeline(opts, _plan("block", opts), passes))
 
 

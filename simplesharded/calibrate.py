@@ -372,7 +372,7 @@ def format_report(result: dict, path: Path | None = None) -> str:
              f"  elementwise   {hw['mem_bw_Bps'] / 1e9:8.2f} GB/s",
              f"  memory        {hw['memory_bytes'] / 2**30:8.1f} GiB"]
     for kind, c in m.get("collectives", {}).items():
-        lines.append(f"  {kind:<14}latency {c['alpha_s'] * 1e3:7.3f} ms   bus bandwidth "
+        lines.append(f"  {kind:<15}latency {c['alpha_s'] * 1e3:7.3f} ms   bus bandwidth "
                      f"{c['bandwidth_Bps'] / 1e9:7.3f} GB/s")
     if "overlap" in m:
         o = m["overlap"]
