@@ -176,17 +176,17 @@ def _report(ns, cfg, hw, evaluated, keeps, sizes, n_layers, t0) -> None:
     rows = []
 
     for name in ns.plans:
-        per_trace = [per_plan[name] for per_plan in evaluated[keeps[name]]]
         m = _numbers(name, evaluated[keeps[name]], n_layers)
+        last = evaluated[keeps[name]][-1][name]  # the deepest trace: its links and timeline
         shard = m["local_numel"]
         static = sum(static_memory(shard, cfg.optimizer.name))
         step = m["fw_s"] + m["bw_s"] + 7 * 4 * shard / hw.mem_bw_Bps  # + AdamW, memory bound
         print(f"| {name} | {step:.3f} | {m['exposed_s']:.3f} | {m['comm_bytes'] / 1e9:.2f} | "
               f"{m['collectives']:.0f} | {tokens / step:,.0f} | "
               f"{(static + m['peak_act']) / 2**30:.1f} |")
-        rows += [(name, label, link, m) for label, link in per_trace[-1]["links"].items()]
+        rows += [(name, label, link, m) for label, link in last["links"].items()]
         if drawn is None or name == ns.timeline_plan:
-            drawn = (name, per_trace[-1], static, m["peak_act"])
+            drawn = (name, last, static, m["peak_act"])
     print("\ncommunication per process group, per rank and step (comm s: transfer time on the "
           "group's link; exposed s: compute waiting for it)\n\n"
           "| plan | group | link | collectives | GB/rank | comm s | exposed s |\n"

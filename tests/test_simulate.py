@@ -144,6 +144,30 @@ def test_static_memory_matches_real_shards(world, mode):
 DEBUG_CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "llama3_debug.toml")
 
 
+def _plan_rows(capsys, *extra) -> dict[str, list[str]]:
+    from simplesharded import plan
+
+    assert plan.main(["--config", DEBUG_CONFIG, "--world-size", "8",
+                      "--hardware", "h100-ib400", *extra]) == 0
+    out = capsys.readouterr().out
+    return {cells[0]: cells[1:] for line in out.splitlines() if line.startswith("| aot_eager")
+            for cells in [[c.strip() for c in line.strip("|").split("|")]]}
+
+
+@pytest.mark.slow
+def test_plan_extrapolation_agrees_with_full_trace_at_the_traced_depth(capsys):
+    """The 6-block debug model traced in full vs "extrapolated" from its 4- and 6-block traces:
+    at depth 6 the extrapolation (linear for the periodic plans, scaled from the block plan
+    for autobucketing) must give the full trace's numbers. Covers the CLI end to end, with
+    the plans' own keep budgets (one trace per distinct budget)."""
+    # "auto": the block and autobucketing plans see different traces (their own keep budgets)
+    args = ("--parallelism.reshard_after_forward", "auto")
+    full = _plan_rows(capsys, *args)
+    extrapolated = _plan_rows(capsys, "--full-trace-layers", "2", *args)
+    assert set(full) == {"aot_eager", "aot_eager_blockbucketing", "aot_eager_autobucketing"}
+    assert full == extrapolated, (full, extrapolated)
+
+
 @pytest.mark.slow
 def test_plan_extrapolation_from_4_and_6_blocks_equals_a_full_trace_of_8():
     """`plan` traces models deeper than --full-trace-layers at 4 and 6 blocks and extrapolates
@@ -154,7 +178,6 @@ def test_plan_extrapolation_from_4_and_6_blocks_equals_a_full_trace_of_8():
     from simplesharded import plan
     from simplesharded.config import load_config
     from simplesharded.passes.hardware import get_hardware
-
     from simplesharded.train import check_static
 
     # Llama 3 8B's shapes at 64 ranks, the case `plan` extrapolates by default (32 blocks)
