@@ -2,8 +2,8 @@
 
 Every variant trains the same model on the same synthetic batch in its own spawned process
 group; variants alternate within each repetition so drift hits all of them alike. Reported:
-median step time, ratios, collectives per step counted at runtime by the profiler (the same
-way for eager and compiled variants), compile seconds (first step minus a steady step, first
+median step time, ratios, collectives per step counted at runtime from the process groups'
+sequence numbers (the same way for eager and compiled variants), compile seconds (first step minus a steady step, first
 repetition), peak RSS per rank and rank 0's losses of the first steps, which must agree across
 variants (see PARITY_STEPS): they compute the same thing or the comparison is void.
 
@@ -105,7 +105,7 @@ class BenchArgs:
     steps: int = 20
     seed: int = 0
     optimizer_impl: str = "foreach"  # AdamW kernels for every variant (as the trainer's default)
-    profile_dir: str = ""  # when set: torch.profiler trace + op table per rank for 2 steps
+    profile_dir: str = ""  # when set: torch.profiler trace + op table per rank of one more step
     device: str = "cpu"  # or an accelerator type ("cuda"): one device per rank
 
     @property
@@ -176,20 +176,26 @@ def _prepare(variant: str, args: BenchArgs, mesh):
     return model, opt
 
 
-def _count_collectives(step, variant: str, rank: int, profile_dir: str) -> int:
-    """Collectives issued by one step, from profiler events of the process-group backend;
-    with ``profile_dir`` also a chrome trace and the top ops by self CPU time per rank."""
+def _collectives_issued(meshes) -> int:
+    """Collectives issued so far on every process group a variant can use (the world group and
+    each dim of ``meshes``), from the groups' own sequence numbers: each collective, coalesced
+    or not, advances its group's by one. No profiler is involved, so counting adds no thread
+    callbacks and no imports to the timed process."""
+    groups = {id(g): g for g in [dist.group.WORLD]
+              + [m.get_group(d) for m in meshes for d in range(m.ndim)]}
+    return sum(g._get_sequence_number_for_group() for g in groups.values())
+
+
+def _profile_step(step, variant: str, rank: int, profile_dir: str) -> None:
+    """One step under torch.profiler: a chrome trace and the top ops by self CPU time."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step()
-    names = [e.name for e in prof.events()]
-    if profile_dir:
-        os.makedirs(profile_dir, exist_ok=True)
-        stem = os.path.join(profile_dir, f"{variant}_rank{rank}")
-        prof.export_chrome_trace(stem + ".json")
-        with open(stem + ".txt", "w") as f:
-            f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
-    return sum(1 for n in names if n.startswith(("gloo:", "nccl:")))
+    os.makedirs(profile_dir, exist_ok=True)
+    stem = os.path.join(profile_dir, f"{variant}_rank{rank}")
+    prof.export_chrome_trace(stem + ".json")
+    with open(stem + ".txt", "w") as f:
+        f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
 
 def _thread_cpu_s() -> tuple[float, float]:
@@ -268,9 +274,16 @@ def _worker(rank: int, variant: str, args: BenchArgs, port: int, out_dir: str) -
             result.step_s.append(time.perf_counter() - t0)
         cpu1 = _thread_cpu_s()
         result.main_cpu_s, result.other_cpu_s = ((b - a) / args.steps for a, b in zip(cpu0, cpu1))
-        result.collectives_per_step = _count_collectives(step, variant, rank, args.profile_dir)
+        from simplesharded.mesh import dp_mesh
+        meshes = (mesh, dp_mesh(mesh))
+        issued = _collectives_issued(meshes)
+        step()
+        result.collectives_per_step = _collectives_issued(meshes) - issued
+        if args.profile_dir:
+            dist.barrier()
+            _profile_step(step, variant, rank, args.profile_dir)
         result.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        dist.barrier()  # the profiler is stopped and no collective is in flight on any rank
+        dist.barrier()  # no collective is in flight on any rank
     except Exception as e:  # reported in the table, the other variants still run
         # the first non-empty line: some of torch's messages start with a newline
         first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
