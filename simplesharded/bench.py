@@ -4,7 +4,7 @@ Every variant trains the same model on the same synthetic batch in its own spawn
 group; variants alternate within each repetition so drift hits all of them alike. Reported:
 median step time, ratios, collectives per step counted at runtime from the process groups'
 sequence numbers (the same way for eager and compiled variants), compile seconds (first step minus a steady step, first
-repetition), peak RSS per rank and rank 0's losses of the first steps, which must agree across
+repetition), peak tensor memory per rank (and the planner's prediction of it) and rank 0's losses of the first steps, which must agree across
 variants (see PARITY_STEPS): they compute the same thing or the comparison is void.
 
 ``--device cuda`` (or this machine's other accelerator type) runs rank r on device r mod the
@@ -22,7 +22,6 @@ import argparse
 import contextlib
 import json
 import os
-import resource
 import socket
 import statistics
 import sys
@@ -119,7 +118,7 @@ class RunResult:
     step_s: list[float] = field(default_factory=list)
     first_step_s: float = 0.0
     collectives_per_step: int = 0
-    peak_rss_mb: float = 0.0
+    peak_mem_mb: float = 0.0  # tensors alive at once in a step (see _step_peak_bytes)
     main_cpu_s: float = 0.0  # CPU time per timed step: the main (compute) thread
     other_cpu_s: float = 0.0  # ... every other thread (gloo's workers, autograd, ...)
     losses: list[float] = field(default_factory=list)  # rank 0's, first PARITY_STEPS steps
@@ -196,6 +195,50 @@ def _profile_step(step, variant: str, rank: int, profile_dir: str) -> None:
     prof.export_chrome_trace(stem + ".json")
     with open(stem + ".txt", "w") as f:
         f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
+
+def _resident_bytes(model, opt) -> int:
+    """Bytes of the tensors a rank holds between steps: its parameter shards (local parts of
+    DTensors), buffers and optimizer state, each storage once."""
+    from torch.distributed.tensor import DTensor
+    tensors = [*model.parameters(), *model.buffers(),
+               *(v for state in opt.state.values() for v in state.values()
+                 if isinstance(v, torch.Tensor))]
+    storages = {}
+    for t in tensors:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def _step_peak_bytes(step, model, opt, device: str) -> int:
+    """Peak bytes of live tensors on this rank during one step (gradients zeroed before it,
+    parameter shards and optimizer state included; allocator caches and compile-time memory
+    not). On an accelerator its allocator's peak. On CPU, which keeps no such count: what the
+    rank holds between steps plus the highest running total of bytes allocated and not yet
+    freed during the step, from torch.profiler's memory events (every allocation and free of
+    a tensor made while it records)."""
+    opt.zero_grad(set_to_none=True)
+    if device != "cpu":
+        torch.accelerator.reset_peak_memory_stats()
+        step()
+        _sync(device)
+        return torch.accelerator.max_memory_allocated()
+    from torch.profiler import ProfilerActivity, profile
+    resident = _resident_bytes(model, opt)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = [e["args"] for e in json.load(f)["traceEvents"] if e.get("name") == "[memory]"]
+    if not events:
+        return resident
+    # "Total Allocated": the allocator's running total, kept while memory is profiled; a free
+    # of a tensor made before the step is not in it (nor was its allocation)
+    start = events[0]["Total Allocated"] - events[0]["Bytes"]
+    return resident + max(0, max(e["Total Allocated"] for e in events) - start)
 
 
 def _thread_cpu_s() -> tuple[float, float]:
@@ -282,7 +325,7 @@ def _worker(rank: int, variant: str, args: BenchArgs, port: int, out_dir: str) -
         if args.profile_dir:
             dist.barrier()
             _profile_step(step, variant, rank, args.profile_dir)
-        result.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        result.peak_mem_mb = _step_peak_bytes(step, model, opt, args.device) / 2**20
         dist.barrier()  # no collective is in flight on any rank
     except Exception as e:  # reported in the table, the other variants still run
         # the first non-empty line: some of torch's messages start with a newline
@@ -305,7 +348,7 @@ def run_variant(variant: str, args: BenchArgs) -> RunResult:
         ranks = [RunResult(**json.load(open(os.path.join(out_dir, f"rank{r}.json"))))
                  for r in range(world)]
     res = ranks[0]
-    res.peak_rss_mb = max(r.peak_rss_mb for r in ranks)
+    res.peak_mem_mb = max(r.peak_mem_mb for r in ranks)
     res.error = next((r.error for r in ranks if r.error), "")
     return res
 
@@ -321,7 +364,7 @@ def summarize(results: dict[str, list[RunResult]], args: BenchArgs) -> list[dict
         rows.append({"variant": variant, "step_ms": 1e3 * med,
                      "compile_s": max(0.0, ok[0].first_step_s - med),
                      "collectives_per_step": ok[0].collectives_per_step,
-                     "peak_rss_mb": max(r.peak_rss_mb for r in ok), "reps": len(ok),
+                     "peak_mem_mb": max(r.peak_mem_mb for r in ok), "reps": len(ok),
                      "main_cpu_ms": 1e3 * statistics.median(r.main_cpu_s for r in ok),
                      "other_cpu_ms": 1e3 * statistics.median(r.other_cpu_s for r in ok),
                      "losses": [r.losses for r in ok]})
@@ -337,7 +380,7 @@ def summarize(results: dict[str, list[RunResult]], args: BenchArgs) -> list[dict
 def format_table(rows: list[dict], args: BenchArgs) -> str:
     refs = [ref for ref in RATIO_REFS if any(f"x_{ref}" in r for r in rows)]
     cols = (["variant", "step ms"] + [f"× {RATIO_REFS[ref]}" for ref in refs]
-            + ["collectives/step", "compile s", "peak RSS MB/rank",
+            + ["collectives/step", "compile s", "peak tensor MB/rank", "planned MB/rank",
                "CPU ms/step main + other threads"]
             + [f"loss step {k + 1}" for k in range(PARITY_STEPS)])
     lines = ["| " + " | ".join(cols) + " |", "|---|" + "---:|" * (len(cols) - 1)]
@@ -350,9 +393,10 @@ def format_table(rows: list[dict], args: BenchArgs) -> str:
         first = (r.get("losses") or [[]])[0]  # the first repetition's
         losses = " | ".join(f"{first[k]:.6f}" if k < len(first) else "–"
                             for k in range(PARITY_STEPS))
+        planned = f"{r['planned_mb']:.0f}" if "planned_mb" in r else "–"
         lines.append(f"| {r['variant']} | {r['step_ms']:.0f} | {ratios}"
                      f"{r['collectives_per_step']} | "
-                     f"{r['compile_s']:.1f} | {r['peak_rss_mb']:.0f} | "
+                     f"{r['compile_s']:.1f} | {r['peak_mem_mb']:.0f} | {planned} | "
                      f"{r.get('main_cpu_ms', 0):.0f} + {r.get('other_cpu_ms', 0):.0f} | "
                      f"{losses} |")
     return "\n".join(lines)
@@ -398,6 +442,36 @@ def targets(rows: list[dict]) -> list[str]:
     return out
 
 
+# Variants whose step the planner models without calibration (simplesharded/plan.py) → its plan
+# names. The autobucketing plan's buckets follow the ranks' calibrated cost model, which the
+# bench's parent process does not hold, so it has no prediction here (`python -m
+# simplesharded.plan --hardware <calibration file>` gives one).
+PLANNED = {"ss_aot_eager": "aot_eager", "ss_aot_eager_blockbucketing": "aot_eager_blockbucketing"}
+
+
+def planned_peaks(args: BenchArgs, variants: list[str]) -> dict[str, float]:
+    """{variant: per-rank peak MB the planner predicts for it}, for the variants of PLANNED on
+    a CPU mesh without tp, when the trainer knows the model (its config describes the step)."""
+    names = {v: PLANNED[v] for v in variants if v in PLANNED}
+    if not names or args.tp > 1 or args.device != "cpu":
+        return {}
+    from simplesharded.config import load_config
+    from simplesharded.plan import predicted_peak_bytes
+    from simplesharded.train import check_static
+    try:
+        cfg = load_config(None, ["--model.name", args.model, "--model.flavor", args.flavor,
+                                 "--training.global_batch_size", str(args.global_batch),
+                                 "--training.seq_len", str(args.seq_len),
+                                 "--training.dataset_path", "",
+                                 "--activation_checkpoint.mode", "none"])
+        cfg = check_static(cfg, args.world_size)
+    except ValueError:  # a model the trainer does not build (hf_llama)
+        return {}
+    peaks = predicted_peak_bytes(cfg, args.world_size, sorted(set(names.values())), "local",
+                                 args.n_layers)
+    return {v: peaks[name] / 2**20 for v, name in names.items()}
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -441,6 +515,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu",
                     help="cpu: gloo ranks (default); cuda (this machine's accelerator type): "
                          "one device per rank, NCCL for cuda")
+    ap.add_argument("--predict-memory", action=argparse.BooleanOptionalAction, default=True,
+                    help="also print the planner's predicted peak memory per rank for "
+                         + " ".join(PLANNED) + " (a trace of the model, seconds to a minute)")
     ap.add_argument("--profile", default="", metavar="DIR",
                     help="write a torch.profiler chrome trace and op table per variant and rank")
     ns = ap.parse_args(argv)
@@ -498,6 +575,10 @@ def main(argv=None) -> int:
             print(f"[rep {rep + 1}/{ns.reps}] {v}: {status} ({time.time() - t0:.0f}s)",
                   file=sys.stderr, flush=True)
     rows = summarize(results, args)
+    planned = planned_peaks(args, variants) if ns.predict_memory else {}
+    for r in rows:
+        if r["variant"] in planned:
+            r["planned_mb"] = planned[r["variant"]]
     depth = f" ({args.n_layers} layers)" if args.n_layers else ""
     mesh = f" = dp {args.dp} × tp {tp}" if tp > 1 else ""
     from simplesharded.mesh import backend_for

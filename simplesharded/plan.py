@@ -99,22 +99,45 @@ def main(argv=None) -> int:
     sizes = [None] if n_layers <= ns.full_trace_layers else [4, 6]
     t0 = time.perf_counter()
     cap = int(ns.memory_cap_mb * 2**20) or None
+    evaluated, keeps = evaluate_plans(cfg, ns, hw, cap, ns.plans, sizes)
+    _report(ns, cfg, hw, evaluated, keeps, sizes, n_layers, t0)
+    return 0
+
+
+def evaluate_plans(cfg, ns, hw, cap, plans, sizes) -> tuple[dict, dict]:
+    """Every plan of ``plans`` on traces of ``sizes`` blocks (None: the flavor's depth) of
+    ``cfg``'s compiled step over ``ns.world_size`` fake ranks, cost model ``ns.hardware``:
+    ({keep budget: [{plan: numbers} per trace size]}, {plan: its keep budget})."""
+    from simplesharded.passes.planning import AutoPlan
     # reshard_after_forward="auto" is decided on the joint graph: the autobucketing plan keeps
     # blocks within its budget, the others the last block; one trace per distinct decision.
-    from simplesharded.passes.planning import AutoPlan
     keeps = {name: AutoPlan(ns.hardware, cap).keep_gathered_bytes
-             if "autobucketing" in name and p.reshard == "auto" else None
-             for name in ns.plans}
-    # Each plan on each trace, as {keep: [{plan: numbers} per trace size]}. The autobucketing
-    # extrapolation also needs the block plan of its traces.
-    need = {keep: {n for n in ns.plans if keeps[n] == keep} for keep in keeps.values()}
+             if "autobucketing" in name and cfg.parallelism.reshard == "auto" else None
+             for name in plans}
+    # The autobucketing extrapolation also needs the block plan of its traces.
+    need = {keep: {n for n in plans if keeps[n] == keep} for keep in keeps.values()}
     for keep, names in need.items():
         if len(sizes) > 1 and any("autobucketing" in n for n in names):
             names.add("aot_eager_blockbucketing")
     evaluated = {keep: [_in_child(_trace_and_evaluate, cfg, ns, hw, cap, k, keep, sorted(names))
                         for k in sizes] for keep, names in need.items()}
-    _report(ns, cfg, hw, evaluated, keeps, sizes, n_layers, t0)
-    return 0
+    return evaluated, keeps
+
+
+def predicted_peak_bytes(cfg, world_size: int, plans, hardware: str = "local",
+                         n_layers: int | None = None) -> dict[str, int]:
+    """{plan: per-rank peak bytes the planner predicts} for ``cfg``'s compiled step on
+    ``world_size`` ranks, every block traced (``n_layers`` of them; None: the flavor's):
+    fp32 shards, gradients and optimizer state plus the graphs' peak of gathered buffers and
+    activations."""
+    from simplesharded.passes.hardware import get_hardware
+    ns = argparse.Namespace(world_size=world_size, hardware=hardware)
+    evaluated, keeps = evaluate_plans(cfg, ns, get_hardware(hardware), None, plans, [n_layers])
+    out = {}
+    for name in plans:
+        m = evaluated[keeps[name]][0][name]
+        out[name] = sum(static_memory(m["local_numel"], cfg.optimizer.name)) + m["peak_act"]
+    return out
 
 
 def _trace_and_evaluate(cfg, ns, hw, cap, n_layers, keep, names) -> dict[str, dict]:
