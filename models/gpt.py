@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from simplesharded.loss import lm_loss
+
 
 @dataclass
 class GPTArgs:
@@ -106,12 +108,17 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters()) - self.wpe.weight.numel()
         return 6 * n + 12 * a.n_layers * a.dim * seq_len
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B, S] (int64) -> logits [B, S, vocab_size]."""
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
+                loss_chunks: int = 0) -> torch.Tensor:
+        """tokens [B, S] (int64) -> logits [B, S, vocab_size]; with ``labels``: their summed
+        cross-entropy in ``loss_chunks`` chunks of tokens, as Llama3.forward."""
         S = tokens.shape[1]
         if S > self.args.max_seq_len:
             raise ValueError(f"sequence length {S} exceeds max_seq_len={self.args.max_seq_len}")
         h = self.wte(tokens) + self.wpe(torch.arange(S, device=tokens.device))
         for block in self.blocks.values():
             h = block(h)
-        return self.head(self.ln_f(h))
+        h = self.ln_f(h)
+        if labels is not None:
+            return lm_loss(h, self.head, labels, loss_chunks)
+        return self.head(h)

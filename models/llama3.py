@@ -19,6 +19,8 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
                                                RowwiseParallel, SequenceParallel)
 
+from simplesharded.loss import lm_loss
+
 
 @dataclass
 class Llama3Args:
@@ -246,8 +248,12 @@ class Llama3(nn.Module):
         nn.init.ones_(self.norm.weight)
         trunc_normal_init_(self.output.weight, self.args.dim ** -0.5)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B, S] (int64) -> logits [B, S, vocab_size] in the parameters' dtype."""
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
+                loss_chunks: int = 0) -> torch.Tensor:
+        """tokens [B, S] (int64) -> logits [B, S, vocab_size] in the parameters' dtype; with
+        ``labels`` [B, S]: their summed cross-entropy instead (fp32 scalar), computed in
+        ``loss_chunks`` chunks of tokens so the full logits never exist at once (0 = auto,
+        1 = unchunked; simplesharded/loss.py)."""
         S = tokens.shape[1]
         if S > self.args.max_seq_len:
             raise ValueError(f"sequence length {S} exceeds max_seq_len={self.args.max_seq_len}")
@@ -255,7 +261,10 @@ class Llama3(nn.Module):
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, freqs_cis)
-        return self.output(self.norm(h))
+        h = self.norm(h)
+        if labels is not None:
+            return lm_loss(h, self.output, labels, loss_chunks)
+        return self.output(h)
 
     def tp_plan(self, sequence_parallel: bool = True, loss_parallel: bool = False) -> dict:
         """Tensor-parallel plan for ``parallelize_module(model, mesh["tp"], plan)``: module FQN

@@ -80,6 +80,10 @@ class Training:
         "float32", "dtype of gradient reduction", ("float32", "bfloat16", "float16"))
     grad_reduction: str = _opt(
         "sum", "sum: loss normalised by global token count; avg: mean over ranks", ("avg", "sum"))
+    loss_chunks: int = _opt(
+        0, "cross-entropy in N chunks of a micro-batch's tokens, so the full fp32 logits never "
+        "exist at once; 0 = auto (chunks of at most 2**26 logits, 256 MiB in fp32), 1 = "
+        "unchunked; with tensor parallelism 0 or 1 only")
     val_every: int = _opt(0, "validate every N steps; 0 = off")
     val_steps: int = _opt(4, "batches per validation")
     on_nonfinite: str = _opt("stop", "action on a NaN/inf loss or grad norm", ("skip", "stop"))
@@ -416,6 +420,11 @@ def validate(cfg: Config, backends: Iterable[str] | None = None) -> None:
     need(p.data_parallel_shard_degree == -1 or p.data_parallel_shard_degree >= 1,
          "parallelism.data_parallel_shard_degree", "-1 (fill the world) or >= 1")
     need(cfg.checkpoint.load_step >= -1, "checkpoint.load_step", ">= -1")
+    need(t.loss_chunks >= 0, "training.loss_chunks",
+         ">= 0 (0 = auto, 1 = unchunked, N = chunks of tokens)")
+    need(t.loss_chunks <= 1 or p.tensor_parallel_degree == 1, "training.loss_chunks",
+         "0 (auto) or 1 with parallelism.tensor_parallel_degree > 1 (chunking needs a plain, "
+         "not a tensor-parallel, output projection)")
     need(o.lr > 0, "optimizer.lr", "> 0")
     need(o.eps > 0, "optimizer.eps", "> 0")
     need(0 <= o.beta1 < 1, "optimizer.beta1", "in [0, 1)")

@@ -19,7 +19,6 @@ import time
 import torch
 import torch.distributed as dist
 import torch.fx.traceback as fx_traceback
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
@@ -207,6 +206,8 @@ class Trainer:
         # the same batch.
         self.tp = p.tensor_parallel_degree
         self.loss_parallel = uses_loss_parallel(cfg)
+        # chunking needs a plain output projection: under tp, auto (0) means unchunked
+        self.loss_chunks = 1 if self.tp > 1 else t.loss_chunks
         torch.manual_seed(cfg.job.seed)
         self.data = build_data(cfg, self.rank // self.tp, self.world // self.tp)
         model = build_model(cfg.model.name, cfg.model.flavor, device="meta")
@@ -235,11 +236,15 @@ class Trainer:
         self.step = 0
 
     # ------------------------------------------------------------------ steps
-    def loss_fn(self, logits, labels):
-        """Summed cross-entropy. Under loss parallelism the logits are a DTensor sharded on the
-        vocabulary over tp: torch's loss_parallel computes the same log-softmax with the max
-        and the sum of exponentials all-reduced over tp (no rank materialises full logits)."""
-        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
+    def forward_loss(self, fn, inputs, labels):
+        """Summed cross-entropy of ``fn`` (the compiled step or the model) on one micro-batch,
+        computed in the model's forward: compiled, the loss and the output projection's gather
+        are in the model's graph, and with ``training.loss_chunks`` != 1 the full fp32 logits
+        never exist at once (simplesharded/loss.py). Under loss parallelism the logits are a
+        DTensor sharded on the vocabulary over tp: torch's loss_parallel computes the same
+        log-softmax with the max and the sum of exponentials all-reduced over tp (no rank
+        materialises full logits)."""
+        return fn(inputs.to(self.device), labels.to(self.device), loss_chunks=self.loss_chunks)
 
     def _loss_context(self):
         return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
@@ -254,9 +259,8 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for _ in range(t.gradient_accumulation_steps):
             inputs, labels = next(self.data.train)
-            inputs, labels = inputs.to(self.device), labels.to(self.device)
             with self._loss_context():  # backward too: the loss's own backward is parallel
-                loss = self.loss_fn(self.step_fn(inputs), labels)
+                loss = self.forward_loss(self.step_fn, inputs, labels)
                 (loss / denom).backward()
             loss_sum += local_loss(loss.detach())
         norm = grad_norm_and_clip(self.params, t.max_norm)
@@ -284,8 +288,7 @@ class Trainer:
         for _ in range(self.cfg.training.val_steps):
             inputs, labels = next(loader)
             with self._loss_context():
-                total += local_loss(self.loss_fn(self.model(inputs.to(self.device)),
-                                             labels.to(self.device)))
+                total += local_loss(self.forward_loss(self.model, inputs, labels))
         dist.all_reduce(total)
         n = (self.cfg.training.val_steps * loader.global_batch_size * self.cfg.training.seq_len
              * self.tp)

@@ -156,6 +156,25 @@ def test_value_checks():
             load(None, argv)
 
 
+def test_loss_chunks_values():
+    """training.loss_chunks: 0 = auto (default), 1 = unchunked, N = chunks; under tensor
+    parallelism 0 or 1 only."""
+    assert Config().training.loss_chunks == 0
+    assert load(None, ["--training.loss_chunks", "8"]).training.loss_chunks == 8
+    with pytest.raises(ValueError) as e:
+        load(None, ["--training.loss_chunks", "-1"])
+    assert str(e.value) == ("training.loss_chunks=-1 must be >= 0 (0 = auto, 1 = unchunked, "
+                            "N = chunks of tokens)")
+    with pytest.raises(ValueError, match=r"training.loss_chunks expects int, got 'auto'"):
+        load(None, ["--training.loss_chunks", "auto"])
+    tp = ["--parallelism.tensor_parallel_degree", "2"]
+    for ok in ("0", "1"):
+        load(None, [*tp, "--training.loss_chunks", ok])
+    with pytest.raises(ValueError, match=r"training.loss_chunks=4 must be 0 \(auto\) or 1 with "
+                                         r"parallelism.tensor_parallel_degree > 1"):
+        load(None, [*tp, "--training.loss_chunks", "4"])
+
+
 def test_backend_check_and_alias():
     with pytest.raises(ValueError, match=r"compile.backend='aot_eagr' is not one of \["):
         load(None, ["--compile.backend", "aot_eagr"])

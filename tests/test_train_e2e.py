@@ -230,12 +230,15 @@ def eager2(tmp_path_factory):
 @pytest.mark.slow
 def test_loss_falls_compiled_blockbucketing_alias(tmp_path, eager2):
     """30 steps of llama3 debug on 2 ranks, compiled through the `model_backend_override`
-    alias with block bucketing: the loss falls clearly, validation loss falls, and the first
-    steps equal the eager run's (aot_eager + bucketing reorders collectives only)."""
+    alias with block bucketing and the loss in 3 chunks of tokens (64 per rank: uneven
+    chunks): the loss falls clearly, validation loss falls, and the first steps equal the
+    eager run's, whose loss is unchunked (loss_chunks auto = 1 at this size): aot_eager +
+    bucketing reorders collectives only, and the chunked loss has the unchunked gradient."""
     _, ref = eager2
     r = run_ok(train_cmd(2, *COMMON, "--training.steps", "30", "--training.val_every", "10",
                          "--compile.enable", "--compile.model_backend_override",
-                         "aot_eager_blockbucketing", "--job.dump_folder", str(tmp_path)),
+                         "aot_eager_blockbucketing", "--training.loss_chunks", "3",
+                         "--job.dump_folder", str(tmp_path)),
                tmp_path)
     assert "compile=aot_eager_blockbucketing" in r.stdout, r
     recs = read_records(tmp_path)
@@ -470,6 +473,8 @@ def test_run_train_sh_config_errors_before_torchrun(tmp_path):
                               ["--parallelism.data_parallel_shard_degree", "2"],
                               ["parallelism.data_parallel_shard_degree=2", "world size 4"]),
         "NGPU not a number": ({"NGPU": "two"}, [], ["NGPU='two'", "positive integer"]),
+        "loss chunks": ({}, ["--training.loss_chunks", "-2"],
+                        ["training.loss_chunks=-2", ">= 0 (0 = auto, 1 = unchunked"]),
     }
     cmds = [run_train_sh(env, *args, *dump) for env, args, _ in cases.values()]
     results = run_many(cmds, tmp_path, timeout=180)
