@@ -56,10 +56,11 @@ def trace(cfg, local_batch: int, n_layers: int | None = None,
     (passes/recompute.py)."""
     from simplesharded.mesh import build_mesh, group_labels
     from simplesharded.models import build_model
-    from simplesharded.train import parallelize
+    from simplesharded.train import loss_chunks, parallelize, uses_loss_parallel
 
     from functorch.compile import min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
+    from torch.distributed.tensor.parallel import loss_parallel
 
     from simplesharded.passes.planning import BlockPlan
     from simplesharded.passes.recompute import tag_gathers_for_recompute
@@ -97,9 +98,12 @@ def trace(cfg, local_batch: int, n_layers: int | None = None,
         # nothing runs: capture stops once the graphs are partitioned.
         step = parallelize(model, mesh, cfg, backend=capture)
         local_numel = sum(q.to_local().numel() for q in model.parameters())
-        tokens = torch.randint(0, 256, (local_batch, t.seq_len))
+        tokens, labels = torch.randint(0, 256, (2, local_batch, t.seq_len))
+        # the trainer's step: the loss in the model's forward, in the loss-parallel context
+        context = loss_parallel() if uses_loss_parallel(cfg) else contextlib.nullcontext()
         try:
-            step(tokens)
+            with context:
+                step(tokens, labels, loss_chunks=loss_chunks(cfg))
         except Exception:
             if "bw" not in graphs:
                 raise

@@ -156,6 +156,13 @@ def local_loss(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def loss_chunks(cfg: Config) -> int:
+    """The model's ``loss_chunks`` (simplesharded/loss.py): the configured one, except under
+    tensor parallelism, where chunking needs a plain output projection: there auto (0) means
+    unchunked (config validation allows no other value)."""
+    return 1 if cfg.parallelism.tensor_parallel_degree > 1 else cfg.training.loss_chunks
+
+
 def uses_loss_parallel(cfg: Config) -> bool:
     p = cfg.parallelism
     return p.tensor_parallel_degree > 1 and p.enable_loss_parallel
@@ -206,8 +213,7 @@ class Trainer:
         # the same batch.
         self.tp = p.tensor_parallel_degree
         self.loss_parallel = uses_loss_parallel(cfg)
-        # chunking needs a plain output projection: under tp, auto (0) means unchunked
-        self.loss_chunks = 1 if self.tp > 1 else t.loss_chunks
+        self.loss_chunks = loss_chunks(cfg)
         torch.manual_seed(cfg.job.seed)
         self.data = build_data(cfg, self.rank // self.tp, self.world // self.tp)
         model = build_model(cfg.model.name, cfg.model.flavor, device="meta")
