@@ -313,7 +313,7 @@ def _shard_param(param: torch.Tensor, mesh: DeviceMesh, dp: DeviceMesh, dp_place
 def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
                   mp_policy: MixedPrecisionPolicy | None = None,
                   reshard_after_forward: bool | str = "auto",
-                  grad_reduction: str = "sum",
+                  grad_reduction: str = "avg",
                   blocks: Sequence[BlockSpec] | None = None) -> nn.Module:
     """Shard ``model`` in place over ``mesh`` and return it.
 
@@ -326,8 +326,9 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     first, as torchtitan's and FSDP2's defaults do), the autobucketing backends keep trailing
     blocks while their bytes fit the plan's memory budget (passes/recompute.py).
     Eager (uncompiled) runs keep what autograd saves, whatever this says.
-    grad_reduction: ``sum`` (normalise the loss by the global token count yourself) or ``avg``
-    (gradients are pre-divided by the data-parallel size, then summed).
+    grad_reduction: ``avg`` (default; the mean over the data-parallel ranks, as DDP and FSDP2:
+    gradients are pre-divided by the data-parallel size, then summed) or ``sum`` (normalise
+    the loss by the global token count yourself, as the trainer does).
     blocks: which modules are the model's blocks (one bucket each under
     ``*_blockbucketing``, the units of ``"auto"``): None finds them in the module tree
     (simplesharded/blocks.py); or module classes, class names or module-FQN regexes.
