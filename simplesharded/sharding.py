@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_map
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from simplesharded.mesh import dp_mesh as _dp_mesh
 from simplesharded.blocks import BlockSpec, block_of
@@ -170,10 +171,141 @@ class _GatherScope:
     escapes the graph as an output (a fresh dict per forward would be rebuilt after the graph
     from its outputs: every gathered parameter alive at once)."""
 
-    def __init__(self):
+    def __init__(self, reshard_after_forward: bool | str = "auto",
+                 last_block: str | None = None):
         self.active = False
         self.gathered: dict = {}
         self.tied: set[str] = set()  # FQNs of parameters held by more than one module
+        self.reshard_after_forward = reshard_after_forward
+        self.last_block = last_block  # the last block in module order (blocks.py), if any
+        self.eager: _EagerReshard | None = None  # set during an uncompiled forward with grad
+
+
+class _Gathered:
+    """One eager gather whose full tensor autograd may save: how to gather it again."""
+
+    __slots__ = ("module", "name", "storage", "nbytes", "dtype", "keep")
+
+    def __init__(self, module: nn.Module, name: str, local: torch.Tensor, keep: bool):
+        self.module, self.name, self.keep = module, name, keep
+        self.storage = StorageWeakRef(local.untyped_storage())
+        self.nbytes = local.untyped_storage().nbytes()
+        self.dtype = local.dtype
+
+    def gather(self) -> torch.Tensor:
+        m = self.module
+        with torch.no_grad():
+            return gather_param(m._parameters[self.name], m._ss_spec, m._ss_fqns[self.name],
+                                m._ss_tp.get(self.name), m._ss_blocks[self.name])
+
+
+class _Packed:
+    """A saved tensor that aliased a gathered parameter: its view of the gathered storage."""
+
+    __slots__ = ("source", "size", "stride", "offset", "dtensor")
+
+    def __init__(self, source: _Gathered, local: torch.Tensor, dtensor: tuple | None):
+        self.source = source
+        self.size, self.stride = local.size(), local.stride()
+        self.offset = local.storage_offset()
+        self.dtensor = dtensor  # (mesh, placements, shape, stride) of a saved DTensor
+
+
+def _local(t: torch.Tensor) -> torch.Tensor | None:
+    """The plain tensor holding ``t``'s data (a DTensor's local tensor), or None for other
+    tensor subclasses (e.g. a collective's pending result), which are saved as they are."""
+    if type(t) is DTensor:
+        t = t.to_local()  # pack hooks run without grad: this is the local tensor itself
+    return t if type(t) in (torch.Tensor, nn.Parameter) else None
+
+
+class _EagerReshard:
+    """Reshard after forward without torch.compile (FSDP2's memory behaviour).
+
+    Autograd saves what backward needs, and for ``linear(x, w)`` that is ``w`` (a view of it):
+    left alone, every gathered parameter would live until backward. During one uncompiled
+    root forward with grad, every gather is registered here by the storage of its full tensor,
+    and saved-tensor hooks pack a saved tensor that aliases such a storage as a small record
+    (which parameter, which view of it); its unpack gathers the parameter again from the
+    shard and rebuilds the same view. A gathered parameter then dies when its modules are done
+    with it, and backward holds one re-gathered parameter per running autograd node.
+
+    Every rank issues its re-gathers in the same order: an unpack hook runs when the autograd
+    engine runs the node that saved the tensor, and the engine orders nodes by the graph alone
+    (dependencies, then creation order); every rank built the same graph by running the same
+    forward, and the reduce-scatters of the gradients are issued from those same nodes.
+
+    ``keep`` (``reshard_after_forward="auto"``) saves the tensor itself: the compiled plans'
+    rule (passes/recompute.py), read per module: a parameter read in the last block, or
+    outside every block after a block has run, stays gathered for backward, which needs it
+    first. A tied parameter is decided by its latest read (the compiled plan's "last use").
+    """
+
+    def __init__(self, scope: _GatherScope):
+        self.scope = scope
+        self.by_storage: dict[int, _Gathered] = {}  # data_ptr → live gathered storage
+        self.seen_block = False
+
+    def note(self, module: nn.Module, name: str, full: torch.Tensor) -> None:
+        """A parameter of ``module`` was read and is ``full`` (new or a cached tied gather)."""
+        local = _local(full)
+        if local is None or local.numel() == 0:
+            return  # nothing to free (or a layout we do not rebuild): autograd keeps it
+        block = module._ss_read_block
+        self.seen_block = self.seen_block or block is not None
+        keep = False
+        if self.scope.reshard_after_forward == "auto" and self.scope.last_block is not None:
+            keep = block == self.scope.last_block or (block is None and self.seen_block)
+        ptr = local.untyped_storage().data_ptr()
+        known = self.by_storage.get(ptr)
+        if known is not None and not known.storage.expired():
+            known.keep = keep  # the same gathered tensor read again: its latest read decides
+        else:
+            self.by_storage[ptr] = _Gathered(module, name, local, keep)
+
+    def pack(self, t: torch.Tensor):
+        source, local = None, _local(t)
+        if local is not None:
+            try:
+                ptr = local.untyped_storage().data_ptr()
+            except RuntimeError:  # no storage to look at (fake, functional): not ours
+                ptr = 0
+            source = self.by_storage.get(ptr) if ptr else None
+        # A live weak reference to that storage means it is the gathered one (two live
+        # storages never share a data pointer); a dtype view of it is saved as it is.
+        if (source is None or source.keep or source.storage.expired()
+                or local.dtype != source.dtype):
+            # Saved as it is. Detached: the tensor itself would hold its grad_fn, which holds
+            # this saved value (a cycle that leaks a graph dropped without backward). With
+            # hooks autograd no longer checks in-place changes to it: unpack does.
+            return t.detach(), t._version
+        dtensor = (t.device_mesh, t.placements, t.shape, t.stride()) if type(t) is DTensor \
+            else None
+        return _Packed(source, local, dtensor)
+
+    @staticmethod
+    def unpack(packed):
+        if not isinstance(packed, _Packed):
+            t, version = packed
+            if t._version != version:
+                raise RuntimeError(
+                    f"one of the variables needed for gradient computation has been modified "
+                    f"by an inplace operation: {type(t).__name__} {tuple(t.shape)} saved at "
+                    f"version {version}, now at version {t._version} (simplesharded)")
+            return t
+        full = packed.source.gather()
+        local = _local(full)
+        if local is None or local.untyped_storage().nbytes() != packed.source.nbytes:
+            raise RuntimeError(
+                f"re-gathering {packed.source.module._ss_fqns[packed.source.name]} for backward "
+                f"gave a different layout than in forward")
+        with torch.no_grad():
+            view = local.as_strided(packed.size, packed.stride, packed.offset)
+            if packed.dtensor is None:
+                return view
+            mesh, placements, shape, stride = packed.dtensor
+            return DTensor.from_local(view, mesh, placements, run_check=False, shape=shape,
+                                      stride=stride)
 
 
 def _scope_root_forward(model: nn.Module, scope: _GatherScope,
@@ -188,11 +320,22 @@ def _scope_root_forward(model: nn.Module, scope: _GatherScope,
     def forward(self, *args, **kwargs):
         scope.gathered.clear()
         scope.active = True
+        hooks = contextlib.nullcontext()
+        # Uncompiled with grad: free gathered parameters after forward (_EagerReshard).
+        # Compiled, the partitioner decides (passes/recompute.py) and no hook is traced; no
+        # grad, autograd saves nothing and each gather dies after its use.
+        if (not torch.compiler.is_compiling() and scope.reshard_after_forward is not False
+                and torch.is_grad_enabled()):
+            scope.eager = _EagerReshard(scope)
+            hooks = torch.autograd.graph.saved_tensors_hooks(scope.eager.pack,
+                                                             _EagerReshard.unpack)
         try:
-            out = inner(self, *args, **kwargs)
+            with hooks:
+                out = inner(self, *args, **kwargs)
         finally:
             scope.gathered.clear()
             scope.active = False
+            scope.eager = None
         if output_dtype is None:
             return out
         return tree_map(lambda t: t.to(output_dtype) if isinstance(t, torch.Tensor)
@@ -214,11 +357,14 @@ def _sharded_property(name: str) -> property:
         # only tied parameters, whose full tensor two modules need anyway, are cached.
         cache = scope.active and (fqn in scope.tied or torch.compiler.is_compiling())
         if cache and fqn in scope.gathered:
-            return scope.gathered[fqn]
-        full = gather_param(shard, self._ss_spec, fqn, self._ss_tp.get(name),
-                            self._ss_blocks[name])
+            full = scope.gathered[fqn]
+        else:
+            full = gather_param(shard, self._ss_spec, fqn, self._ss_tp.get(name),
+                                self._ss_blocks[name])
         if cache:
             scope.gathered[fqn] = full
+        if scope.eager is not None and not torch.compiler.is_compiling():
+            scope.eager.note(self, name, full)
         return full
 
     return property(get, doc=f"{name}: gathered on read (simplesharded)")
@@ -313,7 +459,7 @@ def _shard_param(param: torch.Tensor, mesh: DeviceMesh, dp: DeviceMesh, dp_place
 def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
                   mp_policy: MixedPrecisionPolicy | None = None,
                   reshard_after_forward: bool | str = "auto",
-                  grad_reduction: str = "sum",
+                  grad_reduction: str = "avg",
                   blocks: Sequence[BlockSpec] | None = None) -> nn.Module:
     """Shard ``model`` in place over ``mesh`` and return it.
 
@@ -325,9 +471,12 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     block-bucketing backends keep the last block and what follows it (backward needs them
     first, as torchtitan's and FSDP2's defaults do), the autobucketing backends keep trailing
     blocks while their bytes fit the plan's memory budget (passes/recompute.py).
-    Eager (uncompiled) runs keep what autograd saves, whatever this says.
-    grad_reduction: ``sum`` (normalise the loss by the global token count yourself) or ``avg``
-    (gradients are pre-divided by the data-parallel size, then summed).
+    Uncompiled, the same choice holds for what autograd saves for backward: ``True`` re-gathers
+    each saved parameter in backward, ``False`` keeps them, ``"auto"`` keeps those read in
+    the last block (in module order) and after it (``_EagerReshard``).
+    grad_reduction: ``avg`` (default; the mean over the data-parallel ranks, as DDP and FSDP2:
+    gradients are pre-divided by the data-parallel size, then summed) or ``sum`` (normalise
+    the loss by the global token count yourself, as the trainer does).
     blocks: which modules are the model's blocks (one bucket each under
     ``*_blockbucketing``, the units of ``"auto"``): None finds them in the module tree
     (simplesharded/blocks.py); or module classes, class names or module-FQN regexes.
@@ -356,8 +505,9 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
         dp_mesh=dp if dp is not mesh else None,
         dp_groups=tuple(dp.get_group(i).group_name for i in range(dp.ndim)))
 
-    block_of_module = block_of(model, blocks)
-    scope = _GatherScope()
+    block_of_module = block_of(model, blocks)  # module → its block, blocks in module order
+    scope = _GatherScope(reshard_after_forward,
+                         last_block=next(reversed(block_of_module.values()), None))
     # id(original param) → its one shard, TP layout, FQN and block: tied parameters share all
     # four (the FQN and block of the first owner, as named_parameters() reports it)
     shards: dict[int, tuple[nn.Parameter, _TPLayout | None, str, str | None]] = {}
@@ -382,6 +532,7 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
         module._ss_spec = spec
         module._ss_fqns = fqns
         module._ss_blocks = in_block
+        module._ss_read_block = block_of_module.get(mod_name)  # eager "auto" (_EagerReshard)
         module._ss_tp = tp
         module._ss_scope = scope
         module._ss_gather_enabled = True

@@ -189,6 +189,9 @@ def parallelize(model: torch.nn.Module, mesh, cfg: Config, backend=None):
                                    compiled=c.enable)
     pdt, rdt = DTYPES[t.mixed_precision_param], DTYPES[t.mixed_precision_reduce]
     mp = MixedPrecisionPolicy(pdt, rdt) if (pdt, rdt) != (torch.float32, torch.float32) else None
+    # Explicit: the trainer's own default is "sum" (data_parallel's is "avg"), with every
+    # rank's loss divided by the global token count (train_step), so the reduced gradient is
+    # the exact global mean whatever the ranks' token counts.
     data_parallel(model, mesh, p.mode, mp_policy=mp, reshard_after_forward=p.reshard,
                   grad_reduction=t.grad_reduction)
     if not c.enable:

@@ -153,7 +153,10 @@ def _diffs(got, ref):
 
 
 def _wrap(mesh, mode, **kw):
+    """data_parallel on the toy; gradients summed over ranks unless told (the loss is
+    normalised by the global element count, see _sharded_step)."""
     import simplesharded as ss
+    kw.setdefault("grad_reduction", "sum")
     return ss.data_parallel(toy.make_model(tied=kw.pop("tied", False)), mesh, mode, **kw)
 
 
@@ -287,7 +290,7 @@ def check_meta_init(rank, world, meshes):
 
     with torch.device("meta"):
         model = toy.Toy()
-    ss.data_parallel(model, meshes["fully_shard"], "fully_shard")
+    ss.data_parallel(model, meshes["fully_shard"], "fully_shard", grad_reduction="sum")
     with ss.disable_gather(model):
         model.init_weights(seed=0)
     ref = toy.make_model(seed=0)

@@ -82,7 +82,8 @@ def parity_case(rank, world, mesh, mode, backend):
     """AdamW then SGD (same initial shards, same compiled model) for one mode and backend."""
     import simplesharded as ss
 
-    model = ss.data_parallel(toy.make_model(), mesh, mode)
+    # the loss is normalised by the global element count: gradients are summed over ranks
+    model = ss.data_parallel(toy.make_model(), mesh, mode, grad_reduction="sum")
     init = {n: p.to_local().clone() for n, p in model.named_parameters()}
     dump = tempfile.mkdtemp(prefix=f"ss_dump_{backend}_")
     try:

@@ -122,7 +122,7 @@ def _layout_job(rank, world, rep, shard, tp, mode, cases):
         mesh = ss.build_mesh(rep, shard, "cpu", tp)
         model = make_model()
         parallelize_module(model, mesh["tp"], model.tp_plan(sequence_parallel=sp))
-        ss.data_parallel(model, mesh, mode)
+        ss.data_parallel(model, mesh, mode, grad_reduction="sum")  # loss_fn: global count
         step_fn = model if backend == "eager" else torch.compile(
             model, backend=ss.make_backend(backend, observer=observe), fullgraph=True)
         dp_rank, dp_size = rank // tp, world // tp
@@ -242,7 +242,9 @@ def _uneven_case(rank, backend):
     parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
     param_dtype = torch.bfloat16 if backend.endswith("bf16") else torch.float32
     backend = backend.removesuffix("-bf16")
-    ss.data_parallel(model, mesh, mp_policy=ss.MixedPrecisionPolicy(param_dtype, torch.float32))
+    # each dp rank's loss is a sum over its rows: the reference's loss is their sum
+    ss.data_parallel(model, mesh, mp_policy=ss.MixedPrecisionPolicy(param_dtype, torch.float32),
+                     grad_reduction="sum")
     seen = []
     model.up.register_forward_hook(lambda m, i, o: seen.append(m.weight.dtype))
     step_fn = model if backend == "eager" else torch.compile(
