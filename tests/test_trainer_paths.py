@@ -33,7 +33,10 @@ LLAMA = str(Path(__file__).resolve().parents[1] / "configs" / "llama3_debug.toml
 COMMON = ["--training.seq_len", "32", "--training.global_batch_size", "4",
           "--training.val_every", "0", "--no-metrics.progress_bar",
           "--lr_scheduler.warmup_steps", "15", "--lr_scheduler.decay_type", "constant"]
-COMPILED = ["--compile.enable", "--compile.backend", "aot_eager_blockbucketing"]
+# Plain aot_eager (the recompute pass that implements compiled AC, no bucketing): the four
+# compiles are most of this job's time, and aot_eager compiles ~25 % faster here than
+# aot_eager_blockbucketing (which test_train_e2e.py's 30-step run compiles already).
+COMPILED = ["--compile.enable", "--compile.backend", "aot_eager"]
 AC_STEPS, AVG_STEPS, BF16_STEPS = 5, 3, 30
 
 
@@ -50,14 +53,16 @@ def _losses(trainer, steps: int) -> list[float]:
 
 def _fwd_bwd_peak(trainer) -> int:
     """Peak live tensor bytes of one forward+backward of the trainer's compiled step (shards
-    and optimizer state included, see bench._step_peak_bytes)."""
+    and optimizer state included, see bench._step_peak_bytes): the lower of two measurements,
+    as the profiler's running total also counts allocations of other threads (gloo's), which
+    only add (a few MB between runs here)."""
     from simplesharded.bench import _step_peak_bytes
     inputs, labels = next(trainer.data.train)
 
     def step():
         trainer.forward_loss(trainer.step_fn, inputs, labels).backward()
 
-    return _step_peak_bytes(step, trainer.model, trainer.optimizer, "cpu")
+    return min(_step_peak_bytes(step, trainer.model, trainer.optimizer, "cpu") for _ in range(2))
 
 
 def job(rank: int, world: int, parts=("ac", "reduction", "bf16")) -> dict:
@@ -96,7 +101,7 @@ def _rel(a: float, b: float) -> float:
 @pytest.mark.slow
 def test_compiled_activation_checkpointing_matches_and_saves_memory():
     """activation_checkpoint.mode full and selective (every 2nd block), compiled with
-    aot_eager_blockbucketing: 5 steps with the same losses as mode none (≤ 1e-6 rel, every
+    aot_eager: 5 steps with the same losses as mode none (≤ 1e-6 rel, every
     rank), and a lower peak of live tensor bytes in one forward+backward of the trainer's
     compiled step on every rank (torch.profiler's memory events, bench._step_peak_bytes)."""
     for rank, r in enumerate(_run()):
@@ -130,4 +135,4 @@ def test_bf16_params_fp32_reduce_compiled_trains():
     losses = _run()[0]["bf16"]
     assert len(losses) == BF16_STEPS and all(map(math.isfinite, losses)), losses
     last5 = sum(losses[-5:]) / 5
-    assert last5 <= 0.8 * losses[0], f"loss did not fall 20 %: first {losses[0]}, last 5 {losses[-5:]}"
+    assert last5 <= 0.8 * losses[0], f"loss fell < 20 %: first {losses[0]}, last 5 {losses[-5:]}"
