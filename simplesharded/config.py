@@ -72,6 +72,12 @@ class Training:
     steps: int = _opt(30, "optimizer steps")
     max_norm: float = _opt(1.0, "gradient clipping norm; 0 disables clipping")
     gradient_accumulation_steps: int = _opt(1, "micro-batches per optimizer step")
+    gradient_sync: str = _opt(
+        "every_microbatch", "with gradient_accumulation_steps > 1: every_microbatch reduces "
+        "each micro-batch's gradients (they stay sharded); last_microbatch reduces once per "
+        "step, the earlier micro-batches' gradients held unsharded on every rank meanwhile "
+        "(the whole model's gradients at full size: DDP's/FSDP2's no_sync)",
+        ("every_microbatch", "last_microbatch"))
     dataset: str = _opt("stdlib", "built-in corpus; ignored when dataset_path is set")
     dataset_path: str = _opt("", ".txt/.jsonl file or a directory of them; overrides dataset")
     mixed_precision_param: str = _opt(

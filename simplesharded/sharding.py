@@ -32,6 +32,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from simplesharded.mesh import dp_mesh as _dp_mesh
 from simplesharded.blocks import BlockSpec, block_of
+from simplesharded.grad_sync import _GradSync
 from simplesharded.passes.annotations import BLOCK_KEY, DP_GROUPS_KEY, PARAM_KEY, RESHARD_KEY
 from simplesharded.mesh import tp_dim
 
@@ -69,6 +70,7 @@ class _GatherSpec:
     hybrid: bool = False  # (Replicate, Shard(0)) on a 2-D mesh
     dp_mesh: DeviceMesh | None = None  # set when the mesh has other dims than dp (tp)
     dp_groups: tuple[str, ...] = ()  # process-group names of the dp dims (see DP_GROUPS_KEY)
+    grad_sync: "_GradSync | None" = None  # the model's set_requires_gradient_sync state
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,8 @@ def gather_param(shard: DTensor, spec: _GatherSpec, fqn: str,
         local = full.to_local(grad_placements=grad_placements)
         if spec.grad_scale != 1.0:
             local = _ScaleGrad.apply(local, spec.grad_scale)
+        if spec.grad_sync is not None:
+            local = spec.grad_sync.route(local, fqn)
     if tp is not None:
         local = DTensor.from_local(local, tp.mesh, (tp.placement,), run_check=False,
                                    shape=tp.shape, stride=tp.stride)
@@ -503,7 +507,8 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
         grad_scale=1.0 / dp.size() if grad_reduction == "avg" else 1.0,
         reshard_after_forward=reshard_after_forward, hybrid=mode == "hybrid_shard",
         dp_mesh=dp if dp is not mesh else None,
-        dp_groups=tuple(dp.get_group(i).group_name for i in range(dp.ndim)))
+        dp_groups=tuple(dp.get_group(i).group_name for i in range(dp.ndim)),
+        grad_sync=_GradSync())
 
     block_of_module = block_of(model, blocks)  # module → its block, blocks in module order
     scope = _GatherScope(reshard_after_forward,
@@ -544,6 +549,7 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     if mp_policy.param_dtype is not None and mp_policy.cast_forward_inputs:
         model.register_forward_pre_hook(_input_caster(mp_policy.param_dtype), with_kwargs=True)
     model._ss_mesh = mesh
+    model._ss_grad_sync = spec.grad_sync
     return model
 
 

@@ -26,6 +26,7 @@ from simplesharded import checkpoint as ckpt
 from simplesharded.backends import make_backend
 from simplesharded.config import Config, help_text, load_config, resolve
 from simplesharded.data import build_data
+from simplesharded.grad_sync import set_requires_gradient_sync
 from simplesharded.mesh import build_mesh, init_distributed, tp_dim
 from simplesharded.metrics import MetricsLogger, format_record, memory_stats, peak_flops
 from simplesharded.models import build_model, get_model_spec
@@ -266,7 +267,13 @@ class Trainer:
         # result is the exact global mean; avg: local mean, gradients averaged over ranks.
         denom = self.tokens_per_step if t.grad_reduction == "sum" else local_tokens
         loss_sum = torch.zeros((), device=self.device)
-        for _ in range(t.gradient_accumulation_steps):
+        n = t.gradient_accumulation_steps
+        # last_microbatch: the earlier micro-batches' backwards only accumulate locally, the
+        # last one reduces the sum once (simplesharded/grad_sync.py); every rank toggles alike.
+        sync_last = n > 1 and t.gradient_sync == "last_microbatch"
+        for i in range(n):
+            if sync_last:
+                set_requires_gradient_sync(self.model, i == n - 1)
             inputs, labels = next(self.data.train)
             with self._loss_context():  # backward too: the loss's own backward is parallel
                 loss = self.forward_loss(self.step_fn, inputs, labels)

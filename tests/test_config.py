@@ -287,3 +287,16 @@ def test_train_check_only(monkeypatch, capsys):
     assert capsys.readouterr().err.startswith("error: model.name='hf_llama' is not trainable "
                                               "here yet")
     assert train_main(["--check-only", "--job.config_file", path, "--model.name", "gpt"]) == 0
+
+
+def test_gradient_sync_choices():
+    """training.gradient_sync: every_microbatch by default (gradients stay sharded); a bad
+    value is one error naming the key and the choices."""
+    assert Config().training.gradient_sync == "every_microbatch"
+    cfg = load(None, ["--training.gradient_sync", "last_microbatch",
+                      "--training.gradient_accumulation_steps", "4"])
+    assert cfg.training.gradient_sync == "last_microbatch"
+    with pytest.raises(ValueError) as e:
+        load(None, ["--training.gradient_sync", "last"])
+    assert str(e.value) == ("training.gradient_sync='last' is not one of ['every_microbatch', "
+                            "'last_microbatch']")

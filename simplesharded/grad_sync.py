@@ -1,0 +1,166 @@
+"""Skip the data-parallel gradient reduction for some backwards (gradient accumulation):
+``set_requires_gradient_sync(model, False)`` / ``no_gradient_sync(model)``, FSDP2's knob.
+
+Normally the gradient of a gathered parameter is reduced (reduce-scatter, or all-reduce over
+replicated dims) onto its shard in the backward that produced it, so gradient accumulation
+over N micro-batches reduces N times. With sync off, a forward routes each gathered
+parameter's gradient elsewhere:
+
+- **sync off**: the gathered tensor is detached from its gather (so autograd runs no
+  reduction, traced or eager, and the shard's ``.grad`` is left alone) and passed through
+  :class:`_DeferGrad`, whose backward hands the gradient to a second input instead: a
+  per-parameter *accumulator leaf* (an expanded zero scalar of the gathered shape, so it costs
+  no memory itself). Autograd's own AccumulateGrad then sums every micro-batch into that
+  leaf's ``.grad`` outside any graph: a full-size, unreduced, rank-local gradient.
+- **sync back on** (the call, not the forward): each leaf's ``.grad`` becomes *pending* and the
+  leaf is cleared. The next forward with gradients enabled passes each pending gradient as
+  an input to :class:`_AddGrad` on that parameter's gathered tensor (compiled: a graph input),
+  whose backward adds it to the current gradient before the usual reduction: one reduction
+  per parameter (per bucket, compiled) for all micro-batches, landing on the shard's
+  ``.grad`` as without accumulation. A pending gradient is taken by the first gather of its
+  parameter (a parameter gathered twice in one eager forward gets it once) and is freed when
+  that backward has used it.
+
+Memory: between the first no-sync backward and the sync backward every rank holds one
+full-size (unsharded) gradient per parameter in the parameter's own dtype: the whole model's
+gradients, unsharded, as DDP's and FSDP2's ``no_sync`` do. That is the price of reducing once;
+with sync on every backward the gradients stay sharded.
+
+Dtype: the accumulation is in the parameter's own dtype (the shard's, fp32 under mixed
+precision: the dtype its ``.grad`` has), never in ``param_dtype``. The sync backward adds the
+sum to the current gradient and hands the total to the reduction in the gathered tensor's dtype
+(``param_dtype``; autograd casts a gradient to its tensor's dtype), which then casts it to
+``reduce_dtype`` as usual: under bf16 ``param_dtype`` the accumulated sum is rounded to bf16
+once, as each micro-batch's own gradient is.
+
+Compiled: the mode is read while tracing (``sync``, and the keys of the accumulator and pending
+dicts), so dynamo guards on it: sync, no-sync and sync-with-pending are separate graphs,
+compiled once each and then selected by their guards, not recompiled per step.
+
+Every rank must toggle identically (same sequence of settings around the same forwards): the
+setting decides whether a backward reduces at all (docs/rank_agreement.md).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+from torch import nn
+
+
+class _DeferGrad(torch.autograd.Function):
+    """Identity on ``x`` (a detached gathered tensor); its gradient goes to ``acc`` (the
+    accumulator leaf), in the leaf's dtype."""
+
+    @staticmethod
+    def forward(ctx, x, acc):
+        ctx.acc_dtype = acc.dtype
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, grad.to(ctx.acc_dtype)
+
+
+class _AddGrad(torch.autograd.Function):
+    """Identity on ``x``; its backward adds ``pending`` (earlier micro-batches' gradients) to the
+    gradient. ``pending`` is kept on ctx, not saved with ``save_for_backward``: saved-tensor
+    hooks (activation checkpointing, eager resharding) must not see it, since a recomputation
+    of the forward finds nothing pending and would save one tensor fewer."""
+
+    @staticmethod
+    def forward(ctx, x, pending):
+        ctx.pending = pending
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        total = (ctx.pending + grad).to(grad.dtype)
+        ctx.pending = None
+        return total, None
+
+
+class _GradSync:
+    """One per wrapped model (``model._ss_grad_sync``, and in every module's gather spec)."""
+
+    def __init__(self):
+        self.sync = True
+        self.acc: dict[str, torch.Tensor] = {}  # fqn → accumulator leaf (made when sync goes off)
+        self.pending: dict[str, torch.Tensor] = {}  # fqn → accumulated gradient to add once
+
+    def route(self, local: torch.Tensor, fqn: str) -> torch.Tensor:
+        """The gathered tensor as the module sees it (called in gather_param)."""
+        if not torch.is_grad_enabled():
+            return local
+        if not self.sync:
+            acc = self.acc.get(fqn)
+            return local if acc is None else _DeferGrad.apply(local.detach(), acc)
+        pending = self.pending.pop(fqn, None)
+        return local if pending is None else _AddGrad.apply(local, pending)
+
+    def make_accumulators(self, model: nn.Module) -> None:
+        for module in model.modules():
+            spec = getattr(module, "_ss_spec", None)
+            if spec is None or spec.grad_sync is not self:
+                continue
+            for name, fqn in module._ss_fqns.items():
+                shard = module._parameters[name]
+                if fqn in self.acc or shard is None or not shard.requires_grad:
+                    continue
+                tp = module._ss_tp.get(name)
+                shape = tp.local_shape if tp is not None else shard.shape
+                zero = torch.zeros((), dtype=shard.dtype, device=shard.device)
+                self.acc[fqn] = zero.expand(shape).requires_grad_()
+
+    def take_accumulated(self) -> None:
+        """Move each leaf's summed gradient to ``pending`` (added to an older pending one, if a
+        sync forward has not taken that yet)."""
+        for fqn, leaf in self.acc.items():
+            if leaf.grad is None:
+                continue
+            old = self.pending.get(fqn)
+            self.pending[fqn] = leaf.grad if old is None else old + leaf.grad
+            leaf.grad = None
+
+
+def _state(model: nn.Module) -> _GradSync:
+    model = getattr(model, "_orig_mod", model)  # a torch.compile'd model: its module
+    state = getattr(model, "_ss_grad_sync", None)
+    if state is None:
+        raise ValueError(f"{type(model).__name__} is not a model returned by data_parallel "
+                         f"(pass the root model you wrapped)")
+    return state
+
+
+def set_requires_gradient_sync(model: nn.Module, requires_sync: bool) -> None:
+    """Whether the backwards of the next forwards of ``model`` (the root returned by
+    :func:`data_parallel`, or its ``torch.compile`` wrapper) reduce gradients over the
+    data-parallel dims. Off: each backward sums each parameter's full-size local gradient on
+    the rank (no communication, the shards' ``.grad`` untouched). Back on: the next forward's
+    backward adds those sums to its own gradients and reduces once.
+
+    The setting in effect when a *forward* runs decides what its backward does; set it before
+    the forward (as FSDP2's ``set_requires_gradient_sync`` is used) and turn it back on after
+    the last no-sync backward. Memory: while off, every rank holds the whole model's
+    gradients unsharded (see simplesharded/grad_sync.py). All ranks must make the same calls.
+    """
+    state = _state(model)
+    if not requires_sync:
+        state.make_accumulators(getattr(model, "_orig_mod", model))
+    elif not state.sync:
+        state.take_accumulated()
+    state.sync = bool(requires_sync)
+
+
+@contextlib.contextmanager
+def no_gradient_sync(model: nn.Module) -> Iterator[nn.Module]:
+    """``set_requires_gradient_sync(model, False)`` for the forwards (and their backwards)
+    inside; the previous setting afterwards. Like DDP's ``no_sync``: run the micro-batches
+    before the last one inside, the last one outside."""
+    previous = _state(model).sync
+    set_requires_gradient_sync(model, False)
+    try:
+        yield model
+    finally:
+        set_requires_gradient_sync(model, previous)

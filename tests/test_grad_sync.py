@@ -1,0 +1,188 @@
+"""set_requires_gradient_sync / no_gradient_sync (simplesharded/grad_sync.py) and the trainer's
+``training.gradient_sync = "last_microbatch"``: gradient accumulation with one reduction per
+step.
+
+One spawn of 2 gloo ranks runs every case (``_job``) and the tests read its results:
+- the knob on the toy model: a no-sync backward runs no reduction (eager: no collective at
+  all, the process group's sequence number does not move) and leaves every shard's ``.grad``
+  None; the sync backward after it runs the reductions of one synced backward and gives the
+  ``.grad`` of two synced backwards. Eager with sum and avg, tied weights, mixed precision
+  (bf16 reduce; bf16 param + fp32 reduce); compiled with block bucketing (tied, avg): one
+  reduction per bucket, and no-sync and sync-with-pending are two graphs, compiled once each.
+- the trainer on llama3 debug (in-process, eager, 5 steps, global batch 8): 4 micro-batches
+  with ``last_microbatch`` against 1 micro-batch: the same losses and the same reductions per
+  step, counted at runtime by the profiler (gloo events).
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import toy
+from dist_utils import max_rel_diff, spawn
+
+pytestmark = pytest.mark.slow
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 5
+# Toy cases: (name, backend, grad_reduction, (param_dtype, reduce_dtype) or None, tied).
+TOY_CASES = [
+    ("eager_sum", "eager", "sum", None, False),
+    ("eager_avg_tied", "eager", "avg", None, True),
+    ("eager_reduce_bf16", "eager", "sum", (None, torch.bfloat16), False),
+    ("eager_param_bf16", "eager", "avg", (torch.bfloat16, torch.float32), True),
+    ("blockbucketing_avg_tied", "aot_eager_blockbucketing", "avg", None, True),
+]
+
+
+def _gloo_events(fn) -> dict[str, int]:
+    """Collectives this rank's gloo backend ran during ``fn()``, by profiler event name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return dict(collections.Counter(e.name for e in prof.events() if e.name.startswith("gloo:")))
+
+
+def _reductions(events: dict[str, int]) -> int:
+    """Everything but gathers: reduce-scatters (gloo: all-reduce, or all-to-all once our
+    bucketing lowers them) and all-reduces."""
+    return sum(n for name, n in events.items() if "gather" not in name)
+
+
+def _toy_case(rank, world, mesh, backend, reduction, mp, tied):
+    """Two micro-batches on one model: synced both times, uncompiled (the reference), then
+    no-sync + sync, twice, on ``backend``. Returns what the backwards did and the gradient
+    errors."""
+    import simplesharded as ss
+    from simplesharded.sharding import MixedPrecisionPolicy
+
+    from torch._dynamo.utils import counters
+
+    pg = dist.distributed_c10d._get_default_group()
+    policy = None if mp is None else MixedPrecisionPolicy(*mp)
+    model = ss.data_parallel(toy.make_model(tied=tied), mesh, grad_reduction=reduction,
+                             mp_policy=policy)
+    run = model if backend == "eager" else torch.compile(
+        model, backend=ss.make_backend(backend), fullgraph=True)
+    numel = world * toy.BATCH_PER_RANK * toy.D_OUT
+    batches = [toy.rank_batch(rank, i) for i in range(2)]
+
+    def grads():
+        return {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+
+    out = {"ref_reductions": []}
+    for x, y in batches:  # reference, uncompiled (one compile less): both backwards reduce
+        loss = toy.loss_fn(model(x), y, numel)
+        out["ref_reductions"].append(_reductions(_gloo_events(loss.backward)))
+    want = grads()
+    graphs0 = counters["stats"]["unique_graphs"]
+    model.zero_grad(set_to_none=True)
+    for repeat in range(2):  # twice: the second time must reuse the graphs of the first
+        with ss.no_gradient_sync(run):  # the compiled wrapper is accepted too
+            loss = toy.loss_fn(run(batches[0][0]), batches[0][1], numel)
+            seq = pg._get_sequence_number_for_group()
+            events = _gloo_events(loss.backward)
+            for key, value in (("nosync_seq", pg._get_sequence_number_for_group() - seq),
+                               ("nosync_reductions", _reductions(events)),
+                               ("grad_none", all(p.grad is None for p in model.parameters()))):
+                out.setdefault(key, []).append(value)
+        x, y = batches[1]
+        loss = toy.loss_fn(run(x), y, numel)
+        out.setdefault("sync_reductions", []).append(_reductions(_gloo_events(loss.backward)))
+        got = grads()
+        out[f"err{repeat}"] = max(max_rel_diff(got[n], want[n]) for n in want)
+        out[f"graphs{repeat}"] = counters["stats"]["unique_graphs"] - graphs0
+        model.zero_grad(set_to_none=True)
+    out["n_params"] = len(list(model.parameters()))
+    return out
+
+
+def _trainer_run(world, accumulation, sync):
+    """STEPS steps of the trainer (eager) on llama3 debug: losses and the last step's gloo
+    events."""
+    from simplesharded.config import load_config
+    from simplesharded.train import Trainer, check_static
+
+    args = ["--training.seq_len", "32", "--training.global_batch_size", "8",
+            "--training.steps", str(STEPS), "--training.val_every", "0",
+            "--no-metrics.progress_bar", "--training.gradient_accumulation_steps",
+            str(accumulation), "--training.gradient_sync", sync]
+    cfg = check_static(load_config(os.path.join(ROOT, "configs", "llama3_debug.toml"), args),
+                       world)
+    trainer = Trainer(cfg, "cpu")
+    out = {"losses": [], "n_params": len(trainer.params)}
+    for step in range(STEPS):
+        if step == STEPS - 1:  # the profiler costs more than the eager step: one step
+            out["events"] = _gloo_events(lambda: out["losses"].append(
+                trainer.train_step()["loss"]))
+        else:
+            out["losses"].append(trainer.train_step()["loss"])
+        trainer.step += 1
+    return out
+
+
+def _job(rank, world):
+    from simplesharded.mesh import build_mesh
+
+    mesh = build_mesh(dp_replicate=1, dp_shard=world, device="cpu")
+    out = {name: _toy_case(rank, world, mesh, *case) for name, *case in TOY_CASES}
+    out["trainer"] = {name: _trainer_run(world, acc, sync) for name, acc, sync in (
+        ("acc1", 1, "every_microbatch"), ("acc4_last", 4, "last_microbatch"))}
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _results():
+    return spawn(2, _job, timeout_s=900)
+
+
+@pytest.mark.parametrize("case", [c[0] for c in TOY_CASES])
+def test_no_sync_backward_reduces_nothing_and_sync_reduces_the_sum(case):
+    """No-sync backward: no reduction (eager: no collective at all; compiled: only the
+    re-gathers of resharded parameters), every ``.grad`` None. The sync backward after it: the
+    reductions of one synced backward (eager: one per parameter, the tied weight once;
+    compiled: one per bucket) and the gradients of two synced backwards, ≤ 1e-6 relative in
+    fp32 (the sums differ in order only); with bf16 in the gradient's path both are
+    bf16-rounded differently (observed ≤ 9e-3 apart; a missing or doubled micro-batch is O(1)).
+    Twice in a row, so the state left by the first round is clean."""
+    for rank, res in enumerate(_results()):
+        r = res[case]
+        tol = 2e-2 if "bf16" in case else 1e-6
+        assert r["nosync_reductions"] == [0, 0] and r["grad_none"] == [True, True], (rank, r)
+        assert r["ref_reductions"] == [r["n_params"]] * 2, (rank, r)
+        if case.startswith("eager"):
+            assert r["nosync_seq"] == [0, 0], (rank, r)
+            assert r["sync_reductions"] == [r["n_params"]] * 2, (rank, r)
+        else:  # buckets: input layer, 4 blocks, head
+            assert r["sync_reductions"] == [toy.N_BLOCKS + 2] * 2, (rank, r)
+        assert r["err0"] <= tol and r["err1"] <= tol, (rank, r)
+
+
+def test_compiled_modes_are_separate_graphs_compiled_once():
+    """Compiled: no-sync and sync (with the pending gradients as inputs) are two graphs, and
+    the second round of no-sync + sync compiles nothing new (guards select them)."""
+    for rank, res in enumerate(_results()):
+        r = res["blockbucketing_avg_tied"]
+        assert (r["graphs0"], r["graphs1"]) == (2, 2), (rank, r)
+
+
+def test_trainer_last_microbatch_reduces_once_per_step():
+    """llama3 debug, global batch 8 on 2 ranks, 5 steps: 4 micro-batches with last_microbatch
+    give the losses of 1 micro-batch within 1e-5 relative, and a step (the last, profiled)
+    runs the same reductions: one per parameter plus the trainer's 2 scalar all-reduces (grad
+    norm, loss), where every_microbatch (the default) would run one per parameter per
+    micro-batch."""
+    for rank, res in enumerate(_results()):
+        runs = res["trainer"]
+        ref, last = runs["acc1"], runs["acc4_last"]
+        errs = [abs(a - b) / abs(b) for a, b in zip(last["losses"], ref["losses"])]
+        assert len(errs) == STEPS and max(errs) <= 1e-5, (rank, last["losses"], ref["losses"])
+        n = ref["n_params"]
+        assert _reductions(ref["events"]) == n + 2, (rank, ref["events"])
+        assert _reductions(last["events"]) == n + 2, (rank, last["events"])
