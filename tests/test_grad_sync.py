@@ -88,7 +88,9 @@ def _toy_case(rank, world, mesh, backend, reduction, mp, tied):
             loss = toy.loss_fn(run(batches[0][0]), batches[0][1], numel)
             seq = pg._get_sequence_number_for_group()
             events = _gloo_events(loss.backward)
-            for key, value in (("nosync_seq", pg._get_sequence_number_for_group() - seq),
+            gathers = sum(events.values()) - _reductions(events)
+            for key, value in (("nosync_other_collectives",
+                                pg._get_sequence_number_for_group() - seq - gathers),
                                ("nosync_reductions", _reductions(events)),
                                ("grad_none", all(p.grad is None for p in model.parameters()))):
                 out.setdefault(key, []).append(value)
@@ -144,8 +146,8 @@ def _results():
 
 @pytest.mark.parametrize("case", [c[0] for c in TOY_CASES])
 def test_no_sync_backward_reduces_nothing_and_sync_reduces_the_sum(case):
-    """No-sync backward: no reduction (eager: no collective at all; compiled: only the
-    re-gathers of resharded parameters), every ``.grad`` None. The sync backward after it: the
+    """No-sync backward: no reduction, only the re-gathers of resharded parameters (eager: no
+    other collective at all, by the group's sequence number), every ``.grad`` None. The sync backward after it: the
     reductions of one synced backward (eager: one per parameter, the tied weight once;
     compiled: one per bucket) and the gradients of two synced backwards, ≤ 1e-6 relative in
     fp32 (the sums differ in order only); with bf16 in the gradient's path both are
@@ -157,7 +159,7 @@ def test_no_sync_backward_reduces_nothing_and_sync_reduces_the_sum(case):
         assert r["nosync_reductions"] == [0, 0] and r["grad_none"] == [True, True], (rank, r)
         assert r["ref_reductions"] == [r["n_params"]] * 2, (rank, r)
         if case.startswith("eager"):
-            assert r["nosync_seq"] == [0, 0], (rank, r)
+            assert r["nosync_other_collectives"] == [0, 0], (rank, r)
             assert r["sync_reductions"] == [r["n_params"]] * 2, (rank, r)
         else:  # buckets: input layer, 4 blocks, head
             assert r["sync_reductions"] == [toy.N_BLOCKS + 2] * 2, (rank, r)
