@@ -83,12 +83,16 @@ def reorder_for_overlap(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     return gm
 
 
-def reorder_graph(graph: fx.Graph, memory_cap_bytes: int | None) -> None:
-    """The graph edit of reorder_for_overlap; AutoPlan runs it on copies of a graph."""
+def reorder_graph(graph: fx.Graph, memory_cap_bytes: int | None,
+                  collectives: list[Collective] | None = None) -> None:
+    """The graph edit of reorder_for_overlap; AutoPlan runs it on copies of a graph.
+    ``collectives``: the graph's (find_collectives), when the caller has them."""
     # Only data-parallel collectives move: anything else (TP) keeps its place in the graph,
     # so every process group sees the same issue order on every rank, and a collective on the
     # critical path (TP's) is never pushed behind a prefetch.
-    collectives = [c for c in find_collectives(graph) if c.wait is not None and c.ours]
+    if collectives is None:
+        collectives = find_collectives(graph)
+    collectives = [c for c in collectives if c.wait is not None and c.ours]
     cap = memory_cap_bytes or default_cap(collectives)
     order = NodeOrder(graph)
     _place_gather_waits(collectives, order)
@@ -136,15 +140,34 @@ class _Prefetch:
         # (reshard_after_forward=False) is saved state from then on, not a buffer in flight.
         self.uses = {s: [u for u in _chain_uses(chain) if u.op != "output"]
                      for s, chain in self.chain.items()}
+        self.last: dict[fx.Node, fx.Node] | None = None  # see _fixed_last_uses
 
     def last_use(self, c: Collective) -> fx.Node:
         """Last compute use of a gathered buffer (its chain's last node if none)."""
+        if self.last is not None:
+            return self.last[c.start]
         return max(self.uses[c.start] or self.chain[c.start], key=self.order.__getitem__)
+
+    def _fixed_last_uses(self) -> dict[fx.Node, fx.Node] | None:
+        """Every buffer's last use, found once, if no chain node or use can move while
+        prefetching: run() moves only all-gather starts and what they read (the sinking and
+        the hoisting), so unless a use feeds a gather, the last uses stay where they are.
+        (Finding them afresh at every fit test made prefetch quadratic in the gathers.)"""
+        cone, stack = set(), [c.start for c in self.ags]
+        while stack:
+            for node in stack.pop().all_input_nodes:
+                if node not in cone:
+                    cone.add(node)
+                    stack.append(node)
+        if any(n in cone for c in self.ags for n in self.uses[c.start] or self.chain[c.start]):
+            return None
+        return {c.start: self.last_use(c) for c in self.ags}
 
     def run(self) -> None:
         order = self.order
         for c in self.ags:
             _sink_to_wait(c, order)
+        self.last = self._fixed_last_uses()
         use_of = {c.start: _first_use(self.chain[c.start], order) for c in self.ags}
         ags = [c for c in self.ags if use_of[c.start] is not None]
         ags.sort(key=lambda c: order[use_of[c.start]])
