@@ -29,7 +29,9 @@ _CHAIN_OPS = {"view", "_unsafe_view", "slice", "clone", "alias", "reshape", "t",
 
 def _op_name(node: fx.Node) -> str:
     target = node.target
-    name = getattr(target, "__name__", str(target))
+    name = getattr(target, "__name__", None)
+    if name is None:
+        name = str(target)
     return name.split(".")[0]
 
 
@@ -115,13 +117,14 @@ def _place_gather_waits(collectives: list[Collective], order: NodeOrder) -> None
 def _sink_to_wait(c: Collective, order: NodeOrder) -> None:
     """Start right before its wait (no prefetch), with the pure ops that only build its input:
     the baseline prefetch starts from, whatever order bucketing or tracing left."""
-    moved = [c.start]
+    moved, members = [c.start], {c.start}
     frontier = list(c.start.all_input_nodes)
     while frontier:
         node = frontier.pop()
         if (node.op == "call_function" and len(node.users) == 1
-                and next(iter(node.users)) in moved and not is_collective_or_wait(node)):
+                and next(iter(node.users)) in members and not is_collective_or_wait(node)):
             moved.append(node)
+            members.add(node)
             frontier.extend(node.all_input_nodes)
     for node in sorted(moved, key=order.__getitem__):
         order.move_before(node, c.wait)

@@ -138,4 +138,5 @@ def simulate(graph: fx.Graph | fx.GraphModule, hw, node_cost=None, comm_cost=Non
 
 
 def _label(node: fx.Node) -> str:
-    return getattr(node.target, "__name__", str(node.target)).split(".")[0]
+    name = getattr(node.target, "__name__", None)  # str() only when needed: not free
+    return (str(node.target) if name is None else name).split(".")[0]
