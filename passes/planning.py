@@ -133,6 +133,7 @@ class AutoPlan:
         with _collection_paused():
             trials = _Trials(gm.graph, hw, self.memory_cap_bytes)
             scores = {keys: trials.makespan(keys) for keys in distinct}
+            del trials  # garbage before collection resumes: freed young, never promoted
         best = min(range(len(candidates)),
                    key=lambda i: (scores[tuple(candidates[i])], len(set(candidates[i]))))
         return candidates[best]
@@ -191,10 +192,10 @@ class AutoPlan:
 
 @contextlib.contextmanager
 def _collection_paused():
-    """No cyclic garbage collection while the trials run: they allocate a graph copy per
-    candidate, and each full collection would scan every object the compile holds (traced
-    graphs, fake tensors) for nothing; a third of the trials' time on llama3 8B. The copies
-    they drop are collected once this ends."""
+    """No cyclic garbage collection while the trials run: they allocate a graph copy and
+    the nodes of every candidate's buckets, and each full collection would scan every object
+    the compile holds (traced graphs, fake tensors) for nothing; a third of the trials' time
+    on llama3 8B. What they drop is collected once this ends."""
     was = gc.isenabled()
     gc.disable()
     try:
@@ -221,6 +222,7 @@ class _Trials:
         import copy
 
         from .bucketing import bucketable
+        from .graph_utils import fake_mode_of
         from .node_meta import to_meta
 
         self.hw, self.cap = hw, cap
@@ -231,6 +233,7 @@ class _Trials:
                 node.meta["val"] = to_meta(node.meta["val"])
         self.order = list(self.work.nodes)  # what every trial restores
         self.collectives = bucketable(self.work)
+        self.fake_mode = fake_mode_of(self.work)  # meta values: none
         self.costs: dict[fx.Node, float] = {}
 
     def makespan(self, keys) -> float:
@@ -246,38 +249,35 @@ class _Trials:
         saved = [(c, c.start.args, c.start.kwargs, c.wait.args, c.wait.kwargs,
                   [(u, u.args, u.kwargs) for u in c.wait.users])
                  for c, key in zip(self.collectives, keys) if key is not None]
-        try:
-            merge_buckets(work, self.collectives, list(keys))
-            alive = set(work.nodes)
-            merged = [entry for entry in saved if entry[0].start not in alive]
-            changed = {u for entry in merged for u, _, _ in entry[5]}  # inputs replaced
-            collectives = find_collectives(work)  # moving nodes keeps them valid
-            reorder_graph(work, self.cap, collectives)
+        ids = {id(c) for c in merge_buckets(work, self.collectives, list(keys),
+                                            self.fake_mode)}
+        merged = [entry for entry in saved if id(entry[0]) in ids]
+        changed = {u for entry in merged for u, _, _ in entry[5]}  # inputs replaced
+        collectives = find_collectives(work)  # moving nodes keeps them valid
+        reorder_graph(work, self.cap, collectives)
 
-            def time_of(node: fx.Node) -> float:
-                old = origin.get(node)
-                if old is None or node in changed:
-                    return node_time(node, hw)
-                if old not in self.costs:
-                    self.costs[old] = node_time(old, hw)
-                return self.costs[old]
+        def time_of(node: fx.Node) -> float:
+            old = origin.get(node)
+            if old is None or node in changed:
+                return node_time(node, hw)
+            if old not in self.costs:
+                self.costs[old] = node_time(old, hw)
+            return self.costs[old]
 
-            cost = _rank_invariant_time(work, hw, time_of, collectives)
-            return simulate(work, hw, node_cost=cost, collectives=collectives).makespan
-        finally:
-            self._restore(saved)
+        cost = _rank_invariant_time(work, hw, time_of, collectives)
+        makespan = simulate(work, hw, node_cost=cost, collectives=collectives).makespan
+        self._restore(merged)
+        return makespan
 
-    def _restore(self, saved) -> None:
-        """Undo a trial: merged collectives back (as new nodes in place of the erased ones),
+    def _restore(self, merged) -> None:
+        """Undo a trial: the merged collectives back (new nodes in place of the erased ones),
         their users' inputs back, the nodes the trial added erased, the original order."""
-        work = self.work
-        alive = set(work.nodes)
+        work, origin = self.work, self.origin
         remap: dict[fx.Node, fx.Node] = {}
 
         def back(a):
             return fx.node.map_arg(a, lambda n: remap.get(n, n))
 
-        merged = [entry for entry in saved if entry[0].start not in alive]
         with work.inserting_before(self.order[-1]):
             for c, start_args, start_kwargs, wait_args, wait_kwargs, _ in merged:
                 start = work.create_node("call_function", c.start.target, back(start_args),
@@ -287,18 +287,18 @@ class _Trials:
                                         back(wait_kwargs))
                 remap[c.wait] = wait
                 start.meta, wait.meta = c.start.meta, c.wait.meta
-                self.origin[start] = self.origin.pop(c.start)
-                self.origin[wait] = self.origin.pop(c.wait)
+                origin[start], origin[wait] = origin.pop(c.start), origin.pop(c.wait)
                 c.start, c.wait = start, wait
+        readers = {}  # each reader once (the output reads every gradient)
         for *_, users in merged:
             for user, args, kwargs in users:
-                user = remap.get(user, user)
-                user.args, user.kwargs = back(args), back(kwargs)
+                readers.setdefault(remap.get(user, user), (args, kwargs))
+        for user, (args, kwargs) in readers.items():
+            user.args, user.kwargs = back((args, kwargs))
         if remap:
             self.order = [remap.get(n, n) for n in self.order]
-        keep = set(self.order)
         for node in reversed(list(work.nodes)):  # users before what they read
-            if node not in keep:
+            if node not in origin:  # added by the trial
                 work.erase_node(node)
         first = next(iter(work.nodes))
         if first is not self.order[0]:
