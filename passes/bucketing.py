@@ -48,23 +48,32 @@ def bucketable(graph: fx.Graph) -> list[Collective]:
             if c.wait is not None and c.start.target in PLAIN and c.ours]
 
 
-def merge_buckets(graph: fx.Graph, collectives: list[Collective], keys: list) -> None:
+def merge_buckets(graph: fx.Graph, collectives: list[Collective], keys: list,
+                  fake_mode=None) -> list[Collective]:
     """The graph edit of bucket_collectives for given keys (one per collective); AutoPlan runs
-    it on copies of a graph to compare candidates."""
+    it on copies of a graph to compare candidates. Returns the collectives it merged (their
+    nodes are gone). ``fake_mode``: what fake_mode_of(graph) answers, when the caller knows."""
     groups: dict[tuple, list[Collective]] = defaultdict(list)
     for c, key in zip(collectives, keys):
         if key is not None:
             groups[(key, c.kind, c.group_name, c.group_size, c.dtype, _reduce_op(c))].append(c)
-    fake_mode = fake_mode_of(graph)
+    if fake_mode is None:
+        fake_mode = fake_mode_of(graph)
     order = NodeOrder(graph)  # one for all merges: renumbering per bucket is quadratic
     merge = {"all_gather": functools.partial(_merge_all_gathers, order=order),
              "reduce_scatter": _merge_reduce_scatters, "all_reduce": _merge_all_reduces}
+    merged: list[Collective] = []
     for (key, kind, *_), members in groups.items():
         if len(members) > 1:
             members = sorted(members, key=lambda c: order[c.start])
             merge[kind](graph, members, fake_mode, str(key))
+            merged += members
     # Users of an early reduction now read the merged one, defined at the bucket's last start.
-    stable_topological_sort(graph)
+    # (A merged gather is defined at its first start and copied out where each wait was: the
+    # order stays valid, and the sort would change nothing.)
+    if any(c.kind != "all_gather" for c in merged):
+        stable_topological_sort(graph)
+    return merged
 
 
 def _reduce_op(c: Collective) -> str | None:
@@ -82,10 +91,23 @@ def _custom(members: list[Collective], bucket: str) -> dict:
     return custom
 
 
-def _replace(old: Collective, new_value: fx.Node, graph: fx.Graph) -> None:
-    old.wait.replace_all_uses_with(new_value)
-    graph.erase_node(old.wait)
-    graph.erase_node(old.start)
+def _replace(members: list[Collective], new_values: list[fx.Node], graph: fx.Graph) -> None:
+    """Members' results read from the bucket's; their collectives erased. Each reader's
+    inputs are rewritten once for the whole bucket (the graph's output reads every gradient:
+    rewriting it per member was quadratic)."""
+    new = {c.wait: v for c, v in zip(members, new_values)}
+    # What replace_all_uses_with would tell an observer of the module (provenance tracking)
+    hooks = getattr(graph.owning_module, "_replace_hooks", None) or ()
+    for user in dict.fromkeys(u for c in members for u in c.wait.users):
+        for hook in hooks:
+            for old in user.all_input_nodes:
+                if old in new:
+                    hook(old=old, new=new[old].name, user=user)
+        user.args, user.kwargs = fx.node.map_arg((user.args, user.kwargs),
+                                                 lambda n: new.get(n, n))
+    for c in members:
+        graph.erase_node(c.wait)
+        graph.erase_node(c.start)
 
 
 def _merge_all_gathers(graph, members, fake_mode, bucket, order):
@@ -104,7 +126,7 @@ def _merge_all_gathers(graph, members, fake_mode, bucket, order):
         rows = call(graph, aten.view.default, (wait, [ws, sum(sizes)]), fake_mode=fake_mode,
                     custom=custom)
     # Copy-outs go right after the wait; reordering later moves them next to their users.
-    offset = 0
+    offset, outs = 0, []
     for c, size in zip(members, sizes):
         with graph.inserting_before(c.wait):
             full_shape = list(c.wait.meta["val"].shape)
@@ -116,7 +138,8 @@ def _merge_all_gathers(graph, members, fake_mode, bucket, order):
             out = call(graph, aten.view.default, (part, full_shape), fake_mode=fake_mode,
                        custom=custom)
         offset += size
-        _replace(c, out, graph)
+        outs.append(out)
+    _replace(members, outs, graph)
 
 
 def _merge_reduce_scatters(graph, members, fake_mode, bucket):
@@ -134,8 +157,7 @@ def _merge_reduce_scatters(graph, members, fake_mode, bucket):
                      custom=custom)
         wait = call(graph, WAIT, (start,), fake_mode=fake_mode, custom=custom)
         outs = _split(graph, wait, members, cols, fake_mode, custom)
-    for c, out in zip(members, outs):
-        _replace(c, out, graph)
+    _replace(members, outs, graph)
 
 
 def _merge_all_reduces(graph, members, fake_mode, bucket):
@@ -150,8 +172,7 @@ def _merge_all_reduces(graph, members, fake_mode, bucket):
         start = call(graph, ALL_REDUCE, (buf, op, name), fake_mode=fake_mode, custom=custom)
         wait = call(graph, WAIT, (start,), fake_mode=fake_mode, custom=custom)
         outs = _split(graph, wait, members, sizes, fake_mode, custom)
-    for c, out in zip(members, outs):
-        _replace(c, out, graph)
+    _replace(members, outs, graph)
 
 
 def _split(graph, wait, members, sizes, fake_mode, custom) -> list[fx.Node]:

@@ -7,6 +7,7 @@ compute cost (compute_cost.py) and the memory model (memory.py) both stand on it
 """
 from __future__ import annotations
 
+import functools
 import math
 import operator
 
@@ -73,8 +74,28 @@ def value_bytes(t) -> int:
 
 
 def node_bytes(node: fx.Node) -> int:
-    """Bytes of a node's output tensors (tuples summed); 0 when it has no tensor metadata."""
-    return value_bytes(node_value(node))
+    """Bytes of a node's output tensors (tuples summed); 0 when it has no tensor metadata.
+    value_bytes(node_value(node)), read off the metadata without making the meta tensors."""
+    return _meta_bytes(node.meta["val"] if "val" in node.meta else node.meta.get("tensor_meta"))
+
+
+def _meta_bytes(v) -> int:
+    if isinstance(v, (torch.Tensor, TensorMetadata)):
+        shape = [concrete_int(x) for x in v.shape]
+        if math.prod(shape) == 0:
+            return 0
+        stride = v.stride() if isinstance(v, torch.Tensor) else v.stride
+        return math.prod(n for n, st in zip(shape, stride) if concrete_int(st) != 0
+                         ) * v.dtype.itemsize
+    if isinstance(v, (tuple, list)):
+        return sum(_meta_bytes(x) for x in v)
+    return 0
+
+
+def has_value(node: fx.Node) -> bool:
+    """node_value(node) is not None, without making the meta tensors."""
+    v = node.meta["val"] if "val" in node.meta else node.meta.get("tensor_meta")
+    return isinstance(v, (torch.Tensor, TensorMetadata, tuple, list))
 
 
 # Views although their schema does not say so (wait_tensor returns the collective's buffer,
@@ -83,6 +104,16 @@ _VIEW_TARGETS = {operator.getitem, WAIT, aten._unsafe_view.default}
 # Schema says "may alias": a view only when the input is contiguous and the dtype unchanged.
 _MAYBE_VIEW = {aten.reshape, aten.reshape_as, aten.flatten, aten.contiguous, aten.to,
                aten.type_as}
+
+
+@functools.lru_cache(maxsize=None)
+def _returns_alias(op: torch._ops.OpOverload) -> str | None:
+    """What the op's schema says its outputs alias: "write" (an input it writes), "read",
+    or None. Read once per op: every node asks."""
+    infos = [r.alias_info for r in op._schema.returns if r.alias_info is not None]
+    if not infos:
+        return None
+    return "write" if any(i.is_write for i in infos) else "read"
 
 
 def alias_kind(node: fx.Node) -> str | None:
@@ -95,10 +126,10 @@ def alias_kind(node: fx.Node) -> str | None:
         return "view"
     if not isinstance(t, torch._ops.OpOverload):
         return None
-    infos = [r.alias_info for r in t._schema.returns if r.alias_info is not None]
-    if not infos:
+    returns = _returns_alias(t)
+    if returns is None:
         return None
-    if any(i.is_write for i in infos):
+    if returns == "write":
         return "inplace"
     if t.overloadpacket in _MAYBE_VIEW:
         src = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None

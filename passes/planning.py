@@ -133,6 +133,7 @@ class AutoPlan:
         with _collection_paused():
             trials = _Trials(gm.graph, hw, self.memory_cap_bytes)
             scores = {keys: trials.makespan(keys) for keys in distinct}
+            del trials  # garbage before collection resumes: freed young, never promoted
         best = min(range(len(candidates)),
                    key=lambda i: (scores[tuple(candidates[i])], len(set(candidates[i]))))
         return candidates[best]
@@ -191,10 +192,10 @@ class AutoPlan:
 
 @contextlib.contextmanager
 def _collection_paused():
-    """No cyclic garbage collection while the trials run: they allocate a graph copy per
-    candidate, and each full collection would scan every object the compile holds (traced
-    graphs, fake tensors) for nothing; a third of the trials' time on llama3 8B. The copies
-    they drop are collected once this ends."""
+    """No cyclic garbage collection while the trials run: they allocate a graph copy and
+    the nodes of every candidate's buckets, and each full collection would scan every object
+    the compile holds (traced graphs, fake tensors) for nothing; a third of the trials' time
+    on llama3 8B. What they drop is collected once this ends."""
     was = gc.isenabled()
     gc.disable()
     try:
@@ -206,62 +207,117 @@ def _collection_paused():
 
 class _Trials:
     """Simulated makespans of candidates, each bucketed and reordered by the real passes' graph
-    edits on a copy of one graph (a copy of the graph only: no GraphModule, no code generated;
-    deep-copying a tensor constant next to the fake tensors that describe it would fail).
-    Copies are taken from a template whose values are meta tensors, made once: the cost model
-    reads only shapes, strides and dtypes, and ops on meta tensors are ~30x cheaper than on
-    fake ones. The compute time of a node the edits left as it was (same inputs) is the
-    original node's, computed once for all candidates."""
+    edits (merge_buckets, reorder_graph) on one working copy of the graph, which every trial
+    puts back as it found it. Copying the graph per candidate cost more than the edits and the
+    simulation together (a graph copy creates every node afresh; undoing a trial touches only
+    the collectives it merged, their users and the nodes it added).
+
+    The working copy is a copy of the graph only (no GraphModule, no code generated;
+    deep-copying a tensor constant next to the fake tensors that describe it would fail) whose
+    values are meta tensors: the cost model reads only shapes, strides and dtypes, and ops on
+    meta tensors are ~30x cheaper than on fake ones. The compute time of a node the edits left
+    as it was (same inputs) is the original node's, computed once for all candidates."""
 
     def __init__(self, graph: fx.Graph, hw, cap: int | None):
         import copy
 
+        from .bucketing import bucketable
+        from .graph_utils import fake_mode_of
         from .node_meta import to_meta
 
         self.hw, self.cap = hw, cap
-        self.template = copy.deepcopy(graph)
-        self.origin = dict(zip(self.template.nodes, graph.nodes))  # a copy keeps node order
-        for node in self.template.nodes:  # the copy's own meta dicts: the original keeps its own
+        self.work = copy.deepcopy(graph)
+        self.origin = dict(zip(self.work.nodes, graph.nodes))  # a copy keeps node order
+        for node in self.work.nodes:  # the copy's own meta dicts: the original keeps its own
             if "val" in node.meta:
                 node.meta["val"] = to_meta(node.meta["val"])
+        self.order = list(self.work.nodes)  # what every trial restores
+        self.collectives = bucketable(self.work)
+        self.fake_mode = fake_mode_of(self.work)  # meta values: none
         self.costs: dict[fx.Node, float] = {}
 
     def makespan(self, keys) -> float:
-        import copy
-
-        from .bucketing import bucketable, merge_buckets
+        from .bucketing import merge_buckets
+        from .collectives import find_collectives
         from .compute_cost import node_time
         from .reordering import reorder_graph
         from .simulate import simulate
 
-        trial = copy.deepcopy(self.template)
-        origin = {n: self.origin[t] for n, t in zip(trial.nodes, self.template.nodes)}
-        merge_buckets(trial, bucketable(trial), list(keys))
-        reorder_graph(trial, self.cap)
+        work, origin, hw = self.work, self.origin, self.hw
+        # What merging may change: a merged collective's start and wait are erased and its
+        # wait's users read the bucket's copy-out instead.
+        saved = [(c, c.start.args, c.start.kwargs, c.wait.args, c.wait.kwargs,
+                  [(u, u.args, u.kwargs) for u in c.wait.users])
+                 for c, key in zip(self.collectives, keys) if key is not None]
+        ids = {id(c) for c in merge_buckets(work, self.collectives, list(keys),
+                                            self.fake_mode)}
+        merged = [entry for entry in saved if id(entry[0]) in ids]
+        changed = {u for entry in merged for u, _, _ in entry[5]}  # inputs replaced
+        collectives = find_collectives(work)  # moving nodes keeps them valid
+        reorder_graph(work, self.cap, collectives)
 
         def time_of(node: fx.Node) -> float:
             old = origin.get(node)
-            if old is None or [origin.get(a) for a in node.all_input_nodes] != \
-                    old.all_input_nodes:
-                return node_time(node, self.hw)
+            if old is None or node in changed:
+                return node_time(node, hw)
             if old not in self.costs:
-                self.costs[old] = node_time(old, self.hw)
+                self.costs[old] = node_time(old, hw)
             return self.costs[old]
 
-        return simulate(trial, self.hw,
-                        node_cost=_rank_invariant_time(trial, self.hw, time_of)).makespan
+        cost = _rank_invariant_time(work, hw, time_of, collectives)
+        makespan = simulate(work, hw, node_cost=cost, collectives=collectives).makespan
+        self._restore(merged)
+        return makespan
+
+    def _restore(self, merged) -> None:
+        """Undo a trial: the merged collectives back (new nodes in place of the erased ones),
+        their users' inputs back, the nodes the trial added erased, the original order."""
+        work, origin = self.work, self.origin
+        remap: dict[fx.Node, fx.Node] = {}
+
+        def back(a):
+            return fx.node.map_arg(a, lambda n: remap.get(n, n))
+
+        with work.inserting_before(self.order[-1]):
+            for c, start_args, start_kwargs, wait_args, wait_kwargs, _ in merged:
+                start = work.create_node("call_function", c.start.target, back(start_args),
+                                         back(start_kwargs))
+                remap[c.start] = start
+                wait = work.create_node("call_function", c.wait.target, back(wait_args),
+                                        back(wait_kwargs))
+                remap[c.wait] = wait
+                start.meta, wait.meta = c.start.meta, c.wait.meta
+                origin[start], origin[wait] = origin.pop(c.start), origin.pop(c.wait)
+                c.start, c.wait = start, wait
+        readers = {}  # each reader once (the output reads every gradient)
+        for *_, users in merged:
+            for user, args, kwargs in users:
+                readers.setdefault(remap.get(user, user), (args, kwargs))
+        for user, (args, kwargs) in readers.items():
+            user.args, user.kwargs = back((args, kwargs))
+        if remap:
+            self.order = [remap.get(n, n) for n in self.order]
+        for node in reversed(list(work.nodes)):  # users before what they read
+            if node not in origin:  # added by the trial
+                work.erase_node(node)
+        first = next(iter(work.nodes))
+        if first is not self.order[0]:
+            first.prepend(self.order[0])
+        for prev, node in zip(self.order, self.order[1:]):
+            if prev.next is not node:
+                prev.append(node)
 
 
-def _rank_invariant_time(graph: fx.Graph, hw, time_of=None):
+def _rank_invariant_time(graph: fx.Graph, hw, time_of=None, collectives=None):
     """``time_of`` (default node_time), except for the nodes that work on this rank's own
     chunk (rank_local.py): their size differs between ranks with uneven shards, and every
     rank must pick the same buckets (or the collectives no longer match) without talking to
     the others at compile time (caches may skip a rank's compile). Everything else is the
-    same on every rank."""
+    same on every rank. ``collectives``: the graph's, when the caller has them."""
     from .compute_cost import node_time
     from .rank_local import rank_local_nodes
 
-    local = rank_local_nodes(graph)
+    local = rank_local_nodes(graph, collectives)
     time_of = time_of or (lambda node: node_time(node, hw))
     return lambda node: 0.0 if node in local else time_of(node)
 

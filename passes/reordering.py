@@ -29,7 +29,9 @@ _CHAIN_OPS = {"view", "_unsafe_view", "slice", "clone", "alias", "reshape", "t",
 
 def _op_name(node: fx.Node) -> str:
     target = node.target
-    name = getattr(target, "__name__", str(target))
+    name = getattr(target, "__name__", None)
+    if name is None:
+        name = str(target)
     return name.split(".")[0]
 
 
@@ -83,12 +85,16 @@ def reorder_for_overlap(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     return gm
 
 
-def reorder_graph(graph: fx.Graph, memory_cap_bytes: int | None) -> None:
-    """The graph edit of reorder_for_overlap; AutoPlan runs it on copies of a graph."""
+def reorder_graph(graph: fx.Graph, memory_cap_bytes: int | None,
+                  collectives: list[Collective] | None = None) -> None:
+    """The graph edit of reorder_for_overlap; AutoPlan runs it on copies of a graph.
+    ``collectives``: the graph's (find_collectives), when the caller has them."""
     # Only data-parallel collectives move: anything else (TP) keeps its place in the graph,
     # so every process group sees the same issue order on every rank, and a collective on the
     # critical path (TP's) is never pushed behind a prefetch.
-    collectives = [c for c in find_collectives(graph) if c.wait is not None and c.ours]
+    if collectives is None:
+        collectives = find_collectives(graph)
+    collectives = [c for c in collectives if c.wait is not None and c.ours]
     cap = memory_cap_bytes or default_cap(collectives)
     order = NodeOrder(graph)
     _place_gather_waits(collectives, order)
@@ -111,13 +117,14 @@ def _place_gather_waits(collectives: list[Collective], order: NodeOrder) -> None
 def _sink_to_wait(c: Collective, order: NodeOrder) -> None:
     """Start right before its wait (no prefetch), with the pure ops that only build its input:
     the baseline prefetch starts from, whatever order bucketing or tracing left."""
-    moved = [c.start]
+    moved, members = [c.start], {c.start}
     frontier = list(c.start.all_input_nodes)
     while frontier:
         node = frontier.pop()
         if (node.op == "call_function" and len(node.users) == 1
-                and next(iter(node.users)) in moved and not is_collective_or_wait(node)):
+                and next(iter(node.users)) in members and not is_collective_or_wait(node)):
             moved.append(node)
+            members.add(node)
             frontier.extend(node.all_input_nodes)
     for node in sorted(moved, key=order.__getitem__):
         order.move_before(node, c.wait)
@@ -136,15 +143,34 @@ class _Prefetch:
         # (reshard_after_forward=False) is saved state from then on, not a buffer in flight.
         self.uses = {s: [u for u in _chain_uses(chain) if u.op != "output"]
                      for s, chain in self.chain.items()}
+        self.last: dict[fx.Node, fx.Node] | None = None  # see _fixed_last_uses
 
     def last_use(self, c: Collective) -> fx.Node:
         """Last compute use of a gathered buffer (its chain's last node if none)."""
+        if self.last is not None:
+            return self.last[c.start]
         return max(self.uses[c.start] or self.chain[c.start], key=self.order.__getitem__)
+
+    def _fixed_last_uses(self) -> dict[fx.Node, fx.Node] | None:
+        """Every buffer's last use, found once, if no chain node or use can move while
+        prefetching: run() moves only all-gather starts and what they read (the sinking and
+        the hoisting), so unless a use feeds a gather, the last uses stay where they are.
+        (Finding them afresh at every fit test made prefetch quadratic in the gathers.)"""
+        cone, stack = set(), [c.start for c in self.ags]
+        while stack:
+            for node in stack.pop().all_input_nodes:
+                if node not in cone:
+                    cone.add(node)
+                    stack.append(node)
+        if any(n in cone for c in self.ags for n in self.uses[c.start] or self.chain[c.start]):
+            return None
+        return {c.start: self.last_use(c) for c in self.ags}
 
     def run(self) -> None:
         order = self.order
         for c in self.ags:
             _sink_to_wait(c, order)
+        self.last = self._fixed_last_uses()
         use_of = {c.start: _first_use(self.chain[c.start], order) for c in self.ags}
         ags = [c for c in self.ags if use_of[c.start] is not None]
         ags.sort(key=lambda c: order[use_of[c.start]])

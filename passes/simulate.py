@@ -64,13 +64,15 @@ _SEND_FACTOR = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0}
 
 
 def simulate(graph: fx.Graph | fx.GraphModule, hw, node_cost=None, comm_cost=None,
-             link_of=None, labels: dict[str, str] | None = None) -> Schedule:
+             link_of=None, labels: dict[str, str] | None = None,
+             collectives: list | None = None) -> Schedule:
     """Timeline of ``graph`` on hardware ``hw`` (see module doc).
 
     ``node_cost(node)`` / ``comm_cost(collective)`` / ``link_of(collective)`` override the
     cost model and the link rule (tests use them to build hand-computed schedules).
     ``labels``: {group name: label} for ``Schedule.by_group`` where known
     (simplesharded.mesh.group_labels); other groups get collectives.group_label.
+    ``collectives``: the graph's (find_collectives), when the caller has them.
     """
     from .comm_cost import collective_time, group_link
     from .compute_cost import node_time
@@ -85,7 +87,8 @@ def simulate(graph: fx.Graph | fx.GraphModule, hw, node_cost=None, comm_cost=Non
                 links[c.group_name] = group_link(c.group_name, hw)
             return links[c.group_name]
     comm_cost = comm_cost or (lambda c: collective_time(c, hw, link=link_of(c)))
-    by_start = {c.start: c for c in find_collectives(graph)}
+    by_start = {c.start: c for c in (find_collectives(graph) if collectives is None
+                                     else collectives)}
     done: dict[fx.Node, tuple[float, GroupComm]] = {}  # start node -> (transfer end, group)
     sched = Schedule()
     now = 0.0
@@ -135,4 +138,5 @@ def simulate(graph: fx.Graph | fx.GraphModule, hw, node_cost=None, comm_cost=Non
 
 
 def _label(node: fx.Node) -> str:
-    return getattr(node.target, "__name__", str(node.target)).split(".")[0]
+    name = getattr(node.target, "__name__", None)  # str() only when needed: not free
+    return (str(node.target) if name is None else name).split(".")[0]
