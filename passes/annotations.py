@@ -14,6 +14,9 @@ Written by our passes:
   BUCKET_KEY         the bucket a merged collective implements (bucketing.py)
   BUCKET_PARAMS_KEY  FQNs of every parameter a merged collective serves (bucketing.py)
   LOWERED_KEY        the kind an all-to-all implements (lowering.py): it is then one of ours
+  GATHERED_KEY       FQN of the gathered parameter a forward view of it holds (recompute.py):
+                     a saved view reaches the backward graph as a placeholder carrying it, so
+                     the memory cap counts it (reordering.py, memory.py)
 """
 from __future__ import annotations
 
@@ -27,8 +30,15 @@ AC_KEY = "ss_ac"
 BUCKET_KEY = "ss_bucket"
 BUCKET_PARAMS_KEY = "ss_bucket_params"
 LOWERED_KEY = "ss_lowered"
+GATHERED_KEY = "ss_gathered"
 
 
 def annotations(node: fx.Node) -> dict:
     """The node's annotations ({} when it has none)."""
     return node.meta.get("custom") or {}
+
+
+def gathered_param(node: fx.Node) -> str | None:
+    """FQN of the gathered parameter ``node`` holds (itself or a view of it), if any."""
+    custom = annotations(node)
+    return custom.get(GATHERED_KEY) or custom.get(PARAM_KEY)

@@ -1,6 +1,7 @@
 """Memory of an FX graph: liveness of its buffers in graph order (``memory_timeline``,
 ``peak_memory``), where views, in-place ops and ``wait_tensor`` alias their base instead of
-allocating (node_meta.py decides which).
+allocating (node_meta.py decides which); ``gathered_timeline``: the part of it that is gathered
+parameters, which ``memory_cap_bytes`` caps (docs/memory_cap.md).
 """
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import operator
 
 from torch import fx
 
-from .collectives import is_collective, is_wait
+from .annotations import gathered_param
+from .collectives import find_collectives, is_collective, is_wait
 from .node_meta import alias_kind, aliased_inputs, node_bytes, node_value, value_bytes
 
 
@@ -75,6 +77,36 @@ def memory_timeline(graph, include_inputs: bool = True) -> list[int]:
         timeline.append(live)
         live -= sum(size[k] for k in frees[i] if include_inputs or not is_input[k])
     return timeline
+
+
+def gathered_timeline(graph) -> list[int]:
+    """Bytes of gathered parameters alive while each node runs, in graph order: the buffers
+    data-parallel all-gathers write, every copy made from them (a bucket's copy-outs), and the
+    gathered parameters a backward graph receives from forward (placeholders annotated with
+    their FQN, passes/recompute.py). Liveness as in :func:`memory_timeline`."""
+    g = _graph(graph)
+    nodes, alloc, frees, size, _ = _liveness(g)
+    gathered = _gathered_nodes(g)
+    keys = {k for i, n in enumerate(nodes) if n in gathered for k in alloc[i]}
+    live, timeline = 0, []
+    for i in range(len(nodes)):
+        live += sum(size[k] for k in alloc[i] if k in keys)
+        timeline.append(live)
+        live -= sum(size[k] for k in frees[i] if k in keys)
+    return timeline
+
+
+def _gathered_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """Our all-gathers, the annotated nodes computed from them, and saved gathered inputs."""
+    out = set()
+    for c in find_collectives(graph):
+        if c.kind == "all_gather" and c.ours:
+            out.update(n for n in (c.start, c.wait) if n is not None)
+    for node in graph.nodes:
+        if gathered_param(node) and (node.op == "placeholder" or any(
+                a in out for a in node.all_input_nodes)):
+            out.add(node)
+    return out
 
 
 def peak_memory(graph, include_inputs: bool = True) -> tuple[int, fx.Node | None]:

@@ -3,11 +3,13 @@ passes that take a plan read nothing else from it.
 
   assign(gm, collectives)   bucketing.py: a bucket key per collective (None: leave it alone);
                             collectives with the same key become one collective
-  memory_cap_bytes          reordering.py: gathered bytes in flight a prefetch may raise the
-                            total to; None: two of the largest gathered buffers
+  memory_cap_bytes          reordering.py and recompute.py: bytes of gathered parameters alive
+                            at once, kept ones and copy-outs included (docs/memory_cap.md);
+                            None: what the graph needs without prefetch plus its largest
+                            gathered buffer
   keep_gathered_bytes       recompute.py: budget of reshard_after_forward="auto" parameters
-                            kept gathered from forward to backward; None: keep the last block
-                            and what follows it
+                            kept gathered from forward to backward, held to the cap less twice
+                            the largest block; None: keep the last block and what follows it
   reshard_after_forward     recompute.py: True / False overrides every parameter's own
                             setting; None: as data_parallel annotated it
 

@@ -86,8 +86,11 @@ def _warn_no_blocks(collectives: list[Collective]) -> None:
 @dataclass(frozen=True)
 class AutoPlan:
     """Cost-model buckets. ``hardware``: profile name or a hardware.Hardware.
-    ``memory_cap_bytes``: bytes of gathered buffers alive at once (a bucket gets half);
-    default 4% of the hardware's memory.
+    ``memory_cap_bytes``: bytes of gathered parameters alive at once (docs/memory_cap.md);
+    default 8% of the hardware's memory. A quarter of it is the keep-gathered budget and a
+    sixth the largest bucket, so what stays gathered for backward, one bucket being copied out
+    (twice its bytes) and two prefetched (reordering.PREFETCH_AHEAD) fit in it (a module larger
+    than a sixth is a bucket of its own, and may leave no room to prefetch).
 
     Candidates: per-module units (a module is never split) merged in execution order up to a
     byte size, for a ladder of sizes, plus the block plan when the model has blocks. Each
@@ -98,12 +101,14 @@ class AutoPlan:
     """
 
     hardware: object = "local"
-    memory_cap_bytes: int | None = None
+    memory_cap_bytes: int | None = None  # None: resolved to the default at construction
     sizes: int = 8  # rungs on the bucket-size ladder
     reshard_after_forward: bool | None = None
 
-    def cap(self, hw) -> int:
-        return self.memory_cap_bytes or int(0.04 * hw.memory_bytes)
+    def __post_init__(self):
+        # Resolved here so that every pass reads the same cap, reordering included.
+        if self.memory_cap_bytes is None:
+            object.__setattr__(self, "memory_cap_bytes", int(0.08 * self.hw().memory_bytes))
 
     def hw(self):
         """The cost-model Hardware (``hardware`` may name a profile)."""
@@ -114,8 +119,8 @@ class AutoPlan:
     @property
     def keep_gathered_bytes(self) -> int:
         """Budget for parameters kept gathered from forward to backward (``reshard="auto"``,
-        passes/recompute.py): half the cap, the other half being prefetch buffers."""
-        return self.cap(self.hw()) // 2
+        passes/recompute.py): a quarter of the cap (class doc)."""
+        return self.memory_cap_bytes // 4
 
     def assign(self, gm: fx.GraphModule, collectives: list[Collective]) -> list[str | None]:
         hw = self.hw()
@@ -155,7 +160,7 @@ class AutoPlan:
             per_kind[kind] = (units, sizes)
         largest = max((max(sz, default=0) for _, sz in per_kind.values()), default=0)
         total = max((sum(sz) for _, sz in per_kind.values()), default=0)
-        top = min(self.cap(hw) // 2, max(total // 2, largest))
+        top = min(self.memory_cap_bytes // 6, max(total // 2, largest))
         ladder, limit = [], max(largest, 1)
         while limit < top and len(ladder) < self.sizes - 1:
             ladder.append(limit)
@@ -181,11 +186,9 @@ class AutoPlan:
         block_bytes: dict = {}
         for c, key in zip(collectives, block):
             block_bytes[(key, c.kind)] = block_bytes.get((key, c.kind), 0) + _full_bytes(c)
+        # The cap binds the block plan too: a block larger than a bucket may be does not fit.
         within = max(block_bytes.values(), default=0) <= max(top, largest)
-        # A user cap binds the block plan too; the default cap never rules out what
-        # *_blockbucketing would do anyway (deep models' blocks can exceed 2% of memory).
-        if any(k not in (None, "pre", "post") for k in block) and (
-                within or self.memory_cap_bytes is None):
+        if any(k not in (None, "pre", "post") for k in block) and within:
             out.append(block)
         return out
 

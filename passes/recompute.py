@@ -14,13 +14,21 @@ could hide. Without a budget: keep the last block and what follows it (torchtita
 policy; FSDP2 does the same for its root). With ``plan.keep_gathered_bytes``: keep trailing
 units while their gathered bytes fit the budget (DeepSpeed ZeRO-3's ``max_live_parameters``
 idea), so a small model keeps everything and a large one keeps nothing it cannot afford.
+With ``plan.memory_cap_bytes`` the budget (either rule) is also held to the cap less twice the
+largest unit: the cap counts every gathered byte alive (docs/memory_cap.md), and while the
+largest unit is gathered and copied out of its bucket it holds twice its bytes next to what
+stays gathered for backward.
+
+Forward views of a gathered parameter (the transposes a matmul saves) are annotated
+``ss_gathered`` with its FQN: the backward graph receives whichever of them the partitioner
+saves as placeholders, and the memory cap counts those too.
 """
 from __future__ import annotations
 
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .annotations import AC_KEY, PARAM_KEY, RESHARD_KEY, annotations
+from .annotations import AC_KEY, GATHERED_KEY, PARAM_KEY, RESHARD_KEY, annotations
 from .collectives import node_block, tangent_dependent, tensor_nbytes
 from .plan_protocol import Plan
 
@@ -40,7 +48,8 @@ def tag_gathers_for_recompute(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     """
     override = plan.reshard_after_forward
     backward = tangent_dependent(gm.graph)
-    kept = kept_gathered(gm.graph, backward, plan.keep_gathered_bytes)
+    kept = kept_gathered(gm.graph, backward, plan.keep_gathered_bytes, plan.memory_cap_bytes)
+    _annotate_views(gm.graph, backward)
     for node in gm.graph.nodes:
         custom = annotations(node)
         if node.op != "call_function" or node in backward:
@@ -67,8 +76,11 @@ def tag_gathers_for_recompute(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     return gm
 
 
-def kept_gathered(graph: fx.Graph, backward: set[fx.Node], budget: int | None) -> set[str]:
-    """FQNs of ``reshard="auto"`` parameters that stay gathered from forward to backward.
+def kept_gathered(graph: fx.Graph, backward: set[fx.Node], budget: int | None,
+                  cap: int | None = None) -> set[str]:
+    """FQNs of ``reshard="auto"`` parameters that stay gathered from forward to backward:
+    trailing units while their bytes fit ``budget`` (None: the bytes of the last block and
+    what follows it), held to ``cap`` less twice the largest unit when a cap is given.
 
     A parameter belongs to the unit its last forward use falls in: a tied output weight
     gathered with the embedding and read again by the head is needed first in backward, like
@@ -96,17 +108,38 @@ def kept_gathered(graph: fx.Graph, backward: set[fx.Node], budget: int | None) -
     units: dict[str, list[str]] = {k: [] for k in order}
     for fqn, last in last_use.items():
         units[max((k for k in order if starts[k] <= last), key=starts.__getitem__)].append(fqn)
-    if budget is None:
+    unit_bytes = {k: sum(nbytes[f] for f in units[k]) for k in order}
+    if budget is None:  # the last block and what follows it
         blocks = [i for i, k in enumerate(order) if k not in ("pre", "post")]
-        return {f for k in order[blocks[-1]:] for f in units[k]} if blocks else set()
+        budget = sum(unit_bytes[k] for k in order[blocks[-1]:]) if blocks else -1
+    if cap is not None:
+        budget = min(budget, cap - 2 * max(unit_bytes.values(), default=0))
     kept, total = set(), 0
     for key in reversed(order):
-        size = sum(nbytes[f] for f in units[key])
+        size = unit_bytes[key]
         if total + size > budget:
             break
         total += size
         kept.update(units[key])
     return kept
+
+
+def _annotate_views(graph: fx.Graph, backward: set[fx.Node]) -> None:
+    """Mark the forward views of each gathered parameter (module doc) with its FQN."""
+    from .node_meta import alias_kind, aliased_inputs
+
+    held: dict[fx.Node, str] = {}
+    for node in graph.nodes:  # graph order: a view comes after what it views
+        if node in backward or node.op != "call_function":
+            continue
+        fqn = annotations(node).get(PARAM_KEY)
+        if fqn is None and alias_kind(node) == "view":
+            fqn = next((held[a] for a in aliased_inputs(node) if a in held), None)
+            if fqn is not None:
+                # a dict of its own: fx.traceback.annotate may share one between nodes
+                node.meta["custom"] = {**annotations(node), GATHERED_KEY: fqn}
+        if fqn is not None:
+            held[node] = fqn
 
 
 def _seeded(node: fx.Node) -> bool:

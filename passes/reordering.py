@@ -2,12 +2,17 @@
 
 * all-gather: the wait and its copy-out chain go right before the first real use; the start
   (with the pure ops that build its input) first goes right before its wait, then is issued
-  before the compute of earlier buckets (prefetch) as far back as the cap allows (the graph's
-  start included; if not even one bucket ahead fits, right after the earliest release of an
-  earlier bucket that makes it fit): at every point, the bytes of gathered buffers that
-  are issued and not yet released (last use) stay ≤ ``memory_cap_bytes``. Default cap: two of
-  the largest gathered buffers (current + prefetched, as YaFSDP); a cap of one buffer disables
-  prefetch.
+  before the compute of earlier buckets (prefetch) as far back as the cap allows, up to
+  PREFETCH_AHEAD buckets (the graph's start for the first ones); if not even one bucket ahead
+  fits, right after the earliest release of an earlier bucket that makes it fit.
+* The cap (``memory_cap_bytes``, docs/memory_cap.md) bounds the bytes of gathered parameters
+  alive at every point: each gathered buffer from its issue to its last use (a parameter saved
+  for backward: to the end of the forward graph), its copy-outs (the per-parameter copies a
+  bucket makes: the bucket's bytes twice over while they are made), and in backward the
+  gathered parameters forward saved (from the start to their last use). Prefetch never raises
+  that total above the cap; what the graph needs without any prefetch is its floor, which
+  prefetch leaves as it is. Default cap: that floor plus the largest gathered buffer; a cap at
+  or below the floor disables prefetch.
 * reduce-scatter / all-reduce: the start right after its input is ready; the wait sinks towards
   its first use but no further than the next reduction's start, so at most one reduction is in
   flight and full-size gradient buffers are freed a block later at most. On a process group
@@ -18,9 +23,18 @@ from __future__ import annotations
 
 from torch import fx
 
+from .annotations import BUCKET_KEY, annotations, gathered_param
 from .collectives import Collective, find_collectives, is_collective, is_wait
 from .graph_utils import NodeOrder, hoist_before
+from .node_meta import alias_kind, node_bytes
 from .plan_protocol import Plan
+
+# A gather is issued at most this many buckets ahead of its use. Simulated on Llama 3 8B at
+# 64 ranks (h100-ib400), one bucket ahead left forward 8 % slower where blocks are small next
+# to the largest buffer, and no limit made backward 4 % slower: gathers issued that early
+# queue reduce-scatters behind them (and hold full-size gradients longer, which the cap does
+# not count).
+PREFETCH_AHEAD = 2
 
 # Ops that only reshape/copy a gathered buffer into parameter form: they travel with the wait.
 _CHAIN_OPS = {"view", "_unsafe_view", "slice", "clone", "alias", "reshape", "t", "permute",
@@ -65,19 +79,14 @@ def is_collective_or_wait(node: fx.Node) -> bool:
     return is_collective(node) or is_wait(node)
 
 
-def default_cap(collectives: list[Collective]) -> int:
-    sizes = [c.nbytes for c in collectives if c.kind == "all_gather"]
-    return 2 * max(sizes) if sizes else 0
-
-
 def reorder_for_overlap(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     """Reorder ``gm``'s data-parallel collectives in place (see module doc) and return it.
 
-    ``plan.memory_cap_bytes`` caps gathered bytes in flight (None: two of the largest
-    gathered buffers). Guarantees: same outputs (only the order of nodes changes);
+    ``plan.memory_cap_bytes`` caps the gathered bytes alive (module doc; None: the floor plus
+    the largest gathered buffer, one bucket ahead at most). Guarantees: same outputs (only the order of nodes changes);
     def-before-use; every wait before its first use; prefetch never raises the gathered bytes
-    in flight above the cap (a graph whose buckets need more at once without any prefetch
-    keeps that floor); idempotent.
+    alive above the cap (a graph that needs more without any prefetch keeps that floor);
+    idempotent.
     """
     reorder_graph(gm.graph, plan.memory_cap_bytes)
     gm.graph.lint()
@@ -95,10 +104,9 @@ def reorder_graph(graph: fx.Graph, memory_cap_bytes: int | None,
     if collectives is None:
         collectives = find_collectives(graph)
     collectives = [c for c in collectives if c.wait is not None and c.ours]
-    cap = memory_cap_bytes or default_cap(collectives)
     order = NodeOrder(graph)
     _place_gather_waits(collectives, order)
-    _Prefetch(graph, collectives, cap, order).run()
+    _Prefetch(graph, collectives, memory_cap_bytes, order).run()
     _place_reductions(collectives, order)
 
 
@@ -131,19 +139,29 @@ def _sink_to_wait(c: Collective, order: NodeOrder) -> None:
 
 
 class _Prefetch:
-    """Issue each all-gather as early as the cap allows (module doc). The chains and their
-    users are found once: moving starts changes neither."""
+    """Issue each all-gather as early as the cap allows (module doc). The chains, their users,
+    copy-outs and the saved gathered parameters are found once: moving starts changes none."""
 
-    def __init__(self, graph: fx.Graph, collectives: list[Collective], cap: int,
+    def __init__(self, graph: fx.Graph, collectives: list[Collective], cap: int | None,
                  order: NodeOrder):
         self.graph, self.cap, self.order = graph, cap, order
         self.ags = [c for c in collectives if c.kind == "all_gather"]
         self.chain = {c.start: gather_chain(c.wait, order) for c in self.ags}
-        # The output node is not a use: a gathered parameter saved for backward
-        # (reshard_after_forward=False) is saved state from then on, not a buffer in flight.
-        self.uses = {s: [u for u in _chain_uses(chain) if u.op != "output"]
-                     for s, chain in self.chain.items()}
+        # The output node is a use: a gathered parameter saved for backward stays alive.
+        self.uses = {s: _chain_uses(chain) for s, chain in self.chain.items()}
         self.last: dict[fx.Node, fx.Node] | None = None  # see _fixed_last_uses
+        # Bytes alive over fixed spans (first node, last node, bytes): copy-outs and saved
+        # gathered parameters; their nodes never move while prefetching.
+        self.fixed = [span for c in self.ags if (span := self._copy_out(c))]
+        self.fixed += _saved_gathered(graph, order)
+
+    def _copy_out(self, c: Collective) -> tuple[fx.Node, fx.Node, int] | None:
+        """The span of the copies ``c``'s chain makes (a bucket's per-parameter copy-outs),
+        with their bytes: for that span the gathered bytes are there twice."""
+        copies = [n for n in self.chain[c.start][1:] if alias_kind(n) is None]
+        if not copies:
+            return None
+        return copies[0], copies[-1], sum(node_bytes(n) for n in copies)
 
     def last_use(self, c: Collective) -> fx.Node:
         """Last compute use of a gathered buffer (its chain's last node if none)."""
@@ -171,6 +189,8 @@ class _Prefetch:
         for c in self.ags:
             _sink_to_wait(c, order)
         self.last = self._fixed_last_uses()
+        if self.cap is None:
+            self.cap = self.peak() + max((c.nbytes for c in self.ags), default=0)
         use_of = {c.start: _first_use(self.chain[c.start], order) for c in self.ags}
         ags = [c for c in self.ags if use_of[c.start] is not None]
         ags.sort(key=lambda c: order[use_of[c.start]])
@@ -180,8 +200,18 @@ class _Prefetch:
             # a second run finds every start already in place; then the start of the graph, so
             # the first gather of a graph that begins with compute (a backward whose first
             # blocks stay gathered) is issued at once, ahead of that compute's reduce-scatters.
-            candidates = [ags[k].wait for k in range(j - 1, -1, -1)] + [
-                self.graph_start(c, ags[j - 1].start if j else None)]
+            # Before the waits of at most PREFETCH_AHEAD earlier buckets (a bucket of two
+            # dtypes is two gathers), then the graph's start if none is left.
+            candidates, own, passed = [], _bucket(c), []
+            for k in range(j - 1, -1, -1):
+                other = _bucket(ags[k])
+                if other != own and other not in passed:
+                    if len(passed) == PREFETCH_AHEAD:
+                        break
+                    passed.append(other)
+                candidates.append(ags[k].wait)
+            else:
+                candidates.append(self.graph_start(c, ags[j - 1].start if j else None))
             for candidate in candidates:  # one bucket earlier at a time
                 if candidate is None or not self.fits(ags, c, candidate):
                     break
@@ -220,26 +250,58 @@ class _Prefetch:
                 return after
         return None
 
-    def fits(self, ags, c, candidate) -> bool:
-        """Would issuing ``c`` right before ``candidate`` keep gathered bytes in flight ≤ cap?"""
+    def spans(self, skip: Collective | None = None):
+        """(first position, last position, bytes) of every gathered byte alive, ``skip``'s
+        own gathered buffer left out."""
         order = self.order
-        lo = order[candidate]
-        hi = order[self.last_use(c)]
+        for c in self.ags:
+            if c is not skip:
+                yield order[c.start], order[self.last_use(c)], c.nbytes
+        for first, last, nbytes in self.fixed:
+            yield order[first], order[last], nbytes
+
+    def peak(self, lo=None, hi=None, skip: Collective | None = None) -> int:
+        """Most gathered bytes alive at once between positions ``lo`` and ``hi``."""
         events = []
-        for other in ags:
-            if other is c:
-                continue
-            start = order[other.start]
-            end = order[self.last_use(other)]
-            if start <= hi and end >= lo:
+        for start, end, nbytes in self.spans(skip):
+            if (hi is None or start <= hi) and (lo is None or end >= lo):
                 # (position, released after the node at that position, bytes)
-                events.append((max(start, lo), 0, other.nbytes))
-                events.append((min(end, hi), 1, -other.nbytes))
-        alive, peak = c.nbytes, c.nbytes
+                events.append((start if lo is None else max(start, lo), 0, nbytes))
+                events.append((end if hi is None else min(end, hi), 1, -nbytes))
+        alive = peak = 0
         for *_, delta in sorted(events):
             alive += delta
             peak = max(peak, alive)
-        return peak <= self.cap
+        return peak
+
+    def fits(self, ags, c, candidate) -> bool:
+        """Would issuing ``c`` right before ``candidate`` keep gathered bytes alive ≤ cap?"""
+        lo, hi = self.order[candidate], self.order[self.last_use(c)]
+        return c.nbytes + self.peak(lo, hi, skip=c) <= self.cap
+
+
+def _bucket(c: Collective):
+    """What a gather is one part of: its bucket (a bucket of two dtypes is two gathers)."""
+    return annotations(c.start).get(BUCKET_KEY) or c.start
+
+
+def _saved_gathered(graph: fx.Graph, order: NodeOrder) -> list[tuple[fx.Node, fx.Node, int]]:
+    """Gathered parameters a backward graph receives from forward (placeholders annotated
+    with their FQN): (placeholder, its last use through its views, bytes)."""
+    spans = []
+    for node in graph.find_nodes(op="placeholder"):
+        if not gathered_param(node) or not node_bytes(node):
+            continue
+        held, readers, frontier = {node}, [node], [node]
+        while frontier:
+            for user in frontier.pop().users:
+                if user.op != "output":
+                    readers.append(user)
+                if alias_kind(user) == "view" and user not in held:
+                    held.add(user)
+                    frontier.append(user)
+        spans.append((node, max(readers, key=order.__getitem__), node_bytes(node)))
+    return spans
 
 
 def _place_reductions(collectives: list[Collective], order: NodeOrder) -> None:

@@ -39,7 +39,7 @@ class BackendOptions:
     dump_graphs: str | None = None  # directory: graphs before/after each pass
     # None: per parameter, as data_parallel set it (True, False or "auto"); a bool overrides it
     reshard_after_forward: bool | None = None
-    memory_cap_bytes: int | None = None  # gathered bytes in flight (default: two buckets)
+    memory_cap_bytes: int | None = None  # gathered bytes alive (docs/memory_cap.md)
     bucket_patterns: tuple[str, ...] = ()  # block plan: regexes whose match names a bucket
     # cost-model numbers of the auto plan and the upstream baseline: "calibrated" (measured
     # at make_backend time by every rank together, or read from the cache:

@@ -129,7 +129,8 @@ class Compile:
     enable: bool = _opt(False, "torch.compile the model")
     backend: str = _opt("aot_eager_autobucketing", "name in simplesharded.backends.BACKENDS")
     model_backend_override: str = _opt("", "alias of backend; if set it wins")
-    memory_cap_mb: float = _opt(0.0, "prefetch memory cap for the passes; 0 = pass default")
+    memory_cap_mb: float = _opt(0.0, "most MiB of gathered parameters alive at once (kept ones and "
+                                "copy-outs included); 0 = plan default")
     dump_graphs: str = _opt("", "directory to write FX graphs before/after passes")
     hardware: str = _opt("calibrated", "cost-model numbers: 'calibrated' (measured at start-up, "
                          "cached; python -m simplesharded.calibrate), a calibration .json "

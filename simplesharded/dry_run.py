@@ -47,13 +47,13 @@ class Traced:
 
 
 def trace(cfg, local_batch: int, n_layers: int | None = None,
-          keep_gathered_bytes: int | None = None) -> Traced:
+          keep_gathered_bytes: int | None = None, memory_cap_bytes: int | None = None) -> Traced:
     """fw/bw graphs (after reshard-after-forward tagging and partitioning, before bucketing)
     of rank 0 of a mesh with ``cfg``'s degrees (tp included) over the ranks of the current
     process group (run it inside :func:`fake_world`); ``local_batch`` sequences per
     data-parallel rank. ``n_layers`` builds the model with that many blocks instead of the
-    flavor's; ``keep_gathered_bytes``: the budget of reshard_after_forward="auto"
-    (passes/recompute.py)."""
+    flavor's; ``keep_gathered_bytes`` and ``memory_cap_bytes``: the plan's, which decide what
+    reshard_after_forward="auto" keeps (passes/recompute.py)."""
     from simplesharded.mesh import build_mesh, group_labels
     from simplesharded.models import build_model
     from simplesharded.train import loss_chunks, parallelize, uses_loss_parallel
@@ -77,7 +77,8 @@ def trace(cfg, local_batch: int, n_layers: int | None = None,
     def partition(joint, inputs, **kwargs):
         nonlocal recompute_s
         t = time.process_time()
-        tag_gathers_for_recompute(joint, BlockPlan(keep_gathered_bytes=keep_gathered_bytes))
+        tag_gathers_for_recompute(joint, BlockPlan(memory_cap_bytes=memory_cap_bytes,
+                                                   keep_gathered_bytes=keep_gathered_bytes))
         recompute_s = time.process_time() - t
         # Only the graphs are wanted: stop right after partitioning (nothing runs on fakes).
         graphs["fw"], graphs["bw"] = min_cut_rematerialization_partition(joint, inputs, **kwargs)

@@ -144,7 +144,7 @@ def _trace_and_evaluate(cfg, ns, hw, cap, n_layers, keep, names) -> dict[str, di
     """{plan: _evaluate's numbers} for the plans ``names`` on one trace (see trace); the
     fake process group stays up throughout: the plans' cost model resolves the traced groups."""
     with fake_world(ns.world_size):
-        traced = trace(cfg, cfg.training.local_batch_size, n_layers, keep)
+        traced = trace(cfg, cfg.training.local_batch_size, n_layers, keep, cap)
         return {name: _evaluate(traced, name, ns, cfg, hw, cap) for name in names}
 
 
@@ -238,12 +238,11 @@ def _numbers(name: str, per_trace: list[dict], n_layers: int) -> dict:
     own = [numbers[name] for numbers in per_trace]
     m = _extrapolate(own, n_layers)
     if "autobucketing" in name:
-        # Cost-model buckets may span several blocks, so their grouping (and with it the
-        # gathered bytes in flight and the collective count) is not periodic in depth:
-        # scale those from the block plan of the same traces instead.
+        # Cost-model buckets may span several blocks, so their count is not periodic in
+        # depth: scale it from the block plan of the same traces instead. (The peak is: the
+        # memory cap bounds the gathered bytes alive the same way at every depth.)
         ref = [numbers["aot_eager_blockbucketing"] for numbers in per_trace]
         ref_m = _extrapolate(ref, n_layers)
-        m["peak_act"] = ref_m["peak_act"] + own[-1]["peak_act"] - ref[-1]["peak_act"]
         for key in [k for k in m if k == "collectives" or k.endswith(":count")]:
             m[key] = ref_m.get(key, 0) * own[-1][key] / max(1, ref[-1].get(key, 0))
     return m

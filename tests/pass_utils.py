@@ -311,10 +311,12 @@ def gathered_intervals(gm: fx.GraphModule) -> list[tuple[int, int, int, fx.Node]
 
 
 def gathered_bytes_in_flight(gm: fx.GraphModule) -> int:
-    """Max over graph positions of the bytes of gathered buffers alive there."""
-    iv = gathered_intervals(gm)
-    n = len(gm.graph.nodes)
-    return max((sum(b for lo, hi, b, _ in iv if lo <= i <= hi) for i in range(n)), default=0)
+    """Most bytes of gathered parameters alive at once, what ``memory_cap_bytes`` caps:
+    gathered buffers, their copy-outs and saved gathered parameters (memory.gathered_timeline,
+    a liveness sweep independent of reordering's own accounting)."""
+    from simplesharded.passes.memory import gathered_timeline
+
+    return max(gathered_timeline(gm), default=0)
 
 
 def max_gathers_alive(gm: fx.GraphModule) -> int:

@@ -172,7 +172,10 @@ def test_plan_extrapolation_agrees_with_full_trace_at_the_traced_depth(capsys):
 def test_plan_extrapolation_from_4_and_6_blocks_equals_a_full_trace_of_8():
     """`plan` traces models deeper than --full-trace-layers at 4 and 6 blocks and extrapolates
     (blocks repeat, so the step is periodic in depth; autobucketing's counts and peak are scaled
-    from the block plan). An 8-block model traced in full must give the same numbers."""
+    from the block plan). An 8-block model traced in full must give the same numbers; those of
+    autobucketing within 3 %: its buckets (here about two blocks each, the output weight's
+    size) are not periodic in depth (measured: 1.9 % off in exposed time, 0.5 % in
+    collectives, 0.6 % in backward time, exact in peak memory)."""
     import argparse
 
     from simplesharded import plan
@@ -192,7 +195,8 @@ def test_plan_extrapolation_from_4_and_6_blocks_equals_a_full_trace_of_8():
         full = plan._numbers(name, [traces[8]], 8)
         extrapolated = plan._numbers(name, [traces[4], traces[6]], 8)
         for key in keys:
-            assert extrapolated[key] == pytest.approx(full[key], rel=1e-6), (name, key)
+            rel = 3e-2 if "auto" in name else 1e-6
+            assert extrapolated[key] == pytest.approx(full[key], rel=rel), (name, key)
 
 
 @pytest.mark.slow
