@@ -65,7 +65,7 @@ def test_chunked_equals_unchunked_hand_built():
     # An upstream gradient other than 1 (the trainer's 1/tokens) scales the saved gradients
     # after the matmuls instead of before, and one-token chunks (200 -> 101 chunks) take
     # matrix-vector kernels: other roundings, no larger than the unchunked loss's own
-    # distance from float64.
+    # distance from float64, or the 1e-6 where that distance happens to be 0.
     head64 = torch.nn.Linear(D, V, bias=False, dtype=torch.float64)
     head64.weight.data.copy_(head.weight.data)
     exact = _head_grads(hidden.double(), head64, labels, 1, 1 / 7)
@@ -73,7 +73,7 @@ def test_chunked_equals_unchunked_hand_built():
     for chunks in (7, 200):
         got = _head_grads(hidden, head, labels, chunks, 1 / 7)
         for what, c, o, e in zip(("loss", "grad hidden", "grad weight"), got, one, exact):
-            assert rel(c, e) <= 2 * rel(o, e) + 1e-7, (chunks, what, rel(c, e), rel(o, e))
+            assert rel(c, e) <= max(2 * rel(o, e), 1e-6), (chunks, what, rel(c, e), rel(o, e))
 
 
 def _model_grads(model, fn, tokens, labels, chunks):
