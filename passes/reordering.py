@@ -83,7 +83,7 @@ def reorder_for_overlap(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     """Reorder ``gm``'s data-parallel collectives in place (see module doc) and return it.
 
     ``plan.memory_cap_bytes`` caps the gathered bytes alive (module doc; None: the floor plus
-    the largest gathered buffer, one bucket ahead at most). Guarantees: same outputs (only the order of nodes changes);
+    the largest gathered buffer). Guarantees: same outputs (only the order of nodes changes);
     def-before-use; every wait before its first use; prefetch never raises the gathered bytes
     alive above the cap (a graph that needs more without any prefetch keeps that floor);
     idempotent.
@@ -213,7 +213,7 @@ class _Prefetch:
             else:
                 candidates.append(self.graph_start(c, ags[j - 1].start if j else None))
             for candidate in candidates:  # one bucket earlier at a time
-                if candidate is None or not self.fits(ags, c, candidate):
+                if candidate is None or not self.fits(c, candidate):
                     break
                 target = candidate
             if target is None:  # not even one bucket ahead: as early as memory frees up
@@ -246,7 +246,7 @@ class _Prefetch:
             after = last.next
             if after.op == "root" or order[after] >= order[c.start]:
                 break
-            if self.fits(ags, c, after):
+            if self.fits(c, after):
                 return after
         return None
 
@@ -274,7 +274,7 @@ class _Prefetch:
             peak = max(peak, alive)
         return peak
 
-    def fits(self, ags, c, candidate) -> bool:
+    def fits(self, c, candidate) -> bool:
         """Would issuing ``c`` right before ``candidate`` keep gathered bytes alive ≤ cap?"""
         lo, hi = self.order[candidate], self.order[self.last_use(c)]
         return c.nbytes + self.peak(lo, hi, skip=c) <= self.cap
