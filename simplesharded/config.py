@@ -39,7 +39,10 @@ class Job:
 class Model:
     name: str = _opt("llama3", "model family in the models registry")
     flavor: str = _opt("debug", "size preset of the family")
-    tokenizer_path: str = _opt("", "tokenizer.json for `tokenizers`; '' = built-in byte tokenizer")
+    tokenizer_path: str = _opt("", "tokenizer.json for `tokenizers`; '' = built-in byte tokenizer "
+                               "(name 'hf': the model directory's tokenizer.json if it has one)")
+    path: str = _opt("", "name 'hf': local directory with a Hugging Face config.json (and "
+                     "optionally *.safetensors, tokenizer.json); never downloaded")
 
 
 @dataclass

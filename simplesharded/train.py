@@ -25,17 +25,18 @@ from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 from simplesharded import checkpoint as ckpt
 from simplesharded.backends import make_backend
 from simplesharded.config import Config, help_text, load_config, resolve
-from simplesharded.data import build_data
+from simplesharded.data import build_data, load_tokenizer
 from simplesharded.grad_sync import set_requires_gradient_sync
 from simplesharded.mesh import build_mesh, init_distributed, tp_dim
 from simplesharded.metrics import MetricsLogger, format_record, memory_stats, peak_flops
-from simplesharded.models import build_model, get_model_spec
+from simplesharded.models import build_model, get_model_spec, hf_source
 from simplesharded.blocks import find_blocks
 from simplesharded.passes.annotations import AC_KEY
 from simplesharded.sharding import MixedPrecisionPolicy, data_parallel, disable_gather
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EXIT_CONFIG, EXIT_NONFINITE = 2, 3
+HF = "hf"  # model.name of a Hugging Face model read from model.path (models/hf_source.py)
 
 
 class NonFiniteError(RuntimeError):
@@ -45,16 +46,15 @@ class NonFiniteError(RuntimeError):
 def check_static(cfg: Config, world_size: int) -> Config:
     """Everything that can be checked before any process-group work; returns resolved cfg."""
     cfg = resolve(cfg, world_size)
-    cls, args = get_model_spec(cfg.model.name, cfg.model.flavor)
-    if not hasattr(cls, "num_flops_per_token"):  # the trainer's model protocol (zoo models)
-        from simplesharded.models import MODELS
-        trainable = sorted(n for n, (c, _) in MODELS.items() if hasattr(c, "num_flops_per_token"))
-        raise ValueError(f"model.name={cfg.model.name!r} is not trainable here yet (bench it with "
-                         f"python -m simplesharded.bench --model {cfg.model.name}); the "
-                         f"trainer takes {trainable}")
+    if cfg.model.name == HF:
+        args = _check_hf(cfg)
+    else:
+        args = _check_zoo(cfg)
     if cfg.training.seq_len > args.max_seq_len:
+        what = (f"model.path={cfg.model.path!r}" if cfg.model.name == HF
+                else f"model {cfg.model.name}/{cfg.model.flavor}")
         raise ValueError(f"training.seq_len={cfg.training.seq_len} is above the maximum "
-                         f"{args.max_seq_len} of model {cfg.model.name}/{cfg.model.flavor}")
+                         f"{args.max_seq_len} of {what}")
     path = cfg.training.dataset_path
     if path and not os.access(path, os.R_OK):
         raise ValueError(f"training.dataset_path={path!r} does not exist or is not readable")
@@ -73,6 +73,33 @@ def check_static(cfg: Config, world_size: int) -> Config:
                              f"training.seq_len={cfg.training.seq_len} (sequence parallelism "
                              f"splits the sequence; or --no-parallelism.enable_sequence_parallel)")
     return cfg
+
+
+def _check_zoo(cfg: Config):
+    cls, args = get_model_spec(cfg.model.name, cfg.model.flavor)
+    if not hasattr(cls, "num_flops_per_token"):  # the trainer's model protocol (zoo models)
+        from simplesharded.models import MODELS
+        trainable = sorted(n for n, (c, _) in MODELS.items() if hasattr(c, "num_flops_per_token"))
+        raise ValueError(f"model.name={cfg.model.name!r} is not trainable here yet (bench it with "
+                         f"python -m simplesharded.bench --model {cfg.model.name}); the "
+                         f"trainer takes {trainable + [HF]}")
+    return args
+
+
+def _check_hf(cfg: Config):
+    """model.name='hf': the directory, its config and its tokenizer, read without torch
+    models. Without model.tokenizer_path the directory's tokenizer.json is used (set here, in
+    the resolved config every rank trains with)."""
+    args = hf_source.read_args(cfg.model.path)
+    if not cfg.model.tokenizer_path:
+        cfg.model.tokenizer_path = hf_source.hf_tokenizer_path(cfg.model.path)
+    if cfg.model.tokenizer_path:
+        vocab = load_tokenizer(cfg.model.tokenizer_path).vocab_size
+        if vocab > args.vocab_size:
+            raise ValueError(f"model.tokenizer_path={cfg.model.tokenizer_path!r}: vocabulary "
+                             f"{vocab} is larger than vocab_size {args.vocab_size} of "
+                             f"model.path={cfg.model.path!r}")
+    return args
 
 
 def apply_activation_checkpointing(model: torch.nn.Module, mode: str, every: int,
@@ -220,19 +247,27 @@ class Trainer:
         self.loss_chunks = loss_chunks(cfg)
         torch.manual_seed(cfg.job.seed)
         self.data = build_data(cfg, self.rank // self.tp, self.world // self.tp)
-        model = build_model(cfg.model.name, cfg.model.flavor, device="meta")
+        hf = cfg.model.name == HF
+        if hf:
+            model = hf_source.build_hf_model(cfg.model.path)
+        else:
+            model = build_model(cfg.model.name, cfg.model.flavor, device="meta")
         if self.data.tokenizer.vocab_size > model.args.vocab_size:
             raise ValueError(f"model.tokenizer_path: vocabulary {self.data.tokenizer.vocab_size} "
                              f"does not fit the model's vocab_size {model.args.vocab_size}")
         # DTensor's offset-based RNG (distinct, world-size independent values per shard) is
         # CUDA-only; on CPU every shard would draw the same numbers. There the model is
         # initialised in full on each rank (same seed ⇒ same values) and then sharded.
-        init_full = device == "cpu"
+        # An hf model is never whole on a rank: each fills its own shards (hf_source).
+        init_full = device == "cpu" and not hf
         if init_full:
             model.to_empty(device=device)
             model.init_weights(buffer_device=torch.device(device))
         self.step_fn = parallelize(model, self.mesh, cfg)
-        if not init_full:
+        if hf:
+            how = hf_source.materialize(model, cfg.job.seed)
+            self._print(f"[simplesharded] model.path={cfg.model.path!r}: weights {how}")
+        elif not init_full:
             with disable_gather(model):
                 model.init_weights(buffer_device=torch.device(device))
         self.model = model

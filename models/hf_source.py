@@ -1,0 +1,360 @@
+"""Any Hugging Face causal LM from a local directory: ``--model.name hf --model.path DIR``.
+
+DIR holds a ``config.json`` and optionally the weights as ``*.safetensors`` (one file, or
+several with ``model.safetensors.index.json``) and a ``tokenizer.json``. The path is local
+only: nothing is ever downloaded (``HF_HUB_OFFLINE=1``, ``local_files_only=True``), and a hub
+id instead of a directory is a one-line error.
+
+Life of such a model in the trainer:
+  1. :func:`build_hf_model`: ``AutoModelForCausalLM.from_config`` on the meta device (no
+     memory), with the trainer's protocol added (:class:`_Trainable`: a forward that returns
+     the summed cross-entropy computed by ``simplesharded/loss.py``, ``num_flops_per_token``).
+  2. ``data_parallel`` shards it: uninitialised shards, dim 0 split over the dp ranks.
+  3. :func:`materialize`: each rank fills its own shards. With safetensors files, it reads
+     only its rows of each tensor (``safe_open(...).get_slice(name)[lo:hi]``), so no rank
+     ever holds the full model. Without them, the model's own init (``_init_weights``) runs
+     module by module on full-size temporaries on the CPU, seeded, of which each rank keeps
+     its slice: the values do not depend on the world size (DTensor's per-shard RNG, which
+     would avoid the temporaries, exists on CUDA only).
+
+Blocks (buckets, ``reshard="auto"``, activation checkpointing) are found by
+``simplesharded/blocks.py``: the numbered ``ModuleList`` (``model.layers.N``,
+``transformer.h.N``) of any such model.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from simplesharded.loss import lm_loss
+
+CONFIG_FILE = "config.json"
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def _need_hf():
+    # No download can ever start, whatever the caller's environment says.
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    try:
+        import transformers  # noqa: F401
+        import safetensors  # noqa: F401
+    except ImportError:
+        raise ValueError("model.name='hf' needs transformers and safetensors: "
+                         "pip install 'simplesharded[hf]'") from None
+
+
+def check_path(path: str) -> str:
+    """``path`` if it is a directory with a config.json, else a one-line ValueError."""
+    if not path:
+        raise ValueError("model.path='' must be a local directory holding config.json "
+                         "(model.name='hf')")
+    if not os.path.isdir(path):
+        hint = ""
+        if not os.path.exists(path) and path.count("/") == 1 and not path.startswith("."):
+            hint = (f" (a hub id? nothing is downloaded here: fetch it first, e.g. "
+                    f"`hf download {path} --local-dir DIR`, and pass DIR)")
+        raise ValueError(f"model.path={path!r} is not a local directory{hint}")
+    if not os.path.isfile(os.path.join(path, CONFIG_FILE)):
+        raise ValueError(f"model.path={path!r} has no {CONFIG_FILE}")
+    return path
+
+
+def load_hf_config(path: str):
+    """The transformers config of the model in ``path`` (local files only)."""
+    _need_hf()
+    from transformers import AutoConfig
+
+    check_path(path)
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # transformers raises several types for a bad/unknown config
+        msg = str(e).strip().splitlines()
+        raise ValueError(f"model.path={path!r}: config.json cannot be read "
+                         f"({type(e).__name__}: {msg[0] if msg else ''})") from None
+    config.use_cache = False  # training only: no KV cache object built (and traced)
+    return config
+
+
+def _get(config, *names, default=None):
+    for n in names:
+        v = getattr(config, n, None)
+        if v is not None:
+            return v
+    return default
+
+
+@dataclass
+class HFSourceArgs:
+    """What the trainer reads of a model's args, taken from its config.json."""
+
+    path: str
+    vocab_size: int
+    max_seq_len: int
+    n_layers: int
+    dim: int  # attention width: heads * head_dim (hidden_size unless the config says)
+
+    @classmethod
+    def from_config(cls, path: str, config) -> "HFSourceArgs":
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        hidden = _get(text, "hidden_size", "n_embd", "d_model")
+        heads = _get(text, "num_attention_heads", "n_head")
+        head_dim = _get(text, "head_dim")
+        dim = heads * head_dim if heads and head_dim else hidden
+        return cls(path=path, vocab_size=text.vocab_size,
+                   max_seq_len=_get(text, "max_position_embeddings", "n_positions",
+                                    default=2**31 - 1),
+                   n_layers=_get(text, "num_hidden_layers", "n_layer"), dim=dim)
+
+    def check_tp(self, tp: int) -> None:
+        raise ValueError(f"tensor_parallel_degree={tp}: model.name='hf' has no tensor-parallel "
+                         f"plan here (use 1)")
+
+
+def read_args(path: str) -> HFSourceArgs:
+    return HFSourceArgs.from_config(path, load_hf_config(path))
+
+
+class _Trainable:
+    """Mixed into the transformers model's class (FQNs, and so the safetensors names, stay
+    as they are): the trainer's forward and FLOP count."""
+
+    def forward(self, tokens, labels=None, loss_chunks: int = 0):
+        """Summed cross-entropy of the next-token logits against ``labels`` (already shifted
+        by the data loader), or the logits when ``labels`` is None. The head is applied by
+        ``lm_loss``, so long sequences never hold full fp32 logits (training.loss_chunks)."""
+        hidden = self.base_model(input_ids=tokens, use_cache=False)[0]
+        head = self.get_output_embeddings()
+        if labels is None:
+            return head(hidden)
+        return lm_loss(hidden, head, labels, loss_chunks)
+
+    def num_flops_per_token(self, seq_len: int) -> int:
+        """6 FLOPs per non-embedding weight (forward + backward matmuls) plus attention
+        scores, 12 * layers * (heads * head_dim) * seq_len (QK^T and AV, forward + backward,
+        no causal discount): the count our llama3 uses. Non-embedding: every parameter but
+        the input embeddings (token, position); a token embedding tied to the output head is
+        counted once, as the head (its matmul is compute). MoE expert weights (FQNs with
+        ``.experts.``) count num_experts_per_tok / num_experts of their size: only the
+        routed experts run for a token."""
+        head = self.get_output_embeddings()
+        head_ids = {id(p) for p in head.parameters()} if head is not None else set()
+        skip = {id(p) for m in self.modules() if isinstance(m, nn.Embedding)
+                for p in m.parameters() if id(p) not in head_ids}
+        text = self.config.get_text_config()
+        k = _get(text, "num_experts_per_tok", "moe_topk")
+        e = _get(text, "num_local_experts", "num_experts", "n_routed_experts")
+        expert_share = k / e if k and e else 1.0
+        n = 0.0
+        for fqn, p in self.named_parameters():
+            if id(p) in skip:
+                continue
+            n += p.numel() * (expert_share if ".experts." in f".{fqn}." else 1.0)
+        a = self.args
+        return int(6 * n + 12 * a.n_layers * a.dim * seq_len)
+
+
+def build_hf_model(path: str) -> nn.Module:
+    """The model of ``path``'s config.json on the meta device, with the trainer's protocol
+    (:class:`_Trainable`) and ``model.args`` (:class:`HFSourceArgs`)."""
+    config = load_hf_config(path)
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except ValueError as e:
+        msg = str(e).strip().splitlines()
+        raise ValueError(f"model.path={path!r}: {type(config).__name__} has no causal-LM "
+                         f"class in transformers ({msg[0] if msg else ''})") from None
+    if model.get_output_embeddings() is None or not isinstance(model.get_output_embeddings(),
+                                                               nn.Linear):
+        raise ValueError(f"model.path={path!r}: {type(model).__name__} has no nn.Linear "
+                         f"output head")
+    cls = type(model)
+    model.__class__ = type(cls.__name__, (_Trainable, cls), {})
+    model.args = HFSourceArgs.from_config(path, config)
+    return model
+
+
+# ---------------------------------------------------------------------------- weights
+
+def safetensors_files(path: str) -> dict[str, str]:
+    """Tensor name → file holding it, from the index or the single file; {} when none."""
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index) as fh:
+            weight_map = json.load(fh)["weight_map"]
+        return {name: os.path.join(path, f) for name, f in weight_map.items()}
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(path, f), framework="pt") as h:
+                out.update({name: os.path.join(path, f) for name in h.keys()})
+    return out
+
+
+def _local_box(t: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
+    """``t``'s local tensor and, for a DTensor, which region of the global tensor it holds."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(t, DTensor):
+        return t, tuple(slice(0, s) for s in t.shape)
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return t.to_local(), tuple(slice(o, o + s) for o, s in zip(offset, shape))
+
+
+def _aliases(model: nn.Module) -> dict[int, list[str]]:
+    """id(parameter) → every FQN it has (tied parameters have several)."""
+    out: dict[int, list[str]] = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        out.setdefault(id(p), []).append(fqn)
+    return out
+
+
+def _candidates(model: nn.Module, fqns: list[str]) -> Iterator[str]:
+    """Names a parameter may have in the files: its FQNs, and each without/with the base
+    model prefix (older checkpoints, e.g. GPT-2's, were saved from the base model)."""
+    prefix = getattr(model, "base_model_prefix", "")
+    for f in fqns:
+        yield f
+    if prefix:
+        for f in fqns:
+            yield f[len(prefix) + 1:] if f.startswith(prefix + ".") else f"{prefix}.{f}"
+
+
+def _post_order(module: nn.Module, owner) -> Iterator[tuple[nn.Module, object]]:
+    """(module, the PreTrainedModel whose _init_weights applies to it), children first:
+    the order of transformers' own initialize_weights."""
+    from transformers import PreTrainedModel
+
+    for child in module.children():
+        yield from _post_order(child, child if isinstance(child, PreTrainedModel) else owner)
+    yield module, owner
+
+
+def materialize(model: nn.Module, seed: int = 0) -> str:
+    """Fill a data_parallel-sharded (or plain) model built by :func:`build_hf_model`: from
+    the safetensors files of ``model.args.path`` if it has any, else by the model's own init,
+    seeded. Returns "loaded" or "initialised"."""
+    from simplesharded.sharding import disable_gather
+
+    where = safetensors_files(model.args.path)
+    with disable_gather(model), torch.no_grad():
+        if where:
+            _load(model, where)
+            _init_modules(model, seed, buffers_only=True)
+            return "loaded"
+        _init_modules(model, seed, buffers_only=False)
+        return "initialised"
+
+
+def _load(model: nn.Module, where: dict[str, str]) -> None:
+    """Every parameter's local region, read from its file (and nothing else of it)."""
+    from safetensors import safe_open
+
+    aliases, path = _aliases(model), model.args.path
+    persistent = dict(model.state_dict(keep_vars=True))
+    with contextlib.ExitStack() as stack:
+        handles: dict[str, object] = {}
+
+        def handle(name: str):
+            f = where[name]
+            if f not in handles:
+                handles[f] = stack.enter_context(safe_open(f, framework="pt", device="cpu"))
+            return handles[f]
+
+        for fqn, p in model.named_parameters():
+            names = aliases.get(id(p), [fqn])
+            name = next((n for n in _candidates(model, names) if n in where), None)
+            if name is None:
+                raise ValueError(f"model.path={path!r}: parameter {fqn!r} is in none of the "
+                                 f"safetensors files")
+            sl = handle(name).get_slice(name)
+            shape = tuple(sl.get_shape())
+            if shape != tuple(p.shape):
+                raise ValueError(f"model.path={path!r}: tensor {name!r} has shape {shape} in "
+                                 f"the safetensors files but the model's {fqn!r} has "
+                                 f"{tuple(p.shape)} (config.json and weights disagree)")
+            local, box = _local_box(p.data)
+            if local.numel() == 0:
+                continue  # an uneven split can leave a rank nothing of a small tensor
+            # Only this rank's region is read: rows lo:hi of a dim-0 shard.
+            local.copy_(sl[box] if box else handle(name).get_tensor(name))
+        # Persistent buffers (replicated, small) are read whole when the files have them.
+        params = {id(p) for p in model.parameters()}
+        for fqn, b in persistent.items():
+            if id(b) in params or fqn not in where:
+                continue
+            b.copy_(handle(fqn).get_tensor(fqn))
+
+
+@contextlib.contextmanager
+def _full_temporaries(model: nn.Module, module: nn.Module, in_block: dict[int, str | None],
+                      block: str | None):
+    """Give ``module`` and those of its descendants in the same block (all of them for a
+    module inside a block; the ones outside every block otherwise) full-size CPU tensors in
+    place of their shards while ``_init_weights`` runs on it; yields (shard, temporary)
+    pairs. Bounded memory: at most one block's or the non-block parameters at once."""
+    swapped: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
+    for sub in module.modules():
+        if sub is not module and in_block.get(id(sub)) != block:
+            continue
+        for name, p in list(sub._parameters.items()):
+            if p is None:
+                continue
+            local, _ = _local_box(p.data)
+            tmp = torch.empty(p.shape, dtype=local.dtype, device="cpu")
+            swapped.append((sub, name, p, tmp))
+            sub._parameters[name] = tmp
+    try:
+        yield [(p, tmp, tmp._version) for _, _, p, tmp in swapped]
+    finally:
+        for sub, name, p, _ in swapped:
+            sub._parameters[name] = p
+
+
+def _init_modules(model: nn.Module, seed: int, buffers_only: bool) -> None:
+    """Run the model's ``_init_weights`` on every module in transformers' order, each on
+    full-size CPU temporaries of which each rank keeps its slice (a parameter is written back
+    only if the init wrote it: a module's init may touch a child's parameter, as GPT-2's
+    re-scales ``c_proj``). ``buffers_only``: only modules holding buffers (RoPE frequencies,
+    non-persistent, hence in no file) are initialised, and no parameter is written back."""
+    from simplesharded.blocks import block_of
+
+    block = block_of(model)  # module FQN → its block's FQN
+    in_block = {id(m): block.get(fqn) for fqn, m in model.named_modules()}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for module, owner in _post_order(model, model):
+            if buffers_only and not any(True for _ in module.buffers(recurse=False)):
+                continue
+            with _full_temporaries(model, module, in_block, in_block.get(id(module))) as pairs:
+                owner._init_weights(module)
+                if buffers_only:
+                    continue
+                for p, tmp, version in pairs:
+                    if tmp._version == version:
+                        continue  # not written by this module's init
+                    local, box = _local_box(p.data)
+                    local.copy_(tmp[box])
+
+
+def hf_tokenizer_path(path: str) -> str:
+    """DIR/tokenizer.json when the model directory has one, else ''."""
+    f = os.path.join(path, TOKENIZER_FILE)
+    return f if os.path.isfile(f) else ""
+
+
+__all__ = ["HFSourceArgs", "build_hf_model", "check_path", "hf_tokenizer_path",
+           "load_hf_config", "materialize", "read_args", "safetensors_files"]
