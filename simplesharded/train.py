@@ -266,7 +266,9 @@ class Trainer:
         self.step_fn = parallelize(model, self.mesh, cfg)
         if hf:
             how = hf_source.materialize(model, cfg.job.seed)
-            self._print(f"[simplesharded] model.path={cfg.model.path!r}: weights {how}")
+            tok = cfg.model.tokenizer_path or "built-in bytes"
+            self._print(f"[simplesharded] model.path={cfg.model.path!r}: weights {how}, "
+                        f"tokenizer {tok}")
         elif not init_full:
             with disable_gather(model):
                 model.init_weights(buffer_device=torch.device(device))

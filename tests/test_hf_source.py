@@ -1,0 +1,324 @@
+"""Hugging Face models from a local directory (``--model.name hf --model.path DIR``,
+models/hf_source.py).
+
+Tiny models of four architectures are written here with random weights by
+``save_pretrained(safe_serialization=True)`` (nothing is downloaded): Llama with tied
+embeddings and a tokenizer.json, sharded over many files with an index; Qwen2 (attention
+biases, a vocabulary of 301 so the embedding splits unevenly over 2 ranks) in one file;
+GPT-2 (Conv1D layers, position embeddings, tied head), sharded; Mixtral (MoE) as a
+config.json alone, so its weights come from the model's own init.
+
+Why the losses of 2 ranks and 1 process must agree to 1e-5 (relative): the same weights (read
+from the same files, or initialised world-size independently), the same global batches, the
+same math; only the summation order of the gradient reduction differs.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_utils import memo, spawn
+from test_train_e2e import PYTHON, read_losses, rel, run_many
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta"]
+STEPS = 4
+TRAIN = ["--training.seq_len", "32", "--training.global_batch_size", "4",
+         "--training.steps", str(STEPS), "--training.val_every", "0",
+         "--no-metrics.progress_bar", "--lr_scheduler.warmup_steps", "2",
+         "--lr_scheduler.decay_type", "constant", "--optimizer.lr", "3e-3"]
+
+
+def _configs():
+    from transformers import GPT2Config, LlamaConfig, MixtralConfig, Qwen2Config
+
+    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return {
+        "llama": (LlamaConfig(vocab_size=300, tie_word_embeddings=True, **small), "6KB"),
+        "qwen2": (Qwen2Config(vocab_size=301, **small), None),
+        # dropout off: a dropout mask is drawn per rank, so 2 ranks could not match 1
+        "gpt2": (GPT2Config(vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                            bos_token_id=0, eos_token_id=0), "20KB"),
+        "mixtral": (MixtralConfig(vocab_size=300, num_local_experts=4, num_experts_per_tok=2,
+                                  **{**small, "intermediate_size": 64}), "config-only"),
+    }
+
+
+def _write_tokenizer(path: Path, words: list[str]) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>", *words])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path))
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory) -> dict[str, Path]:
+    """The model directories and a small text corpus of WORDS (``data``)."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("hf")
+    out = {}
+    for name, (config, shard) in _configs().items():
+        d = root / name
+        if shard == "config-only":
+            config.save_pretrained(d)
+        else:
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(config)
+            model.save_pretrained(d, safe_serialization=True,
+                                  **({"max_shard_size": shard} if shard else {}))
+        out[name] = d
+    _write_tokenizer(out["llama"] / "tokenizer.json", WORDS)
+    g = torch.Generator().manual_seed(0)
+    lines = [" ".join(WORDS[i] for i in torch.randint(len(WORDS), (40,), generator=g))
+             for _ in range(200)]
+    (root / "data.txt").write_text("\n".join(lines))
+    out["data"] = root / "data.txt"
+    return out
+
+
+def test_fixture_layouts(zoo):
+    """What the other tests rely on: llama/gpt2 sharded with an index, qwen2 one file."""
+    for name in ("llama", "gpt2"):
+        index = json.loads((zoo[name] / "model.safetensors.index.json").read_text())
+        assert len(set(index["weight_map"].values())) > 2, name
+    assert not (zoo["qwen2"] / "model.safetensors.index.json").exists()
+    assert not list(zoo["mixtral"].glob("*.safetensors"))
+
+
+# arch → options of the 2-rank run (the 1-process reference is always eager)
+RUNS = {
+    "llama": ["--compile.enable", "--compile.backend", "aot_eager_blockbucketing"],
+    "qwen2": [],
+    "gpt2": [],
+    "mixtral": [],
+}
+
+
+def _trainer(path: Path, data: Path, dump: Path, world: int, extra: list[str]):
+    from simplesharded.config import load_config
+    from simplesharded.train import Trainer, check_static
+
+    cfg = check_static(load_config(None, [
+        "--job.config_file", str(ROOT / "configs" / "llama3_debug.toml"),
+        "--model.name", "hf", "--model.path", str(path), "--training.dataset_path", str(data),
+        "--job.dump_folder", str(dump), *TRAIN, *extra]), world)
+    return Trainer(cfg, "cpu")
+
+
+def _count_reads(counted: list[int]):
+    """A safe_open that counts the bytes of every tensor it hands out."""
+    import safetensors
+
+    real = safetensors.safe_open
+
+    class Counting:
+        def __init__(self, *args, **kwargs):
+            self._h = real(*args, **kwargs)
+
+        def __enter__(self):
+            self._h.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self._h.__exit__(*exc)
+
+        def keys(self):
+            return self._h.keys()
+
+        def get_tensor(self, name):
+            t = self._h.get_tensor(name)
+            counted[0] += t.numel() * t.element_size()
+            return t
+
+        def get_slice(self, name):
+            sl = self._h.get_slice(name)
+
+            class Slice:
+                def get_shape(self):
+                    return sl.get_shape()
+
+                def __getitem__(self, index):
+                    t = sl[index]
+                    counted[0] += t.numel() * t.element_size()
+                    return t
+            return Slice()
+
+    return real, Counting
+
+
+def _read_slices(path: str, world: int) -> tuple[int, int, dict]:
+    """Bytes this rank read through safetensors, the model's bytes, and the mismatches of
+    its shards against the files' tensors."""
+    import safetensors
+    from safetensors.torch import load_file
+
+    from simplesharded.mesh import build_mesh
+    from simplesharded.models import hf_source
+    from simplesharded.sharding import data_parallel
+
+    counted = [0]
+    real, counting = _count_reads(counted)
+    safetensors.safe_open = counting  # hf_source imports it when it reads
+    try:
+        model = hf_source.build_hf_model(path)
+        data_parallel(model, build_mesh(dp_replicate=1, dp_shard=world, device="cpu"))
+        assert hf_source.materialize(model) == "loaded"
+    finally:
+        safetensors.safe_open = real
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    ref = {}
+    for f in set(hf_source.safetensors_files(path).values()):
+        ref.update(load_file(f))
+    bad = {fqn: "differs" for fqn, p in model.named_parameters()
+           if not torch.equal(p.full_tensor(), ref[fqn])}
+    for fqn, b in model.named_buffers():  # RoPE frequencies: computed, in no file
+        if not torch.isfinite(b).all():
+            bad[fqn] = "not finite"
+    return counted[0], total, bad
+
+
+def _job(rank: int, world: int, dirs: dict[str, Path], dump: str) -> dict:
+    """Every arch's STEPS losses through the trainer's own Trainer (one process per rank for
+    all of them: the suite has a time budget), and at 2 ranks the slice reads."""
+    out = {}
+    for arch, extra in RUNS.items():
+        trainer = _trainer(dirs[arch], dirs["data"], Path(dump) / arch, world,
+                           extra if world > 1 else [])
+        out[arch] = [trainer.train_step()["loss"] for _ in range(STEPS)]
+        torch._dynamo.reset()
+    if world > 1:
+        out["slices"] = {arch: _read_slices(str(dirs[arch]), world) for arch in ("llama", "qwen2")}
+    return out
+
+
+@memo
+def _results(world: int, dirs: tuple) -> dict:
+    import tempfile
+    with tempfile.TemporaryDirectory() as dump:
+        return spawn(world, _job, dict(dirs), dump)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", list(RUNS))
+def test_two_ranks_match_one_process(zoo, arch):
+    dirs = tuple(sorted(zoo.items()))
+    want, got = _results(1, dirs)[0][arch], _results(2, dirs)[0][arch]
+    bad = [(s + 1, g, w) for s, (g, w) in enumerate(zip(got, want)) if not rel(g, w) <= 1e-5]
+    assert not bad, f"{arch}: (step, 2 ranks, 1 process) beyond 1e-5 rel: {bad}"
+    assert want[-1] < want[0], want  # it trains
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_each_rank_reads_only_its_slices(zoo, arch):
+    results = [r["slices"][arch] for r in _results(2, tuple(sorted(zoo.items())))]
+    for rank, (read, total, bad) in enumerate(results):
+        assert not bad, (rank, bad)
+        # 1/world of every tensor, give or take one row of an uneven split (qwen2's 301)
+        assert abs(read - total / 2) <= 0.01 * total, (rank, read, total)
+    assert sum(r for r, _, _ in results) == results[0][1]  # every byte read exactly once
+
+
+@pytest.mark.slow
+def test_cli_trains_from_directory(zoo, tmp_path):
+    """The command of the README, once: torchrun, 2 ranks, the directory's tokenizer."""
+    torchrun = str(Path(PYTHON).parent / "torchrun")
+    r = run_many([[torchrun, "--standalone", "--nproc_per_node=2", "-m", "simplesharded.train",
+                   "--job.config_file", "configs/llama3_debug.toml", "--model.name", "hf",
+                   "--model.path", str(zoo["llama"]), "--training.dataset_path",
+                   str(zoo["data"]), "--job.dump_folder", str(tmp_path), *TRAIN,
+                   "--training.steps", "2"]], tmp_path, timeout=200)[0]
+    assert r.returncode == 0, r
+    assert f"weights loaded, tokenizer {zoo['llama'] / 'tokenizer.json'}" in r.stdout, r
+    assert sorted(read_losses(tmp_path)) == [1, 2], r
+
+
+# ---------------------------------------------------------------------------- errors, FLOPs
+
+def _check(*argv: str):
+    from simplesharded.config import load_config
+    from simplesharded.train import check_static
+
+    return check_static(load_config(None, ["--job.config_file", "configs/llama3_debug.toml",
+                                           "--training.seq_len", "32", *argv]), 2)
+
+
+def test_hub_id_is_one_clear_line(capsys, monkeypatch):
+    from simplesharded.train import main
+
+    monkeypatch.chdir(ROOT)
+    code = main(["--check-only", "--job.config_file", "configs/llama3_debug.toml",
+                 "--model.name", "hf", "--model.path", "meta-llama/Llama-3.2-1B"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("error: model.path='meta-llama/Llama-3.2-1B' is not a local "
+                             "directory (a hub id?"), err
+
+
+def test_bad_paths_name_the_key(tmp_path, zoo):
+    with pytest.raises(ValueError, match=r"model.path='' must be a local directory"):
+        _check("--model.name", "hf")
+    with pytest.raises(ValueError, match=r"model.path='.*' has no config.json"):
+        _check("--model.name", "hf", "--model.path", str(tmp_path))
+    with pytest.raises(ValueError, match=r"training.seq_len=128 is above the maximum 64 of "
+                                         r"model.path="):
+        _check("--model.name", "hf", "--model.path", str(zoo["qwen2"]),
+               "--training.seq_len", "128")
+
+
+def test_tokenizer_from_directory_and_too_large(tmp_path, zoo):
+    cfg = _check("--model.name", "hf", "--model.path", str(zoo["llama"]))
+    assert cfg.model.tokenizer_path == str(zoo["llama"] / "tokenizer.json")
+    big = tmp_path / "big.json"
+    _write_tokenizer(big, [f"w{i}" for i in range(400)])
+    with pytest.raises(ValueError, match=r"model.tokenizer_path='.*big.json': vocabulary 403 "
+                                         r"is larger than vocab_size 300 of model.path="):
+        _check("--model.name", "hf", "--model.path", str(zoo["llama"]),
+               "--model.tokenizer_path", str(big))
+
+
+def test_weights_of_another_config_are_an_error(tmp_path, zoo):
+    """config.json and safetensors that disagree: one line naming the tensor."""
+    from simplesharded.models import hf_source
+
+    d = tmp_path / "mixed"
+    d.mkdir()
+    for f in zoo["llama"].iterdir():
+        if f.name != "config.json":
+            (d / f.name).symlink_to(f)
+    config = json.loads((zoo["llama"] / "config.json").read_text())
+    config["vocab_size"] = 320
+    (d / "config.json").write_text(json.dumps(config))
+    model = hf_source.build_hf_model(str(d))
+    model.to_empty(device="cpu")
+    with pytest.raises(ValueError, match=r"tensor 'model.embed_tokens.weight' has shape "
+                                         r"\(300, 64\) in the safetensors files but"):
+        hf_source.materialize(model)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2", "mixtral"])
+def test_flops_per_token(zoo, arch):
+    """6 * non-embedding parameters + 12 * layers * width * seq_len (models/hf_source.py)."""
+    from simplesharded.models import hf_source
+
+    model = hf_source.build_hf_model(str(zoo[arch]))
+    params = {n: p.numel() for n, p in model.named_parameters()}  # tied: counted once
+    emb = {"llama": [],  # tied: the embedding is the head's weight, compute
+           "qwen2": ["model.embed_tokens.weight"],
+           "gpt2": ["transformer.wpe.weight"],  # wte is tied to the head
+           "mixtral": ["model.embed_tokens.weight"]}[arch]
+    n = sum(v for k, v in params.items() if k not in emb)
+    if arch == "mixtral":  # 2 of 4 experts run per token
+        n -= sum(v for k, v in params.items() if ".experts." in k) / 2
+    assert model.num_flops_per_token(32) == int(6 * n + 12 * 2 * 64 * 32)
