@@ -1,6 +1,7 @@
 # Sourced by run_train.sh and run_tests.sh: create .venv and install the project on first use.
 # A stamp file records the pyproject.toml it was installed from, so a changed dependency list
-# re-installs and an unchanged one costs nothing.
+# re-installs and an unchanged one costs nothing. [dev] includes [hf] (transformers, safetensors,
+# tokenizers), so `--model.name hf` configs need no extra step.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"

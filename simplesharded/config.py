@@ -132,6 +132,9 @@ class Compile:
     enable: bool = _opt(False, "torch.compile the model")
     backend: str = _opt("aot_eager_autobucketing", "name in simplesharded.backends.BACKENDS")
     model_backend_override: str = _opt("", "alias of backend; if set it wins")
+    fullgraph: bool = _opt(True, "compile the model's forward as one graph; a graph break is "
+                           "then an error naming it. false: the pieces between breaks are "
+                           "compiled (and bucketed) one by one")
     memory_cap_mb: float = _opt(0.0, "most MiB of gathered parameters alive at once (kept ones and "
                                 "copy-outs included); 0 = plan default")
     dump_graphs: str = _opt("", "directory to write FX graphs before/after passes")

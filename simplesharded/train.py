@@ -230,7 +230,24 @@ def parallelize(model: torch.nn.Module, mesh, cfg: Config, backend=None):
     if "bucketing" in c.backend:
         opts["memory_cap_bytes"] = int(c.memory_cap_mb * 2**20) or None
         opts["hardware"] = c.hardware
-    return torch.compile(model, backend=make_backend(c.backend, **opts), fullgraph=True)
+    return torch.compile(model, backend=make_backend(c.backend, **opts), fullgraph=c.fullgraph)
+
+
+def graph_break_error(e: Exception, cfg: Config) -> ValueError:
+    """A graph break under compile.fullgraph as one line: what breaks and where (the
+    innermost frame of the model's code), and the flag that compiles around it."""
+    what = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    frame = getattr(e, "innermost_user_frame_summary", None)
+    stack = getattr(e, "real_stack", None)
+    if frame is None and stack:
+        frame = stack[-1]
+    where = f" at {frame.filename}:{frame.lineno} in {frame.name}" if frame else ""
+    if frame is not None and frame.line:
+        where += f" ({frame.line.strip()})"
+    model = cfg.model.path if cfg.model.name == HF else f"{cfg.model.name}/{cfg.model.flavor}"
+    return ValueError(f"compile.fullgraph=true: the forward of {model} graph-breaks{where}: "
+                      f"{what}; rerun with --no-compile.fullgraph to compile the pieces "
+                      f"between breaks (each is bucketed on its own)")
 
 
 class Trainer:
@@ -291,7 +308,13 @@ class Trainer:
         DTensor sharded on the vocabulary over tp: torch's loss_parallel computes the same
         log-softmax with the max and the sum of exponentials all-reduced over tp (no rank
         materialises full logits)."""
-        return fn(inputs.to(self.device), labels.to(self.device), loss_chunks=self.loss_chunks)
+        try:
+            return fn(inputs.to(self.device), labels.to(self.device),
+                      loss_chunks=self.loss_chunks)
+        except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:
+            if fn is self.model or not self.cfg.compile.fullgraph:
+                raise
+            raise graph_break_error(e, self.cfg) from None
 
     def _loss_context(self):
         return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
@@ -456,7 +479,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trainer = Trainer(cfg, device)
         if trainer.rank == 0:
-            print(f"[simplesharded] {cfg.model.name}/{cfg.model.flavor} world={trainer.world} "
+            model = (f"hf:{cfg.model.path}" if cfg.model.name == HF
+                     else f"{cfg.model.name}/{cfg.model.flavor}")
+            print(f"[simplesharded] {model} world={trainer.world} "
                   f"mode={cfg.parallelism.mode} mesh={tuple(trainer.mesh.mesh.shape)} "
                   f"compile={cfg.compile.backend if cfg.compile.enable else 'off'}", flush=True)
         trainer.run()

@@ -199,7 +199,38 @@ def _job(rank: int, world: int, dirs: dict[str, Path], dump: str) -> dict:
         torch._dynamo.reset()
     if world > 1:
         out["slices"] = {arch: _read_slices(str(dirs[arch]), world) for arch in ("llama", "qwen2")}
+        out["graph_break"] = _graph_break(dirs, Path(dump) / "gb", world)
     return out
+
+
+def _graph_break(dirs: dict[str, Path], dump: Path, world: int) -> tuple[str, list[float]]:
+    """Llama with a graph break in every MLP: the error of a fullgraph compile, and the
+    losses of 2 steps compiled without fullgraph."""
+    from transformers.models.llama import modeling_llama
+
+    mlp = modeling_llama.LlamaMLP.forward
+
+    def breaking(self, x):
+        torch._dynamo.graph_break()
+        return mlp(self, x)
+
+    modeling_llama.LlamaMLP.forward = breaking
+    compiled = ["--compile.enable", "--compile.backend", "aot_eager"]
+    try:
+        trainer = _trainer(dirs["llama"], dirs["data"], dump, world, compiled)
+        try:
+            trainer.train_step()
+            error = ""
+        except ValueError as e:
+            error = str(e)
+        torch._dynamo.reset()
+        trainer = _trainer(dirs["llama"], dirs["data"], dump, world,
+                           [*compiled, "--no-compile.fullgraph"])
+        losses = [trainer.train_step()["loss"] for _ in range(2)]
+    finally:
+        modeling_llama.LlamaMLP.forward = mlp
+        torch._dynamo.reset()
+    return error, losses
 
 
 @memo
@@ -228,6 +259,18 @@ def test_each_rank_reads_only_its_slices(zoo, arch):
         # 1/world of every tensor, give or take one row of an uneven split (qwen2's 301)
         assert abs(read - total / 2) <= 0.01 * total, (rank, read, total)
     assert sum(r for r, _, _ in results) == results[0][1]  # every byte read exactly once
+
+
+@pytest.mark.slow
+def test_graph_break_is_one_clear_error_and_flag_compiles_around_it(zoo):
+    dirs = tuple(sorted(zoo.items()))
+    error, losses = _results(2, dirs)[0]["graph_break"]
+    assert error.startswith(f"compile.fullgraph=true: the forward of {zoo['llama']} "
+                            f"graph-breaks at {__file__}:"), error
+    assert "in breaking (torch._dynamo.graph_break())" in error, error
+    assert "\n" not in error and "--no-compile.fullgraph" in error, error
+    want = _results(1, dirs)[0]["llama"][:2]
+    assert all(rel(g, w) <= 1e-5 for g, w in zip(losses, want)), (losses, want)
 
 
 @pytest.mark.slow
