@@ -279,7 +279,9 @@ def _load(model: nn.Module, where: dict[str, str]) -> None:
             name = next((n for n in _candidates(model, names) if n in where), None)
             if name is None:
                 raise ValueError(f"model.path={path!r}: parameter {fqn!r} is in none of the "
-                                 f"safetensors files")
+                                 f"safetensors files (their tensors are named otherwise, "
+                                 f"e.g. a layout transformers converts at load time, which "
+                                 f"is not supported here)")
             sl = handle(name).get_slice(name)
             shape = tuple(sl.get_shape())
             if shape != tuple(p.shape):
