@@ -38,6 +38,8 @@ from simplesharded.loss import lm_loss
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILE = "tokenizer.json"
+# config keys of logit post-processing after the head (Gemma 2/3, Cohere, Granite)
+POST_HEAD_KEYS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 def _need_hf():
@@ -80,6 +82,15 @@ def load_hf_config(path: str):
         raise ValueError(f"model.path={path!r}: config.json cannot be read "
                          f"({type(e).__name__}: {msg[0] if msg else ''})") from None
     config.use_cache = False  # training only: no KV cache object built (and traced)
+    # What a model's own forward does to the logits after its head, which our loss (head +
+    # cross-entropy) would silently skip: refused rather than trained differently.
+    text = config.get_text_config()
+    for key in POST_HEAD_KEYS:
+        value = getattr(text, key, None)
+        if value not in (None, 1, 1.0):
+            raise ValueError(f"model.path={path!r}: config.json sets {key}={value!r}, a "
+                             f"transformation of the logits after the head that this trainer's "
+                             f"loss does not apply (set it to null there to train without it)")
     return config
 
 

@@ -320,6 +320,17 @@ def test_bad_paths_name_the_key(tmp_path, zoo):
                "--training.seq_len", "128")
 
 
+def test_logit_post_processing_is_refused(tmp_path):
+    from transformers import Gemma2Config
+
+    Gemma2Config(vocab_size=300, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 max_position_embeddings=64).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"model.path='.*': config.json sets "
+                                         r"final_logit_softcapping=30.0, a transformation"):
+        _check("--model.name", "hf", "--model.path", str(tmp_path))
+
+
 def test_tokenizer_from_directory_and_too_large(tmp_path, zoo):
     cfg = _check("--model.name", "hf", "--model.path", str(zoo["llama"]))
     assert cfg.model.tokenizer_path == str(zoo["llama"] / "tokenizer.json")
