@@ -230,6 +230,13 @@ def parallelize(model: torch.nn.Module, mesh, cfg: Config, backend=None):
     if "bucketing" in c.backend:
         opts["memory_cap_bytes"] = int(c.memory_cap_mb * 2**20) or None
         opts["hardware"] = c.hardware
+    if not c.fullgraph:
+        # A break inside a block makes each block's frame a compile of its own, and each
+        # block's modules have classes of their own (data_parallel's class swap): one
+        # recompile per block, which torch's default limit (8) would cut short, leaving the
+        # later blocks uncompiled.
+        limit = len(find_blocks(model)) + 8
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
     return torch.compile(model, backend=make_backend(c.backend, **opts), fullgraph=c.fullgraph)
 
 
