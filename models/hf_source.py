@@ -15,7 +15,8 @@ Life of such a model in the trainer:
      ever holds the full model. Without them, the model's own init (``_init_weights``) runs
      module by module on full-size temporaries on the CPU, seeded, of which each rank keeps
      its slice: the values do not depend on the world size (DTensor's per-shard RNG, which
-     would avoid the temporaries, exists on CUDA only).
+     would avoid the temporaries, exists on CUDA only). Buffers the files do not hold (RoPE
+     frequencies) are computed by ``_init_weights`` too, as transformers' own loading does.
 
 Blocks (buckets, ``reshard="auto"``, activation checkpointing) are found by
 ``simplesharded/blocks.py``: the numbered ``ModuleList`` (``model.layers.N``,
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 from dataclasses import dataclass
 from typing import Iterator
@@ -263,8 +263,10 @@ def materialize(model: nn.Module, seed: int = 0) -> str:
     where = safetensors_files(model.args.path)
     with disable_gather(model), torch.no_grad():
         if where:
-            _load(model, where)
+            # Buffers first (RoPE frequencies: non-persistent, in no file), so that a buffer
+            # the files do hold is read last and wins.
             _init_modules(model, seed, buffers_only=True)
+            _load(model, where)
             return "loaded"
         _init_modules(model, seed, buffers_only=False)
         return "initialised"
@@ -313,7 +315,7 @@ def _load(model: nn.Module, where: dict[str, str]) -> None:
 
 
 @contextlib.contextmanager
-def _full_temporaries(model: nn.Module, module: nn.Module, in_block: dict[int, str | None],
+def _full_temporaries(module: nn.Module, in_block: dict[int, str | None],
                       block: str | None):
     """Give ``module`` and those of its descendants in the same block (all of them for a
     module inside a block; the ones outside every block otherwise) full-size CPU tensors in
@@ -352,7 +354,7 @@ def _init_modules(model: nn.Module, seed: int, buffers_only: bool) -> None:
         for module, owner in _post_order(model, model):
             if buffers_only and not any(True for _ in module.buffers(recurse=False)):
                 continue
-            with _full_temporaries(model, module, in_block, in_block.get(id(module))) as pairs:
+            with _full_temporaries(module, in_block, in_block.get(id(module))) as pairs:
                 owner._init_weights(module)
                 if buffers_only:
                     continue
