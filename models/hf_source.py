@@ -12,7 +12,8 @@ Life of such a model in the trainer:
   2. ``data_parallel`` shards it: uninitialised shards, dim 0 split over the dp ranks.
   3. :func:`materialize`: each rank fills its own shards. With safetensors files, it reads
      only its rows of each tensor (``safe_open(...).get_slice(name)[lo:hi]``), so no rank
-     ever holds the full model. Without them, the model's own init (``_init_weights``) runs
+     ever holds the full model (MoE experts saved one by one: only its experts, see
+     :class:`_Converted`). Without them, the model's own init (``_init_weights``) runs
      module by module on full-size temporaries on the CPU, seeded, of which each rank keeps
      its slice: the values do not depend on the world size (DTensor's per-shard RNG, which
      would avoid the temporaries, exists on CUDA only). Buffers the files do not hold (RoPE
@@ -272,12 +273,69 @@ def materialize(model: nn.Module, seed: int = 0) -> str:
         return "initialised"
 
 
+def _natural(key: str) -> list:
+    """Sort key that orders ``experts.10`` after ``experts.9``."""
+    return [int(p) if p.isdigit() else p for p in key.split(".")]
+
+
+class _Converted:
+    """Parameters that transformers builds at load time from differently named tensors
+    (``conversion_mapping.py``): renamed ones (``block_sparse_moe.gate`` → ``mlp.gate``)
+    and MoE experts merged into one tensor (``experts.N.w1``/``w3`` → ``experts.gate_up_proj``
+    [experts, 2 * ffn, dim]). transformers' own key renaming decides which file tensors make
+    which parameter; the merge is done here, reading only this rank's experts (dim 0)."""
+
+    def __init__(self, model: nn.Module, where: dict[str, str]):
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import (WeightConverter, WeightRenaming,
+                                                     rename_source_key)
+
+        transforms = get_model_conversion_mapping(model)
+        renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+        converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        known = dict.fromkeys(model.state_dict(), True)  # only looked up by name
+        self.renamed: dict[str, str] = {}  # parameter FQN → file tensor
+        # parameter FQN → (its converter, {source pattern: file tensors in expert order})
+        self.merged: dict[str, tuple[object, dict[str, list[str]]]] = {}
+        for key in where:
+            target, pattern = rename_source_key(key, renamings, converters,
+                                               getattr(model, "base_model_prefix", None), known)
+            if pattern is None:
+                self.renamed.setdefault(target, key)
+                continue
+            conv = next(c for c in converters if pattern in c.source_patterns)
+            self.merged.setdefault(target, (conv, {}))[1].setdefault(pattern, []).append(key)
+        for _, groups in self.merged.values():
+            for keys in groups.values():
+                keys.sort(key=_natural)
+
+    def read(self, fqn: str, shape: tuple, box: tuple[slice, ...], tensor) -> torch.Tensor:
+        """This rank's region of parameter ``fqn`` from its merged sources (``tensor(name)``
+        reads one file tensor whole: one expert's matrix)."""
+        from transformers.core_model_loading import Concatenate, MergeModulelist
+
+        conv, groups = self.merged[fqn]
+        ops = list(conv.operations)
+        merge_ok = ops and isinstance(ops[0], MergeModulelist) and ops[0].dim == 0
+        cat = ops[1] if len(ops) == 2 and isinstance(ops[1], Concatenate) else None
+        if not merge_ok or len(ops) > 2 or (len(ops) == 2 and (cat is None or cat.dim == 0)) \
+                or any(s != slice(0, n) for s, n in zip(box[1:], shape[1:])):
+            raise ValueError(f"parameter {fqn!r} is converted at load time by "
+                             f"{[type(o).__name__ for o in ops]}; only experts merged on dim 0 "
+                             f"(then concatenated on another dim) are read here")
+        lo, hi = box[0].start, box[0].stop
+        parts = [torch.stack([tensor(k) for k in groups[p][lo:hi]])
+                 for p in conv.source_patterns if p in groups]
+        return parts[0] if cat is None else torch.cat(parts, dim=cat.dim)
+
+
 def _load(model: nn.Module, where: dict[str, str]) -> None:
     """Every parameter's local region, read from its file (and nothing else of it)."""
     from safetensors import safe_open
 
     aliases, path = _aliases(model), model.args.path
     persistent = dict(model.state_dict(keep_vars=True))
+    converted = None
     with contextlib.ExitStack() as stack:
         handles: dict[str, object] = {}
 
@@ -291,17 +349,36 @@ def _load(model: nn.Module, where: dict[str, str]) -> None:
             names = aliases.get(id(p), [fqn])
             name = next((n for n in _candidates(model, names) if n in where), None)
             if name is None:
-                raise ValueError(f"model.path={path!r}: parameter {fqn!r} is in none of the "
-                                 f"safetensors files (their tensors are named otherwise, "
-                                 f"e.g. a layout transformers converts at load time, which "
-                                 f"is not supported here)")
+                # Built only when needed: files saved by transformers <5 or in another layout.
+                converted = converted or _Converted(model, where)
+                name = next((converted.renamed[n] for n in names if n in converted.renamed),
+                            None)
+            local, box = _local_box(p.data)
+            if name is None:
+                merged = next((n for n in names if n in converted.merged), None)
+                if merged is None:
+                    raise ValueError(f"model.path={path!r}: parameter {fqn!r} is in none of "
+                                     f"the safetensors files")
+                if local.numel():
+                    try:
+                        data = converted.read(merged, tuple(p.shape), box,
+                                              lambda k: handle(k).get_tensor(k))
+                    except ValueError as e:
+                        raise ValueError(f"model.path={path!r}: {e}") from None
+                    if data.shape != local.shape:
+                        raise ValueError(f"model.path={path!r}: parameter {fqn!r} merged from "
+                                         f"the safetensors files has shape {tuple(data.shape)} "
+                                         f"on this rank, the model's shard "
+                                         f"{tuple(local.shape)} (config.json and weights "
+                                         f"disagree)")
+                    local.copy_(data)
+                continue
             sl = handle(name).get_slice(name)
             shape = tuple(sl.get_shape())
             if shape != tuple(p.shape):
                 raise ValueError(f"model.path={path!r}: tensor {name!r} has shape {shape} in "
                                  f"the safetensors files but the model's {fqn!r} has "
                                  f"{tuple(p.shape)} (config.json and weights disagree)")
-            local, box = _local_box(p.data)
             if local.numel() == 0:
                 continue  # an uneven split can leave a rank nothing of a small tensor
             # Only this rank's region is read: rows lo:hi of a dim-0 shard.

@@ -6,7 +6,8 @@ Tiny models of four architectures are written here with random weights by
 embeddings and a tokenizer.json, sharded over many files with an index; Qwen2 (attention
 biases, a vocabulary of 301 so the embedding splits unevenly over 2 ranks) in one file;
 GPT-2 (Conv1D layers, position embeddings, tied head), sharded; Mixtral (MoE) as a
-config.json alone, so its weights come from the model's own init.
+config.json alone, so its weights come from the model's own init, and once with weights in
+transformers' per-expert file layout, which the loader merges into the fused expert tensors.
 
 Why the losses of 2 ranks and 1 process must agree to 1e-5 (relative): the same weights (read
 from the same files, or initialised world-size independently), the same global batches, the
@@ -49,6 +50,11 @@ def _configs():
                             bos_token_id=0, eos_token_id=0), "20KB"),
         "mixtral": (MixtralConfig(vocab_size=300, num_local_experts=4, num_experts_per_tok=2,
                                   **{**small, "intermediate_size": 64}), "config-only"),
+        # saved per expert (experts.N.w1/w2/w3, block_sparse_moe): transformers' on-disk
+        # layout, which it fuses into experts.gate_up_proj / down_proj when loading
+        "mixtral_weights": (MixtralConfig(vocab_size=300, num_local_experts=4,
+                                          num_experts_per_tok=2,
+                                          **{**small, "intermediate_size": 64}), "20KB"),
     }
 
 
@@ -89,7 +95,7 @@ def zoo(tmp_path_factory) -> dict[str, Path]:
 
 def test_fixture_layouts(zoo):
     """What the other tests rely on: llama/gpt2 sharded with an index, qwen2 one file."""
-    for name in ("llama", "gpt2"):
+    for name in ("llama", "gpt2", "mixtral_weights"):
         index = json.loads((zoo[name] / "model.safetensors.index.json").read_text())
         assert len(set(index["weight_map"].values())) > 2, name
     assert not (zoo["qwen2"] / "model.safetensors.index.json").exists()
@@ -103,6 +109,10 @@ RUNS = {
     "gpt2": [],
     "mixtral": [],
 }
+
+
+# read at 2 ranks and compared with from_pretrained: tied, uneven, merged MoE experts
+SLICED = ("llama", "qwen2", "mixtral_weights")
 
 
 def _trainer(path: Path, data: Path, dump: Path, world: int, extra: list[str]):
@@ -159,9 +169,9 @@ def _count_reads(counted: list[int]):
 
 def _read_slices(path: str, world: int) -> tuple[int, int, dict]:
     """Bytes this rank read through safetensors, the model's bytes, and the mismatches of
-    its shards against the files' tensors."""
+    its shards against the parameters transformers' own from_pretrained loads."""
     import safetensors
-    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
 
     from simplesharded.mesh import build_mesh
     from simplesharded.models import hf_source
@@ -177,9 +187,7 @@ def _read_slices(path: str, world: int) -> tuple[int, int, dict]:
     finally:
         safetensors.safe_open = real
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    ref = {}
-    for f in set(hf_source.safetensors_files(path).values()):
-        ref.update(load_file(f))
+    ref = AutoModelForCausalLM.from_pretrained(path, local_files_only=True).state_dict()
     bad = {fqn: "differs" for fqn, p in model.named_parameters()
            if not torch.equal(p.full_tensor(), ref[fqn])}
     for fqn, b in model.named_buffers():  # RoPE frequencies: computed, in no file
@@ -198,7 +206,7 @@ def _job(rank: int, world: int, dirs: dict[str, Path], dump: str) -> dict:
         out[arch] = [trainer.train_step()["loss"] for _ in range(STEPS)]
         torch._dynamo.reset()
     if world > 1:
-        out["slices"] = {arch: _read_slices(str(dirs[arch]), world) for arch in ("llama", "qwen2")}
+        out["slices"] = {arch: _read_slices(str(dirs[arch]), world) for arch in SLICED}
     else:  # one process: the world-2 job has more to do
         out["graph_break"] = _graph_break(dirs, Path(dump) / "gb", world)
     return out
@@ -253,7 +261,7 @@ def test_two_ranks_match_one_process(zoo, arch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", SLICED)
 def test_each_rank_reads_only_its_slices(zoo, arch):
     results = [r["slices"][arch] for r in _results(2, tuple(sorted(zoo.items())))]
     for rank, (read, total, bad) in enumerate(results):
