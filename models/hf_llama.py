@@ -38,15 +38,15 @@ FLAVORS: dict[str, HFLlamaArgs] = {
 }
 
 
-def build_hf_llama(args: HFLlamaArgs) -> nn.Module:
-    """A randomly initialised ``transformers.LlamaForCausalLM`` with ``args``' shapes, on the
-    current default device (``build_model`` calls this under ``torch.device(device)``)."""
+def llama_config(args: Llama3Args):
+    """transformers' ``LlamaConfig`` with ``args``' shapes: the model hf_llama builds, and the
+    config a llama3 checkpoint is exported with (simplesharded/export.py)."""
     try:
-        from transformers import LlamaConfig, LlamaForCausalLM
+        from transformers import LlamaConfig
     except ImportError:
-        raise ImportError("model hf_llama needs transformers: "
+        raise ImportError("transformers is needed here: "
                           "pip install 'simplesharded[hf]'") from None
-    config = LlamaConfig(
+    return LlamaConfig(
         vocab_size=args.vocab_size, hidden_size=args.dim,
         intermediate_size=ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier),
         num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads,
@@ -57,4 +57,12 @@ def build_hf_llama(args: HFLlamaArgs) -> nn.Module:
         attn_implementation="sdpa",
         # training only: no KV cache object built (and traced) in every forward
         use_cache=False)
+
+
+def build_hf_llama(args: HFLlamaArgs) -> nn.Module:
+    """A randomly initialised ``transformers.LlamaForCausalLM`` with ``args``' shapes, on the
+    current default device (``build_model`` calls this under ``torch.device(device)``)."""
+    config = llama_config(args)
+    from transformers import LlamaForCausalLM
+
     return LlamaForCausalLM(config)

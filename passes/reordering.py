@@ -152,22 +152,23 @@ class _Prefetch:
         self.last: dict[fx.Node, fx.Node] | None = None  # see _fixed_last_uses
         # Bytes alive over fixed spans (first node, last node, bytes): copy-outs and saved
         # gathered parameters; their nodes never move while prefetching.
-        self.fixed = [span for c in self.ags if (span := self._copy_out(c))]
+        self.fixed = [span for c in self.ags for span in self._copy_outs(c)]
         self.fixed += _saved_gathered(graph, order)
 
-    def _copy_out(self, c: Collective) -> tuple[fx.Node, fx.Node, int] | None:
-        """The span of the copies ``c``'s chain makes (a bucket's per-parameter copy-outs),
-        with their bytes: for that span the gathered bytes are there twice."""
-        copies = [n for n in self.chain[c.start][1:] if alias_kind(n) is None]
-        if not copies:
-            return None
-        return copies[0], copies[-1], sum(node_bytes(n) for n in copies)
+    def _copy_outs(self, c: Collective) -> list[tuple[fx.Node, fx.Node, int]]:
+        """The copies ``c``'s chain makes (a bucket's per-parameter copy-outs): each from the
+        copy to its last reader, with its bytes. While they are made, the bucket's bytes are
+        there twice: the gathered buffer lives until its last copy (see last_use)."""
+        return [(n, _held_until(n, self.order), node_bytes(n)) for n in self.chain[c.start][1:]
+                if alias_kind(n) is None]
 
     def last_use(self, c: Collective) -> fx.Node:
-        """Last compute use of a gathered buffer (its chain's last node if none)."""
+        """The last node reading ``c``'s gathered buffer through its views: its last copy
+        when the chain copies out, else its last compute use (its chain's last node if
+        none)."""
         if self.last is not None:
             return self.last[c.start]
-        return max(self.uses[c.start] or self.chain[c.start], key=self.order.__getitem__)
+        return max([_held_until(c.wait, self.order)] + self.chain[c.start], key=self.order.__getitem__)
 
     def _fixed_last_uses(self) -> dict[fx.Node, fx.Node] | None:
         """Every buffer's last use, found once, if no chain node or use can move while
@@ -288,20 +289,26 @@ def _bucket(c: Collective):
 def _saved_gathered(graph: fx.Graph, order: NodeOrder) -> list[tuple[fx.Node, fx.Node, int]]:
     """Gathered parameters a backward graph receives from forward (placeholders annotated
     with their FQN): (placeholder, its last use through its views, bytes)."""
-    spans = []
-    for node in graph.find_nodes(op="placeholder"):
-        if not gathered_param(node) or not node_bytes(node):
-            continue
-        held, readers, frontier = {node}, [node], [node]
-        while frontier:
-            for user in frontier.pop().users:
-                if user.op != "output":
-                    readers.append(user)
-                if alias_kind(user) == "view" and user not in held:
-                    held.add(user)
-                    frontier.append(user)
-        spans.append((node, max(readers, key=order.__getitem__), node_bytes(node)))
-    return spans
+    return [(node, _held_until(node, order, output=False), node_bytes(node))
+            for node in graph.find_nodes(op="placeholder")
+            if gathered_param(node) and node_bytes(node)]
+
+
+def _held_until(node: fx.Node, order: NodeOrder, output: bool = True) -> fx.Node:
+    """The last node reading ``node``'s buffer directly or through its aliases (views,
+    in-place results): where that buffer is freed. ``output``: the graph's output counts as
+    a reader (a forward output is kept for backward)."""
+    held, frontier, last = {node}, [node], node
+    while frontier:
+        for user in frontier.pop().users:
+            if user.op == "output" and not output:
+                continue
+            if order[user] > order[last]:
+                last = user
+            if alias_kind(user) is not None and user not in held:
+                held.add(user)
+                frontier.append(user)
+    return last
 
 
 def _place_reductions(collectives: list[Collective], order: NodeOrder) -> None:

@@ -3,13 +3,18 @@
 Layout: ``<folder>/step-<N>/`` holds one DCP checkpoint of model + optimizer + train state
 (step, data-loader position, RNG). A save is written to ``step-<N>.tmp`` and renamed by rank 0
 after every rank finished, so an interrupted save never replaces a good checkpoint. Loading
-reshards: DTensor shards are read into whatever mesh/world size the new run uses.
+reshards: DTensor shards are read into whatever mesh/world size the new run uses. Each step
+also holds ``model.json`` (:func:`model_meta`), which ``python -m simplesharded.checkpoint
+export`` (export.py) reads to write a Hugging Face model directory.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import re
 import shutil
+import sys
 
 import torch
 import torch.distributed as dist
@@ -43,8 +48,21 @@ def _app_state(model, optimizer, extra: dict):
     return {"model": model_sd, "optimizer": optim_sd, "train": extra}
 
 
-def save(folder: str, step: int, model, optimizer, loader_state: dict, keep_latest_k: int) -> str:
-    """Save step ``step`` atomically; then delete all but the newest ``keep_latest_k``."""
+def model_meta(model, name: str, flavor: str) -> dict:
+    """What export needs to know of the model besides its tensors: a transformers model's
+    config, or our zoo's name, flavor and args."""
+    config = getattr(model, "config", None)
+    if hasattr(config, "to_dict"):
+        return {"name": name, "hf_config": config.to_dict()}
+    args = getattr(model, "args", None)
+    return {"name": name, "flavor": flavor,
+            "args": dataclasses.asdict(args) if dataclasses.is_dataclass(args) else None}
+
+
+def save(folder: str, step: int, model, optimizer, loader_state: dict, keep_latest_k: int,
+         meta: dict | None = None) -> str:
+    """Save step ``step`` atomically; then delete all but the newest ``keep_latest_k``.
+    ``meta`` (model_meta) is written as the step's model.json."""
     final, tmp = step_dir(folder, step), step_dir(folder, step) + ".tmp"
     rank0 = dist.get_rank() == 0
     if rank0:
@@ -55,6 +73,9 @@ def save(folder: str, step: int, model, optimizer, loader_state: dict, keep_late
     dcp.save(_app_state(model, optimizer, extra), checkpoint_id=tmp)
     dist.barrier()  # every rank's shards are on disk before the commit
     if rank0:
+        if meta is not None:
+            with open(os.path.join(tmp, "model.json"), "w") as f:
+                json.dump(meta, f, indent=2)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         if keep_latest_k > 0:
@@ -130,3 +151,19 @@ def _check_shapes(path: str, model_sd: dict) -> None:
             raise ValueError(f"checkpoint {path!r}: parameter {fqn!r} has shape "
                              f"{tuple(shape)} but the model has {tuple(tensor.shape)}: it was "
                              "saved from a different model/flavor")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m simplesharded.checkpoint export ...`` (export.py)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] != "export":
+        print("usage: python -m simplesharded.checkpoint export --folder CKPT --step N "
+              "--to DIR (see export --help)", file=sys.stderr)
+        return 2
+    from .export import main as export_main
+
+    return export_main(argv[1:])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

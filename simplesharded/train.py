@@ -431,7 +431,8 @@ class Trainer:
                 if cfg.checkpoint.enable and (self.step % cfg.checkpoint.interval == 0
                                               or self.step == cfg.training.steps):
                     ckpt.save(self.ckpt_folder, self.step, self.model, self.optimizer,
-                              self.data.train.state_dict(), cfg.checkpoint.keep_latest_k)
+                              self.data.train.state_dict(), cfg.checkpoint.keep_latest_k,
+                              ckpt.model_meta(self.model, cfg.model.name, cfg.model.flavor))
                 if profiler:
                     profiler.step()
         if bar:
