@@ -62,7 +62,9 @@ def llama_config(args: Llama3Args):
 def build_hf_llama(args: HFLlamaArgs) -> nn.Module:
     """A randomly initialised ``transformers.LlamaForCausalLM`` with ``args``' shapes, on the
     current default device (``build_model`` calls this under ``torch.device(device)``)."""
-    config = llama_config(args)
-    from transformers import LlamaForCausalLM
-
-    return LlamaForCausalLM(config)
+    try:  # named for this model: llama_config's message serves export too
+        from transformers import LlamaForCausalLM
+    except ImportError:
+        raise ImportError("model hf_llama needs transformers: "
+                          "pip install 'simplesharded[hf]'") from None
+    return LlamaForCausalLM(llama_config(args))
