@@ -286,16 +286,30 @@ def test_graph_break_is_one_clear_error_and_flag_compiles_around_it(zoo):
 
 @pytest.mark.slow
 def test_cli_trains_from_directory(zoo, tmp_path):
-    """The command of the README, once: torchrun, 2 ranks, the directory's tokenizer."""
+    """The command of the README, once: torchrun, 2 ranks, the directory's tokenizer; its
+    checkpoint exports (simplesharded/export.py) to a directory transformers loads, holding
+    the trained weights under the original names."""
     torchrun = str(Path(PYTHON).parent / "torchrun")
     r = run_many([[torchrun, "--standalone", "--nproc_per_node=2", "-m", "simplesharded.train",
                    "--job.config_file", "configs/llama3_debug.toml", "--model.name", "hf",
                    "--model.path", str(zoo["llama"]), "--training.dataset_path",
                    str(zoo["data"]), "--job.dump_folder", str(tmp_path), *TRAIN,
-                   "--training.steps", "2"]], tmp_path, timeout=200)[0]
+                   "--training.steps", "2", "--checkpoint.enable", "--checkpoint.interval",
+                   "2"]], tmp_path, timeout=200)[0]
     assert r.returncode == 0, r
     assert f"weights loaded, tokenizer {zoo['llama'] / 'tokenizer.json'}" in r.stdout, r
     assert sorted(read_losses(tmp_path)) == [1, 2], r
+
+    from transformers import AutoModelForCausalLM
+
+    from simplesharded.export import export
+    export(str(tmp_path / "checkpoint"), 2, str(tmp_path / "exported"))
+    before = AutoModelForCausalLM.from_pretrained(zoo["llama"], local_files_only=True)
+    after = AutoModelForCausalLM.from_pretrained(tmp_path / "exported", local_files_only=True)
+    a, b = after.state_dict(), before.state_dict()
+    assert sorted(a) == sorted(b)
+    moved = max((a[k] - b[k]).abs().max().item() for k in b)
+    assert 0 < moved < 0.05, moved  # two small AdamW steps away from the original
 
 
 # ---------------------------------------------------------------------------- errors, FLOPs
