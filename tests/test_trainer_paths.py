@@ -79,8 +79,10 @@ def job(rank: int, world: int, parts=("ac", "reduction", "bf16")) -> dict:
     if "bf16" not in parts:
         return out
     # bf16 parameters in compute, fp32 gradient reduction; the debug config's own schedule
-    # (lr 1e-3, warmup 5, cosine to 30 steps)
-    t = _trainer(["--training.seq_len", "32", "--training.global_batch_size", "4",
+    # (lr 1e-3, warmup 5, cosine to 30 steps). Sequences of 16: a CPU without bf16 units
+    # multiplies bf16 slowly (a backward matmul here ~8x an fp32 one, in proportion to the
+    # tokens), and this run was half the job's time at 32.
+    t = _trainer(["--training.seq_len", "16", "--training.global_batch_size", "4",
                   "--training.val_every", "0", "--no-metrics.progress_bar", *COMPILED,
                   "--training.steps", str(BF16_STEPS),
                   "--training.mixed_precision_param", "bfloat16",
