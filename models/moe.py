@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.flop_counter import flop_registry, register_flop_formula
 
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput
@@ -119,11 +120,13 @@ def _(x, w, offs):
 @torch.library.custom_op("simplesharded::expert_mm_wgrad", mutates_args=())
 def expert_mm_wgrad(x: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """expert_mm's gradient for w: [E, d_in, d_out], expert e's rows of x^T @ grad (0 if none)."""
-    gw = x.new_zeros(offs.shape[0], x.shape[1], grad.shape[1])
+    gw = x.new_empty(offs.shape[0], x.shape[1], grad.shape[1])  # as big as w: write it once
     start = 0
     for e, end in enumerate(offs.tolist()):
         if end > start:
             torch.mm(x[start:end].t(), grad[start:end], out=gw[e])
+        else:
+            gw[e].zero_()
         start = end
     return gw
 
@@ -145,6 +148,27 @@ def _expert_mm_backward(ctx, grad):
 
 
 expert_mm.register_autograd(_expert_mm_backward, setup_context=_expert_mm_setup)
+
+
+# FLOP formulas, so FlopCounterMode and our cost model (passes/compute_cost.py) count the
+# grouped matmuls: every row of x meets one expert's [d_in, d_out] matrix.
+@register_flop_formula(torch.ops.simplesharded.expert_mm)
+def _expert_mm_flops(x_shape, w_shape, offs_shape, *args, **kwargs) -> int:
+    return 2 * x_shape[0] * x_shape[1] * w_shape[-1]
+
+
+@register_flop_formula(torch.ops.simplesharded.expert_mm_wgrad)
+def _expert_mm_wgrad_flops(x_shape, grad_shape, offs_shape, *args, **kwargs) -> int:
+    return 2 * x_shape[0] * x_shape[1] * grad_shape[-1]
+
+
+if hasattr(torch.ops.aten, "_grouped_mm") and torch.ops.aten._grouped_mm not in flop_registry:
+    @register_flop_formula(torch.ops.aten._grouped_mm)
+    def _grouped_mm_flops(a_shape, b_shape, *args, **kwargs) -> int:
+        """[M, K] x [G, K, N] (and its backward's layouts): the groups split M, N or K, so
+        each (m, k, n) is multiplied once; [G, M, K] x [G, K, N] is a bmm."""
+        flops = 2 * a_shape[-2] * a_shape[-1] * b_shape[-1]
+        return flops * a_shape[0] if len(a_shape) == 3 and len(b_shape) == 3 else flops
 
 
 def uses_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
