@@ -102,7 +102,8 @@ FLAVORS: dict[str, MoEArgs] = {
 def expert_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """x [N, d_in] sorted by expert, w [E, d_in, d_out], offs [E] cumulative row ends ->
     [N, d_out]: rows offs[e-1]:offs[e] times w[e]; rows past offs[-1] are 0. One matmul per
-    expert, so the work is the rows, not E * N. Any device and float dtype."""
+    expert, so the work is the rows, not E * N. Any device and float dtype (on CUDA reading
+    offs waits for the GPU: bf16 there goes to torch._grouped_mm instead)."""
     out = x.new_zeros(x.shape[0], w.shape[-1])
     start = 0
     for e, end in enumerate(offs.tolist()):
