@@ -2,7 +2,9 @@
 of width 1408, top 6, 2 shared), forward + backward, with the routed experts run each way
 (MoEArgs.experts_impl): "bmm", every expert on all T tokens (the old dropless form), and
 "sorted", each expert on its routed rows only. Prints the step's matmul FLOPs (counted by
-torch's FlopCounterMode, which knows our expert_mm op) and its median time.
+torch's FlopCounterMode on an eager step, which knows our expert_mm op) and the median
+wall and process CPU time of --reps steps after a warm-up (CPU time is steadier where other
+work shares the cores; with 2 threads on 2 cores it is ~2x the wall time).
 
 Same weights, same input, same routing for every path; the outputs are compared too.
 """
@@ -53,24 +55,27 @@ def main(argv=None) -> None:
     results, outputs = {}, {}
     for impl in a.impls:
         moe.args = dataclasses.replace(base, experts_impl=impl)
+        with FlopCounterMode(display=False) as counter:  # eager: the compiled step runs the same ops
+            outputs[impl] = step(moe, x, cot)
+        flops = counter.get_total_flops()
         torch._dynamo.reset()
         fn = torch.compile(moe, backend=a.compile, fullgraph=True) if a.compile else moe
         t0 = time.perf_counter()
-        with FlopCounterMode(display=False) as counter:  # the warm-up step (and the compile)
-            outputs[impl] = step(fn, x, cot)
+        step(fn, x, cot)  # warm-up (and compile)
         first = time.perf_counter() - t0
-        times = []
+        wall, cpu = [], []
         for _ in range(a.reps):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             step(fn, x, cot)
-            times.append(time.perf_counter() - t0)
-        flops = counter.get_total_flops()
-        s = statistics.median(times)
-        results[impl] = dict(step_s=s, first_step_s=first, flops=flops, tflops_per_s=flops / s / 1e12,
-                             times_s=times, expert_passes_per_token=moe.expert_passes_per_token())
-        print(f"{impl:7s} step {s:7.2f} s  (first {first:6.2f} s)  {flops / 1e12:7.3f} TFLOP/step  "
-              f"{flops / s / 1e9:6.1f} GFLOP/s  expert passes/token {moe.expert_passes_per_token():g}",
-              flush=True)
+            wall.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+        s, c = statistics.median(wall), statistics.median(cpu)
+        results[impl] = dict(step_s=s, cpu_s=c, first_step_s=first, flops=flops,
+                             tflops_per_s=flops / s / 1e12, wall_s=wall, process_cpu_s=cpu,
+                             expert_passes_per_token=moe.expert_passes_per_token())
+        print(f"{impl:7s} step {s:7.2f} s wall, {c:7.2f} s CPU (first {first:6.2f} s)  "
+              f"{flops / 1e12:7.3f} TFLOP/step  {flops / s / 1e9:6.1f} GFLOP/s  "
+              f"expert passes/token {moe.expert_passes_per_token():g}", flush=True)
     ref = outputs[a.impls[0]].double()
     for impl in a.impls[1:]:
         err = ((outputs[impl].double() - ref).norm() / ref.norm()).item()
@@ -78,7 +83,7 @@ def main(argv=None) -> None:
     if len(a.impls) > 1:
         r0, r1 = results[a.impls[0]], results[a.impls[-1]]
         print(f"{a.impls[-1]} / {a.impls[0]}: FLOPs {r1['flops'] / r0['flops']:.3f}, "
-              f"step time {r1['step_s'] / r0['step_s']:.3f}")
+              f"step time {r1['step_s'] / r0['step_s']:.3f}, CPU time {r1['cpu_s'] / r0['cpu_s']:.3f}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(args=vars(a), shape=SHAPE_16B, torch=torch.__version__,
