@@ -4,11 +4,30 @@ Attention, norms and the dense SwiGLU are Llama 3's (models/llama3.py); DeepSeek
 attention is not modelled. The first n_dense_layers blocks use a dense SwiGLU, the rest a
 MoE: top-k routed experts + always-on shared experts.
 
-Routing is compile-friendly: no data-dependent shapes or Python branches. Each (token,
-choice) gets a slot in a fixed [experts, capacity] buffer via a cumsum over a one-hot; the
-experts run as one batched matmul over that buffer; results are gathered back. With
-capacity_factor=None the capacity is the token count, so no token is ever dropped and the
-result does not depend on how the batch is split across ranks.
+Routing is compile-friendly: every shape is static, no Python branch reads data. Two ways
+to run the routed experts (MoEArgs.experts_impl):
+
+"sorted" (default): the T*k (token, choice) rows are sorted by expert (stable argsort, so
+each expert's rows keep token order) into a [T*k + E*(align-1) + 1, dim] buffer in which
+expert e's rows start at an offset aligned to `align`; the upper bound on the padding keeps
+the buffer's size static. Each expert then multiplies only its own rows: ~top_k expert
+SwiGLUs per token, the FLOPs routing asks for. The grouped matmul is torch._grouped_mm where
+torch lowers it under compile (bf16, dims multiple of 8; CUDA wants group offsets aligned to
+16 rows); otherwise our own op simplesharded::expert_mm, a loop of one matmul per expert
+over its rows. That op is opaque to the compiler (static output shape, data-dependent
+offsets read only inside), which is what lets a loop over data-dependent row ranges live in
+a fullgraph compile on CPU and in float32/float64; the alternatives are worse: per-block
+gathered expert weights cost more memory traffic than the matmuls save, and unbacked sizes
+(capture_scalar_outputs) need a global dynamo setting and put data-dependent shapes in the
+graph the FSDP passes read.
+
+"bmm": the older dense form: each expert gets a fixed [capacity, dim] slot buffer and all
+experts run as one batched matmul; dropless (capacity = T) each expert multiplies all T rows,
+E/top_k times the routed FLOPs. Kept as the before-picture for benchmarks.
+
+With capacity_factor=None no token is ever dropped and the result does not depend on how the
+batch is split across ranks. With a capacity C, a (token, choice) past the first C of its
+expert in token order is dropped, the same in both forms; "sorted" still computes T*k rows.
 """
 
 from __future__ import annotations
@@ -20,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.flop_counter import flop_registry, register_flop_formula
 
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput
@@ -28,6 +48,7 @@ from .llama3 import FeedForward, Llama3, Llama3Args, ffn_tp_plan, trunc_normal_i
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 LOAD_BALANCE = ("bias", "aux_loss", "none")
+EXPERTS_IMPLS = ("sorted", "bmm")
 
 
 @dataclass
@@ -46,6 +67,7 @@ class MoEArgs(Llama3Args):
     load_balance: str = "bias"  # "bias": aux-loss-free (V3); "aux_loss"; "none"
     bias_update_rate: float = 1e-3
     aux_loss_coeff: float = 1e-3
+    experts_impl: str = "sorted"  # "sorted": each expert runs its routed rows; "bmm": all T rows
 
     def __post_init__(self):
         super().__post_init__()
@@ -53,6 +75,8 @@ class MoEArgs(Llama3Args):
             raise ValueError(f"score_func={self.score_func!r} is not one of {sorted(SCORE_FUNCS)}")
         if self.load_balance not in LOAD_BALANCE:
             raise ValueError(f"load_balance={self.load_balance!r} is not one of {sorted(LOAD_BALANCE)}")
+        if self.experts_impl not in EXPERTS_IMPLS:
+            raise ValueError(f"experts_impl={self.experts_impl!r} is not one of {sorted(EXPERTS_IMPLS)}")
         if not 1 <= self.top_k <= self.n_routed_experts:
             raise ValueError(f"top_k={self.top_k} must be in [1, n_routed_experts={self.n_routed_experts}]")
 
@@ -74,6 +98,87 @@ FLAVORS: dict[str, MoEArgs] = {
 }
 
 
+@torch.library.custom_op("simplesharded::expert_mm", mutates_args=())
+def expert_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """x [N, d_in] sorted by expert, w [E, d_in, d_out], offs [E] cumulative row ends ->
+    [N, d_out]: rows offs[e-1]:offs[e] times w[e]; rows past offs[-1] are 0. One matmul per
+    expert, so the work is the rows, not E * N. Any device and float dtype (on CUDA reading
+    offs waits for the GPU: bf16 there goes to torch._grouped_mm instead)."""
+    out = x.new_zeros(x.shape[0], w.shape[-1])
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            torch.mm(x[start:end], w[e], out=out[start:end])
+        start = end
+    return out
+
+
+@expert_mm.register_fake
+def _(x, w, offs):
+    return x.new_empty(x.shape[0], w.shape[-1])
+
+
+@torch.library.custom_op("simplesharded::expert_mm_wgrad", mutates_args=())
+def expert_mm_wgrad(x: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """expert_mm's gradient for w: [E, d_in, d_out], expert e's rows of x^T @ grad (0 if none)."""
+    gw = x.new_empty(offs.shape[0], x.shape[1], grad.shape[1])  # as big as w: write it once
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            torch.mm(x[start:end].t(), grad[start:end], out=gw[e])
+        else:
+            gw[e].zero_()
+        start = end
+    return gw
+
+
+@expert_mm_wgrad.register_fake
+def _(x, grad, offs):
+    return x.new_empty(offs.shape[0], x.shape[1], grad.shape[1])
+
+
+def _expert_mm_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _expert_mm_backward(ctx, grad):
+    x, w, offs = ctx.saved_tensors
+    gx = expert_mm(grad, w.transpose(1, 2), offs) if ctx.needs_input_grad[0] else None
+    gw = expert_mm_wgrad(x, grad, offs) if ctx.needs_input_grad[1] else None
+    return gx, gw, None
+
+
+expert_mm.register_autograd(_expert_mm_backward, setup_context=_expert_mm_setup)
+
+
+# FLOP formulas, so FlopCounterMode and our cost model (passes/compute_cost.py) count the
+# grouped matmuls: every row of x meets one expert's [d_in, d_out] matrix.
+@register_flop_formula(torch.ops.simplesharded.expert_mm)
+def _expert_mm_flops(x_shape, w_shape, offs_shape, *args, **kwargs) -> int:
+    return 2 * x_shape[0] * x_shape[1] * w_shape[-1]
+
+
+@register_flop_formula(torch.ops.simplesharded.expert_mm_wgrad)
+def _expert_mm_wgrad_flops(x_shape, grad_shape, offs_shape, *args, **kwargs) -> int:
+    return 2 * x_shape[0] * x_shape[1] * grad_shape[-1]
+
+
+if hasattr(torch.ops.aten, "_grouped_mm") and torch.ops.aten._grouped_mm not in flop_registry:
+    @register_flop_formula(torch.ops.aten._grouped_mm)
+    def _grouped_mm_flops(a_shape, b_shape, *args, **kwargs) -> int:
+        """[M, K] x [G, K, N] (and its backward's layouts): the groups split M, N or K, so
+        each (m, k, n) is multiplied once; [G, M, K] x [G, K, N] is a bmm."""
+        flops = 2 * a_shape[-2] * a_shape[-1] * b_shape[-1]
+        return flops * a_shape[0] if len(a_shape) == 3 and len(b_shape) == 3 else flops
+
+
+def uses_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm runs x @ w[e] here, eager and compiled: torch's compile-time
+    checks accept only bf16, with rows 16-byte aligned (dims multiple of 8)."""
+    return (hasattr(torch, "_grouped_mm") and x.dtype == w.dtype == torch.bfloat16
+            and x.shape[-1] % 8 == 0 and w.shape[-1] % 8 == 0)
+
+
 class GroupedExperts(nn.Module):
     """n_experts SwiGLUs; weights are [n_experts, ...] so FSDP's Shard(0) splits by expert."""
 
@@ -91,6 +196,20 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [n_experts, capacity, dim] -> [n_experts, capacity, dim]."""
         return torch.bmm(F.silu(torch.bmm(x, self.w1)) * torch.bmm(x, self.w3), self.w2)
+
+    def row_align(self, x: torch.Tensor) -> int:
+        """Row multiple each expert's group must start at: CUDA's grouped GEMM wants 16."""
+        return 16 if x.is_cuda and uses_grouped_mm(x, self.w1) else 1
+
+    def forward_grouped(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """x [N, dim], rows grouped by expert; offs [n_experts] int32 group ends -> [N, dim]."""
+        if uses_grouped_mm(x, self.w1):
+            def mm(a, w):
+                return torch._grouped_mm(a, w, offs=offs)
+        else:
+            def mm(a, w):
+                return expert_mm(a, w, offs)
+        return mm(F.silu(mm(x, self.w1)) * mm(x, self.w3), self.w2)
 
 
 class _AddAuxLoss(torch.autograd.Function):
@@ -149,6 +268,18 @@ class MoE(nn.Module):
             return n_tokens
         return min(n_tokens, math.ceil(cf * n_tokens * self.top_k / self.n_experts))
 
+    def expert_passes_per_token(self) -> float:
+        """Expert SwiGLUs the routed path really runs per token, for FLOP counts. "sorted":
+        top_k (its alignment padding, under n_experts * 15 rows a step on CUDA, is left out);
+        "bmm": every expert runs its whole capacity, so n_experts dropless, about
+        capacity_factor * top_k with a capacity."""
+        a = self.args
+        if a.experts_impl == "sorted":
+            return float(self.top_k)
+        if a.capacity_factor is None:
+            return float(self.n_experts)
+        return min(float(self.n_experts), a.capacity_factor * self.top_k)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, S, D = x.shape
         E, k = self.n_experts, self.top_k
@@ -156,34 +287,65 @@ class MoE(nn.Module):
         T = B * S
         weights, experts, scores = self.route(x)
 
-        # Slot of each (token, choice) in its expert's queue, in token order; past capacity it
-        # goes to a scratch row (index E*C) that is never read back.
+        # Rank of each (token, choice) among its expert's rows in token order: a stable sort by
+        # expert keeps token order inside each expert's run; rank = place in run - run start.
         flat = experts.flatten()  # [T*k], token-major
-        onehot = torch.zeros(T * k, E, dtype=torch.int64, device=x.device).scatter_(1, flat[:, None], 1)
-        pos = onehot.cumsum(0).gather(1, flat[:, None]).squeeze(1) - 1
+        counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(
+            0, flat, torch.ones_like(flat))
+        order = torch.argsort(flat, stable=True)
+        place = torch.empty_like(order).scatter_(0, order, torch.arange(T * k, device=x.device))
+        pos = place - (counts.cumsum(0) - counts)[flat]
         C = self.capacity(T)
         keep = pos < C
-        slot = torch.where(keep, flat * C + pos, E * C)
-
         src = x[:, None, :].expand(T, k, D).reshape(T * k, D)
-        buf = x.new_zeros(E * C + 1, D).index_add(0, slot, src)
-        out = self.experts(buf[: E * C].view(E, C, D)).reshape(E * C, D)
-        out = torch.cat([out, out.new_zeros(1, D)])[slot]  # [T*k, D]
+        if self.args.experts_impl == "sorted":
+            out = self._run_sorted(src, flat, pos, keep, counts.clamp(max=C))
+        else:
+            out = self._run_bmm(src, flat, pos, keep, C)
         w = (weights.flatten() * keep).unsqueeze(1)
-        y = (out.float() * w).view(T, k, D).sum(1).type_as(x)
+        y = (out * w).view(T, k, D).sum(1).type_as(x)  # w is fp32: bf16 sums in fp32
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
 
         if self.training and self.args.load_balance == "bias":
             with torch.no_grad():
-                self.tokens_per_expert.add_(onehot.sum(0).float())
+                self.tokens_per_expert.add_(counts.float())
         if self.training and self.args.load_balance == "aux_loss":
             # Switch/DeepSeek balance loss: E * sum_i (fraction routed to i) * (mean prob of i).
-            frac = onehot.sum(0).float() / (T * k)
+            frac = counts.float() / (T * k)
             probs = scores / scores.sum(-1, keepdim=True)
             aux = self.args.aux_loss_coeff * E * (frac * probs.mean(0)).sum()
             y = _AddAuxLoss.apply(y, aux)
         return y.view(B, S, D)
+
+    def _run_sorted(self, src, flat, pos, keep, kept):
+        """Each expert's kept rows, contiguous and in token order, through a grouped matmul.
+
+        Expert e's group starts at a multiple of `align`; T*k + E*(align-1) bounds the rows
+        used, so the buffer's size is static. Its last row is never a destination: dropped
+        rows all land there (their weight is 0), and the last group runs to the end so every
+        output row is defined. Returns [T*k, dim], row i = expert output for src row i.
+        """
+        E, (Tk, D) = self.n_experts, src.shape
+        align = self.experts.row_align(src)
+        N = Tk + E * (align - 1) + 1
+        size = (kept + align - 1) // align * align
+        ends = size.cumsum(0)
+        offs = torch.cat([ends[:-1], ends.new_full((1,), N)]).to(torch.int32)
+        dest = (ends - size)[flat] + pos
+        if self.args.capacity_factor is not None:
+            dest = torch.where(keep, dest, N - 1)
+        buf = src.new_zeros(N, D).index_add(0, dest, src)
+        return self.experts.forward_grouped(buf, offs)[dest]
+
+    def _run_bmm(self, src, flat, pos, keep, C):
+        """Every expert on a [capacity, dim] slot buffer in one bmm (dropless: capacity = T).
+        Past capacity a row goes to a scratch slot (index E*C) that is never computed."""
+        E, D = self.n_experts, src.shape[1]
+        slot = torch.where(keep, flat * C + pos, E * C)
+        buf = src.new_zeros(E * C + 1, D).index_add(0, slot, src)
+        out = self.experts(buf[: E * C].view(E, C, D)).reshape(E * C, D)
+        return torch.cat([out, out.new_zeros(1, D)])[slot]
 
     @torch.no_grad()
     def update_expert_bias(self, counts: torch.Tensor) -> None:
@@ -233,9 +395,11 @@ class MoETransformer(Llama3):
             m.update_expert_bias(c)
 
     def num_flops_per_token(self, seq_len: int) -> int:
-        """As Llama3's, but routed experts count only the top_k of n_routed_experts a token uses."""
+        """As Llama3's, but routed experts count the expert passes per token the active path
+        really runs (MoE.expert_passes_per_token): top_k "sorted", all of them "bmm" dropless."""
         a = self.args
-        routed = sum(m.experts.w1.numel() + m.experts.w2.numel() + m.experts.w3.numel()
-                     for m in self.moe_layers())
-        active = self.num_params(exclude_embedding=True) - routed * (1 - a.top_k / a.n_routed_experts)
+        active = self.num_params(exclude_embedding=True)
+        for m in self.moe_layers():
+            routed = m.experts.w1.numel() + m.experts.w2.numel() + m.experts.w3.numel()
+            active -= routed * (1 - m.expert_passes_per_token() / a.n_routed_experts)
         return int(6 * active) + 12 * a.n_layers * a.dim * seq_len

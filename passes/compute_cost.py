@@ -31,7 +31,12 @@ _EXTRA_FLOPS = {
     aten._scaled_dot_product_flash_attention_for_cpu_backward:
         flop_registry[aten._scaled_dot_product_flash_attention_backward],
 }
-_FLOPS = {**flop_registry, **_EXTRA_FLOPS}
+
+
+def _formula(packet):
+    """The FLOP formula of an op, or None. Read live: ops outside torch (e.g. the MoE's
+    simplesharded::expert_mm) register theirs when their module is imported."""
+    return _EXTRA_FLOPS.get(packet) or flop_registry.get(packet)
 
 # Allocate without touching memory: cost no time.
 _NO_TRAFFIC = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default}
@@ -58,15 +63,16 @@ def node_flops(node: fx.Node) -> int:
     on meta tensors under FlopCounterMode. Never raises."""
     t = node.target
     if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload) or not (
-            t.overloadpacket in _FLOPS or _decomposes(t)):
+            _formula(t.overloadpacket) is not None or _decomposes(t)):
         return 0
     try:
         key = cost_key(node)
         if key in _FLOPS_SEEN:
             return _FLOPS_SEEN[key]
         args, kwargs = fx.node.map_aggregate((node.args, node.kwargs), _meta_arg)
-        if t.overloadpacket in _FLOPS:
-            flops = int(_FLOPS[t.overloadpacket](*args, **kwargs, out_val=node_value(node)))
+        formula = _formula(t.overloadpacket)
+        if formula is not None:
+            flops = int(formula(*args, **kwargs, out_val=node_value(node)))
         else:
             with FlopCounterMode(display=False) as counter:
                 t(*args, **kwargs)
