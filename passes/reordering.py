@@ -168,7 +168,8 @@ class _Prefetch:
         none)."""
         if self.last is not None:
             return self.last[c.start]
-        return max([_held_until(c.wait, self.order)] + self.chain[c.start], key=self.order.__getitem__)
+        return max([_held_until(c.wait, self.order)] + self.chain[c.start],
+                   key=self.order.__getitem__)
 
     def _fixed_last_uses(self) -> dict[fx.Node, fx.Node] | None:
         """Every buffer's last use, found once, if no chain node or use can move while
