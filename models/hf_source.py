@@ -329,66 +329,89 @@ class _Converted:
         return parts[0] if cat is None else torch.cat(parts, dim=cat.dim)
 
 
+class _OneFile:
+    """``safe_open`` handles, one file open at a time. safetensors maps a file into memory and
+    the pages a rank reads stay resident until the file is closed: opening the next file
+    closes the previous one, so while loading a rank holds its shards plus its part of one
+    file, not its part of every file."""
+
+    def __init__(self, safe_open):
+        self._open, self._path, self._handle = safe_open, None, None
+        self._stack = contextlib.ExitStack()
+
+    def __call__(self, f: str):
+        if f != self._path:
+            self._stack.close()
+            self._handle = self._stack.enter_context(self._open(f, framework="pt",
+                                                                device="cpu"))
+            self._path = f
+        return self._handle
+
+    def __enter__(self) -> "_OneFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+
 def _load(model: nn.Module, where: dict[str, str]) -> None:
-    """Every parameter's local region, read from its file (and nothing else of it)."""
+    """Every parameter's local region, read from its file (and nothing else of it), file by
+    file (:class:`_OneFile`)."""
     from safetensors import safe_open
 
     aliases, path = _aliases(model), model.args.path
     persistent = dict(model.state_dict(keep_vars=True))
     converted = None
-    with contextlib.ExitStack() as stack:
-        handles: dict[str, object] = {}
-
-        def handle(name: str):
-            f = where[name]
-            if f not in handles:
-                handles[f] = stack.enter_context(safe_open(f, framework="pt", device="cpu"))
-            return handles[f]
-
-        for fqn, p in model.named_parameters():
-            names = aliases.get(id(p), [fqn])
-            name = next((n for n in _candidates(model, names) if n in where), None)
-            if name is None:
-                # Built only when needed: files saved by transformers <5 or in another layout.
-                converted = converted or _Converted(model, where)
-                name = next((converted.renamed[n] for n in names if n in converted.renamed),
-                            None)
-            local, box = _local_box(p.data)
-            if name is None:
-                merged = next((n for n in names if n in converted.merged), None)
-                if merged is None:
-                    raise ValueError(f"model.path={path!r}: parameter {fqn!r} is in none of "
-                                     f"the safetensors files")
-                if local.numel():
-                    try:
-                        data = converted.read(merged, tuple(p.shape), box,
-                                              lambda k: handle(k).get_tensor(k))
-                    except ValueError as e:
-                        raise ValueError(f"model.path={path!r}: {e}") from None
-                    if data.shape != local.shape:
-                        raise ValueError(f"model.path={path!r}: parameter {fqn!r} merged from "
-                                         f"the safetensors files has shape {tuple(data.shape)} "
-                                         f"on this rank, the model's shard "
-                                         f"{tuple(local.shape)} (config.json and weights "
-                                         f"disagree)")
-                    local.copy_(data)
-                continue
-            sl = handle(name).get_slice(name)
+    plain: list[tuple[str, str, torch.Tensor]] = []  # (file tensor, FQN, parameter)
+    merged: list[tuple[str, str, torch.Tensor]] = []  # (merged FQN, FQN, parameter)
+    for fqn, p in model.named_parameters():
+        names = aliases.get(id(p), [fqn])
+        name = next((n for n in _candidates(model, names) if n in where), None)
+        if name is None:
+            # Built only when needed: files saved by transformers <5 or in another layout.
+            converted = converted or _Converted(model, where)
+            name = next((converted.renamed[n] for n in names if n in converted.renamed), None)
+        if name is not None:
+            plain.append((name, fqn, p))
+            continue
+        name = next((n for n in names if n in converted.merged), None)
+        if name is None:
+            raise ValueError(f"model.path={path!r}: parameter {fqn!r} is in none of the "
+                             f"safetensors files")
+        merged.append((name, fqn, p))
+    # Persistent buffers (replicated, small) are read whole when the files have them.
+    params = {id(p) for p in model.parameters()}
+    plain += [(fqn, fqn, b) for fqn, b in persistent.items()
+              if id(b) not in params and fqn in where]
+    plain.sort(key=lambda job: where[job[0]])  # stable: file by file, model order within
+    with _OneFile(safe_open) as handle:
+        for name, fqn, p in plain:
+            sl = handle(where[name]).get_slice(name)
             shape = tuple(sl.get_shape())
             if shape != tuple(p.shape):
                 raise ValueError(f"model.path={path!r}: tensor {name!r} has shape {shape} in "
                                  f"the safetensors files but the model's {fqn!r} has "
                                  f"{tuple(p.shape)} (config.json and weights disagree)")
+            local, box = _local_box(p.data)
             if local.numel() == 0:
                 continue  # an uneven split can leave a rank nothing of a small tensor
             # Only this rank's region is read: rows lo:hi of a dim-0 shard.
-            local.copy_(sl[box] if box else handle(name).get_tensor(name))
-        # Persistent buffers (replicated, small) are read whole when the files have them.
-        params = {id(p) for p in model.parameters()}
-        for fqn, b in persistent.items():
-            if id(b) in params or fqn not in where:
+            local.copy_(sl[box] if box else handle(where[name]).get_tensor(name))
+        for name, fqn, p in merged:
+            local, box = _local_box(p.data)
+            if not local.numel():
                 continue
-            b.copy_(handle(fqn).get_tensor(fqn))
+            try:
+                data = converted.read(name, tuple(p.shape), box,
+                                      lambda k: handle(where[k]).get_tensor(k))
+            except ValueError as e:
+                raise ValueError(f"model.path={path!r}: {e}") from None
+            if data.shape != local.shape:
+                raise ValueError(f"model.path={path!r}: parameter {fqn!r} merged from the "
+                                 f"safetensors files has shape {tuple(data.shape)} on this "
+                                 f"rank, the model's shard {tuple(local.shape)} (config.json "
+                                 f"and weights disagree)")
+            local.copy_(data)
 
 
 @contextlib.contextmanager
