@@ -330,10 +330,10 @@ class _Converted:
 
 
 class _OneFile:
-    """``safe_open`` handles, one file open at a time. safetensors maps a file into memory and
-    the pages a rank reads stay resident until the file is closed: opening the next file
-    closes the previous one, so while loading a rank holds its shards plus its part of one
-    file, not its part of every file."""
+    """``safe_open`` handles, one open at a time, closed by :meth:`release`. safetensors maps a
+    file into memory and the pages read stay resident until the file is closed; released
+    after every parameter, they are at most one parameter's slice, whatever the size of the
+    files (transformers writes up to 50 GB per file by default)."""
 
     def __init__(self, safe_open):
         self._open, self._path, self._handle = safe_open, None, None
@@ -341,22 +341,27 @@ class _OneFile:
 
     def __call__(self, f: str):
         if f != self._path:
-            self._stack.close()
+            self.release()
             self._handle = self._stack.enter_context(self._open(f, framework="pt",
                                                                 device="cpu"))
             self._path = f
         return self._handle
 
+    def release(self) -> None:
+        self._stack.close()
+        self._path = self._handle = None
+
     def __enter__(self) -> "_OneFile":
         return self
 
     def __exit__(self, *exc) -> None:
-        self._stack.close()
+        self.release()
 
 
 def _load(model: nn.Module, where: dict[str, str]) -> None:
-    """Every parameter's local region, read from its file (and nothing else of it), file by
-    file (:class:`_OneFile`)."""
+    """Every parameter's local region, read from its file (and nothing else of it), one
+    parameter mapped at a time (:class:`_OneFile`): while loading, a rank holds its shards
+    plus the slice it is reading."""
     from safetensors import safe_open
 
     aliases, path = _aliases(model), model.args.path
@@ -383,7 +388,6 @@ def _load(model: nn.Module, where: dict[str, str]) -> None:
     params = {id(p) for p in model.parameters()}
     plain += [(fqn, fqn, b) for fqn, b in persistent.items()
               if id(b) not in params and fqn in where]
-    plain.sort(key=lambda job: where[job[0]])  # stable: file by file, model order within
     with _OneFile(safe_open) as handle:
         for name, fqn, p in plain:
             sl = handle(where[name]).get_slice(name)
@@ -397,6 +401,8 @@ def _load(model: nn.Module, where: dict[str, str]) -> None:
                 continue  # an uneven split can leave a rank nothing of a small tensor
             # Only this rank's region is read: rows lo:hi of a dim-0 shard.
             local.copy_(sl[box] if box else handle(where[name]).get_tensor(name))
+            del sl  # it holds the file's mapping too
+            handle.release()
         for name, fqn, p in merged:
             local, box = _local_box(p.data)
             if not local.numel():
@@ -412,6 +418,8 @@ def _load(model: nn.Module, where: dict[str, str]) -> None:
                                  f"rank, the model's shard {tuple(local.shape)} (config.json "
                                  f"and weights disagree)")
             local.copy_(data)
+            del data
+            handle.release()
 
 
 @contextlib.contextmanager

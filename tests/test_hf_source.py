@@ -10,7 +10,7 @@ transformers' per-expert file layout, which the loader merges into the fused exp
 Each of them trains 5 steps compiled (aot_eager_blockbucketing) on 2 ranks against an eager
 1-process run. Each also exists as a config.json alone (``<arch>_init``): its weights come
 from the model's own init, which must not depend on the world size. A larger Llama (``big``,
-~22 MB in 2 MB files) is only loaded, to measure memory.
+~40 MB in one file) is only loaded, to measure memory.
 
 Why the losses of 2 ranks and 1 process must agree to 1e-5 (relative): the same weights (read
 from the same files), the same global batches, the same math; only the summation order of the
@@ -61,10 +61,10 @@ def _configs():
         # layout, which it fuses into experts.gate_up_proj / down_proj when loading
         "mixtral": (MixtralConfig(vocab_size=300, num_local_experts=4, num_experts_per_tok=2,
                                   **{**small, "intermediate_size": 64}), "20KB"),
-        # only loaded (peak memory): ~22 MB of weights in files of at most 2 MB
+        # only loaded (peak memory): ~40 MB of weights in one file, no tensor over 2 MB
         "big": (LlamaConfig(vocab_size=1000, hidden_size=512, intermediate_size=1024,
-                            num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
-                            max_position_embeddings=64), "2MB"),
+                            num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                            max_position_embeddings=64), None),
     }
 
 
@@ -104,14 +104,15 @@ def zoo(tmp_path_factory) -> dict[str, Path]:
 
 
 def test_fixture_layouts(zoo):
-    """What the other tests rely on: llama/gpt2/mixtral/big sharded with an index, qwen2 one
-    file, mixtral in the per-expert layout, the _init directories without weights."""
-    for name in ("llama", "gpt2", "mixtral", "big"):
+    """What the other tests rely on: llama/gpt2/mixtral sharded with an index, qwen2 and big
+    one file, mixtral in the per-expert layout, the _init directories without weights."""
+    for name in ("llama", "gpt2", "mixtral"):
         index = json.loads((zoo[name] / "model.safetensors.index.json").read_text())
         assert len(set(index["weight_map"].values())) > 2, name
         if name == "mixtral":
             assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in index["weight_map"]
-    assert not (zoo["qwen2"] / "model.safetensors.index.json").exists()
+    for name in ("qwen2", "big"):
+        assert not (zoo[name] / "model.safetensors.index.json").exists(), name
     for arch in ARCHS:
         assert not list(zoo[f"{arch}_init"].glob("*.safetensors")), arch
 
@@ -354,10 +355,11 @@ def test_init_from_config_is_world_size_independent(zoo, arch):
 
 @pytest.mark.slow
 def test_loading_peak_memory_is_below_the_model(zoo):
-    """Each of 2 ranks loading ``big`` (~22 MB in files of 2 MB) as the first thing its
-    process does: its resident memory grows by at least its shards (the measure sees the
-    writes: fresh pages) and by less than 3/4 of the model: its shards (1/2) plus the pages it
-    maps of one file at a time (models/hf_source.py _OneFile), never the whole model."""
+    """Each of 2 ranks loading ``big`` (~40 MB in one file, tensors of at most 2 MB) as the
+    first thing its process does: its resident memory grows by at least its shards (the
+    measure sees the writes: fresh pages) and by less than 3/4 of the model: its shards (1/2)
+    plus the file's pages of the one parameter it is reading (models/hf_source.py
+    _OneFile), never the whole model nor its whole half of the file."""
     for rank, r in enumerate(_results(2, tuple(sorted(zoo.items())))):
         peak, total, shard = r["peak"]
         if peak is None:
@@ -380,11 +382,12 @@ def test_graph_break_is_one_clear_error_and_flag_compiles_around_it(zoo):
 
 
 @pytest.mark.slow
-def test_cli_trains_from_directory(zoo, tmp_path):
+def test_cli_trains_from_directory(zoo, tmp_path, monkeypatch):
     """The README's command, once: `NGPU=2 ./run_train.sh --model.name hf --model.path DIR
     --compile.enable`, the directory's tokenizer, 8 steps: the loss falls. Its checkpoint
-    exports (simplesharded/export.py) to a directory transformers loads whose logits on a
-    fixed batch equal the checkpointed model's (≤ 1e-5 rel), under the original names."""
+    exports (simplesharded/export.py) in files of at most 40 KB, one checkpoint read per file
+    and its metadata read once, to a directory transformers loads whose logits on a fixed
+    batch equal the checkpointed model's (≤ 1e-5 rel), under the original names."""
     import torch.distributed.checkpoint as dcp
     from transformers import AutoModelForCausalLM
 
@@ -402,7 +405,22 @@ def test_cli_trains_from_directory(zoo, tmp_path):
     assert sorted(losses) == list(range(1, 9)), r
     assert losses[8] < 0.9 * losses[1], losses
 
-    export(str(tmp_path / "checkpoint"), 8, str(tmp_path / "exported"))
+    calls = {"load": 0, "metadata": 0}
+
+    def counted(fn, key):
+        def wrapper(*args, **kwargs):
+            calls[key] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(dcp, "load", counted(dcp.load, "load"))
+    monkeypatch.setattr(dcp.FileSystemReader, "read_metadata",
+                        counted(dcp.FileSystemReader.read_metadata, "metadata"))
+    written = export(str(tmp_path / "checkpoint"), 8, str(tmp_path / "exported"),
+                     max_shard_bytes=40_000)
+    monkeypatch.undo()
+    files = [f for f in written if f.endswith(".safetensors")]
+    assert len(files) > 2 and calls == {"load": len(files), "metadata": 1}, (files, calls)
     after = AutoModelForCausalLM.from_pretrained(tmp_path / "exported", local_files_only=True)
     trained = AutoModelForCausalLM.from_pretrained(zoo["llama"], local_files_only=True)
     state = {"model": trained.state_dict()}
