@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -39,6 +40,10 @@ from simplesharded.loss import lm_loss
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILE = "tokenizer.json"
+# weights in formats this loader does not read (older PyTorch pickles, Meta's originals,
+# TensorFlow, Flax): alone in a directory they would leave the model at its random init
+OTHER_WEIGHTS = re.compile(r"pytorch_model.*\.bin|consolidated\..*\.pth|tf_model\.h5|"
+                           r"flax_model\.msgpack")
 # config keys of logit post-processing after the head (Gemma 2/3, Cohere, Granite)
 POST_HEAD_KEYS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
@@ -68,6 +73,28 @@ def check_path(path: str) -> str:
     if not os.path.isfile(os.path.join(path, CONFIG_FILE)):
         raise ValueError(f"model.path={path!r} has no {CONFIG_FILE}")
     return path
+
+
+def check_weights(path: str) -> None:
+    """A one-line ValueError for weight files that would not load: a safetensors index
+    naming a file that is not there, or weights only in another format (read as none, they
+    would silently leave the model at its random init)."""
+    names = os.listdir(path)
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index) as fh:
+            files = sorted(set(json.load(fh)["weight_map"].values()))
+        missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
+        if missing:
+            raise ValueError(f"model.path={path!r}: {INDEX_FILE} names {len(missing)} "
+                             f"file(s) that are not there, e.g. {missing[0]!r}")
+    elif not any(f.endswith(".safetensors") for f in names):
+        other = sorted(f for f in names if OTHER_WEIGHTS.fullmatch(f))
+        if other:
+            raise ValueError(f"model.path={path!r} holds weights as {other[0]!r} but none as "
+                             f"*.safetensors, the only format read here (without them the "
+                             f"model would start from its random init): convert them, e.g. "
+                             f"AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(DIR)")
 
 
 def load_hf_config(path: str):
@@ -479,5 +506,5 @@ def hf_tokenizer_path(path: str) -> str:
     return f if os.path.isfile(f) else ""
 
 
-__all__ = ["HFSourceArgs", "build_hf_model", "check_path", "hf_tokenizer_path",
+__all__ = ["HFSourceArgs", "build_hf_model", "check_path", "check_weights", "hf_tokenizer_path",
            "load_hf_config", "materialize", "read_args", "safetensors_files"]

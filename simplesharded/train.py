@@ -93,6 +93,7 @@ def _check_hf(cfg: Config):
     models. Without model.tokenizer_path the directory's tokenizer.json is used (set here, in
     the resolved config every rank trains with)."""
     args = hf_source.read_args(cfg.model.path)
+    hf_source.check_weights(cfg.model.path)
     if not cfg.model.tokenizer_path:
         cfg.model.tokenizer_path = hf_source.hf_tokenizer_path(cfg.model.path)
     if cfg.model.tokenizer_path:

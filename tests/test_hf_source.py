@@ -476,6 +476,31 @@ def test_unknown_name_and_tensor_parallel_are_one_line(zoo):
                "--parallelism.tensor_parallel_degree", "2")
 
 
+def test_weights_that_would_not_load_are_one_line(tmp_path, zoo):
+    """Weights only as pytorch_model.bin (read as none: random init) and an index naming a
+    missing file: refused before training, one line each."""
+    pt = tmp_path / "pt"
+    pt.mkdir()
+    (pt / "config.json").symlink_to(zoo["qwen2"] / "config.json")
+    (pt / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"model.path='.*pt' holds weights as "
+                                         r"'pytorch_model.bin' but none as \*.safetensors"):
+        _check("--model.name", "hf", "--model.path", str(pt))
+    (pt / "model.safetensors").symlink_to(zoo["qwen2"] / "model.safetensors")
+    _check("--model.name", "hf", "--model.path", str(pt))  # both formats: safetensors read
+    part = tmp_path / "part"
+    part.mkdir()
+    files = sorted(zoo["llama"].iterdir())
+    gone = next(f.name for f in files if f.name.endswith(".safetensors"))
+    for f in files:
+        if f.name != gone:
+            (part / f.name).symlink_to(f)
+    with pytest.raises(ValueError, match=rf"model.path='.*part': model.safetensors.index.json "
+                                         rf"names 1 file\(s\) that are not there, e.g. "
+                                         rf"'{gone}'"):
+        _check("--model.name", "hf", "--model.path", str(part))
+
+
 def test_logit_post_processing_is_refused(tmp_path):
     from transformers import Gemma2Config
 
