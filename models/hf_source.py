@@ -11,9 +11,9 @@ Life of such a model in the trainer:
      the summed cross-entropy computed by ``simplesharded/loss.py``, ``num_flops_per_token``).
   2. ``data_parallel`` shards it: uninitialised shards, dim 0 split over the dp ranks.
   3. :func:`materialize`: each rank fills its own shards. With safetensors files, it reads
-     only its rows of each tensor (``safe_open(...).get_slice(name)[lo:hi]``), so no rank
-     ever holds the full model (MoE experts saved one by one: only its experts, see
-     :class:`_Converted`). Without them, the model's own init (``_init_weights``) runs
+     only its rows of each tensor (``safe_open(...).get_slice(name)[lo:hi]``), closing the
+     file after each parameter (:class:`_OneFile`), so no rank ever holds the full model
+     (MoE experts saved one by one: only its experts, see :class:`_Converted`). Without them, the model's own init (``_init_weights``) runs
      module by module on full-size temporaries on the CPU, seeded, of which each rank keeps
      its slice: the values do not depend on the world size (DTensor's per-shard RNG, which
      would avoid the temporaries, exists on CUDA only). Buffers the files do not hold (RoPE
