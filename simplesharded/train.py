@@ -50,9 +50,9 @@ def check_static(cfg: Config, world_size: int) -> Config:
         args = _check_hf(cfg)
     else:
         args = _check_zoo(cfg)
+    what = (f"model.path={cfg.model.path!r}" if cfg.model.name == HF
+            else f"model {cfg.model.name}/{cfg.model.flavor}")
     if cfg.training.seq_len > args.max_seq_len:
-        what = (f"model.path={cfg.model.path!r}" if cfg.model.name == HF
-                else f"model {cfg.model.name}/{cfg.model.flavor}")
         raise ValueError(f"training.seq_len={cfg.training.seq_len} is above the maximum "
                          f"{args.max_seq_len} of {what}")
     path = cfg.training.dataset_path
@@ -66,8 +66,7 @@ def check_static(cfg: Config, world_size: int) -> Config:
         try:
             args.check_tp(tp)
         except ValueError as e:
-            raise ValueError(f"parallelism.{e} of model {cfg.model.name}/{cfg.model.flavor}"
-                             ) from None
+            raise ValueError(f"parallelism.{e} ({what})") from None
         if cfg.parallelism.enable_sequence_parallel and cfg.training.seq_len % tp:
             raise ValueError(f"parallelism.tensor_parallel_degree={tp} does not divide "
                              f"training.seq_len={cfg.training.seq_len} (sequence parallelism "
@@ -76,9 +75,12 @@ def check_static(cfg: Config, world_size: int) -> Config:
 
 
 def _check_zoo(cfg: Config):
+    from simplesharded.models import MODELS
+
+    if cfg.model.name not in MODELS:  # the trainer's choices: the zoo and HF
+        raise ValueError(f"model.name={cfg.model.name!r} is not one of {sorted([*MODELS, HF])}")
     cls, args = get_model_spec(cfg.model.name, cfg.model.flavor)
     if not hasattr(cls, "num_flops_per_token"):  # the trainer's model protocol (zoo models)
-        from simplesharded.models import MODELS
         trainable = sorted(n for n, (c, _) in MODELS.items() if hasattr(c, "num_flops_per_token"))
         raise ValueError(f"model.name={cfg.model.name!r} is not trainable here yet (bench it with "
                          f"python -m simplesharded.bench --model {cfg.model.name}); the "
@@ -91,6 +93,7 @@ def _check_hf(cfg: Config):
     models. Without model.tokenizer_path the directory's tokenizer.json is used (set here, in
     the resolved config every rank trains with)."""
     args = hf_source.read_args(cfg.model.path)
+    hf_source.check_weights(cfg.model.path)
     if not cfg.model.tokenizer_path:
         cfg.model.tokenizer_path = hf_source.hf_tokenizer_path(cfg.model.path)
     if cfg.model.tokenizer_path:
