@@ -60,7 +60,7 @@ class Schedule:
     by_group: dict[str, GroupComm] = field(default_factory=dict)  # group label -> totals
 
 
-_SEND_FACTOR = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0}
+_SEND_FACTOR = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0, "all_to_all": 1.0}
 
 
 def simulate(graph: fx.Graph | fx.GraphModule, hw, node_cost=None, comm_cost=None,

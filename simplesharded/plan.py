@@ -85,7 +85,8 @@ def main(argv=None) -> int:
         if ns.local_batch:
             p, t = cfg.parallelism, cfg.training
             dp = resolve_degrees(ns.world_size, p.data_parallel_replicate_degree,
-                                 p.data_parallel_shard_degree, p.tensor_parallel_degree).dp
+                                 p.data_parallel_shard_degree, p.tensor_parallel_degree,
+                                 p.expert_parallel_degree).dp
             t.local_batch_size = ns.local_batch
             t.global_batch_size = ns.local_batch * dp * t.gradient_accumulation_steps
         cfg = check_static(cfg, ns.world_size)  # the trainer's checks: degrees, batch, tp
@@ -186,7 +187,7 @@ def _report(ns, cfg, hw, evaluated, keeps, sizes, n_layers, t0) -> None:
     full_numel = sum(math.prod(q.shape) for q in _meta_params(cfg))
     size = f"{full_numel / 1e9:.2f}B" if full_numel >= 1e9 else f"{full_numel / 1e6:.1f}M"
     degrees = resolve_degrees(ns.world_size, p.data_parallel_replicate_degree,
-                              p.data_parallel_shard_degree, tp)
+                              p.data_parallel_shard_degree, tp, p.expert_parallel_degree)
     mesh = " × ".join(f"{name} {n}" for name, n in degrees.dims())
     print(f"{cfg.model.name}/{cfg.model.flavor} ({size} params, {n_layers} "
           f"blocks) on {ns.world_size} ranks of {hw.name} (mesh {mesh}), mode {p.mode}, "
