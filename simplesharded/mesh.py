@@ -173,9 +173,14 @@ def group_labels(mesh: DeviceMesh) -> dict[str, str]:
     """{process-group name: mesh dim name} for each dim of ``mesh`` (and of its dense mesh,
     whose dp_shard spans efsdp x ep). What passes/collectives.group_label reads from a
     group's description, except that a 1-D mesh over the whole world reuses the default
-    group, whose description names no dim."""
-    meshes = [mesh] + ([dense_mesh(mesh)] if ep_dim(mesh) else [])
-    return {m.get_group(d).group_name: d for m in meshes for d in m.mesh_dim_names or ()}
+    group, whose description names no dim. A group that serves two dims (ep = dp_shard: both
+    the default group) is labelled with both, "ep/dp_shard"."""
+    labels: dict[str, str] = {}
+    for m in [mesh] + ([dense_mesh(mesh)] if ep_dim(mesh) else []):
+        for d in m.mesh_dim_names or ():
+            name = m.get_group(d).group_name
+            labels[name] = d if labels.get(name, d) == d else f"{labels[name]}/{d}"
+    return labels
 
 
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
