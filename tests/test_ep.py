@@ -48,18 +48,22 @@ GLOBAL_BATCH, SEQ, STEPS = 4, 16, 5
 SGD = dict(lr=0.1)
 TOL = 1e-5
 
-# (tp, ep, routed experts) on 4 ranks (dp_shard = 4 / tp) → cases (backend, activation ckpt)
+# (dp_replicate, tp, ep, routed experts) on 4 ranks (dp_shard = 4 / (dp_replicate * tp)) →
+# cases (backend, activation checkpointing)
 # Compiles are most of the job's time: ep 2 runs aot_eager with 8 experts and
 # aot_eager_blockbucketing with 6, ep 4 both, the latter with activation checkpointing.
 LAYOUTS = {
     # 4 experts per ep rank over efsdp 2: dim 0, a strided shard under ep's Shard(0)
-    (1, 2, 8): (("eager", False), ("eager", True), ("aot_eager", False)),
+    (1, 1, 2, 8): (("eager", False), ("eager", True), ("aot_eager", False)),
     # 3 experts per rank over efsdp 2: sharded on dim 1 (dim 0 would pad a whole expert)
-    (1, 2, 6): (("eager", False), ("aot_eager_blockbucketing", False)),
+    (1, 1, 2, 6): (("eager", False), ("aot_eager_blockbucketing", False)),
     # 2 experts per rank, efsdp 1
-    (1, 4, 8): (("eager", False), ("aot_eager", False), ("aot_eager_blockbucketing", True)),
+    (1, 1, 4, 8): (("eager", False), ("aot_eager", False), ("aot_eager_blockbucketing", True)),
     # TP 2 x EP 2 (dp_shard 2 = efsdp 1 x ep 2): the MoE runs on whole sequences per tp rank
-    (2, 2, 8): (("eager", False), ("aot_eager_blockbucketing", False)),
+    (1, 2, 2, 8): (("eager", False), ("aot_eager_blockbucketing", False)),
+    # HSDP x EP: (dp_replicate 2, efsdp 1, ep 2); expert weights (Replicate, Shard) on
+    # (dp_replicate, efsdp)
+    (2, 1, 2, 8): (("eager", False),),
 }
 CASES = [(key, case) for key, cases in LAYOUTS.items() for case in cases]
 
@@ -133,7 +137,7 @@ class _CountAllToAll(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _case(rank, world, tp, ep, n_experts, backend, ac):
+def _case(rank, world, rep, tp, ep, n_experts, backend, ac):
     from torch.distributed.tensor.parallel import parallelize_module
 
     import simplesharded as ss
@@ -159,7 +163,7 @@ def _case(rank, world, tp, ep, n_experts, backend, ac):
         if agree:
             graphs[kind]["fingerprint"] = [e[0] for e in json.loads(agree[0].args[0])]
 
-    mesh = ss.build_mesh(1, world // tp, "cpu", tp, ep)
+    mesh = ss.build_mesh(rep, world // (rep * tp), "cpu", tp, ep)
     ep_group = mesh.get_group("ep").group_name
     model = make_model(n_experts)
     if tp > 1:
@@ -168,7 +172,8 @@ def _case(rank, world, tp, ep, n_experts, backend, ac):
     if ac:
         apply_activation_checkpointing(model, "full", 1, compiled=backend != "eager",
                                        expert_parallel=True)
-    ss.data_parallel(model, mesh, grad_reduction="sum")  # train(): global token count
+    mode = "hybrid_shard" if rep > 1 else "fully_shard"
+    ss.data_parallel(model, mesh, mode, grad_reduction="sum")  # train(): global token count
     step_fn = model if backend == "eager" else _EPCompiled(torch.compile(
         model, backend=ss.make_backend(backend, observer=observe), fullgraph=True))
     backward_a2a: list = []
@@ -223,10 +228,10 @@ def run():
         return spawn(4, job, folder, timeout_s=900)
 
 
-@pytest.mark.parametrize("key,case", CASES, ids=[f"tp{k[0]}-ep{k[1]}-E{k[2]}-{c[0]}"
+@pytest.mark.parametrize("key,case", CASES, ids=[f"rep{k[0]}-tp{k[1]}-ep{k[2]}-E{k[3]}-{c[0]}"
                                                  f"{'-ac' if c[1] else ''}" for k, c in CASES])
 def test_parity_with_single_process(key, case):
-    ref_losses, ref_params = reference(key[2])
+    ref_losses, ref_params = reference(key[3])
     results = run()
     got = results[0][(key, case)]
     for r in results[1:]:  # every rank reports the same global loss
@@ -246,12 +251,13 @@ def test_expert_shards_split_by_expert_then_dp():
     results = run()
     got = {key: [r[(key, ("eager", False))]["w1"] for r in results] for key in LAYOUTS}
     dim, hid = ARGS["dim"], ARGS["moe_hidden_dim"]
-    placements, shape = got[(1, 2, 8)][0]
+    placements, shape = got[(1, 1, 2, 8)][0]
     assert placements[0].startswith("_StridedShard(dim=0") and placements[1] == "Shard(dim=0)"
     assert shape == (2, dim, hid)  # 8 experts / ep 2 / efsdp 2
-    assert got[(1, 2, 6)][0] == (("Shard(dim=1)", "Shard(dim=0)"), (3, dim // 2, hid))
-    assert got[(1, 4, 8)][0][1] == (2, dim, hid)
-    assert got[(2, 2, 8)][0][0][-1] == "Replicate()"  # replicated over tp
+    assert got[(1, 1, 2, 6)][0] == (("Shard(dim=1)", "Shard(dim=0)"), (3, dim // 2, hid))
+    assert got[(1, 1, 4, 8)][0][1] == (2, dim, hid)
+    assert got[(1, 2, 2, 8)][0][0][-1] == "Replicate()"  # replicated over tp
+    assert got[(2, 1, 2, 8)][0][0][0] == "Replicate()"  # HSDP: replicated over dp_replicate
 
 
 @pytest.mark.parametrize("key,case", [(k, c) for k, c in CASES if c[0] != "eager"],
@@ -279,7 +285,7 @@ def test_eager_backward_exchanges_only_gradients():
     the all-to-alls' results and the routing: train._save_routing)."""
     for r in run():
         for ac in (False, True):
-            assert r[((1, 2, 8), ("eager", ac))]["backward_a2a"] == 2 * N_MOE, ac
+            assert r[((1, 1, 2, 8), ("eager", ac))]["backward_a2a"] == 2 * N_MOE, ac
 
 
 def test_trainer_checkpoint_saved_with_ep2_resumes_with_ep1():
