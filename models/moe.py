@@ -48,13 +48,16 @@ Compile-friendly form: the split sizes are data-dependent. They are read with ``
 call, never set globally), so under torch.compile they are unbacked SymInts and the received
 rows a symbolic size; each gets the balanced count as its optimisation hint (what the cost
 model and the planner read: ``torch._dynamo.override_optimization_hint``). The alternative, a
-static padded exchange (every rank sends every peer a slot of T*min(k, E/ep) rows so all
-shapes are static), moves ep/min(k, E/ep) times the bytes routing asks for in each of the four
-all-to-alls of a layer's step (8x on the 16B flavor at ep 64; the peers' slots also cost that
-much memory): bytes on the slowest link of a step, paid every layer, against one host read of
-2*ep integers per layer (which the CPU's gloo all-to-all needs anyway). The unbacked form's
-costs: a device-to-host sync per layer on GPU (torchtitan's dispatch makes the same one), and
-data-dependent shapes in the graph, which our passes read through optimisation hints.
+static padded exchange (every rank sends every peer a slot of T*min(k, E/ep) rows, what one
+peer can be sent at most, so all shapes are static), moves ep*min(k, E/ep)/k times the bytes
+routing asks for in each of the four token all-to-alls of a layer's step, and holds that much
+memory for the slots: 8x on the 16B flavor at ep 8 (k 6, 8 experts per rank), 11x at ep 64.
+``python -m simplesharded.plan --config configs/deepseek_v3_16b.toml --world-size 64`` counts
+9.2 GB of all-to-all per rank and step at ep 8; padded, 73 GB, on the link every MoE layer
+waits for. The unbacked form costs one host read of 2*ep integers per layer (a device-to-host
+sync on GPU, which torchtitan's dispatch makes too; on CPU nothing: gloo's variable all-to-all
+takes host splits anyway) and data-dependent shapes in the graph, which our passes read
+through the optimisation hints.
 """
 
 from __future__ import annotations
