@@ -1,19 +1,18 @@
 """Helpers for multi-process tests: spawn gloo ranks on CPU and collect one result per rank.
 
-``spawn(world_size, fn, *args)`` runs ``fn(rank, world_size, *args)`` in ``world_size`` new
-processes (forked from a server that has imported torch once, see _PRELOAD) after a gloo
-``init_process_group`` on a free TCP port, and returns ``[result of rank 0, result of rank 1,
-...]``. Results travel back as pickle files; an exception in any rank is re-raised in the
-parent as ``RankError`` carrying that rank's traceback (the other ranks are terminated, so a
-rank stuck in a collective cannot hang the suite). ``fn`` must be importable (a module-level
-function of a test module or of this file).
+``spawn(world_size, fn, *args)`` runs ``fn(rank, world_size, *args)`` in ``world_size`` fresh
+processes (``torch.multiprocessing`` spawn) after a gloo ``init_process_group`` on a free TCP
+port, and returns ``[result of rank 0, result of rank 1, ...]``. Results travel back as pickle
+files; an exception in any rank is re-raised in the parent as ``RankError`` carrying that rank's
+traceback (the other ranks are terminated, so a rank stuck in a collective cannot hang the
+suite). ``fn`` must be importable (a module-level function of a test module or of this file).
 """
 from __future__ import annotations
 
 import atexit
 import contextlib
 import datetime
-import multiprocessing.forkserver
+import faulthandler
 import os
 import pickle
 import shutil
@@ -40,18 +39,6 @@ BASE_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
             "TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0",
             "TORCHINDUCTOR_COMPILE_THREADS": "1"}
 _SESSION_CACHE: list[str] = []
-
-# Ranks are forked from multiprocessing's fork server, which imports these once per session:
-# a rank then starts in ~0.1 CPU s instead of the ~2-4 s of importing them itself (the suite
-# starts ~70 ranks on 2 cores). Nothing else runs in the server (no thread, no tensor op
-# before the fork), so a rank starts from the same module state as a fresh process, except
-# for what these modules read from the environment when imported: torch's variables are
-# those of the server's start (the first spawn's), and a spawn that sets them otherwise
-# starts fresh processes instead (_start_method).
-_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo",
-            "torch._inductor.compile_fx", "simplesharded", "simplesharded.train", "dist_utils"]
-_IMPORT_TIME_ENV = ("TORCH", "PYTORCH")  # prefixes of the variables torch reads at import
-_SERVER_ENV: dict[str, str] = {}  # the environment the fork server started with
 
 
 def _session_cache_dir() -> str:
@@ -86,26 +73,9 @@ def _environ(env: dict[str, str]):
                 os.environ[k] = v
 
 
-def _torch_env(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k.startswith(_IMPORT_TIME_ENV)}
-
-
-def _start_method(env: dict[str, str]) -> str:
-    """"forkserver", started with ``env``, unless it already runs with other torch variables
-    (then "spawn": fresh processes that import torch under ``env``)."""
-    if not _SERVER_ENV:
-        _SERVER_ENV.update(env)
-        multiprocessing.set_forkserver_preload(_PRELOAD)
-        # stopped (and waited for) at exit: its ranks' CPU time counts as the session's
-        atexit.register(multiprocessing.forkserver._forkserver._stop)
-        return "forkserver"
-    return "forkserver" if _torch_env(env) == _torch_env(_SERVER_ENV) else "spawn"
-
-
 def _entry(rank: int, world_size: int, port: int, outdir: str, timeout_s: float,
-           env: dict[str, str], fn: Callable, args: tuple) -> None:
-    os.environ.clear()  # a forked rank holds the server's: the caller's, as a fresh process
-    os.environ.update(env)
+           fn: Callable, args: tuple) -> None:
+    faulthandler.enable()  # a rank killed by a signal prints its Python stacks to stderr
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
@@ -151,11 +121,9 @@ def _spawn_once(world_size, fn, args, timeout_s, env):
     with tempfile.TemporaryDirectory(prefix="ss_spawn_") as outdir:
         env.setdefault("TORCHINDUCTOR_CACHE_DIR", _session_cache_dir())
         port = free_port()
-        with _environ(env):  # the fork server (if it starts now) inherits this environment
-            env = dict(os.environ)
-            ctx = mp.start_processes(
-                _entry, args=(world_size, port, outdir, timeout_s, env, fn, args),
-                nprocs=world_size, join=False, start_method=_start_method(env))
+        with _environ(env):  # children inherit the environment at start
+            ctx = mp.start_processes(_entry, args=(world_size, port, outdir, timeout_s, fn, args),
+                                     nprocs=world_size, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s + 60
         failure = None
         try:
