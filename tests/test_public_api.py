@@ -10,6 +10,9 @@ from simplesharded.passes.report import main as report_main, trace_counts
 
 @pytest.fixture
 def fake_pg():
+    # reset before too: a cache entry left by a test without this fixture (the report CLI's)
+    # would make the next compile of a new input shape a dynamic-shape recompile
+    torch._dynamo.reset()
     with fake_world(2):
         yield
         torch._dynamo.reset()
