@@ -225,18 +225,20 @@ class _Trials:
         import copy
 
         from .bucketing import bucketable
-        from .graph_utils import fake_mode_of
         from .node_meta import to_meta
 
         self.hw, self.cap = hw, cap
         self.work = copy.deepcopy(graph)
         self.origin = dict(zip(self.work.nodes, graph.nodes))  # a copy keeps node order
-        for node in self.work.nodes:  # the copy's own meta dicts: the original keeps its own
-            if "val" in node.meta:
-                node.meta["val"] = to_meta(node.meta["val"])
         self.order = list(self.work.nodes)  # what every trial restores
         self.collectives = bucketable(self.work)
-        self.fake_mode = fake_mode_of(self.work)  # meta values: none
+        # What the merges compute new values from: the collectives' inputs (each bucket's
+        # copy-in reads them), as meta values in the copy's own meta dicts. Every other value
+        # is only read (shapes, strides, dtypes), the fake one as well as a meta one.
+        for c in self.collectives:
+            node = c.start.args[0]
+            node.meta["val"] = to_meta(node.meta["val"])
+        self.fake_mode = contextlib.nullcontext()  # values computed on meta tensors as they are
         self.costs: dict[fx.Node, float] = {}
 
     def makespan(self, keys) -> float:
@@ -261,7 +263,7 @@ class _Trials:
 
         def time_of(node: fx.Node) -> float:
             old = origin.get(node)
-            if old is None or node in changed:
+            if old is None:  # added by the trial
                 return node_time(node, hw)
             if old not in self.costs:
                 self.costs[old] = node_time(old, hw)

@@ -105,21 +105,26 @@ def reorder_graph(graph: fx.Graph, memory_cap_bytes: int | None,
         collectives = find_collectives(graph)
     collectives = [c for c in collectives if c.wait is not None and c.ours]
     order = NodeOrder(graph)
-    _place_gather_waits(collectives, order)
-    _Prefetch(graph, collectives, memory_cap_bytes, order).run()
+    chains = _place_gather_waits(collectives, order)
+    _Prefetch(graph, collectives, memory_cap_bytes, order, chains).run()
     _place_reductions(collectives, order)
 
 
-def _place_gather_waits(collectives: list[Collective], order: NodeOrder) -> None:
+def _place_gather_waits(collectives: list[Collective], order: NodeOrder
+                        ) -> dict[fx.Node, list[fx.Node]]:
+    """Each all-gather's chain right before its first use; returns {start: chain}, still in
+    graph order (moving a chain keeps its own order)."""
+    chains = {}
     for c in collectives:
         if c.kind != "all_gather":
             continue
-        chain = gather_chain(c.wait, order)
+        chain = chains[c.start] = gather_chain(c.wait, order)
         use = _first_use(chain, order)
         if use is None:
             continue
         for node in chain:  # keeps the chain's own order
             order.move_before(node, use)
+    return chains
 
 
 def _sink_to_wait(c: Collective, order: NodeOrder) -> None:
@@ -143,13 +148,14 @@ class _Prefetch:
     copy-outs and the saved gathered parameters are found once: moving starts changes none."""
 
     def __init__(self, graph: fx.Graph, collectives: list[Collective], cap: int | None,
-                 order: NodeOrder):
+                 order: NodeOrder, chains: dict[fx.Node, list[fx.Node]]):
         self.graph, self.cap, self.order = graph, cap, order
         self.ags = [c for c in collectives if c.kind == "all_gather"]
-        self.chain = {c.start: gather_chain(c.wait, order) for c in self.ags}
+        self.chain = chains  # {start: gather_chain}: what _place_gather_waits found
         # The output node is a use: a gathered parameter saved for backward stays alive.
         self.uses = {s: _chain_uses(chain) for s, chain in self.chain.items()}
         self.last: dict[fx.Node, fx.Node] | None = None  # see _fixed_last_uses
+        self.static: tuple[dict, list] | None = None  # see _static_positions
         # Bytes alive over fixed spans (first node, last node, bytes): copy-outs and saved
         # gathered parameters; their nodes never move while prefetching.
         self.fixed = [span for c in self.ags for span in self._copy_outs(c)]
@@ -171,26 +177,43 @@ class _Prefetch:
         return max([_held_until(c.wait, self.order)] + self.chain[c.start],
                    key=self.order.__getitem__)
 
-    def _fixed_last_uses(self) -> dict[fx.Node, fx.Node] | None:
-        """Every buffer's last use, found once, if no chain node or use can move while
-        prefetching: run() moves only all-gather starts and what they read (the sinking and
-        the hoisting), so unless a use feeds a gather, the last uses stay where they are.
-        (Finding them afresh at every fit test made prefetch quadratic in the gathers.)"""
+    def _cone(self) -> set[fx.Node]:
+        """What the all-gather starts read, directly or not: all that hoisting moves."""
         cone, stack = set(), [c.start for c in self.ags]
         while stack:
             for node in stack.pop().all_input_nodes:
                 if node not in cone:
                     cone.add(node)
                     stack.append(node)
+        return cone
+
+    def _fixed_last_uses(self, cone: set[fx.Node]) -> dict[fx.Node, fx.Node] | None:
+        """Every buffer's last use, found once, if no chain node or use can move while
+        prefetching: run() moves only all-gather starts and what they read (the sinking and
+        the hoisting), so unless a use feeds a gather, the last uses stay where they are.
+        (Finding them afresh at every fit test made prefetch quadratic in the gathers.)"""
         if any(n in cone for c in self.ags for n in self.uses[c.start] or self.chain[c.start]):
             return None
         return {c.start: self.last_use(c) for c in self.ags}
+
+    def _static_positions(self, cone: set[fx.Node]) -> tuple[dict, list] | None:
+        """({gather start: position of its last use}, [(first, last position, bytes) of the
+        fixed spans]) when none of these nodes is in the starts' cone: then hoisting never
+        moves them, their positions never change (NodeOrder), and every fit test reads them
+        from here instead of looking each up again."""
+        if self.last is None or any(n in cone for span in self.fixed for n in span[:2]):
+            return None
+        order = self.order
+        return ({c.start: order[self.last[c.start]] for c in self.ags},
+                [(order[first], order[last], nbytes) for first, last, nbytes in self.fixed])
 
     def run(self) -> None:
         order = self.order
         for c in self.ags:
             _sink_to_wait(c, order)
-        self.last = self._fixed_last_uses()
+        cone = self._cone()
+        self.last = self._fixed_last_uses(cone)
+        self.static = self._static_positions(cone)
         if self.cap is None:
             self.cap = self.peak() + max((c.nbytes for c in self.ags), default=0)
         use_of = {c.start: _first_use(self.chain[c.start], order) for c in self.ags}
@@ -256,6 +279,13 @@ class _Prefetch:
         """(first position, last position, bytes) of every gathered byte alive, ``skip``'s
         own gathered buffer left out."""
         order = self.order
+        if self.static is not None:
+            last_pos, fixed = self.static
+            for c in self.ags:
+                if c is not skip:
+                    yield order[c.start], last_pos[c.start], c.nbytes
+            yield from fixed
+            return
         for c in self.ags:
             if c is not skip:
                 yield order[c.start], order[self.last_use(c)], c.nbytes

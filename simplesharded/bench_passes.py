@@ -21,11 +21,12 @@ BACKENDS = ("aot_eager_blockbucketing", "aot_eager_autobucketing")
 def pass_times(traced, name: str, hardware: str) -> dict[str, dict[str, float]]:
     """{"fw"|"bw": {pass: seconds}} of backend ``name``'s graph passes on copies of
     ``traced``'s graphs, run by a PassPipeline as the backend runs them (each pass's time
-    includes what the pipeline does after it)."""
+    includes what the pipeline does after it), and "codegen": generating the final graph's
+    code, once, as the backend does after the last pass."""
     from simplesharded.passes.bucketing import bucket_collectives
     from simplesharded.passes.coalesce_gathers import coalesce_gathers
     from simplesharded.passes.lowering import lower_reduce_scatters
-    from simplesharded.passes.pipeline import PassPipeline
+    from simplesharded.passes.pipeline import PassPipeline, generate_code, lazily_compiled
     from simplesharded.passes.planning import AutoPlan, BlockPlan
     from simplesharded.passes.reordering import reorder_for_overlap
 
@@ -44,7 +45,9 @@ def pass_times(traced, name: str, hardware: str) -> dict[str, dict[str, float]]:
                                    ("lowering", lower_reduce_scatters),
                                    ("coalescing", coalesce_gathers)], observer=observe)
     for kind in ("fw", "bw"):
-        pipeline.run_graph(copy.deepcopy(getattr(traced, kind)))
+        gm = pipeline.run_graph(lazily_compiled(copy.deepcopy(getattr(traced, kind))))
+        generate_code(gm)
+        observe(kind, "codegen", gm)
     return out
 
 
