@@ -100,6 +100,18 @@ def hoist_before(node: fx.Node, anchor: fx.Node, order: NodeOrder) -> None:
     order.move_before(node, anchor)
 
 
+def forget_erased(graph: fx.Graph, nodes: list[fx.Node]) -> None:
+    """Let ``graph`` drop ``nodes``, erased from it. An fx graph keeps every node it ever named (its
+    namespace maps node -> name) until the graph itself goes, so the nodes a pass creates and
+    erases again stay alive, as cyclic garbage; AutoPlan's trials create and erase thousands
+    per candidate on their working copy. Forgotten, an erased node is freed at once. The
+    one place that reads fx's namespace; without one (another torch) nothing is dropped."""
+    names = getattr(getattr(graph, "_graph_namespace", None), "_obj_to_name", None)
+    if isinstance(names, dict):
+        for node in nodes:
+            names.pop(node, None)
+
+
 def is_contiguous(node: fx.Node) -> bool:
     val = node.meta.get("val")
     return not isinstance(val, torch.Tensor) or val.is_contiguous()

@@ -277,6 +277,8 @@ class _Trials:
         """Undo a trial: the merged collectives' starts read their inputs again and their
         waits' users read the waits, the nodes the trial added are erased, the original order
         comes back."""
+        from .graph_utils import forget_erased
+
         work, origin = self.work, self.origin
         readers = {}  # each reader once (the output reads every gradient)
         for c, start_args, start_kwargs, users in merged:
@@ -285,9 +287,10 @@ class _Trials:
                 readers.setdefault(user, (args, kwargs))
         for user, (args, kwargs) in readers.items():
             user.args, user.kwargs = args, kwargs
-        for node in reversed(list(work.nodes)):  # users before what they read
-            if node not in origin:  # added by the trial
-                work.erase_node(node)
+        added = [node for node in reversed(list(work.nodes)) if node not in origin]
+        for node in added:  # users before what they read
+            work.erase_node(node)
+        forget_erased(work, added)
         first = next(iter(work.nodes))
         if first is not self.order[0]:
             first.prepend(self.order[0])
