@@ -11,9 +11,9 @@ Life of such a model in the trainer:
      the summed cross-entropy computed by ``simplesharded/loss.py``, ``num_flops_per_token``).
   2. ``data_parallel`` shards it: uninitialised shards, dim 0 split over the dp ranks.
   3. :func:`materialize`: each rank fills its own shards. With safetensors files, it reads
-     only its rows of each tensor (``safe_open(...).get_slice(name)[lo:hi]``), so no rank
-     ever holds the full model (MoE experts saved one by one: only its experts, see
-     :class:`_Converted`). Without them, the model's own init (``_init_weights``) runs
+     only its rows of each tensor (``safe_open(...).get_slice(name)[lo:hi]``), closing the
+     file after each parameter (:class:`_OneFile`), so no rank ever holds the full model
+     (MoE experts saved one by one: only its experts, see :class:`_Converted`). Without them, the model's own init (``_init_weights``) runs
      module by module on full-size temporaries on the CPU, seeded, of which each rank keeps
      its slice: the values do not depend on the world size (DTensor's per-shard RNG, which
      would avoid the temporaries, exists on CUDA only). Buffers the files do not hold (RoPE
@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -39,6 +40,10 @@ from simplesharded.loss import lm_loss
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILE = "tokenizer.json"
+# weights in formats this loader does not read (older PyTorch pickles, Meta's originals,
+# TensorFlow, Flax): alone in a directory they would leave the model at its random init
+OTHER_WEIGHTS = re.compile(r"pytorch_model.*\.bin|consolidated\..*\.pth|tf_model\.h5|"
+                           r"flax_model\.msgpack")
 # config keys of logit post-processing after the head (Gemma 2/3, Cohere, Granite)
 POST_HEAD_KEYS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
@@ -68,6 +73,28 @@ def check_path(path: str) -> str:
     if not os.path.isfile(os.path.join(path, CONFIG_FILE)):
         raise ValueError(f"model.path={path!r} has no {CONFIG_FILE}")
     return path
+
+
+def check_weights(path: str) -> None:
+    """A one-line ValueError for weight files that would not load: a safetensors index
+    naming a file that is not there, or weights only in another format (read as none, they
+    would silently leave the model at its random init)."""
+    names = os.listdir(path)
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index) as fh:
+            files = sorted(set(json.load(fh)["weight_map"].values()))
+        missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
+        if missing:
+            raise ValueError(f"model.path={path!r}: {INDEX_FILE} names {len(missing)} "
+                             f"file(s) that are not there, e.g. {missing[0]!r}")
+    elif not any(f.endswith(".safetensors") for f in names):
+        other = sorted(f for f in names if OTHER_WEIGHTS.fullmatch(f))
+        if other:
+            raise ValueError(f"model.path={path!r} holds weights as {other[0]!r} but none as "
+                             f"*.safetensors, the only format read here (without them the "
+                             f"model would start from its random init): convert them, e.g. "
+                             f"AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(DIR)")
 
 
 def load_hf_config(path: str):
@@ -329,66 +356,97 @@ class _Converted:
         return parts[0] if cat is None else torch.cat(parts, dim=cat.dim)
 
 
+class _OneFile:
+    """``safe_open`` handles, one open at a time, closed by :meth:`release`. safetensors maps a
+    file into memory and the pages read stay resident until the file is closed; released
+    after every parameter, they are at most one parameter's slice, whatever the size of the
+    files (transformers writes up to 50 GB per file by default)."""
+
+    def __init__(self, safe_open):
+        self._open, self._path, self._handle = safe_open, None, None
+        self._stack = contextlib.ExitStack()
+
+    def __call__(self, f: str):
+        if f != self._path:
+            self.release()
+            self._handle = self._stack.enter_context(self._open(f, framework="pt",
+                                                                device="cpu"))
+            self._path = f
+        return self._handle
+
+    def release(self) -> None:
+        self._stack.close()
+        self._path = self._handle = None
+
+    def __enter__(self) -> "_OneFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
 def _load(model: nn.Module, where: dict[str, str]) -> None:
-    """Every parameter's local region, read from its file (and nothing else of it)."""
+    """Every parameter's local region, read from its file (and nothing else of it), one
+    parameter mapped at a time (:class:`_OneFile`): while loading, a rank holds its shards
+    plus the slice it is reading."""
     from safetensors import safe_open
 
     aliases, path = _aliases(model), model.args.path
     persistent = dict(model.state_dict(keep_vars=True))
     converted = None
-    with contextlib.ExitStack() as stack:
-        handles: dict[str, object] = {}
-
-        def handle(name: str):
-            f = where[name]
-            if f not in handles:
-                handles[f] = stack.enter_context(safe_open(f, framework="pt", device="cpu"))
-            return handles[f]
-
-        for fqn, p in model.named_parameters():
-            names = aliases.get(id(p), [fqn])
-            name = next((n for n in _candidates(model, names) if n in where), None)
-            if name is None:
-                # Built only when needed: files saved by transformers <5 or in another layout.
-                converted = converted or _Converted(model, where)
-                name = next((converted.renamed[n] for n in names if n in converted.renamed),
-                            None)
-            local, box = _local_box(p.data)
-            if name is None:
-                merged = next((n for n in names if n in converted.merged), None)
-                if merged is None:
-                    raise ValueError(f"model.path={path!r}: parameter {fqn!r} is in none of "
-                                     f"the safetensors files")
-                if local.numel():
-                    try:
-                        data = converted.read(merged, tuple(p.shape), box,
-                                              lambda k: handle(k).get_tensor(k))
-                    except ValueError as e:
-                        raise ValueError(f"model.path={path!r}: {e}") from None
-                    if data.shape != local.shape:
-                        raise ValueError(f"model.path={path!r}: parameter {fqn!r} merged from "
-                                         f"the safetensors files has shape {tuple(data.shape)} "
-                                         f"on this rank, the model's shard "
-                                         f"{tuple(local.shape)} (config.json and weights "
-                                         f"disagree)")
-                    local.copy_(data)
-                continue
-            sl = handle(name).get_slice(name)
+    plain: list[tuple[str, str, torch.Tensor]] = []  # (file tensor, FQN, parameter)
+    merged: list[tuple[str, str, torch.Tensor]] = []  # (merged FQN, FQN, parameter)
+    for fqn, p in model.named_parameters():
+        names = aliases.get(id(p), [fqn])
+        name = next((n for n in _candidates(model, names) if n in where), None)
+        if name is None:
+            # Built only when needed: files saved by transformers <5 or in another layout.
+            converted = converted or _Converted(model, where)
+            name = next((converted.renamed[n] for n in names if n in converted.renamed), None)
+        if name is not None:
+            plain.append((name, fqn, p))
+            continue
+        name = next((n for n in names if n in converted.merged), None)
+        if name is None:
+            raise ValueError(f"model.path={path!r}: parameter {fqn!r} is in none of the "
+                             f"safetensors files")
+        merged.append((name, fqn, p))
+    # Persistent buffers (replicated, small) are read whole when the files have them.
+    params = {id(p) for p in model.parameters()}
+    plain += [(fqn, fqn, b) for fqn, b in persistent.items()
+              if id(b) not in params and fqn in where]
+    with _OneFile(safe_open) as handle:
+        for name, fqn, p in plain:
+            sl = handle(where[name]).get_slice(name)
             shape = tuple(sl.get_shape())
             if shape != tuple(p.shape):
                 raise ValueError(f"model.path={path!r}: tensor {name!r} has shape {shape} in "
                                  f"the safetensors files but the model's {fqn!r} has "
                                  f"{tuple(p.shape)} (config.json and weights disagree)")
+            local, box = _local_box(p.data)
             if local.numel() == 0:
                 continue  # an uneven split can leave a rank nothing of a small tensor
             # Only this rank's region is read: rows lo:hi of a dim-0 shard.
-            local.copy_(sl[box] if box else handle(name).get_tensor(name))
-        # Persistent buffers (replicated, small) are read whole when the files have them.
-        params = {id(p) for p in model.parameters()}
-        for fqn, b in persistent.items():
-            if id(b) in params or fqn not in where:
+            local.copy_(sl[box] if box else handle(where[name]).get_tensor(name))
+            del sl  # it holds the file's mapping too
+            handle.release()
+        for name, fqn, p in merged:
+            local, box = _local_box(p.data)
+            if not local.numel():
                 continue
-            b.copy_(handle(fqn).get_tensor(fqn))
+            try:
+                data = converted.read(name, tuple(p.shape), box,
+                                      lambda k: handle(where[k]).get_tensor(k))
+            except ValueError as e:
+                raise ValueError(f"model.path={path!r}: {e}") from None
+            if data.shape != local.shape:
+                raise ValueError(f"model.path={path!r}: parameter {fqn!r} merged from the "
+                                 f"safetensors files has shape {tuple(data.shape)} on this "
+                                 f"rank, the model's shard {tuple(local.shape)} (config.json "
+                                 f"and weights disagree)")
+            local.copy_(data)
+            del data
+            handle.release()
 
 
 @contextlib.contextmanager
@@ -448,5 +506,5 @@ def hf_tokenizer_path(path: str) -> str:
     return f if os.path.isfile(f) else ""
 
 
-__all__ = ["HFSourceArgs", "build_hf_model", "check_path", "hf_tokenizer_path",
+__all__ = ["HFSourceArgs", "build_hf_model", "check_path", "check_weights", "hf_tokenizer_path",
            "load_hf_config", "materialize", "read_args", "safetensors_files"]

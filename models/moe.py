@@ -28,6 +28,36 @@ E/top_k times the routed FLOPs. Kept as the before-picture for benchmarks.
 With capacity_factor=None no token is ever dropped and the result does not depend on how the
 batch is split across ranks. With a capacity C, a (token, choice) past the first C of its
 expert in token order is dropped, the same in both forms; "sorted" still computes T*k rows.
+
+Expert parallelism (``ExpertParallel``, applied with torch's ``parallelize_module`` on
+``mesh["ep"]``): the routed experts' weights are split by expert over the ep ranks (Shard(0),
+E/ep consecutive experts each; data_parallel then shards them further over the dp ranks EP
+left, simplesharded/sharding.py). Each rank routes its own tokens exactly as above, sorts its
+(token, choice) rows by expert (so by owner rank), exchanges the per-expert row counts with one
+equal-split all-to-all, sends the rows with a variable-split all-to-all, runs its local experts
+on what it received through the same grouped path ("sorted", received rows grouped by local
+expert, each expert's rows in (source rank, token) order) and sends the results back by the
+reverse all-to-all; the weighting, the sum over choices and the shared experts stay on the
+token's own rank. Per row the arithmetic is the one of the local layer, so the layer's output
+equals the unsplit layer's (rounding aside in the expert weights' gradient sums). The
+load-balancing counts (``tokens_per_expert``) and the aux loss are each rank's own routing, as
+without EP; the trainer sums the counts over all ranks.
+
+Compile-friendly form: the split sizes are data-dependent. They are read with ``.tolist()``
+(under ``ep_compile_config()``, dynamo's ``capture_scalar_outputs`` scoped to the compiled
+call, never set globally), so under torch.compile they are unbacked SymInts and the received
+rows a symbolic size; each gets the balanced count as its optimisation hint (what the cost
+model and the planner read: ``torch._dynamo.override_optimization_hint``). The alternative, a
+static padded exchange (every rank sends every peer a slot of T*min(k, E/ep) rows, what one
+peer can be sent at most, so all shapes are static), moves ep*min(k, E/ep)/k times the bytes
+routing asks for in each of the four token all-to-alls of a layer's step, and holds that much
+memory for the slots: 8x on the 16B flavor at ep 8 (k 6, 8 experts per rank), 11x at ep 64.
+``python -m simplesharded.plan --config configs/deepseek_v3_16b.toml --world-size 64`` counts
+9.2 GB of all-to-all per rank and step at ep 8; padded, 73 GB, on the link every MoE layer
+waits for. The unbacked form costs one host read of 2*ep integers per layer (a device-to-host
+sync on GPU, which torchtitan's dispatch makes too; on CPU nothing: gloo's variable all-to-all
+takes host splits anyway) and data-dependent shapes in the graph, which our passes read
+through the optimisation hints.
 """
 
 from __future__ import annotations
@@ -37,12 +67,17 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.flop_counter import flop_registry, register_flop_formula
 
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInputOutput
+
+from simplesharded.passes.annotations import ROUTING_KEY
 
 from .llama3 import FeedForward, Llama3, Llama3Args, ffn_tp_plan, trunc_normal_init_
 
@@ -79,6 +114,15 @@ class MoEArgs(Llama3Args):
             raise ValueError(f"experts_impl={self.experts_impl!r} is not one of {sorted(EXPERTS_IMPLS)}")
         if not 1 <= self.top_k <= self.n_routed_experts:
             raise ValueError(f"top_k={self.top_k} must be in [1, n_routed_experts={self.n_routed_experts}]")
+
+    def check_ep(self, ep: int) -> None:
+        """ValueError naming the degree when it does not split the routed experts evenly."""
+        if self.n_routed_experts % ep:
+            raise ValueError(f"expert_parallel_degree={ep} does not divide n_routed_experts="
+                             f"{self.n_routed_experts}")
+        if ep > 1 and self.experts_impl != "sorted":
+            raise ValueError(f"expert_parallel_degree={ep} needs experts_impl='sorted' (got "
+                             f"{self.experts_impl!r})")
 
     def tp_sizes(self) -> dict[str, int]:
         """TP splits attention heads, the dense layers' SwiGLU and the vocabulary (the MoE
@@ -202,14 +246,20 @@ class GroupedExperts(nn.Module):
         return 16 if x.is_cuda and uses_grouped_mm(x, self.w1) else 1
 
     def forward_grouped(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        """x [N, dim], rows grouped by expert; offs [n_experts] int32 group ends -> [N, dim]."""
-        if uses_grouped_mm(x, self.w1):
+        """x [N, dim], rows grouped by expert; offs [n_experts] int32 group ends -> [N, dim].
+        Under expert parallelism the weights are DTensors split by expert: the local ones."""
+        w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))  # each read once
+        if uses_grouped_mm(x, w1):
             def mm(a, w):
                 return torch._grouped_mm(a, w, offs=offs)
         else:
             def mm(a, w):
                 return expert_mm(a, w, offs)
-        return mm(F.silu(mm(x, self.w1)) * mm(x, self.w3), self.w2)
+        return mm(F.silu(mm(x, w1)) * mm(x, w3), w2)
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    return w.to_local() if isinstance(w, DTensor) else w
 
 
 class _AddAuxLoss(torch.autograd.Function):
@@ -240,6 +290,9 @@ class MoE(nn.Module):
             # expert_bias is state (checkpointed); tokens_per_expert is a per-step tally.
             self.register_buffer("expert_bias", torch.zeros(args.n_routed_experts))
             self.register_buffer("tokens_per_expert", torch.zeros(args.n_routed_experts), persistent=False)
+        # Expert parallelism (ExpertParallel): the ep process group's name and size.
+        self.ep_group: str | None = None
+        self.ep_size = 1
 
     def init_weights(self, out_std: float) -> None:
         trunc_normal_init_(self.gate.weight, 0.02)
@@ -256,7 +309,8 @@ class MoE(nn.Module):
         scores = scores.softmax(-1) if self.args.score_func == "softmax" else scores.sigmoid()
         # The balancing bias steers which experts are chosen, never how much they weigh.
         choice = scores + self.expert_bias if self.args.load_balance == "bias" else scores
-        experts = choice.topk(self.top_k, dim=-1).indices
+        with fx_traceback.annotate({ROUTING_KEY: True}):  # saved, never recomputed
+            experts = choice.topk(self.top_k, dim=-1).indices
         weights = scores.gather(1, experts)
         if self.args.route_norm:
             weights = weights / weights.sum(-1, keepdim=True)
@@ -298,7 +352,9 @@ class MoE(nn.Module):
         C = self.capacity(T)
         keep = pos < C
         src = x[:, None, :].expand(T, k, D).reshape(T * k, D)
-        if self.args.experts_impl == "sorted":
+        if self.ep_size > 1:
+            out = self._run_expert_parallel(src, flat, keep, counts.clamp(max=C))
+        elif self.args.experts_impl == "sorted":
             out = self._run_sorted(src, flat, pos, keep, counts.clamp(max=C))
         else:
             out = self._run_bmm(src, flat, pos, keep, C)
@@ -321,22 +377,66 @@ class MoE(nn.Module):
     def _run_sorted(self, src, flat, pos, keep, kept):
         """Each expert's kept rows, contiguous and in token order, through a grouped matmul.
 
+        ``flat``: each src row's expert (one of ``kept.shape[0]``: all of them, or this rank's
+        under expert parallelism), ``pos`` its rank among that expert's rows, ``keep`` (None:
+        all) whether it is within capacity, ``kept`` the rows kept per expert.
         Expert e's group starts at a multiple of `align`; T*k + E*(align-1) bounds the rows
         used, so the buffer's size is static. Its last row is never a destination: dropped
         rows all land there (their weight is 0), and the last group runs to the end so every
         output row is defined. Returns [T*k, dim], row i = expert output for src row i.
         """
-        E, (Tk, D) = self.n_experts, src.shape
+        E, (Tk, D) = kept.shape[0], src.shape
         align = self.experts.row_align(src)
         N = Tk + E * (align - 1) + 1
         size = (kept + align - 1) // align * align
         ends = size.cumsum(0)
         offs = torch.cat([ends[:-1], ends.new_full((1,), N)]).to(torch.int32)
         dest = (ends - size)[flat] + pos
-        if self.args.capacity_factor is not None:
+        if keep is not None and self.args.capacity_factor is not None:
             dest = torch.where(keep, dest, N - 1)
         buf = src.new_zeros(N, D).index_add(0, dest, src)
         return self.experts.forward_grouped(buf, offs)[dest]
+
+    def _run_expert_parallel(self, src, flat, keep, kept):
+        """The routed experts under expert parallelism (module doc): rows to the ranks owning
+        their experts, the local experts on the rows received, results back. ``src`` [T*k, dim]
+        in (token, choice) order, ``flat`` their experts, ``keep`` within capacity, ``kept``
+        [E] rows kept per expert. Returns [T*k, dim] in src order (dropped rows 0)."""
+        P, E, group = self.ep_size, self.n_experts, self.ep_group
+        El, (Tk, D) = E // P, src.shape
+        dropless = self.args.capacity_factor is None
+        with fx_traceback.annotate({ROUTING_KEY: True}):
+            # Rows by expert, so by owner rank (experts are split in consecutive runs); the
+            # stable sort keeps token order; dropped rows go last and are not sent.
+            order = torch.argsort(flat if dropless else torch.where(keep, flat, E), stable=True)
+            place = torch.empty_like(order).scatter_(0, order, torch.arange(Tk, device=src.device))
+            # recv[q * El + j]: rows rank q sends to my local expert j
+            recv = funcol.all_to_all_single(kept, None, None, group)
+            splits = torch.cat([kept.view(P, El).sum(1), recv.view(P, El).sum(1)]).tolist()
+        send_splits, recv_splits = splits[:P], splits[P:]
+        for n in splits:  # balanced routing: what the cost model assumes (module doc)
+            torch._check(n >= 0)
+            torch._dynamo.override_optimization_hint(n, Tk // P)
+        n_send = Tk if dropless else sum(send_splits)
+        if dropless:
+            torch._check(sum(send_splits) == Tk)
+        rows = funcol.all_to_all_single_autograd(src[order[:n_send]], recv_splits,
+                                                 send_splits, group)
+        R = sum(recv_splits)
+        with fx_traceback.annotate({ROUTING_KEY: True}):
+            # Received rows come by source rank q, then local expert j: block b = q * El + j.
+            C = recv.view(P, El)
+            sizes = C.flatten()
+            block = torch.repeat_interleave(torch.arange(P * El, device=src.device), sizes,
+                                            output_size=R)
+            starts = sizes.cumsum(0) - sizes  # each block's first row in what was received
+            ahead = (C.cumsum(0) - C).flatten()  # rows of expert j from ranks before q
+            pos = ahead[block] + torch.arange(R, device=src.device) - starts[block]
+        out = self._run_sorted(rows, block % El, pos, None, C.sum(0))
+        back = funcol.all_to_all_single_autograd(out, send_splits, recv_splits, group)
+        if not dropless:
+            back = torch.cat([back, back.new_zeros(Tk - n_send, D)])
+        return back[place]
 
     def _run_bmm(self, src, flat, pos, keep, C):
         """Every expert on a [capacity, dim] slot buffer in one bmm (dropless: capacity = T).
@@ -352,6 +452,33 @@ class MoE(nn.Module):
         """Aux-loss-free balancing: push under-loaded experts' bias up, over-loaded down."""
         self.expert_bias.add_(self.args.bias_update_rate * torch.sign(counts.mean() - counts))
         self.tokens_per_expert.zero_()
+
+
+class ExpertParallel(ParallelStyle):
+    """Split a MoE layer's routed experts over a 1-D mesh (``mesh["ep"]``) for
+    ``parallelize_module``: each weight [E, ...] becomes a DTensor Shard(0) (E/ep consecutive
+    experts per rank; data_parallel keeps that placement and shards it further over the dp
+    dims EP left), and the layer dispatches its tokens over the mesh's group (module doc).
+    No communication: each rank keeps its own experts of the full weights it holds (the same
+    on every rank by construction, or on meta)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, MoE):
+            raise ValueError(f"ExpertParallel applies to MoE layers, not {type(module).__name__}")
+        module.args.check_ep(device_mesh.size())
+        experts = module.experts
+        for name, p in list(experts.named_parameters(recurse=False)):
+            shard = distribute_tensor(p.detach(), device_mesh, [Shard(0)], src_data_rank=None)
+            experts.register_parameter(name, nn.Parameter(shard, requires_grad=p.requires_grad))
+        module.ep_group = device_mesh.get_group().group_name
+        module.ep_size = device_mesh.size()
+        return module
+
+
+def ep_compile_config():
+    """The dynamo setting a compiled expert-parallel model runs under (module doc): enter it
+    around each call of the compiled model (the trainer does, simplesharded/train.py)."""
+    return torch._dynamo.config.patch(capture_scalar_outputs=True)
 
 
 class MoETransformer(Llama3):
@@ -377,6 +504,11 @@ class MoETransformer(Llama3):
 
     def moe_layers(self) -> list[MoE]:
         return [m for m in self.modules() if isinstance(m, MoE)]
+
+    def ep_plan(self) -> dict:
+        """Expert-parallel plan for ``parallelize_module(model, mesh["ep"], plan)``: every MoE
+        layer's routed experts split over ep (ExpertParallel)."""
+        return {name: ExpertParallel() for name, m in self.named_modules() if isinstance(m, MoE)}
 
     @torch.no_grad()
     def update_expert_bias(self, group: dist.ProcessGroup | None = None) -> None:

@@ -10,6 +10,10 @@ Written by data_parallel (simplesharded/sharding.py) on every op that gathers a 
   RESHARD_KEY        its reshard_after_forward: True, False or "auto" (passes/recompute.py)
 Written by activation checkpointing under compile (simplesharded/train.py):
   AC_KEY             index of the checkpointed block a forward op belongs to
+Written by the MoE layer (models/moe.py):
+  ROUTING_KEY        on the ops that decide where tokens go (the top-k choice, and under
+                     expert parallelism the exchanged counts, split sizes and the orders built
+                     from them): recompute.py saves them for backward, never recomputes them
 Written by our passes:
   BUCKET_KEY         the bucket a merged collective implements (bucketing.py)
   BUCKET_PARAMS_KEY  FQNs of every parameter a merged collective serves (bucketing.py)
@@ -27,6 +31,7 @@ DP_GROUPS_KEY = "ss_dp_groups"
 BLOCK_KEY = "ss_block"
 RESHARD_KEY = "ss_reshard"
 AC_KEY = "ss_ac"
+ROUTING_KEY = "ss_routing"
 BUCKET_KEY = "ss_bucket"
 BUCKET_PARAMS_KEY = "ss_bucket_params"
 LOWERED_KEY = "ss_lowered"

@@ -22,16 +22,18 @@ ALL_GATHER_COALESCED = _c10d.all_gather_into_tensor_coalesced.default
 REDUCE_SCATTER = _c10d.reduce_scatter_tensor.default
 ALL_REDUCE = _c10d.all_reduce.default
 WAIT = _c10d.wait_tensor.default
+# An all-to-all is one of ours only when a pass of ours emitted it to implement another kind
+# (passes/lowering.py); its node then carries the LOWERED_KEY annotation = kind. Any other
+# (expert parallelism's token dispatch, models/moe.py) is found and costed, never moved.
+ALL_TO_ALL = _c10d.all_to_all_single.default
 KINDS = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE: "all_reduce",
+         ALL_TO_ALL: "all_to_all",
          # Forms that write into a given buffer (torch's own bucketing emits them); counted
          # and costed, but our passes only rewrite the three plain forms above.
          _c10d.all_gather_into_tensor_out.default: "all_gather",
          ALL_GATHER_COALESCED: "all_gather",
          _c10d.reduce_scatter_tensor_out.default: "reduce_scatter"}
 PLAIN = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE)
-# An all-to-all is one of our collectives only when a pass of ours emitted it to implement
-# another kind (passes/lowering.py); its node then carries the LOWERED_KEY annotation = kind.
-ALL_TO_ALL = _c10d.all_to_all_single.default
 
 
 @dataclass
@@ -60,7 +62,7 @@ class Collective:
 
 
 def is_collective(node: fx.Node) -> bool:
-    return node.op == "call_function" and (node.target in KINDS or _lowered_kind(node) is not None)
+    return node.op == "call_function" and node.target in KINDS
 
 
 def _lowered_kind(node: fx.Node) -> str | None:
@@ -70,7 +72,8 @@ def _lowered_kind(node: fx.Node) -> str | None:
 
 
 def kind_of(node: fx.Node) -> str:
-    """"all_gather", "reduce_scatter" or "all_reduce" for a node where is_collective holds."""
+    """"all_gather", "reduce_scatter", "all_reduce" or "all_to_all" (one that implements
+    none of the others) for a node where is_collective holds."""
     return _lowered_kind(node) or KINDS[node.target]
 
 
@@ -148,10 +151,14 @@ def node_block(node: fx.Node) -> str | None:
 
 
 def tensor_nbytes(node: fx.Node) -> int:
-    """Bytes of a node's tensor value, or of all tensors of a list value (coalesced ops)."""
+    """Bytes of a node's tensor value, or of all tensors of a list value (coalesced ops). A
+    data-dependent size (an expert-parallel all-to-all's) counts its optimisation hint."""
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+
     val = node.meta.get("val")
     vals = val if isinstance(val, (list, tuple)) else [val]
-    return sum(int(v.numel()) * v.element_size() for v in vals if isinstance(v, torch.Tensor))
+    return sum(optimization_hint(v.numel()) * v.element_size() for v in vals
+               if isinstance(v, torch.Tensor))
 
 
 def group_args(node: fx.Node) -> tuple[int, str]:
@@ -207,7 +214,7 @@ def find_collectives(graph: fx.Graph | fx.GraphModule) -> list[Collective]:
         size, name = group_args(node)
         val = node.meta.get("val")
         nbytes = tensor_nbytes(node)
-        if node.target is ALL_TO_ALL and size:  # a lowered reduce-scatter: its shard's bytes
+        if _lowered_kind(node) == "reduce_scatter" and size:  # its shard's bytes
             nbytes //= size
         if isinstance(val, (list, tuple)):  # coalesced: its outputs share one dtype here
             val = val[0] if val else None
@@ -243,7 +250,8 @@ def _param_source(node: fx.Node, depth: int = 4) -> fx.Node | None:
 
 
 def count_collectives(graph: fx.Graph | fx.GraphModule) -> dict[str, int]:
-    """{"all_gather": n, "reduce_scatter": n, "all_reduce": n} for one graph."""
+    """{"all_gather": n, "reduce_scatter": n, "all_reduce": n, "all_to_all": n} for one
+    graph."""
     counts = {kind: 0 for kind in KINDS.values()}
     for c in find_collectives(graph):
         counts[c.kind] += 1

@@ -15,9 +15,11 @@ if TYPE_CHECKING:
 
 # Bytes each rank sends (= receives) in a ring algorithm, as a multiple of `nbytes`, where nbytes
 # is the gathered output of an all-gather, the full input of a reduce-scatter, the tensor of an
-# all-reduce.
+# all-reduce; of an all-to-all (every rank to every other directly), what it receives: all
+# but its own part, (n-1)/n of it when the parts are even (the balanced routing the cost
+# model assumes for expert parallelism's data-dependent splits).
 RING_FACTOR = {"all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
-               "all_reduce": lambda n: 2 * (n - 1) / n}
+               "all_reduce": lambda n: 2 * (n - 1) / n, "all_to_all": lambda n: (n - 1) / n}
 
 
 INTRA_NODE, INTER_NODE = "intra-node", "inter-node"  # the links of a Hardware

@@ -93,7 +93,7 @@ def hoist_before(node: fx.Node, anchor: fx.Node, order: NodeOrder) -> None:
     """Move ``node`` and any of its inputs that come after ``anchor`` to just before it.
 
     Only for pure nodes whose inputs can move (shard casts/pads feeding an all-gather)."""
-    if node.op == "placeholder" or order[node] < order[anchor]:
+    if node.op == "placeholder" or node is anchor or order[node] < order[anchor]:
         return
     for inp in node.all_input_nodes:
         hoist_before(inp, anchor, order)

@@ -22,14 +22,23 @@ stays gathered for backward.
 Forward views of a gathered parameter (the transposes a matmul saves) are annotated
 ``ss_gathered`` with its FQN: the backward graph receives whichever of them the partitioner
 saves as placeholders, and the memory cap counts those too.
+
+What is never recomputed, with or without activation checkpointing: a collective that is not
+ours (expert parallelism's all-to-alls, TP's collectives: recomputing one would run it again
+in backward, and an all-to-all's result depends on the other ranks' tokens) and the routing
+decisions of a MoE layer (nodes annotated ``ss_routing`` by models/moe.py: the top-k choice,
+the exchanged counts, the split sizes and the orders built from them). They are MUST_SAVE, so
+a recomputed expert computation reads the very rows forward received, never a re-routing.
+(torch's partitioner also force-saves collectives that are not MUST_RECOMPUTE; this pass
+states it for the routing too and does not lean on that default.)
 """
 from __future__ import annotations
 
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .annotations import AC_KEY, GATHERED_KEY, PARAM_KEY, RESHARD_KEY, annotations
-from .collectives import node_block, tangent_dependent, tensor_nbytes
+from .annotations import AC_KEY, GATHERED_KEY, PARAM_KEY, RESHARD_KEY, ROUTING_KEY, annotations
+from .collectives import find_collectives, node_block, tangent_dependent, tensor_nbytes
 from .plan_protocol import Plan
 
 
@@ -44,15 +53,20 @@ def tag_gathers_for_recompute(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     backward), otherwise the chain's output is MUST_SAVE; ``ss_reshard="auto"`` is resolved per
     unit by :func:`kept_gathered`. Reads ``plan.reshard_after_forward`` (a bool overrides the
     per-parameter annotation) and ``plan.keep_gathered_bytes`` (the "auto" budget).
-    Idempotent.
+    Forward collectives that are not ours and nodes annotated ``ss_routing`` are MUST_SAVE
+    (module doc). Idempotent.
     """
     override = plan.reshard_after_forward
     backward = tangent_dependent(gm.graph)
     kept = kept_gathered(gm.graph, backward, plan.keep_gathered_bytes, plan.memory_cap_bytes)
     _annotate_views(gm.graph, backward)
+    foreign = {n for c in find_collectives(gm.graph) if not c.ours for n in (c.start, c.wait)}
     for node in gm.graph.nodes:
         custom = annotations(node)
         if node.op != "call_function" or node in backward:
+            continue
+        if node in foreign or ROUTING_KEY in custom:
+            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
             continue
         # One region id per checkpointed block (0 = none): the partitioner saves the boundary
         # between two regions and recomputes inside each.

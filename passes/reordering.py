@@ -18,6 +18,11 @@
   flight and full-size gradient buffers are freed a block later at most. On a process group
   collectives run in issue order, so a prefetch issued after the previous reduce-scatter hides
   both under the same compute (SimpleFSDP's backward schedule).
+* Collectives that are not ours (expert parallelism's all-to-alls, TP's) never move and are
+  never delayed: nothing that came after one's start in the graph this pass gets is moved
+  ahead of it (a prefetch, an early reduction or a copy-out that would be is placed right
+  after that start instead, where it overlaps the transfer), so the compute and waits before
+  it stay exactly those of the traced graph.
 """
 from __future__ import annotations
 
@@ -103,14 +108,52 @@ def reorder_graph(graph: fx.Graph, memory_cap_bytes: int | None,
     # critical path (TP's) is never pushed behind a prefetch.
     if collectives is None:
         collectives = find_collectives(graph)
-    collectives = [c for c in collectives if c.wait is not None and c.ours]
     order = NodeOrder(graph)
-    chains = _place_gather_waits(collectives, order)
-    _Prefetch(graph, collectives, memory_cap_bytes, order, chains).run()
-    _place_reductions(collectives, order)
+    behind = _Behind(graph, collectives, order)
+    collectives = [c for c in collectives if c.wait is not None and c.ours]
+    chains = _place_gather_waits(collectives, order, behind)
+    _Prefetch(graph, collectives, memory_cap_bytes, order, chains, behind).run()
+    _place_reductions(collectives, order, behind)
 
 
-def _place_gather_waits(collectives: list[Collective], order: NodeOrder
+class _Behind:
+    """The starts of collectives that are not ours, and which of them each node came after in
+    the graph the pass got: moves keep every node behind that one (module doc)."""
+
+    def __init__(self, graph: fx.Graph, collectives: list[Collective], order: NodeOrder):
+        foreign = {c.start for c in collectives if not c.ours}
+        self.order, self.floor, last = order, {}, None
+        self.hoisted: dict[fx.Node, fx.Node] = {}  # foreign start → last start issued after it
+        for node in graph.nodes:
+            self.floor[node] = last
+            if node in foreign:
+                last = node
+
+    def anchor(self, start: fx.Node, target: fx.Node) -> fx.Node:
+        """``target`` (to hoist ``start`` right before it), or, when ``target`` is ahead of
+        the foreign start ``start`` must stay behind, the node right after that start and the
+        starts already issued there (issue order = the order of these calls)."""
+        f = self.floor.get(start)
+        if f is None or self.order[target] > self.order[f]:
+            return target
+        anchor = self.hoisted.get(f, f).next
+        self.hoisted[f] = start
+        return anchor
+
+    def move_before(self, nodes: list[fx.Node], target: fx.Node) -> None:
+        """Move ``nodes`` (in their order) right before ``target``; those that would so pass
+        their foreign start go right after it instead, in their order."""
+        after: dict[fx.Node, fx.Node] = {}  # foreign start → last node put right after it
+        for node in nodes:
+            f = self.floor.get(node)
+            if f is not None and self.order[target] <= self.order[f]:
+                self.order.move_after(node, after.get(f, f))
+                after[f] = node
+            else:
+                self.order.move_before(node, target)
+
+
+def _place_gather_waits(collectives: list[Collective], order: NodeOrder, behind: _Behind
                         ) -> dict[fx.Node, list[fx.Node]]:
     """Each all-gather's chain right before its first use; returns {start: chain}, still in
     graph order (moving a chain keeps its own order)."""
@@ -122,8 +165,7 @@ def _place_gather_waits(collectives: list[Collective], order: NodeOrder
         use = _first_use(chain, order)
         if use is None:
             continue
-        for node in chain:  # keeps the chain's own order
-            order.move_before(node, use)
+        behind.move_before(chain, use)  # keeps the chain's own order
     return chains
 
 
@@ -148,8 +190,8 @@ class _Prefetch:
     copy-outs and the saved gathered parameters are found once: moving starts changes none."""
 
     def __init__(self, graph: fx.Graph, collectives: list[Collective], cap: int | None,
-                 order: NodeOrder, chains: dict[fx.Node, list[fx.Node]]):
-        self.graph, self.cap, self.order = graph, cap, order
+                 order: NodeOrder, chains: dict[fx.Node, list[fx.Node]], behind: _Behind):
+        self.graph, self.cap, self.order, self.behind = graph, cap, order, behind
         self.ags = [c for c in collectives if c.kind == "all_gather"]
         self.chain = chains  # {start: gather_chain}: what _place_gather_waits found
         # The output node is a use: a gathered parameter saved for backward stays alive.
@@ -243,6 +285,8 @@ class _Prefetch:
                 target = candidate
             if target is None:  # not even one bucket ahead: as early as memory frees up
                 target = self.after_release(ags, j, c)
+            if target is not None:  # issued later than checked: still fits
+                target = self.behind.anchor(c.start, target)
             if target is not None and order[c.start] > order[target]:
                 hoist_before(c.start, target, order)
 
@@ -342,12 +386,12 @@ def _held_until(node: fx.Node, order: NodeOrder, output: bool = True) -> fx.Node
     return last
 
 
-def _place_reductions(collectives: list[Collective], order: NodeOrder) -> None:
+def _place_reductions(collectives: list[Collective], order: NodeOrder, behind: _Behind) -> None:
     reds = [c for c in collectives if c.kind != "all_gather"]
     for c in reds:  # issue as soon as the input exists
         last_input = max(c.start.all_input_nodes, key=order.__getitem__)
         if last_input.next is not c.start:
-            order.move_after(c.start, last_input)
+            behind.move_before([c.start], last_input.next)
     reds.sort(key=lambda c: order[c.start])
     for i, c in enumerate(reds):
         chain = gather_chain(c.wait, order)
@@ -357,5 +401,4 @@ def _place_reductions(collectives: list[Collective], order: NodeOrder) -> None:
         dest = use
         if i + 1 < len(reds) and order[reds[i + 1].start] < order[dest]:
             dest = reds[i + 1].start
-        for node in chain:
-            order.move_before(node, dest)
+        behind.move_before(chain, dest)

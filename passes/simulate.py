@@ -40,7 +40,8 @@ class Interval:
 
 @dataclass
 class GroupComm:
-    """Communication of one process group (by mesh dim label) in a schedule."""
+    """Communication of one process group (by mesh dim label), or of one kind of collective,
+    in a schedule."""
 
     link: str
     count: int = 0
@@ -58,9 +59,10 @@ class Schedule:
     comm_bytes: int = 0  # bytes each rank sends (ring algorithms)
     intervals: list[Interval] = field(default_factory=list)
     by_group: dict[str, GroupComm] = field(default_factory=dict)  # group label -> totals
+    by_kind: dict[str, GroupComm] = field(default_factory=dict)  # "all_to_all", ... -> totals
 
 
-_SEND_FACTOR = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0}
+_SEND_FACTOR = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0, "all_to_all": 1.0}
 
 
 def simulate(graph: fx.Graph | fx.GraphModule, hw, node_cost=None, comm_cost=None,
@@ -89,10 +91,11 @@ def simulate(graph: fx.Graph | fx.GraphModule, hw, node_cost=None, comm_cost=Non
     comm_cost = comm_cost or (lambda c: collective_time(c, hw, link=link_of(c)))
     by_start = {c.start: c for c in (find_collectives(graph) if collectives is None
                                      else collectives)}
-    done: dict[fx.Node, tuple[float, GroupComm]] = {}  # start node -> (transfer end, group)
+    # start node -> (transfer end, its group's and its kind's totals)
+    done: dict[fx.Node, tuple[float, GroupComm, GroupComm]] = {}
     sched = Schedule()
     now = 0.0
-    lane_free: dict[str, tuple[float, GroupComm]] = {}  # link -> its last transfer's (end, group)
+    lane_free: dict[str, tuple] = {}  # link -> its last transfer's (end, group, kind)
     for node in graph.nodes:
         if node in by_start:
             c = by_start[node]
@@ -100,8 +103,9 @@ def simulate(graph: fx.Graph | fx.GraphModule, hw, node_cost=None, comm_cost=Non
             if c.group_name not in labels:
                 labels[c.group_name] = group_label(c.group_name)
             g = sched.by_group.setdefault(labels[c.group_name], GroupComm(lane))
+            k = sched.by_kind.setdefault(c.kind, GroupComm(lane))
             begin = max(now, lane_free.get(lane, (0.0,))[0])
-            lane_free[lane] = done[node] = (begin + t, g)
+            lane_free[lane] = done[node] = (begin + t, g, k)
             sched.comm_s += t
             # What the compute thread pays for this collective: issuing it, and the part of
             # the transfer that cannot run beside compute (CPU ranks moving bytes themselves).
@@ -115,13 +119,16 @@ def simulate(graph: fx.Graph | fx.GraphModule, hw, node_cost=None, comm_cost=Non
             full = c.nbytes * n if c.kind == "reduce_scatter" else c.nbytes
             sent = int(_SEND_FACTOR[c.kind] * full * (n - 1) / n)
             sched.comm_bytes += sent
-            g.count, g.bytes, g.seconds = g.count + 1, g.bytes + sent, g.seconds + t
+            for tally in (g, k):
+                tally.count, tally.bytes = tally.count + 1, tally.bytes + sent
+                tally.seconds += t
             sched.intervals.append(Interval(lane, begin, begin + t, c.kind))
         elif is_wait(node) and started_by(node) in done:
-            end, g = done[started_by(node)]
+            end, g, k = done[started_by(node)]
             if end > now:
                 sched.exposed_comm_s += end - now
                 g.exposed_s += end - now
+                k.exposed_s += end - now
                 now = end
         else:
             t = node_cost(node)
@@ -129,11 +136,12 @@ def simulate(graph: fx.Graph | fx.GraphModule, hw, node_cost=None, comm_cost=Non
                 sched.intervals.append(Interval("compute", now, now + t, _label(node)))
                 sched.compute_s += t
                 now += t
-    comm_end, last = max(lane_free.values(), key=lambda e: e[0], default=(0.0, None))
+    comm_end, *last = max(lane_free.values(), key=lambda e: e[0], default=(0.0, None, None))
     sched.makespan = max(now, comm_end)
     if comm_end > now:  # transfers still running at the end: the last one's group waits
         sched.exposed_comm_s += comm_end - now
-        last.exposed_s += comm_end - now
+        for tally in last:
+            tally.exposed_s += comm_end - now
     return sched
 
 

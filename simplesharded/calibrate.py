@@ -49,7 +49,6 @@ CALIBRATED = "calibrated"  # the hardware name that means "measure (or read the 
 CACHE_ENV = "SIMPLESHARDED_CACHE_DIR"
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 _LARGE = 2**20  # elements per rank (4 MiB fp32) for the bandwidth point
-_A2A_FACTOR = lambda n: (n - 1) / n  # noqa: E731  bytes each rank sends in an all-to-all
 
 
 def resolve_hardware(spec: str | Hardware, group=None) -> Hardware:
@@ -123,7 +122,7 @@ def _collective(kind: str, per_rank: int, group, device, transport: str):
                 torch.sum(buf.view(ws, -1), 0, out=out)
     else:
         fn = lambda: _scatter(out, inp, group=group)  # noqa: E731
-    factor = _A2A_FACTOR(ws) if kind == "all_to_all" else RING_FACTOR[kind](ws)
+    factor = RING_FACTOR[kind](ws)
     moved = factor * inp.nbytes * (ws if kind == "all_gather" else 1)
     return fn, moved
 

@@ -105,6 +105,10 @@ class Parallelism:
     data_parallel_shard_degree: int = _opt(-1, "shards per replica; -1 = fill the world")
     tensor_parallel_degree: int = _opt(1, "tensor-parallel degree (innermost mesh dim: ranks "
                                           "of one node); 1 = no tensor parallelism")
+    expert_parallel_degree: int = _opt(1, "expert-parallel degree: a MoE model's routed experts "
+                                          "split over this many ranks borrowed from "
+                                          "data_parallel_shard_degree (which it must divide; "
+                                          "tokens dispatched by all-to-all); 1 = off")
     enable_sequence_parallel: bool = _opt(True, "with tensor parallelism, shard activations "
                                                 "between blocks on the sequence dim")
     enable_loss_parallel: bool = _opt(True, "with tensor parallelism, compute the loss on "
@@ -421,6 +425,7 @@ def validate(cfg: Config, backends: Iterable[str] | None = None) -> None:
     for key in ("training.global_batch_size", "training.seq_len", "training.steps",
                 "training.gradient_accumulation_steps", "training.val_steps",
                 "parallelism.data_parallel_replicate_degree", "parallelism.tensor_parallel_degree",
+                "parallelism.expert_parallel_degree",
                 "activation_checkpoint.selective_every", "checkpoint.interval",
                 "metrics.log_freq", "profiling.profile_freq"):
         need(get(key) >= 1, key, ">= 1")
@@ -474,9 +479,10 @@ def resolve(cfg: Config, world_size: int) -> Config:
     p, t = cfg.parallelism, cfg.training
     degrees = resolve_degrees(world_size, p.data_parallel_replicate_degree,
                               p.data_parallel_shard_degree, p.tensor_parallel_degree,
+                              p.expert_parallel_degree,
                               names=tuple(f"parallelism.{k}_degree" for k in (
                                   "data_parallel_replicate", "data_parallel_shard",
-                                  "tensor_parallel")))
+                                  "tensor_parallel", "expert_parallel")))
     p.data_parallel_shard_degree = degrees.shard
     dp = degrees.dp
     per_step = dp * t.gradient_accumulation_steps

@@ -90,7 +90,7 @@ def trace(cfg, local_batch: int, n_layers: int | None = None,
     t0 = time.process_time()
     try:
         mesh = build_mesh(p.data_parallel_replicate_degree, p.data_parallel_shard_degree,
-                          "cpu", p.tensor_parallel_degree)
+                          "cpu", p.tensor_parallel_degree, p.expert_parallel_degree)
         extra = {"n_layers": n_layers} if n_layers else {}
         model = build_model(cfg.model.name, cfg.model.flavor, device="meta", **extra)
         # Not under FakeTensorMode: the mesh slicing in TP and data_parallel runs tensor ops

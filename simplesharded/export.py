@@ -6,10 +6,11 @@
 
 The model comes from the ``model.json`` the trainer writes into every checkpoint
 (checkpoint.model_meta): our ``llama3`` is renamed and converted to transformers' Llama,
-``hf_llama`` and Hugging Face models keep their names. One process, no process group: each
-tensor is read from the checkpoint's shard files on its own (DCP reads only its byte ranges)
-and written into the current output file, so at most one output file's tensors
-(``--max-shard-mb``) are in memory at once, never the whole model.
+``hf_llama`` and Hugging Face models keep their names. One process, no process group: the
+tensors of one output file are read from the checkpoint's shard files together (one
+``dcp.load``; DCP reads only their byte ranges; the checkpoint's metadata is read once for
+all files) and written, so at most one output file's tensors (``--max-shard-mb``) are in
+memory at once, never the whole model.
 """
 from __future__ import annotations
 
@@ -114,6 +115,18 @@ def _shard(tensors: list[Tensor], nbytes: Callable[[Tensor], int], limit: int) -
     return files
 
 
+class _Reader(dcp.FileSystemReader):
+    """The checkpoint's reader, its metadata read once: every ``dcp.load`` asks for it, and
+    with optimizer state it can be large."""
+
+    def __init__(self, path: str):
+        super().__init__(path)
+        self.metadata = super().read_metadata()
+
+    def read_metadata(self, *args, **kwargs):
+        return self.metadata
+
+
 def export(folder: str, step: int, to: str, dtype: str | None = None,
            max_shard_bytes: int = 2 << 30) -> list[str]:
     """Write step ``step`` of the checkpoints in ``folder`` to ``to`` (module doc); returns
@@ -134,7 +147,8 @@ def export(folder: str, step: int, to: str, dtype: str | None = None,
     except FileNotFoundError:
         raise ValueError(f"export: {path!r} has no {MODEL_JSON} (saved by an older trainer): "
                          "the model it holds is unknown") from None
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    reader = _Reader(path)
+    saved = reader.metadata.state_dict_metadata
     shapes = {k[len("model."):]: tuple(v.size) for k, v in saved.items()
               if k.startswith("model.") and hasattr(v, "size")}
     config, tensors = plan_export(meta, shapes)
@@ -151,11 +165,15 @@ def export(folder: str, step: int, to: str, dtype: str | None = None,
     names, weight_map = [], {}
     for i, group in enumerate(files):
         name = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+        # One read of the checkpoint per output file: DCP reads only these tensors' byte
+        # ranges. Each is converted as it is taken, so a file's tensors are in memory once
+        # (plus one converted copy).
+        bufs = {t.key: torch.empty(t.shape, dtype=saved[f"model.{t.key}"].properties.dtype)
+                for t in group}
+        dcp.load({"model": bufs}, storage_reader=reader, no_dist=True)
         values = {}
         for t in group:
-            buf = torch.empty(t.shape, dtype=saved[f"model.{t.key}"].properties.dtype)
-            dcp.load({"model": {t.key: buf}}, checkpoint_id=path, no_dist=True)
-            values[t.name] = t.convert(buf).to(dtype_of(t)).contiguous()
+            values[t.name] = t.convert(bufs.pop(t.key)).to(dtype_of(t)).contiguous()
             weight_map[t.name] = name
         save_file(values, os.path.join(to, name), metadata={"format": "pt"})
         names.append(name)

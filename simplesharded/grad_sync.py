@@ -101,8 +101,8 @@ class _GradSync:
 
     def make_accumulators(self, model: nn.Module) -> None:
         for module in model.modules():
-            spec = getattr(module, "_ss_spec", None)
-            if spec is None or spec.grad_sync is not self:
+            specs = getattr(module, "_ss_specs", None)
+            if not specs or next(iter(specs.values())).grad_sync is not self:
                 continue
             for name, fqn in module._ss_fqns.items():
                 shard = module._parameters[name]

@@ -4,7 +4,17 @@ cuda → nccl, anything else → cpu + gloo. One rule for the mesh's dims, outer
 ``dp_replicate`` (only when > 1), ``dp_shard`` (always), ``tp`` (only when > 1). So a pure FSDP
 mesh is 1-D ``("dp_shard",)``, HSDP is ``("dp_replicate", "dp_shard")`` and FSDP + TP is
 ``("dp_shard", "tp")``; tp is innermost so a tp group is ranks on one node (fast links).
-Nothing downstream may assume a number of dims: it asks :func:`dp_dims` / :func:`tp_dim`.
+
+Expert parallelism borrows its ranks from dp_shard: with ``ep`` > 1 the mesh's ``dp_shard`` dim
+is split into ``("efsdp", "ep")``, ep inner (an ep group is consecutive ranks, within a node when
+ep * tp divides the node), so the mesh is ``(dp_replicate?, efsdp, ep, tp?)``. Expert weights are
+split over ``ep`` and sharded over ``efsdp`` (and replicated/sharded over dp_replicate); every
+other parameter is sharded over all of dp_shard as without EP. That dense layout
+``(dp_replicate?, dp_shard, tp?)`` is the mesh :func:`build_mesh` makes first; the ep mesh is
+its ``_unflatten`` (torch's DeviceMesh API for exactly this), so the dense mesh is the ep mesh's
+root (:func:`dense_mesh`) and needs no flattened-dim slicing, and both share one rank layout.
+Nothing downstream may assume a number of dims: it asks :func:`dp_dims` / :func:`tp_dim` /
+:func:`dense_mesh` / :func:`expert_dp_mesh`.
 """
 from __future__ import annotations
 
@@ -20,6 +30,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 SHARD_DIM = "dp_shard"
 REPLICATE_DIM = "dp_replicate"
 TP_DIM = "tp"
+EP_DIM = "ep"
+EFSDP_DIM = "efsdp"  # the dp_shard ranks left to an expert weight: dp_shard / ep
 DP_DIMS = (REPLICATE_DIM, SHARD_DIM)
 
 
@@ -35,11 +47,17 @@ def backend_for(device: str) -> str:
 
 @dataclass(frozen=True)
 class MeshDegrees:
-    """Resolved degrees; ``replicate * shard * tp == world``."""
+    """Resolved degrees; ``replicate * shard * tp == world``; ``ep`` divides ``shard``."""
 
     replicate: int
     shard: int
     tp: int = 1
+    ep: int = 1
+
+    @property
+    def efsdp(self) -> int:
+        """The dp_shard ranks an expert weight is sharded over (EP takes the rest)."""
+        return self.shard // self.ep
 
     @property
     def dp(self) -> int:
@@ -52,32 +70,37 @@ class MeshDegrees:
     def dims(self) -> tuple[tuple[str, int], ...]:
         """(name, size) of each mesh dim, outermost first, by the module doc's rule."""
         dims = [(REPLICATE_DIM, self.replicate)] if self.replicate > 1 else []
-        dims.append((SHARD_DIM, self.shard))
+        if self.ep > 1:
+            dims += [(EFSDP_DIM, self.efsdp), (EP_DIM, self.ep)]
+        else:
+            dims.append((SHARD_DIM, self.shard))
         if self.tp > 1:
             dims.append((TP_DIM, self.tp))
         return tuple(dims)
 
 
 def resolve_degrees(world_size: int, dp_replicate: int = 1, dp_shard: int = -1,
-                    tp: int = 1, names: tuple[str, str, str] = ("dp_replicate", "dp_shard", "tp")
+                    tp: int = 1, ep: int = 1,
+                    names: tuple[str, ...] = ("dp_replicate", "dp_shard", "tp", "ep")
                     ) -> MeshDegrees:
-    """Fill a ``-1`` degree from the world size and check the product.
+    """Fill a ``-1`` degree from the world size and check the product (and that ``ep``
+    divides dp_shard: expert parallelism borrows dp_shard's ranks).
 
     The one place degrees are resolved. Raises ValueError naming the degrees (as ``names``
     spells them: the API's or the config's keys) and the world size when they do not multiply
     to it.
     """
-    values = (dp_replicate, dp_shard, tp)
+    values = (dp_replicate, dp_shard, tp, ep)
     for name, val in zip(names, values):
-        fill = name != names[2]
+        fill = name in names[:2]
         if not isinstance(val, int) or isinstance(val, bool) or (val < 1 and not
                                                                  (fill and val == -1)):
             raise ValueError(f"{name}={val!r} must be a positive int"
                              + (" or -1 (fill the world)" if fill else ""))
     if dp_replicate == -1 and dp_shard == -1:
         raise ValueError(f"{names[0]} and {names[1]} cannot both be -1; set at most one to -1")
-    given = " x ".join(f"{n}={v}" for n, v in zip(names, values) if v != -1 and (v > 1 or
-                                                                              n == names[1]))
+    given = " x ".join(f"{n}={v}" for n, v in zip(names[:3], values) if v != -1 and (v > 1 or
+                                                                                  n == names[1]))
     if -1 in (dp_replicate, dp_shard):
         known = (dp_replicate if dp_shard == -1 else dp_shard) * tp
         if world_size % known:
@@ -90,7 +113,10 @@ def resolve_degrees(world_size: int, dp_replicate: int = 1, dp_shard: int = -1,
     elif dp_replicate * dp_shard * tp != world_size:
         raise ValueError(f"{given}{_product(given, dp_replicate * dp_shard * tp)} does not "
                          f"equal the world size {world_size}")
-    return MeshDegrees(dp_replicate, dp_shard, tp)
+    if dp_shard % ep:
+        raise ValueError(f"{names[3]}={ep} does not divide {names[1]}={dp_shard} (expert "
+                         f"parallelism borrows its ranks from the data-parallel shards)")
+    return MeshDegrees(dp_replicate, dp_shard, tp, ep)
 
 
 def _product(given: str, value: int) -> str:
@@ -111,11 +137,50 @@ def tp_dim(mesh: DeviceMesh) -> str | None:
     return TP_DIM if names and TP_DIM in names else None
 
 
+def ep_dim(mesh: DeviceMesh) -> str | None:
+    """``"ep"`` when the mesh has an expert-parallel dim, else None."""
+    names = getattr(mesh, "mesh_dim_names", None)
+    return EP_DIM if names and EP_DIM in names else None
+
+
+def dim_size(mesh: DeviceMesh, name: str) -> int:
+    """Size of the mesh dim called ``name``."""
+    return mesh.size(mesh.mesh_dim_names.index(name))
+
+
+def dense_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh of every parameter that is not an expert weight: ``(dp_replicate?, dp_shard,
+    tp?)``. ``mesh`` itself without an ep dim; with one, the mesh it was unflattened from
+    (module doc)."""
+    if not ep_dim(mesh):
+        return mesh
+    root = mesh._get_root_mesh()
+    if (SHARD_DIM not in (root.mesh_dim_names or ())
+            or dim_size(root, SHARD_DIM) != dim_size(mesh, EFSDP_DIM) * dim_size(mesh, EP_DIM)):
+        raise ValueError(f"a mesh with an {EP_DIM!r} dim must come from build_mesh/init_mesh "
+                         f"(its dense layout is its root); got {mesh}")
+    return root
+
+
+def expert_dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The data-parallel dims left to an expert weight, ``(dp_replicate?, efsdp)``, of a mesh
+    with an ep dim."""
+    names = tuple(n for n in mesh.mesh_dim_names if n in (REPLICATE_DIM, EFSDP_DIM))
+    return mesh[names if len(names) > 1 else names[0]]
+
+
 def group_labels(mesh: DeviceMesh) -> dict[str, str]:
-    """{process-group name: mesh dim name} for each dim of ``mesh``. What
-    passes/collectives.group_label reads from a group's description, except that a 1-D mesh
-    over the whole world reuses the default group, whose description names no dim."""
-    return {mesh.get_group(d).group_name: d for d in mesh.mesh_dim_names or ()}
+    """{process-group name: mesh dim name} for each dim of ``mesh`` (and of its dense mesh,
+    whose dp_shard spans efsdp x ep). What passes/collectives.group_label reads from a
+    group's description, except that a 1-D mesh over the whole world reuses the default
+    group, whose description names no dim. A group that serves two dims (ep = dp_shard: both
+    the default group) is labelled with both, "ep/dp_shard"."""
+    labels: dict[str, str] = {}
+    for m in [mesh] + ([dense_mesh(mesh)] if ep_dim(mesh) else []):
+        for d in m.mesh_dim_names or ():
+            name = m.get_group(d).group_name
+            labels[name] = d if labels.get(name, d) == d else f"{labels[name]}/{d}"
+    return labels
 
 
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -164,23 +229,28 @@ def exit_rank(code: int = 0) -> NoReturn:
 
 
 def build_mesh(dp_replicate: int = 1, dp_shard: int = -1, device: str | None = None,
-               tp: int = 1) -> DeviceMesh:
-    """The named mesh of the module doc: ``dp_shard`` always, ``dp_replicate`` and ``tp`` when
-    their degree is > 1. The process group must already exist (see :func:`init_distributed`).
+               tp: int = 1, ep: int = 1) -> DeviceMesh:
+    """The named mesh of the module doc: ``dp_shard`` always (split into ``efsdp`` x ``ep``
+    when ``ep`` > 1), ``dp_replicate`` and ``tp`` when their degree is > 1. The process group
+    must already exist (see :func:`init_distributed`).
     """
-    degrees = resolve_degrees(dist.get_world_size(), dp_replicate, dp_shard, tp)
-    names, sizes = zip(*degrees.dims())
-    return init_device_mesh(device or device_type(), sizes, mesh_dim_names=names)
+    degrees = resolve_degrees(dist.get_world_size(), dp_replicate, dp_shard, tp, ep)
+    dense = MeshDegrees(degrees.replicate, degrees.shard, degrees.tp)
+    names, sizes = zip(*dense.dims())
+    mesh = init_device_mesh(device or device_type(), sizes, mesh_dim_names=names)
+    if degrees.ep == 1:
+        return mesh
+    return mesh._unflatten(SHARD_DIM, (degrees.efsdp, degrees.ep), (EFSDP_DIM, EP_DIM))
 
 
 def init_mesh(dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1,
-              device: str | None = None) -> DeviceMesh:
+              device: str | None = None, ep: int = 1) -> DeviceMesh:
     """Initialise the process group (if needed) and build the mesh (see :func:`build_mesh`)."""
     if dist.is_initialized():
         # Validate before any collective work so a bad degree fails fast and clearly.
-        resolve_degrees(dist.get_world_size(), dp_replicate, dp_shard, tp)
+        resolve_degrees(dist.get_world_size(), dp_replicate, dp_shard, tp, ep)
     device = init_distributed(device)
-    return build_mesh(dp_replicate, dp_shard, device, tp)
+    return build_mesh(dp_replicate, dp_shard, device, tp, ep)
 
 
 def _free_port() -> int:

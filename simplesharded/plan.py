@@ -6,8 +6,8 @@ decision, each trace in a forked process), then for each backend plan applies ou
 copies of the traced graphs and simulates the schedule with the cost model
 (passes/simulate.py: a compute stream and a communication lane per link). Prints step time,
 exposed communication, bytes sent per rank, tokens/s per rank and peak memory per rank, then
-communication per process group (dp_shard, tp, ...); --timeline draws the timeline of the
-first plan.
+communication per process group (dp_shard, tp, ep, ...) and, with expert parallelism, the
+all-to-alls' volume and exposed time; --timeline draws the timeline of the first plan.
 """
 from __future__ import annotations
 
@@ -85,7 +85,8 @@ def main(argv=None) -> int:
         if ns.local_batch:
             p, t = cfg.parallelism, cfg.training
             dp = resolve_degrees(ns.world_size, p.data_parallel_replicate_degree,
-                                 p.data_parallel_shard_degree, p.tensor_parallel_degree).dp
+                                 p.data_parallel_shard_degree, p.tensor_parallel_degree,
+                                 p.expert_parallel_degree).dp
             t.local_batch_size = ns.local_batch
             t.global_batch_size = ns.local_batch * dp * t.gradient_accumulation_steps
         cfg = check_static(cfg, ns.world_size)  # the trainer's checks: degrees, batch, tp
@@ -186,7 +187,7 @@ def _report(ns, cfg, hw, evaluated, keeps, sizes, n_layers, t0) -> None:
     full_numel = sum(math.prod(q.shape) for q in _meta_params(cfg))
     size = f"{full_numel / 1e9:.2f}B" if full_numel >= 1e9 else f"{full_numel / 1e6:.1f}M"
     degrees = resolve_degrees(ns.world_size, p.data_parallel_replicate_degree,
-                              p.data_parallel_shard_degree, tp)
+                              p.data_parallel_shard_degree, tp, p.expert_parallel_degree)
     mesh = " × ".join(f"{name} {n}" for name, n in degrees.dims())
     print(f"{cfg.model.name}/{cfg.model.flavor} ({size} params, {n_layers} "
           f"blocks) on {ns.world_size} ranks of {hw.name} (mesh {mesh}), mode {p.mode}, "
@@ -196,10 +197,10 @@ def _report(ns, cfg, hw, evaluated, keeps, sizes, n_layers, t0) -> None:
     print("| plan | step s | exposed comm s | comm GB/rank | collectives | tokens/s/rank | "
           "peak mem GiB/rank |\n|---|---:|---:|---:|---:|---:|---:|")
     drawn = None
-    rows = []
+    rows, numbers = [], {}
 
     for name in ns.plans:
-        m = _numbers(name, evaluated[keeps[name]], n_layers)
+        m = numbers[name] = _numbers(name, evaluated[keeps[name]], n_layers)
         last = evaluated[keeps[name]][-1][name]  # the deepest trace: its links and timeline
         shard = m["local_numel"]
         static = sum(static_memory(shard, cfg.optimizer.name))
@@ -218,6 +219,14 @@ def _report(ns, cfg, hw, evaluated, keeps, sizes, n_layers, t0) -> None:
         g = f"group:{label}:"
         print(f"| {name} | {label} | {link} | {m[g + 'count']:.0f} | "
               f"{m[g + 'bytes'] / 1e9:.2f} | {m[g + 'seconds']:.3f} | {m[g + 'exposed_s']:.3f} |")
+    a2a = "kind:all_to_all:"
+    if any(m.get(a2a + "count") for m in numbers.values()):
+        print("\nall-to-alls (expert parallelism's token exchange), per rank and step; split "
+              "sizes as balanced routing gives them\n\n| plan | all-to-alls | GB/rank | comm s | "
+              "exposed s |\n|---|---:|---:|---:|---:|")
+        for name, m in numbers.items():
+            print(f"| {name} | {m[a2a + 'count']:.0f} | {m[a2a + 'bytes'] / 1e9:.2f} | "
+                  f"{m[a2a + 'seconds']:.3f} | {m[a2a + 'exposed_s']:.3f} |")
     name, last, static, act = drawn
     print(f"\nmemory per rank ({name}): params + grads + optimizer {static / 2**30:.2f} GiB "
           f"(fp32 shards), gathered buffers + activations {act / 2**30:.2f} GiB; the device "
@@ -276,11 +285,13 @@ def _evaluate(traced: Traced, name: str, ns, cfg, hw, cap) -> dict:
            "peak_act": int(mem.peak_activations), "local_numel": traced.local_numel,
            "fw_sched": fs, "bw_sched": bs, "links": {}}
     for sched in (fs, bs):
-        for label, g in sched.by_group.items():
-            out["links"][label] = g.link
-            for field in ("count", "bytes", "seconds", "exposed_s"):
-                key = f"group:{label}:{field}"
-                out[key] = out.get(key, 0) + getattr(g, field)
+        for prefix, tallies in (("group", sched.by_group), ("kind", sched.by_kind)):
+            for label, g in tallies.items():
+                if prefix == "group":
+                    out["links"][label] = g.link
+                for field in ("count", "bytes", "seconds", "exposed_s"):
+                    key = f"{prefix}:{label}:{field}"
+                    out[key] = out.get(key, 0) + getattr(g, field)
     return out
 
 

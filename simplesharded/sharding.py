@@ -8,16 +8,23 @@ dims: under ``torch.compile`` that is a traced all-gather, and autograd turns it
 ``_parameters`` still holds the shards, so ``named_parameters()`` and ``state_dict()`` keep
 their keys and never gather.
 
-Tensor parallelism composes: a parameter that ``parallelize_module`` already made a DTensor on
-``mesh["tp"]`` keeps its TP placement on the tp dim and is sharded further over the dp dims
-(TP shards first, then dp splits each TP shard: when both split dim 0 torch calls this a
-strided shard, ``_StridedShard``). Reading it gathers over dp only and hands the module the
-TP DTensor it expects; its gradient is reduced over dp only (TP's own collectives are the TP
-module's business). A plain parameter on a mesh with a tp dim is replicated over tp.
+Model parallelism composes: a parameter that is already a DTensor on a model-parallel dim of
+the mesh (``mesh["tp"]``, made by ``parallelize_module``; or ``mesh["ep"]``, an expert weight
+split by expert parallelism, models/moe.py) keeps that placement and is sharded further over
+the dp dims that remain for it (the model-parallel shard first, then dp splits each shard:
+when both split dim 0 torch calls this a strided shard, ``_StridedShard``). Reading it gathers
+over those dp dims only and hands the module the DTensor it expects; its gradient is reduced
+over them only (TP's and EP's own collectives are their modules' business). The dp dims left
+to a parameter: all of them (``dp_replicate``, ``dp_shard``: simplesharded/mesh.py
+``dense_mesh``) for a plain or a TP parameter; for an expert weight on ``ep``, which borrows
+its ranks from dp_shard, ``dp_replicate`` and ``efsdp`` (``expert_dp_mesh``). A plain
+parameter on a mesh with a tp dim is replicated over tp; a parameter that is not an expert weight
+never sees the ep dim: ep is part of its dp_shard.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -30,6 +37,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from simplesharded.mesh import EFSDP_DIM, EP_DIM, dense_mesh, dim_size, ep_dim, expert_dp_mesh
 from simplesharded.mesh import dp_mesh as _dp_mesh
 from simplesharded.blocks import BlockSpec, block_of
 from simplesharded.grad_sync import _GradSync
@@ -59,28 +67,30 @@ class MixedPrecisionPolicy:
 
 @dataclass(frozen=True)
 class _GatherSpec:
-    """What one wrapped module needs to turn a shard into a full parameter."""
+    """What one parameter needs to turn its shard into a full parameter: one per set of dp
+    dims (the dense parameters', and the expert weights' when the mesh has an ep dim)."""
 
-    replicate: tuple  # target placements: Replicate() on every mesh dim
-    grad_placements: tuple  # Partial() on every mesh dim
+    replicate: tuple  # target placements: Replicate() on every dp dim
+    grad_placements: tuple  # Partial() on every dp dim
     param_dtype: torch.dtype | None
     reduce_dtype: torch.dtype | None
     grad_scale: float  # 1/dp for grad_reduction="avg", else 1.0
     reshard_after_forward: bool | str  # True, False or "auto" (the compile plan decides)
     hybrid: bool = False  # (Replicate, Shard(0)) on a 2-D mesh
-    dp_mesh: DeviceMesh | None = None  # set when the mesh has other dims than dp (tp)
+    dp_mesh: DeviceMesh | None = None  # set when the mesh has other dims than dp (tp, ep)
     dp_groups: tuple[str, ...] = ()  # process-group names of the dp dims (see DP_GROUPS_KEY)
     grad_sync: "_GradSync | None" = None  # the model's set_requires_gradient_sync state
 
 
 @dataclass(frozen=True)
-class _TPLayout:
-    """A parameter that is a TP DTensor to its module: how the gather rebuilds it."""
+class _MPLayout:
+    """A parameter that is a model-parallel DTensor to its module (TP's on mesh["tp"], or an
+    expert weight on mesh["ep"]): how the gather rebuilds it."""
 
-    mesh: DeviceMesh  # mesh["tp"]
-    placement: object  # its TP placement (Shard(0) colwise, Shard(1) rowwise, Replicate, ...)
-    dp_placements: tuple  # this parameter's placements on the dp dims (for the dp view)
-    local_shape: torch.Size  # this rank's TP shard (what dp gathers back)
+    mesh: DeviceMesh  # mesh["tp"] or mesh["ep"]
+    placement: object  # e.g. TP's Shard(0) colwise, Shard(1) rowwise, Replicate; EP's Shard(0)
+    dp_placements: tuple  # this parameter's placements on its dp dims (for the dp view)
+    local_shape: torch.Size  # this rank's model-parallel shard (what dp gathers back)
     local_stride: tuple  # its contiguous stride
     shape: torch.Size  # the global parameter
     stride: tuple
@@ -100,14 +110,14 @@ class _ScaleGrad(torch.autograd.Function):
 
 
 def gather_param(shard: DTensor, spec: _GatherSpec, fqn: str,
-                 tp: _TPLayout | None = None, block: str | None = None) -> torch.Tensor:
-    """Shard → full local tensor in param_dtype (the TP DTensor when ``tp`` is set); its
-    gradient is reduced back onto the shard over the dp dims only.
+                 tp: _MPLayout | None = None, block: str | None = None) -> torch.Tensor:
+    """Shard → full local tensor in param_dtype (the model-parallel DTensor when ``tp`` is
+    set); its gradient is reduced back onto the shard over the parameter's dp dims only.
 
     All dp ops are annotated with the parameter FQN so graph passes can find them in the
-    forward, joint and backward graphs without guessing from graph shape. The TP re-wrap is
-    outside the annotation: TP collectives (e.g. the all-reduce of a replicated norm weight's
-    gradient under sequence parallelism) belong to TP, not to the dp passes.
+    forward, joint and backward graphs without guessing from graph shape. The model-parallel
+    re-wrap is outside the annotation: TP collectives (e.g. the all-reduce of a replicated
+    norm weight's gradient under sequence parallelism) belong to TP, not to the dp passes.
     """
     annotation = {PARAM_KEY: fqn, DP_GROUPS_KEY: spec.dp_groups,
                   RESHARD_KEY: spec.reshard_after_forward}
@@ -116,20 +126,22 @@ def gather_param(shard: DTensor, spec: _GatherSpec, fqn: str,
     with fx_traceback.annotate(annotation):
         if spec.dp_mesh is not None:
             # The dp part of the shard as a DTensor on the dp dims only: its global tensor is
-            # this rank's TP shard (or the whole parameter when it is replicated over tp).
+            # this rank's model-parallel shard (or the whole parameter when it is replicated
+            # over tp).
             if tp is not None:
                 shape, stride, placements = tp.local_shape, tp.local_stride, tp.dp_placements
-            else:  # a plain parameter: replicated over tp, the mesh's last dim
-                shape, stride, placements = shard.shape, shard.stride(), shard.placements[:-1]
+            else:  # a plain parameter: its dp dims lead, replicated over tp after them
+                shape, stride = shard.shape, shard.stride()
+                placements = shard.placements[:spec.dp_mesh.ndim]
             shard = DTensor.from_local(shard.to_local(), spec.dp_mesh, placements,
                                        run_check=False, shape=shape, stride=stride)
-        if spec.hybrid and shard.placements == (Replicate(), Shard(0)):
+        hybrid = spec.hybrid and _is_hybrid(shard.placements)
+        if hybrid:
             shard = _reduce_replicas_after_scatter(shard)
         full = shard.redistribute(placements=spec.replicate, forward_dtype=spec.param_dtype,
                                   backward_dtype=spec.reduce_dtype)
         # Hybrid: the gradient is still partial over replicas here; the all-reduce over them
         # happens on the shard (see _reduce_replicas_after_scatter), not on the full tensor.
-        hybrid = spec.hybrid and shard.placements == (Replicate(), Shard(0))
         grad_placements = (Replicate(), Partial()) if hybrid else spec.grad_placements
         local = full.to_local(grad_placements=grad_placements)
         if spec.grad_scale != 1.0:
@@ -150,6 +162,12 @@ def _contiguous_stride(shape) -> tuple:
     return tuple(reversed(stride))
 
 
+def _is_hybrid(placements: tuple) -> bool:
+    """(Replicate, Shard(d)) on (dp_replicate, dp_shard or efsdp): HSDP's layout."""
+    return (len(placements) == 2 and placements[0] == Replicate()
+            and type(placements[1]) is Shard)
+
+
 def _reduce_replicas_after_scatter(shard: DTensor) -> DTensor:
     """Identity in forward. In backward the gradient arrives reduce-scattered over dp_shard but
     still partial over dp_replicate; re-labelling it (Partial, Shard(0)) makes autograd
@@ -158,7 +176,7 @@ def _reduce_replicas_after_scatter(shard: DTensor) -> DTensor:
     # The no-op redistribute is where the all-reduce lands: its backward brings the gradient
     # (labelled Partial over replicas by to_local below) back to (Replicate, Shard(0)).
     same = shard.redistribute(placements=shard.placements)
-    local = same.to_local(grad_placements=(Partial(), Shard(0)))
+    local = same.to_local(grad_placements=(Partial(), shard.placements[1]))
     return DTensor.from_local(local, shard.device_mesh, shard.placements, run_check=False,
                               shape=shard.shape, stride=shard.stride())
 
@@ -199,8 +217,9 @@ class _Gathered:
     def gather(self) -> torch.Tensor:
         m = self.module
         with torch.no_grad():
-            return gather_param(m._parameters[self.name], m._ss_spec, m._ss_fqns[self.name],
-                                m._ss_tp.get(self.name), m._ss_blocks[self.name])
+            return gather_param(m._parameters[self.name], m._ss_specs[self.name],
+                                m._ss_fqns[self.name], m._ss_tp.get(self.name),
+                                m._ss_blocks[self.name])
 
 
 class _Packed:
@@ -363,7 +382,7 @@ def _sharded_property(name: str) -> property:
         if cache and fqn in scope.gathered:
             full = scope.gathered[fqn]
         else:
-            full = gather_param(shard, self._ss_spec, fqn, self._ss_tp.get(name),
+            full = gather_param(shard, self._ss_specs[name], fqn, self._ss_tp.get(name),
                                 self._ss_blocks[name])
         if cache:
             scope.gathered[fqn] = full
@@ -391,19 +410,19 @@ def _placements(mode: str, mesh: DeviceMesh) -> tuple:
     return (Replicate(), Shard(0))
 
 
-def _full_placements(dp_placements: tuple, tp_placement, tp_size: int) -> tuple:
-    """Placements on the whole mesh (dp dims, then tp) of a parameter whose TP placement is
-    ``tp_placement``: TP shards first, dp then splits each TP shard, which on the same tensor
-    dim is a strided shard in DTensor's left-to-right convention."""
-    if tp_placement is None:
-        return dp_placements
+def _full_placements(dp_placements: tuple, mp_placement, mp_size: int,
+                     rest: tuple[str, ...] = (), mp_dim: str | None = None) -> tuple:
+    """Placements on a parameter's whole mesh (its dp dims, then the dims ``rest`` after them)
+    of a parameter whose model-parallel placement on dim ``mp_dim`` is ``mp_placement``: the
+    model-parallel shard first, dp then splits each shard, which on the same tensor dim is a
+    strided shard in DTensor's left-to-right convention. Replicate on every other dim."""
     out = []
     for p in dp_placements:
-        if (isinstance(p, Shard) and isinstance(tp_placement, Shard)
-                and p.dim == tp_placement.dim):
-            p = _StridedShard(p.dim, split_factor=tp_size)
+        if (isinstance(p, Shard) and isinstance(mp_placement, Shard)
+                and p.dim == mp_placement.dim):
+            p = _StridedShard(p.dim, split_factor=mp_size)
         out.append(p)
-    return (*out, tp_placement)
+    return (*out, *(mp_placement if d == mp_dim else Replicate() for d in rest))
 
 
 def _check_device(model: nn.Module, mesh: DeviceMesh) -> None:
@@ -425,39 +444,67 @@ def _to_shard(t: torch.Tensor, mesh: DeviceMesh, placements: tuple) -> DTensor:
     return distribute_tensor(t.detach(), mesh, placements, src_data_rank=None)
 
 
-def _shard_param(param: torch.Tensor, mesh: DeviceMesh, dp: DeviceMesh, dp_placements: tuple,
-                 fqn: str) -> tuple[DTensor, _TPLayout | None]:
-    """The whole-mesh shard of one parameter, and its TP layout if it is a TP DTensor."""
-    tp_name = tp_dim(mesh)
-    if param.dim() == 0:  # no dim 0 to shard: replicated (all-reduced)
-        dp_placements = (Replicate(),) * dp.ndim
+@dataclass(frozen=True)
+class _DPView:
+    """One set of dp dims a parameter is sharded over, and the mesh it lives on: the dense
+    parameters' (all dp dims) or, on a mesh with an ep dim, the expert weights' (module doc)."""
+
+    home: DeviceMesh  # the parameter's whole mesh: its dp dims first, then the others
+    dp: DeviceMesh
+    placements: tuple  # on dp, by mode
+    spec: _GatherSpec
+
+    @property
+    def rest(self) -> tuple[str, ...]:
+        return tuple(self.home.mesh_dim_names[self.dp.ndim:])
+
+
+def _expert_dp_placements(placements: tuple, local_shape: torch.Size, efsdp: int) -> tuple:
+    """An expert weight's dp placements: its local experts [E/ep, ...] are sharded on dim 0
+    when efsdp divides their number, else on dim 1, so no rank's gather pads a whole expert
+    (with fewer local experts than efsdp ranks, or a remainder, dim 0 would)."""
+    if local_shape[0] % efsdp == 0 or len(local_shape) < 2:
+        return placements
+    return tuple(Shard(1) if p == Shard(0) else p for p in placements)
+
+
+def _shard_param(param: torch.Tensor, mesh: DeviceMesh, views: dict[str | None, _DPView],
+                 fqn: str) -> tuple[DTensor, _MPLayout | None, _GatherSpec]:
+    """The whole-mesh shard of one parameter, its model-parallel layout if it is a TP or EP
+    DTensor, and its gather spec."""
     if not isinstance(param, DTensor):
-        if tp_name is None:
-            return _to_shard(param, mesh, dp_placements), None
-        return _to_shard(param, mesh, (*dp_placements, Replicate())), None
-    tp_mesh = mesh[tp_name] if tp_name else None
-    if (tp_mesh is None or param.device_mesh.ndim != 1
-            or param.device_mesh.mesh_dim_names != (tp_name,)
-            or not torch.equal(param.device_mesh.mesh, tp_mesh.mesh)):
+        view = views[None]
+        placements = view.placements if param.dim() else (Replicate(),) * view.dp.ndim
+        return (_to_shard(param, view.home, _full_placements(placements, None, 1, view.rest)),
+                None, view.spec)
+    names = [n for n in (tp_dim(mesh), ep_dim(mesh)) if n]
+    name = param.device_mesh.mesh_dim_names[0] if param.device_mesh.mesh_dim_names else None
+    if (param.device_mesh.ndim != 1 or name not in names
+            or not torch.equal(param.device_mesh.mesh, mesh[name].mesh)):
         raise ValueError(
             f"parameter {fqn!r} is a DTensor on mesh {param.device_mesh} but data_parallel can "
-            f"only shard plain parameters or TP DTensors on mesh['tp'] of the mesh it is given "
-            f"({mesh}); apply parallelize_module(model, mesh['tp'], plan) with that mesh")
+            f"only shard plain parameters or TP/EP DTensors on mesh['tp'] / mesh['ep'] of the "
+            f"mesh it is given ({mesh}); apply parallelize_module(model, mesh['tp'], plan) "
+            f"with that mesh")
     placement = param.placements[0]
     if not isinstance(placement, (Shard, Replicate)) or isinstance(placement, _StridedShard):
-        raise ValueError(f"parameter {fqn!r} has TP placement {placement}; data_parallel "
-                         f"supports Shard(d) and Replicate() on the tp dim")
+        raise ValueError(f"parameter {fqn!r} has placement {placement} on {name}; "
+                         f"data_parallel supports Shard(d) and Replicate() there")
+    view = views[EP_DIM if name == EP_DIM else None]
     local = param.detach().to_local()
-    placements = _full_placements(dp_placements, placement, tp_mesh.size())
+    dp_placements = view.placements if param.dim() else (Replicate(),) * view.dp.ndim
+    if name == EP_DIM:
+        dp_placements = _expert_dp_placements(dp_placements, local.shape, dim_size(mesh, EFSDP_DIM))
+    placements = _full_placements(dp_placements, placement, param.device_mesh.size(),
+                                  view.rest, name)
+    dp_local = distribute_tensor(local, view.dp, dp_placements, src_data_rank=None).to_local()
     if local.is_meta:
-        dp_local = distribute_tensor(local, dp, dp_placements, src_data_rank=None).to_local()
         dp_local = torch.empty_like(dp_local, device=mesh.device_type)
-    else:
-        dp_local = distribute_tensor(local, dp, dp_placements, src_data_rank=None).to_local()
-    shard = DTensor.from_local(dp_local, mesh, placements, run_check=False,
+    shard = DTensor.from_local(dp_local, view.home, placements, run_check=False,
                                shape=param.shape, stride=param.stride())
-    return shard, _TPLayout(tp_mesh, placement, dp_placements, local.shape,
-                            _contiguous_stride(local.shape), param.shape, param.stride())
+    return shard, _MPLayout(param.device_mesh, placement, dp_placements, local.shape,
+                            _contiguous_stride(local.shape), param.shape,
+                            param.stride()), view.spec
 
 
 def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
@@ -468,7 +515,9 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     """Shard ``model`` in place over ``mesh`` and return it.
 
     mode: ``replicate`` (DDP-like), ``fully_shard`` (FSDP/ZeRO-3) or ``hybrid_shard``
-    (replicate over mesh dim 0, shard over dim 1; needs a 2-D mesh).
+    (replicate over mesh dim 0, shard over dim 1; needs a 2-D mesh of dp dims).
+    mesh: from :func:`simplesharded.mesh.build_mesh`; its tp and ep dims are for parameters
+    that are DTensors there already (module doc): apply TP / expert parallelism first.
     reshard_after_forward: ``True`` frees every gathered parameter after forward and
     re-gathers it in backward (ZeRO-3); ``False`` keeps them all until backward (ZeRO-2 memory
     for parameters); ``"auto"`` lets the compiled plan decide per block: the plain and
@@ -490,14 +539,15 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     A model on the meta device gets uninitialised shards on the mesh's device: run its
     init under :func:`disable_gather` (``with disable_gather(model): model.init_weights()``).
     """
-    dp = _dp_mesh(mesh)
+    dense = dense_mesh(mesh)
+    dp = _dp_mesh(dense)
     placements = _placements(mode, dp)
     if not (isinstance(reshard_after_forward, bool) or reshard_after_forward == "auto"):
         raise ValueError(f"reshard_after_forward={reshard_after_forward!r} is not one of "
                          f"{list(RESHARD_CHOICES)}")
     if grad_reduction not in GRAD_REDUCTIONS:
         raise ValueError(f"grad_reduction={grad_reduction!r} is not one of {sorted(GRAD_REDUCTIONS)}")
-    if any(getattr(m, "_ss_spec", None) is not None for m in model.modules()):
+    if any(getattr(m, "_ss_specs", None) is not None for m in model.modules()):
         raise ValueError("model is already wrapped by data_parallel; wrap it once")
     _check_device(model, mesh)
     mp_policy = mp_policy or MixedPrecisionPolicy()
@@ -506,35 +556,45 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
         param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype,
         grad_scale=1.0 / dp.size() if grad_reduction == "avg" else 1.0,
         reshard_after_forward=reshard_after_forward, hybrid=mode == "hybrid_shard",
-        dp_mesh=dp if dp is not mesh else None,
+        dp_mesh=dp if dp is not dense else None,
         dp_groups=tuple(dp.get_group(i).group_name for i in range(dp.ndim)),
         grad_sync=_GradSync())
+    views = {None: _DPView(dense, dp, placements, spec)}
+    if ep_dim(mesh):
+        # Expert weights: the dp dims EP left them. Their gradient is still the sum over all
+        # dp ranks' tokens (EP's all-to-all brings them), so "avg" scales by 1/dp as above.
+        edp = expert_dp_mesh(mesh)
+        views[EP_DIM] = _DPView(mesh, edp, _placements(mode, edp), dataclasses.replace(
+            spec, replicate=(Replicate(),) * edp.ndim, grad_placements=(Partial(),) * edp.ndim,
+            dp_mesh=edp, dp_groups=tuple(edp.get_group(i).group_name for i in range(edp.ndim))))
 
     block_of_module = block_of(model, blocks)  # module → its block, blocks in module order
     scope = _GatherScope(reshard_after_forward,
                          last_block=next(reversed(block_of_module.values()), None))
-    # id(original param) → its one shard, TP layout, FQN and block: tied parameters share all
-    # four (the FQN and block of the first owner, as named_parameters() reports it)
-    shards: dict[int, tuple[nn.Parameter, _TPLayout | None, str, str | None]] = {}
+    # id(original param) → its one shard, model-parallel layout, gather spec, FQN and block:
+    # tied parameters share all five (the FQN and block of the first owner, as
+    # named_parameters() reports it)
+    shards: dict[int, tuple[nn.Parameter, _MPLayout | None, _GatherSpec, str, str | None]] = {}
     for mod_name, module in list(model.named_modules()):
         names = [n for n, p in module._parameters.items() if p is not None]
         if not names:
             continue
-        fqns, tp, in_block = {}, {}, {}
+        fqns, tp, specs, in_block = {}, {}, {}, {}
         for name in names:
             param = module._parameters[name]
             if id(param) not in shards:
                 fqn = f"{mod_name}.{name}" if mod_name else name
-                shard, layout = _shard_param(param, mesh, dp, placements, fqn)
+                shard, layout, param_spec = _shard_param(param, mesh, views, fqn)
                 shards[id(param)] = (nn.Parameter(shard, requires_grad=param.requires_grad),
-                                     layout, fqn, block_of_module.get(mod_name))
+                                     layout, param_spec, fqn, block_of_module.get(mod_name))
             else:
-                scope.tied.add(shards[id(param)][2])
-            module._parameters[name], layout, fqns[name], in_block[name] = shards[id(param)]
+                scope.tied.add(shards[id(param)][3])
+            (module._parameters[name], layout, specs[name], fqns[name],
+             in_block[name]) = shards[id(param)]
             if layout is not None:
                 tp[name] = layout
         _swap_class(module, names)
-        module._ss_spec = spec
+        module._ss_specs = specs
         module._ss_fqns = fqns
         module._ss_blocks = in_block
         module._ss_read_block = block_of_module.get(mod_name)  # eager "auto" (_EagerReshard)
@@ -576,7 +636,7 @@ def is_wrapped(model: nn.Module) -> bool:
 def disable_gather(model: nn.Module) -> Iterator[nn.Module]:
     """Within this context, reading a parameter of ``model`` returns its local DTensor shard
     (for init, in-place updates, inspection) instead of gathering it."""
-    wrapped = [m for m in model.modules() if getattr(m, "_ss_spec", None) is not None]
+    wrapped = [m for m in model.modules() if getattr(m, "_ss_specs", None) is not None]
     previous = [m._ss_gather_enabled for m in wrapped]
     for m in wrapped:
         m._ss_gather_enabled = False

@@ -1,7 +1,7 @@
 """``python -m simplesharded.train`` (normally via ./run_train.sh / torchrun).
 
-meta-device model → tensor parallelism → activation checkpointing → data_parallel →
-torch.compile(our backend) (all four in :func:`parallelize`) → AdamW on shards, warmup + decay, clipping over sharded grads, accumulation, validation,
+meta-device model → tensor parallelism → expert parallelism → activation checkpointing →
+data_parallel → torch.compile(our backend) (all in :func:`parallelize`) → AdamW on shards, warmup + decay, clipping over sharded grads, accumulation, validation,
 DCP checkpoints, metrics. Errors in the configuration exit with code 2 and one line.
 ``--help`` lists every key; ``--check-only`` runs only those checks (run_train.sh's
 preflight, with WORLD_SIZE set to the number of processes torchrun would start).
@@ -27,7 +27,7 @@ from simplesharded.backends import make_backend
 from simplesharded.config import Config, help_text, load_config, resolve
 from simplesharded.data import build_data, load_tokenizer
 from simplesharded.grad_sync import set_requires_gradient_sync
-from simplesharded.mesh import build_mesh, init_distributed, tp_dim
+from simplesharded.mesh import build_mesh, ep_dim, init_distributed, tp_dim
 from simplesharded.metrics import MetricsLogger, format_record, memory_stats, peak_flops
 from simplesharded.models import build_model, get_model_spec, hf_source
 from simplesharded.blocks import find_blocks
@@ -50,9 +50,9 @@ def check_static(cfg: Config, world_size: int) -> Config:
         args = _check_hf(cfg)
     else:
         args = _check_zoo(cfg)
+    what = (f"model.path={cfg.model.path!r}" if cfg.model.name == HF
+            else f"model {cfg.model.name}/{cfg.model.flavor}")
     if cfg.training.seq_len > args.max_seq_len:
-        what = (f"model.path={cfg.model.path!r}" if cfg.model.name == HF
-                else f"model {cfg.model.name}/{cfg.model.flavor}")
         raise ValueError(f"training.seq_len={cfg.training.seq_len} is above the maximum "
                          f"{args.max_seq_len} of {what}")
     path = cfg.training.dataset_path
@@ -66,19 +66,31 @@ def check_static(cfg: Config, world_size: int) -> Config:
         try:
             args.check_tp(tp)
         except ValueError as e:
-            raise ValueError(f"parallelism.{e} of model {cfg.model.name}/{cfg.model.flavor}"
-                             ) from None
+            raise ValueError(f"parallelism.{e} ({what})") from None
         if cfg.parallelism.enable_sequence_parallel and cfg.training.seq_len % tp:
             raise ValueError(f"parallelism.tensor_parallel_degree={tp} does not divide "
                              f"training.seq_len={cfg.training.seq_len} (sequence parallelism "
                              f"splits the sequence; or --no-parallelism.enable_sequence_parallel)")
+    ep = cfg.parallelism.expert_parallel_degree
+    if ep > 1:
+        what = f"model {cfg.model.name}/{cfg.model.flavor}"
+        if not hasattr(args, "check_ep"):
+            raise ValueError(f"parallelism.expert_parallel_degree={ep} needs a model with "
+                             f"routed experts (deepseek_v3); {what} has none")
+        try:
+            args.check_ep(ep)
+        except ValueError as e:
+            raise ValueError(f"parallelism.{e} of {what}") from None
     return cfg
 
 
 def _check_zoo(cfg: Config):
+    from simplesharded.models import MODELS
+
+    if cfg.model.name not in MODELS:  # the trainer's choices: the zoo and HF
+        raise ValueError(f"model.name={cfg.model.name!r} is not one of {sorted([*MODELS, HF])}")
     cls, args = get_model_spec(cfg.model.name, cfg.model.flavor)
     if not hasattr(cls, "num_flops_per_token"):  # the trainer's model protocol (zoo models)
-        from simplesharded.models import MODELS
         trainable = sorted(n for n, (c, _) in MODELS.items() if hasattr(c, "num_flops_per_token"))
         raise ValueError(f"model.name={cfg.model.name!r} is not trainable here yet (bench it with "
                          f"python -m simplesharded.bench --model {cfg.model.name}); the "
@@ -91,6 +103,7 @@ def _check_hf(cfg: Config):
     models. Without model.tokenizer_path the directory's tokenizer.json is used (set here, in
     the resolved config every rank trains with)."""
     args = hf_source.read_args(cfg.model.path)
+    hf_source.check_weights(cfg.model.path)
     if not cfg.model.tokenizer_path:
         cfg.model.tokenizer_path = hf_source.hf_tokenizer_path(cfg.model.path)
     if cfg.model.tokenizer_path:
@@ -103,25 +116,47 @@ def _check_hf(cfg: Config):
 
 
 def apply_activation_checkpointing(model: torch.nn.Module, mode: str, every: int,
-                                   compiled: bool = True) -> None:
+                                   compiled: bool = True, expert_parallel: bool = False) -> None:
     """Recompute block activations in backward (``full``: every block; ``selective``: every
     ``every``-th block). Blocks are the ones data_parallel buckets (simplesharded/blocks.py).
     FQNs stay unchanged.
 
     Compiled: the block is annotated and passes/recompute.py tags its ops in the joint graph
     (torch.utils.checkpoint's compiled form saves a DeviceMesh when DTensor parameters are
-    gathered inside the region, which aot_autograd rejects). Eager: torch.utils.checkpoint.
+    gathered inside the region, which aot_autograd rejects); it never recomputes an
+    all-to-all or a routing decision. Eager: torch.utils.checkpoint; with
+    ``expert_parallel``, selectively: the all-to-alls' results and the top-k routing are
+    saved from forward (:func:`_save_routing`), so the recomputation re-runs neither.
     """
     if mode == "none":
         return
     for i, (_, block) in enumerate(find_blocks(model)):
         if mode == "full" or i % every == 0:
-            wrap = _annotated if compiled else _checkpointed
+            wrap = _annotated if compiled else functools.partial(
+                _checkpointed, context_fn=_save_routing if expert_parallel else None)
             block.forward = functools.partial(wrap, block.forward, i)
 
 
-def _checkpointed(fn, index, *args, **kwargs):
-    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)
+# Ops whose results eager activation checkpointing keeps from forward under expert
+# parallelism: the token exchange (recomputing it would run it again, with every ep rank)
+# and the routing choice.
+_SAVED_UNDER_EP = (torch.ops._c10d_functional.all_to_all_single.default,
+                   torch.ops.aten.topk.default)
+
+
+def _save_routing():
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        return (CheckpointPolicy.MUST_SAVE if op in _SAVED_UNDER_EP
+                else CheckpointPolicy.PREFER_RECOMPUTE)
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def _checkpointed(fn, index, *args, context_fn=None, **kwargs):
+    extra = {"context_fn": context_fn} if context_fn is not None else {}
+    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **extra, **kwargs)
 
 
 def _annotated(fn, index, *args, **kwargs):
@@ -160,8 +195,23 @@ def build_optimizer(cfg: Config, params):
 
 
 def grad_norm_and_clip(params, max_norm: float) -> torch.Tensor:
-    """Global L2 norm over sharded grads (a DTensor norm reduces across ranks), clipped."""
-    grads = [p.grad for p in params if p.grad is not None]
+    """Global L2 norm over sharded grads (a DTensor norm reduces across ranks), clipped.
+    Gradients on different meshes (expert weights live on the ep mesh, the others on the
+    dense one; DTensor computes on one mesh at a time) are normed per mesh, then combined."""
+    by_mesh: dict = {}
+    for p in params:
+        if p.grad is not None:
+            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    norms = [_total_norm([p.grad for p in group]) for group in by_mesh.values()] or [
+        _total_norm([])]
+    norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+    if max_norm > 0:
+        for group in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
+    return norm
+
+
+def _total_norm(grads) -> torch.Tensor:
     # On a dp x tp mesh DTensor reduces the norm's partial over each mesh dim in turn and logs
     # that one collective over a flattened mesh would be faster: true, and irrelevant for one
     # scalar a step, so the advice is not printed by every rank.
@@ -172,11 +222,7 @@ def grad_norm_and_clip(params, max_norm: float) -> torch.Tensor:
         norm = torch.nn.utils.get_total_norm(grads, foreach=True)
     finally:
         redistribute_log.setLevel(level)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
-    return norm
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 def local_loss(t: torch.Tensor) -> torch.Tensor:
@@ -205,16 +251,38 @@ def apply_tensor_parallel(model: torch.nn.Module, mesh, sequence_parallel: bool,
                            model.tp_plan(sequence_parallel, loss_parallel))
 
 
+def apply_expert_parallel(model: torch.nn.Module, mesh) -> None:
+    """The model's expert-parallel plan (models/moe.py ``ep_plan``) on ``mesh["ep"]``
+    (nothing when the mesh has no ep dim)."""
+    if ep_dim(mesh):
+        parallelize_module(model, mesh[ep_dim(mesh)], model.ep_plan())
+
+
+class _EPCompiled:
+    """A compiled expert-parallel model, called under ``ep_compile_config()`` (models/moe.py:
+    dynamo captures the dispatch's split sizes; scoped to these calls, never global)."""
+
+    def __init__(self, compiled):
+        self.compiled = compiled
+
+    def __call__(self, *args, **kwargs):
+        from simplesharded.models.moe import ep_compile_config
+
+        with ep_compile_config():
+            return self.compiled(*args, **kwargs)
+
+
 def parallelize(model: torch.nn.Module, mesh, cfg: Config, backend=None):
-    """TP → activation checkpointing → data_parallel → compile, in that order; returns the
-    callable a step runs (the compiled model, or the model itself). ``backend``: a
+    """TP → EP → activation checkpointing → data_parallel → compile, in that order; returns
+    the callable a step runs (the compiled model, or the model itself). ``backend``: a
     torch.compile backend used instead of the configured one (``python -m simplesharded.plan``
     captures the graphs with its own, so it traces what the trainer compiles)."""
     p, t, c = cfg.parallelism, cfg.training, cfg.compile
     apply_tensor_parallel(model, mesh, p.enable_sequence_parallel, uses_loss_parallel(cfg))
+    apply_expert_parallel(model, mesh)
     apply_activation_checkpointing(model, cfg.activation_checkpoint.mode,
                                    cfg.activation_checkpoint.selective_every,
-                                   compiled=c.enable)
+                                   compiled=c.enable, expert_parallel=bool(ep_dim(mesh)))
     pdt, rdt = DTYPES[t.mixed_precision_param], DTYPES[t.mixed_precision_reduce]
     mp = MixedPrecisionPolicy(pdt, rdt) if (pdt, rdt) != (torch.float32, torch.float32) else None
     # Explicit: the trainer's own default is "sum" (data_parallel's is "avg"), with every
@@ -224,8 +292,9 @@ def parallelize(model: torch.nn.Module, mesh, cfg: Config, backend=None):
                   grad_reduction=t.grad_reduction)
     if not c.enable:
         return model
+    scoped = _EPCompiled if ep_dim(mesh) else (lambda compiled: compiled)
     if backend is not None:
-        return torch.compile(model, backend=backend, fullgraph=True)
+        return scoped(torch.compile(model, backend=backend, fullgraph=True))
     opts = {"dump_graphs": c.dump_graphs or None}
     if "bucketing" in c.backend:
         opts["memory_cap_bytes"] = int(c.memory_cap_mb * 2**20) or None
@@ -237,7 +306,8 @@ def parallelize(model: torch.nn.Module, mesh, cfg: Config, backend=None):
         # later blocks uncompiled.
         limit = len(find_blocks(model)) + 8
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
-    return torch.compile(model, backend=make_backend(c.backend, **opts), fullgraph=c.fullgraph)
+    return scoped(torch.compile(model, backend=make_backend(c.backend, **opts),
+                                fullgraph=c.fullgraph))
 
 
 def graph_break_error(e: Exception, cfg: Config) -> ValueError:
@@ -263,7 +333,7 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         p, t = cfg.parallelism, cfg.training
         self.mesh = build_mesh(p.data_parallel_replicate_degree, p.data_parallel_shard_degree,
-                               device, p.tensor_parallel_degree)
+                               device, p.tensor_parallel_degree, p.expert_parallel_degree)
         # tp is the innermost mesh dim: the tp ranks of one dp rank are consecutive and read
         # the same batch.
         self.tp = p.tensor_parallel_degree

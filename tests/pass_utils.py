@@ -37,6 +37,7 @@ AG_COALESCED = _c10d.all_gather_into_tensor_coalesced.default
 RS = _c10d.reduce_scatter_tensor.default
 AR = _c10d.all_reduce.default
 WAIT = _c10d.wait_tensor.default
+A2A = _c10d.all_to_all_single.default
 STARTS = (AG, RS, AR)
 RANK_OFFSET = 0.125  # simulated rank r holds x + r * RANK_OFFSET (exact in fp32 and bf16)
 
@@ -359,10 +360,12 @@ def reduction_intervals(gm: fx.GraphModule) -> list[tuple[int, int, fx.Node]]:
 
 
 def chain_graph(n_layers: int, world_size: int = 2, save_gathered: bool = False,
-                rows: int = 4) -> fx.GraphModule:
+                rows: int = 4, all_to_all_after: int | None = None) -> fx.GraphModule:
     """A minimal FSDP-like forward: ``h = h @ all_gather(shard_i)`` for each layer, with fake
     tensor metadata as in traced graphs. ``save_gathered``: also return every gathered weight
-    (what the partitioner does with reshard_after_forward=False)."""
+    (what the partitioner does with reshard_after_forward=False). ``all_to_all_after``: after
+    that layer's matmul, ``h`` goes through an all-to-all that is not ours (as expert
+    parallelism's token exchange: no ``ss_param``), then ``h = relu(h)``."""
     from torch._subclasses import FakeTensorMode
 
     mode = FakeTensorMode()
@@ -390,6 +393,9 @@ def chain_graph(n_layers: int, world_size: int = 2, save_gathered: bool = False,
             node.meta["custom"] = {"ss_param": f"layers.{i}.weight", "ss_block": f"layers.{i}"}
         h = op(aten.mm.default, h, w)
         gathered.append(w)
+        if i == all_to_all_after:
+            h = op(WAIT, op(A2A, h, [1] * world_size, [1] * world_size, "0"))
+            h = op(aten.relu.default, h)
     g.output((h, *gathered) if save_gathered else (h,))
     return fx.GraphModule(torch.nn.Module(), g)
 

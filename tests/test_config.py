@@ -175,6 +175,32 @@ def test_loss_chunks_values():
         load(None, [*tp, "--training.loss_chunks", "4"])
 
 
+def test_expert_parallel_degree_checks():
+    """parallelism.expert_parallel_degree: >= 1, divides the (resolved) shard degree; the
+    model must have routed experts it divides (train.check_static)."""
+    from simplesharded.train import check_static
+
+    ep = ["--parallelism.expert_parallel_degree"]
+    assert Config().parallelism.expert_parallel_degree == 1
+    assert resolve(load(None, [*ep, "2"]), 4).parallelism.expert_parallel_degree == 2
+    with pytest.raises(ValueError, match=r"parallelism.expert_parallel_degree=0 must be >= 1"):
+        load(None, [*ep, "0"])
+    with pytest.raises(ValueError) as e:
+        resolve(load(None, [*ep, "3"]), 4)
+    assert str(e.value) == ("parallelism.expert_parallel_degree=3 does not divide "
+                            "parallelism.data_parallel_shard_degree=4 (expert parallelism "
+                            "borrows its ranks from the data-parallel shards)")
+    deepseek = ["--job.config_file", os.path.join(ROOT, "configs", "deepseek_v3_debug.toml"),
+                "--training.global_batch_size", "6"]
+    with pytest.raises(ValueError) as e:
+        check_static(load(None, [*deepseek, *ep, "3"]), 6)
+    assert str(e.value) == ("parallelism.expert_parallel_degree=3 does not divide "
+                            "n_routed_experts=8 of model deepseek_v3/debug")
+    with pytest.raises(ValueError, match=r"expert_parallel_degree=2 needs a model with routed "
+                                         r"experts \(deepseek_v3\); model llama3/debug has none"):
+        check_static(load(None, [*ep, "2"]), 2)
+
+
 def test_backend_check_and_alias():
     with pytest.raises(ValueError, match=r"compile.backend='aot_eagr' is not one of \["):
         load(None, ["--compile.backend", "aot_eagr"])

@@ -374,11 +374,15 @@ def assert_grads(diffs, tol=TIGHT):
     assert diffs[worst] <= tol, f"grad of {worst}: rel diff {diffs[worst]:.3g} > {tol:g}"
 
 
+def kinds(ag: int = 0, rs: int = 0, ar: int = 0) -> dict[str, int]:
+    """count_collectives' answer: these counts, and no all-to-all (no expert parallelism)."""
+    return {"all_gather": ag, "reduce_scatter": rs, "all_reduce": ar, "all_to_all": 0}
+
+
 def test_fully_shard_counts_reshard_after_forward():
     for r in result(2, "check_fully_shard_reshard"):
-        assert r["fw_counts"] == {"all_gather": N_PARAMS, "reduce_scatter": 0, "all_reduce": 0}
-        assert r["bw_counts"] == {"all_gather": len(BACKWARD_PARAMS),
-                                  "reduce_scatter": N_PARAMS, "all_reduce": 0}
+        assert r["fw_counts"] == kinds(ag=N_PARAMS)
+        assert r["bw_counts"] == kinds(ag=len(BACKWARD_PARAMS), rs=N_PARAMS)
         # each forward gather serves one distinct parameter; backward re-gathers the weights
         fw_params = [c["params"] for c in r["fw_colls"] if c["kind"] == "all_gather"]
         assert sorted(p for ps in fw_params for p in ps) == sorted(
@@ -398,8 +402,8 @@ def test_make_backend_dump_matches_captured_counts():
 
 def test_fully_shard_counts_no_reshard():
     for r in result(2, "check_fully_shard_no_reshard"):
-        assert r["fw_counts"] == {"all_gather": N_PARAMS, "reduce_scatter": 0, "all_reduce": 0}
-        assert r["bw_counts"] == {"all_gather": 0, "reduce_scatter": N_PARAMS, "all_reduce": 0}
+        assert r["fw_counts"] == kinds(ag=N_PARAMS)
+        assert r["bw_counts"] == kinds(rs=N_PARAMS)
         assert_close_loss(r["loss"])
         assert_grads(r["grad_diffs"])
 
@@ -424,15 +428,14 @@ def test_saved_tensors_no_reshard():
 
 def test_replicate_counts():
     for r in result(2, "check_replicate"):
-        assert r["fw_counts"] == {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
-        assert r["bw_counts"] == {"all_gather": 0, "reduce_scatter": 0, "all_reduce": N_PARAMS}
+        assert r["fw_counts"] == kinds()
+        assert r["bw_counts"] == kinds(ar=N_PARAMS)
 
 
 def test_hybrid_counts_and_grads():
     for r in result(4, "check_hybrid"):
-        assert r["fw_counts"] == {"all_gather": N_PARAMS, "reduce_scatter": 0, "all_reduce": 0}
-        assert r["bw_counts"] == {"all_gather": len(BACKWARD_PARAMS),
-                                  "reduce_scatter": N_PARAMS, "all_reduce": N_PARAMS}
+        assert r["fw_counts"] == kinds(ag=N_PARAMS)
+        assert r["bw_counts"] == kinds(ag=len(BACKWARD_PARAMS), rs=N_PARAMS, ar=N_PARAMS)
         # gathers and reduce-scatters run over dp_shard, all-reduces over dp_replicate: two
         # different groups of 2 ranks each
         colls = r["fw_colls"] + r["bw_colls"]

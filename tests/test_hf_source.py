@@ -1,20 +1,24 @@
 """Hugging Face models from a local directory (``--model.name hf --model.path DIR``,
 models/hf_source.py).
 
-Tiny models of four architectures are written here with random weights by
+Tiny models (one block; Llama two) of four architectures are written here with random weights by
 ``save_pretrained(safe_serialization=True)`` (nothing is downloaded): Llama with tied
 embeddings and a tokenizer.json, sharded over many files with an index; Qwen2 (attention
 biases, a vocabulary of 301 so the embedding splits unevenly over 2 ranks) in one file;
-GPT-2 (Conv1D layers, position embeddings, tied head), sharded; Mixtral (MoE) as a
-config.json alone, so its weights come from the model's own init, and once with weights in
+GPT-2 (Conv1D layers, position embeddings, tied head), sharded; Mixtral (MoE), sharded, in
 transformers' per-expert file layout, which the loader merges into the fused expert tensors.
+Each of them trains 5 steps compiled (aot_eager_blockbucketing) on 2 ranks against an eager
+1-process run. Each also exists as a config.json alone (``<arch>_init``): its weights come
+from the model's own init, which must not depend on the world size. A larger Llama (``big``,
+~40 MB in one file) is only loaded, to measure memory.
 
 Why the losses of 2 ranks and 1 process must agree to 1e-5 (relative): the same weights (read
-from the same files, or initialised world-size independently), the same global batches, the
-same math; only the summation order of the gradient reduction differs.
+from the same files), the same global batches, the same math; only the summation order of the
+gradient reduction (and of compiled versus eager kernels) differs.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -30,6 +34,8 @@ pytest.importorskip("safetensors")
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta"]
 STEPS = 5
+# trained on 2 ranks from weight files, and initialised from config.json alone
+ARCHS = ("llama", "qwen2", "gpt2", "mixtral")
 TRAIN = ["--training.seq_len", "32", "--training.global_batch_size", "4",
          "--training.steps", str(STEPS), "--training.val_every", "0",
          "--no-metrics.progress_bar", "--lr_scheduler.warmup_steps", "2",
@@ -39,22 +45,26 @@ TRAIN = ["--training.seq_len", "32", "--training.global_batch_size", "4",
 def _configs():
     from transformers import GPT2Config, LlamaConfig, MixtralConfig, Qwen2Config
 
-    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    # One block each but Llama's two (bucketing across blocks, a tied embedding and head in
+    # different buckets): every compiled case costs suite time.
+    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     return {
-        "llama": (LlamaConfig(vocab_size=300, tie_word_embeddings=True, **small), "6KB"),
+        "llama": (LlamaConfig(vocab_size=300, tie_word_embeddings=True,
+                              **{**small, "num_hidden_layers": 2}), "6KB"),
         "qwen2": (Qwen2Config(vocab_size=301, **small), None),
         # dropout off: a dropout mask is drawn per rank, so 2 ranks could not match 1
-        "gpt2": (GPT2Config(vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+        "gpt2": (GPT2Config(vocab_size=300, n_embd=64, n_layer=1, n_head=4, n_positions=64,
                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                             bos_token_id=0, eos_token_id=0), "20KB"),
-        "mixtral": (MixtralConfig(vocab_size=300, num_local_experts=4, num_experts_per_tok=2,
-                                  **{**small, "intermediate_size": 64}), "config-only"),
         # saved per expert (experts.N.w1/w2/w3, block_sparse_moe): transformers' on-disk
         # layout, which it fuses into experts.gate_up_proj / down_proj when loading
-        "mixtral_weights": (MixtralConfig(vocab_size=300, num_local_experts=4,
-                                          num_experts_per_tok=2,
-                                          **{**small, "intermediate_size": 64}), "20KB"),
+        "mixtral": (MixtralConfig(vocab_size=300, num_local_experts=4, num_experts_per_tok=2,
+                                  **{**small, "intermediate_size": 64}), "20KB"),
+        # only loaded (peak memory): ~40 MB of weights in one file, no tensor over 2 MB
+        "big": (LlamaConfig(vocab_size=1000, hidden_size=512, intermediate_size=1024,
+                            num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                            max_position_embeddings=64), None),
     }
 
 
@@ -76,14 +86,14 @@ def zoo(tmp_path_factory) -> dict[str, Path]:
     out = {}
     for name, (config, shard) in _configs().items():
         d = root / name
-        if shard == "config-only":
-            config.save_pretrained(d)
-        else:
-            torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(config)
-            model.save_pretrained(d, safe_serialization=True,
-                                  **({"max_shard_size": shard} if shard else {}))
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config)
+        model.save_pretrained(d, safe_serialization=True,
+                              **({"max_shard_size": shard} if shard else {}))
         out[name] = d
+        if name in ARCHS:
+            config.save_pretrained(root / f"{name}_init")
+            out[f"{name}_init"] = root / f"{name}_init"
     _write_tokenizer(out["llama"] / "tokenizer.json", WORDS)
     g = torch.Generator().manual_seed(0)
     lines = [" ".join(WORDS[i] for i in torch.randint(len(WORDS), (40,), generator=g))
@@ -94,25 +104,26 @@ def zoo(tmp_path_factory) -> dict[str, Path]:
 
 
 def test_fixture_layouts(zoo):
-    """What the other tests rely on: llama/gpt2 sharded with an index, qwen2 one file."""
-    for name in ("llama", "gpt2", "mixtral_weights"):
+    """What the other tests rely on: llama/gpt2/mixtral sharded with an index, qwen2 and big
+    one file, mixtral in the per-expert layout, the _init directories without weights."""
+    for name in ("llama", "gpt2", "mixtral"):
         index = json.loads((zoo[name] / "model.safetensors.index.json").read_text())
         assert len(set(index["weight_map"].values())) > 2, name
-    assert not (zoo["qwen2"] / "model.safetensors.index.json").exists()
-    assert not list(zoo["mixtral"].glob("*.safetensors"))
+        if name == "mixtral":
+            assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in index["weight_map"]
+    for name in ("qwen2", "big"):
+        assert not (zoo[name] / "model.safetensors.index.json").exists(), name
+    for arch in ARCHS:
+        assert not list(zoo[f"{arch}_init"].glob("*.safetensors")), arch
 
 
 # arch → options of the 2-rank run (the 1-process reference is always eager)
-RUNS = {
-    "llama": ["--compile.enable", "--compile.backend", "aot_eager_blockbucketing"],
-    "qwen2": [],
-    "gpt2": [],
-    "mixtral": [],
-}
+RUNS = {arch: ["--compile.enable", "--compile.backend", "aot_eager_blockbucketing"]
+        for arch in ARCHS}
 
 
 # read at 2 ranks and compared with from_pretrained: tied, uneven, merged MoE experts
-SLICED = ("llama", "qwen2", "mixtral_weights")
+SLICED = ("llama", "qwen2", "mixtral")
 
 
 def _trainer(path: Path, data: Path, dump: Path, world: int, extra: list[str]):
@@ -167,22 +178,30 @@ def _count_reads(counted: list[int]):
     return real, Counting
 
 
+def _sharded(path: str, world: int):
+    """The model of ``path`` on the meta device, sharded over ``world`` ranks, not yet filled."""
+    from simplesharded.mesh import build_mesh
+    from simplesharded.models import hf_source
+    from simplesharded.sharding import data_parallel
+
+    model = hf_source.build_hf_model(path)
+    data_parallel(model, build_mesh(dp_replicate=1, dp_shard=world, device="cpu"))
+    return model
+
+
 def _read_slices(path: str, world: int) -> tuple[int, int, dict]:
     """Bytes this rank read through safetensors, the model's bytes, and the mismatches of
     its shards against the parameters transformers' own from_pretrained loads."""
     import safetensors
     from transformers import AutoModelForCausalLM
 
-    from simplesharded.mesh import build_mesh
     from simplesharded.models import hf_source
-    from simplesharded.sharding import data_parallel
 
     counted = [0]
     real, counting = _count_reads(counted)
     safetensors.safe_open = counting  # hf_source imports it when it reads
     try:
-        model = hf_source.build_hf_model(path)
-        data_parallel(model, build_mesh(dp_replicate=1, dp_shard=world, device="cpu"))
+        model = _sharded(path, world)
         assert hf_source.materialize(model) == "loaded"
     finally:
         safetensors.safe_open = real
@@ -196,15 +215,63 @@ def _read_slices(path: str, world: int) -> tuple[int, int, dict]:
     return counted[0], total, bad
 
 
+@contextlib.contextmanager
+def _peak_rss():
+    """Yields a list that receives, on exit, the bytes by which this process's resident set
+    grew at its highest within the block (Linux: the high-water mark VmHWM, reset on entry
+    through /proc/self/clear_refs), or None where that cannot be reset."""
+    def status(key: str) -> int:
+        with open("/proc/self/status") as f:
+            return next(int(ln.split()[1]) << 10 for ln in f if ln.startswith(key))
+
+    out: list = []
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := VmRSS
+        before = status("VmRSS:")
+    except OSError:
+        before = None
+    yield out
+    out.append(None if before is None else status("VmHWM:") - before)
+
+
+def _load_peak(path: str, world: int) -> tuple[int | None, int, int]:
+    """(peak growth of this rank's resident memory while it fills its shards from the files,
+    the model's bytes, this rank's shard bytes)."""
+    from simplesharded.models import hf_source
+
+    model = _sharded(path, world)
+    with _peak_rss() as peak:
+        assert hf_source.materialize(model) == "loaded"
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    shard = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    return peak[0], total, shard
+
+
+def _initialised(path: str, world: int) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer, in full, of the model of ``path``'s config.json
+    initialised (seed 0) on this rank's shards."""
+    from simplesharded.models import hf_source
+
+    model = _sharded(path, world)
+    assert hf_source.materialize(model, seed=0) == "initialised"
+    out = {fqn: p.full_tensor() for fqn, p in model.named_parameters()}
+    return {**out, **dict(model.named_buffers())}
+
+
 def _job(rank: int, world: int, dirs: dict[str, Path], dump: str) -> dict:
     """Every arch's STEPS losses through the trainer's own Trainer (one process per rank for
-    all of them: the suite has a time budget), and at 2 ranks the slice reads."""
+    all of them: the suite has a time budget), and at 2 ranks the slice reads, the init from
+    config.json alone and, first (a fresh process), the peak memory of loading ``big``."""
     out = {}
+    if world > 1:
+        out["peak"] = _load_peak(str(dirs["big"]), world)
     for arch, extra in RUNS.items():
         trainer = _trainer(dirs[arch], dirs["data"], Path(dump) / arch, world,
                            extra if world > 1 else [])
         out[arch] = [trainer.train_step()["loss"] for _ in range(STEPS)]
         torch._dynamo.reset()
+    out["init"] = {arch: _initialised(str(dirs[f"{arch}_init"]), world) for arch in ARCHS}
     if world > 1:
         out["slices"] = {arch: _read_slices(str(dirs[arch]), world) for arch in SLICED}
     else:  # one process: the world-2 job has more to do
@@ -213,7 +280,7 @@ def _job(rank: int, world: int, dirs: dict[str, Path], dump: str) -> dict:
 
 
 def _graph_break(dirs: dict[str, Path], dump: Path, world: int) -> tuple[str, list[float]]:
-    """Llama with a graph break before its loss: the error of a fullgraph compile, and the
+    """Qwen2 (one block) with a graph break before its loss: the error of a fullgraph compile, and the
     loss of a step compiled without fullgraph. (A break deeper in the model costs much more
     compile time, every enclosing frame being traced again; the suite has a time budget.)"""
     from simplesharded.models import hf_source
@@ -227,14 +294,14 @@ def _graph_break(dirs: dict[str, Path], dump: Path, world: int) -> tuple[str, li
     hf_source.lm_loss = breaking
     compiled = ["--compile.enable", "--compile.backend", "aot_eager"]
     try:
-        trainer = _trainer(dirs["llama"], dirs["data"], dump, world, compiled)
+        trainer = _trainer(dirs["qwen2"], dirs["data"], dump, world, compiled)
         try:
             trainer.train_step()
             error = ""
         except ValueError as e:
             error = str(e)
         torch._dynamo.reset()
-        trainer = _trainer(dirs["llama"], dirs["data"], dump, world,
+        trainer = _trainer(dirs["qwen2"], dirs["data"], dump, world,
                            [*compiled, "--no-compile.fullgraph"])
         losses = [trainer.train_step()["loss"]]
     finally:
@@ -272,24 +339,55 @@ def test_each_rank_reads_only_its_slices(zoo, arch):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+def test_init_from_config_is_world_size_independent(zoo, arch):
+    """From config.json alone: the parameters and buffers initialised on 2 ranks' shards
+    equal, bit for bit, those of one process (same seed)."""
+    dirs = tuple(sorted(zoo.items()))
+    want, got = _results(1, dirs)[0]["init"][arch], _results(2, dirs)[0]["init"][arch]
+    assert sorted(got) == sorted(want)
+    bad = [k for k in want if not torch.equal(got[k], want[k])]
+    assert not bad, bad
+    # the model's own init ran (not torch.empty's leftovers): norms are ones, matrices random
+    assert got["model.norm.weight" if arch != "gpt2" else "transformer.ln_f.weight"].eq(1).all()
+    assert all(0 < v.std() < 1 for v in got.values() if v.dim() == 2), arch
+
+
+@pytest.mark.slow
+def test_loading_peak_memory_is_below_the_model(zoo):
+    """Each of 2 ranks loading ``big`` (~40 MB in one file, tensors of at most 2 MB) as the
+    first thing its process does: its resident memory grows by at least its shards (the
+    measure sees the writes: fresh pages) and by less than 3/4 of the model: its shards (1/2)
+    plus the file's pages of the one parameter it is reading (models/hf_source.py
+    _OneFile), never the whole model nor its whole half of the file."""
+    for rank, r in enumerate(_results(2, tuple(sorted(zoo.items())))):
+        peak, total, shard = r["peak"]
+        if peak is None:
+            pytest.skip("/proc/self/clear_refs cannot reset the resident high-water mark")
+        assert abs(shard - total / 2) <= 4096, (rank, shard, total)
+        assert shard <= peak < 0.75 * total, (rank, peak, shard, total)
+
+
+@pytest.mark.slow
 def test_graph_break_is_one_clear_error_and_flag_compiles_around_it(zoo):
     dirs = tuple(sorted(zoo.items()))
     error, losses = _results(1, dirs)[0]["graph_break"]
-    assert error.startswith(f"compile.fullgraph=true: the forward of {zoo['llama']} "
+    assert error.startswith(f"compile.fullgraph=true: the forward of {zoo['qwen2']} "
                             f"graph-breaks at {__file__}:"), error
     assert "in breaking (torch._dynamo.graph_break()): Call to `torch._dynamo.graph_break()`" \
         in error, error
     assert "\n" not in error and "--no-compile.fullgraph" in error, error
-    want = _results(1, dirs)[0]["llama"][:1]
+    want = _results(1, dirs)[0]["qwen2"][:1]
     assert all(rel(g, w) <= 1e-5 for g, w in zip(losses, want)), (losses, want)
 
 
 @pytest.mark.slow
-def test_cli_trains_from_directory(zoo, tmp_path):
+def test_cli_trains_from_directory(zoo, tmp_path, monkeypatch):
     """The README's command, once: `NGPU=2 ./run_train.sh --model.name hf --model.path DIR
     --compile.enable`, the directory's tokenizer, 8 steps: the loss falls. Its checkpoint
-    exports (simplesharded/export.py) to a directory transformers loads whose logits on a
-    fixed batch equal the checkpointed model's (≤ 1e-5 rel), under the original names."""
+    exports (simplesharded/export.py) in files of at most 40 KB, one checkpoint read per file
+    and its metadata read once, to a directory transformers loads whose logits on a fixed
+    batch equal the checkpointed model's (≤ 1e-5 rel), under the original names."""
     import torch.distributed.checkpoint as dcp
     from transformers import AutoModelForCausalLM
 
@@ -307,7 +405,22 @@ def test_cli_trains_from_directory(zoo, tmp_path):
     assert sorted(losses) == list(range(1, 9)), r
     assert losses[8] < 0.9 * losses[1], losses
 
-    export(str(tmp_path / "checkpoint"), 8, str(tmp_path / "exported"))
+    calls = {"load": 0, "metadata": 0}
+
+    def counted(fn, key):
+        def wrapper(*args, **kwargs):
+            calls[key] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(dcp, "load", counted(dcp.load, "load"))
+    monkeypatch.setattr(dcp.FileSystemReader, "read_metadata",
+                        counted(dcp.FileSystemReader.read_metadata, "metadata"))
+    written = export(str(tmp_path / "checkpoint"), 8, str(tmp_path / "exported"),
+                     max_shard_bytes=40_000)
+    monkeypatch.undo()
+    files = [f for f in written if f.endswith(".safetensors")]
+    assert len(files) > 2 and calls == {"load": len(files), "metadata": 1}, (files, calls)
     after = AutoModelForCausalLM.from_pretrained(tmp_path / "exported", local_files_only=True)
     trained = AutoModelForCausalLM.from_pretrained(zoo["llama"], local_files_only=True)
     state = {"model": trained.state_dict()}
@@ -353,6 +466,41 @@ def test_bad_paths_name_the_key(tmp_path, zoo):
                "--training.seq_len", "128")
 
 
+def test_unknown_name_and_tensor_parallel_are_one_line(zoo):
+    with pytest.raises(ValueError, match=r"^model.name='hff' is not one of \[.*'hf'"):
+        _check("--model.name", "hff")
+    with pytest.raises(ValueError, match=r"^parallelism.tensor_parallel_degree=2: model.name='hf' "
+                                         r"has no tensor-parallel plan here \(use 1\) "
+                                         r"\(model.path='.*qwen2'\)$"):
+        _check("--model.name", "hf", "--model.path", str(zoo["qwen2"]),
+               "--parallelism.tensor_parallel_degree", "2")
+
+
+def test_weights_that_would_not_load_are_one_line(tmp_path, zoo):
+    """Weights only as pytorch_model.bin (read as none: random init) and an index naming a
+    missing file: refused before training, one line each."""
+    pt = tmp_path / "pt"
+    pt.mkdir()
+    (pt / "config.json").symlink_to(zoo["qwen2"] / "config.json")
+    (pt / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"model.path='.*pt' holds weights as "
+                                         r"'pytorch_model.bin' but none as \*.safetensors"):
+        _check("--model.name", "hf", "--model.path", str(pt))
+    (pt / "model.safetensors").symlink_to(zoo["qwen2"] / "model.safetensors")
+    _check("--model.name", "hf", "--model.path", str(pt))  # both formats: safetensors read
+    part = tmp_path / "part"
+    part.mkdir()
+    files = sorted(zoo["llama"].iterdir())
+    gone = next(f.name for f in files if f.name.endswith(".safetensors"))
+    for f in files:
+        if f.name != gone:
+            (part / f.name).symlink_to(f)
+    with pytest.raises(ValueError, match=rf"model.path='.*part': model.safetensors.index.json "
+                                         rf"names 1 file\(s\) that are not there, e.g. "
+                                         rf"'{gone}'"):
+        _check("--model.name", "hf", "--model.path", str(part))
+
+
 def test_logit_post_processing_is_refused(tmp_path):
     from transformers import Gemma2Config
 
@@ -389,12 +537,13 @@ def test_weights_of_another_config_are_an_error(tmp_path, zoo):
     (d / "config.json").write_text(json.dumps(config))
     model = hf_source.build_hf_model(str(d))
     model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty gives the tied head a parameter of its own
     with pytest.raises(ValueError, match=r"tensor 'model.embed_tokens.weight' has shape "
                                          r"\(300, 64\) in the safetensors files but"):
         hf_source.materialize(model)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2", "mixtral"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_flops_per_token(zoo, arch):
     """6 * non-embedding parameters + 12 * layers * width * seq_len (models/hf_source.py)."""
     from simplesharded.models import hf_source
@@ -408,4 +557,5 @@ def test_flops_per_token(zoo, arch):
     n = sum(v for k, v in params.items() if k not in emb)
     if arch == "mixtral":  # 2 of 4 experts run per token
         n -= sum(v for k, v in params.items() if ".experts." in k) / 2
-    assert model.num_flops_per_token(32) == int(6 * n + 12 * 2 * 64 * 32)
+    layers = 2 if arch == "llama" else 1
+    assert model.num_flops_per_token(32) == int(6 * n + 12 * layers * 64 * 32)

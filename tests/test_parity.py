@@ -199,9 +199,10 @@ def test_parity(mode, world, backend):
             dumps = r["dumps"]
             assert {"joint_input", "joint_recompute", "fw_input", "bw_input"} <= set(dumps), dumps
             assert dumps["fw_input"] == "# collectives: " + str(
-                {"all_gather": ag_fw, "reduce_scatter": 0, "all_reduce": 0})
+                {"all_gather": ag_fw, "reduce_scatter": 0, "all_reduce": 0, "all_to_all": 0})
             assert dumps["bw_input"] == "# collectives: " + str(
-                {"all_gather": ag_bw, "reduce_scatter": rs_bw, "all_reduce": ar_bw})
+                {"all_gather": ag_bw, "reduce_scatter": rs_bw, "all_reduce": ar_bw,
+                 "all_to_all": 0})
             if backend.endswith("blockbucketing"):  # inp, 4 blocks, head: 6 buckets
                 assert dumps["bw_bucketing"] == "# collectives: " + str(
-                    {"all_gather": 3, "reduce_scatter": 6, "all_reduce": 6}), dumps
+                    {"all_gather": 3, "reduce_scatter": 6, "all_reduce": 6, "all_to_all": 0}), dumps

@@ -433,6 +433,64 @@ def test_handbuilt_chain_prefetch_with_saved_gathers():
     assert pu.prefetch_depth(out) >= 1
 
 
+def test_handbuilt_foreign_all_to_all_is_never_delayed():
+    """An all-to-all that is not ours (expert parallelism's token exchange) keeps its place:
+    every node after its start in the input stays after it. Layer 2's gather, which the
+    default cap prefetches one bucket ahead (before layer 1's matmul, as in the plain chain),
+    is issued right after the all-to-all's start instead, overlapping the exchange."""
+    plain = reorder_for_overlap(pu.chain_graph(4), BlockPlan())
+    assert [d for _, d in pu.prefetch_depths(plain)] == [0, 1, 1, 1]
+    gm = pu.chain_graph(4, all_to_all_after=1)
+    ref = [n.name for n in gm.graph.nodes]
+    a2a = pu.starts(gm, pu.A2A)[0].name
+    behind = set(ref[ref.index(a2a) + 1:])
+    out = reorder_for_overlap(pu.fresh(gm), BlockPlan())
+    pu.check_waits_before_use(out)
+    names = [n.name for n in out.graph.nodes]
+    assert behind <= set(names[names.index(a2a) + 1:])
+    gather2 = next(n.name for n in pu.starts(out, pu.AG)
+                   if pu.node_params(n) == ["layers.2.weight"])
+    assert names.index(gather2) == names.index(a2a) + 1
+    assert [n.name for n in reorder_for_overlap(out, BlockPlan()).graph.nodes] == names
+
+
+def test_handbuilt_recompute_saves_routing_and_foreign_collectives():
+    """In a checkpointed region, the joint pass tags compute for recompute but saves the
+    routing decision (``ss_routing``) and an all-to-all that is not ours, with its wait."""
+    from torch import fx
+    from torch._subclasses import FakeTensorMode
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from simplesharded.passes.annotations import AC_KEY, ROUTING_KEY
+    from simplesharded.passes.recompute import tag_gathers_for_recompute
+
+    mode, g = FakeTensorMode(), fx.Graph()
+
+    def node(target, *args, custom=None, name=None):
+        n = g.placeholder(name) if target is None else g.call_function(target, args)
+        with mode:
+            n.meta["val"] = (mode.from_tensor(torch.empty(4, 4)) if target is None else
+                             target(*[a.meta["val"] if isinstance(a, fx.Node) else a
+                                      for a in args]))
+        if custom is not None:
+            n.meta["custom"] = custom
+        return n
+
+    x, tangent = node(None, name="primals_1"), node(None, name="tangents_1")
+    region = {AC_KEY: 0}
+    route = node(torch.ops.aten.argsort.default, x, custom={**region, ROUTING_KEY: True})
+    a2a = node(pu.A2A, x, [2, 2], [2, 2], "0", custom=region)
+    wait = node(pu.WAIT, a2a, custom=region)
+    mm = node(torch.ops.aten.mm.default, wait, x, custom=region)
+    grad = node(torch.ops.aten.mul.Tensor, tangent, mm)
+    g.output((mm, route, grad))
+    gm = tag_gathers_for_recompute(fx.GraphModule(torch.nn.Module(), g), BlockPlan())
+    saved = CheckpointPolicy.MUST_SAVE
+    assert [n.meta.get("recompute") for n in (route, a2a, wait)] == [saved] * 3
+    assert mm.meta["recompute"] == CheckpointPolicy.PREFER_RECOMPUTE
+    assert "recompute" not in grad.meta
+
+
 # ----------------------------------------------------------------------- 4. idempotence
 
 

@@ -478,6 +478,12 @@ def test_run_train_sh_config_errors_before_torchrun(tmp_path):
         "NGPU not a number": ({"NGPU": "two"}, [], ["NGPU='two'", "positive integer"]),
         "loss chunks": ({}, ["--training.loss_chunks", "-2"],
                         ["training.loss_chunks=-2", ">= 0 (0 = auto, 1 = unchunked"]),
+        "ep degree vs dp_shard": ({"NGPU": "4"}, ["--parallelism.expert_parallel_degree", "3"],
+                                  ["parallelism.expert_parallel_degree=3 does not divide "
+                                   "parallelism.data_parallel_shard_degree=4"]),
+        "ep without experts": ({"NGPU": "2"}, ["--parallelism.expert_parallel_degree", "2"],
+                               ["parallelism.expert_parallel_degree=2 needs a model with "
+                                "routed experts", "llama3/debug"]),
     }
     cmds = [run_train_sh(env, *args, *dump) for env, args, _ in cases.values()]
     results = run_many(cmds, tmp_path, timeout=180)
