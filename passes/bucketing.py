@@ -37,7 +37,6 @@ def bucket_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     """
     collectives = bucketable(gm.graph)
     merge_buckets(gm.graph, collectives, plan.assign(gm, collectives))
-    gm.graph.lint()
     gm.recompile()
     return gm
 

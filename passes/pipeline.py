@@ -67,7 +67,7 @@ class PassPipeline:
         self._dump(gm, kind, "input")
         for name, p in passes:
             gm = p(gm)
-            gm.graph.lint()
+            gm.graph.lint()  # the one check of each pass's output: the passes do not repeat it
             self._dump(gm, kind, name)
         return gm
 

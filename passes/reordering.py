@@ -94,7 +94,6 @@ def reorder_for_overlap(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     idempotent.
     """
     reorder_graph(gm.graph, plan.memory_cap_bytes)
-    gm.graph.lint()
     gm.recompile()
     return gm
 
