@@ -60,7 +60,7 @@ def merge_buckets(graph: fx.Graph, collectives: list[Collective], keys: list,
         if key is not None:
             groups[(key, c.kind, c.group_name, c.group_size, c.dtype, _reduce_op(c))].append(c)
     if fake_mode is None:
-        fake_mode = fake_mode_of(graph)
+        fake_mode = fake_mode_of(graph, [c.start.args[0] for cs in groups.values() for c in cs])
     order = NodeOrder(graph)  # one for all merges: renumbering per bucket is quadratic
     merge = {"all_gather": functools.partial(_merge_all_gathers, order=order),
              "reduce_scatter": _merge_reduce_scatters, "all_reduce": _merge_all_reduces}

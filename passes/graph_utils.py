@@ -14,10 +14,13 @@ from torch._subclasses import FakeTensor
 aten = torch.ops.aten
 
 
-def fake_mode_of(graph: fx.Graph):
+def fake_mode_of(graph: fx.Graph, nodes=None):
     """The mode :func:`call` computes new nodes' values in: the graph's FakeTensorMode; a null
-    context when its values are meta tensors (computed on them directly); else None."""
-    vals = [n.meta["val"] for n in graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+    context when its values are meta tensors (computed on them directly); else None.
+    ``nodes``: the nodes a pass computes its new values from, when it knows them (looking at
+    these few instead of the whole graph)."""
+    nodes = graph.nodes if nodes is None else nodes
+    vals = [n.meta["val"] for n in nodes if isinstance(n.meta.get("val"), torch.Tensor)]
     # Before detect_fake_mode, which inside a compile answers the compile's mode whatever the
     # values are.
     if vals and all(v.device.type == "meta" and not isinstance(v, FakeTensor) for v in vals):
