@@ -26,6 +26,9 @@
 """
 from __future__ import annotations
 
+import bisect
+import math
+
 from torch import fx
 
 from .annotations import BUCKET_KEY, annotations, gathered_param
@@ -123,8 +126,9 @@ class _Behind:
         foreign = {c.start for c in collectives if not c.ours}
         self.order, self.floor, last = order, {}, None
         self.hoisted: dict[fx.Node, fx.Node] = {}  # foreign start → last start issued after it
-        for node in graph.nodes:
-            self.floor[node] = last
+        for node in graph.nodes if foreign else ():  # none: no node has one to stay behind
+            if last is not None:
+                self.floor[node] = last
             if node in foreign:
                 last = node
 
@@ -197,6 +201,7 @@ class _Prefetch:
         self.uses = {s: _chain_uses(chain) for s, chain in self.chain.items()}
         self.last: dict[fx.Node, fx.Node] | None = None  # see _fixed_last_uses
         self.static: tuple[dict, list] | None = None  # see _static_positions
+        self.index: _SpanIndex | None = None  # the spans of static, by end
         # Bytes alive over fixed spans (first node, last node, bytes): copy-outs and saved
         # gathered parameters; their nodes never move while prefetching.
         self.fixed = [span for c in self.ags for span in self._copy_outs(c)]
@@ -255,6 +260,10 @@ class _Prefetch:
         cone = self._cone()
         self.last = self._fixed_last_uses(cone)
         self.static = self._static_positions(cone)
+        if self.static is not None:
+            last_pos, fixed = self.static
+            self.index = _SpanIndex([(order[c.start], last_pos[c.start], c.nbytes, c.start)
+                                     for c in self.ags] + [(*span, None) for span in fixed])
         if self.cap is None:
             self.cap = self.peak() + max((c.nbytes for c in self.ags), default=0)
         use_of = {c.start: _first_use(self.chain[c.start], order) for c in self.ags}
@@ -288,6 +297,8 @@ class _Prefetch:
                 target = self.behind.anchor(c.start, target)
             if target is not None and order[c.start] > order[target]:
                 hoist_before(c.start, target, order)
+                if self.index is not None:
+                    self.index.move(c.start, order[c.start])
 
     def graph_start(self, c: Collective, previous: fx.Node | None) -> fx.Node | None:
         """The first node that is neither a placeholder nor something ``c``'s start depends
@@ -337,8 +348,15 @@ class _Prefetch:
 
     def peak(self, lo=None, hi=None, skip: Collective | None = None) -> int:
         """Most gathered bytes alive at once between positions ``lo`` and ``hi``."""
+        if self.index is not None and lo is not None and hi is not None:
+            # The spans overlapping [lo, hi] straight from the index: a fit test then costs
+            # what is alive around it, not a look at every span (quadratic in the gathers).
+            spans = [span[:3] for span in self.index.overlapping(lo, hi)
+                     if skip is None or span[3] is not skip.start]
+        else:
+            spans = self.spans(skip)
         events = []
-        for start, end, nbytes in self.spans(skip):
+        for start, end, nbytes in spans:
             if (hi is None or start <= hi) and (lo is None or end >= lo):
                 # (position, released after the node at that position, bytes)
                 events.append((start if lo is None else max(start, lo), 0, nbytes))
@@ -353,6 +371,51 @@ class _Prefetch:
         """Would issuing ``c`` right before ``candidate`` keep gathered bytes alive ≤ cap?"""
         lo, hi = self.order[candidate], self.order[self.last_use(c)]
         return c.nbytes + self.peak(lo, hi, skip=c) <= self.cap
+
+
+class _SpanIndex:
+    """Spans (first position, last position, bytes, key) sorted by their last position, which
+    never changes, in a segment tree of their first positions, which change as the gathers
+    they start with are hoisted (``move``): ``overlapping(lo, hi)`` finds the spans that
+    overlap [lo, hi] in time proportional to their number (times log n), not to n."""
+
+    def __init__(self, spans: list[tuple]):
+        self.spans = sorted(spans, key=lambda span: span[1])
+        self.ends = [span[1] for span in self.spans]
+        self.slot = {span[3]: i for i, span in enumerate(self.spans) if span[3] is not None}
+        self.size = size = 1 << max(len(self.spans) - 1, 0).bit_length()
+        self.first = [math.inf] * (2 * size)  # each subtree's earliest first position
+        for i, span in enumerate(self.spans):
+            self.first[size + i] = span[0]
+        for i in range(size - 1, 0, -1):
+            self.first[i] = min(self.first[2 * i], self.first[2 * i + 1])
+
+    def move(self, key, first) -> None:
+        """The span ``key`` now begins at ``first``."""
+        i = self.slot[key]
+        span = self.spans[i]
+        self.spans[i] = (first, *span[1:])
+        i += self.size
+        self.first[i] = first
+        while i > 1:
+            i //= 2
+            self.first[i] = min(self.first[2 * i], self.first[2 * i + 1])
+
+    def overlapping(self, lo, hi) -> list[tuple]:
+        """The spans with first ≤ ``hi`` and last ≥ ``lo``, by last position."""
+        begin = bisect.bisect_left(self.ends, lo)  # the spans from here on end at lo or later
+        out, stack = [], [(1, 0, self.size)]  # (tree node, [a, b) of spans below it)
+        while stack:
+            node, a, b = stack.pop()
+            if b <= begin or self.first[node] > hi:
+                continue
+            if node >= self.size:
+                out.append(self.spans[a])
+                continue
+            mid = (a + b) // 2
+            stack.append((2 * node + 1, mid, b))
+            stack.append((2 * node, a, mid))
+        return out
 
 
 def _bucket(c: Collective):
