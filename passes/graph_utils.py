@@ -108,7 +108,8 @@ def forget_erased(graph: fx.Graph, nodes: list[fx.Node]) -> None:
     namespace maps node -> name) until the graph itself goes, so the nodes a pass creates and
     erases again stay alive, as cyclic garbage; AutoPlan's trials create and erase thousands
     per candidate on their working copy. Forgotten, an erased node is freed at once. The
-    one place that reads fx's namespace; without one (another torch) nothing is dropped."""
+    one place that reads fx's namespace (docs/torch_internals.md); without one (another
+    torch) nothing is dropped."""
     names = getattr(getattr(graph, "_graph_namespace", None), "_obj_to_name", None)
     if isinstance(names, dict):
         for node in nodes:

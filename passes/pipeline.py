@@ -1,6 +1,7 @@
 """Compose graph passes and plug them into torch's compilers.
 
-The only file that touches aot_autograd's compiler hooks and inductor's custom-pass config.
+The only file that touches aot_autograd's compiler hooks, inductor's custom-pass config and
+fx's lazily compiled graph module (docs/torch_internals.md).
 Two adapters run the same passes:
   * ``aot_backend``: aot_autograd with our partition_fn (joint passes, then torch's min-cut
     partitioner) and fw/bw compilers that run the graph passes, then execute the FX graph
@@ -93,17 +94,21 @@ class PassPipeline:
         return h.hexdigest()
 
 
-def lazily_compiled(gm: fx.GraphModule) -> fx.GraphModule:
+def lazily_compiled(gm: fx.GraphModule, graph: fx.Graph | None = None) -> fx.GraphModule:
     """``gm``'s graph, attributes and meta in the graph module kind dynamo itself makes, whose
     ``recompile`` only marks the code stale: every pass that edits the graph recompiles, and a
     plain GraphModule would generate the code of the whole graph each time (~2 CPU s per pass
     on Llama 3 70B's backward graph; aot_autograd hands the backward over as a plain one).
-    :func:`generate_code` then generates it once, after the last pass."""
+    :func:`generate_code` then generates it once, after the last pass. ``graph``: one to use
+    instead of ``gm``'s own (a copy to edit, ``gm`` staying as it is).
+
+    This and generate_code are the one place that touches fx's lazy module
+    (docs/torch_internals.md)."""
     from torch.fx._lazy_graph_module import _LazyGraphModule
 
-    if isinstance(gm, _LazyGraphModule):
+    if graph is None and isinstance(gm, _LazyGraphModule):
         return gm
-    lazy = _LazyGraphModule(gm, gm.graph)
+    lazy = _LazyGraphModule(gm, gm.graph if graph is None else graph)
     lazy.meta = gm.meta
     return lazy
 
