@@ -95,7 +95,6 @@ def insert_agreement_check(gm: fx.GraphModule) -> fx.GraphModule:
     first = next(n for n in graph.nodes if n.op != "placeholder")
     with graph.inserting_before(first):
         graph.call_function(AGREE_OP, (json.dumps(lines),))
-    graph.lint()
     gm.recompile()
     return gm
 

@@ -37,7 +37,6 @@ def bucket_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     """
     collectives = bucketable(gm.graph)
     merge_buckets(gm.graph, collectives, plan.assign(gm, collectives))
-    gm.graph.lint()
     gm.recompile()
     return gm
 
@@ -49,16 +48,19 @@ def bucketable(graph: fx.Graph) -> list[Collective]:
 
 
 def merge_buckets(graph: fx.Graph, collectives: list[Collective], keys: list,
-                  fake_mode=None) -> list[Collective]:
+                  fake_mode=None, detach: bool = False) -> list[Collective]:
     """The graph edit of bucket_collectives for given keys (one per collective); AutoPlan runs
     it on copies of a graph to compare candidates. Returns the collectives it merged (their
-    nodes are gone). ``fake_mode``: what fake_mode_of(graph) answers, when the caller knows."""
+    nodes are gone). ``fake_mode``: what fake_mode_of(graph) answers, when the caller knows.
+    ``detach``: leave each merged collective's start and wait in the graph instead, the start
+    reading nothing and the wait read by nothing (find_collectives skips such a start), for a
+    caller that puts them back (AutoPlan's trials)."""
     groups: dict[tuple, list[Collective]] = defaultdict(list)
     for c, key in zip(collectives, keys):
         if key is not None:
             groups[(key, c.kind, c.group_name, c.group_size, c.dtype, _reduce_op(c))].append(c)
     if fake_mode is None:
-        fake_mode = fake_mode_of(graph)
+        fake_mode = fake_mode_of(graph, [c.start.args[0] for cs in groups.values() for c in cs])
     order = NodeOrder(graph)  # one for all merges: renumbering per bucket is quadratic
     merge = {"all_gather": functools.partial(_merge_all_gathers, order=order),
              "reduce_scatter": _merge_reduce_scatters, "all_reduce": _merge_all_reduces}
@@ -66,7 +68,7 @@ def merge_buckets(graph: fx.Graph, collectives: list[Collective], keys: list,
     for (key, kind, *_), members in groups.items():
         if len(members) > 1:
             members = sorted(members, key=lambda c: order[c.start])
-            merge[kind](graph, members, fake_mode, str(key))
+            _replace(members, merge[kind](graph, members, fake_mode, str(key)), graph, detach)
             merged += members
     # Users of an early reduction now read the merged one, defined at the bucket's last start.
     # (A merged gather is defined at its first start and copied out where each wait was: the
@@ -91,10 +93,12 @@ def _custom(members: list[Collective], bucket: str) -> dict:
     return custom
 
 
-def _replace(members: list[Collective], new_values: list[fx.Node], graph: fx.Graph) -> None:
-    """Members' results read from the bucket's; their collectives erased. Each reader's
-    inputs are rewritten once for the whole bucket (the graph's output reads every gradient:
-    rewriting it per member was quadratic)."""
+def _replace(members: list[Collective], new_values: list[fx.Node], graph: fx.Graph,
+             detach: bool) -> None:
+    """Members' results read from the bucket's; their collectives erased (``detach``: their
+    starts read nothing, see merge_buckets). Each reader's inputs are rewritten once for the
+    whole bucket (the graph's output reads every gradient: rewriting it per member was
+    quadratic)."""
     new = {c.wait: v for c, v in zip(members, new_values)}
     # What replace_all_uses_with would tell an observer of the module (provenance tracking)
     hooks = getattr(graph.owning_module, "_replace_hooks", None) or ()
@@ -106,8 +110,11 @@ def _replace(members: list[Collective], new_values: list[fx.Node], graph: fx.Gra
         user.args, user.kwargs = fx.node.map_arg((user.args, user.kwargs),
                                                  lambda n: new.get(n, n))
     for c in members:
-        graph.erase_node(c.wait)
-        graph.erase_node(c.start)
+        if detach:
+            c.start.args, c.start.kwargs = (), {}
+        else:
+            graph.erase_node(c.wait)
+            graph.erase_node(c.start)
 
 
 def _merge_all_gathers(graph, members, fake_mode, bucket, order):
@@ -139,7 +146,7 @@ def _merge_all_gathers(graph, members, fake_mode, bucket, order):
                        custom=custom)
         offset += size
         outs.append(out)
-    _replace(members, outs, graph)
+    return outs
 
 
 def _merge_reduce_scatters(graph, members, fake_mode, bucket):
@@ -156,8 +163,7 @@ def _merge_reduce_scatters(graph, members, fake_mode, bucket):
         start = call(graph, REDUCE_SCATTER, (buf, op, ws, name), fake_mode=fake_mode,
                      custom=custom)
         wait = call(graph, WAIT, (start,), fake_mode=fake_mode, custom=custom)
-        outs = _split(graph, wait, members, cols, fake_mode, custom)
-    _replace(members, outs, graph)
+        return _split(graph, wait, members, cols, fake_mode, custom)
 
 
 def _merge_all_reduces(graph, members, fake_mode, bucket):
@@ -171,8 +177,7 @@ def _merge_all_reduces(graph, members, fake_mode, bucket):
                    fake_mode=fake_mode, custom=custom)
         start = call(graph, ALL_REDUCE, (buf, op, name), fake_mode=fake_mode, custom=custom)
         wait = call(graph, WAIT, (start,), fake_mode=fake_mode, custom=custom)
-        outs = _split(graph, wait, members, sizes, fake_mode, custom)
-    _replace(members, outs, graph)
+        return _split(graph, wait, members, sizes, fake_mode, custom)
 
 
 def _split(graph, wait, members, sizes, fake_mode, custom) -> list[fx.Node]:

@@ -68,7 +68,6 @@ def coalesce_gathers(gm: fx.GraphModule,
         for node in (rows, c.wait, c.start, cat):
             if not node.users:
                 graph.erase_node(node)
-    graph.lint()
     gm.recompile()
     return gm
 

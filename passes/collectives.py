@@ -209,7 +209,7 @@ def find_collectives(graph: fx.Graph | fx.GraphModule) -> list[Collective]:
     graph = graph.graph if isinstance(graph, fx.GraphModule) else graph
     found = []
     for node in graph.nodes:
-        if not is_collective(node):
+        if not is_collective(node) or not node.args:  # no args: detached (merge_buckets)
             continue
         size, name = group_args(node)
         val = node.meta.get("val")

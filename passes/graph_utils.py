@@ -14,10 +14,13 @@ from torch._subclasses import FakeTensor
 aten = torch.ops.aten
 
 
-def fake_mode_of(graph: fx.Graph):
+def fake_mode_of(graph: fx.Graph, nodes=None):
     """The mode :func:`call` computes new nodes' values in: the graph's FakeTensorMode; a null
-    context when its values are meta tensors (computed on them directly); else None."""
-    vals = [n.meta["val"] for n in graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+    context when its values are meta tensors (computed on them directly); else None.
+    ``nodes``: the nodes a pass computes its new values from, when it knows them (looking at
+    these few instead of the whole graph)."""
+    nodes = graph.nodes if nodes is None else nodes
+    vals = [n.meta["val"] for n in nodes if isinstance(n.meta.get("val"), torch.Tensor)]
     # Before detect_fake_mode, which inside a compile answers the compile's mode whatever the
     # values are.
     if vals and all(v.device.type == "meta" and not isinstance(v, FakeTensor) for v in vals):
@@ -98,6 +101,19 @@ def hoist_before(node: fx.Node, anchor: fx.Node, order: NodeOrder) -> None:
     for inp in node.all_input_nodes:
         hoist_before(inp, anchor, order)
     order.move_before(node, anchor)
+
+
+def forget_erased(graph: fx.Graph, nodes: list[fx.Node]) -> None:
+    """Let ``graph`` drop ``nodes``, erased from it. An fx graph keeps every node it ever named (its
+    namespace maps node -> name) until the graph itself goes, so the nodes a pass creates and
+    erases again stay alive, as cyclic garbage; AutoPlan's trials create and erase thousands
+    per candidate on their working copy. Forgotten, an erased node is freed at once. The
+    one place that reads fx's namespace (docs/torch_internals.md); without one (another
+    torch) nothing is dropped."""
+    names = getattr(getattr(graph, "_graph_namespace", None), "_obj_to_name", None)
+    if isinstance(names, dict):
+        for node in nodes:
+            names.pop(node, None)
 
 
 def is_contiguous(node: fx.Node) -> bool:

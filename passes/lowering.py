@@ -58,7 +58,6 @@ def lower_reduce_scatters(gm: fx.GraphModule,
         c.wait.replace_all_uses_with(total)
         graph.erase_node(c.wait)
         graph.erase_node(c.start)
-    graph.lint()
     gm.recompile()
     return gm
 

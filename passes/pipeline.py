@@ -1,9 +1,11 @@
 """Compose graph passes and plug them into torch's compilers.
 
-The only file that touches aot_autograd's compiler hooks and inductor's custom-pass config.
+The only file that touches aot_autograd's compiler hooks, inductor's custom-pass config and
+fx's lazily compiled graph module (docs/torch_internals.md).
 Two adapters run the same passes:
   * ``aot_backend``: aot_autograd with our partition_fn (joint passes, then torch's min-cut
-    partitioner) and fw/bw compilers that run the graph passes, then execute the FX graph.
+    partitioner) and fw/bw compilers that run the graph passes, then execute the FX graph
+    (its code generated once, after the last pass: ``lazily_compiled``).
   * ``inductor_backend``: ``compile_fx`` inside a ``torch._inductor.config.patch`` that installs
     our joint pre-pass and post-grad pass; the patch is owned by the call, so nothing leaks
     into other compiles. When the pipeline has graph passes, their output order is pinned for
@@ -69,7 +71,7 @@ class PassPipeline:
         self._dump(gm, kind, "input")
         for name, p in passes:
             gm = p(gm)
-            gm.graph.lint()
+            gm.graph.lint()  # the one check of each pass's output: the passes do not repeat it
             self._dump(gm, kind, name)
         return gm
 
@@ -95,6 +97,32 @@ class PassPipeline:
         return h.hexdigest()
 
 
+def lazily_compiled(gm: fx.GraphModule, graph: fx.Graph | None = None) -> fx.GraphModule:
+    """``gm``'s graph, attributes and meta in the graph module kind dynamo itself makes, whose
+    ``recompile`` only marks the code stale: every pass that edits the graph recompiles, and a
+    plain GraphModule would generate the code of the whole graph each time (~2 CPU s per pass
+    on Llama 3 70B's backward graph; aot_autograd hands the backward over as a plain one).
+    :func:`generate_code` then generates it once, after the last pass. ``graph``: one to use
+    instead of ``gm``'s own (a copy to edit, ``gm`` staying as it is).
+
+    This and generate_code are the one place that touches fx's lazy module
+    (docs/torch_internals.md)."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    if graph is None and isinstance(gm, _LazyGraphModule):
+        return gm
+    lazy = _LazyGraphModule(gm, gm.graph if graph is None else graph)
+    lazy.meta = gm.meta
+    return lazy
+
+
+def generate_code(gm: fx.GraphModule) -> None:
+    """Generate the Python code of a :func:`lazily_compiled` module now, if it is stale."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    _LazyGraphModule.force_recompile(gm)
+
+
 def aot_backend(pipeline: PassPipeline):
     """A torch.compile backend: aot_autograd + our passes + run the FX graph as is."""
     from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
@@ -105,7 +133,9 @@ def aot_backend(pipeline: PassPipeline):
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
     def compiler(gm, example_inputs):
-        return make_boxed_func(pipeline.run_graph(gm).forward)
+        gm = pipeline.run_graph(lazily_compiled(gm))
+        generate_code(gm)  # once, now: the compile pays it, not the first step
+        return make_boxed_func(gm.forward)
 
     return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, partition_fn=partition,
                         keep_inference_input_mutations=True)

@@ -213,30 +213,33 @@ class _Trials:
     edits (merge_buckets, reorder_graph) on one working copy of the graph, which every trial
     puts back as it found it. Copying the graph per candidate cost more than the edits and the
     simulation together (a graph copy creates every node afresh; undoing a trial touches only
-    the collectives it merged, their users and the nodes it added).
+    the collectives it merged, their users and the nodes it added). The merges keep the
+    collectives they replace in the graph, detached (merge_buckets' ``detach``), so undoing
+    one re-attaches them instead of creating them again.
 
     The working copy is a copy of the graph only (no GraphModule, no code generated;
-    deep-copying a tensor constant next to the fake tensors that describe it would fail) whose
-    values are meta tensors: the cost model reads only shapes, strides and dtypes, and ops on
-    meta tensors are ~30x cheaper than on fake ones. The compute time of a node the edits left
-    as it was (same inputs) is the original node's, computed once for all candidates."""
+    deep-copying a tensor constant next to the fake tensors that describe it would fail). The
+    collectives' inputs, which the merges compute new values from, get meta values: ops on
+    meta tensors are ~30x cheaper than on fake ones, and the cost model reads only shapes,
+    strides and dtypes, which fake and meta values share. The compute time of an original node
+    is computed once for all candidates (a merge gives the readers of a wait a copy-out of the
+    same shape, strides and dtype instead)."""
 
     def __init__(self, graph: fx.Graph, hw, cap: int | None):
         import copy
 
         from .bucketing import bucketable
-        from .graph_utils import fake_mode_of
         from .node_meta import to_meta
 
         self.hw, self.cap = hw, cap
         self.work = copy.deepcopy(graph)
         self.origin = dict(zip(self.work.nodes, graph.nodes))  # a copy keeps node order
-        for node in self.work.nodes:  # the copy's own meta dicts: the original keeps its own
-            if "val" in node.meta:
-                node.meta["val"] = to_meta(node.meta["val"])
         self.order = list(self.work.nodes)  # what every trial restores
         self.collectives = bucketable(self.work)
-        self.fake_mode = fake_mode_of(self.work)  # meta values: none
+        for c in self.collectives:  # the copy's own meta dicts: the original keeps its own
+            node = c.start.args[0]
+            node.meta["val"] = to_meta(node.meta["val"])
+        self.fake_mode = contextlib.nullcontext()  # values computed on meta tensors as they are
         self.costs: dict[fx.Node, float] = {}
 
     def makespan(self, keys) -> float:
@@ -247,21 +250,19 @@ class _Trials:
         from .simulate import simulate
 
         work, origin, hw = self.work, self.origin, self.hw
-        # What merging may change: a merged collective's start and wait are erased and its
-        # wait's users read the bucket's copy-out instead.
-        saved = [(c, c.start.args, c.start.kwargs, c.wait.args, c.wait.kwargs,
-                  [(u, u.args, u.kwargs) for u in c.wait.users])
+        # What merging changes: a merged collective's start no longer reads its input, and
+        # its wait's users read the bucket's copy-out instead.
+        saved = [(c, c.start.args, c.start.kwargs, [(u, u.args, u.kwargs) for u in c.wait.users])
                  for c, key in zip(self.collectives, keys) if key is not None]
         ids = {id(c) for c in merge_buckets(work, self.collectives, list(keys),
-                                            self.fake_mode)}
+                                            self.fake_mode, detach=True)}
         merged = [entry for entry in saved if id(entry[0]) in ids]
-        changed = {u for entry in merged for u, _, _ in entry[5]}  # inputs replaced
         collectives = find_collectives(work)  # moving nodes keeps them valid
         reorder_graph(work, self.cap, collectives)
 
         def time_of(node: fx.Node) -> float:
             old = origin.get(node)
-            if old is None or node in changed:
+            if old is None:  # added by the trial
                 return node_time(node, hw)
             if old not in self.costs:
                 self.costs[old] = node_time(old, hw)
@@ -273,36 +274,23 @@ class _Trials:
         return makespan
 
     def _restore(self, merged) -> None:
-        """Undo a trial: the merged collectives back (new nodes in place of the erased ones),
-        their users' inputs back, the nodes the trial added erased, the original order."""
+        """Undo a trial: the merged collectives' starts read their inputs again and their
+        waits' users read the waits, the nodes the trial added are erased, the original order
+        comes back."""
+        from .graph_utils import forget_erased
+
         work, origin = self.work, self.origin
-        remap: dict[fx.Node, fx.Node] = {}
-
-        def back(a):
-            return fx.node.map_arg(a, lambda n: remap.get(n, n))
-
-        with work.inserting_before(self.order[-1]):
-            for c, start_args, start_kwargs, wait_args, wait_kwargs, _ in merged:
-                start = work.create_node("call_function", c.start.target, back(start_args),
-                                         back(start_kwargs))
-                remap[c.start] = start
-                wait = work.create_node("call_function", c.wait.target, back(wait_args),
-                                        back(wait_kwargs))
-                remap[c.wait] = wait
-                start.meta, wait.meta = c.start.meta, c.wait.meta
-                origin[start], origin[wait] = origin.pop(c.start), origin.pop(c.wait)
-                c.start, c.wait = start, wait
         readers = {}  # each reader once (the output reads every gradient)
-        for *_, users in merged:
+        for c, start_args, start_kwargs, users in merged:
+            c.start.args, c.start.kwargs = start_args, start_kwargs
             for user, args, kwargs in users:
-                readers.setdefault(remap.get(user, user), (args, kwargs))
+                readers.setdefault(user, (args, kwargs))
         for user, (args, kwargs) in readers.items():
-            user.args, user.kwargs = back((args, kwargs))
-        if remap:
-            self.order = [remap.get(n, n) for n in self.order]
-        for node in reversed(list(work.nodes)):  # users before what they read
-            if node not in origin:  # added by the trial
-                work.erase_node(node)
+            user.args, user.kwargs = args, kwargs
+        added = [node for node in reversed(list(work.nodes)) if node not in origin]
+        for node in added:  # users before what they read
+            work.erase_node(node)
+        forget_erased(work, added)
         first = next(iter(work.nodes))
         if first is not self.order[0]:
             first.prepend(self.order[0])

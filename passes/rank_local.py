@@ -47,7 +47,8 @@ def rank_local_nodes(graph: fx.Graph, collectives: list[Collective] | None = Non
     # only gathers, directly or through a bucket's copy). A node is (re)examined whenever one
     # of its users joins, so the set is the same as a sweep from the outputs would find.
     feeds: set[fx.Node] = set()
-    stack = [a for n in graph.nodes if n in starts or bucketing(n) for a in n.all_input_nodes]
+    stack = [a for n in graph.nodes if n in starts or BUCKET_KEY in (n.meta.get("custom") or ())
+             for a in n.all_input_nodes]
     while stack:
         n = stack.pop()
         if n not in feeds and plain(n) and n.users and all(

@@ -26,6 +26,9 @@
 """
 from __future__ import annotations
 
+import bisect
+import math
+
 from torch import fx
 
 from .annotations import BUCKET_KEY, annotations, gathered_param
@@ -94,7 +97,6 @@ def reorder_for_overlap(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     idempotent.
     """
     reorder_graph(gm.graph, plan.memory_cap_bytes)
-    gm.graph.lint()
     gm.recompile()
     return gm
 
@@ -111,8 +113,8 @@ def reorder_graph(graph: fx.Graph, memory_cap_bytes: int | None,
     order = NodeOrder(graph)
     behind = _Behind(graph, collectives, order)
     collectives = [c for c in collectives if c.wait is not None and c.ours]
-    _place_gather_waits(collectives, order, behind)
-    _Prefetch(graph, collectives, memory_cap_bytes, order, behind).run()
+    chains = _place_gather_waits(collectives, order, behind)
+    _Prefetch(graph, collectives, memory_cap_bytes, order, chains, behind).run()
     _place_reductions(collectives, order, behind)
 
 
@@ -124,8 +126,9 @@ class _Behind:
         foreign = {c.start for c in collectives if not c.ours}
         self.order, self.floor, last = order, {}, None
         self.hoisted: dict[fx.Node, fx.Node] = {}  # foreign start → last start issued after it
-        for node in graph.nodes:
-            self.floor[node] = last
+        for node in graph.nodes if foreign else ():  # none: no node has one to stay behind
+            if last is not None:
+                self.floor[node] = last
             if node in foreign:
                 last = node
 
@@ -153,16 +156,20 @@ class _Behind:
                 self.order.move_before(node, target)
 
 
-def _place_gather_waits(collectives: list[Collective], order: NodeOrder,
-                        behind: _Behind) -> None:
+def _place_gather_waits(collectives: list[Collective], order: NodeOrder, behind: _Behind
+                        ) -> dict[fx.Node, list[fx.Node]]:
+    """Each all-gather's chain right before its first use; returns {start: chain}, still in
+    graph order (moving a chain keeps its own order)."""
+    chains = {}
     for c in collectives:
         if c.kind != "all_gather":
             continue
-        chain = gather_chain(c.wait, order)
+        chain = chains[c.start] = gather_chain(c.wait, order)
         use = _first_use(chain, order)
         if use is None:
             continue
         behind.move_before(chain, use)  # keeps the chain's own order
+    return chains
 
 
 def _sink_to_wait(c: Collective, order: NodeOrder) -> None:
@@ -186,13 +193,15 @@ class _Prefetch:
     copy-outs and the saved gathered parameters are found once: moving starts changes none."""
 
     def __init__(self, graph: fx.Graph, collectives: list[Collective], cap: int | None,
-                 order: NodeOrder, behind: _Behind):
+                 order: NodeOrder, chains: dict[fx.Node, list[fx.Node]], behind: _Behind):
         self.graph, self.cap, self.order, self.behind = graph, cap, order, behind
         self.ags = [c for c in collectives if c.kind == "all_gather"]
-        self.chain = {c.start: gather_chain(c.wait, order) for c in self.ags}
+        self.chain = chains  # {start: gather_chain}: what _place_gather_waits found
         # The output node is a use: a gathered parameter saved for backward stays alive.
         self.uses = {s: _chain_uses(chain) for s, chain in self.chain.items()}
         self.last: dict[fx.Node, fx.Node] | None = None  # see _fixed_last_uses
+        self.static: tuple[dict, list] | None = None  # see _static_positions
+        self.index: _SpanIndex | None = None  # the spans of static, by end
         # Bytes alive over fixed spans (first node, last node, bytes): copy-outs and saved
         # gathered parameters; their nodes never move while prefetching.
         self.fixed = [span for c in self.ags for span in self._copy_outs(c)]
@@ -214,26 +223,47 @@ class _Prefetch:
         return max([_held_until(c.wait, self.order)] + self.chain[c.start],
                    key=self.order.__getitem__)
 
-    def _fixed_last_uses(self) -> dict[fx.Node, fx.Node] | None:
-        """Every buffer's last use, found once, if no chain node or use can move while
-        prefetching: run() moves only all-gather starts and what they read (the sinking and
-        the hoisting), so unless a use feeds a gather, the last uses stay where they are.
-        (Finding them afresh at every fit test made prefetch quadratic in the gathers.)"""
+    def _cone(self) -> set[fx.Node]:
+        """What the all-gather starts read, directly or not: all that hoisting moves."""
         cone, stack = set(), [c.start for c in self.ags]
         while stack:
             for node in stack.pop().all_input_nodes:
                 if node not in cone:
                     cone.add(node)
                     stack.append(node)
+        return cone
+
+    def _fixed_last_uses(self, cone: set[fx.Node]) -> dict[fx.Node, fx.Node] | None:
+        """Every buffer's last use, found once, if no chain node or use can move while
+        prefetching: run() moves only all-gather starts and what they read (the sinking and
+        the hoisting), so unless a use feeds a gather, the last uses stay where they are.
+        (Finding them afresh at every fit test made prefetch quadratic in the gathers.)"""
         if any(n in cone for c in self.ags for n in self.uses[c.start] or self.chain[c.start]):
             return None
         return {c.start: self.last_use(c) for c in self.ags}
+
+    def _static_positions(self, cone: set[fx.Node]) -> tuple[dict, list] | None:
+        """({gather start: position of its last use}, [(first, last position, bytes) of the
+        fixed spans]) when none of these nodes is in the starts' cone: then hoisting never
+        moves them, their positions never change (NodeOrder), and every fit test reads them
+        from here instead of looking each up again."""
+        if self.last is None or any(n in cone for span in self.fixed for n in span[:2]):
+            return None
+        order = self.order
+        return ({c.start: order[self.last[c.start]] for c in self.ags},
+                [(order[first], order[last], nbytes) for first, last, nbytes in self.fixed])
 
     def run(self) -> None:
         order = self.order
         for c in self.ags:
             _sink_to_wait(c, order)
-        self.last = self._fixed_last_uses()
+        cone = self._cone()
+        self.last = self._fixed_last_uses(cone)
+        self.static = self._static_positions(cone)
+        if self.static is not None:
+            last_pos, fixed = self.static
+            self.index = _SpanIndex([(order[c.start], last_pos[c.start], c.nbytes, c.start)
+                                     for c in self.ags] + [(*span, None) for span in fixed])
         if self.cap is None:
             self.cap = self.peak() + max((c.nbytes for c in self.ags), default=0)
         use_of = {c.start: _first_use(self.chain[c.start], order) for c in self.ags}
@@ -267,6 +297,8 @@ class _Prefetch:
                 target = self.behind.anchor(c.start, target)
             if target is not None and order[c.start] > order[target]:
                 hoist_before(c.start, target, order)
+                if self.index is not None:
+                    self.index.move(c.start, order[c.start])
 
     def graph_start(self, c: Collective, previous: fx.Node | None) -> fx.Node | None:
         """The first node that is neither a placeholder nor something ``c``'s start depends
@@ -301,6 +333,13 @@ class _Prefetch:
         """(first position, last position, bytes) of every gathered byte alive, ``skip``'s
         own gathered buffer left out."""
         order = self.order
+        if self.static is not None:
+            last_pos, fixed = self.static
+            for c in self.ags:
+                if c is not skip:
+                    yield order[c.start], last_pos[c.start], c.nbytes
+            yield from fixed
+            return
         for c in self.ags:
             if c is not skip:
                 yield order[c.start], order[self.last_use(c)], c.nbytes
@@ -309,8 +348,15 @@ class _Prefetch:
 
     def peak(self, lo=None, hi=None, skip: Collective | None = None) -> int:
         """Most gathered bytes alive at once between positions ``lo`` and ``hi``."""
+        if self.index is not None and lo is not None and hi is not None:
+            # The spans overlapping [lo, hi] straight from the index: a fit test then costs
+            # what is alive around it, not a look at every span (quadratic in the gathers).
+            spans = [span[:3] for span in self.index.overlapping(lo, hi)
+                     if skip is None or span[3] is not skip.start]
+        else:
+            spans = self.spans(skip)
         events = []
-        for start, end, nbytes in self.spans(skip):
+        for start, end, nbytes in spans:
             if (hi is None or start <= hi) and (lo is None or end >= lo):
                 # (position, released after the node at that position, bytes)
                 events.append((start if lo is None else max(start, lo), 0, nbytes))
@@ -325,6 +371,51 @@ class _Prefetch:
         """Would issuing ``c`` right before ``candidate`` keep gathered bytes alive ≤ cap?"""
         lo, hi = self.order[candidate], self.order[self.last_use(c)]
         return c.nbytes + self.peak(lo, hi, skip=c) <= self.cap
+
+
+class _SpanIndex:
+    """Spans (first position, last position, bytes, key) sorted by their last position, which
+    never changes, in a segment tree of their first positions, which change as the gathers
+    they start with are hoisted (``move``): ``overlapping(lo, hi)`` finds the spans that
+    overlap [lo, hi] in time proportional to their number (times log n), not to n."""
+
+    def __init__(self, spans: list[tuple]):
+        self.spans = sorted(spans, key=lambda span: span[1])
+        self.ends = [span[1] for span in self.spans]
+        self.slot = {span[3]: i for i, span in enumerate(self.spans) if span[3] is not None}
+        self.size = size = 1 << max(len(self.spans) - 1, 0).bit_length()
+        self.first = [math.inf] * (2 * size)  # each subtree's earliest first position
+        for i, span in enumerate(self.spans):
+            self.first[size + i] = span[0]
+        for i in range(size - 1, 0, -1):
+            self.first[i] = min(self.first[2 * i], self.first[2 * i + 1])
+
+    def move(self, key, first) -> None:
+        """The span ``key`` now begins at ``first``."""
+        i = self.slot[key]
+        span = self.spans[i]
+        self.spans[i] = (first, *span[1:])
+        i += self.size
+        self.first[i] = first
+        while i > 1:
+            i //= 2
+            self.first[i] = min(self.first[2 * i], self.first[2 * i + 1])
+
+    def overlapping(self, lo, hi) -> list[tuple]:
+        """The spans with first ≤ ``hi`` and last ≥ ``lo``, by last position."""
+        begin = bisect.bisect_left(self.ends, lo)  # the spans from here on end at lo or later
+        out, stack = [], [(1, 0, self.size)]  # (tree node, [a, b) of spans below it)
+        while stack:
+            node, a, b = stack.pop()
+            if b <= begin or self.first[node] > hi:
+                continue
+            if node >= self.size:
+                out.append(self.spans[a])
+                continue
+            mid = (a + b) // 2
+            stack.append((2 * node + 1, mid, b))
+            stack.append((2 * node, a, mid))
+        return out
 
 
 def _bucket(c: Collective):

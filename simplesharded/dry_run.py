@@ -122,17 +122,16 @@ def apply_plan(traced: Traced, name: str, hardware: str, cap_bytes: int | None):
     from simplesharded.passes.coalesce_gathers import coalesce_gathers
     from simplesharded.passes.hardware import get_hardware
     from simplesharded.passes.lowering import lower_reduce_scatters
+    from simplesharded.passes.pipeline import lazily_compiled
     from simplesharded.passes.planning import AutoPlan, BlockPlan
     from simplesharded.passes.reordering import reorder_for_overlap
-
-    from torch.fx._lazy_graph_module import _LazyGraphModule
 
     if not name.endswith("bucketing"):
         return traced.fw, traced.bw
     # Copies of the graphs in lazy graph modules (dynamo's own kind): nothing here runs them,
     # so the passes' recompiles generate no code. Attributes stay shared: passes never
     # write them.
-    fw, bw = (_LazyGraphModule(gm, copy.deepcopy(gm.graph)) for gm in (traced.fw, traced.bw))
+    fw, bw = (lazily_compiled(gm, copy.deepcopy(gm.graph)) for gm in (traced.fw, traced.bw))
     plan = (BlockPlan(memory_cap_bytes=cap_bytes) if "block" in name
             else AutoPlan(hardware, cap_bytes))
     gloo = get_hardware(hardware).transport == "gloo"

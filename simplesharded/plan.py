@@ -2,18 +2,20 @@
 
 Traces one forward+backward of the config's model, parallelized as the trainer does, over a
 *fake* process group of --world-size ranks (dry_run.py; once per reshard-after-forward
-decision, each trace in a forked process), then for each backend plan applies our passes to
-copies of the traced graphs and simulates the schedule with the cost model
-(passes/simulate.py: a compute stream and a communication lane per link). Prints step time,
-exposed communication, bytes sent per rank, tokens/s per rank and peak memory per rank, then
-communication per process group (dp_shard, tp, ep, ...) and, with expert parallelism, the
-all-to-alls' volume and exposed time; --timeline draws the timeline of the first plan.
+decision, each trace in a forked process, as many side by side as there are cores), then for
+each backend plan applies our passes to copies of the traced graphs and simulates the schedule
+with the cost model (passes/simulate.py: a compute stream and a communication lane per
+link). Prints step time, exposed communication, bytes sent per rank, tokens/s per rank and
+peak memory per rank, then communication per process group (dp_shard, tp, ep, ...) and, with
+expert parallelism, the all-to-alls' volume and exposed time; --timeline draws the timeline of
+the first plan.
 """
 from __future__ import annotations
 
 import argparse
 import math
 import multiprocessing
+import os
 import time
 import traceback
 
@@ -120,8 +122,10 @@ def evaluate_plans(cfg, ns, hw, cap, plans, sizes) -> tuple[dict, dict]:
     for keep, names in need.items():
         if len(sizes) > 1 and any("autobucketing" in n for n in names):
             names.add("aot_eager_blockbucketing")
-    evaluated = {keep: [_in_child(_trace_and_evaluate, cfg, ns, hw, cap, k, keep, sorted(names))
-                        for k in sizes] for keep, names in need.items()}
+    calls = [(_trace_and_evaluate, cfg, ns, hw, cap, k, keep, sorted(names))
+             for keep, names in need.items() for k in sizes]
+    results = iter(_in_children(calls))
+    evaluated = {keep: [next(results) for _ in sizes] for keep in need}
     return evaluated, keeps
 
 
@@ -149,31 +153,49 @@ def _trace_and_evaluate(cfg, ns, hw, cap, n_layers, keep, names) -> dict[str, di
         return {name: _evaluate(traced, name, ns, cfg, hw, cap) for name in names}
 
 
-def _in_child(fn, *args):
-    """``fn(*args)`` in a forked child process: its (picklable) result, or a RuntimeError with
-    the child's traceback. One trace per process: torch 2.13 fails the second compile in a
+def _in_children(calls: list[tuple]) -> list:
+    """``fn(*args)`` for each ``(fn, *args)`` of ``calls``, each in a forked child process, as
+    many at once as this process may use cores (the traces are independent, and torch's trace
+    runs on one core): their (picklable) results in order, or a RuntimeError with a failed
+    child's traceback. One trace per process: torch 2.13 fails the second compile in a
     process of a model whose output is a DTensor (loss parallel: "Node tangents_N was
     invalid, but is output" in the partitioner). A fork re-imports nothing."""
     ctx = multiprocessing.get_context("fork")
-    receive, send = ctx.Pipe(duplex=False)
+    running: list = []  # (child, its pipe's reading end), in the order of calls
+    results: list = []
+    failed = None
 
-    def run():
+    def collect() -> None:
+        nonlocal failed
+        child, receive = running.pop(0)
         try:
-            send.send((True, fn(*args)))
-        except BaseException:
-            send.send((False, traceback.format_exc()))
+            ok, value = receive.recv()  # before join: a large result fills the pipe until read
+        except EOFError:
+            ok, value = False, "the child process died without a result"
+        child.join()
+        results.append(value)
+        failed = failed if ok or failed is not None else value
 
-    child = ctx.Process(target=run)
-    child.start()
-    send.close()  # the child holds the only writer: its death ends recv() with EOFError
-    try:
-        ok, value = receive.recv()  # before join: a large result fills the pipe until read
-    except EOFError:
-        ok, value = False, "the child process died without a result"
-    child.join()
-    if not ok:
-        raise RuntimeError(f"planning in a child process failed:\n{value}")
-    return value
+    for fn, *args in calls:
+        if len(running) == len(os.sched_getaffinity(0)):
+            collect()
+        receive, send = ctx.Pipe(duplex=False)
+
+        def run(fn=fn, args=args, send=send):
+            try:
+                send.send((True, fn(*args)))
+            except BaseException:
+                send.send((False, traceback.format_exc()))
+
+        child = ctx.Process(target=run)
+        child.start()
+        send.close()  # the child holds the only writer: its death ends recv() with EOFError
+        running.append((child, receive))
+    while running:
+        collect()
+    if failed is not None:
+        raise RuntimeError(f"planning in a child process failed:\n{failed}")
+    return results
 
 
 def _report(ns, cfg, hw, evaluated, keeps, sizes, n_layers, t0) -> None:

@@ -428,6 +428,35 @@ def test_handbuilt_chain_reordering_idempotent():
     assert [n.name for n in twice.graph.nodes] == order
 
 
+@settings(max_examples=50, deadline=None)
+@given(data=st.data())
+def test_span_index_finds_what_a_scan_finds(data):
+    """Prefetch's fit tests ask reordering._SpanIndex for the spans overlapping a range; it
+    must answer what a scan of every span does, also after spans' first positions move
+    (hoisted gathers), with repeated positions and empty answers."""
+    from simplesharded.passes.reordering import _SpanIndex
+
+    pos = st.integers(0, 40)
+    n = data.draw(st.integers(0, 12))
+    spans = []
+    for key in range(n):
+        first, length = data.draw(pos), data.draw(st.integers(0, 15))
+        spans.append((first, first + length, data.draw(st.integers(1, 9)), key))
+    index = _SpanIndex(spans + [(3, 5, 7, None)])  # a fixed span: no key, never moves
+    live = {key: span for *span, key in spans}
+    for _ in range(data.draw(st.integers(1, 6))):
+        if live and data.draw(st.booleans()):  # a hoist: the span begins earlier
+            key = data.draw(st.sampled_from(sorted(live)))
+            first = data.draw(st.integers(0, live[key][0]))
+            live[key] = [first, *live[key][1:]]
+            index.move(key, first)
+        lo = data.draw(pos)
+        hi = data.draw(st.integers(lo, 45))
+        expected = sorted((first, last, nbytes) for first, last, nbytes in
+                          [*live.values(), (3, 5, 7)] if first <= hi and last >= lo)
+        assert sorted(span[:3] for span in index.overlapping(lo, hi)) == expected
+
+
 def test_handbuilt_chain_prefetch_with_saved_gathers():
     out = reorder_for_overlap(pu.chain_graph(3, save_gathered=True), BlockPlan())
     assert pu.prefetch_depth(out) >= 1

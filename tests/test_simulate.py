@@ -188,8 +188,10 @@ def test_plan_extrapolation_from_4_and_6_blocks_equals_a_full_trace_of_8():
     cfg = check_static(load_config(config, []), 64)  # resolves the batch as `plan` does
     ns = argparse.Namespace(world_size=64, hardware="h100-ib400")
     names = ["aot_eager", "aot_eager_blockbucketing", "aot_eager_autobucketing"]
-    traces = {k: plan._in_child(plan._trace_and_evaluate, cfg, ns, get_hardware(ns.hardware),
-                                None, k, None, names) for k in (4, 6, 8)}
+    depths = (4, 6, 8)
+    traces = dict(zip(depths, plan._in_children(
+        [(plan._trace_and_evaluate, cfg, ns, get_hardware(ns.hardware), None, k, None, names)
+         for k in depths])))
     keys = ("fw_s", "bw_s", "exposed_s", "comm_bytes", "collectives", "peak_act")
     for name in names:
         full = plan._numbers(name, [traces[8]], 8)
