@@ -465,6 +465,11 @@ class _DPView:
     def rest(self) -> tuple[str, ...]:
         return tuple(self.home.mesh_dim_names[self.dp.ndim:])
 
+    def placements_of(self, param: torch.Tensor) -> tuple:
+        """``param``'s placements on dp: by mode, except a scalar's (no dim 0 to shard), which
+        is replicated (all-reduced)."""
+        return self.placements if param.dim() else (Replicate(),) * self.dp.ndim
+
 
 def _expert_dp_placements(placements: tuple, local_shape: torch.Size, efsdp: int) -> tuple:
     """An expert weight's dp placements: its local experts [E/ep, ...] are sharded on dim 0
@@ -481,7 +486,7 @@ def _shard_param(param: torch.Tensor, mesh: DeviceMesh, views: dict[str | None, 
     DTensor, and its gather spec."""
     if not isinstance(param, DTensor):
         view = views[None]
-        placements = view.placements if param.dim() else (Replicate(),) * view.dp.ndim
+        placements = view.placements_of(param)
         return (_to_shard(param, view.home, _full_placements(placements, None, 1, view.rest)),
                 None, view.spec)
     names = [n for n in (tp_dim(mesh), ep_dim(mesh)) if n]
@@ -499,7 +504,7 @@ def _shard_param(param: torch.Tensor, mesh: DeviceMesh, views: dict[str | None, 
                          f"data_parallel supports Shard(d) and Replicate() there")
     view = views[EP_DIM if name == EP_DIM else None]
     local = param.detach().to_local()
-    dp_placements = view.placements if param.dim() else (Replicate(),) * view.dp.ndim
+    dp_placements = view.placements_of(param)
     if name == EP_DIM:
         dp_placements = _expert_dp_placements(dp_placements, local.shape, dim_size(mesh, EFSDP_DIM))
     placements = _full_placements(dp_placements, placement, param.device_mesh.size(),
