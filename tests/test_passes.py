@@ -713,6 +713,12 @@ def test_auto_plan_trials_leave_the_graph_as_they_found_it(config):
         gm.recompile()
         untouched.recompile()
         assert gm.code == untouched.code
+        # A module that observes its node creation gets the trials on a copy: its hook sees
+        # none of their nodes, and the plan is the same.
+        observed, created = pu.fresh(graph(config, which)[1]), []
+        observed._register_create_node_hook(created.append)
+        assert edits_observed(observed.graph)
+        assert plan.assign(observed, bucketable(observed.graph)) == keys and not created
 
 
 def test_node_order_follows_moves_and_inserts():
