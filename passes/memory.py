@@ -19,8 +19,9 @@ def _graph(g) -> fx.Graph:
 
 
 def _liveness(graph: fx.Graph):
-    """Buffers of a graph: returns (nodes, alloc, frees, size, is_input), where alloc[i] lists
-    the buffer keys node i allocates, frees[i] those whose last use is node i."""
+    """Buffers of a graph: returns (nodes, alloc, frees, size, is_input, refs), where alloc[i]
+    lists the buffer keys node i allocates, frees[i] those whose last use is node i, refs[n]
+    the keys node n's value lives in."""
     nodes = list(graph.nodes)
     size: dict[tuple, int] = {}              # buffer key (node name, output index) -> bytes
     is_input: dict[tuple, bool] = {}
@@ -58,7 +59,7 @@ def _liveness(graph: fx.Graph):
     frees: list[list[tuple]] = [[] for _ in nodes]
     for k, i in last.items():
         frees[i].append(k)
-    return nodes, alloc, frees, size, is_input
+    return nodes, alloc, frees, size, is_input, refs
 
 
 def memory_timeline(graph, include_inputs: bool = True) -> list[int]:
@@ -69,7 +70,7 @@ def memory_timeline(graph, include_inputs: bool = True) -> list[int]:
     from its start until after the last user of its wait; its input is held until the wait.
     Placeholders (and get_attr constants) are inputs: live from the start until their last use,
     counted only with ``include_inputs``."""
-    nodes, alloc, frees, size, is_input = _liveness(_graph(graph))
+    nodes, alloc, frees, size, is_input, _ = _liveness(_graph(graph))
     live = sum(b for k, b in size.items() if is_input[k]) if include_inputs else 0
     timeline = []
     for i in range(len(nodes)):
@@ -85,7 +86,7 @@ def gathered_timeline(graph) -> list[int]:
     gathered parameters a backward graph receives from forward (placeholders annotated with
     their FQN, passes/recompute.py). Liveness as in :func:`memory_timeline`."""
     g = _graph(graph)
-    nodes, alloc, frees, size, _ = _liveness(g)
+    nodes, alloc, frees, size, _, _ = _liveness(g)
     gathered = _gathered_nodes(g)
     keys = {k for i, n in enumerate(nodes) if n in gathered for k in alloc[i]}
     live, timeline = 0, []
@@ -117,6 +118,14 @@ def peak_memory(graph, include_inputs: bool = True) -> tuple[int, fx.Node | None
         return 0, None
     i = max(range(len(timeline)), key=timeline.__getitem__)
     return timeline[i], list(g.nodes)[i]
+
+
+def distinct_bytes(graph, nodes) -> int:
+    """Bytes of the distinct buffers the values of ``nodes`` (nodes of ``graph``) live in: a
+    value and its aliases count once. What a forward graph hands to backward is such a set:
+    the partitioner may save a collective's result and its ``wait_tensor`` both, one buffer."""
+    *_, size, _, refs = _liveness(_graph(graph))
+    return sum(size[k] for k in set().union(*(refs.get(n, set()) for n in nodes)))
 
 
 def input_bytes(graph) -> int:

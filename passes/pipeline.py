@@ -42,6 +42,9 @@ TORCH_COLLECTIVE_SCHEDULING_OFF = {
 }
 
 
+LAST_STAGE = "agreement"  # every graph's last pass: what an observer sees there is final
+
+
 @dataclass
 class PassPipeline:
     """Joint-graph passes (before partitioning) and per-graph passes (forward and backward).
@@ -61,7 +64,7 @@ class PassPipeline:
 
     def run_graph(self, gm: fx.GraphModule) -> fx.GraphModule:
         # Last: the ranks compare the sequence the passes produced (passes/agreement.py).
-        passes = list(self.graph) + [("agreement", insert_agreement_check)]
+        passes = list(self.graph) + [(LAST_STAGE, insert_agreement_check)]
         return self._run(gm, passes, "bw" if is_backward_graph(gm) else "fw")
 
     def _run(self, gm, passes, kind):

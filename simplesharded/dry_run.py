@@ -163,17 +163,29 @@ def static_memory(local_numel: int, optimizer: str) -> tuple[int, int, int]:
     return 4 * local_numel, 4 * local_numel, states * 4 * local_numel
 
 
-def memory_report(traced: Traced, optimizer: str, fw_bw=None) -> MemoryReport:
-    """Per-rank bytes: static state (see static_memory) + the transient peak of the graphs."""
+def saved_bytes(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule) -> int:
+    """Bytes forward hands to backward (backward's placeholders other than primals and
+    tangents), each buffer once: the partitioner may save a collective's result and its
+    ``wait_tensor`` both (expert parallelism's all-to-alls), or a tensor and a view of it."""
     from simplesharded.passes.collectives import tensor_nbytes
+    from simplesharded.passes.memory import distinct_bytes
+
+    # backward's placeholders for saved values carry the names of the forward nodes
+    forward = {n.name: n for n in fw.graph.nodes}
+    saved = [n for n in bw.graph.nodes if n.op == "placeholder"
+             and not n.name.startswith(("primals", "tangents"))]
+    return distinct_bytes(fw, [forward[n.name] for n in saved if n.name in forward]) + \
+        sum(tensor_nbytes(n) for n in saved if n.name not in forward)
+
+
+def memory_report(traced: Traced, optimizer: str, fw_bw=None) -> MemoryReport:
+    """Per-rank bytes: static state (see static_memory) + the transient peak of the graphs:
+    the forward's, or what forward saves for backward (saved_bytes) held throughout backward
+    plus the backward's own peak."""
     from simplesharded.passes.memory import peak_memory
 
     fw, bw = fw_bw or (traced.fw, traced.bw)
     params, grads, opt = static_memory(traced.local_numel, optimizer)
     fw_peak, _ = peak_memory(fw, include_inputs=False)
     bw_peak, _ = peak_memory(bw, include_inputs=False)
-    saved = sum(tensor_nbytes(n) for n in bw.graph.nodes if n.op == "placeholder"
-                and not n.name.startswith(("primals", "tangents")))
-    return MemoryReport(params, grads, opt, int(max(fw_peak, saved + bw_peak)))
-
-
+    return MemoryReport(params, grads, opt, int(max(fw_peak, saved_bytes(fw, bw) + bw_peak)))

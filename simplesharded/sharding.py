@@ -97,7 +97,7 @@ class _MPLayout:
 
 
 class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; multiplies the gradient before it is reduced (gloo has no AVG op)."""
+    """Identity forward; multiplies the gradient (gloo has no AVG op: "avg" is sum × 1/dp)."""
 
     @staticmethod
     def forward(ctx, x, scale):
@@ -135,6 +135,13 @@ def gather_param(shard: DTensor, spec: _GatherSpec, fqn: str,
                 placements = shard.placements[:spec.dp_mesh.ndim]
             shard = DTensor.from_local(shard.to_local(), spec.dp_mesh, placements,
                                        run_check=False, shape=shape, stride=stride)
+        # "avg" scales the gradient once it is reduced, on the shard (1/dp of the elements),
+        # except when it is reduced in float16, whose sum over ranks could overflow first.
+        pre_scale = (spec.reduce_dtype or spec.param_dtype or shard.dtype) == torch.float16
+        if spec.grad_scale != 1.0 and not pre_scale:
+            shard = DTensor.from_local(_ScaleGrad.apply(shard.to_local(), spec.grad_scale),
+                                       shard.device_mesh, shard.placements, run_check=False,
+                                       shape=shard.shape, stride=shard.stride())
         hybrid = spec.hybrid and _is_hybrid(shard.placements)
         if hybrid:
             shard = _reduce_replicas_after_scatter(shard)
@@ -144,7 +151,7 @@ def gather_param(shard: DTensor, spec: _GatherSpec, fqn: str,
         # happens on the shard (see _reduce_replicas_after_scatter), not on the full tensor.
         grad_placements = (Replicate(), Partial()) if hybrid else spec.grad_placements
         local = full.to_local(grad_placements=grad_placements)
-        if spec.grad_scale != 1.0:
+        if spec.grad_scale != 1.0 and pre_scale:
             local = _ScaleGrad.apply(local, spec.grad_scale)
         if spec.grad_sync is not None:
             local = spec.grad_sync.route(local, fqn)

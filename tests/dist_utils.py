@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import faulthandler
 import os
 import pickle
 import shutil
@@ -74,6 +75,7 @@ def _environ(env: dict[str, str]):
 
 def _entry(rank: int, world_size: int, port: int, outdir: str, timeout_s: float,
            fn: Callable, args: tuple) -> None:
+    faulthandler.enable()  # a rank killed by a signal prints its Python stacks to stderr
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))

@@ -11,7 +11,7 @@ from simplesharded.passes.collectives import ALL_GATHER, WAIT, find_collectives
 from simplesharded.passes.comm_cost import collective_time, comm_time
 from simplesharded.passes.compute_cost import node_flops, node_time
 from simplesharded.passes.hardware import HARDWARE, Hardware, get_hardware
-from simplesharded.passes.memory import memory_timeline, peak_memory
+from simplesharded.passes.memory import distinct_bytes, memory_timeline, peak_memory
 
 aten = torch.ops.aten
 HW = Hardware("test", flops_per_s=1e12, alpha_s=1e-3, bandwidth_Bps=1e9, mem_bw_Bps=1e10,
@@ -178,6 +178,28 @@ def test_collective_buffer_lives_until_last_user_of_wait():
         assert node_flops(n) == 0
         assert n.target is aten.mul.Tensor or n.target is aten.sum.default or \
             node_time(n, HW) == 0.0
+
+
+def test_distinct_bytes_counts_aliases_once():
+    """What forward saves for backward: the partitioner may save an all-to-all's result and
+    its wait both (expert parallelism's token exchange); one buffer, counted once."""
+    from simplesharded.passes.collectives import ALL_TO_ALL
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(4, 8, device="meta")                  # 128 B
+    a2a = g.call_function(ALL_TO_ALL, (x, [2, 2], [2, 2], "0"))
+    a2a.meta["val"] = torch.empty(4, 8, device="meta")                # 128 B received
+    w = g.call_function(WAIT, (a2a,))
+    w.meta["val"] = torch.empty(4, 8, device="meta")
+    v = g.call_function(aten.view.default, (w, [32]))
+    v.meta["val"] = torch.empty(32, device="meta")
+    y = g.call_function(aten.mul.Tensor, (w, 2))
+    y.meta["val"] = torch.empty(4, 8, device="meta")                  # 128 B fresh
+    g.output((a2a, w, v, y))
+    assert distinct_bytes(g, [a2a, w, v]) == 128
+    assert distinct_bytes(g, [a2a, w, v, y]) == distinct_bytes(g, [a2a, y]) == 256
+    assert distinct_bytes(g, [x, w]) == 256 and distinct_bytes(g, []) == 0
 
 
 def test_multi_output_and_inplace():

@@ -319,9 +319,26 @@ def check_avg(rank, world, meshes):
     for red in ("sum", "avg"):
         torch._dynamo.reset()
         model = _wrap(meshes[mode], mode, grad_reduction=red)
-        cm, _ = _capture_compile(model)
+        cm, graphs = _capture_compile(model)
         _, grads[red] = _sharded_step(cm, model, rank, world)
-    return dict(mode=mode, sum=grads["sum"], avg=grads["avg"])
+    def scaled(graphs):  # the shapes "avg"'s 1/world multiplications run on
+        _, bw = _fw_bw(graphs)
+        return sorted(tuple(n.meta["val"].shape) for n in bw.graph.nodes
+                      if n.target is torch.ops.aten.mul.Tensor and n.args[1] == 1 / world)
+
+    out = dict(mode=mode, sum=grads["sum"], avg=grads["avg"], scaled=scaled(graphs),
+               shards=sorted(tuple(p.to_local().shape) for p in model.parameters()))
+    if world == 2:  # reduced in float16: scaled before the sum, which could overflow first
+        import simplesharded as ss
+
+        torch._dynamo.reset()
+        model = _wrap(meshes[mode], mode, grad_reduction="avg",
+                      mp_policy=ss.MixedPrecisionPolicy(reduce_dtype=torch.float16))
+        cm, graphs = _capture_compile(model)
+        _, out["avg16"] = _sharded_step(cm, model, rank, world)
+        out["scaled16"] = scaled(graphs)
+        out["full"] = sorted(tuple(p.shape) for p in model.parameters())
+    return out
 
 
 CHECKS = {
@@ -529,6 +546,14 @@ def test_grad_reduction_avg(world):
     for r in result(world, "check_avg"):
         assert r["mode"] == ("hybrid_shard" if world == 4 else "fully_shard")
         for n in r["sum"]:
-            # scaling by 1/world (a power of two here) before the sum is exact in fp
+            # scaling by 1/world (a power of two here) is exact in fp
             torch.testing.assert_close(r["avg"][n] * world, r["sum"][n], rtol=0, atol=0,
                                        msg=lambda m: f"{n}: {m}")
+        # the scale runs once per parameter on its reduced shard, not on the full gradient,
+        # unless the gradient is reduced in float16 (then on the full one, before the sum)
+        assert r["scaled"] == r["shards"]
+        if world == 2:
+            assert r["scaled16"] == r["full"]
+            for n in r["sum"]:
+                torch.testing.assert_close(r["avg16"][n] * world, r["sum"][n], rtol=2e-3,
+                                           atol=1e-4, msg=lambda m: f"{n}: {m}")

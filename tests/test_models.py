@@ -153,7 +153,10 @@ def test_compile_fullgraph_matches_eager(variant):
     compiled = torch.compile(tiny(name, **overrides), backend="aot_eager", fullgraph=True)
     loss_ref, loss_c = lm_loss(ref, tokens), lm_loss(compiled, tokens)
     torch.testing.assert_close(loss_c, loss_ref, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(logits_of(compiled(tokens)), logits_of(ref(tokens)),
+    # the loss's input shape: another sequence length would recompile (dynamic shapes), more
+    # than this test's first compile costs
+    inputs = tokens[:, :-1]
+    torch.testing.assert_close(logits_of(compiled(inputs)), logits_of(ref(inputs)),
                                atol=1e-5, rtol=1e-5)
     loss_ref.backward()
     loss_c.backward()

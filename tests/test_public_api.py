@@ -10,6 +10,9 @@ from simplesharded.passes.report import main as report_main, trace_counts
 
 @pytest.fixture
 def fake_pg():
+    # reset before too: a cache entry left by a test without this fixture (the report CLI's)
+    # would make the next compile of a new input shape a dynamic-shape recompile
+    torch._dynamo.reset()
     with fake_world(2):
         yield
         torch._dynamo.reset()
@@ -109,6 +112,24 @@ def test_report_cli_prints_before_and_after(capsys):
     out = capsys.readouterr().out
     # 2 + 9*2 + 1 = 21 parameters → 2 blocks + pre + post
     assert "aot_eager_blockbucketing" in out and "21→4" in out
+
+
+def test_report_cli_shows_expert_parallel_all_to_alls(capsys):
+    """--ep 2 on 4 ranks (efsdp 2 x ep 2): the MoE layer's all-to-alls on the ep group, 3 in
+    forward (counts, tokens out, results back) and the 2 token exchanges' gradients in
+    backward, never bucketed; the expert weights' gathers on efsdp, one bucket; a model
+    without experts is refused in one line."""
+    assert report_main(["--model", "deepseek_v3", "--world-size", "4", "--ep", "2",
+                        "--n-layers", "2", "--backends", "aot_eager_blockbucketing"]) == 0
+    rows = {line.split()[1]: line.split()[2:] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("aot_eager_blockbucketing")}
+    assert set(rows) == {"dp_shard", "efsdp", "ep"}
+    # columns: fw AG RS AR A2A, bw AG RS AR A2A, total
+    assert rows["ep"] == ["0→0"] * 3 + ["3→3"] + ["0→0"] * 3 + ["2→2", "5→5"]
+    assert rows["efsdp"][0] == "3→1" and rows["efsdp"][3] == rows["dp_shard"][3] == "0→0"
+    assert report_main(["--ep", "2", "--n-layers", "2"]) == 2
+    assert capsys.readouterr().out.strip() == (
+        "error: --ep 2 needs a model with routed experts (deepseek_v3), not llama3")
 
 
 def test_readme_custom_backend_example(fake_pg):

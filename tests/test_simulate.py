@@ -220,3 +220,29 @@ def test_plan_applies_gloo_lowerings_only_for_gloo_profiles():
             fw, bw = dry_run.apply_plan(traced, "aot_eager_blockbucketing", hardware, None)
             assert (count(fw, ALL_GATHER_COALESCED) > 0) is lowered, hardware
             assert (count(bw, ALL_TO_ALL) > 0) is lowered, hardware
+
+
+@pytest.mark.slow
+def test_saved_exchange_counted_once():
+    """Activation checkpointing keeps a MoE layer's token all-to-alls' results for backward,
+    and the partitioner hands backward both each all-to-all's output and its wait: one buffer,
+    which the planner's memory counts once (it counted each twice: +39 GiB at 8 GPUs for the
+    16B config)."""
+    from simplesharded import dry_run
+    from simplesharded.config import load_config
+    from simplesharded.passes.collectives import ALL_TO_ALL, tensor_nbytes
+    from simplesharded.train import check_static
+
+    config = str(Path(DEBUG_CONFIG).with_name("deepseek_v3_debug.toml"))
+    cfg = check_static(load_config(config, ["--parallelism.expert_parallel_degree", "2",
+                                            "--activation_checkpoint.mode", "full"]), 2)
+    with dry_run.fake_world(2):
+        traced = dry_run.trace(cfg, 1, n_layers=2)  # one dense block, one MoE
+    forward = {n.name: n for n in traced.fw.graph.nodes}
+    saved = [forward[n.name] for n in traced.bw.graph.nodes if n.op == "placeholder"
+             and not n.name.startswith(("primals", "tangents"))]
+    doubled = [n for n in saved if n.target is WAIT and n.args[0] in saved
+               and n.args[0].target is ALL_TO_ALL and tensor_nbytes(n) > 0]
+    assert len(doubled) == 2  # tokens out and results back; the counts' exchange is tiny
+    naive = sum(tensor_nbytes(n) for n in saved)
+    assert dry_run.saved_bytes(traced.fw, traced.bw) == naive - sum(map(tensor_nbytes, doubled))

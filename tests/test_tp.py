@@ -87,25 +87,30 @@ def reference():
     return train(model, model, 0, 1, 1)
 
 
-# (dp_replicate, dp_shard, tp, mode) → cases (backend, sequence_parallel)
+# (dp_replicate, dp_shard, tp, mode) → cases (backend, sequence_parallel). All layouts of one
+# world size run in one spawn (4 ranks: with the uneven cases below), one after the other.
 LAYOUTS = {
     (1, 2, 2, "fully_shard"): (("eager", True), ("eager", False), ("aot_eager", True),
                                ("aot_eager_blockbucketing", True),
-                               ("aot_eager_autobucketing", True)),
+                               ("aot_eager_autobucketing", True),
+                               ("inductor_blockbucketing", True)),
     (2, 1, 2, "hybrid_shard"): (("eager", True), ("aot_eager_blockbucketing", True)),
-    (1, 2, 2, "inductor"): (("inductor_blockbucketing", True),),
     # 8 processes on this machine's 2 cores: eager only (2x1x2 covers compiled HSDP x TP)
     (2, 2, 2, "hybrid_shard"): (("eager", True),),
 }
 
 
-def _layout_job(rank, world, rep, shard, tp, mode, cases):
+def _world(key) -> int:
+    rep, shard, tp, _ = key
+    return rep * shard * tp
+
+
+def _layout(rank, world, rep, shard, tp, mode, cases):
     from torch.distributed.tensor.parallel import parallelize_module
 
     import simplesharded as ss
     from simplesharded.passes.collectives import count_by_group, find_collectives, group_label
 
-    mode = "fully_shard" if mode == "inductor" else mode
     out = {}
     for backend, sp in cases:
         torch._dynamo.reset()
@@ -132,11 +137,21 @@ def _layout_job(rank, world, rep, shard, tp, mode, cases):
     return out
 
 
+def _job(rank, world):
+    out = {key: _layout(rank, world, *key, cases) for key, cases in LAYOUTS.items()
+           if _world(key) == world}
+    if world == 4:
+        out["uneven"] = _uneven_job(rank, world)
+    return out
+
+
 @memo
+def _run(world):
+    return spawn(world, _job, timeout_s=1200)
+
+
 def run_layout(key):
-    rep, shard, tp, mode = key
-    return spawn(rep * shard * tp, _layout_job, rep, shard, tp, mode, LAYOUTS[key],
-                 timeout_s=900)
+    return [r[key] for r in _run(_world(key))]
 
 
 CASES = [(key, case) for key, cases in LAYOUTS.items() for case in cases]
@@ -266,9 +281,8 @@ def _target():
     return torch.randn(4, 7, generator=torch.Generator().manual_seed(2))
 
 
-@memo
 def run_uneven():
-    return spawn(4, _uneven_job)
+    return [r["uneven"] for r in _run(4)]
 
 
 @pytest.mark.parametrize("backend", UNEVEN_BACKENDS)
