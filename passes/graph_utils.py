@@ -4,6 +4,7 @@ move nodes while keeping def-before-use, and node positions that stay exact whil
 from __future__ import annotations
 
 import contextlib
+import copy
 from fractions import Fraction
 
 import torch
@@ -114,6 +115,36 @@ def forget_erased(graph: fx.Graph, nodes: list[fx.Node]) -> None:
     if isinstance(names, dict):
         for node in nodes:
             names.pop(node, None)
+
+
+@contextlib.contextmanager
+def names_kept(graph: fx.Graph):
+    """The names ``graph`` gives new nodes after this are those it would have given before:
+    nodes created inside and erased again (and dropped with :func:`forget_erased`) leave no
+    trace in its namespace. Reads fx's namespace (docs/torch_internals.md), like
+    forget_erased; without one (another torch), names may differ, values never."""
+    ns = getattr(graph, "_graph_namespace", None)
+    used, counts = getattr(ns, "_used_names", None), getattr(ns, "_base_count", None)
+    if not (isinstance(used, set) and isinstance(counts, dict)):
+        yield
+        return
+    used, counts = set(used), copy.copy(counts)
+    try:
+        yield
+    finally:
+        ns._used_names, ns._base_count = used, counts
+
+
+def edits_observed(graph: fx.Graph) -> bool:
+    """Whether ``graph``'s module has hooks told of every node created, erased or replaced
+    (inductor's provenance tracking installs some), or a namespace :func:`names_kept` cannot
+    restore: then temporary edits must go to a copy of the graph."""
+    module = graph.owning_module
+    ns = getattr(graph, "_graph_namespace", None)
+    return (any(getattr(module, hooks, None) for hooks in
+                ("_create_node_hooks", "_erase_node_hooks", "_replace_hooks"))
+            or not isinstance(getattr(ns, "_used_names", None), set)
+            or not isinstance(getattr(ns, "_base_count", None), dict))
 
 
 def is_contiguous(node: fx.Node) -> bool:

@@ -6,9 +6,10 @@ of reordering, and what reshard_after_forward="auto" keeps gathered.
   matches in the parameter FQN. No block at all in a large model is a warning.
   Parameters outside blocks go to ``pre`` (before the first block in the graph: embeddings)
   or ``post`` (after it: final norm + output).
-* ``AutoPlan``: tries bucket sizes on a ladder (and the block plan), runs the real passes on
-  a copy of the graph for each and keeps the one whose simulation (simulate.py) is fastest
-  (cost model in compute_cost.py / comm_cost.py, simulator in simulate.py).
+* ``AutoPlan``: tries bucket sizes on a ladder (and the block plan), runs the real passes'
+  edits on the graph for each (undone after) and keeps the one whose simulation
+  (simulate.py) is fastest (cost model in compute_cost.py / comm_cost.py, simulator in
+  simulate.py).
 """
 from __future__ import annotations
 
@@ -94,8 +95,8 @@ class AutoPlan:
 
     Candidates: per-module units (a module is never split) merged in execution order up to a
     byte size, for a ladder of sizes, plus the block plan when the model has blocks. Each
-    candidate is applied to a copy of the graph with the real bucketing and reordering passes
-    and simulated (simulate.py: compute + a comm lane per link); the shortest makespan wins
+    candidate is applied to the graph by the real bucketing and reordering edits, simulated
+    (simulate.py: compute + a comm lane per link) and undone; the shortest makespan wins
     (ties: fewer collectives). So the plan accounts for latency per collective, the copy-in/copy-out the
     bucket costs on the compute stream, and the overlap that prefetch under the cap achieves.
     """
@@ -135,10 +136,8 @@ class AutoPlan:
         distinct = list(dict.fromkeys(map(tuple, candidates)))
         if len(distinct) == 1:
             return candidates[0]
-        with _collection_paused():
-            trials = _Trials(gm.graph, hw, self.memory_cap_bytes)
+        with _collection_paused(), _Trials(gm.graph, hw, self.memory_cap_bytes) as trials:
             scores = {keys: trials.makespan(keys) for keys in distinct}
-            del trials  # garbage before collection resumes: freed young, never promoted
         best = min(range(len(candidates)),
                    key=lambda i: (scores[tuple(candidates[i])], len(set(candidates[i]))))
         return candidates[best]
@@ -195,10 +194,10 @@ class AutoPlan:
 
 @contextlib.contextmanager
 def _collection_paused():
-    """No cyclic garbage collection while the trials run: they allocate a graph copy and
-    the nodes of every candidate's buckets, and each full collection would scan every object
-    the compile holds (traced graphs, fake tensors) for nothing; a third of the trials' time
-    on llama3 8B. What they drop is collected once this ends."""
+    """No cyclic garbage collection while the trials run: they allocate the nodes of every
+    candidate's buckets (and a graph copy, see _Trials), and each full collection would scan
+    every object the compile holds (traced graphs, fake tensors) for nothing; a third of the
+    trials' time on llama3 8B. What they drop is collected once this ends."""
     was = gc.isenabled()
     gc.disable()
     try:
@@ -210,37 +209,60 @@ def _collection_paused():
 
 class _Trials:
     """Simulated makespans of candidates, each bucketed and reordered by the real passes' graph
-    edits (merge_buckets, reorder_graph) on one working copy of the graph, which every trial
-    puts back as it found it. Copying the graph per candidate cost more than the edits and the
-    simulation together (a graph copy creates every node afresh; undoing a trial touches only
-    the collectives it merged, their users and the nodes it added). The merges keep the
-    collectives they replace in the graph, detached (merge_buckets' ``detach``), so undoing
-    one re-attaches them instead of creating them again.
+    edits (merge_buckets, reorder_graph) on the graph itself, which every trial puts back as
+    it found it: undoing a trial touches only the collectives it merged, their users and the
+    nodes it added. A copy of the graph per candidate cost more than the edits and the
+    simulation together, and even one copy for all of them a fifth of the trials' time at
+    Llama 3 405B's scale. The merges keep the collectives they
+    replace in the graph, detached (merge_buckets' ``detach``), so undoing one re-attaches
+    them instead of creating them again. Use it as a context manager: leaving it puts back
+    what the trials change for as long as they run (below).
 
-    The working copy is a copy of the graph only (no GraphModule, no code generated;
-    deep-copying a tensor constant next to the fake tensors that describe it would fail). The
-    collectives' inputs, which the merges compute new values from, get meta values: ops on
-    meta tensors are ~30x cheaper than on fake ones, and the cost model reads only shapes,
-    strides and dtypes, which fake and meta values share. The compute time of an original node
-    is computed once for all candidates (a merge gives the readers of a wait a copy-out of the
-    same shape, strides and dtype instead)."""
+    The collectives' inputs, which the merges compute new values from, hold meta values while
+    the trials run: ops on meta tensors are ~30x cheaper than on fake ones, and the cost model
+    reads only shapes, strides and dtypes, which fake and meta values share. The compute time
+    of an original node is computed once for all candidates (a merge gives the readers of a
+    wait a copy-out of the same shape, strides and dtype instead). The graph's names come back
+    too (graph_utils.names_kept): the nodes the real passes create afterwards are named as
+    without the trials. A graph whose module observes its edits (hooks, e.g. inductor's
+    provenance tracking) is copied instead, so the observer sees only the real edits; the
+    copy is a copy of the graph only (no GraphModule, no code generated)."""
 
     def __init__(self, graph: fx.Graph, hw, cap: int | None):
         import copy
 
         from .bucketing import bucketable
-        from .node_meta import to_meta
+        from .compute_cost import node_time
+        from .graph_utils import edits_observed
 
         self.hw, self.cap = hw, cap
-        self.work = copy.deepcopy(graph)
-        self.origin = dict(zip(self.work.nodes, graph.nodes))  # a copy keeps node order
+        self.work = copy.deepcopy(graph) if edits_observed(graph) else graph
         self.order = list(self.work.nodes)  # what every trial restores
+        self.costs = {node: node_time(node, hw) for node in self.order}  # the original nodes'
         self.collectives = bucketable(self.work)
-        for c in self.collectives:  # the copy's own meta dicts: the original keeps its own
-            node = c.start.args[0]
-            node.meta["val"] = to_meta(node.meta["val"])
+        # The nodes whose readers a trial changes (rewiring a node moves it to the end of the
+        # readers of each of its inputs), with their readers' order, which _restore restores.
+        self.readers = {n: list(n.users) for c in self.collectives
+                        for reader in (c.start, *c.wait.users) for n in reader.all_input_nodes}
         self.fake_mode = contextlib.nullcontext()  # values computed on meta tensors as they are
-        self.costs: dict[fx.Node, float] = {}
+
+    def __enter__(self) -> "_Trials":
+        from .graph_utils import names_kept
+        from .node_meta import to_meta
+
+        self.names = names_kept(self.work)
+        self.names.__enter__()
+        self.vals = {c.start.args[0]: c.start.args[0].meta["val"] for c in self.collectives}
+        for node, val in self.vals.items():
+            node.meta["val"] = to_meta(val)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for node, val in self.vals.items():
+            node.meta["val"] = val
+        self.names.__exit__(*exc)
+        # Dropped here, inside the caller's paused collection: a copy goes at once.
+        self.work = self.costs = self.order = self.collectives = self.readers = None
 
     def makespan(self, keys) -> float:
         from .bucketing import merge_buckets
@@ -249,7 +271,7 @@ class _Trials:
         from .reordering import reorder_graph
         from .simulate import simulate
 
-        work, origin, hw = self.work, self.origin, self.hw
+        work, costs, hw = self.work, self.costs, self.hw
         # What merging changes: a merged collective's start no longer reads its input, and
         # its wait's users read the bucket's copy-out instead.
         saved = [(c, c.start.args, c.start.kwargs, [(u, u.args, u.kwargs) for u in c.wait.users])
@@ -261,12 +283,8 @@ class _Trials:
         reorder_graph(work, self.cap, collectives)
 
         def time_of(node: fx.Node) -> float:
-            old = origin.get(node)
-            if old is None:  # added by the trial
-                return node_time(node, hw)
-            if old not in self.costs:
-                self.costs[old] = node_time(old, hw)
-            return self.costs[old]
+            cost = costs.get(node)
+            return node_time(node, hw) if cost is None else cost  # None: added by the trial
 
         cost = _rank_invariant_time(work, hw, time_of, collectives)
         makespan = simulate(work, hw, node_cost=cost, collectives=collectives).makespan
@@ -275,11 +293,11 @@ class _Trials:
 
     def _restore(self, merged) -> None:
         """Undo a trial: the merged collectives' starts read their inputs again and their
-        waits' users read the waits, the nodes the trial added are erased, the original order
-        comes back."""
+        waits' users read the waits (each node's readers in their old order), the nodes the
+        trial added are erased, the original order comes back."""
         from .graph_utils import forget_erased
 
-        work, origin = self.work, self.origin
+        work, costs = self.work, self.costs
         readers = {}  # each reader once (the output reads every gradient)
         for c, start_args, start_kwargs, users in merged:
             c.start.args, c.start.kwargs = start_args, start_kwargs
@@ -287,10 +305,14 @@ class _Trials:
                 readers.setdefault(user, (args, kwargs))
         for user, (args, kwargs) in readers.items():
             user.args, user.kwargs = args, kwargs
-        added = [node for node in reversed(list(work.nodes)) if node not in origin]
+        added = [node for node in reversed(list(work.nodes)) if node not in costs]
         for node in added:  # users before what they read
             work.erase_node(node)
         forget_erased(work, added)
+        for node, users in self.readers.items():
+            if list(node.users) != users:  # re-attached readers come last: their old order
+                for user in users:
+                    node.users[user] = node.users.pop(user)
         first = next(iter(work.nodes))
         if first is not self.order[0]:
             first.prepend(self.order[0])

@@ -675,15 +675,50 @@ def test_auto_plan_trials_score_what_the_passes_build(config):
 
     hw = get_hardware("local")
     for which in ("fw", "bw"):
-        gm = graph(config, which)[1]
+        gm = pu.fresh(graph(config, which)[1])
         cands = AutoPlan().candidates(gm, bucketable(gm.graph), hw)
-        trials = _Trials(gm.graph, hw, None)
+        want = []
         for keys in cands:
             ref = copy.deepcopy(gm.graph)
             merge_buckets(ref, bucketable(ref), keys)
             reorder_graph(ref, None)
-            want = simulate(ref, hw, node_cost=_rank_invariant_time(ref, hw)).makespan
-            assert trials.makespan(tuple(keys)) == want
+            want.append(simulate(ref, hw, node_cost=_rank_invariant_time(ref, hw)).makespan)
+        with _Trials(gm.graph, hw, None) as trials:
+            assert [trials.makespan(tuple(keys)) for keys in cands] == want
+
+
+@pytest.mark.parametrize("config", ["w8-bf16", "w2-auto"])
+def test_auto_plan_trials_leave_the_graph_as_they_found_it(config):
+    """AutoPlan's trials edit the graph itself and undo each edit: afterwards every node has
+    its name, op, arguments, readers (in their order) and value back, and bucketing names
+    its new nodes as it does on a copy the trials never touched."""
+    from simplesharded.passes.bucketing import bucketable, merge_buckets
+    from simplesharded.passes.graph_utils import edits_observed
+
+    def state(g):
+        return [(n.name, n.op, n.target, n.args, n.kwargs, list(n.users), n.meta.get("val"))
+                for n in g.nodes]
+
+    for which in ("fw", "bw"):
+        gm = pu.fresh(graph(config, which)[1])
+        untouched = pu.fresh(gm)
+        plan, collectives = AutoPlan(), bucketable(gm.graph)
+        assert not edits_observed(gm.graph)  # in place, no copy
+        assert len({tuple(k) for k in plan.candidates(gm, collectives, plan.hw())}) > 1
+        before = state(gm.graph)
+        keys = plan.assign(gm, collectives)  # the trials run here
+        assert state(gm.graph) == before
+        merge_buckets(gm.graph, collectives, keys)
+        merge_buckets(untouched.graph, bucketable(untouched.graph), keys)
+        gm.recompile()
+        untouched.recompile()
+        assert gm.code == untouched.code
+        # A module that observes its node creation gets the trials on a copy: its hook sees
+        # none of their nodes, and the plan is the same.
+        observed, created = pu.fresh(graph(config, which)[1]), []
+        observed._register_create_node_hook(created.append)
+        assert edits_observed(observed.graph)
+        assert plan.assign(observed, bucketable(observed.graph)) == keys and not created
 
 
 def test_node_order_follows_moves_and_inserts():
