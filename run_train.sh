@@ -32,6 +32,9 @@ WORLD_SIZE=$((NGPU * NNODES)) python -m simplesharded.train --check-only \
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 # On CPU each rank gets an equal share of the cores; on GPU one thread is enough.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / NGPU : 1 ))}"
+# CPU ranks reuse freed memory instead of page-faulting it in again every step
+# (simplesharded/host_malloc.py); a variable already set wins. Nothing on GPU nodes.
+eval "$(python -m simplesharded.host_malloc)"
 if [ "$NNODES" -eq 1 ] && [ -z "${MASTER_ADDR:-}" ]; then
     rdzv=(--standalone)
 else

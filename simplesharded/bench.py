@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import json
 import os
+import resource
 import socket
 import statistics
 import sys
@@ -106,6 +107,7 @@ class BenchArgs:
     optimizer_impl: str = "foreach"  # AdamW kernels for every variant (as the trainer's default)
     profile_dir: str = ""  # when set: torch.profiler trace + op table per rank of one more step
     device: str = "cpu"  # or an accelerator type ("cuda"): one device per rank
+    host_malloc: str = "caching"  # CPU ranks' malloc: "caching" (host_malloc.py) or "system"
 
     @property
     def dp(self) -> int:
@@ -121,6 +123,7 @@ class RunResult:
     peak_mem_mb: float = 0.0  # tensors alive at once in a step (see _step_peak_bytes)
     main_cpu_s: float = 0.0  # CPU time per timed step: the main (compute) thread
     other_cpu_s: float = 0.0  # ... every other thread (gloo's workers, autograd, ...)
+    page_faults: float = 0.0  # minor page faults per timed step, all threads (fresh pages)
     losses: list[float] = field(default_factory=list)  # rank 0's, first PARITY_STEPS steps
     error: str = ""
 
@@ -260,6 +263,13 @@ def _thread_cpu_s() -> tuple[float, float]:
     return main, other
 
 
+def _minor_faults() -> int:
+    """Minor page faults of this process so far. On CPU a buffer the allocator takes fresh
+    from the OS (malloc's mmap for large blocks) is zeroed page by page on first touch: a
+    step cost that a caching allocator (every GPU's) does not pay."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def _sync(device: str) -> None:
     """Wait for the accelerator's queued work, so a step's time includes it."""
     if device != "cpu":
@@ -307,7 +317,7 @@ def _worker(rank: int, variant: str, args: BenchArgs, port: int, out_dir: str) -
             _sync(args.device)
             if i == 0:
                 result.first_step_s = time.perf_counter() - t0
-        cpu0 = _thread_cpu_s()
+        cpu0, faults0 = _thread_cpu_s(), _minor_faults()
         for _ in range(args.steps):
             dist.barrier()
             t0 = time.perf_counter()
@@ -317,6 +327,7 @@ def _worker(rank: int, variant: str, args: BenchArgs, port: int, out_dir: str) -
             result.step_s.append(time.perf_counter() - t0)
         cpu1 = _thread_cpu_s()
         result.main_cpu_s, result.other_cpu_s = ((b - a) / args.steps for a, b in zip(cpu0, cpu1))
+        result.page_faults = (_minor_faults() - faults0) / args.steps
         from simplesharded.mesh import dp_mesh
         meshes = (mesh, dp_mesh(mesh))
         issued = _collectives_issued(meshes)
@@ -338,13 +349,41 @@ def _worker(rank: int, variant: str, args: BenchArgs, port: int, out_dir: str) -
     exit_rank(0)  # gloo's threads outlive destroy_process_group: see exit_rank
 
 
+@contextlib.contextmanager
+def _rank_environment(args: BenchArgs):
+    """The environment ranks start in: every variant's the same. CPU ranks get the launcher's
+    caching malloc settings (host_malloc.py) unless --host-malloc system asks for glibc's
+    defaults; the variables are put back as they were afterwards."""
+    from simplesharded.host_malloc import TUNABLES, caching_env
+    if args.device != "cpu":
+        yield
+        return
+    change = (caching_env() if args.host_malloc == "caching"
+              else {TUNABLES: None})  # None: unset, glibc's defaults
+    saved = {k: os.environ.get(k) for k in change}
+    try:
+        _set_env(change)
+        yield
+    finally:
+        _set_env(saved)
+
+
+def _set_env(values: dict[str, str | None]) -> None:
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 def run_variant(variant: str, args: BenchArgs) -> RunResult:
     world = _world(variant, args)
     with tempfile.TemporaryDirectory() as out_dir:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        mp.spawn(_worker, args=(variant, args, port, out_dir), nprocs=world, join=True)
+        with _rank_environment(args):
+            mp.spawn(_worker, args=(variant, args, port, out_dir), nprocs=world, join=True)
         ranks = [RunResult(**json.load(open(os.path.join(out_dir, f"rank{r}.json"))))
                  for r in range(world)]
     res = ranks[0]
@@ -367,6 +406,7 @@ def summarize(results: dict[str, list[RunResult]], args: BenchArgs) -> list[dict
                      "peak_mem_mb": max(r.peak_mem_mb for r in ok), "reps": len(ok),
                      "main_cpu_ms": 1e3 * statistics.median(r.main_cpu_s for r in ok),
                      "other_cpu_ms": 1e3 * statistics.median(r.other_cpu_s for r in ok),
+                     "page_faults": statistics.median(r.page_faults for r in ok),
                      "losses": [r.losses for r in ok]})
     base = {r["variant"]: r.get("step_ms") for r in rows}
     for r in rows:
@@ -381,7 +421,7 @@ def format_table(rows: list[dict], args: BenchArgs) -> str:
     refs = [ref for ref in RATIO_REFS if any(f"x_{ref}" in r for r in rows)]
     cols = (["variant", "step ms"] + [f"× {RATIO_REFS[ref]}" for ref in refs]
             + ["collectives/step", "compile s", "peak tensor MB/rank", "planned MB/rank",
-               "CPU ms/step main + other threads"]
+               "CPU ms/step main + other threads", "page faults/step"]
             + [f"loss step {k + 1}" for k in range(PARITY_STEPS)])
     lines = ["| " + " | ".join(cols) + " |", "|---|" + "---:|" * (len(cols) - 1)]
     for r in rows:
@@ -398,7 +438,7 @@ def format_table(rows: list[dict], args: BenchArgs) -> str:
                      f"{r['collectives_per_step']} | "
                      f"{r['compile_s']:.1f} | {r['peak_mem_mb']:.0f} | {planned} | "
                      f"{r.get('main_cpu_ms', 0):.0f} + {r.get('other_cpu_ms', 0):.0f} | "
-                     f"{losses} |")
+                     f"{r.get('page_faults', 0):.0f} | {losses} |")
     return "\n".join(lines)
 
 
@@ -515,6 +555,10 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu",
                     help="cpu: gloo ranks (default); cuda (this machine's accelerator type): "
                          "one device per rank, NCCL for cuda")
+    ap.add_argument("--host-malloc", default="caching", choices=["caching", "system"],
+                    help="CPU ranks' malloc: caching (default, as run_train.sh sets it: freed "
+                         "memory is reused, not returned to the OS and page-faulted again next "
+                         "step; simplesharded/host_malloc.py) or system (glibc's defaults)")
     ap.add_argument("--predict-memory", action=argparse.BooleanOptionalAction, default=True,
                     help="also print the planner's predicted peak memory per rank for "
                          + " ".join(PLANNED) + " (a trace of the model, seconds to a minute)")
@@ -564,7 +608,7 @@ def main(argv=None) -> int:
                      loss_parallel=ns.loss_parallel, global_batch=ns.global_batch,
                      seq_len=ns.seq_len, warmup=ns.warmup, steps=ns.steps,
                      optimizer_impl=ns.optimizer_impl, profile_dir=ns.profile,
-                     device=ns.device)
+                     device=ns.device, host_malloc=ns.host_malloc)
     results: dict[str, list[RunResult]] = {v: [] for v in variants}
     for rep in range(ns.reps):
         for v in variants:
@@ -585,7 +629,8 @@ def main(argv=None) -> int:
     print(f"\n{args.model}/{args.flavor}{depth}, {args.world_size} ranks{mesh} "
           f"({backend_for(args.device)}, {args.device}), "
           f"global batch {args.global_batch} × seq {args.seq_len}, fp32, AdamW "
-          f"{args.optimizer_impl}, {args.steps} timed steps × {ns.reps} reps (median)")
+          f"{args.optimizer_impl}, {args.steps} timed steps × {ns.reps} reps (median)"
+          + (f", {args.host_malloc} malloc" if args.device == "cpu" else ""))
     if tp > 1:
         sp = ((", sequence parallel" if args.sequence_parallel else "")
               + (", loss parallel" if args.loss_parallel else ""))
