@@ -6,8 +6,9 @@ torch config is changed outside the backend's own ``config.patch`` (see passes/p
   eager, aot_eager, inductor            collectives untouched (reshard-after-forward tagging only)
   {aot_eager,inductor}_blockbucketing   one bucket per transformer block + overlap reordering
   {aot_eager,inductor}_autobucketing    cost-model buckets + overlap reordering
-  (on gloo both then lower the emulated reduce-scatter to all-to-all + adds, passes/lowering.py,
-   and gather each bucket straight into per-parameter outputs, passes/coalesce_gathers.py)
+  (on gloo both then lower the emulated reduce-scatter to all-to-all + adds, passes/lowering.py;
+   gathering each bucket straight into per-parameter outputs, passes/coalesce_gathers.py, is
+   off on every transport: gloo's coalesced gather can corrupt the heap, see that pass)
   {aot_eager,inductor}_upstreambucketing torch's own schedule_overlap_bucketing (baseline only)
 """
 from __future__ import annotations
