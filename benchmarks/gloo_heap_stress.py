@@ -11,9 +11,14 @@ and freeing small tensors and views meanwhile (the compute the graph does betwee
 wait). Forms (``--mode``):
 
   coalesced  _c10d_functional.all_gather_into_tensor_coalesced (coalesce_gathers' form)
-  plain      _c10d_functional.all_gather_into_tensor on one flat buffer (bucketing's form)
+  plain      _c10d_functional.all_gather_into_tensor on one flat buffer (bucketing's form;
+             torch runs it as a coalesced gather of one tensor)
+  out        _c10d_functional.all_gather_into_tensor_out on one flat buffer (gloo's plain
+             allgather underneath)
   a2a        _c10d_functional.all_to_all_single (lower_reduce_scatters' form)
   rs         _c10d_functional.reduce_scatter_tensor (gloo's own reduce-scatter, as FSDP2 uses)
+  direct     the coalesced gather called on a gloo backend made here with ``--gloo-threads``
+             worker threads (torch's groups always get 2): the same C++ work, thread count varied
 
 Ranks are separate processes started here (not ``mp.spawn``) so ``--wrap`` can put a tool in
 front of each, e.g. ``--wrap "valgrind --error-exitcode=99"``. Prints collectives per second
@@ -55,6 +60,13 @@ def _rank(ns: argparse.Namespace) -> None:
     ops = torch.ops._c10d_functional
     sizes = _sizes(ns.tensors, ns.max_numel)
     dtype = getattr(torch, ns.dtype)
+    if ns.mode == "direct":
+        opts = dist.ProcessGroupGloo._Options()
+        opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+        opts._threads = ns.gloo_threads
+        opts._timeout = __import__("datetime").timedelta(seconds=ns.timeout)
+        store = dist.PrefixStore("direct", dist.distributed_c10d._get_default_store())
+        pg = dist.ProcessGroupGloo(store, rank, ws, opts)
     inflight: collections.deque = collections.deque()
     keep: list = []  # main-thread churn that outlives an iteration, freed later
 
@@ -65,8 +77,17 @@ def _rank(ns: argparse.Namespace) -> None:
         inputs = [torch.full((s,), val, dtype=dtype) for s in sizes]
         if ns.mode == "coalesced":
             outs = ops.all_gather_into_tensor_coalesced(inputs, ws, gname)
+        elif ns.mode == "direct":  # outputs and their per-rank chunks, as torch builds them
+            outs = [torch.empty(ws * s, dtype=dtype) for s in sizes]
+            work = pg.allgather_coalesced([[o.chunk(ws)[r] for o in outs] for r in range(ws)],
+                                          inputs)
+            return work, outs
         elif ns.mode == "plain":
             outs = [ops.all_gather_into_tensor(torch.cat(inputs), ws, gname)]
+        elif ns.mode == "out":
+            flat = torch.cat(inputs)
+            outs = [ops.all_gather_into_tensor_out(flat, ws, gname,
+                                                   out=torch.empty(ws * flat.numel(), dtype=dtype))]
         elif ns.mode == "rs":  # each rank gets one chunk of the sum
             flat = torch.cat(inputs)
             outs = [ops.reduce_scatter_tensor(torch.cat([flat, flat]), "sum", ws, gname)]
@@ -80,7 +101,11 @@ def _rank(ns: argparse.Namespace) -> None:
         return float(r * 3 + it % 7) if dtype == torch.bfloat16 else float(r * 1000 + it % 500)
 
     def finish(it: int, outs) -> None:
-        outs = [ops.wait_tensor(o) for o in outs]
+        if ns.mode == "direct":
+            work, outs = outs
+            work.wait()
+        else:
+            outs = [ops.wait_tensor(o) for o in outs]
         if ns.mode == "rs":
             if not bool((outs[0] == sum(expect(it, r) for r in range(ws))).all()):
                 raise AssertionError(f"rank {rank} iter {it}: wrong reduce-scatter sum")
@@ -120,11 +145,12 @@ def _rank(ns: argparse.Namespace) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mode", choices=("coalesced", "plain", "a2a", "rs"), default="coalesced")
+    ap.add_argument("--mode", choices=("coalesced", "plain", "out", "a2a", "rs", "direct"), default="coalesced")
     ap.add_argument("--iters", type=int, default=2000)
     ap.add_argument("--tensors", type=int, default=20, help="tensors per collective")
     ap.add_argument("--max-numel", type=int, default=1 << 16, help="largest tensor, elements")
     ap.add_argument("--depth", type=int, default=2, help="collectives in flight before a wait")
+    ap.add_argument("--gloo-threads", type=int, default=2, help="--mode direct: worker threads")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--grad", action="store_true", help="run under enable_grad (default no_grad)")
     ap.add_argument("--timeout", type=float, default=600, help="collective timeout, seconds")

@@ -17,13 +17,11 @@ unchanged. Runs last (after reordering): the new collective is issued where the 
 waited where the old one was waited.
 
 No transport is rewritten by default (``COALESCED_BACKENDS`` is empty), gloo included: torch's
-gloo process group corrupts the heap under this op (benchmarks/RESULTS.md, Session 12). Each of
-its two worker threads, after finishing a collective, stores the op's name into one string the
-group shares, without a lock; a name longer than 15 characters lives on the heap, so two works
-finishing at once can free the same buffer twice. ``ALLGATHER_COALESCED`` is such a name; the
-flat gather (``_ALLGATHER_BASE``) and the all-to-all that our graphs issue are short. NCCL
-gathers a flat buffer faster than a group of per-parameter gathers anyway, and its copy-out
-runs on the GPU. ``transports=("gloo",)`` (or None) still applies the rewrite where asked.
+gloo process group corrupts the heap under its coalesced gather when two finish at once
+(passes/gather_out.py says how; benchmarks/RESULTS.md, Session 12). On gloo our pipelines
+gather every bucket with the plain all-gather instead (passes/gather_out.py). NCCL gathers a
+flat buffer faster than a group of per-parameter gathers anyway, and its copy-out runs on the
+GPU. ``transports=("gloo",)`` (or None) still applies the rewrite where asked.
 """
 from __future__ import annotations
 
