@@ -13,9 +13,15 @@ gathered parameter), and flattens the inputs on its own worker thread instead of
 Same bytes on the wire, one full copy of the bucket less, and the concatenation moves off
 the compute thread: measured for one llama3-small block on 2 gloo ranks, see
 ``python -m simplesharded.bench_collectives``. Values are copies, so outputs are bitwise
-unchanged. Only gloo groups are rewritten: NCCL gathers a flat buffer faster than a group of
-per-parameter gathers, and its copy-out runs on the GPU. Runs last (after reordering): the new
-collective is issued where the old one was and waited where the old one was waited.
+unchanged. Runs last (after reordering): the new collective is issued where the old one was and
+waited where the old one was waited.
+
+No transport is rewritten by default (``COALESCED_BACKENDS`` is empty), gloo included: torch's
+gloo process group corrupts the heap under its coalesced gather when two finish at once
+(passes/gather_out.py says how; benchmarks/RESULTS.md, Session 12). On gloo our pipelines
+gather every bucket with the plain all-gather instead (passes/gather_out.py). NCCL gathers a
+flat buffer faster than a group of per-parameter gathers anyway, and its copy-out runs on the
+GPU. ``transports=("gloo",)`` (or None) still applies the rewrite where asked.
 """
 from __future__ import annotations
 
@@ -26,7 +32,8 @@ from torch import fx
 from .collectives import ALL_GATHER, ALL_GATHER_COALESCED, WAIT, collectives_on
 from .graph_utils import aten, call, fake_mode_of
 
-COALESCED_BACKENDS = ("gloo",)
+# Transports rewritten by default: none while gloo's coalesced gather can corrupt the heap (above).
+COALESCED_BACKENDS: tuple[str, ...] = ()
 
 
 def coalesce_gathers(gm: fx.GraphModule,

@@ -7,7 +7,9 @@ torch config is changed outside the backend's own ``config.patch`` (see passes/p
   {aot_eager,inductor}_blockbucketing   one bucket per transformer block + overlap reordering
   {aot_eager,inductor}_autobucketing    cost-model buckets + overlap reordering
   (on gloo both then lower the emulated reduce-scatter to all-to-all + adds, passes/lowering.py,
-   and gather each bucket straight into per-parameter outputs, passes/coalesce_gathers.py)
+   and gather into buffers the graph allocates, passes/gather_out.py: torch's functional
+   all-gather is gloo's coalesced one, which can corrupt the heap; gathering each bucket
+   straight into per-parameter outputs, passes/coalesce_gathers.py, is off for that reason)
   {aot_eager,inductor}_upstreambucketing torch's own schedule_overlap_bucketing (baseline only)
 """
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 
 from simplesharded.passes.bucketing import bucket_collectives
 from simplesharded.passes.coalesce_gathers import coalesce_gathers
+from simplesharded.passes.gather_out import gather_out
 from simplesharded.passes.lowering import lower_reduce_scatters
 from simplesharded.passes.pipeline import PassPipeline, aot_backend, inductor_backend
 from simplesharded.passes.plan_protocol import Plan
@@ -94,7 +97,8 @@ def _ours(compiler: str, kind: str, opts: BackendOptions) -> Callable:
     passes = [("bucketing", functools.partial(bucket_collectives, plan=plan)),
               ("reordering", functools.partial(reorder_for_overlap, plan=plan)),
               ("lowering", lower_reduce_scatters),
-              ("coalescing", coalesce_gathers)]
+              ("coalescing", coalesce_gathers),
+              ("gather_out", gather_out)]
     return _compile(compiler, _pipeline(opts, plan, passes))
 
 

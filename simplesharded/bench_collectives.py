@@ -4,7 +4,9 @@ Times, on --world-size gloo ranks, the forms a bucketed collective can take on t
 Reduce-scatter: gloo's own ``reduce_scatter_tensor`` (an all-reduce of the whole buffer in
 disguise), the all-to-all + local adds that passes/lowering.py emits, and an in-place
 all-reduce. All-gather: one flat buffer plus a copy-out per parameter (passes/bucketing.py),
-and the coalesced gather straight into per-parameter outputs (passes/coalesce_gathers.py).
+the same into a buffer the caller allocates (gloo's plain all-gather; what our gloo pipelines
+run, passes/gather_out.py), and the coalesced gather straight into per-parameter outputs
+(passes/coalesce_gathers.py, off by default).
 The bucket is one llama3-small block's parameters (3.1M fp32 elements). Prints median wall ms
 and process CPU ms (all threads) per call; checks the forms of each kind agree.
 """
@@ -55,14 +57,24 @@ def _worker(rank: int, world: int, port: int, reps: int, numels: list[int]) -> N
         out = c10d.wait_tensor(c10d.all_reduce_(grads.clone(), "sum", name))
         return out.view(world, -1)[rank]
 
-    def all_gather_flat():
-        buf = torch.cat(shards)
-        rows = c10d.wait_tensor(c10d.all_gather_into_tensor(buf, world, name)).view(world, -1)
+    def copy_out(rows):
         outs, offset = [], 0
         for s in shards:
             outs.append(rows[:, offset:offset + s.numel()].clone())
             offset += s.numel()
         return outs
+
+    def all_gather_flat():
+        buf = torch.cat(shards)
+        return copy_out(c10d.wait_tensor(c10d.all_gather_into_tensor(buf, world, name))
+                        .view(world, -1))
+
+    def all_gather_out():
+        buf = torch.cat(shards)
+        out = torch.empty(world * buf.numel())
+        return copy_out(c10d.wait_tensor(c10d.all_gather_into_tensor_out(buf, world, name,
+                                                                         out=out))
+                        .view(world, -1))
 
     def all_gather_coalesced():
         outs = c10d.all_gather_into_tensor_coalesced(shards, world, name)
@@ -73,12 +85,13 @@ def _worker(rank: int, world: int, port: int, reps: int, numels: list[int]) -> N
         got = form()
         if not torch.allclose(got, ref, rtol=1e-6, atol=1e-6):
             raise AssertionError(f"{form.__name__} differs from reduce_scatter_tensor")
-    for a, b in zip(all_gather_flat(), all_gather_coalesced()):
-        if not torch.equal(a.flatten(), b):
-            raise AssertionError("all_gather_coalesced differs from all_gather_flat")
+    for a, b, c in zip(all_gather_flat(), all_gather_coalesced(), all_gather_out()):
+        if not (torch.equal(a.flatten(), b) and torch.equal(a, c)):
+            raise AssertionError("all_gather_coalesced or all_gather_out differs from "
+                                 "all_gather_flat")
     rows = []
     for form in (reduce_scatter, all_to_all_add, all_reduce_inplace, all_gather_flat,
-                 all_gather_coalesced):
+                 all_gather_out, all_gather_coalesced):
         form()
         dist.barrier()
         wall, cpu = [], []
@@ -93,7 +106,8 @@ def _worker(rank: int, world: int, port: int, reps: int, numels: list[int]) -> N
         print(f"| form | wall ms | CPU ms (process) | × reduce_scatter CPU |\n|---|---:|---:|---:|")
         for form, w, c in rows:
             print(f"| {form} | {1e3 * w:.1f} | {1e3 * c:.1f} | {c / rows[0][2]:.2f} |")
-        flat, coalesced = rows[3][2], rows[4][2]
+        flat, out, coalesced = rows[3][2], rows[4][2], rows[5][2]
+        print(f"all_gather_out / all_gather_flat CPU: {out / flat:.2f}")
         print(f"all_gather_coalesced / all_gather_flat CPU: {coalesced / flat:.2f}")
     dist.barrier()  # no rank tears its connections down while a peer still sends
     dist.destroy_process_group()

@@ -119,7 +119,7 @@ def apply_plan(traced: Traced, name: str, hardware: str, cap_bytes: int | None):
     ``hardware`` profile also the gloo lowerings, which the fake process group would skip);
     for a backend without passes, the traced graphs themselves (to read, not to edit)."""
     from simplesharded.passes.bucketing import bucket_collectives
-    from simplesharded.passes.coalesce_gathers import coalesce_gathers
+    from simplesharded.passes.coalesce_gathers import COALESCED_BACKENDS, coalesce_gathers
     from simplesharded.passes.hardware import get_hardware
     from simplesharded.passes.lowering import lower_reduce_scatters
     from simplesharded.passes.pipeline import lazily_compiled
@@ -140,7 +140,8 @@ def apply_plan(traced: Traced, name: str, hardware: str, cap_bytes: int | None):
         reorder_for_overlap(gm, plan)
         if gloo:
             lower_reduce_scatters(gm, transports=None)
-            coalesce_gathers(gm, transports=None)
+            if "gloo" in COALESCED_BACKENDS:  # as the real pipeline would on gloo
+                coalesce_gathers(gm, transports=None)
     return fw, bw
 
 

@@ -48,9 +48,7 @@ INDUCTOR_TOL = 1e-4
 AOT = ("aot_eager", "aot_eager_blockbucketing", "aot_eager_autobucketing")
 INDUCTOR = ("inductor_blockbucketing", "inductor_autobucketing", "inductor")
 
-# on gloo our bucketing backends gather multi-parameter buckets with the coalesced form
-# (passes/coalesce_gathers.py)
-_COLLECTIVE = {"all_gather": r"all_gather_into_tensor(_out|_coalesced)?\.default\(",
+_COLLECTIVE = {"all_gather": r"all_gather_into_tensor(_out)?\.default\(",
                # our bucketing backends lower gloo's reduce-scatter to all_to_all_single + sum
                "reduce_scatter": r"(reduce_scatter_tensor(_out)?|all_to_all_single)\.default\("}
 
@@ -79,6 +77,9 @@ def _train(rank, world, backend, n_layers, opt_name, get_code=False, mode="fully
             for n in gm.graph.nodes)
         graph_counts[kind]["all_gather_coalesced"] = sum(
             n.target is torch.ops._c10d_functional.all_gather_into_tensor_coalesced.default
+            for n in gm.graph.nodes)
+        graph_counts[kind]["all_gather_functional"] = sum(
+            n.target is torch.ops._c10d_functional.all_gather_into_tensor.default
             for n in gm.graph.nodes)
 
     torch._dynamo.reset()
@@ -203,11 +204,12 @@ def test_aot_eager_bucketing_bitwise():
         # aot_eager's were not
         assert blk["bw"]["all_to_all"] == blk["bw"]["reduce_scatter"] > 0
         assert ref["graph_counts"]["bw"]["all_to_all"] == 0
-        # and every multi-parameter gather bucket is gathered straight into per-parameter
-        # outputs (passes/coalesce_gathers.py); plain aot_eager's single gathers are not
-        # (all but the embedding's bucket, which holds one parameter)
-        assert blk["fw"]["all_gather_coalesced"] == blk["fw"]["all_gather"] - 1 > 0
-        assert ref["graph_counts"]["fw"]["all_gather_coalesced"] == 0
+        # and every gather goes into a buffer the graph allocates (passes/gather_out.py): the
+        # functional all-gather is gloo's coalesced one, which can corrupt the heap
+        # (benchmarks/RESULTS.md, Session 12); plain aot_eager's graphs are not rewritten
+        for kind in ("fw", "bw"):
+            assert blk[kind]["all_gather_coalesced"] == blk[kind]["all_gather_functional"] == 0
+        assert ref["graph_counts"]["fw"]["all_gather_functional"] == n
         for kind in ("fw", "bw"):
             for coll, count in want[kind].items():
                 assert blk[kind][coll] == count, (rank, kind, coll, blk[kind])

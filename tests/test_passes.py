@@ -766,6 +766,44 @@ def test_manual_passes_equal_backend_pipeline(config):
         assert pu.graph_signature(reordered) == pu.graph_signature(stages[which]["reordering"])
 
 
+# ------------------------------------------------- gathers into buffers (gloo lowering)
+
+GATHER_OUT_CASES = [("w2", "fw"), ("w8-bf16", "bw"), ("w2-auto", "bw")]
+
+
+@pytest.mark.parametrize("config,which", GATHER_OUT_CASES,
+                         ids=["-".join(c) for c in GATHER_OUT_CASES])
+def test_gather_out_gathers_into_a_fresh_buffer(config, which):
+    """Every functional all-gather becomes an all_gather_into_tensor_out into an empty buffer
+    of its own, waited where it was waited; counts, issue order and outputs (bits) unchanged."""
+    from simplesharded.passes.collectives import count_collectives
+    from simplesharded.passes.gather_out import gather_out
+
+    world, g = graph(config, which)
+    before = reorder_for_overlap(block_bucketed(config, which), BlockPlan())
+    gathers = pu.starts(before, pu.AG)
+    assert gathers
+    # a fake process group is not gloo: the default leaves the graph alone
+    assert pu.graph_signature(gather_out(pu.fresh(before))) == pu.graph_signature(before)
+
+    out = gather_out(pu.fresh(before), transports=None)
+    assert pu.starts(out, pu.AG) == []
+    outs = pu.starts(out, pu.AG_OUT)
+    assert len(outs) == len(gathers)
+    assert count_collectives(out) == count_collectives(before)
+    assert _issue_order(out) == _issue_order(before)
+    pos = {n: i for i, n in enumerate(out.graph.nodes)}
+    for s in outs:
+        buf = s.kwargs["out"]
+        assert buf.target is torch.ops.aten.empty.memory_format and list(buf.users) == [s]
+        assert buf.meta["val"].shape == s.meta["val"].shape
+        waits = [u for u in s.users if u.target is pu.WAIT]
+        assert len(waits) == 1 and pos[buf] < pos[s] < pos[waits[0]]
+    assert_bitwise_same(g, out, world)
+    again = gather_out(pu.fresh(out), transports=None)
+    assert pu.graph_signature(again) == pu.graph_signature(out)
+
+
 # -------------------------------------------------------- coalesced gathers (gloo lowering)
 
 COALESCE_CASES = [("w2", "fw"), ("w2", "bw"), ("w8-bf16", "fw"), ("w8-bf16", "bw"),
@@ -803,7 +841,7 @@ def test_coalesced_gathers_drop_the_copy_out_and_keep_outputs(config, which):
     multi = [s for s in pu.starts(reordered, pu.AG) if len(pu.node_params(s)) > 1]
     if not multi:
         pytest.skip("no multi-parameter gather in this graph")
-    # a fake process group is not gloo: the default leaves the graph alone
+    # the default rewrites no transport (gloo's coalesced gather can corrupt the heap)
     untouched = coalesce_gathers(pu.fresh(reordered))
     assert pu.graph_signature(untouched) == pu.graph_signature(reordered)
 
