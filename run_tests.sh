@@ -4,9 +4,6 @@ set -euo pipefail
 cd "$(dirname "$0")"
 source scripts/bootstrap.sh
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-# Test processes reuse freed memory instead of page-faulting it in again (simplesharded/
-# host_malloc.py): without it page faults were ~13 % of the suite's CPU (sys time).
-eval "$(python -m simplesharded.host_malloc)"
 set +e
 python -m pytest -q -ra --durations=40 "$@"  # the slowest tests: the suite has a time budget
 rc=$?

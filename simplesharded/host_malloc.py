@@ -15,7 +15,8 @@ one fault per 2 MiB instead of per 4 KiB for what is still new), turns its mmap 
 never trims the heap: freed blocks go back to malloc's free lists and the next step reuses
 them. Resident memory then stays at the run's peak, as a caching allocator's does. glibc reads
 ``GLIBC_TUNABLES`` when a process starts, so it is set for processes about to start (the
-launcher's and the bench's ranks, the test suite); it does nothing under another allocator
+launcher's and the bench's ranks; not the test suite's, whose memory tests measure the loader
+under glibc's defaults); it does nothing under another allocator
 (jemalloc or tcmalloc preloaded) and a glibc that lacks a tunable ignores it. A tunable the user
 set wins.
 """
