@@ -218,8 +218,9 @@ def test_plan_applies_gloo_lowerings_only_for_gloo_profiles():
         traced = dry_run.trace(cfg, 1, n_layers=2)
         for hardware, lowered in (("local", True), ("h100-ib400", False)):
             fw, bw = dry_run.apply_plan(traced, "aot_eager_blockbucketing", hardware, None)
-            assert (count(fw, ALL_GATHER_COALESCED) > 0) is lowered, hardware
             assert (count(bw, ALL_TO_ALL) > 0) is lowered, hardware
+            # never coalesced, on any transport: gloo's coalesced gather races (Session 12)
+            assert count(fw, ALL_GATHER_COALESCED) == 0, hardware
 
 
 @pytest.mark.slow
