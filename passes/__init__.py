@@ -2,7 +2,6 @@
 from .bucketing import bucket_collectives
 from .coalesce_gathers import coalesce_gathers
 from .collectives import Collective, count_collectives, find_collectives
-from .gather_out import gather_out
 from .lowering import lower_reduce_scatters
 from .pipeline import PassPipeline, aot_backend, inductor_backend
 from .plan_protocol import Plan
@@ -11,6 +10,6 @@ from .recompute import tag_gathers_for_recompute
 from .reordering import reorder_for_overlap
 
 __all__ = ["bucket_collectives", "coalesce_gathers", "Collective", "count_collectives",
-           "find_collectives", "gather_out", "lower_reduce_scatters", "PassPipeline", "aot_backend",
+           "find_collectives", "lower_reduce_scatters", "PassPipeline", "aot_backend",
            "inductor_backend", "Plan",
            "AutoPlan", "BlockPlan", "tag_gathers_for_recompute", "reorder_for_overlap"]

@@ -18,8 +18,8 @@ waited where the old one was waited.
 
 No transport is rewritten by default (``COALESCED_BACKENDS`` is empty), gloo included: torch's
 gloo process group corrupts the heap under its coalesced gather when two finish at once
-(passes/gather_out.py says how; benchmarks/RESULTS.md, Session 12). On gloo our pipelines
-gather every bucket with the plain all-gather instead (passes/gather_out.py). NCCL gathers a
+(simplesharded/gloo_gather.py says how; benchmarks/RESULTS.md, Session 12). On gloo every
+bucket is gathered with the plain all-gather instead (gloo_gather's kernel). NCCL gathers a
 flat buffer faster than a group of per-parameter gathers anyway, and its copy-out runs on the
 GPU. ``transports=("gloo",)`` (or None) still applies the rewrite where asked.
 """

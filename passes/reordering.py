@@ -14,7 +14,9 @@
   prefetch leaves as it is. Default cap: that floor plus the largest gathered buffer; a cap at
   or below the floor disables prefetch.
 * reduce-scatter / all-reduce: the start right after its input is ready; the wait sinks towards
-  its first use but no further than the next reduction's start, so at most one reduction is in
+  its first use (with the ops computed from the result alone for the output, such as the 1/N
+  averaging, which would otherwise pin it next to its start) but no further than the next
+  reduction's start, so at most one reduction is in
   flight and full-size gradient buffers are freed a block later at most. On a process group
   collectives run in issue order, so a prefetch issued after the previous reduce-scatter hides
   both under the same compute (SimpleFSDP's backward schedule).
@@ -71,6 +73,28 @@ def gather_chain(wait: fx.Node, order: NodeOrder) -> list[fx.Node]:
                 chain.append(user)
                 frontier.append(user)
     return sorted(chain, key=order.__getitem__)
+
+
+def reduction_epilogue(chain: list[fx.Node], order: NodeOrder) -> list[fx.Node]:
+    """``chain`` plus the pure ops computed from it alone whose results only the graph's
+    output reads (the 1/N averaging of a reduced gradient): they sink with the wait, or the
+    first of them would pin the wait right after its start. Graph order."""
+    members, tail = set(chain), []
+    candidates, frontier = [], list(chain)  # descendants computed from the chain alone
+    while frontier:
+        for user in frontier.pop().users:
+            if (user.op == "call_function" and user not in members
+                    and not is_collective_or_wait(user) and not user.is_impure()
+                    and all(a in members for a in user.all_input_nodes)):
+                members.add(user)
+                candidates.append(user)
+                frontier.append(user)
+    kept = set(chain)
+    for node in sorted(candidates, key=order.__getitem__, reverse=True):
+        if all(u in kept or u.op == "output" for u in node.users):
+            kept.add(node)
+            tail.append(node)
+    return sorted(chain + tail, key=order.__getitem__)
 
 
 def _chain_uses(chain: list[fx.Node]) -> list[fx.Node]:
@@ -456,7 +480,7 @@ def _place_reductions(collectives: list[Collective], order: NodeOrder, behind: _
             behind.move_before([c.start], last_input.next)
     reds.sort(key=lambda c: order[c.start])
     for i, c in enumerate(reds):
-        chain = gather_chain(c.wait, order)
+        chain = reduction_epilogue(gather_chain(c.wait, order), order)
         use = _first_use(chain, order)
         if use is None:
             continue

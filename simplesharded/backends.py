@@ -6,11 +6,9 @@ torch config is changed outside the backend's own ``config.patch`` (see passes/p
   eager, aot_eager, inductor            collectives untouched (reshard-after-forward tagging only)
   {aot_eager,inductor}_blockbucketing   one bucket per transformer block + overlap reordering
   {aot_eager,inductor}_autobucketing    cost-model buckets + overlap reordering
-  (on gloo both then lower the emulated reduce-scatter to all-to-all + adds, passes/lowering.py,
-   and aot_eager's gather into buffers the graph allocates, passes/gather_out.py: torch's
-   functional all-gather is gloo's coalesced one, which can corrupt the heap; not yet under
-   inductor, whose code for it computed wrong values; gathering each bucket straight into
-   per-parameter outputs, passes/coalesce_gathers.py, is off for the same race)
+  (on gloo both then lower the emulated reduce-scatter to all-to-all + adds, passes/lowering.py;
+   gathering each bucket straight into per-parameter outputs, passes/coalesce_gathers.py, is
+   off: gloo's coalesced gather can corrupt the heap, simplesharded/gloo_gather.py)
   {aot_eager,inductor}_upstreambucketing torch's own schedule_overlap_bucketing (baseline only)
 """
 from __future__ import annotations
@@ -23,7 +21,6 @@ import torch
 
 from simplesharded.passes.bucketing import bucket_collectives
 from simplesharded.passes.coalesce_gathers import coalesce_gathers
-from simplesharded.passes.gather_out import gather_out
 from simplesharded.passes.lowering import lower_reduce_scatters
 from simplesharded.passes.pipeline import PassPipeline, aot_backend, inductor_backend
 from simplesharded.passes.plan_protocol import Plan
@@ -99,10 +96,6 @@ def _ours(compiler: str, kind: str, opts: BackendOptions) -> Callable:
               ("reordering", functools.partial(reorder_for_overlap, plan=plan)),
               ("lowering", lower_reduce_scatters),
               ("coalescing", coalesce_gathers)]
-    if compiler == "aot_eager":
-        # Not under inductor: its code for the _out gather's graph-allocated buffer gave wrong
-        # values with autobucketing's plan (tests/test_bucketing_training.py, Session 12).
-        passes.append(("gather_out", gather_out))
     return _compile(compiler, _pipeline(opts, plan, passes))
 
 

@@ -29,7 +29,6 @@ def pass_times(traced, name: str, hardware: str) -> dict[str, dict[str, float]]:
     code, once, as the backend does after the last pass."""
     from simplesharded.passes.bucketing import bucket_collectives
     from simplesharded.passes.coalesce_gathers import coalesce_gathers
-    from simplesharded.passes.gather_out import gather_out
     from simplesharded.passes.lowering import lower_reduce_scatters
     from simplesharded.passes.pipeline import PassPipeline, generate_code, lazily_compiled
     from simplesharded.passes.planning import AutoPlan, BlockPlan
@@ -48,8 +47,7 @@ def pass_times(traced, name: str, hardware: str) -> dict[str, dict[str, float]]:
     pipeline = PassPipeline(graph=[("bucketing", lambda gm: bucket_collectives(gm, plan)),
                                    ("reordering", lambda gm: reorder_for_overlap(gm, plan)),
                                    ("lowering", lower_reduce_scatters),
-                                   ("coalescing", coalesce_gathers),
-                                   ("gather_out", gather_out)], observer=observe)
+                                   ("coalescing", coalesce_gathers)], observer=observe)
     for kind in ("fw", "bw"):
         gm = lazily_compiled(copy.deepcopy(getattr(traced, kind)))
         gc.collect()  # see the module doc

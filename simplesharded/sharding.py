@@ -39,6 +39,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from simplesharded.mesh import EFSDP_DIM, EP_DIM, dense_mesh, dim_size, ep_dim, expert_dp_mesh
 from simplesharded.mesh import dp_mesh as _dp_mesh
+from simplesharded import gloo_gather
 from simplesharded.blocks import BlockSpec, block_of
 from simplesharded.grad_sync import _GradSync
 from simplesharded.passes.annotations import BLOCK_KEY, DP_GROUPS_KEY, PARAM_KEY, RESHARD_KEY
@@ -550,6 +551,9 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     weights only, so an uncompiled gather never outlives its block).
     A model on the meta device gets uninitialised shards on the mesh's device: run its
     init under :func:`disable_gather` (``with disable_gather(model): model.init_weights()``).
+    The first call gives torch's functional all-gather a CPU kernel that runs gloo's plain
+    all-gather (simplesharded/gloo_gather.py: torch's own runs a coalesced one that can
+    corrupt the heap), for every CPU gather in the process, compiled or not.
     """
     dense = dense_mesh(mesh)
     dp = _dp_mesh(dense)
@@ -562,6 +566,7 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     if any(getattr(m, "_ss_specs", None) is not None for m in model.modules()):
         raise ValueError("model is already wrapped by data_parallel; wrap it once")
     _check_device(model, mesh)
+    gloo_gather.install()  # CPU gathers: gloo's plain all-gather, not its racy coalesced one
     mp_policy = mp_policy or MixedPrecisionPolicy()
     spec = _GatherSpec(
         replicate=(Replicate(),) * dp.ndim, grad_placements=(Partial(),) * dp.ndim,

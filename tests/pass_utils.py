@@ -34,7 +34,6 @@ _c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
 AG = _c10d.all_gather_into_tensor.default
 AG_COALESCED = _c10d.all_gather_into_tensor_coalesced.default
-AG_OUT = _c10d.all_gather_into_tensor_out.default
 RS = _c10d.reduce_scatter_tensor.default
 AR = _c10d.all_reduce.default
 WAIT = _c10d.wait_tensor.default
@@ -141,11 +140,6 @@ class SimulatedCollectives(fx.Interpreter):
             assert ws == W, (ws, W)
             self.collective_calls += 1
             return torch.cat([_rank_data(x, r) for r in range(W)])
-        if target is AG_OUT:
-            x, ws = args[0], args[1]
-            assert ws == W, (ws, W)
-            self.collective_calls += 1
-            return kwargs["out"].copy_(torch.cat([_rank_data(x, r) for r in range(W)]))
         if target is AG_COALESCED:
             xs, ws = args[0], args[1]
             assert ws == W, (ws, W)

@@ -1,0 +1,62 @@
+"""simplesharded/gloo_gather.py: on CPU the functional all-gather runs as gloo's plain
+all-gather (not the coalesced one whose worker threads race on a shared string), in eager
+DTensor code and in compiled graphs, with the same values."""
+import torch
+
+from dist_utils import spawn
+
+COALESCED = "c10d::allgather_into_tensor_coalesced_"
+PLAIN = "c10d::_allgather_base_"
+
+
+def _c10d_ops(fn) -> tuple[torch.Tensor, set[str]]:
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = fn()
+    return out, {e.name for e in prof.events() if e.name.startswith("c10d::")}
+
+
+def gather_job(rank, world):
+    import torch.distributed as dist
+    from torch.distributed._functional_collectives import all_gather_tensor
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from simplesharded import gloo_gather
+    from simplesharded.mesh import build_mesh
+
+    mesh = build_mesh(dp_shard=world, device="cpu")
+    group = dist.group.WORLD
+    full = torch.arange(4.0 * world * 3).reshape(4 * world, 3)
+    shard = full.chunk(world)[rank].clone()
+
+    def functional():
+        return all_gather_tensor(shard, 0, group)
+
+    def dtensor():
+        return distribute_tensor(full, mesh, [Shard(0)]).full_tensor()
+
+    compiled = torch.compile(lambda x: all_gather_tensor(x, 0, group) * 2, backend="aot_eager",
+                             fullgraph=True)
+    out = {"torch": _c10d_ops(functional)}
+    gloo_gather.install()
+    gloo_gather.install()  # idempotent
+    out["functional"] = _c10d_ops(functional)
+    out["dtensor"] = _c10d_ops(dtensor)
+    out["compiled"] = _c10d_ops(lambda: compiled(shard))
+    return {"full": full, **out}
+
+
+def test_functional_gather_runs_gloos_plain_all_gather():
+    for res in spawn(2, gather_job):
+        full = res["full"]
+        # torch 2.13's own kernel: the coalesced gather (if this fails, torch changed it and
+        # gloo_gather may no longer be needed)
+        value, ops = res["torch"]
+        assert torch.equal(value, full) and COALESCED in ops, ops
+        for path in ("functional", "dtensor"):
+            value, ops = res[path]
+            assert torch.equal(value, full), path
+            assert PLAIN in ops and COALESCED not in ops, (path, ops)
+        value, ops = res["compiled"]
+        assert torch.equal(value, 2 * full)
+        assert PLAIN in ops and COALESCED not in ops, ops
