@@ -16,10 +16,10 @@
 * reduce-scatter / all-reduce: the start right after its input is ready; the wait sinks towards
   its first use (with the ops computed from the result alone for the output, such as the 1/N
   averaging, which would otherwise pin it next to its start) but no further than the next
-  reduction's start, so at most one reduction is in
-  flight and full-size gradient buffers are freed a block later at most. On a process group
-  collectives run in issue order, so a prefetch issued after the previous reduce-scatter hides
-  both under the same compute (SimpleFSDP's backward schedule).
+  reduction's start, so at most one reduction is in flight and full-size gradient buffers
+  are freed a block later at most. On a process group collectives run in issue order, so a
+  prefetch issued after the previous reduce-scatter hides both under the same compute
+  (SimpleFSDP's backward schedule).
 * Collectives that are not ours (expert parallelism's all-to-alls, TP's) never move and are
   never delayed: nothing that came after one's start in the graph this pass gets is moved
   ahead of it (a prefetch, an early reduction or a copy-out that would be is placed right

@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -353,27 +354,17 @@ def _worker(rank: int, variant: str, args: BenchArgs, port: int, out_dir: str) -
 def _rank_environment(args: BenchArgs):
     """The environment ranks start in: every variant's the same. CPU ranks get the launcher's
     caching malloc settings (host_malloc.py) unless --host-malloc system asks for glibc's
-    defaults; the variables are put back as they were afterwards."""
+    defaults."""
     from simplesharded.host_malloc import TUNABLES, caching_env
     if args.device != "cpu":
         yield
         return
-    change = (caching_env() if args.host_malloc == "caching"
-              else {TUNABLES: None})  # None: unset, glibc's defaults
-    saved = {k: os.environ.get(k) for k in change}
-    try:
-        _set_env(change)
-        yield
-    finally:
-        _set_env(saved)
-
-
-def _set_env(values: dict[str, str | None]) -> None:
-    for key, value in values.items():
-        if value is None:
-            os.environ.pop(key, None)
+    with mock.patch.dict(os.environ):  # restores the environment as it was
+        if args.host_malloc == "caching":
+            os.environ.update(caching_env())
         else:
-            os.environ[key] = value
+            os.environ.pop(TUNABLES, None)  # glibc's defaults
+        yield
 
 
 def run_variant(variant: str, args: BenchArgs) -> RunResult:
