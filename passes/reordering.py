@@ -79,8 +79,7 @@ def reduction_epilogue(chain: list[fx.Node], order: NodeOrder) -> list[fx.Node]:
     """``chain`` plus the pure ops computed from it alone whose results only the graph's
     output reads (the 1/N averaging of a reduced gradient): they sink with the wait, or the
     first of them would pin the wait right after its start. Graph order."""
-    members, tail = set(chain), []
-    candidates, frontier = [], list(chain)  # descendants computed from the chain alone
+    members, candidates, frontier = set(chain), [], list(chain)  # computed from the chain alone
     while frontier:
         for user in frontier.pop().users:
             if (user.op == "call_function" and user not in members
@@ -93,8 +92,7 @@ def reduction_epilogue(chain: list[fx.Node], order: NodeOrder) -> list[fx.Node]:
     for node in sorted(candidates, key=order.__getitem__, reverse=True):
         if all(u in kept or u.op == "output" for u in node.users):
             kept.add(node)
-            tail.append(node)
-    return sorted(chain + tail, key=order.__getitem__)
+    return sorted(kept, key=order.__getitem__)
 
 
 def _chain_uses(chain: list[fx.Node]) -> list[fx.Node]:

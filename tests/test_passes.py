@@ -165,13 +165,12 @@ def assert_one_reduction_in_flight(gm):
 
 
 def assert_reductions_overlap_compute(gm):
-    """Every reduction but the last has computation (not a view, not a collective) between
-    its start and its wait: the wait is not pinned next to its start (by the 1/N averaging
-    that reads its result, for one)."""
-    views = {"view", "_unsafe_view", "slice", "alias", "reshape", "t", "permute", "getitem"}
+    """Every reduction but the last has computation (not a view or copy, not a collective)
+    between its start and its wait: the wait is not pinned next to its start (by the 1/N
+    averaging that reads its result, for one)."""
     work = [i for i, n in enumerate(gm.graph.nodes)
             if n.op == "call_function" and n.target not in (pu.AG, pu.RS, pu.AR, pu.WAIT)
-            and getattr(n.target, "__name__", "").split(".")[0] not in views]
+            and not pu._is_chain_op(n)]
     for s, w, node in sorted(pu.reduction_intervals(gm))[:-1]:
         assert any(s < i < w for i in work), f"{node}: nothing computed while it is in flight"
 
