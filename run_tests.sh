@@ -5,7 +5,7 @@ cd "$(dirname "$0")"
 source scripts/bootstrap.sh
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 set +e
-python -m pytest -q -ra --durations=40 "$@"  # the slowest tests: the suite has a time budget
+"$PY" -m pytest -q -ra --durations=40 "$@"  # the slowest tests: the suite has a time budget
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

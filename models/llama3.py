@@ -134,11 +134,10 @@ class Attention(nn.Module):
         k = self.wk(x).view(B, S, -1, self.head_dim)
         v = self.wv(x).view(B, S, -1, self.head_dim)
         q, k = apply_rotary_emb(q, freqs_cis), apply_rotary_emb(k, freqs_cis)
-        # GQA: each kv head serves n_heads // n_kv_heads consecutive query heads.
-        n_rep = q.shape[2] // k.shape[2]
-        k, v = k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2)
+        # GQA: each kv head serves n_heads // n_kv_heads consecutive query heads; SDPA reads
+        # them in place (enable_gqa) instead of materialising repeated K and V.
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           is_causal=True)
+                                           is_causal=True, enable_gqa=q.shape[2] != k.shape[2])
         return self.wo(y.transpose(1, 2).reshape(B, S, -1))
 
 

@@ -520,7 +520,8 @@ def main(argv=None) -> int:
     ap.add_argument("--n-layers", type=_positive_int, default=None,
                     help="override the flavor's depth")
     ap.add_argument("--world-size", type=_positive_int, default=None,
-                    help="ranks in all, dp × tp (default: 2 × --tp, i.e. dp 2)")
+                    help="ranks in all, dp × tp (default on cpu: 2 × --tp, i.e. dp 2; on an "
+                         "accelerator: one rank per device)")
     ap.add_argument("--tp", type=_positive_int, default=1,
                     help="tensor-parallel degree: every variant runs on a dp × tp mesh, torch "
                          "TP with the model's plan first (default: 1, no TP)")
@@ -557,7 +558,16 @@ def main(argv=None) -> int:
                     help="write a torch.profiler chrome trace and op table per variant and rank")
     ns = ap.parse_args(argv)
     tp = ns.tp
-    world = ns.world_size or 2 * tp
+    accelerator = torch.accelerator.current_accelerator()
+    if ns.device != "cpu" and getattr(accelerator, "type", None) != ns.device:
+        ap.error(f"--device {ns.device}: this machine's accelerator is "
+                 f"{getattr(accelerator, 'type', 'none')}; use cpu or that")
+    # One device per rank: two NCCL ranks cannot share a GPU.
+    devices = torch.accelerator.device_count() if ns.device != "cpu" else None
+    world = ns.world_size or (devices if devices else 2 * tp)
+    if devices and world > devices:
+        ap.error(f"--world-size {world}: this machine has {devices} {ns.device} device(s), "
+                 f"one per rank")
     variants = ns.variants or default_variants(tp)
     unknown = sorted(set(variants) - set(all_variants()))
     if unknown:
@@ -566,10 +576,6 @@ def main(argv=None) -> int:
     if no_tp:
         ap.error(f"--variants {no_tp} have no tensor-parallel form; with --tp {tp} leave "
                  f"them out")
-    accelerator = torch.accelerator.current_accelerator()
-    if ns.device != "cpu" and getattr(accelerator, "type", None) != ns.device:
-        ap.error(f"--device {ns.device}: this machine's accelerator is "
-                 f"{getattr(accelerator, 'type', 'none')}; use cpu or that")
     if world % tp:
         ap.error(f"--tp {tp} does not divide --world-size {world}")
     if ns.global_batch % (world // tp):

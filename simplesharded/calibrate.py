@@ -275,9 +275,16 @@ def _hosts(group=None) -> list[str]:
     """Every rank's host name, by rank (one all-gather, issued by every rank)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return [socket.gethostname()]
-    hosts = [None] * dist.get_world_size(group)
-    dist.all_gather_object(hosts, socket.gethostname(), group=group)
-    return hosts
+    # Fixed-size byte tensors, not all_gather_object: that one needs numpy, which a machine
+    # with only torch lacks.
+    device = "cpu" if dist.get_backend(group) == "gloo" else torch.accelerator.current_accelerator()
+    name = torch.zeros(256, dtype=torch.uint8)
+    raw = socket.gethostname().encode()[:256]
+    name[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    out = torch.empty(dist.get_world_size(group) * 256, dtype=torch.uint8, device=device)
+    dist.all_gather_into_tensor(out, name.to(device), group=group)
+    return [bytes(row.tolist()).rstrip(b"\0").decode(errors="replace")
+            for row in out.cpu().view(-1, 256)]
 
 
 def _ranks_per_host(hosts: list[str]) -> int:

@@ -17,9 +17,13 @@ import difflib
 import importlib
 import json
 import sys
-import tomllib
 from dataclasses import dataclass, field
 from typing import Any, Iterable
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # the same parser, packaged, before Python 3.11
+    import tomli as tomllib
 
 
 def _opt(default, help: str = "", choices: tuple[str, ...] | None = None):

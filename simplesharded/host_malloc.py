@@ -23,8 +23,6 @@ set wins.
 from __future__ import annotations
 
 import os
-import shlex
-import sys
 
 TUNABLES = "GLIBC_TUNABLES"
 CACHING = {"glibc.malloc.hugetlb": "1", "glibc.malloc.mmap_max": "0",
@@ -40,16 +38,3 @@ def caching_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     return {TUNABLES: ":".join(user + [f"{k}={v}" for k, v in CACHING.items()
                                        if k not in have])}
 
-
-def main() -> None:
-    """Print ``export`` lines for a shell about to start ranks (run_train.sh): the caching
-    settings when the ranks will train on CPU, nothing when they have an accelerator."""
-    from simplesharded.mesh import device_type
-    if device_type() != "cpu":
-        return
-    for key, value in caching_env().items():
-        print(f"export {key}={shlex.quote(value)}")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

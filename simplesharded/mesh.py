@@ -195,9 +195,13 @@ def init_distributed(device: str | None = None, timeout_s: float | None = None) 
     """Initialise the default process group from torchrun's environment if needed.
 
     Returns the device type in use. Without torchrun variables a 1-process group is made on a
-    free local port, so single-process scripts and notebooks work too.
+    free local port, so single-process scripts and notebooks work too. On an accelerator the
+    rank's device (``LOCAL_RANK``) is selected first and given to the process group as its
+    ``device_id``: NCCL then creates its communicator at once (and can split it for sub-meshes)
+    instead of guessing the device at the first collective.
     """
     device = device or device_type()
+    local = _local_device(device)
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -207,10 +211,26 @@ def init_distributed(device: str | None = None, timeout_s: float | None = None) 
         if timeout_s is not None:
             from datetime import timedelta
             kwargs["timeout"] = timedelta(seconds=timeout_s)
+        if local is not None:
+            kwargs["device_id"] = local
         dist.init_process_group(backend=backend_for(device), **kwargs)
-    if device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     return device
+
+
+def _local_device(device: str) -> torch.device | None:
+    """Select and return this rank's accelerator (``LOCAL_RANK`` of the visible ones); None on
+    CPU. More ranks on a node than visible devices is a one-line error, not a crash inside the
+    first collective."""
+    if device == "cpu":
+        return None
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    count = torch.accelerator.device_count()
+    if local_rank >= count:
+        raise ValueError(f"LOCAL_RANK={local_rank} but this node has {count} visible {device} "
+                         f"device(s); start at most {count} processes per node (NGPU / "
+                         f"--nproc_per_node) or make more devices visible")
+    torch.accelerator.set_device_index(local_rank)
+    return torch.device(device, local_rank)
 
 
 def exit_rank(code: int = 0) -> NoReturn:

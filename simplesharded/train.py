@@ -272,11 +272,13 @@ class _EPCompiled:
             return self.compiled(*args, **kwargs)
 
 
-def parallelize(model: torch.nn.Module, mesh, cfg: Config, backend=None):
+def parallelize(model: torch.nn.Module, mesh, cfg: Config, backend=None, observer=None):
     """TP → EP → activation checkpointing → data_parallel → compile, in that order; returns
     the callable a step runs (the compiled model, or the model itself). ``backend``: a
     torch.compile backend used instead of the configured one (``python -m simplesharded.plan``
-    captures the graphs with its own, so it traces what the trainer compiles)."""
+    captures the graphs with its own, so it traces what the trainer compiles). ``observer``:
+    handed to the configured backend (``make_backend``), which shows it every graph our
+    passes produce (the GPU smoke compares them with inductor's code)."""
     p, t, c = cfg.parallelism, cfg.training, cfg.compile
     apply_tensor_parallel(model, mesh, p.enable_sequence_parallel, uses_loss_parallel(cfg))
     apply_expert_parallel(model, mesh)
@@ -295,7 +297,7 @@ def parallelize(model: torch.nn.Module, mesh, cfg: Config, backend=None):
     scoped = _EPCompiled if ep_dim(mesh) else (lambda compiled: compiled)
     if backend is not None:
         return scoped(torch.compile(model, backend=backend, fullgraph=True))
-    opts = {"dump_graphs": c.dump_graphs or None}
+    opts = {"dump_graphs": c.dump_graphs or None, "observer": observer}
     if "bucketing" in c.backend:
         opts["memory_cap_bytes"] = int(c.memory_cap_mb * 2**20) or None
         opts["hardware"] = c.hardware
@@ -328,7 +330,7 @@ def graph_break_error(e: Exception, cfg: Config) -> ValueError:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, device: str):
+    def __init__(self, cfg: Config, device: str, observer=None):
         self.cfg, self.device = cfg, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         p, t = cfg.parallelism, cfg.training
@@ -357,7 +359,7 @@ class Trainer:
         if init_full:
             model.to_empty(device=device)
             model.init_weights(buffer_device=torch.device(device))
-        self.step_fn = parallelize(model, self.mesh, cfg)
+        self.step_fn = parallelize(model, self.mesh, cfg, observer=observer)
         if hf:
             how = hf_source.materialize(model, cfg.job.seed)
             tok = cfg.model.tokenizer_path or "built-in bytes"
@@ -533,6 +535,15 @@ class Trainer:
             print(line, flush=True)
 
 
+def make_deterministic(device: str) -> None:
+    """torch's deterministic algorithms (``training.deterministic``). On CUDA, cuBLAS needs a
+    fixed workspace for them, which it reads from the environment when its handle is created:
+    set before the first matmul (a value the user set wins), else that matmul raises."""
+    if device == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
@@ -550,11 +561,11 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
     if check_only:
         return 0
-    device = init_distributed()
-    if cfg.training.deterministic:
-        torch.use_deterministic_algorithms(True)
     code = 0
     try:
+        device = init_distributed()
+        if cfg.training.deterministic:
+            make_deterministic(device)
         trainer = Trainer(cfg, device)
         if trainer.rank == 0:
             model = (f"hf:{cfg.model.path}" if cfg.model.name == HF

@@ -27,9 +27,11 @@ MATMULS = ("mm", "addmm", "bmm", "baddbmm")
 _MATMUL_TARGETS = {getattr(_aten, name).default for name in MATMULS}
 
 # the wrapper's lines (Python wrapper: CPU and Triton alike)
-# a start assigns its output, or (the *_out forms) names the buffer it writes: out=bufN
-_CODE_START = re.compile(r"\s*(?:(buf\d+) = )?torch\.ops\._c10d_functional\.(\w+)\.default\("
-                         r"(?:.*\bout=(buf\d+))?")
+# a start assigns its output; the *_out forms name the buffer they write (out=bufN); the
+# in-place forms inductor turns a functional all-reduce into (all_reduce_) write their first
+# argument, and are the graph's functional op of the same name without the underscore
+_CODE_START = re.compile(r"\s*(?:(buf\d+) = )?torch\.ops\._c10d_functional\.(\w+?)(_?)"
+                         r"\.default\((buf\d+)?(?:.*\bout=(buf\d+))?")
 _CODE_OUTPUT = re.compile(r"\s*(buf\d+) = (buf\d+)\[(\d+)\]")
 _CODE_WAIT = re.compile(r"_c10d_functional\.wait_tensor\.default\((buf\d+)\)")
 _CODE_MATMUL = re.compile(r"extern_kernels\.(" + "|".join(MATMULS) + r")\(")
@@ -66,7 +68,8 @@ def code_order(code: str) -> list[tuple]:
             buf = m.group(1)
             order.append(("wait", *outputs.get(buf, (starts.get(buf), 0))))
         elif m := _CODE_START.match(line):
-            starts[m.group(1) or m.group(3)] = len(starts)
+            written = m.group(1) or m.group(5) or (m.group(4) if m.group(3) else None)
+            starts[written] = len(starts)
             order.append(("start", len(starts) - 1, m.group(2)))
         elif (m := _CODE_OUTPUT.match(line)) and m.group(2) in starts:
             outputs[m.group(1)] = (starts[m.group(2)], int(m.group(3)))

@@ -1,0 +1,63 @@
+"""The environment ``run_train.sh`` starts its ranks with, decided in one Python start.
+
+``python -m simplesharded.launch_env`` prints ``export`` lines for the shell: the number of
+processes per node (``NGPU``: the accelerator count, else 2 CPU processes), the device they
+will train on, and the variables that device's ranks need. A variable the user already set
+always wins.
+
+- CPU ranks (gloo): the caching malloc of :mod:`simplesharded.host_malloc`; one share of the
+  cores each (``OMP_NUM_THREADS``); ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, so that ranks
+  restarted by ``torchrun --max-restarts`` do not reuse the dead workers' store (gloo hangs
+  on it otherwise). Only on CPU: it opens a second store on a random port, which firewalled
+  clusters block.
+- Accelerator ranks: ``PYTORCH_ALLOC_CONF=expandable_segments:True``. Bucketing makes
+  buffers of many sizes; expandable segments let the caching allocator grow one mapping
+  instead of fragmenting into fixed segments (torchtitan's default for the same reason).
+  ``OMP_NUM_THREADS`` gets the same share of the cores as on CPU (torchrun would set 1).
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+
+from simplesharded.host_malloc import caching_env
+
+ALLOC_CONF = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")  # the new name, the old one
+SHARE_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+def launch_env(device: str, nproc: int, environ: dict[str, str] | None = None,
+               cores: int | None = None) -> dict[str, str]:
+    """What ranks of ``device`` ("cpu" or an accelerator type), ``nproc`` per node, need set,
+    without the variables ``environ`` (default: this process's) already sets."""
+    environ = os.environ if environ is None else environ
+    cores = cores or os.cpu_count() or 1
+    out = {"OMP_NUM_THREADS": str(max(1, cores // nproc))}
+    if device == "cpu":
+        out.update(caching_env(environ))
+        out[SHARE_STORE] = "1"
+    elif not any(k in environ for k in ALLOC_CONF):
+        out[ALLOC_CONF[0]] = "expandable_segments:True"
+    return {k: v for k, v in out.items() if k not in environ or k == "GLIBC_TUNABLES"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``export`` lines: NGPU (unless set), LAUNCH_DEVICE, then :func:`launch_env`'s."""
+    from simplesharded.mesh import device_type
+
+    device = device_type()
+    ngpu = os.environ.get("NGPU") or ""
+    if not ngpu:
+        import torch
+        ngpu = str(torch.accelerator.device_count() if device != "cpu" else 2)
+    lines = {"NGPU": ngpu, "LAUNCH_DEVICE": device}
+    if ngpu.isdigit() and int(ngpu) > 0:
+        lines.update(launch_env(device, int(ngpu)))
+    for key, value in lines.items():
+        print(f"export {key}={shlex.quote(value)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
