@@ -78,6 +78,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInputOutput
 
 from simplesharded.passes.annotations import ROUTING_KEY
+from simplesharded.passes.torch_compat import override_optimization_hint
 
 from .llama3 import FeedForward, Llama3, Llama3Args, ffn_tp_plan, trunc_normal_init_
 
@@ -416,7 +417,7 @@ class MoE(nn.Module):
         send_splits, recv_splits = splits[:P], splits[P:]
         for n in splits:  # balanced routing: what the cost model assumes (module doc)
             torch._check(n >= 0)
-            torch._dynamo.override_optimization_hint(n, Tk // P)
+            override_optimization_hint(n, Tk // P)
         n_send = Tk if dropless else sum(send_splits)
         if dropless:
             torch._check(sum(send_splits) == Tk)

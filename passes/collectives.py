@@ -153,7 +153,7 @@ def node_block(node: fx.Node) -> str | None:
 def tensor_nbytes(node: fx.Node) -> int:
     """Bytes of a node's tensor value, or of all tensors of a list value (coalesced ops). A
     data-dependent size (an expert-parallel all-to-all's) counts its optimisation hint."""
-    from torch.fx.experimental.symbolic_shapes import optimization_hint
+    from .torch_compat import optimization_hint
 
     val = node.meta.get("val")
     vals = val if isinstance(val, (list, tuple)) else [val]

@@ -13,7 +13,7 @@ import operator
 
 import torch
 from torch import fx
-from torch.fx.experimental.symbolic_shapes import optimization_hint
+from .torch_compat import optimization_hint
 from torch.fx.passes.shape_prop import TensorMetadata
 
 from .collectives import WAIT
