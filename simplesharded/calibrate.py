@@ -390,12 +390,16 @@ def format_report(result: dict, path: Path | None = None) -> str:
 
 
 def _rank_main(rank: int, nproc: int, port: int, force: bool, queue) -> None:
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+    from simplesharded.mesh import backend_for, device_type
+
+    device, kwargs = device_type(), {}
+    if device != "cpu":  # one device per rank, bound to the group (no device guessing)
+        index = rank % torch.accelerator.device_count()
+        torch.accelerator.set_device_index(index)
+        kwargs["device_id"] = torch.device(device, index)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=nproc)
+    dist.init_process_group(backend_for(device), init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=nproc, **kwargs)
     result = calibrated(force=force)
     if rank == 0:
         queue.put((result, str(cache_path(result["key"]))))
