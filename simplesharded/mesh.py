@@ -14,7 +14,11 @@ other parameter is sharded over all of dp_shard as without EP. That dense layout
 its ``_unflatten`` (torch's DeviceMesh API for exactly this), so the dense mesh is the ep mesh's
 root (:func:`dense_mesh`) and needs no flattened-dim slicing, and both share one rank layout.
 Nothing downstream may assume a number of dims: it asks :func:`dp_dims` / :func:`tp_dim` /
-:func:`dense_mesh` / :func:`expert_dp_mesh`.
+:func:`dense_mesh` / :func:`expert_dp_mesh`, which all read :func:`mesh_roles`, the one rule
+for which dims are data-parallel. It also reads meshes built elsewhere: an unnamed or
+user-named mesh (``init_device_mesh("cpu", (2,))``, FSDP2's examples) is data-parallel in
+every dim, 1-D the shard dim, 2-D (replicate, shard) as FSDP2's HSDP; tp and ep need the names
+above.
 """
 from __future__ import annotations
 
@@ -32,7 +36,8 @@ REPLICATE_DIM = "dp_replicate"
 TP_DIM = "tp"
 EP_DIM = "ep"
 EFSDP_DIM = "efsdp"  # the dp_shard ranks left to an expert weight: dp_shard / ep
-DP_DIMS = (REPLICATE_DIM, SHARD_DIM)
+DP_DIMS = (REPLICATE_DIM, SHARD_DIM, EFSDP_DIM)  # the names a data-parallel dim goes by
+OUR_DIMS = (*DP_DIMS, EP_DIM, TP_DIM)
 
 
 def device_type() -> str:
@@ -123,29 +128,86 @@ def _product(given: str, value: int) -> str:
     return f" = {value}" if " x " in given else ""
 
 
-def dp_dims(mesh: DeviceMesh) -> tuple[str, ...]:
-    """Names of the mesh's data-parallel dims, outermost first (all dims of an unnamed mesh)."""
-    names = getattr(mesh, "mesh_dim_names", None)
-    if names is None:
-        return ()
-    return tuple(n for n in names if n in DP_DIMS)
+@dataclass(frozen=True)
+class MeshRoles:
+    """What each dim of a mesh is for, as indices into its dims (:func:`mesh_roles`)."""
+
+    names: tuple[str | None, ...]  # the mesh's dim names as given (None where unnamed)
+    dp: tuple[int, ...]  # the data-parallel dims, outermost first: (shard,) or (replicate, shard)
+    tp: int | None = None
+    ep: int | None = None
+
+    @property
+    def replicate(self) -> int | None:
+        """The dp dim ``hybrid_shard`` replicates over: the outer of two dp dims."""
+        return self.dp[0] if len(self.dp) == 2 else None
+
+    @property
+    def shard(self) -> int:
+        """The dp dim every mode but ``replicate`` shards over: the innermost dp dim."""
+        return self.dp[-1]
+
+    @property
+    def rest(self) -> tuple[str | None, ...]:
+        """Names of the dims after the dp dims (tp, ep), in mesh order."""
+        return self.names[len(self.dp):]
+
+
+# The layouts read by name, for error messages ("?": only when its degree is > 1).
+NAMED_LAYOUTS = (f"({REPLICATE_DIM!r}?, {SHARD_DIM!r}, {TP_DIM!r}?) or "
+                 f"({REPLICATE_DIM!r}?, {EFSDP_DIM!r}, {EP_DIM!r}, {TP_DIM!r}?)")
+_EXPECTED = (f"1 or 2 data-parallel dims (any names or none, as init_device_mesh makes them) "
+             f"or dims named {NAMED_LAYOUTS} (init_mesh)")
+
+
+def mesh_roles(mesh: DeviceMesh) -> MeshRoles:
+    """The one rule for which dims of a mesh are data-parallel, and in which role.
+
+    A mesh whose names are all ours (module doc) is read by name: its dp dims are those named
+    dp_replicate, dp_shard or efsdp, and it may have tp and ep dims after them. Any other mesh
+    (unnamed, as FSDP2 examples build it, or named by the user) is read by position: all its
+    dims are data-parallel, 1-D being the shard dim and 2-D (replicate, shard) as FSDP2's HSDP.
+    TP and EP need our names: an unnamed tp dim cannot be told from a dp dim. Raises
+    ValueError for a mesh it cannot read.
+    """
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or (None,) * mesh.ndim)
+    ours = all(n in OUR_DIMS for n in names)
+    if not ours or mesh.ndim == 1:
+        if mesh.ndim > 2 or (mesh.ndim == 2 and {TP_DIM, EP_DIM} & set(names)):
+            raise ValueError(f"data_parallel cannot tell the data-parallel dims of a "
+                             f"{mesh.ndim}-D mesh with dims {names}; expected {_EXPECTED}")
+        return MeshRoles(names, tuple(range(mesh.ndim)))
+    dp = tuple(i for i, n in enumerate(names) if n in DP_DIMS)
+    tp, ep = (names.index(n) if n in names else None for n in (TP_DIM, EP_DIM))
+    if not 1 <= len(dp) <= 2 or dp != tuple(range(len(dp))):
+        # dp dims lead: a parameter's placements are its dp placements, then the rest's
+        raise ValueError(f"data_parallel needs one or two data-parallel dims outermost; the "
+                         f"mesh's dims are {names}; expected {_EXPECTED}")
+    return MeshRoles(names, dp, tp, ep)
+
+
+def dp_dims(mesh: DeviceMesh) -> tuple[str | None, ...]:
+    """Names of the mesh's data-parallel dims, outermost first (None for an unnamed dim)."""
+    roles = mesh_roles(mesh)
+    return tuple(roles.names[i] for i in roles.dp)
 
 
 def tp_dim(mesh: DeviceMesh) -> str | None:
     """``"tp"`` when the mesh has a tensor-parallel dim, else None."""
-    names = getattr(mesh, "mesh_dim_names", None)
-    return TP_DIM if names and TP_DIM in names else None
+    return TP_DIM if mesh_roles(mesh).tp is not None else None
 
 
 def ep_dim(mesh: DeviceMesh) -> str | None:
     """``"ep"`` when the mesh has an expert-parallel dim, else None."""
-    names = getattr(mesh, "mesh_dim_names", None)
-    return EP_DIM if names and EP_DIM in names else None
+    return EP_DIM if mesh_roles(mesh).ep is not None else None
 
 
 def dim_size(mesh: DeviceMesh, name: str) -> int:
     """Size of the mesh dim called ``name``."""
-    return mesh.size(mesh.mesh_dim_names.index(name))
+    names = mesh.mesh_dim_names or ()
+    if name not in names:
+        raise ValueError(f"the mesh has no dim {name!r}; its dims are {names or None}")
+    return mesh.size(names.index(name))
 
 
 def dense_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -165,8 +227,8 @@ def dense_mesh(mesh: DeviceMesh) -> DeviceMesh:
 def expert_dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The data-parallel dims left to an expert weight, ``(dp_replicate?, efsdp)``, of a mesh
     with an ep dim."""
-    names = tuple(n for n in mesh.mesh_dim_names if n in (REPLICATE_DIM, EFSDP_DIM))
-    return mesh[names if len(names) > 1 else names[0]]
+    assert ep_dim(mesh), f"{mesh} has no {EP_DIM!r} dim"
+    return dp_mesh(mesh)
 
 
 def group_labels(mesh: DeviceMesh) -> dict[str, str]:
@@ -184,10 +246,12 @@ def group_labels(mesh: DeviceMesh) -> dict[str, str]:
 
 
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The data-parallel part of ``mesh`` (the mesh itself when it has no other dim)."""
-    names = dp_dims(mesh)
-    if not names or names == tuple(mesh.mesh_dim_names):
+    """The data-parallel part of ``mesh`` (the mesh itself when it has no other dim). On a
+    mesh with an ep dim: the dp dims left to expert weights, ``(dp_replicate?, efsdp)``."""
+    roles = mesh_roles(mesh)
+    if len(roles.dp) == mesh.ndim:
         return mesh
+    names = dp_dims(mesh)  # named: a mesh read by position has no other dim
     return mesh[names if len(names) > 1 else names[0]]
 
 

@@ -37,7 +37,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from simplesharded.mesh import EFSDP_DIM, EP_DIM, dense_mesh, dim_size, ep_dim, expert_dp_mesh
+from simplesharded.mesh import (EFSDP_DIM, EP_DIM, NAMED_LAYOUTS, dense_mesh, dim_size,
+                                ep_dim, expert_dp_mesh, mesh_roles)
 from simplesharded.mesh import dp_mesh as _dp_mesh
 from simplesharded import gloo_gather
 from simplesharded.blocks import BlockSpec, block_of
@@ -414,7 +415,7 @@ def _placements(mode: str, mesh: DeviceMesh) -> tuple:
         raise ValueError(
             f"mode='hybrid_shard' needs a 2-D mesh of dp dims (dp_replicate, dp_shard); got "
             f"{mesh.ndim}-D {tuple(mesh.mesh.shape)}; build it with "
-            f"init_mesh(dp_replicate=R, dp_shard=S)")
+            f"init_mesh(dp_replicate=R, dp_shard=S) or init_device_mesh(device, (R, S))")
     return (Replicate(), Shard(0))
 
 
@@ -463,8 +464,9 @@ class _DPView:
     spec: _GatherSpec
 
     @property
-    def rest(self) -> tuple[str, ...]:
-        return tuple(self.home.mesh_dim_names[self.dp.ndim:])
+    def rest(self) -> tuple[str | None, ...]:
+        """The home mesh's dims after the dp dims (tp, ep): none on a mesh read by position."""
+        return mesh_roles(self.home).rest
 
     def placements_of(self, param: torch.Tensor) -> tuple:
         """``param``'s placements on dp: by mode, except a scalar's (no dim 0 to shard), which
@@ -491,6 +493,11 @@ def _shard_param(param: torch.Tensor, mesh: DeviceMesh, views: dict[str | None, 
         return (_to_shard(param, view.home, _full_placements(placements, None, 1, view.rest)),
                 None, view.spec)
     names = [n for n in (tp_dim(mesh), ep_dim(mesh)) if n]
+    if not names:
+        raise ValueError(
+            f"parameter {fqn!r} is a DTensor (tensor or expert parallel) but the mesh given to "
+            f"data_parallel has dims {mesh_roles(mesh).names}; TP/EP need dims named "
+            f"{NAMED_LAYOUTS}: build the mesh with simplesharded.init_mesh(..., tp=T, ep=E)")
     name = param.device_mesh.mesh_dim_names[0] if param.device_mesh.mesh_dim_names else None
     if (param.device_mesh.ndim != 1 or name not in names
             or not torch.equal(param.device_mesh.mesh, mesh[name].mesh)):
@@ -530,7 +537,9 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     mode: ``replicate`` (DDP-like), ``fully_shard`` (FSDP/ZeRO-3) or ``hybrid_shard``
     (replicate over mesh dim 0, shard over dim 1; needs a 2-D mesh of dp dims).
     mesh: from :func:`simplesharded.mesh.build_mesh`; its tp and ep dims are for parameters
-    that are DTensors there already (module doc): apply TP / expert parallelism first.
+    that are DTensors there already (module doc): apply TP / expert parallelism first. Or a
+    mesh built elsewhere (``init_device_mesh``, unnamed or not) of data-parallel dims only:
+    1-D shards over it, 2-D is (replicate, shard) for ``hybrid_shard`` (mesh.mesh_roles).
     reshard_after_forward: ``True`` frees every gathered parameter after forward and
     re-gathers it in backward (ZeRO-3); ``False`` keeps them all until backward (ZeRO-2 memory
     for parameters); ``"auto"`` lets the compiled plan decide per block: the plain and
