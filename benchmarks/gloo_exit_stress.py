@@ -1,4 +1,4 @@
-"""Reproducer for the bench's flaky SIGABRT (benchmarks/RESULTS.md, Session 6).
+"""Reproducer for the bench's flaky SIGABRT (benchmarks/history/journal.md, Session 6).
 
 Each run: 2 gloo ranks all-reduce under torch.profiler (which imports dynamo, and with it
 ``torch.distributed.nn.functional``, pinning the default group), destroy the group, exit.

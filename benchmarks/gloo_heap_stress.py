@@ -1,7 +1,7 @@
 """Hammer the gloo collectives our compiled graphs issue, looking for heap corruption.
 
-Issue 13 item 7 (benchmarks/RESULTS.md): a bench rank aborted with "malloc(): unaligned tcache
-chunk detected" inside a gloo worker running the coalesced all-gather that
+Issue 13 item 7 (benchmarks/history/journal.md): a bench rank aborted with "malloc():
+unaligned tcache chunk detected" inside a gloo worker running the coalesced all-gather that
 ``passes/coalesce_gathers.py`` emits. This script issues, from 2 gloo ranks, what such a graph
 issues, far faster than the bench: per iteration one collective over ``--tensors`` fresh 1-D
 inputs (the graph drops its references right after issuing), the next one issued before the
@@ -140,7 +140,7 @@ def _rank(ns: argparse.Namespace) -> None:
           f"({ns.iters / dt:.0f}/s)", flush=True)
     dist.destroy_process_group()
     sys.stdout.flush()
-    os._exit(0)  # no interpreter shutdown under gloo's threads (RESULTS.md, Session 6)
+    os._exit(0)  # no interpreter shutdown under gloo's threads (history/journal.md, Session 6)
 
 
 def main() -> int:
