@@ -1,11 +1,11 @@
 import glob
 import json
 import os
-import tomllib
 
 import pytest
 
 from simplesharded.config import Config, load_config, main, parse_cli, resolve, validate
+from simplesharded.config import tomllib  # tomli before Python 3.11
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.toml")))
