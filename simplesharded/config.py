@@ -171,7 +171,9 @@ class Metrics:
     log_freq: int = _opt(1, "log every N steps")
     enable_tensorboard: bool = _opt(False, "write TensorBoard events")
     save_jsonl: bool = _opt(True, "write metrics.jsonl in the dump folder")
-    peak_tflops: float = _opt(0.0, "per-device peak for MFU; 0 = auto")
+    peak_tflops: float = _opt(0.0, "per-device peak TFLOP/s for MFU; 0 = the published dense "
+                              "peak of a known GPU in training.mixed_precision_param's dtype "
+                              "(simplesharded/device_peaks.py; unknown: no MFU)")
     progress_bar: bool = _opt(True, "show a progress bar on rank 0")
 
 
