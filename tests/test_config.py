@@ -5,7 +5,8 @@ import tomllib
 
 import pytest
 
-from simplesharded.config import Config, load_config, main, parse_cli, resolve, validate
+from simplesharded.config import (Config, help_text, load_config, main, parse_cli, resolve,
+                                  validate)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.toml")))
@@ -352,10 +353,23 @@ def test_gpu_counts_key():
         assert str(e.value) == message
     with pytest.raises(ValueError, match=r"job.gpu_counts expects list of int, got \[8, 'x'\]"):
         Config.from_dict({"job": {"gpu_counts": [8, "x"]}})
-    assert "--job.gpu_counts (list of int, default [])" in main_help()
+    assert "--job.gpu_counts (list of int, default [])" in help_text()
 
 
-def main_help():
-    from simplesharded.config import help_text
-    return help_text()
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_shipped_config_states_the_gpu_counts_it_fits(path):
+    """Every shipped config states its GPU counts and the GPU memory they assume, and its
+    degrees and batch resolve at each count (the trainer's static checks). With several
+    counts the local batch is derived (global / (dp x micro-batches)), so the smallest count
+    holds the most per GPU: the planner's memory check (test_shipped_configs_fit.py) checks
+    that one."""
+    from simplesharded.train import check_static
 
+    cfg = load(path)
+    counts = cfg.job.gpu_counts
+    assert counts and cfg.job.gpu_memory_gib > 0, "state job.gpu_counts and job.gpu_memory_gib"
+    cfg.training.dataset_path = ""
+    for n in counts:
+        check_static(cfg, n)
+    if len(counts) > 1:
+        assert cfg.training.local_batch_size == -1
