@@ -5,13 +5,20 @@
 there is none. What is measured, on the real device and the real process group:
 
 * compute: matmul FLOP/s (fp32 on CPU, bf16 on GPU: the training dtypes) and the bandwidth an
-  elementwise op sees; device memory from the device (host RAM on CPU);
+  elementwise op sees (on a buffer past the caches: 32 MiB on CPU, at least 1 GiB and 8 times
+  the L2 cache on an accelerator); device memory from the device (host RAM on CPU);
 * per collective kind (all-gather, reduce-scatter, all-reduce, all-to-all): latency (one
-  element per rank) and bus bandwidth (4 MiB per rank); on gloo the reduce-scatter is timed
-  in the form our passes issue (all-to-all + adds, passes/lowering.py);
+  element per rank) and bus bandwidth (4 MiB per rank on CPU; on an accelerator a 256 MiB
+  buffer, the gathered or reduced one, so NVLink and InfiniBand run bandwidth-bound); on gloo
+  the reduce-scatter is timed in the form our passes issue (all-to-all + adds,
+  passes/lowering.py);
 * with concurrent compute: the compute-stream time a transfer costs (``comm_overlap``) and
   the cost per collective of issuing and waiting (``collective_overhead_s``), the two numbers
   the simulator charges to the compute stream.
+
+Timing: on CPU the median of single calls (wall clock); on an accelerator device events around
+windows of back-to-back calls, one synchronisation per window (a synchronisation per call would
+add the host's launch and wake-up latency to every kernel), the median window's mean.
 
 Every rank must end with the same numbers (each rank compiles its own plan, and the plans must
 match, docs/rank_agreement.md). So the numbers are reduced over the group (times: the slowest
@@ -45,10 +52,18 @@ from simplesharded.mesh import exit_rank
 from simplesharded.passes.comm_cost import RING_FACTOR
 from simplesharded.passes.hardware import Hardware, get_hardware
 
-CALIBRATED = "calibrated"  # the hardware name that means "measure (or read the cache)"
+CALIBRATED = "calibrated"
+# In the cache key: a cache written by an earlier way of measuring is measured again.
+_METHOD = 2  # the hardware name that means "measure (or read the cache)"
 CACHE_ENV = "SIMPLESHARDED_CACHE_DIR"
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
-_LARGE = 2**20  # elements per rank (4 MiB fp32) for the bandwidth point
+_LARGE = 2**20  # CPU: elements per rank (4 MiB fp32) for the bandwidth point
+_CPU_STREAM_ELEMENTS = 8 * 2**20  # 32 MiB: past a CPU's caches, like an activation
+# Accelerators: an elementwise buffer this many times the L2 (and at least _STREAM_MIN_BYTES)
+# reads from device memory, not from the L2 (an H100's 50 MiB L2 served the old 32 MiB).
+_STREAM_MIN_BYTES, _STREAM_L2_MULTIPLE = 2**30, 8
+_COLLECTIVE_BYTES = 256 * 2**20  # the gathered / reduced buffer of the bandwidth point
+_WINDOWS, _WINDOW_REPS = 3, 20  # accelerator timing: windows of back-to-back calls
 
 
 def resolve_hardware(spec: str | Hardware, group=None) -> Hardware:
@@ -65,36 +80,88 @@ def resolve_hardware(spec: str | Hardware, group=None) -> Hardware:
 # ---------------------------------------------------------------------------------------------
 # Measurements (every collective loop: fixed repetitions, same on every rank)
 
-def _sync(device: torch.device):
-    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+def _accelerator(device: torch.device) -> bool:
+    return device.type != "cpu"
 
 
-def _median(fn, reps: int, sync) -> float:
+def _median(fn, reps: int) -> float:
+    """CPU: the median wall time of ``reps`` single calls, after one warm-up call."""
     fn()
-    sync()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
-        sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
+def _device_time(fn, device: torch.device) -> float:
+    """Accelerator: seconds per call from device events around _WINDOWS windows of
+    _WINDOW_REPS back-to-back calls, the median window's mean. One un-timed call before each
+    window: a collective there lines the ranks up, so no window waits for a late rank."""
+    fn()
+    torch.accelerator.synchronize(device)
+    times = []
+    for _ in range(_WINDOWS):
+        start = torch.Event(device=device, enable_timing=True)
+        end = torch.Event(device=device, enable_timing=True)
+        fn()
+        start.record()
+        for _ in range(_WINDOW_REPS):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / _WINDOW_REPS)
+    return statistics.median(times)
+
+
+def _time(fn, device: torch.device, cpu_reps: int) -> float:
+    """Seconds per call of ``fn`` on ``device`` (see the module doc's timing)."""
+    return _device_time(fn, device) if _accelerator(device) else _median(fn, cpu_reps)
+
+
+def _device_module(device: torch.device):
+    return getattr(torch, device.type)  # torch.cuda, torch.xpu, ...
+
+
+def stream_elements(device: torch.device) -> int:
+    """fp32 elements of the elementwise-bandwidth buffer: CPU as ever; an accelerator at
+    least _STREAM_MIN_BYTES and _STREAM_L2_MULTIPLE times its L2 where the device reports it,
+    at most 1/8 of its free memory (the op holds two such buffers)."""
+    if not _accelerator(device):
+        return _CPU_STREAM_ELEMENTS
+    props = _device_module(device).get_device_properties(device)
+    l2 = getattr(props, "L2_cache_size", 0)
+    free = torch.accelerator.get_memory_info(device)[0]
+    want = max(_STREAM_MIN_BYTES, _STREAM_L2_MULTIPLE * l2)
+    return max(4 * _CPU_STREAM_ELEMENTS, min(want, free // 8)) // 4
+
+
+def collective_elements(kind: str, world_size: int, device: torch.device) -> int:
+    """fp32 elements per rank of ``kind``'s bandwidth point (_collective's ``per_rank``): 4 MiB
+    per rank on CPU as ever; on an accelerator the collective's buffer (gathered output,
+    reduced input, all-reduce buffer, all-to-all buffer) is _COLLECTIVE_BYTES at every world
+    size, large enough for NVLink and InfiniBand to run at bandwidth, not latency."""
+    if not _accelerator(device):
+        return _LARGE
+    share = 1 if kind == "all_reduce" else world_size
+    return max(1, _COLLECTIVE_BYTES // 4 // share)
+
+
 def measure_compute(device: torch.device) -> dict:
-    sync = _sync(device)
-    dtype, n = (torch.bfloat16, 4096) if device.type == "cuda" else (torch.float32, 1024)
+    dtype, n = (torch.bfloat16, 4096) if _accelerator(device) else (torch.float32, 1024)
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-    flops = 2 * n**3 / _median(lambda: torch.mm(a, b), 9, sync)
-    x = torch.randn(8 * 2**20, device=device)  # 32 MiB: past the caches, like an activation
+    flops = 2 * n**3 / _time(lambda: torch.mm(a, b), device, 9)
+    x = torch.randn(stream_elements(device), device=device)
     y = torch.empty_like(x)
-    mem_bw = 2 * x.nbytes / _median(lambda: torch.add(x, 1.0, out=y), 9, sync)
+    mem_bw = 2 * x.nbytes / _time(lambda: torch.add(x, 1.0, out=y), device, 9)
+    del x, y
     return {"flops_per_s": flops, "mem_bw_Bps": mem_bw, "matmul_dtype": str(dtype)}
 
 
 def device_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[1]
+    if _accelerator(device):
+        return torch.accelerator.get_memory_info(device)[1]
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
@@ -128,12 +195,14 @@ def _collective(kind: str, per_rank: int, group, device, transport: str):
 
 
 def measure_collectives(group, device, transport: str) -> dict:
-    sync = _sync(device)
+    ws = dist.get_world_size(group)
     out = {}
     for kind in KINDS:
         small, _ = _collective(kind, 1, group, device, transport)
-        large, moved = _collective(kind, _LARGE, group, device, transport)
-        t_small, t_large = _median(small, 11, sync), _median(large, 5, sync)
+        large, moved = _collective(kind, collective_elements(kind, ws, device), group, device,
+                                   transport)
+        t_small, t_large = _time(small, device, 11), _time(large, device, 5)
+        del large  # its buffers: the next kind's are as large
         out[kind] = {"alpha_s": t_small, "bandwidth_Bps": moved / max(t_large - t_small, 1e-9),
                      "large_s": t_large}
     return out
@@ -143,12 +212,13 @@ def measure_overlap(group, device, transport: str) -> dict:
     """The simulator charges each collective ``collective_overhead_s + (1 - comm_overlap) *
     transfer`` on the compute stream. Measure both the way they arise: compute alone, then the
     same compute with collectives in flight beside it."""
-    sync = _sync(device)
-    dtype, n = (torch.bfloat16, 4096) if device.type == "cuda" else (torch.float32, 512)
+    dtype, n = (torch.bfloat16, 4096) if _accelerator(device) else (torch.float32, 512)
     a = torch.randn(n, n, device=device, dtype=dtype)
-    large, _ = _collective("all_gather", _LARGE, group, device, transport)
-    t_comm = _median(large, 5, sync)
-    t_mm = _median(lambda: torch.mm(a, a), 5, sync)
+    ws = dist.get_world_size(group)
+    per_rank = collective_elements("all_gather", ws, device)
+    large, _ = _collective("all_gather", per_rank, group, device, transport)
+    t_comm = _time(large, device, 5)
+    t_mm = _time(lambda: torch.mm(a, a), device, 5)
     # compute ≈ 2 transfers; the count sets how many collectives run below: agree on it
     chunks = torch.tensor([max(4, min(400, int(2 * t_comm / max(t_mm, 1e-9))))], device=device)
     dist.all_reduce(chunks, op=dist.ReduceOp.MAX, group=group)
@@ -158,9 +228,9 @@ def measure_overlap(group, device, transport: str) -> dict:
         for _ in range(chunks):
             torch.mm(a, a)
 
-    inp = torch.ones(_LARGE, device=device)
-    out = torch.empty(_LARGE * dist.get_world_size(group), device=device)
-    tiny_in, tiny_out = inp[:1], out[:dist.get_world_size(group)]
+    inp = torch.ones(per_rank, device=device)
+    out = torch.empty(per_rank * ws, device=device)
+    tiny_in, tiny_out = inp[:1], out[:ws]
 
     def with_transfer():
         work = _gather(out, inp, group=group, async_op=True)
@@ -173,9 +243,9 @@ def measure_overlap(group, device, transport: str) -> dict:
             torch.mm(a, a)
             work.wait()
 
-    t_compute = _median(compute, 5, sync)
-    t_both = _median(with_transfer, 5, sync)
-    t_small = _median(with_small_collectives, 5, sync)
+    t_compute = _time(compute, device, 5)
+    t_both = _time(with_transfer, device, 5)
+    t_small = _time(with_small_collectives, device, 5)
     overhead = max(0.0, (t_small - t_compute) / chunks)
     exposed = min(1.0, max(0.0, (t_both - t_compute - overhead) / max(t_comm, 1e-9)))
     return {"comm_overlap": 1.0 - exposed, "collective_overhead_s": overhead,
@@ -254,7 +324,7 @@ def calibrate(group=None, device: torch.device | str | None = None) -> dict:
     distributed = dist.is_available() and dist.is_initialized()
     device = torch.device(device) if device is not None else _default_device(group)
     transport = str(dist.get_backend(group)) if distributed else \
-        ("nccl" if device.type == "cuda" else "gloo")
+        dist.get_default_backend_for_device(device)
     measured = {"compute": measure_compute(device), "memory_bytes": device_memory(device)}
     hosts = _hosts(group)
     if distributed and dist.get_world_size(group) > 1:
@@ -299,8 +369,12 @@ def _ranks_per_host(hosts: list[str]) -> int:
 
 
 def _default_device(group) -> torch.device:
-    if dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend(group)):
-        return torch.device("cuda", torch.cuda.current_device())
+    """The current accelerator when the group's backend is that accelerator's (nccl on CUDA),
+    else the CPU (gloo)."""
+    if dist.is_available() and dist.is_initialized() and torch.accelerator.is_available():
+        acc = torch.accelerator.current_accelerator()
+        if dist.get_default_backend_for_device(acc) in str(dist.get_backend(group)):
+            return torch.device(acc.type, torch.accelerator.current_device_index())
     return torch.device("cpu")
 
 
@@ -312,9 +386,9 @@ def cache_key(group=None, device: torch.device | None = None,
     distributed = dist.is_available() and dist.is_initialized()
     ws = dist.get_world_size(group) if distributed else 1
     hosts = hosts if hosts is not None else _hosts(group)
-    dev = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    dev = _device_module(device).get_device_name(device) if _accelerator(device) else "cpu"
     transport = str(dist.get_backend(group)) if distributed else "none"
-    raw = json.dumps([hosts, dev, transport, ws, torch.__version__])
+    raw = json.dumps([hosts, dev, transport, ws, torch.__version__, _METHOD])
     digest = hashlib.sha256(raw.encode()).hexdigest()[:12]
     return f"{dev.replace(' ', '_')}-{transport}-ws{ws}-{digest}"
 
@@ -417,7 +491,8 @@ def main(argv=None) -> int:
     ns = ap.parse_args(argv)
     import torch.multiprocessing as mp
 
-    nproc = ns.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
+    nproc = ns.nproc or (torch.accelerator.device_count() if torch.accelerator.is_available()
+                         else 2)
     if nproc < 1:
         print(f"--nproc={nproc}: must be >= 1", file=sys.stderr)
         return 2

@@ -28,7 +28,15 @@ else:  # the same parser, packaged, before Python 3.11
 
 def _opt(default, help: str = "", choices: tuple[str, ...] | None = None):
     """A dataclass field whose help text and allowed choices live next to its default."""
-    return field(default=default, metadata={"help": help, "choices": choices})
+    metadata = {"help": help, "choices": choices}
+    if isinstance(default, list):  # each Config gets its own list
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+# The share of job.gpu_memory_gib the planner's predicted peak may take: the rest is for what
+# its model leaves out (CUDA context, communicator buffers, allocator fragmentation).
+MEMORY_HEADROOM = 0.9
 
 
 @dataclass
@@ -37,6 +45,16 @@ class Job:
     dump_folder: str = _opt("./outputs", "root of all run outputs")
     description: str = _opt("", "free text")
     seed: int = _opt(0, "seed for model init and data order")
+    # What a shipped config is sized for, stated where it can be checked: the test of the
+    # shipped configs resolves each count and holds the planner's predicted peak per GPU to
+    # MEMORY_HEADROOM of gpu_memory_gib. The trainer runs at any world size regardless.
+    gpu_counts: list[int] = _opt(
+        [], "GPU counts (world sizes) this config fits: at each the degrees and batch resolve "
+        f"and the planner's predicted peak per GPU (python -m simplesharded.plan) stays within "
+        f"{MEMORY_HEADROOM:.0%} of job.gpu_memory_gib; [] = not stated. CLI: 8,16,32")
+    gpu_memory_gib: float = _opt(
+        0.0, "memory of one GPU that job.gpu_counts assume, GiB as torch reports it (H100 "
+        "80GB: 79); 0 = not stated")
 
 
 @dataclass
@@ -171,7 +189,9 @@ class Metrics:
     log_freq: int = _opt(1, "log every N steps")
     enable_tensorboard: bool = _opt(False, "write TensorBoard events")
     save_jsonl: bool = _opt(True, "write metrics.jsonl in the dump folder")
-    peak_tflops: float = _opt(0.0, "per-device peak for MFU; 0 = auto")
+    peak_tflops: float = _opt(0.0, "per-device peak TFLOP/s for MFU; 0 = the published dense "
+                              "peak of a known GPU in training.mixed_precision_param's dtype "
+                              "(simplesharded/device_peaks.py; unknown: no MFU)")
     progress_bar: bool = _opt(True, "show a progress bar on rank 0")
 
 
@@ -271,8 +291,20 @@ _TRUE, _FALSE = ("true", "1"), ("false", "0")
 
 def _coerce(key: str, typ: type, value: Any, from_cli: bool) -> Any:
     def bad():
-        return ValueError(f"{key} expects {typ.__name__}, got {value!r} ({type(value).__name__})")
+        return ValueError(f"{key} expects {_type_name(typ)}, got {value!r} "
+                          f"({type(value).__name__})")
 
+    if typ == list[int]:
+        if from_cli and isinstance(value, str):  # "8,16,32" or "[8, 16, 32]"
+            body = value.strip().removeprefix("[").removesuffix("]")
+            try:
+                return [int(v) for v in body.split(",") if v.strip()]
+            except ValueError:
+                raise bad() from None
+        if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool)
+                                           for v in value):
+            return list(value)
+        raise bad()
     if from_cli and isinstance(value, str):  # CLI values are strings: parse by field type
         if typ is bool:
             if value.lower() in _TRUE + _FALSE:
@@ -296,6 +328,10 @@ def _coerce(key: str, typ: type, value: Any, from_cli: bool) -> Any:
     elif isinstance(value, typ):
         return value
     raise bad()
+
+
+def _type_name(typ) -> str:
+    return "list of int" if typ == list[int] else typ.__name__
 
 
 def _set(cfg: Config, key: str, value: Any, source: str, from_cli: bool) -> None:
@@ -442,6 +478,12 @@ def validate(cfg: Config, backends: Iterable[str] | None = None) -> None:
     need(p.data_parallel_shard_degree == -1 or p.data_parallel_shard_degree >= 1,
          "parallelism.data_parallel_shard_degree", "-1 (fill the world) or >= 1")
     need(cfg.checkpoint.load_step >= -1, "checkpoint.load_step", ">= -1")
+    counts = cfg.job.gpu_counts
+    need(all(n >= 1 for n in counts) and counts == sorted(set(counts)), "job.gpu_counts",
+         "GPU counts >= 1 in increasing order, e.g. [8, 16, 32]")
+    need(cfg.job.gpu_memory_gib >= 0, "job.gpu_memory_gib", ">= 0")
+    need(not counts or cfg.job.gpu_memory_gib > 0, "job.gpu_memory_gib",
+         "> 0 (the memory of one GPU) when job.gpu_counts is set")
     need(t.loss_chunks >= 0, "training.loss_chunks",
          ">= 0 (0 = auto, 1 = unchunked, N = chunks of tokens)")
     need(t.loss_chunks <= 1 or p.tensor_parallel_degree == 1, "training.loss_chunks",
@@ -511,7 +553,8 @@ def help_text(usage: str = "python -m simplesharded.config [--json] [--section.k
         for f in dataclasses.fields(cls):
             choices = f.metadata.get("choices")
             extra = f" one of {sorted(choices)}" if choices else ""
-            lines.append(f"  --{section}.{f.name} ({f.type.__name__}, default {f.default!r})"
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            lines.append(f"  --{section}.{f.name} ({_type_name(f.type)}, default {default!r})"
                          f"  {f.metadata.get('help', '')}{extra}")
     return "\n".join(lines)
 

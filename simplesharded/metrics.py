@@ -9,28 +9,84 @@ from dataclasses import dataclass, field
 
 import torch
 
-# Dense bf16 peak FLOP/s per device, for MFU when metrics.peak_tflops is 0 (auto).
-_KNOWN_PEAKS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "B200": 2250e12}
+from simplesharded import device_peaks
 
 
-def peak_flops(device: str, configured_tflops: float = 0.0) -> float:
-    """Peak FLOP/s of one device: the configured value, else a known GPU, else 0 (unknown)."""
+def _device_type(device) -> str:
+    return torch.device(device).type
+
+
+def _fp32_matmul_dtype() -> str:
+    """"tf32" when fp32 matmuls may run on tensor cores (their peak is then TF32's), else
+    "float32". The per-backend setting wins over the global one when it is set."""
+    setting = getattr(torch.backends.cuda.matmul, "fp32_precision", "none")
+    if setting in ("tf32", "ieee"):
+        return "tf32" if setting == "tf32" else "float32"
+    return "float32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+
+
+def peak_flops(device, configured_tflops: float = 0.0, dtype: str = "bfloat16") -> float:
+    """Peak FLOP/s of one device for matmuls in ``dtype`` (training.mixed_precision_param):
+    the configured value, else the published dense figure of a known accelerator
+    (simplesharded/device_peaks.py), else 0 (unknown: no MFU)."""
     if configured_tflops > 0:
         return configured_tflops * 1e12
-    if device == "cuda":
-        name = torch.cuda.get_device_name()
-        for key, peak in _KNOWN_PEAKS.items():
-            if key in name:
-                return peak
-    return 0.0
+    kind = _device_type(device)
+    module = getattr(torch, kind, None)
+    if kind == "cpu" or not hasattr(module, "get_device_name"):
+        return 0.0
+    if dtype == "float32":
+        dtype = _fp32_matmul_dtype()
+    tflops = device_peaks.peak_tflops(module.get_device_name(), dtype)
+    return (tflops or 0.0) * 1e12
 
 
-def memory_stats(device: str) -> dict[str, float]:
-    """GiB: CUDA allocator peaks on GPU; peak resident set size of this process on CPU."""
-    if device == "cuda":
-        return {"mem_max_active_gib": torch.cuda.max_memory_allocated() / 2**30,
-                "mem_max_reserved_gib": torch.cuda.max_memory_reserved() / 2**30}
-    return {"mem_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+def throughput(tokens_per_step: int, step_s: float, world: int, flops_per_token: float,
+               peak: float) -> dict[str, float]:
+    """``tps``: tokens per second per device (torchtitan's figure: the step's tokens over the
+    world, tp ranks sharing their dp rank's tokens); ``tokens_per_s_global``: all devices;
+    ``tflops``: achieved model TFLOP/s per device; ``mfu_pct`` when the peak is known."""
+    tps = tokens_per_step / step_s / world
+    out = {"tps": tps, "tokens_per_s_global": tokens_per_step / step_s,
+           "tflops": flops_per_token * tps / 1e12}
+    if peak:
+        out["mfu_pct"] = 100 * flops_per_token * tps / peak
+    return out
+
+
+def _rss_peak_bytes() -> int:
+    """Peak resident set size: VmHWM (which reset_peak_memory can reset), else ru_maxrss."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def memory_stats(device) -> dict[str, float]:
+    """GiB. Accelerator: the allocator's peaks since the last reset_peak_memory, tensors
+    allocated (the main figure) and memory reserved by the caching allocator; CPU: peak
+    resident set size of this process."""
+    if _device_type(device) != "cpu":
+        return {"mem_max_allocated_gib": torch.accelerator.max_memory_allocated() / 2**30,
+                "mem_max_reserved_gib": torch.accelerator.max_memory_reserved() / 2**30}
+    return {"mem_peak_rss_gib": _rss_peak_bytes() / 2**30}
+
+
+def reset_peak_memory(device) -> None:
+    """Start the peaks memory_stats reports afresh, e.g. after the first step, so they are
+    the steady-state step's and not compilation's or calibration's."""
+    if _device_type(device) != "cpu":
+        torch.accelerator.reset_peak_memory_stats()
+        return
+    try:  # Linux: "5" resets the peak RSS (VmHWM) to the current RSS
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:
+        pass  # elsewhere the peak stays the process's
 
 
 @dataclass
@@ -76,10 +132,12 @@ class MetricsLogger:
 
 def format_record(step: int, r: dict[str, float]) -> str:
     parts = [f"step {step:>5d}", f"loss {r['loss']:.4f}", f"gnorm {r['grad_norm']:.3f}",
-             f"lr {r['lr']:.2e}", f"tok/s {r['tokens_per_s']:,.0f}"]
+             f"lr {r['lr']:.2e}", f"tps {r['tps']:,.0f}"]
     if r.get("mfu_pct") is not None:
-        parts.append(f"mfu {r['mfu_pct']:.1f}%")
-    mem = [v for k, v in r.items() if k.startswith("mem_")]
-    if mem:
-        parts.append(f"mem {max(mem):.2f}GiB")
+        parts.append(f"tflops {r['tflops']:.1f}  mfu {r['mfu_pct']:.1f}%")
+    if "mem_max_allocated_gib" in r:
+        parts.append(f"mem {r['mem_max_allocated_gib']:.2f}GiB "
+                     f"(reserved {r['mem_max_reserved_gib']:.2f}GiB)")
+    elif "mem_peak_rss_gib" in r:
+        parts.append(f"rss {r['mem_peak_rss_gib']:.2f}GiB")
     return "  ".join(parts)

@@ -69,7 +69,9 @@ def main(argv=None) -> int:
                     help="sequences per data-parallel rank, shared by its tp ranks (default: "
                          "the config's, global_batch_size / dp as the trainer resolves it)")
     ap.add_argument("--plans", nargs="+", default=list(PLANS))
-    ap.add_argument("--memory-cap-mb", type=float, default=0.0)
+    ap.add_argument("--memory-cap-mb", type=float, default=None,
+                    help="the plans' memory cap (default: the config's compile.memory_cap_mb, "
+                         "as the trainer uses it)")
     ap.add_argument("--timeline", default=None, help="PNG path for the timeline")
     ap.add_argument("--timeline-plan", default="aot_eager_autobucketing")
     ap.add_argument("--full-trace-layers", type=int, default=8,
@@ -101,7 +103,8 @@ def main(argv=None) -> int:
     # versions and extrapolate linearly (exact for the per-block part, and 10x faster).
     sizes = [None] if n_layers <= ns.full_trace_layers else [4, 6]
     t0 = time.perf_counter()
-    cap = int(ns.memory_cap_mb * 2**20) or None
+    cap_mb = cfg.compile.memory_cap_mb if ns.memory_cap_mb is None else ns.memory_cap_mb
+    cap = int(cap_mb * 2**20) or None
     evaluated, keeps = evaluate_plans(cfg, ns, hw, cap, ns.plans, sizes)
     _report(ns, cfg, hw, evaluated, keeps, sizes, n_layers, t0)
     return 0
@@ -130,19 +133,38 @@ def evaluate_plans(cfg, ns, hw, cap, plans, sizes) -> tuple[dict, dict]:
 
 
 def predicted_peak_bytes(cfg, world_size: int, plans, hardware: str = "local",
-                         n_layers: int | None = None) -> dict[str, int]:
+                         n_layers: int | None = None,
+                         full_trace_layers: int | None = None) -> dict[str, int]:
     """{plan: per-rank peak bytes the planner predicts} for ``cfg``'s compiled step on
-    ``world_size`` ranks, every block traced (``n_layers`` of them; None: the flavor's):
-    fp32 shards, gradients and optimizer state plus the graphs' peak of gathered buffers and
-    activations."""
+    ``world_size`` ranks (``n_layers`` blocks; None: the flavor's), under the config's memory
+    cap: fp32 shards, gradients and optimizer state plus the graphs' peak of gathered buffers
+    and activations. Every block is traced, or with ``full_trace_layers`` a deeper model is
+    extrapolated from traces of 4 and 6 blocks, as ``python -m simplesharded.plan`` does."""
+    from simplesharded.models import get_model_spec
     from simplesharded.passes.hardware import get_hardware
+    depth = n_layers or get_model_spec(cfg.model.name, cfg.model.flavor)[1].n_layers
+    sizes = ([4, 6] if full_trace_layers is not None and depth > full_trace_layers
+             else [n_layers])
     ns = argparse.Namespace(world_size=world_size, hardware=hardware)
-    evaluated, keeps = evaluate_plans(cfg, ns, get_hardware(hardware), None, plans, [n_layers])
+    cap = int(cfg.compile.memory_cap_mb * 2**20) or None
+    evaluated, keeps = evaluate_plans(cfg, ns, get_hardware(hardware), cap, plans, sizes)
     out = {}
     for name in plans:
-        m = evaluated[keeps[name]][0][name]
-        out[name] = sum(static_memory(m["local_numel"], cfg.optimizer.name)) + m["peak_act"]
+        m = _numbers(name, evaluated[keeps[name]], depth)
+        out[name] = int(sum(static_memory(m["local_numel"], cfg.optimizer.name))
+                        + m["peak_act"])
     return out
+
+
+def plan_of(backend: str) -> str:
+    """The plan of PLANS that models ``backend``'s compiled step (an inductor backend runs
+    the same passes as its aot_eager twin)."""
+    name = {"eager": "aot_eager", "inductor": "aot_eager"}.get(backend, backend)
+    name = name.replace("inductor_", "aot_eager_", 1)
+    if name not in PLANS:
+        raise ValueError(f"compile.backend={backend!r} has no plan here; the planner models "
+                         f"{list(PLANS)} and their inductor twins")
+    return name
 
 
 def _trace_and_evaluate(cfg, ns, hw, cap, n_layers, keep, names) -> dict[str, dict]:
@@ -253,12 +275,28 @@ def _report(ns, cfg, hw, evaluated, keeps, sizes, n_layers, t0) -> None:
     print(f"\nmemory per rank ({name}): params + grads + optimizer {static / 2**30:.2f} GiB "
           f"(fp32 shards), gathered buffers + activations {act / 2**30:.2f} GiB; the device "
           f"has {hw.memory_bytes / 2**30:.0f} GiB")
+    print(_stated_fit(cfg, ns.world_size, static + act))
     if ns.timeline:
         shown = "" if sizes == [None] else f" (first {sizes[-1]} blocks)"
         draw_timeline(ns.timeline, last["fw_sched"], last["bw_sched"],
                       f"{cfg.model.name}/{cfg.model.flavor}{shown}, {ns.world_size} × "
                       f"{hw.name}, plan {name}")
         print(f"timeline written to {ns.timeline}")
+
+
+def _stated_fit(cfg, world_size: int, peak: float) -> str:
+    """The config's own claim (job.gpu_counts, job.gpu_memory_gib) next to this prediction."""
+    from simplesharded.config import MEMORY_HEADROOM
+
+    j = cfg.job
+    if not j.gpu_counts:
+        return "the config states no job.gpu_counts"
+    room = MEMORY_HEADROOM * j.gpu_memory_gib
+    count = "is one of" if world_size in j.gpu_counts else "is not one of"
+    fits = "within" if peak <= room * 2**30 else "ABOVE"
+    return (f"the config is sized for job.gpu_counts {j.gpu_counts} of job.gpu_memory_gib "
+            f"{j.gpu_memory_gib:g}: world size {world_size} {count} them; this peak, "
+            f"{peak / 2**30:.1f} GiB, is {fits} {MEMORY_HEADROOM:.0%} of it ({room:.1f} GiB)")
 
 
 def _numbers(name: str, per_trace: list[dict], n_layers: int) -> dict:

@@ -28,7 +28,8 @@ from simplesharded.config import Config, help_text, load_config, resolve
 from simplesharded.data import build_data, load_tokenizer
 from simplesharded.grad_sync import set_requires_gradient_sync
 from simplesharded.mesh import build_mesh, ep_dim, init_distributed, tp_dim
-from simplesharded.metrics import MetricsLogger, format_record, memory_stats, peak_flops
+from simplesharded.metrics import (MetricsLogger, format_record, memory_stats, peak_flops,
+                                   reset_peak_memory, throughput)
 from simplesharded.models import build_model, get_model_spec, hf_source
 from simplesharded.blocks import find_blocks
 from simplesharded.passes.annotations import AC_KEY
@@ -374,7 +375,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.tokens_per_step = t.global_batch_size * t.seq_len
         self.flops_per_token = model.num_flops_per_token(t.seq_len)
-        self.peak = peak_flops(device, cfg.metrics.peak_tflops)
+        self.peak = peak_flops(device, cfg.metrics.peak_tflops, t.mixed_precision_param)
         self.ckpt_folder = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
         self.step = 0
 
@@ -484,12 +485,12 @@ class Trainer:
                 self.step += 1
                 dt = time.perf_counter() - t0
                 losses.append(record["loss"])
-                record.update(lr=self.scheduler.get_last_lr()[0],
-                              tokens_per_s=self.tokens_per_step / dt, step_s=dt,
+                record.update(lr=self.scheduler.get_last_lr()[0], step_s=dt,
+                              **throughput(self.tokens_per_step, dt, self.world,
+                                           self.flops_per_token, self.peak),
                               **memory_stats(self.device))
-                if self.peak:
-                    record["mfu_pct"] = (100 * self.flops_per_token * self.tokens_per_step
-                                         / dt / self.world / self.peak)
+                if len(losses) == 1:  # later records: the steady step's peak, not compile's
+                    reset_peak_memory(self.device)
                 if cfg.training.val_every and self.step % cfg.training.val_every == 0:
                     record["val_loss"] = self.validate()
                 if self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps:

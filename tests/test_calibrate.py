@@ -8,6 +8,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
 from dist_utils import spawn
 
@@ -100,3 +101,86 @@ def test_two_hosts_measure_the_link_within_a_host(tmp_path):
     assert hw.gpus_per_node == 2
     assert hw.intra_node_alpha_s > 0 and hw.intra_node_bandwidth_Bps > 0
     assert set(results[0]["measured"]["collectives_intra_node"]) == set(calibrate.KINDS)
+
+
+# ------------------------------------------------------------------ sizes and timers on a GPU
+# (mocked: the logic that picks them runs on CPU)
+
+GPU = torch.device("cuda", 0)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """torch.cuda reporting an H100-like device: 50 MiB of L2, 79 GiB free."""
+    import types
+
+    props = types.SimpleNamespace(L2_cache_size=50 * 2**20, total_memory=80 * 2**30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: props)
+    monkeypatch.setattr(torch.accelerator, "get_memory_info",
+                        lambda *a: (79 * 2**30, 80 * 2**30))
+    return props
+
+
+def test_bandwidth_buffer_is_past_the_l2(fake_gpu, monkeypatch):
+    """CPU: 32 MiB as ever. GPU: at least 1 GiB and 8 times the L2, at most 1/8 of the free
+    memory (two such buffers live at once)."""
+    assert calibrate.stream_elements(torch.device("cpu")) * 4 == 32 * 2**20
+    assert calibrate.stream_elements(GPU) * 4 == 2**30  # 8 x 50 MiB < 1 GiB
+    fake_gpu.L2_cache_size = 256 * 2**20
+    assert calibrate.stream_elements(GPU) * 4 == 2 * 2**30
+    monkeypatch.setattr(torch.accelerator, "get_memory_info", lambda *a: (4 * 2**30, 8 * 2**30))
+    assert calibrate.stream_elements(GPU) * 4 == 2**29  # a small, busy device: 1/8 of free
+    del fake_gpu.L2_cache_size  # a device that does not report its L2
+    monkeypatch.setattr(torch.accelerator, "get_memory_info", lambda *a: (79 * 2**30, 0))
+    assert calibrate.stream_elements(GPU) * 4 == 2**30
+
+
+@pytest.mark.parametrize("ws", [2, 8, 512])
+def test_collective_sizes(ws):
+    """CPU: 4 MiB per rank for every kind, as ever. GPU: the collective's buffer (gathered
+    output, reduce-scatter / all-to-all input, all-reduce buffer) is 256 MiB at every world
+    size: bandwidth-bound on NVLink and InfiniBand, never a whole device's memory."""
+    for kind in calibrate.KINDS:
+        assert calibrate.collective_elements(kind, ws, torch.device("cpu")) == 2**20
+    for kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        assert calibrate.collective_elements(kind, ws, GPU) * ws * 4 == 256 * 2**20
+    assert calibrate.collective_elements("all_reduce", ws, GPU) * 4 == 256 * 2**20
+
+
+def test_gpu_timing_uses_device_events_without_a_sync_per_call(monkeypatch):
+    """On an accelerator: events around windows of back-to-back calls, one synchronisation
+    per window (none per call); the median window's mean per call. CPU: wall clock."""
+    log, clock = [], iter(range(10**6))
+
+    class Event:
+        def __init__(self, device=None, enable_timing=False):
+            assert enable_timing and device == GPU
+
+        def record(self, stream=None):
+            self.t = next(clock)
+            log.append("record")
+
+        def synchronize(self):
+            log.append("sync")
+
+        def elapsed_time(self, end):
+            return 1e3 * (end.t - self.t)  # ms, one "second" per clock tick
+
+    def fn():
+        next(clock)  # each call takes one tick
+        log.append("call")
+
+    monkeypatch.setattr(torch, "Event", Event)
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda *a: log.append("sync"))
+    per_call = calibrate._time(fn, GPU, cpu_reps=5)
+    reps, windows = calibrate._WINDOW_REPS, calibrate._WINDOWS
+    assert per_call == pytest.approx((reps + 1) / reps)  # the end record's tick included
+    assert log.count("sync") == windows + 1  # after the warm-up, then once per window
+    assert log.count("call") == 1 + windows * (1 + reps)
+    window = log[log.index("record"):]
+    assert window[:reps + 3] == ["record"] + ["call"] * reps + ["record", "sync"]
+
+    log.clear()
+    monkeypatch.setattr(torch, "Event", None)  # CPU never touches events
+    calibrate._time(fn, torch.device("cpu"), cpu_reps=5)
+    assert log == ["call"] * 6

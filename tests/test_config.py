@@ -4,7 +4,8 @@ import os
 
 import pytest
 
-from simplesharded.config import Config, load_config, main, parse_cli, resolve, validate
+from simplesharded.config import (Config, help_text, load_config, main, parse_cli, resolve,
+                                  validate)
 from simplesharded.config import tomllib  # tomli before Python 3.11
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -326,3 +327,49 @@ def test_gradient_sync_choices():
         load(None, ["--training.gradient_sync", "last"])
     assert str(e.value) == ("training.gradient_sync='last' is not one of ['every_microbatch', "
                             "'last_microbatch']")
+
+
+def test_gpu_counts_key():
+    """job.gpu_counts / job.gpu_memory_gib: a list of increasing counts (TOML list, or
+    "8,16" / "[8, 16]" on the command line) and the memory it assumes; bad values are one
+    line naming the key."""
+    cfg = load(None, ["--job.gpu_counts", "8,16,32", "--job.gpu_memory_gib", "79"])
+    assert cfg.job.gpu_counts == [8, 16, 32] and cfg.job.gpu_memory_gib == 79.0
+    assert load(None, ["--job.gpu_counts", "[8, 16]", "--job.gpu_memory_gib", "79"]
+                ).job.gpu_counts == [8, 16]
+    assert Config().job.gpu_counts == [] and Config().job.gpu_counts is not Config().job.gpu_counts
+    assert Config.from_dict(tomllib.loads(cfg.to_toml())) == cfg
+    for argv, message in [
+        (["--job.gpu_counts", "8,x"], "job.gpu_counts expects list of int, got '8,x' (str)"),
+        (["--job.gpu_counts", "16,8", "--job.gpu_memory_gib", "79"],
+         "job.gpu_counts=[16, 8] must be GPU counts >= 1 in increasing order, e.g. [8, 16, 32]"),
+        (["--job.gpu_counts", "0,8", "--job.gpu_memory_gib", "79"],
+         "job.gpu_counts=[0, 8] must be GPU counts >= 1 in increasing order, e.g. [8, 16, 32]"),
+        (["--job.gpu_counts", "8"],
+         "job.gpu_memory_gib=0.0 must be > 0 (the memory of one GPU) when job.gpu_counts is set"),
+    ]:
+        with pytest.raises(ValueError) as e:
+            load(None, argv)
+        assert str(e.value) == message
+    with pytest.raises(ValueError, match=r"job.gpu_counts expects list of int, got \[8, 'x'\]"):
+        Config.from_dict({"job": {"gpu_counts": [8, "x"]}})
+    assert "--job.gpu_counts (list of int, default [])" in help_text()
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_shipped_config_states_the_gpu_counts_it_fits(path):
+    """Every shipped config states its GPU counts and the GPU memory they assume, and its
+    degrees and batch resolve at each count (the trainer's static checks). With several
+    counts the local batch is derived (global / (dp x micro-batches)), so the smallest count
+    holds the most per GPU: the planner's memory check (test_shipped_configs_fit.py) checks
+    that one."""
+    from simplesharded.train import check_static
+
+    cfg = load(path)
+    counts = cfg.job.gpu_counts
+    assert counts and cfg.job.gpu_memory_gib > 0, "state job.gpu_counts and job.gpu_memory_gib"
+    cfg.training.dataset_path = ""
+    for n in counts:
+        check_static(cfg, n)
+    if len(counts) > 1:
+        assert cfg.training.local_batch_size == -1

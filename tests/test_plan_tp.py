@@ -159,3 +159,5 @@ def test_plan_cli_reports_communication_per_group(capsys):
     assert int(step[4]) == int(groups["dp_shard"][3]) + int(groups["tp"][3])  # collectives
     # global batch 8 over dp 2: 4 sequences per dp rank, shared by its 2 tp ranks
     assert "(mesh dp_shard 2 × tp 2)" in out and "4 × 128 tokens per dp rank" in out
+    # the config's own claim beside the prediction (configs/llama3_debug.toml: 1-8, 15 GiB)
+    assert "job.gpu_counts [1, 2, 4, 8] of job.gpu_memory_gib 15: world size 4 is one of" in out

@@ -249,7 +249,7 @@ def test_loss_falls_compiled_blockbucketing_alias(tmp_path, eager2):
     assert last5 < 0.75 * losses[0], f"loss did not fall: first {losses[0]}, last 5 {losses[-5:]}"
     val = [x["val_loss"] for x in recs if "val_loss" in x]
     assert len(val) == 3 and val[2] < val[0], val
-    for key in ("grad_norm", "lr", "tokens_per_s"):
+    for key in ("grad_norm", "lr", "tps", "tokens_per_s_global"):
         assert all(key in x for x in recs), recs[0]
     assert_close(read_losses(tmp_path), ref, range(1, 4), 1e-5, "compiled vs eager")
 

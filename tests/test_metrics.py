@@ -1,0 +1,143 @@
+"""Step metrics (simplesharded/metrics.py, device_peaks.py) on CPU, the GPU paths with a mocked
+device: the peak for MFU per GPU model, form factor and dtype; per-device tokens/s; the
+allocator's peaks (allocated first, reserved beside) reset after the first step."""
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from simplesharded import device_peaks, metrics
+
+
+@pytest.mark.parametrize("name,dtype,tflops", [
+    ("NVIDIA H100 80GB HBM3", "bfloat16", 989.4),   # the SXM part's name
+    ("NVIDIA H100 PCIe", "bfloat16", 756.5),
+    ("NVIDIA H100 NVL", "bfloat16", 835.5),
+    ("NVIDIA H100 80GB HBM3", "tf32", 494.7),
+    ("NVIDIA H100 80GB HBM3", "float32", 66.9),
+    ("NVIDIA H100 PCIe", "float32", 51.2),
+    ("NVIDIA H200", "bfloat16", 989.4),
+    ("NVIDIA H200 NVL", "float16", 835.5),
+    ("NVIDIA H800", "bfloat16", 989.4),
+    ("NVIDIA H800 PCIe", "bfloat16", 756.5),
+    ("NVIDIA H20", "bfloat16", 148.0),             # not H200's
+    ("NVIDIA GH200 480GB", "bfloat16", 989.4),
+    ("NVIDIA A100-SXM4-80GB", "bfloat16", 312.0),
+    ("NVIDIA A100-PCIE-40GB", "tf32", 156.0),
+    ("NVIDIA A800-SXM4-80GB", "bfloat16", 312.0),
+    ("NVIDIA L40S", "bfloat16", 362.05),
+    ("NVIDIA B200", "bfloat16", 2250.0),
+    ("AMD Instinct MI300X", "bfloat16", 1307.4),
+    ("NVIDIA H100 80GB HBM3 MIG 1g.10gb", "bfloat16", None),  # a slice: its peak is unknown
+    ("NVIDIA GeForce RTX 4090", "bfloat16", None),
+    ("NVIDIA GA100", "bfloat16", None),             # whole tokens only
+])
+def test_published_peaks(name, dtype, tflops):
+    assert device_peaks.peak_tflops(name, dtype) == tflops
+
+
+def test_every_listed_device_has_every_dtype_dense():
+    for model, forms in device_peaks.TFLOPS.items():
+        for form, table in forms.items():
+            assert set(table) == set(device_peaks.DTYPES), (model, form)
+            # dense bf16 is twice dense TF32 on every listed part (a sparse figure among dense
+            # ones would be 2x off)
+            assert table["bfloat16"] == pytest.approx(2 * table["tf32"], rel=0.02), (model, form)
+            assert table["float32"] < table["bfloat16"]
+    with pytest.raises(ValueError, match=r"dtype='fp8' is not one of"):
+        device_peaks.peak_tflops("NVIDIA H100", "fp8")
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """torch.cuda answering as the GPU named by gpu(name)."""
+    def use(name):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+    return use
+
+
+def test_peak_flops_by_device_and_dtype(gpu, monkeypatch):
+    gpu("NVIDIA H100 PCIe")
+    assert metrics.peak_flops("cuda", 0.0, "bfloat16") == pytest.approx(756.5e12)
+    assert metrics.peak_flops(torch.device("cuda", 3), 0.0, "float16") == pytest.approx(756.5e12)
+    assert metrics.peak_flops("cuda", 400.0, "bfloat16") == 400e12  # configured wins
+    assert metrics.peak_flops("cpu", 0.0, "bfloat16") == 0.0
+    gpu("NVIDIA H100 80GB HBM3")
+    # fp32 params: the fp32 peak unless fp32 matmuls may use TF32
+    monkeypatch.setattr(torch.backends.cuda, "matmul", SimpleNamespace(fp32_precision="none"))
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "highest")
+    assert metrics.peak_flops("cuda", 0.0, "float32") == pytest.approx(66.9e12)
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
+    assert metrics.peak_flops("cuda", 0.0, "float32") == pytest.approx(494.7e12)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "fp32_precision", "ieee")  # cuBLAS' wins
+    assert metrics.peak_flops("cuda", 0.0, "float32") == pytest.approx(66.9e12)
+    gpu("NVIDIA GeForce RTX 4090")
+    assert metrics.peak_flops("cuda", 0.0, "bfloat16") == 0.0  # unknown: no MFU
+
+
+def test_throughput_is_per_device():
+    """64 sequences of 8192 tokens in 2 s on 8 devices: 32,768 tokens/s per device (what
+    torchtitan's tps reports), 262,144 in all; MFU from the per-device rate."""
+    r = metrics.throughput(64 * 8192, 2.0, 8, 6e9, 989.4e12)
+    assert r["tps"] == 32768 and r["tokens_per_s_global"] == 262144
+    assert r["tflops"] == pytest.approx(6e9 * 32768 / 1e12)
+    assert r["mfu_pct"] == pytest.approx(100 * 6e9 * 32768 / 989.4e12)
+    assert "mfu_pct" not in metrics.throughput(10, 1.0, 1, 1.0, 0.0)
+
+
+def test_accelerator_memory_allocated_first_and_reset(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.accelerator, "max_memory_allocated", lambda *a: 3 * 2**30)
+    monkeypatch.setattr(torch.accelerator, "max_memory_reserved", lambda *a: 5 * 2**30)
+    monkeypatch.setattr(torch.accelerator, "reset_peak_memory_stats",
+                        lambda *a: calls.append("reset"))
+    m = metrics.memory_stats("cuda")
+    assert m == {"mem_max_allocated_gib": 3.0, "mem_max_reserved_gib": 5.0}
+    metrics.reset_peak_memory("cuda:0")
+    assert calls == ["reset"]
+    line = metrics.format_record(2, {"loss": 1.0, "grad_norm": 0.5, "lr": 1e-4, "tps": 1234.5,
+                                     "tflops": 300.0, "mfu_pct": 30.3, **m})
+    assert "tps 1,234" in line and "mfu 30.3%" in line
+    assert "mem 3.00GiB (reserved 5.00GiB)" in line
+
+
+@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="Linux /proc only")
+def test_cpu_peak_rss_resets():
+    big = torch.ones(64 * 2**20, dtype=torch.uint8)  # 64 MiB, touched
+    before = metrics.memory_stats("cpu")["mem_peak_rss_gib"]
+    del big
+    metrics.reset_peak_memory("cpu")
+    after = metrics.memory_stats("cpu")["mem_peak_rss_gib"]
+    assert after < before  # the peak is now the current RSS, not the freed tensor's
+    assert "rss " in metrics.format_record(1, {"loss": 1.0, "grad_norm": 0.5, "lr": 1e-4,
+                                              "tps": 1.0, "mem_peak_rss_gib": after})
+
+
+def test_trainer_resets_the_peak_after_its_first_step(tmp_path, monkeypatch):
+    """Trainer.run records step 1 (compile and calibration included), then resets the
+    peaks, so every later record holds the steady step's peak; tps is per device."""
+    from simplesharded import train
+    from simplesharded.config import load_config
+
+    cfg = load_config(None, ["--training.steps", "3", "--job.dump_folder", str(tmp_path),
+                             "--no-metrics.progress_bar"])
+    trainer = train.Trainer.__new__(train.Trainer)
+    params = [torch.nn.Parameter(torch.zeros(1))]
+    opt = torch.optim.SGD(params, lr=0.1)
+    trainer.__dict__.update(cfg=cfg, device="cpu", rank=0, world=4, step=0,
+                            tokens_per_step=4096, flops_per_token=1e6, peak=0.0,
+                            optimizer=opt,
+                            scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))
+    events = []
+    monkeypatch.setattr(trainer, "train_step",
+                        lambda: events.append("step") or {"loss": 1.0, "grad_norm": 1.0})
+    monkeypatch.setattr(train, "memory_stats",
+                        lambda d: events.append("stats") or {"mem_peak_rss_gib": 1.0})
+    monkeypatch.setattr(train, "reset_peak_memory", lambda d: events.append("reset"))
+    trainer.run()
+    assert events == ["step", "stats", "reset", "step", "stats", "step", "stats"]
+    import json
+    recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(recs) == 3
+    assert all(r["tps"] == pytest.approx(r["tokens_per_s_global"] / 4) for r in recs)
