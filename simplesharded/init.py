@@ -68,6 +68,7 @@ class _Tensor:
 
     value: torch.Tensor  # the shard (a parameter) or the buffer itself
     is_param: bool
+    fqn: str
     group: str
     owners: list[tuple[nn.Module, str]] = field(default_factory=list)
     meta: torch.Tensor | None = None  # its stand-in during the other groups' runs
@@ -100,7 +101,8 @@ def _collect(model: nn.Module, blocks) -> tuple[list[_Tensor], dict[int, set[str
             for name, t in slots.items():
                 if t is None:
                     continue
-                entry = tensors.setdefault(id(t), _Tensor(t, is_param, group))
+                full = f"{fqn}.{name}" if fqn else name
+                entry = tensors.setdefault(id(t), _Tensor(t, is_param, full, group))
                 entry.owners.append((module, name))
                 # every ancestor's subtree holds it too
                 parts = fqn.split(".") if fqn else []
@@ -121,13 +123,12 @@ def _init_device(tensors: list[_Tensor]) -> torch.device:
 
 
 def _check_materialised(tensors: list[_Tensor]) -> None:
-    for t in tensors:
+    for t in sorted(tensors, key=lambda t: not t.is_param):  # a parameter names it best
         if _local(t.value).is_meta:
-            module, name = t.owners[0]
             kind = "parameter" if t.is_param else "buffer"
-            raise ValueError(f"{kind} {name!r} of {type(module).__name__} is on the meta device: "
-                             f"shard the model with data_parallel first (it materialises empty "
-                             f"shards), or give it storage with model.to_empty(device=...)")
+            raise ValueError(f"{kind} {t.fqn!r} is on the meta device: shard the model with "
+                             f"data_parallel first (it materialises empty shards), or give it "
+                             f"storage with model.to_empty(device=...)")
 
 
 @contextlib.contextmanager
@@ -174,8 +175,8 @@ def init_sharded(model: nn.Module, init_fn: Callable[[nn.Module], None] | None =
 
     Parameters are DTensor shards (``data_parallel``, after TP / EP or not) or plain tensors
     with storage; buffers stay plain tensors where they are. A parameter no init wrote keeps
-    its shard's contents. Every rank must call this (it is collective in spirit: each rank
-    computes every group in full; nothing is communicated).
+    its shard's contents. Nothing is communicated: every rank computes every group in full
+    and keeps its region.
     """
     from simplesharded.sharding import disable_gather
 
@@ -235,9 +236,8 @@ def _run_group(group: str, tensors: list[_Tensor], calls: list[nn.Module],
         if now is placed and now._version == version:
             continue  # not written by this init
         if now.shape != t.value.shape:
-            module, name = t.owners[0]
-            raise ValueError(f"init_fn replaced {name!r} of {type(module).__name__} "
-                             f"{tuple(t.value.shape)} by a tensor of shape {tuple(now.shape)}")
+            raise ValueError(f"init_fn replaced {t.fqn!r} {tuple(t.value.shape)} by a tensor of "
+                             f"shape {tuple(now.shape)}")
         if t.is_param:
             local, box = local_box(t.value)
             if local.numel():

@@ -26,7 +26,7 @@ CASES = {
 }
 
 
-def _sharded(name: str, world: int, tp: int, ep: int) -> nn.Module:
+def _sharded(name: str, world: int, tp: int, ep: int, **overrides) -> nn.Module:
     """The model on the meta device, parallelised as the trainer does (TP → EP →
     data_parallel fully_shard) on a CPU mesh of ``world`` ranks, not yet initialised."""
     import simplesharded as ss
@@ -34,7 +34,7 @@ def _sharded(name: str, world: int, tp: int, ep: int) -> nn.Module:
     from simplesharded.train import apply_expert_parallel, apply_tensor_parallel
 
     mesh = ss.build_mesh(1, world // tp, "cpu", tp=tp, ep=ep)
-    model = build_model(name, "debug", device="meta")
+    model = build_model(name, "debug", device="meta", **overrides)
     apply_tensor_parallel(model, mesh, sequence_parallel=True)
     apply_expert_parallel(model, mesh)
     return ss.data_parallel(model, mesh, "fully_shard")
@@ -93,8 +93,8 @@ def test_sharded_equals_plain_model_given_the_same_init(one_rank, name):
     from simplesharded.init import init_sharded
     from simplesharded.models import build_model
 
-    model = _sharded(name, 1, 1, 1)
-    plain = build_model(name, "debug", device="cpu")  # real storage, other values
+    model = _sharded(name, 1, 1, 1, n_layers=2)
+    plain = build_model(name, "debug", device="cpu", n_layers=2)  # real storage, other values
     torch.manual_seed(0)
     state = torch.get_rng_state()
     init_sharded(model, seed=SEED)
@@ -116,7 +116,7 @@ def test_one_group_of_parameters_at_a_time(one_rank):
     from simplesharded.blocks import find_blocks
     from simplesharded.init import init_sharded
 
-    model = _sharded("llama3", 1, 1, 1)
+    model = _sharded("llama3", 1, 1, 1, n_layers=3)
     block = max(sum(p.numel() for p in b.parameters()) for _, b in find_blocks(model))
     seen = []
 
@@ -126,7 +126,7 @@ def test_one_group_of_parameters_at_a_time(one_rank):
         m.init_weights()
 
     init_sharded(model, init, seed=SEED)
-    assert len(seen) == 6 + 4  # 6 blocks; tok_embeddings, norm, output, the root (RoPE)
+    assert len(seen) == 3 + 4  # 3 blocks; tok_embeddings, norm, output, the root (RoPE)
     assert max(seen) == block, (seen, block)
 
 
@@ -134,7 +134,8 @@ def test_errors_are_one_line(one_rank):
     from simplesharded.init import init_sharded
     from simplesharded.models import build_model
 
-    with pytest.raises(ValueError, match="on the meta device: shard the model"):
+    with pytest.raises(ValueError, match="parameter 'tok_embeddings.weight' is on the meta "
+                                         "device: shard the model with data_parallel first"):
         init_sharded(build_model("llama3", "debug", device="meta"))
     with pytest.raises(ValueError, match="Linear has no init_weights\\(\\); pass init_fn"):
         init_sharded(nn.Linear(2, 2))
