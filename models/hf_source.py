@@ -14,9 +14,9 @@ Life of such a model in the trainer:
      only its rows of each tensor (``safe_open(...).get_slice(name)[lo:hi]``), closing the
      file after each parameter (:class:`_OneFile`), so no rank ever holds the full model
      (MoE experts saved one by one: only its experts, see :class:`_Converted`). Without them, the model's own init (``_init_weights``) runs
-     module by module on full-size temporaries on the CPU, seeded, of which each rank keeps
-     its slice: the values do not depend on the world size (DTensor's per-shard RNG, which
-     would avoid the temporaries, exists on CUDA only). Buffers the files do not hold (RoPE
+     module by module through ``simplesharded/init.py``: block by block on full-size
+     temporaries on the mesh's device, seeded, of which each rank keeps its slice, so the
+     values do not depend on the world size. Buffers the files do not hold (RoPE
      frequencies) are computed by ``_init_weights`` too, as transformers' own loading does.
 
 Blocks (buckets, ``reshard="auto"``, activation checkpointing) are found by
@@ -242,17 +242,6 @@ def safetensors_files(path: str) -> dict[str, str]:
     return out
 
 
-def _local_box(t: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
-    """``t``'s local tensor and, for a DTensor, which region of the global tensor it holds."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    if not isinstance(t, DTensor):
-        return t, tuple(slice(0, s) for s in t.shape)
-    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    return t.to_local(), tuple(slice(o, o + s) for o, s in zip(offset, shape))
-
-
 def _aliases(model: nn.Module) -> dict[int, list[str]]:
     """id(parameter) → every FQN it has (tied parameters have several)."""
     out: dict[int, list[str]] = {}
@@ -391,6 +380,8 @@ def _load(model: nn.Module, where: dict[str, str]) -> None:
     plus the slice it is reading."""
     from safetensors import safe_open
 
+    from simplesharded.init import local_box
+
     aliases, path = _aliases(model), model.args.path
     persistent = dict(model.state_dict(keep_vars=True))
     converted = None
@@ -423,7 +414,7 @@ def _load(model: nn.Module, where: dict[str, str]) -> None:
                 raise ValueError(f"model.path={path!r}: tensor {name!r} has shape {shape} in "
                                  f"the safetensors files but the model's {fqn!r} has "
                                  f"{tuple(p.shape)} (config.json and weights disagree)")
-            local, box = _local_box(p.data)
+            local, box = local_box(p.data)
             if local.numel() == 0:
                 continue  # an uneven split can leave a rank nothing of a small tensor
             # Only this rank's region is read: rows lo:hi of a dim-0 shard.
@@ -431,7 +422,7 @@ def _load(model: nn.Module, where: dict[str, str]) -> None:
             del sl  # it holds the file's mapping too
             handle.release()
         for name, fqn, p in merged:
-            local, box = _local_box(p.data)
+            local, box = local_box(p.data)
             if not local.numel():
                 continue
             try:
@@ -449,55 +440,18 @@ def _load(model: nn.Module, where: dict[str, str]) -> None:
             handle.release()
 
 
-@contextlib.contextmanager
-def _full_temporaries(module: nn.Module, in_block: dict[int, str | None],
-                      block: str | None):
-    """Give ``module`` and those of its descendants in the same block (all of them for a
-    module inside a block; the ones outside every block otherwise) full-size CPU tensors in
-    place of their shards while ``_init_weights`` runs on it; yields (shard, temporary)
-    pairs. Bounded memory: at most one block's or the non-block parameters at once."""
-    swapped: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
-    for sub in module.modules():
-        if sub is not module and in_block.get(id(sub)) != block:
-            continue
-        for name, p in list(sub._parameters.items()):
-            if p is None:
-                continue
-            local, _ = _local_box(p.data)
-            tmp = torch.empty(p.shape, dtype=local.dtype, device="cpu")
-            swapped.append((sub, name, p, tmp))
-            sub._parameters[name] = tmp
-    try:
-        yield [(p, tmp, tmp._version) for _, _, p, tmp in swapped]
-    finally:
-        for sub, name, p, _ in swapped:
-            sub._parameters[name] = p
-
-
 def _init_modules(model: nn.Module, seed: int, buffers_only: bool) -> None:
-    """Run the model's ``_init_weights`` on every module in transformers' order, each on
-    full-size CPU temporaries of which each rank keeps its slice (a parameter is written back
-    only if the init wrote it: a module's init may touch a child's parameter, as GPT-2's
-    re-scales ``c_proj``). ``buffers_only``: only modules holding buffers (RoPE frequencies,
-    non-persistent, hence in no file) are initialised, and no parameter is written back."""
-    from simplesharded.blocks import block_of
+    """The model's ``_init_weights`` on every module in transformers' order (each by the
+    PreTrainedModel it belongs to), through :func:`simplesharded.init.init_sharded`: on
+    full-size temporaries, seeded, each rank keeping its region. ``buffers_only``: only the
+    modules holding buffers (RoPE frequencies: non-persistent, hence in no file)."""
+    from simplesharded.init import init_sharded
 
-    block = block_of(model)  # module FQN → its block's FQN
-    in_block = {id(m): block.get(fqn) for fqn, m in model.named_modules()}
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        for module, owner in _post_order(model, model):
-            if buffers_only and not any(True for _ in module.buffers(recurse=False)):
-                continue
-            with _full_temporaries(module, in_block, in_block.get(id(module))) as pairs:
-                owner._init_weights(module)
-                if buffers_only:
-                    continue
-                for p, tmp, version in pairs:
-                    if tmp._version == version:
-                        continue  # not written by this module's init
-                    local, box = _local_box(p.data)
-                    local.copy_(tmp[box])
+    order = [(m, owner) for m, owner in _post_order(model, model)
+             if not buffers_only or next(m.buffers(recurse=False), None) is not None]
+    owner_of = {id(m): owner for m, owner in order}
+    init_sharded(model, lambda m: owner_of[id(m)]._init_weights(m), seed,
+                 modules=[m for m, _ in order])
 
 
 def hf_tokenizer_path(path: str) -> str:

@@ -3,8 +3,8 @@
 Two rules keep this model shardable by simplesharded.data_parallel:
 - forward reads every parameter by attribute access on its own module at use time
   (the frontend intercepts that read and all-gathers the shard);
-- init_weights only writes parameters in place with torch.nn.init (under sharding they
-  are DTensor shards, so replacing them would break the sharding).
+- init_weights writes parameters in place with torch.nn.init; a sharded model runs it
+  through simplesharded.init.init_sharded, on full-size temporaries one block at a time.
 """
 
 from __future__ import annotations

@@ -19,6 +19,10 @@ Checks (``--checks``, default all), each printed as PASS / FAIL / SKIP with its 
   parity_gloo2  the parity check on 2 processes with gloo on device tensors (both on device
                 0), real collectives through our passes; SKIP, with the reason, when gloo cannot
                 run the functional all-gather DTensor issues on that device.
+  init          ``init_sharded`` (simplesharded/init.py) on device shards: 2 gloo ranks on the
+                device (llama3 fully sharded, at tp 2, and the deepseek_v3 MoE at ep 2) give
+                the full parameters of 1 rank bit for bit, 1 rank those of the plain model
+                given the same call, and ``device="cpu"`` the CPU's values.
   bench         ``python -m simplesharded.bench --device <dev>`` with the compute floors.
   calibrate     ``python -m simplesharded.calibrate --force``: the numbers the default
                 backends plan with.
@@ -46,7 +50,7 @@ for _path in (ROOT, os.path.join(ROOT, "tests")):  # the checkout, uninstalled; 
 
 BACKENDS = ("eager", "aot_eager", "aot_eager_blockbucketing", "aot_eager_autobucketing",
             "inductor", "inductor_blockbucketing", "inductor_autobucketing")
-CHECKS = ("parity", "fake8", "parity_gloo2", "bench", "calibrate")
+CHECKS = ("parity", "fake8", "parity_gloo2", "init", "bench", "calibrate")
 STEPS = 3
 MODEL = dict(name="llama3", flavor="debug", n_layers=2)
 BATCH_PER_RANK, SEQ = 2, 64
@@ -347,6 +351,122 @@ def _torch_before(major: int, minor: int) -> bool:
     return tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (major, minor)
 
 
+# ------------------------------------------------------------------------------------ init
+# (model, tp, ep) of the init check at 2 ranks; each is compared with the model at 1 rank
+INIT_CASES = (("llama3", 1, 1), ("llama3", 2, 1), ("deepseek_v3", 1, 2))
+INIT_SEED = 7
+
+
+def _init_cases() -> tuple:
+    """INIT_CASES this torch can build: before 2.13 DeviceMesh._unflatten refuses the ep
+    mesh (simplesharded/mesh.py), so the MoE runs without ep there."""
+    if not _torch_before(2, 13):
+        return INIT_CASES
+    return tuple((n, tp, 1) for n, tp, _ in INIT_CASES)
+
+
+def _regions(model) -> dict:
+    """fqn → (this rank's region of the parameter or buffer, on the CPU; its box)."""
+    from simplesharded.init import local_box
+
+    out = {}
+    for fqn, t in [*model.named_parameters(), *model.named_buffers()]:
+        local, box = local_box(t.detach())
+        out[fqn] = (local.cpu().clone(), box, tuple(t.shape))
+    return out
+
+
+def _init_job(rank: int, world: int, device: str) -> dict:
+    """Every case of ``world`` ranks initialised on ``device`` shards, as regions; at 1 rank
+    also the plain model on ``device`` and the shards drawn with ``device="cpu"``."""
+    import simplesharded as ss
+    from simplesharded.models import build_model
+    from simplesharded.train import apply_expert_parallel, apply_tensor_parallel
+
+    if device != "cpu":
+        torch.accelerator.set_device_index(0)  # one device: both ranks share it
+    out = {}
+    cases = _init_cases() if world > 1 else dict.fromkeys((n, 1, 1) for n, _, _ in INIT_CASES)
+    for name, tp, ep in cases:
+        for draw in ((None, "cpu") if world == 1 else (None,)):
+            mesh = ss.build_mesh(1, world // tp, device, tp=tp, ep=ep)
+            model = build_model(name, "debug", device="meta")
+            apply_tensor_parallel(model, mesh, sequence_parallel=True)
+            apply_expert_parallel(model, mesh)
+            ss.data_parallel(model, mesh, "fully_shard")
+            ss.init_sharded(model, seed=INIT_SEED, device=draw)
+            out[name, tp, ep, draw] = _regions(model)
+    # what the trainer did before init_sharded on a GPU: the model's init on the shards
+    mesh = ss.build_mesh(1, world, device)
+    model = ss.data_parallel(build_model("llama3", "debug", device="meta"), mesh)
+    torch.manual_seed(INIT_SEED)
+    with ss.disable_gather(model):
+        model.init_weights()
+    out["on shards"] = _regions(model)
+    # Nothing above communicates: without it rank 0 could finish first and take the store
+    # (which it hosts) down while the other rank still creates a mesh group.
+    torch.distributed.barrier()
+    if world == 1:
+        for name in dict.fromkeys(n for n, _, _ in INIT_CASES):
+            plain = build_model(name, "debug", device=device)
+            ss.init_sharded(plain, seed=INIT_SEED)
+            out[name, "plain"] = _regions(plain)
+    return out
+
+
+def _assemble(ranks: list[dict], key) -> dict:
+    """The full tensors of ``key``'s case from every rank's regions."""
+    full = {}
+    for regions in ranks:
+        for fqn, (local, box, shape) in regions[key].items():
+            t = full.setdefault(fqn, torch.zeros(shape, dtype=local.dtype))
+            t[box] = local
+    return full
+
+
+def _differ(got: dict, want: dict) -> list[str]:
+    return [k for k in want if k not in got or not torch.equal(got[k], want[k])]
+
+
+def check_init(device: str, backends) -> list[tuple[str, str, str]]:
+    from dist_utils import spawn
+
+    import simplesharded as ss
+    from simplesharded.models import build_model
+
+    one = spawn(1, _init_job, device, timeout_s=600)
+    two = spawn(2, _init_job, device, timeout_s=600)
+    rows = []
+    if _init_cases() != INIT_CASES:
+        rows.append(("SKIP", "init ep=2", f"torch {torch.__version__} cannot build the ep mesh"))
+    # the old way (the model's init on the shards) for comparison, in the first row
+    old = len(_differ(_assemble(two, "on shards"), _assemble(one, "on shards")))
+    for name, tp, ep in _init_cases():
+        want = _assemble(one, (name, 1, 1, None))
+        bad = _differ(_assemble(two, (name, tp, ep, None)), want)
+        note = f" (init_weights on the shards instead: {old} differ)" if old is not None else ""
+        old = None
+        rows.append(("FAIL" if bad else "PASS", f"init[2 ranks on {device}] {name} tp={tp} "
+                     f"ep={ep}", f"{len(want) - len(bad)} of {len(want)} tensors equal 1 "
+                     f"rank's bit for bit" + (f"; differ: {bad[:4]}" if bad else "") + note))
+    for name in dict.fromkeys(n for n, _, _ in INIT_CASES):
+        sharded = _assemble(one, (name, 1, 1, None))
+        bad = _differ(sharded, _assemble(one, (name, "plain")))
+        rows.append(("FAIL" if bad else "PASS", f"init[1 rank on {device}] {name} vs plain",
+                     f"{len(sharded) - len(bad)} of {len(sharded)} tensors equal"
+                     + (f"; differ: {bad[:4]}" if bad else "")))
+        cpu = build_model(name, "debug", device="cpu")
+        ss.init_sharded(cpu, seed=INIT_SEED)
+        want = {k: t.detach() for k, t in [*cpu.named_parameters(), *cpu.named_buffers()]}
+        bad = _differ(_assemble(one, (name, 1, 1, "cpu")), want)
+        on_device = len(_differ(sharded, want))
+        rows.append(("FAIL" if bad else "PASS", f"init[device='cpu' on {device}] {name}",
+                     f"{len(want) - len(bad)} of {len(want)} tensors equal the CPU's"
+                     + (f"; differ: {bad[:4]}" if bad else "")
+                     + f" (drawn on {device}: {on_device} differ from the CPU's)"))
+    return rows
+
+
 # ------------------------------------------------------------------------- bench, calibrate
 def _subprocess(cmd: list[str], timeout_s: int) -> tuple[int, str]:
     try:
@@ -377,7 +497,7 @@ def check_calibrate(device: str, backends) -> list[tuple[str, str, str]]:
 
 
 RUNS = {"parity": check_parity, "fake8": check_fake8, "parity_gloo2": check_parity_gloo2,
-        "bench": check_bench, "calibrate": check_calibrate}
+        "init": check_init, "bench": check_bench, "calibrate": check_calibrate}
 
 
 # -------------------------------------------------------------------------------- driver

@@ -12,6 +12,7 @@ if (not _os.path.isdir(_os.path.join(__path__[0], "passes"))
 
 from simplesharded.backends import BACKENDS, make_backend  # noqa: E402
 from simplesharded.grad_sync import no_gradient_sync, set_requires_gradient_sync  # noqa: E402
+from simplesharded.init import init_sharded  # noqa: E402
 from simplesharded.mesh import (build_mesh, init_distributed, init_mesh,  # noqa: E402
                                 resolve_degrees)
 from simplesharded.sharding import (MixedPrecisionPolicy, data_parallel,  # noqa: E402
@@ -19,4 +20,4 @@ from simplesharded.sharding import (MixedPrecisionPolicy, data_parallel,  # noqa
 
 __all__ = ["BACKENDS", "make_backend", "build_mesh", "init_distributed", "init_mesh",
            "resolve_degrees", "MixedPrecisionPolicy", "data_parallel", "disable_gather",
-           "no_gradient_sync", "set_requires_gradient_sync"]
+           "init_sharded", "no_gradient_sync", "set_requires_gradient_sync"]

@@ -51,6 +51,12 @@ def block_of(model: nn.Module, blocks: Sequence[BlockSpec] | None = None) -> dic
     return out
 
 
+def _cls(m: nn.Module) -> type:
+    """``m``'s own class: data_parallel gives each module holding parameters a subclass of
+    its own, which must not change the answer once a model is wrapped."""
+    return getattr(m, "_ss_original_class", type(m))
+
+
 def _has_params(m: nn.Module) -> bool:
     return next(m.parameters(), None) is not None
 
@@ -62,8 +68,8 @@ def _composite(m: nn.Module) -> bool:
 def _members(m: nn.Module, containers_only: bool) -> list[str]:
     """Names of ``m``'s children that are blocks when ``m`` is a stack, else []."""
     kids = [(n, c) for n, c in m.named_children() if _has_params(c)]
-    counts = Counter(type(c) for _, c in kids)
-    repeated = [n for n, c in kids if counts[type(c)] >= 2]
+    counts = Counter(_cls(c) for _, c in kids)
+    repeated = [n for n, c in kids if counts[_cls(c)] >= 2]
     if isinstance(m, _CONTAINERS):
         if kids and (repeated or all(_composite(c) for _, c in kids)):
             return [n for n, _ in kids]
@@ -72,7 +78,7 @@ def _members(m: nn.Module, containers_only: bool) -> list[str]:
         return repeated
     if containers_only:
         return []
-    return [n for n, c in kids if counts[type(c)] >= 2 and _composite(c)]
+    return [n for n, c in kids if counts[_cls(c)] >= 2 and _composite(c)]
 
 
 def _detect(m: nn.Module, prefix: str, containers_only: bool) -> Iterable[tuple[str, nn.Module]]:
@@ -86,7 +92,7 @@ def _detect(m: nn.Module, prefix: str, containers_only: bool) -> Iterable[tuple[
 
 
 def _named(model: nn.Module, specs: list[BlockSpec]) -> list[tuple[str, nn.Module]]:
-    names = {type(m).__name__ for m in model.modules()}
+    names = {_cls(m).__name__ for m in model.modules()}
     for spec in specs:
         if not isinstance(spec, (type, str)):
             raise ValueError(f"blocks entry {spec!r} is not a module class, class name or FQN "
@@ -96,7 +102,7 @@ def _named(model: nn.Module, specs: list[BlockSpec]) -> list[tuple[str, nn.Modul
         if isinstance(spec, type):
             return isinstance(module, spec)
         if spec in names:
-            return type(module).__name__ == spec
+            return _cls(module).__name__ == spec
         return re.fullmatch(spec, fqn) is not None
 
     out, hit = [], set()

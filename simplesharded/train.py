@@ -32,8 +32,9 @@ from simplesharded.metrics import (MetricsLogger, format_record, memory_stats, p
                                    reset_peak_memory, throughput)
 from simplesharded.models import build_model, get_model_spec, hf_source
 from simplesharded.blocks import find_blocks
+from simplesharded.init import init_sharded
 from simplesharded.passes.annotations import AC_KEY
-from simplesharded.sharding import MixedPrecisionPolicy, data_parallel, disable_gather
+from simplesharded.sharding import MixedPrecisionPolicy, data_parallel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EXIT_CONFIG, EXIT_NONFINITE = 2, 3
@@ -352,23 +353,16 @@ class Trainer:
         if self.data.tokenizer.vocab_size > model.args.vocab_size:
             raise ValueError(f"model.tokenizer_path: vocabulary {self.data.tokenizer.vocab_size} "
                              f"does not fit the model's vocab_size {model.args.vocab_size}")
-        # DTensor's offset-based RNG (distinct, world-size independent values per shard) is
-        # CUDA-only; on CPU every shard would draw the same numbers. There the model is
-        # initialised in full on each rank (same seed ⇒ same values) and then sharded.
-        # An hf model is never whole on a rank: each fills its own shards (hf_source).
-        init_full = device == "cpu" and not hf
-        if init_full:
-            model.to_empty(device=device)
-            model.init_weights(buffer_device=torch.device(device))
         self.step_fn = parallelize(model, self.mesh, cfg, observer=observer)
         if hf:
             how = hf_source.materialize(model, cfg.job.seed)
             tok = cfg.model.tokenizer_path or "built-in bytes"
             self._print(f"[simplesharded] model.path={cfg.model.path!r}: weights {how}, "
                         f"tokenizer {tok}")
-        elif not init_full:
-            with disable_gather(model):
-                model.init_weights(buffer_device=torch.device(device))
+        else:
+            # Each rank fills only its shards, on the mesh's device, with its slice of the
+            # same full values at any world size and tp / ep degree (simplesharded/init.py).
+            init_sharded(model, seed=cfg.job.seed)
         self.model = model
         self.params = [q for q in model.parameters() if q.requires_grad]
         self.optimizer = build_optimizer(cfg, self.params)

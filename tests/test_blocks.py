@@ -115,6 +115,23 @@ def test_user_named_blocks():
         find_blocks(model, [3])
 
 
+def test_same_blocks_once_wrapped():
+    """data_parallel gives every module holding parameters a class of its own: the blocks
+    found afterwards (init_sharded asks then) are the ones found before, by class or name."""
+    from pass_utils import fake_world
+
+    import simplesharded as ss
+
+    model = nn.Sequential(nn.Linear(4, 4), Layer(), Layer(), nn.Linear(4, 4))
+    before = fqns(model)
+    with fake_world(2) as mesh:
+        ss.data_parallel(model, mesh)
+        assert fqns(model) == before == ["0", "1", "2", "3"]
+        assert fqns(model, ["Linear"]) == ["0", "1.attn.q", "1.attn.k", "1.attn.v", "1.attn.o",
+                                           "1.mlp.up", "1.mlp.down", "2.attn.q", "2.attn.k",
+                                           "2.attn.v", "2.attn.o", "2.mlp.up", "2.mlp.down", "3"]
+
+
 # ------------------------------------------------------------------- graphs (fake process group)
 
 
