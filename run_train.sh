@@ -11,16 +11,16 @@ source scripts/bootstrap.sh
 CONFIG_FILE="${CONFIG_FILE:-configs/llama3_debug.toml}"
 for arg in "$@"; do  # help once from this process, not from every rank
     if [ "$arg" = "-h" ] || [ "$arg" = "--help" ]; then
-        exec "$PY" -m simplesharded.train "$@"
+        exec "$PY" -m simplesharded.trainer "$@"
     fi
 done
 if [ -n "${NGPU:-}" ] && ! [[ "$NGPU" =~ ^[1-9][0-9]*$ ]]; then
     echo "error: NGPU='$NGPU' must be a positive integer" >&2
     exit 2
 fi
-# NGPU's default, the device and the ranks' environment for it (simplesharded/launch_env.py;
+# NGPU's default, the device and the ranks' environment for it (simplesharded/shims/launch_env.py;
 # a variable already set wins).
-eval "$("$PY" -m simplesharded.launch_env)"
+eval "$("$PY" -m simplesharded.shims.launch_env)"
 NNODES="${NNODES:-1}"
 if ! [[ "$NNODES" =~ ^[1-9][0-9]*$ ]]; then
     echo "error: NNODES='$NNODES' must be a positive integer" >&2
@@ -29,7 +29,7 @@ fi
 # Preflight: a config or degree error is one line and exit 2 here, before torchrun starts any
 # rank (each rank would print it again, then torchrun its ChildFailedError traceback). The
 # ranks repeat these checks for direct torchrun users.
-WORLD_SIZE=$((NGPU * NNODES)) "$PY" -m simplesharded.train --check-only \
+WORLD_SIZE=$((NGPU * NNODES)) "$PY" -m simplesharded.trainer --check-only \
     --job.config_file "$CONFIG_FILE" "$@" || exit
 if [ "$NNODES" -eq 1 ] && [ -z "${MASTER_ADDR:-}" ]; then
     rdzv=(--standalone)
@@ -39,4 +39,4 @@ else
           --master_port="${MASTER_PORT:-29500}")
 fi
 exec "$PY" -m torch.distributed.run "${rdzv[@]}" --nproc_per_node="$NGPU" ${TORCHRUN_ARGS:-} \
-    -m simplesharded.train --job.config_file "$CONFIG_FILE" "$@"
+    -m simplesharded.trainer --job.config_file "$CONFIG_FILE" "$@"

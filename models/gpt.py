@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from simplesharded.loss import lm_loss
+from simplesharded.models.loss import lm_loss
 
 
 @dataclass

@@ -40,7 +40,7 @@ FLAVORS: dict[str, HFLlamaArgs] = {
 
 def llama_config(args: Llama3Args):
     """transformers' ``LlamaConfig`` with ``args``' shapes: the model hf_llama builds, and the
-    config a llama3 checkpoint is exported with (simplesharded/export.py)."""
+    config a llama3 checkpoint is exported with (simplesharded/trainer/export.py)."""
     try:
         from transformers import LlamaConfig
     except ImportError:

@@ -8,7 +8,7 @@ id instead of a directory is a one-line error.
 Life of such a model in the trainer:
   1. :func:`build_hf_model`: ``AutoModelForCausalLM.from_config`` on the meta device (no
      memory), with the trainer's protocol added (:class:`_Trainable`: a forward that returns
-     the summed cross-entropy computed by ``simplesharded/loss.py``, ``num_flops_per_token``).
+     the summed cross-entropy computed by ``models/loss.py``, ``num_flops_per_token``).
   2. ``data_parallel`` shards it: uninitialised shards, dim 0 split over the dp ranks.
   3. :func:`materialize`: each rank fills its own shards. With safetensors files, it reads
      only its rows of each tensor (``safe_open(...).get_slice(name)[lo:hi]``), closing the
@@ -35,7 +35,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from simplesharded.loss import lm_loss
+from simplesharded.models.loss import lm_loss
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"

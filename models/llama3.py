@@ -19,7 +19,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
                                                RowwiseParallel, SequenceParallel)
 
-from simplesharded.loss import lm_loss
+from simplesharded.models.loss import lm_loss
 
 
 @dataclass
@@ -252,7 +252,7 @@ class Llama3(nn.Module):
         """tokens [B, S] (int64) -> logits [B, S, vocab_size] in the parameters' dtype; with
         ``labels`` [B, S]: their summed cross-entropy instead (fp32 scalar), computed in
         ``loss_chunks`` chunks of tokens so the full logits never exist at once (0 = auto,
-        1 = unchunked; simplesharded/loss.py)."""
+        1 = unchunked; models/loss.py)."""
         S = tokens.shape[1]
         if S > self.args.max_seq_len:
             raise ValueError(f"sequence length {S} exceeds max_seq_len={self.args.max_seq_len}")

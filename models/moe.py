@@ -52,7 +52,7 @@ static padded exchange (every rank sends every peer a slot of T*min(k, E/ep) row
 peer can be sent at most, so all shapes are static), moves ep*min(k, E/ep)/k times the bytes
 routing asks for in each of the four token all-to-alls of a layer's step, and holds that much
 memory for the slots: 8x on the 16B flavor at ep 8 (k 6, 8 experts per rank), 11x at ep 64.
-``python -m simplesharded.plan --config configs/deepseek_v3_16b.toml --world-size 64`` counts
+``python -m simplesharded.tools.forecast --config configs/deepseek_v3_16b.toml --world-size 64`` counts
 9.2 GB of all-to-all per rank and step at ep 8; padded, 73 GB, on the link every MoE layer
 waits for. The unbacked form costs one host read of 2*ep integers per layer (a device-to-host
 sync on GPU, which torchtitan's dispatch makes too; on CPU nothing: gloo's variable all-to-all
@@ -478,7 +478,7 @@ class ExpertParallel(ParallelStyle):
 
 def ep_compile_config():
     """The dynamo setting a compiled expert-parallel model runs under (module doc): enter it
-    around each call of the compiled model (the trainer does, simplesharded/train.py)."""
+    around each call of the compiled model (the trainer does, simplesharded/trainer/recipe.py)."""
     return torch._dynamo.config.patch(capture_scalar_outputs=True)
 
 

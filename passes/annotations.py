@@ -8,7 +8,7 @@ Written by data_parallel (simplesharded/sharding.py) on every op that gathers a 
                      bucket and move only on one of these (TP's collectives stay where they are)
   BLOCK_KEY          FQN of its block (simplesharded/blocks.py); absent outside blocks
   RESHARD_KEY        its reshard_after_forward: True, False or "auto" (passes/recompute.py)
-Written by activation checkpointing under compile (simplesharded/train.py):
+Written by activation checkpointing under compile (simplesharded/trainer/recipe.py):
   AC_KEY             index of the checkpointed block a forward op belongs to
 Written by the MoE layer (models/moe.py):
   ROUTING_KEY        on the ops that decide where tokens go (the top-k choice, and under

@@ -12,13 +12,13 @@ gathered parameter), and flattens the inputs on its own worker thread instead of
 
 Same bytes on the wire, one full copy of the bucket less, and the concatenation moves off
 the compute thread: measured for one llama3-small block on 2 gloo ranks, see
-``python -m simplesharded.bench_collectives``. Values are copies, so outputs are bitwise
+``python -m simplesharded.tools.bench_collectives``. Values are copies, so outputs are bitwise
 unchanged. Runs last (after reordering): the new collective is issued where the old one was and
 waited where the old one was waited.
 
 No transport is rewritten by default (``COALESCED_BACKENDS`` is empty), gloo included: torch's
 gloo process group corrupts the heap under its coalesced gather when two finish at once
-(simplesharded/gloo_gather.py says how; benchmarks/RESULTS.md, Session 12). On gloo every
+(simplesharded/shims/gloo_gather.py says how; benchmarks/RESULTS.md, Session 12). On gloo every
 bucket is gathered with the plain all-gather instead (gloo_gather's kernel). NCCL gathers a
 flat buffer faster than a group of per-parameter gathers anyway, and its copy-out runs on the
 GPU. ``transports=("gloo",)`` (or None) still applies the rewrite where asked.

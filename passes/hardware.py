@@ -1,6 +1,6 @@
 """Hardware profiles for the cost model: per-rank compute, memory and link numbers
 (``Hardware``, ``HARDWARE``, ``get_hardware``). Hand-written profiles for the planner, and
-calibration files that ``python -m simplesharded.calibrate`` measures (simplesharded/calibrate.py,
+calibration files that ``python -m simplesharded.tools.calibrate`` measures (simplesharded/calibration.py,
 which the default backends use).
 """
 from __future__ import annotations
@@ -52,7 +52,7 @@ HARDWARE: dict[str, Hardware] = {
     # for 8-32 MiB tensors, 14 GB/s at 256 MiB; we take 2e10.
     # Collectives: ~0.5 ms per gloo collective and loopback <= ~1 GB/s measured early on;
     # A 2-rank gloo calibration gave alpha 0.25-0.4 ms and 0.6-1.2 GB/s.
-    # Fitted to python -m simplesharded.bench (llama3 small, 2 ranks on 2 cores): gloo's
+    # Fitted to python -m simplesharded.tools.bench (llama3 small, 2 ranks on 2 cores): gloo's
     # transfer threads share the cores with compute (about half a transfer overlaps), each
     # collective costs
     # ~1 ms of dispatch/wake-up on the compute thread, and large copies run at ~5 GB/s while
@@ -80,7 +80,7 @@ HARDWARE: dict[str, Hardware] = {
 
 def get_hardware(name: str) -> Hardware:
     """A profile by name, or the profile a calibration file holds (``*.json``, written by
-    ``python -m simplesharded.calibrate``: its ``"hardware"`` entry has Hardware's fields)."""
+    ``python -m simplesharded.tools.calibrate``: its ``"hardware"`` entry has Hardware's fields)."""
     if name.endswith(".json"):
         try:
             return Hardware(**json.loads(Path(name).read_text())["hardware"])

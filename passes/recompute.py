@@ -46,7 +46,7 @@ def tag_gathers_for_recompute(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     """Tag the joint graph ``gm`` in place and return it.
 
     Also: forward nodes annotated ``ss_ac`` (blocks under activation checkpointing, see
-    simplesharded/train.py) are PREFER_RECOMPUTE with one region id per block — our own
+    simplesharded/trainer/recipe.py) are PREFER_RECOMPUTE with one region id per block — our own
     activation checkpointing, which composes with the parameter gathers inside the block.
     Guarantees: only forward nodes annotated with ``ss_param`` are tagged; with
     ``ss_reshard=True`` every such node is MUST_RECOMPUTE (so no gathered tensor is saved for

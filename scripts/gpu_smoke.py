@@ -8,7 +8,7 @@ Checks (``--checks``, default all), each printed as PASS / FAIL / SKIP with its 
                 small llama3; losses and final shards must match the uncompiled run (relative
                 TOL: inductor's kernels reassociate fp32 sums). At one rank DTensor issues no
                 collective: this checks compile, kernels and NCCL's start-up.
-  fake8         (``--cases``) the trainer itself (simplesharded.train.Trainer: meta-device init, TP, EP,
+  fake8         (``--cases``) the trainer itself (simplesharded.trainer.Trainer: meta-device init, TP, EP,
                 activation checkpointing, data_parallel, our backends) on a fake process group
                 of 8 ranks on this one device: collectives do nothing, but the bucketed and
                 reordered graphs are lowered (by inductor: Triton and CUDA streams on a GPU)
@@ -23,8 +23,8 @@ Checks (``--checks``, default all), each printed as PASS / FAIL / SKIP with its 
                 device (llama3 fully sharded, at tp 2, and the deepseek_v3 MoE at ep 2) give
                 the full parameters of 1 rank bit for bit, 1 rank those of the plain model
                 given the same call, and ``device="cpu"`` the CPU's values.
-  bench         ``python -m simplesharded.bench --device <dev>`` with the compute floors.
-  calibrate     ``python -m simplesharded.calibrate --force``: the numbers the default
+  bench         ``python -m simplesharded.tools.bench --device <dev>`` with the compute floors.
+  calibrate     ``python -m simplesharded.tools.calibrate --force``: the numbers the default
                 backends plan with.
 
 Every check runs in a process of its own (a crash or a hang is that check's FAIL, the others
@@ -218,8 +218,8 @@ def check_parity_gloo2(device: str, backends) -> list[tuple[str, str, str]]:
 
 # ----------------------------------------------------------------------------------- fake8
 def _fake_cfg(config: str, overrides: list[str], device: str):
-    from simplesharded.config import load_config
-    from simplesharded.train import check_static
+    from simplesharded.trainer.config import load_config
+    from simplesharded.trainer import check_static
 
     cfg = load_config(None, ["--job.config_file", os.path.join(ROOT, config), "--compile.enable",
                              "--compile.hardware", "h100-ib400", "--training.steps", "2",
@@ -235,7 +235,7 @@ def _predicted_peaks(device: str, cases) -> dict[str, int]:
     """{case: the planner's per-rank peak bytes} for each case's config and plan. Runs before
     this process touches the device or a process group: the planner traces in forked
     children, each with a fake group of its own."""
-    from simplesharded.plan import predicted_peak_bytes
+    from simplesharded.tools.forecast import predicted_peak_bytes
 
     out = {}
     for name, config, overrides in cases:
@@ -250,10 +250,10 @@ def _fake_case(name: str, config: str, overrides: list[str], device: str,
     from inductor_code import code_order, format_order, graph_order
     from torch._inductor.utils import run_and_get_code
 
-    from simplesharded.dry_run import fake_world
+    from simplesharded.tools.cluster_trace import fake_world
     from simplesharded.passes.collectives import count_collectives
     from simplesharded.passes.pipeline import LAST_STAGE
-    from simplesharded.train import Trainer
+    from simplesharded.trainer import Trainer
 
     cfg = _fake_cfg(config, overrides, device)
     inductor = cfg.compile.backend.startswith("inductor")
@@ -381,7 +381,7 @@ def _init_job(rank: int, world: int, device: str) -> dict:
     also the plain model on ``device`` and the shards drawn with ``device="cpu"``."""
     import simplesharded as ss
     from simplesharded.models import build_model
-    from simplesharded.train import apply_expert_parallel, apply_tensor_parallel
+    from simplesharded.trainer import apply_expert_parallel, apply_tensor_parallel
 
     if device != "cpu":
         torch.accelerator.set_device_index(0)  # one device: both ranks share it
@@ -477,7 +477,7 @@ def _subprocess(cmd: list[str], timeout_s: int) -> tuple[int, str]:
 
 
 def check_bench(device: str, backends) -> list[tuple[str, str, str]]:
-    cmd = [sys.executable, "-m", "simplesharded.bench", "--device", device,
+    cmd = [sys.executable, "-m", "simplesharded.tools.bench", "--device", device,
            "--model", MODEL["name"], "--flavor", MODEL["flavor"], "--seq-len", "128",
            "--variants", "compute_floor", "compute_floor_inductor",
            "--warmup", "2", "--steps", "5", "--reps", "1", "--no-predict-memory"]
@@ -490,9 +490,9 @@ def check_bench(device: str, backends) -> list[tuple[str, str, str]]:
 
 
 def check_calibrate(device: str, backends) -> list[tuple[str, str, str]]:
-    rc, out = _subprocess([sys.executable, "-m", "simplesharded.calibrate", "--force"], 1200)
+    rc, out = _subprocess([sys.executable, "-m", "simplesharded.tools.calibrate", "--force"], 1200)
     print(out[-3000:], flush=True)
-    return [("PASS" if rc == 0 else "FAIL", "calibrate (python -m simplesharded.calibrate)",
+    return [("PASS" if rc == 0 else "FAIL", "calibrate (python -m simplesharded.tools.calibrate)",
              f"exit {rc}" + ("" if rc == 0 else ": " + out[-1500:]))]
 
 

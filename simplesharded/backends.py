@@ -8,7 +8,7 @@ torch config is changed outside the backend's own ``config.patch`` (see passes/p
   {aot_eager,inductor}_autobucketing    cost-model buckets + overlap reordering
   (on gloo both then lower the emulated reduce-scatter to all-to-all + adds, passes/lowering.py;
    gathering each bucket straight into per-parameter outputs, passes/coalesce_gathers.py, is
-   off: gloo's coalesced gather can corrupt the heap, simplesharded/gloo_gather.py)
+   off: gloo's coalesced gather can corrupt the heap, simplesharded/shims/gloo_gather.py)
   {aot_eager,inductor}_upstreambucketing torch's own schedule_overlap_bucketing (baseline only)
 """
 from __future__ import annotations
@@ -44,7 +44,7 @@ class BackendOptions:
     bucket_patterns: tuple[str, ...] = ()  # block plan: regexes whose match names a bucket
     # cost-model numbers of the auto plan and the upstream baseline: "calibrated" (measured
     # at make_backend time by every rank together, or read from the cache:
-    # simplesharded/calibrate.py), a calibration .json file, a profile name of
+    # simplesharded/calibration.py), a calibration .json file, a profile name of
     # passes/hardware.py, or a Hardware
     hardware: object = "calibrated"
     # A ready plan (passes.Plan) instead of the one the backend builds from the options above
@@ -58,9 +58,7 @@ _PLAN_OPTIONS = ("reshard_after_forward", "memory_cap_bytes", "bucket_patterns")
 
 
 def _hardware(opts: BackendOptions):
-    # imported here, not at the top: `python -m simplesharded.calibrate` runs that module as
-    # __main__, and an import from the package's __init__ would load it a second time
-    from simplesharded.calibrate import resolve_hardware
+    from simplesharded.calibration import resolve_hardware  # measures only when asked
 
     return resolve_hardware(opts.hardware)
 

@@ -40,7 +40,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from simplesharded.mesh import (EFSDP_DIM, EP_DIM, NAMED_LAYOUTS, dense_mesh, dim_size,
                                 ep_dim, expert_dp_mesh, mesh_roles)
 from simplesharded.mesh import dp_mesh as _dp_mesh
-from simplesharded import gloo_gather
+from simplesharded.shims import gloo_gather
 from simplesharded.blocks import BlockSpec, block_of
 from simplesharded.grad_sync import _GradSync
 from simplesharded.passes.annotations import BLOCK_KEY, DP_GROUPS_KEY, PARAM_KEY, RESHARD_KEY
@@ -49,7 +49,7 @@ from simplesharded.mesh import tp_dim
 MODES = ("replicate", "fully_shard", "hybrid_shard")
 GRAD_REDUCTIONS = ("sum", "avg")
 RESHARD_CHOICES = (True, False, "auto")
-# Config/CLI spelling of reshard_after_forward (config.py, passes/report.py) → data_parallel's.
+# Config/CLI spelling of reshard_after_forward (config.py, simplesharded/tools/report.py) → data_parallel's.
 RESHARD_BY_NAME = {"always": True, "never": False, "auto": "auto"}
 
 
@@ -561,7 +561,7 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     A model on the meta device gets uninitialised shards on the mesh's device: run its
     init under :func:`disable_gather` (``with disable_gather(model): model.init_weights()``).
     The first call gives torch's functional all-gather a CPU kernel that runs gloo's plain
-    all-gather (simplesharded/gloo_gather.py: torch's own runs a coalesced one that can
+    all-gather (simplesharded/shims/gloo_gather.py: torch's own runs a coalesced one that can
     corrupt the heap), for every CPU gather in the process, compiled or not.
     """
     dense = dense_mesh(mesh)

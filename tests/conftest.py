@@ -1,5 +1,5 @@
 """Session-wide test environment: one calibration cache for every test and every process the
-tests start (simplesharded/calibrate.py measures once per world size, then reads it)."""
+tests start (simplesharded/calibration.py measures once per world size, then reads it)."""
 import os
 import shutil
 import tempfile

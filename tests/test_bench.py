@@ -1,13 +1,13 @@
 """The benchmark CLIs: ratio arithmetic and target verdicts, argument errors, and real (tiny)
-runs of `python -m simplesharded.bench`, `python -m simplesharded.bench_collectives` and
-`python -m simplesharded.bench_passes`."""
+runs of `python -m simplesharded.tools.bench`, `python -m simplesharded.tools.bench_collectives` and
+`python -m simplesharded.tools.bench_passes`."""
 import json
 import re
 import sys
 
 import pytest
 
-from simplesharded import bench, bench_collectives, bench_passes
+from simplesharded.tools import bench, bench_collectives, bench_passes
 
 
 def _run(variant, ms):

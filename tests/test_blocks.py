@@ -137,7 +137,7 @@ def test_same_blocks_once_wrapped():
 
 @pytest.fixture
 def counts():
-    from simplesharded.passes.report import trace_counts
+    from simplesharded.tools.report import trace_counts
     from pass_utils import fake_world
 
     def run(model, backend, **kw):

@@ -202,7 +202,7 @@ def test_aot_eager_bucketing_bitwise():
         assert blk["bw"]["all_to_all"] == blk["bw"]["reduce_scatter"] > 0
         assert ref["graph_counts"]["bw"]["all_to_all"] == 0
         # and no gather is the coalesced one, which can corrupt gloo's heap
-        # (simplesharded/gloo_gather.py; the functional one runs as gloo's plain all-gather)
+        # (simplesharded/shims/gloo_gather.py; the functional one runs as gloo's plain all-gather)
         for kind in ("fw", "bw"):
             assert blk[kind]["all_gather_coalesced"] == 0
         for kind in ("fw", "bw"):

@@ -1,4 +1,4 @@
-"""Self-calibration (simplesharded/calibrate.py): measured numbers, identical on every rank,
+"""Self-calibration (simplesharded/calibration.py): measured numbers, identical on every rank,
 cached per machine and world size, re-measured by all ranks together when any rank lacks the
 entry, and pinnable as a file.
 """
@@ -12,7 +12,7 @@ import torch
 
 from dist_utils import spawn
 
-from simplesharded import calibrate
+from simplesharded import calibration as calibrate
 from simplesharded.passes.hardware import Hardware, get_hardware
 
 

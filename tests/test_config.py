@@ -4,9 +4,9 @@ import os
 
 import pytest
 
-from simplesharded.config import (Config, help_text, load_config, main, parse_cli, resolve,
+from simplesharded.trainer.config import (Config, help_text, load_config, main, parse_cli, resolve,
                                   validate)
-from simplesharded.config import tomllib  # tomli before Python 3.11
+from simplesharded.trainer.config import tomllib  # tomli before Python 3.11
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.toml")))
@@ -179,7 +179,7 @@ def test_loss_chunks_values():
 def test_expert_parallel_degree_checks():
     """parallelism.expert_parallel_degree: >= 1, divides the (resolved) shard degree; the
     model must have routed experts it divides (train.check_static)."""
-    from simplesharded.train import check_static
+    from simplesharded.trainer import check_static
 
     ep = ["--parallelism.expert_parallel_degree"]
     assert Config().parallelism.expert_parallel_degree == 1
@@ -278,7 +278,7 @@ def test_optimizer_implementation_reaches_torch():
     """optimizer.implementation: bad values are named; each choice becomes torch's kwarg."""
     import torch
 
-    from simplesharded.train import build_optimizer
+    from simplesharded.trainer import build_optimizer
 
     with pytest.raises(ValueError, match=r"optimizer.implementation='loop' is not one of"):
         load(None, ["--optimizer.implementation", "loop"])
@@ -292,11 +292,11 @@ def test_optimizer_implementation_reaches_torch():
 
 
 def test_train_check_only(monkeypatch, capsys):
-    """`python -m simplesharded.train --check-only` (run_train.sh's preflight): the trainer's
+    """`python -m simplesharded.trainer --check-only` (run_train.sh's preflight): the trainer's
     static checks for WORLD_SIZE ranks, then exit without touching a process group."""
     import torch.distributed as dist
 
-    from simplesharded.train import main as train_main
+    from simplesharded.trainer import main as train_main
 
     path = os.path.join(ROOT, "configs", "llama3_debug.toml")
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -363,7 +363,7 @@ def test_shipped_config_states_the_gpu_counts_it_fits(path):
     counts the local batch is derived (global / (dp x micro-batches)), so the smallest count
     holds the most per GPU: the planner's memory check (test_shipped_configs_fit.py) checks
     that one."""
-    from simplesharded.train import check_static
+    from simplesharded.trainer import check_static
 
     cfg = load(path)
     counts = cfg.job.gpu_counts

@@ -4,8 +4,8 @@ import os
 import pytest
 import torch
 
-from simplesharded.config import Config
-from simplesharded.data import (ByteTokenizer, DistributedTokenLoader, build_data, files_corpus,
+from simplesharded.trainer.config import Config
+from simplesharded.trainer.data import (ByteTokenizer, DistributedTokenLoader, build_data, files_corpus,
                                 load_corpus, load_tokenizer, stdlib_corpus)
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from simplesharded import mesh as mesh_mod
-from simplesharded.train import make_deterministic
+from simplesharded.trainer import make_deterministic
 
 
 @pytest.fixture

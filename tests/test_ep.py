@@ -144,7 +144,7 @@ def _case(rank, world, rep, tp, ep, n_experts, backend, ac):
     import simplesharded as ss
     from simplesharded.passes.agreement import AGREE_OP
     from simplesharded.passes.collectives import count_by_group, group_label
-    from simplesharded.train import _EPCompiled, apply_activation_checkpointing
+    from simplesharded.trainer.recipe import _EPCompiled, apply_activation_checkpointing
 
     torch._dynamo.reset()
     graphs: dict = {}
@@ -205,8 +205,8 @@ TRAINER_RUNS = {  # name → (steps, arguments); the folder is per test session
 
 
 def _trainer_run(rank, world, folder: str, name: str) -> list[float]:
-    from simplesharded.config import load_config
-    from simplesharded.train import Trainer, check_static
+    from simplesharded.trainer.config import load_config
+    from simplesharded.trainer import Trainer, check_static
 
     torch._dynamo.reset()
     steps, args = TRAINER_RUNS[name]

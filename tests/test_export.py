@@ -1,4 +1,4 @@
-"""`python -m simplesharded.checkpoint export`: a trainer checkpoint to a Hugging Face model
+"""`python -m simplesharded.trainer.export`: a trainer checkpoint to a Hugging Face model
 directory that transformers loads, with the same logits as our model.
 
 Why the logits must agree to 1e-5: the exported Llama computes the same function as our
@@ -44,7 +44,7 @@ def test_llama3_checkpoint_exports_to_transformers_with_equal_logits(tmp_path):
     run_ok(train_cmd(2, *COMMON, "--training.steps", "2", "--checkpoint.enable",
                      "--checkpoint.interval", "2", "--job.dump_folder", str(dump)), tmp_path)
     folder, out = dump / "checkpoint", tmp_path / "hf"
-    r = subprocess.run([PYTHON, "-m", "simplesharded.checkpoint", "export", "--folder",
+    r = subprocess.run([PYTHON, "-m", "simplesharded.trainer.export", "--folder",
                         str(folder), "--to", str(out), "--max-shard-mb", "1"],
                        capture_output=True, text=True, env=ENV, timeout=300)
     assert r.returncode == 0 and "exported step 2" in r.stdout, r
@@ -70,15 +70,15 @@ def test_llama3_checkpoint_exports_to_transformers_with_equal_logits(tmp_path):
 def test_export_bad_input_is_one_line(tmp_path, capsys):
     """A folder without checkpoints and a bad --dtype: one `error:` line each, exit 2 (the
     command's own main, in this process: the real command runs in the test above)."""
-    from simplesharded.checkpoint import main
+    from simplesharded.trainer.export import main
 
-    argv = ["export", "--folder", str(tmp_path), "--to", str(tmp_path / "out")]
+    argv = ["--folder", str(tmp_path), "--to", str(tmp_path / "out")]
     for extra, want in (([], "holds no complete checkpoint"),
                         (["--dtype", "int8"], "--dtype")):
         with pytest.raises(SystemExit) as e:
             main([*argv, *extra])
         err = capsys.readouterr().err.strip().splitlines()
-        assert e.value.code == 2 and err[-1].startswith("python -m simplesharded.checkpoint "
-                                                        "export: error: "), err
+        assert e.value.code == 2 and err[-1].startswith(
+            "python -m simplesharded.trainer.export: error: "), err
         assert want in err[-1] and "Traceback" not in "".join(err), err
     assert "bfloat16" in err[-1], err

@@ -1,4 +1,4 @@
-"""simplesharded/gloo_gather.py: on CPU the functional all-gather runs as gloo's plain
+"""simplesharded/shims/gloo_gather.py: on CPU the functional all-gather runs as gloo's plain
 all-gather (not the coalesced one whose worker threads race on a shared string), in eager
 DTensor code and in compiled graphs, with the same values."""
 import torch
@@ -21,7 +21,7 @@ def gather_job(rank, world):
     from torch.distributed._functional_collectives import all_gather_tensor
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from simplesharded import gloo_gather
+    from simplesharded.shims import gloo_gather
     from simplesharded.mesh import build_mesh
 
     mesh = build_mesh(dp_shard=world, device="cpu")

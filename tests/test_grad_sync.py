@@ -108,8 +108,8 @@ def _toy_case(rank, world, mesh, backend, reduction, mp, tied):
 def _trainer_run(world, accumulation, sync):
     """STEPS steps of the trainer (eager) on llama3 debug: losses and the last step's gloo
     events."""
-    from simplesharded.config import load_config
-    from simplesharded.train import Trainer, check_static
+    from simplesharded.trainer.config import load_config
+    from simplesharded.trainer import Trainer, check_static
 
     args = ["--training.seq_len", "32", "--training.global_batch_size", "8",
             "--training.steps", str(STEPS), "--training.val_every", "0",

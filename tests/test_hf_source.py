@@ -127,8 +127,8 @@ SLICED = ("llama", "qwen2", "mixtral")
 
 
 def _trainer(path: Path, data: Path, dump: Path, world: int, extra: list[str]):
-    from simplesharded.config import load_config
-    from simplesharded.train import Trainer, check_static
+    from simplesharded.trainer.config import load_config
+    from simplesharded.trainer import Trainer, check_static
 
     cfg = check_static(load_config(None, [
         "--job.config_file", str(ROOT / "configs" / "llama3_debug.toml"),
@@ -385,13 +385,13 @@ def test_graph_break_is_one_clear_error_and_flag_compiles_around_it(zoo):
 def test_cli_trains_from_directory(zoo, tmp_path, monkeypatch):
     """The README's command, once: `NGPU=2 ./run_train.sh --model.name hf --model.path DIR
     --compile.enable`, the directory's tokenizer, 8 steps: the loss falls. Its checkpoint
-    exports (simplesharded/export.py) in files of at most 40 KB, one checkpoint read per file
+    exports (simplesharded/trainer/export.py) in files of at most 40 KB, one checkpoint read per file
     and its metadata read once, to a directory transformers loads whose logits on a fixed
     batch equal the checkpointed model's (≤ 1e-5 rel), under the original names."""
     import torch.distributed.checkpoint as dcp
     from transformers import AutoModelForCausalLM
 
-    from simplesharded.export import export
+    from simplesharded.trainer.export import export
     from test_train_e2e import run_train_sh
 
     r = run_many([run_train_sh({"NGPU": "2"}, "--model.name", "hf", "--model.path",
@@ -436,15 +436,15 @@ def test_cli_trains_from_directory(zoo, tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------- errors, FLOPs
 
 def _check(*argv: str):
-    from simplesharded.config import load_config
-    from simplesharded.train import check_static
+    from simplesharded.trainer.config import load_config
+    from simplesharded.trainer import check_static
 
     return check_static(load_config(None, ["--job.config_file", "configs/llama3_debug.toml",
                                            "--training.seq_len", "32", *argv]), 2)
 
 
 def test_hub_id_is_one_clear_line(capsys, monkeypatch):
-    from simplesharded.train import main
+    from simplesharded.trainer import main
 
     monkeypatch.chdir(ROOT)
     code = main(["--check-only", "--job.config_file", "configs/llama3_debug.toml",

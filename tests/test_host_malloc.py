@@ -1,10 +1,10 @@
-"""CPU ranks' caching malloc settings (simplesharded/host_malloc.py): what they change, and that
+"""CPU ranks' caching malloc settings (simplesharded/shims/host_malloc.py): what they change, and that
 a tunable the user set wins (tests/test_launch_env.py: that the launcher sets them)."""
 import os
 import subprocess
 import sys
 
-from simplesharded.host_malloc import CACHING, TUNABLES, caching_env
+from simplesharded.shims.host_malloc import CACHING, TUNABLES, caching_env
 
 # Allocates, writes and frees the same 64 MiB tensor every "step"; prints the minor page
 # faults of the last 5 steps (after 2 warm-up steps).

@@ -31,7 +31,7 @@ def _sharded(name: str, world: int, tp: int, ep: int, **overrides) -> nn.Module:
     data_parallel fully_shard) on a CPU mesh of ``world`` ranks, not yet initialised."""
     import simplesharded as ss
     from simplesharded.models import build_model
-    from simplesharded.train import apply_expert_parallel, apply_tensor_parallel
+    from simplesharded.trainer import apply_expert_parallel, apply_tensor_parallel
 
     mesh = ss.build_mesh(1, world // tp, "cpu", tp=tp, ep=ep)
     model = build_model(name, "debug", device="meta", **overrides)
@@ -79,7 +79,7 @@ def test_same_full_parameters_at_any_world_size_and_layout(world):
 
 @pytest.fixture
 def one_rank():
-    from simplesharded.dry_run import fake_world
+    from simplesharded.tools.cluster_trace import fake_world
 
     with fake_world(1):
         yield

@@ -1,11 +1,11 @@
-"""run_train.sh's rank environment (simplesharded/launch_env.py): what each device's ranks get,
+"""run_train.sh's rank environment (simplesharded/shims/launch_env.py): what each device's ranks get,
 that a variable the user set wins, and the launcher's own output on this (CPU) machine."""
 import os
 import subprocess
 import sys
 
-from simplesharded.host_malloc import TUNABLES, caching_env
-from simplesharded.launch_env import ALLOC_CONF, SHARE_STORE, launch_env
+from simplesharded.shims.host_malloc import TUNABLES, caching_env
+from simplesharded.shims.launch_env import ALLOC_CONF, SHARE_STORE, launch_env
 
 
 def test_cpu_ranks_get_the_caching_malloc_a_core_share_and_their_own_restart_store():
@@ -31,7 +31,7 @@ def test_what_the_user_set_wins():
 def test_launcher_prints_exports_for_this_machine():
     env = {k: v for k, v in os.environ.items()
            if k not in (TUNABLES, "NGPU", "OMP_NUM_THREADS", SHARE_STORE)}
-    out = subprocess.run([sys.executable, "-m", "simplesharded.launch_env"], env=env,
+    out = subprocess.run([sys.executable, "-m", "simplesharded.shims.launch_env"], env=env,
                          capture_output=True, text=True, check=True).stdout
     lines = dict(line.removeprefix("export ").split("=", 1) for line in out.splitlines())
     assert lines["NGPU"] == "2" and lines["LAUNCH_DEVICE"] == "cpu"  # no accelerator here

@@ -1,4 +1,4 @@
-"""The chunked language-model loss (simplesharded/loss.py), single process.
+"""The chunked language-model loss (models/loss.py), single process.
 
 - Chunked equals unchunked: the loss and every gradient, on a hand-built head and on the llama3
   debug model, with token counts the chunk counts do not divide and ignored labels; eager and
@@ -17,7 +17,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from simplesharded.loss import AUTO_CHUNK_LOGITS, IGNORE_INDEX, lm_loss, num_chunks
+from simplesharded.models.loss import AUTO_CHUNK_LOGITS, IGNORE_INDEX, lm_loss, num_chunks
 from simplesharded.models import build_model
 
 

@@ -26,8 +26,8 @@ def test_gathered_bytes_stay_within_the_cap_with_kept_blocks(backend, blocks):
     counting the kept parameters and copy-outs, reordering reached 1.25x this cap here.
     At 2.5 blocks' bytes the block plan's "last block and what follows" no longer fits beside
     one block copied out (2 blocks): only the head is kept."""
-    from simplesharded import dry_run
-    from simplesharded.config import load_config
+    from simplesharded.tools import cluster_trace as dry_run
+    from simplesharded.trainer.config import load_config
     from simplesharded.models import build_model
 
     sizes = {n: p.numel() * 4 for n, p in

@@ -1,4 +1,4 @@
-"""Step metrics (simplesharded/metrics.py, device_peaks.py) on CPU, the GPU paths with a mocked
+"""Step metrics (simplesharded/trainer/metrics.py, device_peaks.py) on CPU, the GPU paths with a mocked
 device: the peak for MFU per GPU model, form factor and dtype; per-device tokens/s; the
 allocator's peaks (allocated first, reserved beside) reset after the first step."""
 import os
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from simplesharded import device_peaks, metrics
+from simplesharded.trainer import device_peaks, metrics
 
 
 @pytest.mark.parametrize("name,dtype,tflops", [
@@ -40,7 +40,7 @@ def test_published_peaks(name, dtype, tflops):
 def test_every_listed_device_has_every_dtype_dense():
     for model, forms in device_peaks.TFLOPS.items():
         for form, table in forms.items():
-            assert set(table) == set(device_peaks.DTYPES), (model, form)
+            assert set(table) == set(device_peaks.PEAK_KINDS), (model, form)
             # dense bf16 is twice dense TF32 on every listed part (a sparse figure among dense
             # ones would be 2x off)
             assert table["bfloat16"] == pytest.approx(2 * table["tf32"], rel=0.02), (model, form)
@@ -117,8 +117,8 @@ def test_cpu_peak_rss_resets():
 def test_trainer_resets_the_peak_after_its_first_step(tmp_path, monkeypatch):
     """Trainer.run records step 1 (compile and calibration included), then resets the
     peaks, so every later record holds the steady step's peak; tps is per device."""
-    from simplesharded import train
-    from simplesharded.config import load_config
+    from simplesharded.trainer import loop as train
+    from simplesharded.trainer.config import load_config
 
     cfg = load_config(None, ["--training.steps", "3", "--job.dump_folder", str(tmp_path),
                              "--no-metrics.progress_bar"])

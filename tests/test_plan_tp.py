@@ -70,7 +70,7 @@ def test_group_link_of_live_groups():
     """On a fake process group of 16 ranks laid out dp_shard 2 x tp 8: the tp group is
     intra-node and the dp group inter-node on nodes of 8; with nodes of 16 both are
     intra-node; a profile without an intra-node link and an unknown group are inter-node."""
-    from simplesharded import dry_run
+    from simplesharded.tools import cluster_trace as dry_run
     from simplesharded.mesh import build_mesh
 
     with dry_run.fake_world(16):
@@ -87,13 +87,13 @@ def _traced_counts(world: int, tp: int, hw) -> tuple[dict, dict, int, int]:
     """Block-bucketed debug model (2 blocks) on ``world`` fake ranks with tensor parallel
     degree ``tp``: ({(group label, kind): count} over fw+bw, {label: link}, traced local
     shard elements, real local shard elements of the same model)."""
-    from simplesharded import dry_run
-    from simplesharded.config import load_config
+    from simplesharded.tools import cluster_trace as dry_run
+    from simplesharded.trainer.config import load_config
     from simplesharded.mesh import build_mesh
     from simplesharded.models import build_model
     from simplesharded.passes.collectives import count_by_group
     from simplesharded.passes.simulate import simulate
-    from simplesharded.train import check_static, parallelize
+    from simplesharded.trainer import check_static, parallelize
 
     cfg = check_static(load_config(DEBUG_CONFIG, [
         "--activation_checkpoint.mode", "none", "--parallelism.tensor_parallel_degree",
@@ -141,9 +141,9 @@ def test_plan_traces_tp_and_dp_groups():
 
 
 def test_plan_cli_reports_communication_per_group(capsys):
-    """`python -m simplesharded.plan` on dp 2 x tp 2 (loss parallel, as the trainer runs it):
+    """`python -m simplesharded.tools.forecast` on dp 2 x tp 2 (loss parallel, as the trainer runs it):
     the mesh in the header, one row per process group, TP's on the intra-node link."""
-    from simplesharded import plan
+    from simplesharded.tools import forecast as plan
 
     assert plan.main(["--config", DEBUG_CONFIG, "--world-size", "4", "--hardware", "h100-ib400",
                       "--plans", "aot_eager_blockbucketing", "--parallelism.tensor_parallel_degree",

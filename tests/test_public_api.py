@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import simplesharded as ss
-from simplesharded.dry_run import fake_world
-from simplesharded.passes.report import main as report_main, trace_counts
+from simplesharded.tools.cluster_trace import fake_world
+from simplesharded.tools.report import main as report_main, trace_counts
 
 
 @pytest.fixture

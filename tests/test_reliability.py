@@ -1,7 +1,7 @@
 """Reliability of the trainer CLI: non-finite loss, atomic/corrupt checkpoints, checkpoints of
 another model, and a rank killed mid-run under torchrun --max-restarts.
 
-All runs are the real `python -m simplesharded.train` (plain for 1 process, so the exit code is
+All runs are the real `python -m simplesharded.trainer` (plain for 1 process, so the exit code is
 the trainer's own; under torchrun for 2 ranks). Losses come from metrics.jsonl. The reference
 is one 2-rank, 12-step run that checkpoints every 2 steps and keeps them all; the lr schedule
 is constant after a 15-step warmup, so lr(step) does not depend on training.steps.
@@ -266,7 +266,7 @@ def test_killed_rank_restarts_and_resumes(tmp_path, ref12):
             assert time.monotonic() < deadline, "no step-4 checkpoint within 180 s"
             time.sleep(0.02)
         workers = {_rank_of(p): p for p in descendants(proc.pid)
-                   if "simplesharded.train" in _cmdline(p)}
+                   if "simplesharded.trainer" in _cmdline(p)}
         assert set(workers) == {0, 1}, workers
         killed = workers[0]
         os.kill(killed, signal.SIGKILL)

@@ -1,6 +1,6 @@
 """Every shipped config fits the GPUs it states (job.gpu_counts, job.gpu_memory_gib) by the
 planner's memory model: fp32 shards, gradients and optimizer state plus the compiled step's
-peak of gathered buffers and activations (python -m simplesharded.plan), at most
+peak of gathered buffers and activations (python -m simplesharded.tools.forecast), at most
 MEMORY_HEADROOM of one GPU's memory.
 
 Checked at the smallest stated count only: with the local batch derived from the global one
@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from simplesharded.config import MEMORY_HEADROOM, load_config
+from simplesharded.trainer.config import MEMORY_HEADROOM, load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.toml")))
@@ -22,8 +22,8 @@ CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.toml")))
 @pytest.mark.slow
 @pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
 def test_shipped_config_fits_its_smallest_gpu_count(path):
-    from simplesharded import plan
-    from simplesharded.train import check_static
+    from simplesharded.tools import forecast as plan
+    from simplesharded.trainer import check_static
 
     cfg = load_config(path, ["--training.dataset_path", ""])
     n = cfg.job.gpu_counts[0]
@@ -40,7 +40,7 @@ def test_shipped_config_fits_its_smallest_gpu_count(path):
 
 
 def test_plan_of_backend():
-    from simplesharded.plan import plan_of
+    from simplesharded.tools.forecast import plan_of
 
     assert plan_of("inductor_autobucketing") == "aot_eager_autobucketing"
     assert plan_of("aot_eager_blockbucketing") == "aot_eager_blockbucketing"
@@ -53,7 +53,7 @@ def test_plan_of_backend():
 def test_plan_reports_the_config_claim():
     """`plan`'s line on the config's own claim: the world size among job.gpu_counts or not,
     the peak within MEMORY_HEADROOM of job.gpu_memory_gib or above it."""
-    from simplesharded.plan import _stated_fit
+    from simplesharded.tools.forecast import _stated_fit
 
     cfg = load_config(None, ["--job.gpu_counts", "8,16", "--job.gpu_memory_gib", "80"])
     assert _stated_fit(cfg, 8, 70 * 2**30).endswith(

@@ -119,7 +119,7 @@ def test_static_memory_matches_real_shards(world, mode):
 
     import simplesharded as ss
     from simplesharded.models import build_model
-    from simplesharded.dry_run import static_memory
+    from simplesharded.tools.cluster_trace import static_memory
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
@@ -145,7 +145,7 @@ DEBUG_CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "llama3_
 
 
 def _plan_rows(capsys, *extra) -> dict[str, list[str]]:
-    from simplesharded import plan
+    from simplesharded.tools import forecast as plan
 
     assert plan.main(["--config", DEBUG_CONFIG, "--world-size", "8",
                       "--hardware", "h100-ib400", *extra]) == 0
@@ -181,10 +181,10 @@ def test_plan_extrapolation_from_4_and_6_blocks_equals_a_full_trace_of_8():
     to 6 blocks, then 0.023197 s per 2 blocks from 6 on)."""
     import argparse
 
-    from simplesharded import plan
-    from simplesharded.config import load_config
+    from simplesharded.tools import forecast as plan
+    from simplesharded.trainer.config import load_config
     from simplesharded.passes.hardware import get_hardware
-    from simplesharded.train import check_static
+    from simplesharded.trainer import check_static
 
     # Llama 3 8B's shapes at 64 ranks, the case `plan` extrapolates by default (32 blocks),
     # 1 sequence per rank with every second block checkpointed
@@ -212,8 +212,8 @@ def test_plan_extrapolation_from_4_and_6_blocks_equals_a_full_trace_of_8():
 def test_plan_applies_gloo_lowerings_only_for_gloo_profiles():
     """`plan` runs on a fake process group, which the gloo lowerings would skip: on the
     `local` (gloo) profile it applies them itself, so the simulated graph is the one that runs."""
-    from simplesharded import dry_run
-    from simplesharded.config import load_config
+    from simplesharded.tools import cluster_trace as dry_run
+    from simplesharded.trainer.config import load_config
     from simplesharded.passes.collectives import ALL_GATHER_COALESCED, ALL_TO_ALL
 
     cfg = load_config(DEBUG_CONFIG, ["--activation_checkpoint.mode", "none"])
@@ -236,10 +236,10 @@ def test_saved_exchange_counted_once():
     and the partitioner hands backward both each all-to-all's output and its wait: one buffer,
     which the planner's memory counts once (it counted each twice: +39 GiB at 8 GPUs for the
     16B config)."""
-    from simplesharded import dry_run
-    from simplesharded.config import load_config
+    from simplesharded.tools import cluster_trace as dry_run
+    from simplesharded.trainer.config import load_config
     from simplesharded.passes.collectives import ALL_TO_ALL, tensor_nbytes
-    from simplesharded.train import check_static
+    from simplesharded.trainer import check_static
 
     config = str(Path(DEBUG_CONFIG).with_name("deepseek_v3_debug.toml"))
     cfg = check_static(load_config(config, ["--parallelism.expert_parallel_degree", "2",

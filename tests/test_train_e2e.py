@@ -1,4 +1,4 @@
-"""End-to-end tests of the trainer CLI (`python -m simplesharded.train`, under torchrun).
+"""End-to-end tests of the trainer CLI (`python -m simplesharded.trainer`, under torchrun).
 
 Every test launches the real command line in fresh processes (gloo ranks on CPU) and reads
 `<dump_folder>/metrics.jsonl` for the losses. Runs are kept tiny (seq_len 32, global batch 4)
@@ -53,8 +53,8 @@ COMMON = SMALL + CONST_LR
 
 def train_cmd(nproc: int | None, *args: str, config: str = LLAMA,
               torchrun_args: tuple[str, ...] = ()) -> list[str]:
-    """nproc=None: plain `python -m simplesharded.train` (a 1-process group, no torchrun)."""
-    tail = ["-m", "simplesharded.train", "--job.config_file", config, *args]
+    """nproc=None: plain `python -m simplesharded.trainer` (a 1-process group, no torchrun)."""
+    tail = ["-m", "simplesharded.trainer", "--job.config_file", config, *args]
     if nproc is None:
         return [PYTHON, *tail]
     return [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", *torchrun_args, *tail]

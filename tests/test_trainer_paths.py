@@ -4,7 +4,7 @@ trains, and ``training.grad_reduction="avg"`` against the default ``"sum"``.
 
 One spawned job (2 gloo ranks, llama3 debug) builds the trainer's own :class:`Trainer` from
 the debug config plus command-line style overrides (``load_config`` + ``check_static``, as
-``python -m simplesharded.train`` does) once per variant and runs its ``train_step``; the tests
+``python -m simplesharded.trainer`` does) once per variant and runs its ``train_step``; the tests
 below read its results. One spawn instead of one torchrun launch per variant: the suite has
 a time budget.
 
@@ -41,8 +41,8 @@ AC_STEPS, AVG_STEPS, BF16_STEPS = 5, 3, 30
 
 
 def _trainer(args: list[str], world: int):
-    from simplesharded.config import load_config
-    from simplesharded.train import Trainer, check_static
+    from simplesharded.trainer.config import load_config
+    from simplesharded.trainer import Trainer, check_static
     cfg = check_static(load_config(None, ["--job.config_file", LLAMA, *args]), world)
     return Trainer(cfg, "cpu")
 
@@ -56,7 +56,7 @@ def _fwd_bwd_peak(trainer) -> int:
     and optimizer state included, see bench._step_peak_bytes): the lower of two measurements,
     as the profiler's running total also counts allocations of other threads (gloo's), which
     only add (a few MB between runs here)."""
-    from simplesharded.bench import _step_peak_bytes
+    from simplesharded.tools.bench import _step_peak_bytes
     inputs, labels = next(trainer.data.train)
 
     def step():

@@ -1,11 +1,11 @@
 """The environment ``run_train.sh`` starts its ranks with, decided in one Python start.
 
-``python -m simplesharded.launch_env`` prints ``export`` lines for the shell: the number of
+``python -m simplesharded.shims.launch_env`` prints ``export`` lines for the shell: the number of
 processes per node (``NGPU``: the accelerator count, else 2 CPU processes), the device they
 will train on, and the variables that device's ranks need. A variable the user already set
 always wins.
 
-- CPU ranks (gloo): the caching malloc of :mod:`simplesharded.host_malloc`; one share of the
+- CPU ranks (gloo): the caching malloc of :mod:`simplesharded.shims.host_malloc`; one share of the
   cores each (``OMP_NUM_THREADS``); ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, so that ranks
   restarted by ``torchrun --max-restarts`` do not reuse the dead workers' store (gloo hangs
   on it otherwise). Only on CPU: it opens a second store on a random port, which firewalled
@@ -21,7 +21,7 @@ import os
 import shlex
 import sys
 
-from simplesharded.host_malloc import caching_env
+from simplesharded.shims.host_malloc import caching_env
 
 ALLOC_CONF = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")  # the new name, the old one
 SHARE_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"

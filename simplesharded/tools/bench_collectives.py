@@ -1,11 +1,11 @@
-"""``python -m simplesharded.bench_collectives``: one bucket's collectives, side by side.
+"""``python -m simplesharded.tools.bench_collectives``: one bucket's collectives, side by side.
 
 Times, on --world-size gloo ranks, the forms a bucketed collective can take on this transport.
 Reduce-scatter: gloo's own ``reduce_scatter_tensor`` (an all-reduce of the whole buffer in
 disguise), the all-to-all + local adds that passes/lowering.py emits, and an in-place
 all-reduce. All-gather: one flat buffer plus a copy-out per parameter (passes/bucketing.py;
 torch's own kernel, gloo's coalesced gather of one tensor), the same into a buffer the caller
-allocates (gloo's plain all-gather: what simplesharded/gloo_gather.py makes the first form
+allocates (gloo's plain all-gather: what simplesharded/shims/gloo_gather.py makes the first form
 run), and the coalesced gather straight into per-parameter outputs
 (passes/coalesce_gathers.py, off by default).
 The bucket is one llama3-small block's parameters (3.1M fp32 elements). Prints median wall ms

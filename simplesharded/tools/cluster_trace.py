@@ -2,11 +2,11 @@
 
 ``fake_world(n)`` stands up a fake process group of n ranks (torch's "fake" backend: no
 communication, this process is rank 0). ``trace`` builds the model on the meta device,
-parallelizes it as the trainer does (train.parallelize: tensor parallelism, activation
+parallelizes it as the trainer does (trainer/recipe.py parallelize: tensor parallelism, activation
 checkpointing, data_parallel) and captures rank 0's forward and backward graphs after
 partitioning; the shards of the meta model are never written, so they take no memory.
 ``apply_plan`` runs a backend's passes on copies of those graphs, and ``memory_report`` adds
-the per-rank static state to their peak. ``python -m simplesharded.plan`` (plan.py) reports on
+the per-rank static state to their peak. ``python -m simplesharded.tools.forecast`` (plan.py) reports on
 them; tests use them directly.
 """
 from __future__ import annotations
@@ -56,7 +56,7 @@ def trace(cfg, local_batch: int, n_layers: int | None = None,
     reshard_after_forward="auto" keeps (passes/recompute.py)."""
     from simplesharded.mesh import build_mesh, group_labels
     from simplesharded.models import build_model
-    from simplesharded.train import loss_chunks, parallelize, uses_loss_parallel
+    from simplesharded.trainer import loss_chunks, parallelize, uses_loss_parallel
 
     from functorch.compile import min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd

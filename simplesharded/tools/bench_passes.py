@@ -1,4 +1,4 @@
-"""``python -m simplesharded.bench_passes``: how long our compiler passes take on a config's graphs.
+"""``python -m simplesharded.tools.bench_passes``: how long our compiler passes take on a config's graphs.
 
 Traces the config's training step as the trainer compiles it, over a fake process group of
 --world-size ranks (dry_run.py: dynamo, aot_autograd, our joint recompute pass,
@@ -58,9 +58,9 @@ def pass_times(traced, name: str, hardware: str) -> dict[str, dict[str, float]]:
 
 
 def main(argv=None) -> int:
-    from simplesharded.config import load_config
-    from simplesharded.dry_run import fake_world, trace
-    from simplesharded.train import check_static
+    from simplesharded.trainer.config import load_config
+    from simplesharded.tools.cluster_trace import fake_world, trace
+    from simplesharded.trainer import check_static
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True, help="a configs/*.toml file")

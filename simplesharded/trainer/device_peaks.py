@@ -33,14 +33,14 @@ TFLOPS: dict[str, dict[str, dict[str, float]]] = {
     "MI325X": {"": _MI300},
 }
 FORM_FACTORS = ("PCIE", "NVL")
-DTYPES = ("bfloat16", "float16", "tf32", "float32")
+PEAK_KINDS = ("bfloat16", "float16", "tf32", "float32")
 
 
 def peak_tflops(device_name: str, dtype: str) -> float | None:
     """Dense peak TFLOP/s of the device ``device_name`` (as torch reports it) in ``dtype``
-    (one of DTYPES), or None when not listed."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not one of {list(DTYPES)}")
+    (one of PEAK_KINDS), or None when not listed."""
+    if dtype not in PEAK_KINDS:
+        raise ValueError(f"dtype={dtype!r} is not one of {list(PEAK_KINDS)}")
     # Whole tokens: "H20" must not match "H200", nor "A100" "GA100".
     tokens = re.split(r"[^A-Z0-9]+", device_name.upper())
     if "MIG" in tokens:

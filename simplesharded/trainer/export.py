@@ -2,7 +2,7 @@
 ``model-0000i-of-0000n.safetensors`` and their index, which ``transformers``'
 ``AutoModelForCausalLM.from_pretrained`` loads.
 
-    python -m simplesharded.checkpoint export --folder CKPT --step N --to DIR [--dtype bfloat16]
+    python -m simplesharded.trainer.export --folder CKPT --step N --to DIR [--dtype bfloat16]
 
 The model comes from the ``model.json`` the trainer writes into every checkpoint
 (checkpoint.model_meta): our ``llama3`` is renamed and converted to transformers' Llama,
@@ -23,8 +23,9 @@ from typing import Callable
 import torch
 import torch.distributed.checkpoint as dcp
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-MODEL_JSON = "model.json"
+from simplesharded.trainer.checkpoint import MODEL_JSON, complete_steps, step_dir
+from simplesharded.trainer.config import DTYPE_NAMES
+
 
 
 @dataclass
@@ -130,17 +131,16 @@ class _Reader(dcp.FileSystemReader):
 def export(folder: str, step: int, to: str, dtype: str | None = None,
            max_shard_bytes: int = 2 << 30) -> list[str]:
     """Write step ``step`` of the checkpoints in ``folder`` to ``to`` (module doc); returns
-    the files written. ``dtype``: a key of DTYPES, default the checkpoint's."""
+    the files written. ``dtype``: one of config.DTYPE_NAMES, default the checkpoint's."""
     from safetensors.torch import save_file
 
-    from .checkpoint import complete_steps, step_dir
 
     path = step_dir(folder, step)
     if step not in complete_steps(folder):
         raise ValueError(f"export --step {step}: no complete checkpoint at {path!r}; "
                          f"available steps: {complete_steps(folder)}")
-    if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"export --dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    if dtype is not None and dtype not in DTYPE_NAMES:
+        raise ValueError(f"export --dtype {dtype!r} is not one of {sorted(DTYPE_NAMES)}")
     try:
         with open(os.path.join(path, MODEL_JSON)) as f:
             meta = json.load(f)
@@ -152,7 +152,7 @@ def export(folder: str, step: int, to: str, dtype: str | None = None,
     shapes = {k[len("model."):]: tuple(v.size) for k, v in saved.items()
               if k.startswith("model.") and hasattr(v, "size")}
     config, tensors = plan_export(meta, shapes)
-    out_dtype = DTYPES.get(dtype)
+    out_dtype = getattr(torch, dtype) if dtype else None
 
     def dtype_of(t: Tensor) -> torch.dtype:
         return out_dtype or saved[f"model.{t.key}"].properties.dtype
@@ -188,19 +188,17 @@ def export(folder: str, step: int, to: str, dtype: str | None = None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m simplesharded.checkpoint export",
+    ap = argparse.ArgumentParser(prog="python -m simplesharded.trainer.export",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--folder", required=True,
                     help="the checkpoint folder (job.dump_folder/checkpoint.folder)")
     ap.add_argument("--step", type=int, default=-1, help="-1: the newest complete step")
     ap.add_argument("--to", required=True, help="output directory")
-    ap.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+    ap.add_argument("--dtype", default=None, choices=sorted(DTYPE_NAMES),
                     help="output dtype (default: the checkpoint's)")
     ap.add_argument("--max-shard-mb", type=int, default=2048,
                     help="largest output file (the most tensor bytes in memory at once)")
     ns = ap.parse_args(argv)
-    from .checkpoint import complete_steps
-
     step = ns.step
     if step == -1:
         steps = complete_steps(ns.folder)
@@ -213,3 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(e))
     print(f"exported step {step} of {ns.folder} to {ns.to}: {', '.join(written)}")
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from simplesharded import device_peaks
+from simplesharded.trainer import device_peaks
 
 
 def _device_type(device) -> str:
@@ -28,7 +28,7 @@ def _fp32_matmul_dtype() -> str:
 def peak_flops(device, configured_tflops: float = 0.0, dtype: str = "bfloat16") -> float:
     """Peak FLOP/s of one device for matmuls in ``dtype`` (training.mixed_precision_param):
     the configured value, else the published dense figure of a known accelerator
-    (simplesharded/device_peaks.py), else 0 (unknown: no MFU)."""
+    (simplesharded/trainer/device_peaks.py), else 0 (unknown: no MFU)."""
     if configured_tflops > 0:
         return configured_tflops * 1e12
     kind = _device_type(device)

@@ -1,4 +1,4 @@
-"""``python -m simplesharded.bench_moe``: one 16B-shaped MoE layer (dim 2048, 64 routed experts
+"""``python -m simplesharded.tools.bench_moe``: one 16B-shaped MoE layer (dim 2048, 64 routed experts
 of width 1408, top 6, 2 shared), forward + backward, with the routed experts run each way
 (MoEArgs.experts_impl): "bmm", every expert on all T tokens (the old dropless form), and
 "sorted", each expert on its routed rows only. Prints the step's matmul FLOPs (counted by

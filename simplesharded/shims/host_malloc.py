@@ -7,7 +7,7 @@ page on its first touch. A training step allocates the same large tensors every 
 rank pays a page fault per 4 KiB of them, every step, on the thread that first writes them.
 That cost is neither compute nor communication; GPU ranks never pay it (their allocator caches),
 and it falls unevenly on data-parallel schemes: DDP's buckets live across steps, FSDP's gathered
-parameters are allocated per step. ``python -m simplesharded.bench --host-malloc system``
+parameters are allocated per step. ``python -m simplesharded.tools.bench --host-malloc system``
 shows the difference (benchmarks/RESULTS.md, Session 12).
 
 ``CACHING`` (glibc tunables) backs malloc's heap with transparent huge pages (``hugetlb``:

@@ -7,7 +7,7 @@ a ValueError that names the full key (and, for typos, suggests the closest valid
     cfg = load_config("configs/llama3_debug.toml", ["--training.steps", "5", "--compile.enable"])
     cfg = resolve(cfg, world_size=4)   # fill -1 degrees / batch sizes once the world is known
 
-`python -m simplesharded.config --job.config_file X [--json] [overrides...]` prints the
+`python -m simplesharded.trainer.config --job.config_file X [--json] [overrides...]` prints the
 resolved config.
 """
 
@@ -24,6 +24,10 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # the same parser, packaged, before Python 3.11
     import tomli as tomllib
+
+
+# The floating-point dtypes a config may name (torch.<name>): mixed precision, export.
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
 def _opt(default, help: str = "", choices: tuple[str, ...] | None = None):
@@ -50,7 +54,7 @@ class Job:
     # MEMORY_HEADROOM of gpu_memory_gib. The trainer runs at any world size regardless.
     gpu_counts: list[int] = _opt(
         [], "GPU counts (world sizes) this config fits: at each the degrees and batch resolve "
-        f"and the planner's predicted peak per GPU (python -m simplesharded.plan) stays within "
+        f"and the planner's predicted peak per GPU (python -m simplesharded.tools.forecast) stays within "
         f"{MEMORY_HEADROOM:.0%} of job.gpu_memory_gib; [] = not stated. CLI: 8,16,32")
     gpu_memory_gib: float = _opt(
         0.0, "memory of one GPU that job.gpu_counts assume, GiB as torch reports it (H100 "
@@ -106,9 +110,9 @@ class Training:
     dataset: str = _opt("stdlib", "built-in corpus; ignored when dataset_path is set")
     dataset_path: str = _opt("", ".txt/.jsonl file or a directory of them; overrides dataset")
     mixed_precision_param: str = _opt(
-        "float32", "dtype of gathered params in compute", ("float32", "bfloat16", "float16"))
+        "float32", "dtype of gathered params in compute", DTYPE_NAMES)
     mixed_precision_reduce: str = _opt(
-        "float32", "dtype of gradient reduction", ("float32", "bfloat16", "float16"))
+        "float32", "dtype of gradient reduction", DTYPE_NAMES)
     grad_reduction: str = _opt(
         "sum", "sum: loss normalised by global token count; avg: mean over ranks", ("avg", "sum"))
     loss_chunks: int = _opt(
@@ -165,7 +169,7 @@ class Compile:
                                 "copy-outs included); 0 = plan default")
     dump_graphs: str = _opt("", "directory to write FX graphs before/after passes")
     hardware: str = _opt("calibrated", "cost-model numbers: 'calibrated' (measured at start-up, "
-                         "cached; python -m simplesharded.calibrate), a calibration .json "
+                         "cached; python -m simplesharded.tools.calibrate), a calibration .json "
                          "file, or a profile name")
 
 
@@ -191,7 +195,7 @@ class Metrics:
     save_jsonl: bool = _opt(True, "write metrics.jsonl in the dump folder")
     peak_tflops: float = _opt(0.0, "per-device peak TFLOP/s for MFU; 0 = the published dense "
                               "peak of a known GPU in training.mixed_precision_param's dtype "
-                              "(simplesharded/device_peaks.py; unknown: no MFU)")
+                              "(simplesharded/trainer/device_peaks.py; unknown: no MFU)")
     progress_bar: bool = _opt(True, "show a progress bar on rank 0")
 
 
@@ -545,7 +549,7 @@ def resolve(cfg: Config, world_size: int) -> Config:
     return cfg
 
 
-def help_text(usage: str = "python -m simplesharded.config [--json] [--section.key VALUE ...]"
+def help_text(usage: str = "python -m simplesharded.trainer.config [--json] [--section.key VALUE ...]"
               ) -> str:
     """Every key with its type, default, help and choices (the trainer's --help shows it too)."""
     lines = [f"usage: {usage}", ""]

@@ -1,0 +1,82 @@
+"""``python -m simplesharded.tools.calibrate [--force]``: measure this machine's numbers for the
+cost model (simplesharded/calibration.py) with one rank per accelerator (2 gloo ranks on CPU),
+write them to the cache the ``calibrated`` backends read, and print them."""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from simplesharded.calibration import cache_path, calibrated
+from simplesharded.mesh import exit_rank
+
+
+def format_report(result: dict, path: Path | None = None) -> str:
+    hw, m = result["hardware"], result["measured"]
+    lines = [f"calibration {result['key']}" + (f"  ({path})" if path else ""),
+             f"  matmul        {hw['flops_per_s'] / 1e12:8.3f} TFLOP/s ({m['compute']['matmul_dtype']})",
+             f"  elementwise   {hw['mem_bw_Bps'] / 1e9:8.2f} GB/s",
+             f"  memory        {hw['memory_bytes'] / 2**30:8.1f} GiB"]
+    for kind, c in m.get("collectives", {}).items():
+        lines.append(f"  {kind:<15}latency {c['alpha_s'] * 1e3:7.3f} ms   bus bandwidth "
+                     f"{c['bandwidth_Bps'] / 1e9:7.3f} GB/s")
+    if "overlap" in m:
+        o = m["overlap"]
+        lines.append(f"  beside compute: {o['comm_overlap'] * 100:.0f} % of a transfer hidden, "
+                     f"{o['collective_overhead_s'] * 1e3:.3f} ms per collective on the compute stream")
+    lines.append(f"  profile: alpha {hw['alpha_s'] * 1e3:.3f} ms, bandwidth "
+                 f"{hw['bandwidth_Bps'] / 1e9:.3f} GB/s, transport {hw['transport']}")
+    return "\n".join(lines)
+
+
+def _rank_main(rank: int, nproc: int, port: int, force: bool, queue) -> None:
+    from simplesharded.mesh import backend_for, device_type
+
+    device, kwargs = device_type(), {}
+    if device != "cpu":  # one device per rank, bound to the group (no device guessing)
+        index = rank % torch.accelerator.device_count()
+        torch.accelerator.set_device_index(index)
+        kwargs["device_id"] = torch.device(device, index)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
+    dist.init_process_group(backend_for(device), init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=nproc, **kwargs)
+    result = calibrated(force=force)
+    if rank == 0:
+        queue.put((result, str(cache_path(result["key"]))))
+    dist.barrier()
+    dist.destroy_process_group()
+    exit_rank(0)  # gloo's threads outlive the group: no interpreter shutdown under them
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m simplesharded.tools.calibrate",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nproc", type=int, default=None,
+                    help="ranks on this host (default: the GPU count, or 2 on CPU)")
+    ap.add_argument("--force", action="store_true", help="measure even if a cache entry exists")
+    ns = ap.parse_args(argv)
+    import torch.multiprocessing as mp
+
+    nproc = ns.nproc or (torch.accelerator.device_count() if torch.accelerator.is_available()
+                         else 2)
+    if nproc < 1:
+        print(f"--nproc={nproc}: must be >= 1", file=sys.stderr)
+        return 2
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.start_processes(_rank_main, args=(nproc, port, ns.force, queue), nprocs=nproc,
+                       start_method="spawn")
+    result, path = queue.get()
+    print(format_report(result, Path(path)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,359 @@
+"""``python -m simplesharded.tools.forecast``: dry-run a config at cluster scale, on this CPU.
+
+Traces one forward+backward of the config's model, parallelized as the trainer does, over a
+*fake* process group of --world-size ranks (dry_run.py; once per reshard-after-forward
+decision, each trace in a forked process, as many side by side as there are cores), then for
+each backend plan applies our passes to copies of the traced graphs and simulates the schedule
+with the cost model (passes/simulate.py: a compute stream and a communication lane per
+link). Prints step time, exposed communication, bytes sent per rank, tokens/s per rank and
+peak memory per rank, then communication per process group (dp_shard, tp, ep, ...) and, with
+expert parallelism, the all-to-alls' volume and exposed time; --timeline draws the timeline of
+the first plan.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import multiprocessing
+import os
+import time
+import traceback
+
+from simplesharded.tools.cluster_trace import (Traced, apply_plan, fake_world, memory_report, static_memory,
+                                   trace)
+
+PLANS = ("aot_eager", "aot_eager_blockbucketing", "aot_eager_autobucketing")
+
+
+def draw_timeline(path: str, fw_sched, bw_sched, title: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ValueError("--timeline needs matplotlib: pip install matplotlib") from e
+    colors = {"all_gather": "tab:blue", "reduce_scatter": "tab:orange",
+              "all_reduce": "tab:red"}
+    # compute on top, then one row per communication lane (link)
+    lanes = sorted({iv.stream for s in (fw_sched, bw_sched) for iv in s.intervals} - {"compute"})
+    rows = {"compute": len(lanes), **{lane: len(lanes) - 1 - i for i, lane in enumerate(lanes)}}
+    fig, ax = plt.subplots(figsize=(14, 1.4 + 0.7 * len(rows)))
+    for sched, offset in ((fw_sched, 0.0), (bw_sched, fw_sched.makespan)):
+        for iv in sched.intervals:
+            y = rows[iv.stream]
+            compute = iv.stream == "compute"
+            color = colors.get(iv.label, "tab:green" if compute else "tab:gray")
+            ax.broken_barh([(1e3 * (iv.start + offset), 1e3 * (iv.end - iv.start))],
+                           (y - 0.4, 0.8), facecolors=color, linewidth=0)
+    ax.axvline(1e3 * fw_sched.makespan, color="k", linestyle=":", linewidth=1)
+    ax.set_yticks(list(rows.values()), [f"comm {r}" if r != "compute" else r for r in rows])
+    ax.set_xlabel("ms (forward | backward)")
+    ax.set_title(title)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
+    ax.legend(handles, list(colors), loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    from simplesharded.trainer.config import load_config
+    from simplesharded.mesh import resolve_degrees
+    from simplesharded.passes.hardware import HARDWARE, get_hardware
+    from simplesharded.trainer import check_static
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", required=True, help="a configs/*.toml file")
+    ap.add_argument("--world-size", type=int, required=True)
+    ap.add_argument("--hardware", default="h100-ib400", help=f"one of {sorted(HARDWARE)}")
+    ap.add_argument("--local-batch", type=int, default=0,
+                    help="sequences per data-parallel rank, shared by its tp ranks (default: "
+                         "the config's, global_batch_size / dp as the trainer resolves it)")
+    ap.add_argument("--plans", nargs="+", default=list(PLANS))
+    ap.add_argument("--memory-cap-mb", type=float, default=None,
+                    help="the plans' memory cap (default: the config's compile.memory_cap_mb, "
+                         "as the trainer uses it)")
+    ap.add_argument("--timeline", default=None, help="PNG path for the timeline")
+    ap.add_argument("--timeline-plan", default="aot_eager_autobucketing")
+    ap.add_argument("--full-trace-layers", type=int, default=8,
+                    help="trace every block up to this depth; deeper models are extrapolated "
+                         "from traces of 4 and 6 blocks (blocks repeat, so the step is "
+                         "periodic in depth: llama3 8B's numbers are the same either way)")
+    ns, rest = ap.parse_known_args(argv)
+    try:
+        hw = get_hardware(ns.hardware)
+        cfg = load_config(ns.config, rest)
+        bad = sorted(set(ns.plans) - set(PLANS))
+        if bad:
+            raise ValueError(f"--plans {bad} not one of {list(PLANS)}")
+        cfg.training.dataset_path = ""  # nothing is read
+        if ns.local_batch:
+            p, t = cfg.parallelism, cfg.training
+            dp = resolve_degrees(ns.world_size, p.data_parallel_replicate_degree,
+                                 p.data_parallel_shard_degree, p.tensor_parallel_degree,
+                                 p.expert_parallel_degree).dp
+            t.local_batch_size = ns.local_batch
+            t.global_batch_size = ns.local_batch * dp * t.gradient_accumulation_steps
+        cfg = check_static(cfg, ns.world_size)  # the trainer's checks: degrees, batch, tp
+    except ValueError as e:
+        ap.error(str(e))
+    p = cfg.parallelism
+    from simplesharded.models import get_model_spec
+    n_layers = get_model_spec(cfg.model.name, cfg.model.flavor)[1].n_layers
+    # Blocks are identical, so the schedule is periodic: for deep models trace two short
+    # versions and extrapolate linearly (exact for the per-block part, and 10x faster).
+    sizes = [None] if n_layers <= ns.full_trace_layers else [4, 6]
+    t0 = time.perf_counter()
+    cap_mb = cfg.compile.memory_cap_mb if ns.memory_cap_mb is None else ns.memory_cap_mb
+    cap = int(cap_mb * 2**20) or None
+    evaluated, keeps = evaluate_plans(cfg, ns, hw, cap, ns.plans, sizes)
+    _report(ns, cfg, hw, evaluated, keeps, sizes, n_layers, t0)
+    return 0
+
+
+def evaluate_plans(cfg, ns, hw, cap, plans, sizes) -> tuple[dict, dict]:
+    """Every plan of ``plans`` on traces of ``sizes`` blocks (None: the flavor's depth) of
+    ``cfg``'s compiled step over ``ns.world_size`` fake ranks, cost model ``ns.hardware``:
+    ({keep budget: [{plan: numbers} per trace size]}, {plan: its keep budget})."""
+    from simplesharded.passes.planning import AutoPlan
+    # reshard_after_forward="auto" is decided on the joint graph: the autobucketing plan keeps
+    # blocks within its budget, the others the last block; one trace per distinct decision.
+    keeps = {name: AutoPlan(ns.hardware, cap).keep_gathered_bytes
+             if "autobucketing" in name and cfg.parallelism.reshard == "auto" else None
+             for name in plans}
+    # The autobucketing extrapolation also needs the block plan of its traces.
+    need = {keep: {n for n in plans if keeps[n] == keep} for keep in keeps.values()}
+    for keep, names in need.items():
+        if len(sizes) > 1 and any("autobucketing" in n for n in names):
+            names.add("aot_eager_blockbucketing")
+    calls = [(_trace_and_evaluate, cfg, ns, hw, cap, k, keep, sorted(names))
+             for keep, names in need.items() for k in sizes]
+    results = iter(_in_children(calls))
+    evaluated = {keep: [next(results) for _ in sizes] for keep in need}
+    return evaluated, keeps
+
+
+def predicted_peak_bytes(cfg, world_size: int, plans, hardware: str = "local",
+                         n_layers: int | None = None,
+                         full_trace_layers: int | None = None) -> dict[str, int]:
+    """{plan: per-rank peak bytes the planner predicts} for ``cfg``'s compiled step on
+    ``world_size`` ranks (``n_layers`` blocks; None: the flavor's), under the config's memory
+    cap: fp32 shards, gradients and optimizer state plus the graphs' peak of gathered buffers
+    and activations. Every block is traced, or with ``full_trace_layers`` a deeper model is
+    extrapolated from traces of 4 and 6 blocks, as ``python -m simplesharded.tools.forecast`` does."""
+    from simplesharded.models import get_model_spec
+    from simplesharded.passes.hardware import get_hardware
+    depth = n_layers or get_model_spec(cfg.model.name, cfg.model.flavor)[1].n_layers
+    sizes = ([4, 6] if full_trace_layers is not None and depth > full_trace_layers
+             else [n_layers])
+    ns = argparse.Namespace(world_size=world_size, hardware=hardware)
+    cap = int(cfg.compile.memory_cap_mb * 2**20) or None
+    evaluated, keeps = evaluate_plans(cfg, ns, get_hardware(hardware), cap, plans, sizes)
+    out = {}
+    for name in plans:
+        m = _numbers(name, evaluated[keeps[name]], depth)
+        out[name] = int(sum(static_memory(m["local_numel"], cfg.optimizer.name))
+                        + m["peak_act"])
+    return out
+
+
+def plan_of(backend: str) -> str:
+    """The plan of PLANS that models ``backend``'s compiled step (an inductor backend runs
+    the same passes as its aot_eager twin)."""
+    name = {"eager": "aot_eager", "inductor": "aot_eager"}.get(backend, backend)
+    name = name.replace("inductor_", "aot_eager_", 1)
+    if name not in PLANS:
+        raise ValueError(f"compile.backend={backend!r} has no plan here; the planner models "
+                         f"{list(PLANS)} and their inductor twins")
+    return name
+
+
+def _trace_and_evaluate(cfg, ns, hw, cap, n_layers, keep, names) -> dict[str, dict]:
+    """{plan: _evaluate's numbers} for the plans ``names`` on one trace (see trace); the
+    fake process group stays up throughout: the plans' cost model resolves the traced groups."""
+    with fake_world(ns.world_size):
+        traced = trace(cfg, cfg.training.local_batch_size, n_layers, keep, cap)
+        return {name: _evaluate(traced, name, ns, cfg, hw, cap) for name in names}
+
+
+def _in_children(calls: list[tuple]) -> list:
+    """``fn(*args)`` for each ``(fn, *args)`` of ``calls``, each in a forked child process, as
+    many at once as this process may use cores (the traces are independent, and torch's trace
+    runs on one core): their (picklable) results in order, or a RuntimeError with a failed
+    child's traceback. One trace per process: torch 2.13 fails the second compile in a
+    process of a model whose output is a DTensor (loss parallel: "Node tangents_N was
+    invalid, but is output" in the partitioner). A fork re-imports nothing."""
+    ctx = multiprocessing.get_context("fork")
+    running: list = []  # (child, its pipe's reading end), in the order of calls
+    results: list = []
+    failed = None
+
+    def collect() -> None:
+        nonlocal failed
+        child, receive = running.pop(0)
+        try:
+            ok, value = receive.recv()  # before join: a large result fills the pipe until read
+        except EOFError:
+            ok, value = False, "the child process died without a result"
+        child.join()
+        results.append(value)
+        failed = failed if ok or failed is not None else value
+
+    for fn, *args in calls:
+        if len(running) == len(os.sched_getaffinity(0)):
+            collect()
+        receive, send = ctx.Pipe(duplex=False)
+
+        def run(fn=fn, args=args, send=send):
+            try:
+                send.send((True, fn(*args)))
+            except BaseException:
+                send.send((False, traceback.format_exc()))
+
+        child = ctx.Process(target=run)
+        child.start()
+        send.close()  # the child holds the only writer: its death ends recv() with EOFError
+        running.append((child, receive))
+    while running:
+        collect()
+    if failed is not None:
+        raise RuntimeError(f"planning in a child process failed:\n{failed}")
+    return results
+
+
+def _report(ns, cfg, hw, evaluated, keeps, sizes, n_layers, t0) -> None:
+    from simplesharded.mesh import resolve_degrees
+
+    p, t = cfg.parallelism, cfg.training
+    local_batch, tp = t.local_batch_size, p.tensor_parallel_degree
+    tokens = local_batch * t.seq_len // tp  # per rank: a dp rank's tp ranks share its tokens
+    how = ("traced in full" if sizes == [None] else
+           f"extrapolated from traces of {sizes[0]} and {sizes[1]} blocks")
+    full_numel = sum(math.prod(q.shape) for q in _meta_params(cfg))
+    size = f"{full_numel / 1e9:.2f}B" if full_numel >= 1e9 else f"{full_numel / 1e6:.1f}M"
+    degrees = resolve_degrees(ns.world_size, p.data_parallel_replicate_degree,
+                              p.data_parallel_shard_degree, tp, p.expert_parallel_degree)
+    mesh = " × ".join(f"{name} {n}" for name, n in degrees.dims())
+    print(f"{cfg.model.name}/{cfg.model.flavor} ({size} params, {n_layers} "
+          f"blocks) on {ns.world_size} ranks of {hw.name} (mesh {mesh}), mode {p.mode}, "
+          f"{local_batch} × {t.seq_len} tokens per dp rank, AC "
+          f"{cfg.activation_checkpoint.mode}; {how}, traced and simulated in "
+          f"{time.perf_counter() - t0:.0f}s\n")
+    print("| plan | step s | exposed comm s | comm GB/rank | collectives | tokens/s/rank | "
+          "peak mem GiB/rank |\n|---|---:|---:|---:|---:|---:|---:|")
+    drawn = None
+    rows, numbers = [], {}
+
+    for name in ns.plans:
+        m = numbers[name] = _numbers(name, evaluated[keeps[name]], n_layers)
+        last = evaluated[keeps[name]][-1][name]  # the deepest trace: its links and timeline
+        shard = m["local_numel"]
+        static = sum(static_memory(shard, cfg.optimizer.name))
+        step = m["fw_s"] + m["bw_s"] + 7 * 4 * shard / hw.mem_bw_Bps  # + AdamW, memory bound
+        print(f"| {name} | {step:.3f} | {m['exposed_s']:.3f} | {m['comm_bytes'] / 1e9:.2f} | "
+              f"{m['collectives']:.0f} | {tokens / step:,.0f} | "
+              f"{(static + m['peak_act']) / 2**30:.1f} |")
+        rows += [(name, label, link, m) for label, link in last["links"].items()]
+        if drawn is None or name == ns.timeline_plan:
+            drawn = (name, last, static, m["peak_act"])
+    print("\ncommunication per process group, per rank and step (comm s: transfer time on the "
+          "group's link; exposed s: compute waiting for it)\n\n"
+          "| plan | group | link | collectives | GB/rank | comm s | exposed s |\n"
+          "|---|---|---|---:|---:|---:|---:|")
+    for name, label, link, m in rows:
+        g = f"group:{label}:"
+        print(f"| {name} | {label} | {link} | {m[g + 'count']:.0f} | "
+              f"{m[g + 'bytes'] / 1e9:.2f} | {m[g + 'seconds']:.3f} | {m[g + 'exposed_s']:.3f} |")
+    a2a = "kind:all_to_all:"
+    if any(m.get(a2a + "count") for m in numbers.values()):
+        print("\nall-to-alls (expert parallelism's token exchange), per rank and step; split "
+              "sizes as balanced routing gives them\n\n| plan | all-to-alls | GB/rank | comm s | "
+              "exposed s |\n|---|---:|---:|---:|---:|")
+        for name, m in numbers.items():
+            print(f"| {name} | {m[a2a + 'count']:.0f} | {m[a2a + 'bytes'] / 1e9:.2f} | "
+                  f"{m[a2a + 'seconds']:.3f} | {m[a2a + 'exposed_s']:.3f} |")
+    name, last, static, act = drawn
+    print(f"\nmemory per rank ({name}): params + grads + optimizer {static / 2**30:.2f} GiB "
+          f"(fp32 shards), gathered buffers + activations {act / 2**30:.2f} GiB; the device "
+          f"has {hw.memory_bytes / 2**30:.0f} GiB")
+    print(_stated_fit(cfg, ns.world_size, static + act))
+    if ns.timeline:
+        shown = "" if sizes == [None] else f" (first {sizes[-1]} blocks)"
+        draw_timeline(ns.timeline, last["fw_sched"], last["bw_sched"],
+                      f"{cfg.model.name}/{cfg.model.flavor}{shown}, {ns.world_size} × "
+                      f"{hw.name}, plan {name}")
+        print(f"timeline written to {ns.timeline}")
+
+
+def _stated_fit(cfg, world_size: int, peak: float) -> str:
+    """The config's own claim (job.gpu_counts, job.gpu_memory_gib) next to this prediction."""
+    from simplesharded.trainer.config import MEMORY_HEADROOM
+
+    j = cfg.job
+    if not j.gpu_counts:
+        return "the config states no job.gpu_counts"
+    room = MEMORY_HEADROOM * j.gpu_memory_gib
+    count = "is one of" if world_size in j.gpu_counts else "is not one of"
+    fits = "within" if peak <= room * 2**30 else "ABOVE"
+    return (f"the config is sized for job.gpu_counts {j.gpu_counts} of job.gpu_memory_gib "
+            f"{j.gpu_memory_gib:g}: world size {world_size} {count} them; this peak, "
+            f"{peak / 2**30:.1f} GiB, is {fits} {MEMORY_HEADROOM:.0%} of it ({room:.1f} GiB)")
+
+
+def _numbers(name: str, per_trace: list[dict], n_layers: int) -> dict:
+    """Plan ``name``'s numbers at depth ``n_layers`` from ``per_trace`` ({plan: numbers} of
+    one full trace, or of the 4- and 6-block traces)."""
+    if len(per_trace) == 1:
+        return per_trace[0][name]
+    own = [numbers[name] for numbers in per_trace]
+    m = _extrapolate(own, n_layers)
+    if "autobucketing" in name:
+        # Cost-model buckets may span several blocks, so their count is not periodic in
+        # depth: scale it from the block plan of the same traces instead. (The peak is: the
+        # memory cap bounds the gathered bytes alive the same way at every depth.)
+        ref = [numbers["aot_eager_blockbucketing"] for numbers in per_trace]
+        ref_m = _extrapolate(ref, n_layers)
+        for key in [k for k in m if k == "collectives" or k.endswith(":count")]:
+            m[key] = ref_m.get(key, 0) * own[-1][key] / max(1, ref[-1].get(key, 0))
+    return m
+
+
+def _extrapolate(per_trace: list[dict], n_layers: int) -> dict:
+    """Numbers of a ``n_layers``-block model from traces of 4 and 6 blocks (linear in depth)."""
+    a, b = per_trace
+    return {k: a[k] + (n_layers - 4) / 2 * (b[k] - a[k])
+            for k in a if isinstance(a[k], (int, float))}
+
+
+def _meta_params(cfg):
+    from simplesharded.models import build_model
+    return list(build_model(cfg.model.name, cfg.model.flavor, device="meta").parameters())
+
+
+def _evaluate(traced: Traced, name: str, ns, cfg, hw, cap) -> dict:
+    """One plan on one trace: its times, bytes, memory, and per process group (keys
+    ``group:<mesh dim>:count|bytes|seconds|exposed_s``, the dims' links under ``links``)."""
+    from simplesharded.passes.collectives import find_collectives
+    from simplesharded.passes.simulate import simulate
+
+    fw, bw = apply_plan(traced, name, ns.hardware, cap)
+    fs, bs = (simulate(gm, hw, labels=traced.group_labels) for gm in (fw, bw))
+    mem = memory_report(traced, cfg.optimizer.name, (fw, bw))
+    out = {"fw_s": fs.makespan, "bw_s": bs.makespan,
+           "exposed_s": fs.exposed_comm_s + bs.exposed_comm_s,
+           "comm_bytes": fs.comm_bytes + bs.comm_bytes,
+           "collectives": len(find_collectives(fw)) + len(find_collectives(bw)),
+           "peak_act": int(mem.peak_activations), "local_numel": traced.local_numel,
+           "fw_sched": fs, "bw_sched": bs, "links": {}}
+    for sched in (fs, bs):
+        for prefix, tallies in (("group", sched.by_group), ("kind", sched.by_kind)):
+            for label, g in tallies.items():
+                if prefix == "group":
+                    out["links"][label] = g.link
+                for field in ("count", "bytes", "seconds", "exposed_s"):
+                    key = f"{prefix}:{label}:{field}"
+                    out[key] = out.get(key, 0) + getattr(g, field)
+    return out
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,70 @@
+"""``python -m simplesharded.trainer`` (normally via ./run_train.sh / torchrun): load and check
+the config, start the process group, train. Errors in the configuration exit with code 2 and
+one line. ``--help`` lists every key; ``--check-only`` runs only the checks (run_train.sh's
+preflight, with WORLD_SIZE set to the number of processes torchrun would start).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from simplesharded.mesh import init_distributed
+from simplesharded.trainer.config import help_text, load_config
+from simplesharded.trainer.loop import NonFiniteError, Trainer
+from simplesharded.trainer.preflight import HF, check_static
+
+EXIT_CONFIG, EXIT_NONFINITE = 2, 3
+
+
+def make_deterministic(device: str) -> None:
+    """torch's deterministic algorithms (``training.deterministic``). On CUDA, cuBLAS needs a
+    fixed workspace for them, which it reads from the environment when its handle is created:
+    set before the first matmul (a value the user set wins), else that matmul raises."""
+    if device == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(help_text("python -m simplesharded.trainer | ./run_train.sh [--section.key VALUE ...]"))
+        return 0
+    # --check-only: run_train.sh's preflight. The same checks once, in one process, before
+    # torchrun starts any rank (otherwise every rank prints the error, then torchrun a traceback).
+    check_only = "--check-only" in argv
+    argv = [a for a in argv if a != "--check-only"]
+    try:
+        cfg = load_config(None, argv)
+        cfg = check_static(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    if check_only:
+        return 0
+    code = 0
+    try:
+        device = init_distributed()
+        if cfg.training.deterministic:
+            make_deterministic(device)
+        trainer = Trainer(cfg, device)
+        if trainer.rank == 0:
+            model = (f"hf:{cfg.model.path}" if cfg.model.name == HF
+                     else f"{cfg.model.name}/{cfg.model.flavor}")
+            print(f"[simplesharded] {model} world={trainer.world} "
+                  f"mode={cfg.parallelism.mode} mesh={tuple(trainer.mesh.mesh.shape)} "
+                  f"compile={cfg.compile.backend if cfg.compile.enable else 'off'}", flush=True)
+        trainer.run()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        code = EXIT_CONFIG
+    except NonFiniteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        code = EXIT_NONFINITE
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return code

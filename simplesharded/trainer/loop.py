@@ -1,0 +1,254 @@
+"""The training loop: :class:`Trainer` builds the mesh, data, model (meta device →
+parallelize → initialise the shards), optimizer and schedule from a resolved config, and
+runs steps with gradient accumulation, clipping, validation, DCP checkpoints, metrics and
+profiling."""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from simplesharded.grad_sync import set_requires_gradient_sync
+from simplesharded.init import init_sharded
+from simplesharded.mesh import build_mesh
+from simplesharded.models import build_model, hf_source
+from simplesharded.trainer import checkpoint as ckpt
+from simplesharded.trainer.config import Config
+from simplesharded.trainer.data import build_data
+from simplesharded.trainer.metrics import (MetricsLogger, format_record, memory_stats, peak_flops,
+                                          reset_peak_memory, throughput)
+from simplesharded.trainer.optim import build_optimizer, grad_norm_and_clip, lr_lambda
+from simplesharded.trainer.preflight import HF
+from simplesharded.trainer.recipe import loss_chunks, parallelize, uses_loss_parallel
+
+
+class NonFiniteError(RuntimeError):
+    pass
+
+
+def local_loss(t: torch.Tensor) -> torch.Tensor:
+    """A loss-parallel loss is a DTensor replicated over tp: its local value is the loss."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def graph_break_error(e: Exception, cfg: Config) -> ValueError:
+    """A graph break under compile.fullgraph as one line: what breaks and where (the
+    innermost frame of the model's code), and the flag that compiles around it."""
+    what = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    frame = getattr(e, "innermost_user_frame_summary", None)
+    stack = getattr(e, "real_stack", None)
+    if frame is None and stack:
+        frame = stack[-1]
+    where = f" at {frame.filename}:{frame.lineno} in {frame.name}" if frame else ""
+    if frame is not None and frame.line:
+        where += f" ({frame.line.strip()})"
+    model = cfg.model.path if cfg.model.name == HF else f"{cfg.model.name}/{cfg.model.flavor}"
+    return ValueError(f"compile.fullgraph=true: the forward of {model} graph-breaks{where}: "
+                      f"{what}; rerun with --no-compile.fullgraph to compile the pieces "
+                      f"between breaks (each is bucketed on its own)")
+
+
+class Trainer:
+    def __init__(self, cfg: Config, device: str, observer=None):
+        self.cfg, self.device = cfg, device
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        p, t = cfg.parallelism, cfg.training
+        self.mesh = build_mesh(p.data_parallel_replicate_degree, p.data_parallel_shard_degree,
+                               device, p.tensor_parallel_degree, p.expert_parallel_degree)
+        # tp is the innermost mesh dim: the tp ranks of one dp rank are consecutive and read
+        # the same batch.
+        self.tp = p.tensor_parallel_degree
+        self.loss_parallel = uses_loss_parallel(cfg)
+        self.loss_chunks = loss_chunks(cfg)
+        torch.manual_seed(cfg.job.seed)
+        self.data = build_data(cfg, self.rank // self.tp, self.world // self.tp)
+        hf = cfg.model.name == HF
+        if hf:
+            model = hf_source.build_hf_model(cfg.model.path)
+        else:
+            model = build_model(cfg.model.name, cfg.model.flavor, device="meta")
+        if self.data.tokenizer.vocab_size > model.args.vocab_size:
+            raise ValueError(f"model.tokenizer_path: vocabulary {self.data.tokenizer.vocab_size} "
+                             f"does not fit the model's vocab_size {model.args.vocab_size}")
+        self.step_fn = parallelize(model, self.mesh, cfg, observer=observer)
+        if hf:
+            how = hf_source.materialize(model, cfg.job.seed)
+            tok = cfg.model.tokenizer_path or "built-in bytes"
+            self._print(f"[simplesharded] model.path={cfg.model.path!r}: weights {how}, "
+                        f"tokenizer {tok}")
+        else:
+            # Each rank fills only its shards, on the mesh's device, with its slice of the
+            # same full values at any world size and tp / ep degree (simplesharded/init.py).
+            init_sharded(model, seed=cfg.job.seed)
+        self.model = model
+        self.params = [q for q in model.parameters() if q.requires_grad]
+        self.optimizer = build_optimizer(cfg, self.params)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
+        self.tokens_per_step = t.global_batch_size * t.seq_len
+        self.flops_per_token = model.num_flops_per_token(t.seq_len)
+        self.peak = peak_flops(device, cfg.metrics.peak_tflops, t.mixed_precision_param)
+        self.ckpt_folder = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
+        self.step = 0
+
+    # ------------------------------------------------------------------ steps
+    def forward_loss(self, fn, inputs, labels):
+        """Summed cross-entropy of ``fn`` (the compiled step or the model) on one micro-batch,
+        computed in the model's forward: compiled, the loss and the output projection's gather
+        are in the model's graph, and with ``training.loss_chunks`` != 1 the full fp32 logits
+        never exist at once (models/loss.py). Under loss parallelism the logits are a
+        DTensor sharded on the vocabulary over tp: torch's loss_parallel computes the same
+        log-softmax with the max and the sum of exponentials all-reduced over tp (no rank
+        materialises full logits)."""
+        try:
+            return fn(inputs.to(self.device), labels.to(self.device),
+                      loss_chunks=self.loss_chunks)
+        except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:
+            if fn is self.model or not self.cfg.compile.fullgraph:
+                raise
+            raise graph_break_error(e, self.cfg) from None
+
+    def _loss_context(self):
+        return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
+
+    def train_step(self) -> dict[str, float]:
+        t = self.cfg.training
+        self.optimizer.zero_grad(set_to_none=True)
+        local_tokens = t.local_batch_size * t.seq_len * t.gradient_accumulation_steps
+        # sum: every rank divides by the global token count and gradients are summed, so the
+        # result is the exact global mean; avg: local mean, gradients averaged over ranks.
+        denom = self.tokens_per_step if t.grad_reduction == "sum" else local_tokens
+        loss_sum = torch.zeros((), device=self.device)
+        n = t.gradient_accumulation_steps
+        # last_microbatch: the earlier micro-batches' backwards only accumulate locally, the
+        # last one reduces the sum once (simplesharded/grad_sync.py); every rank toggles alike.
+        sync_last = n > 1 and t.gradient_sync == "last_microbatch"
+        for i in range(n):
+            if sync_last:
+                set_requires_gradient_sync(self.model, i == n - 1)
+            inputs, labels = next(self.data.train)
+            with self._loss_context():  # backward too: the loss's own backward is parallel
+                loss = self.forward_loss(self.step_fn, inputs, labels)
+                (loss / denom).backward()
+            loss_sum += local_loss(loss.detach())
+        norm = grad_norm_and_clip(self.params, t.max_norm)
+        dist.all_reduce(loss_sum)  # every tp rank of a dp rank holds the same loss
+        loss = (loss_sum / (self.tokens_per_step * self.tp)).item()
+        norm = norm.item()
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            if t.on_nonfinite == "stop":
+                raise NonFiniteError(f"non-finite loss={loss} or grad_norm={norm} at step "
+                                     f"{self.step + 1}; training stopped, checkpoints untouched")
+            self.optimizer.zero_grad(set_to_none=True)
+            self._print(f"step {self.step + 1}: non-finite loss/grad norm, step skipped")
+        else:
+            self.optimizer.step()
+            if hasattr(self.model, "update_expert_bias"):
+                self.model.update_expert_bias()
+        self.scheduler.step()
+        return {"loss": loss, "grad_norm": norm}
+
+    @torch.no_grad()
+    def validate(self) -> float:
+        loader = self.data.validation
+        loader.reset()
+        total = torch.zeros((), device=self.device)
+        for _ in range(self.cfg.training.val_steps):
+            inputs, labels = next(loader)
+            with self._loss_context():
+                total += local_loss(self.forward_loss(self.model, inputs, labels))
+        dist.all_reduce(total)
+        n = (self.cfg.training.val_steps * loader.global_batch_size * self.cfg.training.seq_len
+             * self.tp)
+        return (total / n).item()
+
+    # ------------------------------------------------------------------ loop
+    def maybe_load(self) -> None:
+        c = self.cfg.checkpoint
+        if not c.enable or c.load_step == 0:
+            return
+        if c.load_step == -1 and not ckpt.complete_steps(self.ckpt_folder):
+            return
+        state = ckpt.load(self.ckpt_folder, c.load_step, self.model, self.optimizer,
+                          self.data.train.state_dict())
+        self.data.train.load_state_dict(state["loader"])
+        torch.set_rng_state(state["rng"])
+        self.step = int(state["step"])
+        for _ in range(self.step):
+            self.scheduler.step()
+        self._print(f"[checkpoint] resumed from step {self.step}")
+
+    def run(self) -> list[float]:
+        cfg, losses = self.cfg, []
+        self.maybe_load()
+        logger = MetricsLogger(cfg.job.dump_folder, enabled=self.rank == 0,
+                               save_jsonl=cfg.metrics.save_jsonl,
+                               tensorboard=cfg.metrics.enable_tensorboard)
+        bar = None
+        if self.rank == 0 and cfg.metrics.progress_bar:
+            from tqdm import tqdm
+            bar = tqdm(total=cfg.training.steps, initial=self.step, desc="train", unit="step",
+                       dynamic_ncols=True, file=sys.stderr)
+        profiler = self._profiler()
+        with profiler or contextlib.nullcontext():
+            while self.step < cfg.training.steps:
+                t0 = time.perf_counter()
+                record = self.train_step()
+                self.step += 1
+                dt = time.perf_counter() - t0
+                losses.append(record["loss"])
+                record.update(lr=self.scheduler.get_last_lr()[0], step_s=dt,
+                              **throughput(self.tokens_per_step, dt, self.world,
+                                           self.flops_per_token, self.peak),
+                              **memory_stats(self.device))
+                if len(losses) == 1:  # later records: the steady step's peak, not compile's
+                    reset_peak_memory(self.device)
+                if cfg.training.val_every and self.step % cfg.training.val_every == 0:
+                    record["val_loss"] = self.validate()
+                if self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps:
+                    logger.log(self.step, record)
+                    line = format_record(self.step, record)
+                    if "val_loss" in record:
+                        line += f"  val {record['val_loss']:.4f}"
+                    self._print(line, bar)
+                if bar:
+                    bar.update(1)
+                if cfg.checkpoint.enable and (self.step % cfg.checkpoint.interval == 0
+                                              or self.step == cfg.training.steps):
+                    ckpt.save(self.ckpt_folder, self.step, self.model, self.optimizer,
+                              self.data.train.state_dict(), cfg.checkpoint.keep_latest_k,
+                              ckpt.model_meta(self.model, cfg.model.name, cfg.model.flavor))
+                if profiler:
+                    profiler.step()
+        if bar:
+            bar.close()
+        logger.close()
+        return losses
+
+    def _profiler(self):
+        p = self.cfg.profiling
+        if not p.enable_profiling:
+            return None
+        folder = os.path.join(self.cfg.job.dump_folder, p.save_traces_folder)
+
+        def on_trace(prof):
+            os.makedirs(folder, exist_ok=True)
+            prof.export_chrome_trace(os.path.join(folder, f"step{self.step}_rank{self.rank}.json"))
+
+        return torch.profiler.profile(
+            schedule=torch.profiler.schedule(wait=max(0, p.profile_freq - 2), warmup=1, active=1),
+            on_trace_ready=on_trace)
+
+    def _print(self, line: str, bar=None) -> None:
+        if self.rank != 0:
+            return
+        if bar is not None:
+            bar.write(line)
+        else:
+            print(line, flush=True)

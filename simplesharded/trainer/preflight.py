@@ -1,0 +1,86 @@
+"""Checks of a training config that need no process group: the model it names, the degrees
+against the model's sizes, the sequence length, the dataset. ``python -m simplesharded.trainer
+--check-only`` (run_train.sh's preflight) runs them once before torchrun starts any rank; every
+rank runs them again for direct torchrun users. Rules about the config alone live in
+config.py's ``validate``."""
+from __future__ import annotations
+
+import os
+
+from simplesharded.models import get_model_spec, hf_source
+from simplesharded.trainer.config import Config, resolve
+from simplesharded.trainer.data import load_tokenizer
+
+HF = "hf"  # model.name of a Hugging Face model read from model.path (models/hf_source.py)
+
+
+def check_static(cfg: Config, world_size: int) -> Config:
+    """Everything that can be checked before any process-group work; returns resolved cfg."""
+    cfg = resolve(cfg, world_size)
+    if cfg.model.name == HF:
+        args = _check_hf(cfg)
+    else:
+        args = _check_zoo(cfg)
+    what = (f"model.path={cfg.model.path!r}" if cfg.model.name == HF
+            else f"model {cfg.model.name}/{cfg.model.flavor}")
+    if cfg.training.seq_len > args.max_seq_len:
+        raise ValueError(f"training.seq_len={cfg.training.seq_len} is above the maximum "
+                         f"{args.max_seq_len} of {what}")
+    path = cfg.training.dataset_path
+    if path and not os.access(path, os.R_OK):
+        raise ValueError(f"training.dataset_path={path!r} does not exist or is not readable")
+    if cfg.parallelism.mode == "hybrid_shard" and cfg.parallelism.data_parallel_replicate_degree < 2:
+        raise ValueError("parallelism.mode='hybrid_shard' needs "
+                         "data_parallel_replicate_degree >= 2 (a 2-D mesh)")
+    tp = cfg.parallelism.tensor_parallel_degree
+    if tp > 1:
+        try:
+            args.check_tp(tp)
+        except ValueError as e:
+            raise ValueError(f"parallelism.{e} ({what})") from None
+        if cfg.parallelism.enable_sequence_parallel and cfg.training.seq_len % tp:
+            raise ValueError(f"parallelism.tensor_parallel_degree={tp} does not divide "
+                             f"training.seq_len={cfg.training.seq_len} (sequence parallelism "
+                             f"splits the sequence; or --no-parallelism.enable_sequence_parallel)")
+    ep = cfg.parallelism.expert_parallel_degree
+    if ep > 1:
+        what = f"model {cfg.model.name}/{cfg.model.flavor}"
+        if not hasattr(args, "check_ep"):
+            raise ValueError(f"parallelism.expert_parallel_degree={ep} needs a model with "
+                             f"routed experts (deepseek_v3); {what} has none")
+        try:
+            args.check_ep(ep)
+        except ValueError as e:
+            raise ValueError(f"parallelism.{e} of {what}") from None
+    return cfg
+
+
+def _check_zoo(cfg: Config):
+    from simplesharded.models import MODELS
+
+    if cfg.model.name not in MODELS:  # the trainer's choices: the zoo and HF
+        raise ValueError(f"model.name={cfg.model.name!r} is not one of {sorted([*MODELS, HF])}")
+    cls, args = get_model_spec(cfg.model.name, cfg.model.flavor)
+    if not hasattr(cls, "num_flops_per_token"):  # the trainer's model protocol (zoo models)
+        trainable = sorted(n for n, (c, _) in MODELS.items() if hasattr(c, "num_flops_per_token"))
+        raise ValueError(f"model.name={cfg.model.name!r} is not trainable here yet (bench it with "
+                         f"python -m simplesharded.tools.bench --model {cfg.model.name}); the "
+                         f"trainer takes {trainable + [HF]}")
+    return args
+
+
+def _check_hf(cfg: Config):
+    """model.name='hf': the directory, its config and its tokenizer, read without torch
+    models. Without model.tokenizer_path the directory's tokenizer.json is used (set here, in
+    the resolved config every rank trains with)."""
+    args = hf_source.read_args(cfg.model.path)
+    hf_source.check_weights(cfg.model.path)
+    if not cfg.model.tokenizer_path:
+        cfg.model.tokenizer_path = hf_source.hf_tokenizer_path(cfg.model.path)
+    if cfg.model.tokenizer_path:
+        vocab = load_tokenizer(cfg.model.tokenizer_path).vocab_size
+        if vocab > args.vocab_size:
+            raise ValueError(f"model.tokenizer_path={cfg.model.tokenizer_path!r}: vocabulary "
+                             f"{vocab} is larger than vocab_size {args.vocab_size} of "
+                             f"model.path={cfg.model.path!r}")
+    return args

@@ -1,0 +1,148 @@
+"""The parallelization recipe, in its order: tensor parallelism → expert parallelism →
+activation checkpointing → data_parallel → torch.compile with our backend
+(:func:`parallelize`), and what the step needs to know of it (loss chunks, loss parallelism)."""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.fx.traceback as fx_traceback
+from torch.distributed.tensor.parallel import parallelize_module
+
+from simplesharded.backends import make_backend
+from simplesharded.blocks import find_blocks
+from simplesharded.mesh import ep_dim, tp_dim
+from simplesharded.passes.annotations import AC_KEY
+from simplesharded.sharding import MixedPrecisionPolicy, data_parallel
+from simplesharded.trainer.config import Config
+
+
+def apply_activation_checkpointing(model: torch.nn.Module, mode: str, every: int,
+                                   compiled: bool = True, expert_parallel: bool = False) -> None:
+    """Recompute block activations in backward (``full``: every block; ``selective``: every
+    ``every``-th block). Blocks are the ones data_parallel buckets (simplesharded/blocks.py).
+    FQNs stay unchanged.
+
+    Compiled: the block is annotated and passes/recompute.py tags its ops in the joint graph
+    (torch.utils.checkpoint's compiled form saves a DeviceMesh when DTensor parameters are
+    gathered inside the region, which aot_autograd rejects); it never recomputes an
+    all-to-all or a routing decision. Eager: torch.utils.checkpoint; with
+    ``expert_parallel``, selectively: the all-to-alls' results and the top-k routing are
+    saved from forward (:func:`_save_routing`), so the recomputation re-runs neither.
+    """
+    if mode == "none":
+        return
+    for i, (_, block) in enumerate(find_blocks(model)):
+        if mode == "full" or i % every == 0:
+            wrap = _annotated if compiled else functools.partial(
+                _checkpointed, context_fn=_save_routing if expert_parallel else None)
+            block.forward = functools.partial(wrap, block.forward, i)
+
+
+# Ops whose results eager activation checkpointing keeps from forward under expert
+# parallelism: the token exchange (recomputing it would run it again, with every ep rank)
+# and the routing choice.
+_SAVED_UNDER_EP = (torch.ops._c10d_functional.all_to_all_single.default,
+                   torch.ops.aten.topk.default)
+
+
+def _save_routing():
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        return (CheckpointPolicy.MUST_SAVE if op in _SAVED_UNDER_EP
+                else CheckpointPolicy.PREFER_RECOMPUTE)
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def _checkpointed(fn, index, *args, context_fn=None, **kwargs):
+    extra = {"context_fn": context_fn} if context_fn is not None else {}
+    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **extra, **kwargs)
+
+
+def _annotated(fn, index, *args, **kwargs):
+    with fx_traceback.annotate({AC_KEY: index}):
+        return fn(*args, **kwargs)
+
+
+def loss_chunks(cfg: Config) -> int:
+    """The model's ``loss_chunks`` (models/loss.py): the configured one, except under
+    tensor parallelism, where chunking needs a plain output projection: there auto (0) means
+    unchunked (config validation allows no other value)."""
+    return 1 if cfg.parallelism.tensor_parallel_degree > 1 else cfg.training.loss_chunks
+
+
+def uses_loss_parallel(cfg: Config) -> bool:
+    p = cfg.parallelism
+    return p.tensor_parallel_degree > 1 and p.enable_loss_parallel
+
+
+def apply_tensor_parallel(model: torch.nn.Module, mesh, sequence_parallel: bool,
+                          loss_parallel: bool = False) -> None:
+    """Torch TP with the model's own plan on ``mesh["tp"]`` (nothing when the mesh has no tp
+    dim): the first step of :func:`parallelize`, shared with the benchmark's TP peers."""
+    if tp_dim(mesh):
+        parallelize_module(model, mesh[tp_dim(mesh)],
+                           model.tp_plan(sequence_parallel, loss_parallel))
+
+
+def apply_expert_parallel(model: torch.nn.Module, mesh) -> None:
+    """The model's expert-parallel plan (models/moe.py ``ep_plan``) on ``mesh["ep"]``
+    (nothing when the mesh has no ep dim)."""
+    if ep_dim(mesh):
+        parallelize_module(model, mesh[ep_dim(mesh)], model.ep_plan())
+
+
+class _EPCompiled:
+    """A compiled expert-parallel model, called under ``ep_compile_config()`` (models/moe.py:
+    dynamo captures the dispatch's split sizes; scoped to these calls, never global)."""
+
+    def __init__(self, compiled):
+        self.compiled = compiled
+
+    def __call__(self, *args, **kwargs):
+        from simplesharded.models.moe import ep_compile_config
+
+        with ep_compile_config():
+            return self.compiled(*args, **kwargs)
+
+
+def parallelize(model: torch.nn.Module, mesh, cfg: Config, backend=None, observer=None):
+    """TP → EP → activation checkpointing → data_parallel → compile, in that order; returns
+    the callable a step runs (the compiled model, or the model itself). ``backend``: a
+    torch.compile backend used instead of the configured one (``python -m simplesharded.tools.forecast``
+    captures the graphs with its own, so it traces what the trainer compiles). ``observer``:
+    handed to the configured backend (``make_backend``), which shows it every graph our
+    passes produce (the GPU smoke compares them with inductor's code)."""
+    p, t, c = cfg.parallelism, cfg.training, cfg.compile
+    apply_tensor_parallel(model, mesh, p.enable_sequence_parallel, uses_loss_parallel(cfg))
+    apply_expert_parallel(model, mesh)
+    apply_activation_checkpointing(model, cfg.activation_checkpoint.mode,
+                                   cfg.activation_checkpoint.selective_every,
+                                   compiled=c.enable, expert_parallel=bool(ep_dim(mesh)))
+    pdt, rdt = getattr(torch, t.mixed_precision_param), getattr(torch, t.mixed_precision_reduce)
+    mp = MixedPrecisionPolicy(pdt, rdt) if (pdt, rdt) != (torch.float32, torch.float32) else None
+    # Explicit: the trainer's own default is "sum" (data_parallel's is "avg"), with every
+    # rank's loss divided by the global token count (train_step), so the reduced gradient is
+    # the exact global mean whatever the ranks' token counts.
+    data_parallel(model, mesh, p.mode, mp_policy=mp, reshard_after_forward=p.reshard,
+                  grad_reduction=t.grad_reduction)
+    if not c.enable:
+        return model
+    scoped = _EPCompiled if ep_dim(mesh) else (lambda compiled: compiled)
+    if backend is not None:
+        return scoped(torch.compile(model, backend=backend, fullgraph=True))
+    opts = {"dump_graphs": c.dump_graphs or None, "observer": observer}
+    if "bucketing" in c.backend:
+        opts["memory_cap_bytes"] = int(c.memory_cap_mb * 2**20) or None
+        opts["hardware"] = c.hardware
+    if not c.fullgraph:
+        # A break inside a block makes each block's frame a compile of its own, and each
+        # block's modules have classes of their own (data_parallel's class swap): one
+        # recompile per block, which torch's default limit (8) would cut short, leaving the
+        # later blocks uncompiled.
+        limit = len(find_blocks(model)) + 8
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+    return scoped(torch.compile(model, backend=make_backend(c.backend, **opts),
+                                fullgraph=c.fullgraph))
