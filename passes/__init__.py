@@ -8,8 +8,10 @@ from .plan_protocol import Plan
 from .planning import AutoPlan, BlockPlan
 from .recompute import tag_gathers_for_recompute
 from .reordering import reorder_for_overlap
+from .replica_padding import pad_replica_all_reduces
 
 __all__ = ["bucket_collectives", "coalesce_gathers", "Collective", "count_collectives",
            "find_collectives", "lower_reduce_scatters", "PassPipeline", "aot_backend",
            "inductor_backend", "Plan",
-           "AutoPlan", "BlockPlan", "tag_gathers_for_recompute", "reorder_for_overlap"]
+           "AutoPlan", "BlockPlan", "tag_gathers_for_recompute", "reorder_for_overlap",
+           "pad_replica_all_reduces"]

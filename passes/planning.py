@@ -99,6 +99,9 @@ class AutoPlan:
     (simulate.py: compute + a comm lane per link) and undone; the shortest makespan wins
     (ties: fewer collectives). So the plan accounts for latency per collective, the copy-in/copy-out the
     bucket costs on the compute stream, and the overlap that prefetch under the cap achieves.
+    Every rank must reach the same plan from its own graph (docs/rank_agreement.md): under
+    HSDP run replica_padding.py first (the backends do), or uneven shards give the ranks'
+    replica all-reduces different sizes.
     """
 
     hardware: object = "local"

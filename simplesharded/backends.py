@@ -6,6 +6,8 @@ torch config is changed outside the backend's own ``config.patch`` (see passes/p
   eager, aot_eager, inductor            collectives untouched (reshard-after-forward tagging only)
   {aot_eager,inductor}_blockbucketing   one bucket per transformer block + overlap reordering
   {aot_eager,inductor}_autobucketing    cost-model buckets + overlap reordering
+  (both first run HSDP's replica all-reduces at the padded shard size, so that every rank
+   plans from the same sizes, passes/replica_padding.py)
   (on gloo both then lower the emulated reduce-scatter to all-to-all + adds, passes/lowering.py;
    gathering each bucket straight into per-parameter outputs, passes/coalesce_gathers.py, is
    off: gloo's coalesced gather can corrupt the heap, simplesharded/shims/gloo_gather.py)
@@ -27,6 +29,7 @@ from simplesharded.passes.plan_protocol import Plan
 from simplesharded.passes.planning import AutoPlan, BlockPlan
 from simplesharded.passes.recompute import tag_gathers_for_recompute
 from simplesharded.passes.reordering import reorder_for_overlap
+from simplesharded.passes.replica_padding import pad_replica_all_reduces
 from simplesharded.passes.upstream import upstream_overlap_bucketing
 
 COMPILERS = ("aot_eager", "inductor")
@@ -90,7 +93,9 @@ def _plain(compiler: str, opts: BackendOptions) -> Callable:
 
 def _ours(compiler: str, kind: str, opts: BackendOptions) -> Callable:
     plan = _plan(kind, opts)
-    passes = [("bucketing", functools.partial(bucket_collectives, plan=plan)),
+    # The padding first: the plan must see the same all-reduce sizes on every rank.
+    passes = [("padding", pad_replica_all_reduces),
+              ("bucketing", functools.partial(bucket_collectives, plan=plan)),
               ("reordering", functools.partial(reorder_for_overlap, plan=plan)),
               ("lowering", lower_reduce_scatters),
               ("coalescing", coalesce_gathers)]

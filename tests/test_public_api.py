@@ -138,12 +138,14 @@ def test_readme_custom_backend_example(fake_pg):
 
     from simplesharded.models import build_model
     from simplesharded.passes import (BlockPlan, bucket_collectives, count_collectives,
-                                      reorder_for_overlap, tag_gathers_for_recompute)
+                                      pad_replica_all_reduces, reorder_for_overlap,
+                                      tag_gathers_for_recompute)
 
     seen = []
     plan = BlockPlan(memory_cap_bytes=None)
 
     def compiler(gm, example_inputs):
+        gm = pad_replica_all_reduces(gm)
         gm = reorder_for_overlap(bucket_collectives(gm, plan), plan)
         seen.append(count_collectives(gm))
         return make_boxed_func(gm.forward)

@@ -228,21 +228,9 @@ def _reference(world):
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-# Not the mesh's doing: init_mesh's (dp_replicate=2, dp_shard=2) fails the same way. Its
-# replica all-reduces run on each rank's own (uneven) shard, so AutoPlan's costs, and with them
-# its buckets, differ between ranks; the agreement check stops the step.
-_AUTO_HSDP = pytest.mark.xfail(strict=True, reason="autobucketing plans HSDP with uneven "
-                               "shards differently per rank (ranks compiled different "
-                               "collective sequences)")
-
-
-def _params(cases):
-    return [pytest.param(*c, id="-".join(map(str, c)), marks=[_AUTO_HSDP] if c[2:] == (
-        "hybrid_shard", "aot_eager_autobucketing") else []) for c in cases]
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("world,kind,mode,backend", _params(CASES))
+@pytest.mark.parametrize("world,kind,mode,backend", CASES,
+                         ids=["-".join(map(str, c)) for c in CASES])
 def test_parity_on_user_meshes(world, kind, mode, backend):
     ranks = []
     for rank, per_rank in enumerate(_run(world)):

@@ -33,6 +33,7 @@ def pass_times(traced, name: str, hardware: str) -> dict[str, dict[str, float]]:
     from simplesharded.passes.pipeline import PassPipeline, generate_code, lazily_compiled
     from simplesharded.passes.planning import AutoPlan, BlockPlan
     from simplesharded.passes.reordering import reorder_for_overlap
+    from simplesharded.passes.replica_padding import pad_replica_all_reduces
 
     plan = BlockPlan() if "block" in name else AutoPlan(hardware)
     out: dict[str, dict[str, float]] = {"fw": {}, "bw": {}}
@@ -44,7 +45,8 @@ def pass_times(traced, name: str, hardware: str) -> dict[str, dict[str, float]]:
             out[kind][stage] = now - last[0]
         last[0] = now
 
-    pipeline = PassPipeline(graph=[("bucketing", lambda gm: bucket_collectives(gm, plan)),
+    pipeline = PassPipeline(graph=[("padding", pad_replica_all_reduces),
+                                   ("bucketing", lambda gm: bucket_collectives(gm, plan)),
                                    ("reordering", lambda gm: reorder_for_overlap(gm, plan)),
                                    ("lowering", lower_reduce_scatters),
                                    ("coalescing", coalesce_gathers)], observer=observe)

@@ -125,6 +125,7 @@ def apply_plan(traced: Traced, name: str, hardware: str, cap_bytes: int | None):
     from simplesharded.passes.pipeline import lazily_compiled
     from simplesharded.passes.planning import AutoPlan, BlockPlan
     from simplesharded.passes.reordering import reorder_for_overlap
+    from simplesharded.passes.replica_padding import pad_replica_all_reduces
 
     if not name.endswith("bucketing"):
         return traced.fw, traced.bw
@@ -136,6 +137,7 @@ def apply_plan(traced: Traced, name: str, hardware: str, cap_bytes: int | None):
             else AutoPlan(hardware, cap_bytes))
     gloo = get_hardware(hardware).transport == "gloo"
     for gm in (fw, bw):
+        pad_replica_all_reduces(gm)
         bucket_collectives(gm, plan)
         reorder_for_overlap(gm, plan)
         if gloo:
