@@ -6,6 +6,7 @@ import re
 import sys
 
 import pytest
+import torch
 
 from simplesharded.tools import bench, bench_collectives, bench_passes
 
@@ -284,3 +285,23 @@ def test_bench_passes_times_every_pass_of_both_backends(capsys):
         for kind in ("fw", "bw"):
             assert re.search(rf"\| {name} \| {kind} \|( [0-9.]+ \|){{5}}", out), out
         assert re.search(rf"{name}: our passes [0-9.]+ s of a [0-9.]+ CPU s compile", out), out
+
+
+def test_one_rank_per_accelerator(monkeypatch, capsys):
+    """On an accelerator the bench starts one rank per device by default and refuses more
+    ranks than devices (two NCCL ranks cannot share a GPU); the device calls are mocked."""
+    class _Cuda:
+        type = "cuda"
+
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: _Cuda())
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 1)
+    with pytest.raises(SystemExit):
+        bench.main(["--device", "cuda", "--world-size", "2", "--variants", "ddp"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--world-size 2" in err and "1 cuda device(s)" in err, err
+    ran = []
+    monkeypatch.setattr(bench, "run_variant", lambda v, args: ran.append(args.world_size)
+                        or bench.RunResult(v, error="stopped by the test"))
+    bench.main(["--device", "cuda", "--variants", "ddp", "--reps", "1",
+                "--global-batch", "2", "--no-predict-memory"])
+    assert ran == [1]

@@ -59,11 +59,36 @@ def test_cpu_dry_run_uninstalled(tmp_path):
     assert "6 of 6 checks passed or skipped" in p.stdout, p.stdout
 
 
-def test_a_failed_check_fails_the_run(monkeypatch, capsys):
+def _load_smoke():
     spec = importlib.util.spec_from_file_location("gpu_smoke", os.path.join(ROOT, "scripts",
                                                                             "gpu_smoke.py"))
     smoke = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(smoke)
+    return smoke
+
+
+def test_gloo_on_a_device_that_crashes_it_is_a_skip(monkeypatch):
+    """Gloo with CUDA tensors can kill the process (torch 2.11 segfaults): the smoke probes it
+    in throwaway ranks, and a dead probe is a SKIP with the reason, not a failed run."""
+    import dist_utils
+
+    smoke = _load_smoke()
+    calls = []
+
+    def spawn(world, fn, *args, **kwargs):
+        calls.append(fn.__name__)
+        raise dist_utils.RankError("_gloo2_probe: process 1 terminated with signal SIGSEGV")
+
+    monkeypatch.setattr(dist_utils, "spawn", spawn)
+    rows = smoke.check_parity_gloo2("cuda", ["aot_eager"])
+    assert calls == ["_gloo2_probe"]  # the parity job itself never started
+    assert rows == [("SKIP", "parity[2 ranks, gloo on cuda]",
+                     "gloo on cuda crashed running DTensor's collectives: RankError: "
+                     "_gloo2_probe: process 1 terminated with signal SIGSEGV")]
+
+
+def test_a_failed_check_fails_the_run(monkeypatch, capsys):
+    smoke = _load_smoke()
     rows = {"bench": [["FAIL", "bench", "exit 1"]], "calibrate": [["SKIP", "calibrate", "-"]]}
     monkeypatch.setattr(smoke, "_run_check", lambda name, *a: rows[name])
     assert smoke.main(["--cpu", "--checks", "bench", "calibrate"]) == 1
