@@ -32,7 +32,7 @@ expert in token order is dropped, the same in both forms; "sorted" still compute
 Expert parallelism (``ExpertParallel``, applied with torch's ``parallelize_module`` on
 ``mesh["ep"]``): the routed experts' weights are split by expert over the ep ranks (Shard(0),
 E/ep consecutive experts each; data_parallel then shards them further over the dp ranks EP
-left, simplesharded/sharding.py). Each rank routes its own tokens exactly as above, sorts its
+left, simplesharded/layout.py). Each rank routes its own tokens exactly as above, sorts its
 (token, choice) rows by expert (so by owner rank), exchanges the per-expert row counts with one
 equal-split all-to-all, sends the rows with a variable-split all-to-all, runs its local experts
 on what it received through the same grouped path ("sorted", received rows grouped by local

@@ -2,7 +2,7 @@
 tracing, or by our passes on the nodes they create), defined once; every writer and reader
 imports them from here.
 
-Written by data_parallel (simplesharded/sharding.py) on every op that gathers a parameter:
+Written by data_parallel (simplesharded/gather.py) on every op that gathers a parameter:
   PARAM_KEY          the parameter's FQN; how every pass finds what a collective serves
   DP_GROUPS_KEY      the process groups of its data-parallel dims: a collective is ours to
                      bucket and move only on one of these (TP's collectives stay where they are)

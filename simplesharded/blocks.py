@@ -27,6 +27,8 @@ from typing import Iterable, Sequence, Union
 
 from torch import nn
 
+from simplesharded.sharded_state import sharded_state
+
 BlockSpec = Union[type, str]
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 
@@ -54,7 +56,8 @@ def block_of(model: nn.Module, blocks: Sequence[BlockSpec] | None = None) -> dic
 def _cls(m: nn.Module) -> type:
     """``m``'s own class: data_parallel gives each module holding parameters a subclass of
     its own, which must not change the answer once a model is wrapped."""
-    return getattr(m, "_ss_original_class", type(m))
+    state = sharded_state(m)
+    return state.original_class if state is not None else type(m)
 
 
 def _has_params(m: nn.Module) -> bool:

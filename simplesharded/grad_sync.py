@@ -48,6 +48,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from simplesharded.sharded_state import sharded_state
+
 
 class _DeferGrad(torch.autograd.Function):
     """Identity on ``x`` (a detached gathered tensor); its gradient goes to ``acc`` (the
@@ -82,7 +84,7 @@ class _AddGrad(torch.autograd.Function):
 
 
 class _GradSync:
-    """One per wrapped model (``model._ss_grad_sync``, and in every module's gather spec)."""
+    """One per wrapped model (in every wrapped module's state, and in every gather spec)."""
 
     def __init__(self):
         self.sync = True
@@ -101,17 +103,17 @@ class _GradSync:
 
     def make_accumulators(self, model: nn.Module) -> None:
         for module in model.modules():
-            specs = getattr(module, "_ss_specs", None)
-            if not specs or next(iter(specs.values())).grad_sync is not self:
+            state = sharded_state(module)
+            if state is None or state.grad_sync is not self:
                 continue
-            for name, fqn in module._ss_fqns.items():
+            for name, param in state.params.items():
                 shard = module._parameters[name]
-                if fqn in self.acc or shard is None or not shard.requires_grad:
+                if param.fqn in self.acc or shard is None or not shard.requires_grad:
                     continue
-                tp = module._ss_tp.get(name)
-                shape = tp.local_shape if tp is not None else shard.shape
+                mp = param.mp_layout
+                shape = mp.local_shape if mp is not None else shard.shape
                 zero = torch.zeros((), dtype=shard.dtype, device=shard.device)
-                self.acc[fqn] = zero.expand(shape).requires_grad_()
+                self.acc[param.fqn] = zero.expand(shape).requires_grad_()
 
     def take_accumulated(self) -> None:
         """Move each leaf's summed gradient to ``pending`` (added to an older pending one, if a
@@ -124,13 +126,13 @@ class _GradSync:
             leaf.grad = None
 
 
-def _state(model: nn.Module) -> _GradSync:
+def _grad_sync_of(model: nn.Module) -> _GradSync:
     model = getattr(model, "_orig_mod", model)  # a torch.compile'd model: its module
-    state = getattr(model, "_ss_grad_sync", None)
-    if state is None:
+    state = sharded_state(model)
+    if state is None or not state.root:
         raise ValueError(f"{type(model).__name__} is not a model returned by data_parallel "
                          f"(pass the root model you wrapped)")
-    return state
+    return state.grad_sync
 
 
 def set_requires_gradient_sync(model: nn.Module, requires_sync: bool) -> None:
@@ -145,7 +147,7 @@ def set_requires_gradient_sync(model: nn.Module, requires_sync: bool) -> None:
     the last no-sync backward. Memory: while off, every rank holds the whole model's
     gradients unsharded (see simplesharded/grad_sync.py). All ranks must make the same calls.
     """
-    state = _state(model)
+    state = _grad_sync_of(model)
     if not requires_sync:
         state.make_accumulators(getattr(model, "_orig_mod", model))
     elif not state.sync:
@@ -158,7 +160,7 @@ def no_gradient_sync(model: nn.Module) -> Iterator[nn.Module]:
     """``set_requires_gradient_sync(model, False)`` for the forwards (and their backwards)
     inside; the previous setting afterwards. Like DDP's ``no_sync``: run the micro-batches
     before the last one inside, the last one outside."""
-    previous = _state(model).sync
+    previous = _grad_sync_of(model).sync
     set_requires_gradient_sync(model, False)
     try:
         yield model

@@ -26,13 +26,13 @@ TIGHT = 1e-6  # eager vs the 1-process reference: only the order of the gradient
 
 
 class GatherRecorder:
-    """Wraps simplesharded.sharding.gather_param: counts gathers, tracks the bytes of the
+    """Wraps simplesharded.gather.gather_param: counts gathers, tracks the bytes of the
     gathered storages still alive (now and at their peak)."""
 
     def __init__(self):
-        import simplesharded.sharding as sharding
+        import simplesharded.gather as gather
 
-        self.sharding, self.inner = sharding, sharding.gather_param
+        self.gather_module, self.inner = gather, gather.gather_param
         self.live: list[tuple[StorageWeakRef, int]] = []
         self.calls, self.peak = 0, 0
 
@@ -67,11 +67,11 @@ class GatherRecorder:
         return now
 
     def __enter__(self):
-        self.sharding.gather_param = self.gather
+        self.gather_module.gather_param = self.gather
         return self
 
     def __exit__(self, *exc):
-        self.sharding.gather_param = self.inner
+        self.gather_module.gather_param = self.inner
 
 
 def _block_bytes(model) -> list[int]:

@@ -1,0 +1,137 @@
+"""Reshard after forward without torch.compile (FSDP2's memory behaviour), through
+saved-tensor hooks.
+
+Autograd saves what backward needs, and for ``linear(x, w)`` that is ``w`` (a view of it):
+left alone, every gathered parameter would live until backward. During one uncompiled root
+forward with grad, every gather is registered here by the storage of its full tensor, and
+saved-tensor hooks pack a saved tensor that aliases such a storage as a small record (which
+parameter, which view of it); its unpack gathers the parameter again from the shard and
+rebuilds the same view. A gathered parameter then dies when its modules are done with it,
+and backward holds one re-gathered parameter per running autograd node.
+
+Invariant: every rank issues its re-gathers in the same order. An unpack hook runs when the
+autograd engine runs the node that saved the tensor, and the engine orders nodes by the graph
+alone (dependencies, then creation order); every rank built the same graph by running the
+same forward, and the reduce-scatters of the gradients are issued from those same nodes.
+
+``keep`` (``reshard_after_forward="auto"``) saves the tensor itself: the compiled plans'
+rule (passes/recompute.py), read per module: a parameter read in the last block, or outside
+every block after a block has run, stays gathered for backward, which needs it first. A tied
+parameter is decided by its latest read (the compiled plan's "last use").
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from simplesharded.gather import _GatherScope, regather
+from simplesharded.sharded_state import sharded_state
+
+
+class _Gathered:
+    """One eager gather whose full tensor autograd may save: how to gather it again."""
+
+    __slots__ = ("module", "name", "storage", "nbytes", "dtype", "keep")
+
+    def __init__(self, module: nn.Module, name: str, local: torch.Tensor, keep: bool):
+        self.module, self.name, self.keep = module, name, keep
+        self.storage = StorageWeakRef(local.untyped_storage())
+        self.nbytes = local.untyped_storage().nbytes()
+        self.dtype = local.dtype
+
+    def gather(self) -> torch.Tensor:
+        with torch.no_grad():
+            return regather(self.module, self.name)
+
+
+class _Packed:
+    """A saved tensor that aliased a gathered parameter: its view of the gathered storage."""
+
+    __slots__ = ("source", "size", "stride", "offset", "dtensor")
+
+    def __init__(self, source: _Gathered, local: torch.Tensor, dtensor: tuple | None):
+        self.source = source
+        self.size, self.stride = local.size(), local.stride()
+        self.offset = local.storage_offset()
+        self.dtensor = dtensor  # (mesh, placements, shape, stride) of a saved DTensor
+
+
+def _local(t: torch.Tensor) -> torch.Tensor | None:
+    """The plain tensor holding ``t``'s data (a DTensor's local tensor), or None for other
+    tensor subclasses (e.g. a collective's pending result), which are saved as they are."""
+    if type(t) is DTensor:
+        t = t.to_local()  # pack hooks run without grad: this is the local tensor itself
+    return t if type(t) in (torch.Tensor, nn.Parameter) else None
+
+
+class _EagerReshard:
+    """One uncompiled root forward's gathers, and the saved-tensor hooks that re-gather them
+    in backward (module doc)."""
+
+    def __init__(self, scope: _GatherScope):
+        self.scope = scope
+        self.by_storage: dict[int, _Gathered] = {}  # data_ptr → live gathered storage
+        self.seen_block = False
+
+    def note(self, module: nn.Module, name: str, full: torch.Tensor) -> None:
+        """A parameter of ``module`` was read and is ``full`` (new or a cached tied gather)."""
+        local = _local(full)
+        if local is None or local.numel() == 0:
+            return  # nothing to free (or a layout we do not rebuild): autograd keeps it
+        block = sharded_state(module).read_block
+        self.seen_block = self.seen_block or block is not None
+        keep = False
+        if self.scope.reshard_after_forward == "auto" and self.scope.last_block is not None:
+            keep = block == self.scope.last_block or (block is None and self.seen_block)
+        ptr = local.untyped_storage().data_ptr()
+        known = self.by_storage.get(ptr)
+        if known is not None and not known.storage.expired():
+            known.keep = keep  # the same gathered tensor read again: its latest read decides
+        else:
+            self.by_storage[ptr] = _Gathered(module, name, local, keep)
+
+    def pack(self, t: torch.Tensor):
+        source, local = None, _local(t)
+        if local is not None:
+            try:
+                ptr = local.untyped_storage().data_ptr()
+            except RuntimeError:  # no storage to look at (fake, functional): not ours
+                ptr = 0
+            source = self.by_storage.get(ptr) if ptr else None
+        # A live weak reference to that storage means it is the gathered one (two live
+        # storages never share a data pointer); a dtype view of it is saved as it is.
+        if (source is None or source.keep or source.storage.expired()
+                or local.dtype != source.dtype):
+            # Saved as it is. Detached: the tensor itself would hold its grad_fn, which holds
+            # this saved value (a cycle that leaks a graph dropped without backward). With
+            # hooks autograd no longer checks in-place changes to it: unpack does.
+            return t.detach(), t._version
+        dtensor = (t.device_mesh, t.placements, t.shape, t.stride()) if type(t) is DTensor \
+            else None
+        return _Packed(source, local, dtensor)
+
+    @staticmethod
+    def unpack(packed):
+        if not isinstance(packed, _Packed):
+            t, version = packed
+            if t._version != version:
+                raise RuntimeError(
+                    f"one of the variables needed for gradient computation has been modified "
+                    f"by an inplace operation: {type(t).__name__} {tuple(t.shape)} saved at "
+                    f"version {version}, now at version {t._version} (simplesharded)")
+            return t
+        full = packed.source.gather()
+        local = _local(full)
+        if local is None or local.untyped_storage().nbytes() != packed.source.nbytes:
+            fqn = sharded_state(packed.source.module).params[packed.source.name].fqn
+            raise RuntimeError(
+                f"re-gathering {fqn} for backward gave a different layout than in forward")
+        with torch.no_grad():
+            view = local.as_strided(packed.size, packed.stride, packed.offset)
+            if packed.dtensor is None:
+                return view
+            mesh, placements, shape, stride = packed.dtensor
+            return DTensor.from_local(view, mesh, placements, run_check=False, shape=shape,
+                                      stride=stride)

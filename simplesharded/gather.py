@@ -1,0 +1,161 @@
+"""Reading a sharded parameter: the gather on read and the reduction of its gradient.
+
+``module.weight`` inside ``forward`` of a wrapped module is a property (:func:`_sharded_property`)
+that returns the parameter gathered over its dp dims: under ``torch.compile`` a traced
+all-gather, whose gradient (a ``Partial`` placement) autograd turns into a traced
+reduce-scatter (all-reduce for replicated mesh dims). ``_parameters`` still holds the shards.
+
+Invariant: every dp op a read issues is annotated with the parameter's FQN, dp groups,
+reshard choice and block (passes/annotations.py), so the graph passes find the gathers and
+reductions by annotation, never by graph shape; the model-parallel re-wrap stays outside the
+annotation (TP's and EP's collectives are their modules' business). A parameter's gradient is
+reduced over its own dp dims only.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.fx.traceback as fx_traceback
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+from simplesharded.layout import _is_hybrid
+from simplesharded.passes.annotations import BLOCK_KEY, DP_GROUPS_KEY, PARAM_KEY, RESHARD_KEY
+from simplesharded.sharded_state import ShardedParam, sharded_state
+
+if TYPE_CHECKING:
+    from simplesharded.eager_reshard import _EagerReshard
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; multiplies the gradient (gloo has no AVG op: "avg" is sum × 1/dp)."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+def gather_param(shard: DTensor, param: ShardedParam) -> torch.Tensor:
+    """Shard → full local tensor in param_dtype (the model-parallel DTensor when
+    ``param.mp_layout`` is set); its gradient is reduced back onto the shard over the
+    parameter's dp dims only.
+
+    All dp ops are annotated with the parameter FQN so graph passes can find them in the
+    forward, joint and backward graphs without guessing from graph shape. The model-parallel
+    re-wrap is outside the annotation: TP collectives (e.g. the all-reduce of a replicated
+    norm weight's gradient under sequence parallelism) belong to TP, not to the dp passes.
+    """
+    spec, mp = param.spec, param.mp_layout
+    annotation = {PARAM_KEY: param.fqn, DP_GROUPS_KEY: spec.dp_groups,
+                  RESHARD_KEY: spec.reshard_after_forward}
+    if param.block is not None:
+        annotation[BLOCK_KEY] = param.block
+    with fx_traceback.annotate(annotation):
+        if spec.dp_mesh is not None:
+            # The dp part of the shard as a DTensor on the dp dims only: its global tensor is
+            # this rank's model-parallel shard (or the whole parameter when it is replicated
+            # over tp).
+            if mp is not None:
+                shape, stride, placements = mp.local_shape, mp.local_stride, mp.dp_placements
+            else:  # a plain parameter: its dp dims lead, replicated over tp after them
+                shape, stride = shard.shape, shard.stride()
+                placements = shard.placements[:spec.dp_mesh.ndim]
+            shard = DTensor.from_local(shard.to_local(), spec.dp_mesh, placements,
+                                       run_check=False, shape=shape, stride=stride)
+        # "avg" scales the gradient once it is reduced, on the shard (1/dp of the elements),
+        # except when it is reduced in float16, whose sum over ranks could overflow first.
+        pre_scale = (spec.reduce_dtype or spec.param_dtype or shard.dtype) == torch.float16
+        if spec.grad_scale != 1.0 and not pre_scale:
+            shard = DTensor.from_local(_ScaleGrad.apply(shard.to_local(), spec.grad_scale),
+                                       shard.device_mesh, shard.placements, run_check=False,
+                                       shape=shard.shape, stride=shard.stride())
+        hybrid = spec.hybrid and _is_hybrid(shard.placements)
+        if hybrid:
+            shard = _reduce_replicas_after_scatter(shard)
+        full = shard.redistribute(placements=spec.replicate, forward_dtype=spec.param_dtype,
+                                  backward_dtype=spec.reduce_dtype)
+        # Hybrid: the gradient is still partial over replicas here; the all-reduce over them
+        # happens on the shard (see _reduce_replicas_after_scatter), not on the full tensor.
+        grad_placements = (Replicate(), Partial()) if hybrid else spec.grad_placements
+        local = full.to_local(grad_placements=grad_placements)
+        if spec.grad_scale != 1.0 and pre_scale:
+            local = _ScaleGrad.apply(local, spec.grad_scale)
+        if spec.grad_sync is not None:
+            local = spec.grad_sync.route(local, param.fqn)
+    if mp is not None:
+        local = DTensor.from_local(local, mp.mesh, (mp.placement,), run_check=False,
+                                   shape=mp.shape, stride=mp.stride)
+    return local
+
+
+def _reduce_replicas_after_scatter(shard: DTensor) -> DTensor:
+    """Identity in forward. In backward the gradient arrives reduce-scattered over dp_shard but
+    still partial over dp_replicate; re-labelling it (Partial, Shard(0)) makes autograd
+    all-reduce it over the replicas at shard size: HSDP's reduce-scatter-then-all-reduce, which
+    moves 1/dp_shard of the bytes of DTensor's default all-reduce-then-reduce-scatter."""
+    # The no-op redistribute is where the all-reduce lands: its backward brings the gradient
+    # (labelled Partial over replicas by to_local below) back to (Replicate, Shard(0)).
+    same = shard.redistribute(placements=shard.placements)
+    local = same.to_local(grad_placements=(Partial(), shard.placements[1]))
+    return DTensor.from_local(local, shard.device_mesh, shard.placements, run_check=False,
+                              shape=shard.shape, stride=shard.stride())
+
+
+def regather(module: nn.Module, name: str) -> torch.Tensor:
+    """A fresh gather of ``module``'s sharded parameter ``name``, bypassing the forward's
+    cache (eager resharding's re-gather in backward)."""
+    return gather_param(module._parameters[name], sharded_state(module).params[name])
+
+
+class _GatherScope:
+    """Parameters gathered during one forward of the wrapped root, by FQN: a parameter read
+    twice (tied weights, a module called twice) is gathered once, and autograd sums its
+    gradients at full size before the one reduction. Inactive outside the root's forward (a
+    submodule called on its own, activation-checkpoint recomputation in backward): each read
+    then gathers.
+
+    One dict for the model's life, emptied at both ends of the forward: under torch.compile
+    the traced forward then ends with the dict as it began (empty), so no gathered tensor
+    escapes the graph as an output (a fresh dict per forward would be rebuilt after the graph
+    from its outputs: every gathered parameter alive at once)."""
+
+    def __init__(self, reshard_after_forward: bool | str = "auto",
+                 last_block: str | None = None):
+        self.active = False
+        self.gathered: dict = {}
+        self.tied: set[str] = set()  # FQNs of parameters held by more than one module
+        self.reshard_after_forward = reshard_after_forward
+        self.last_block = last_block  # the last block in module order (blocks.py), if any
+        self.eager: _EagerReshard | None = None  # set during an uncompiled forward with grad
+
+
+def _sharded_property(name: str) -> property:
+    def get(self):
+        shard = self._parameters[name]
+        state = sharded_state(self)
+        if shard is None or not state.gather_enabled:
+            return shard
+        param = state.params[name]
+        fqn = param.fqn
+        scope = state.scope
+        # Compiled, the graph decides what stays alive, so every read is cached. Eager, a
+        # cached gather would outlive its block (and defeat torch.utils.checkpoint there):
+        # only tied parameters, whose full tensor two modules need anyway, are cached.
+        cache = scope.active and (fqn in scope.tied or torch.compiler.is_compiling())
+        if cache and fqn in scope.gathered:
+            full = scope.gathered[fqn]
+        else:
+            full = gather_param(shard, param)
+        if cache:
+            scope.gathered[fqn] = full
+        if scope.eager is not None and not torch.compiler.is_compiling():
+            scope.eager.note(self, name, full)
+        return full
+
+    return property(get, doc=f"{name}: gathered on read (simplesharded)")

@@ -1,0 +1,56 @@
+"""What ``data_parallel`` leaves on a module: one frozen record per sharded parameter, held in
+one state object per module, stored under one attribute and read only through
+:func:`sharded_state`.
+
+Invariant: a module has a state iff ``data_parallel`` wrapped it (a module owning parameters,
+or the root); the per-parameter records never change after wrapping, and the only mutable
+per-module setting is ``gather_enabled`` (``disable_gather``). Everything else that changes
+(the gathers of one forward, gradient sync) lives in objects shared by the whole model, which
+the state points to.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from simplesharded.gather import _GatherScope
+    from simplesharded.grad_sync import _GradSync
+    from simplesharded.layout import _GatherSpec, _MPLayout
+
+_ATTR = "_simplesharded_state"
+
+
+@dataclass(frozen=True)
+class ShardedParam:
+    """One sharded parameter: what a read of it needs to gather it. Tied parameters share
+    one record (the FQN and block of the first owner, as ``named_parameters()`` reports)."""
+
+    fqn: str
+    spec: _GatherSpec  # its dp dims, dtypes, gradient scaling and reshard choice
+    mp_layout: _MPLayout | None  # set when it is a TP or EP DTensor to its module
+    block: str | None  # its first owner's block (blocks.py), for the graph annotation
+
+
+@dataclass(eq=False)
+class ShardedModuleState:
+    """One wrapped module's sharding: its parameters' records and the model-wide objects."""
+
+    params: dict[str, ShardedParam]  # this module's own parameters by attribute name
+    scope: _GatherScope  # the model's gathers of one forward, shared by all its modules
+    grad_sync: _GradSync  # the model's set_requires_gradient_sync state, shared
+    original_class: type  # the class before data_parallel subclassed it (blocks.py)
+    read_block: str | None  # the block this module is in (eager "auto": _EagerReshard)
+    root: bool = False  # the model data_parallel was called on
+    gather_enabled: bool = True  # False inside disable_gather: reads return the shard
+
+
+def sharded_state(module: nn.Module) -> ShardedModuleState | None:
+    """``module``'s sharding state, or None for a module ``data_parallel`` did not wrap."""
+    return getattr(module, _ATTR, None)
+
+
+def attach_sharded_state(module: nn.Module, state: ShardedModuleState) -> None:
+    setattr(module, _ATTR, state)
