@@ -6,7 +6,8 @@
   mapping gives the module names: passes/ is simplesharded.passes, models/ simplesharded.models),
   nothing imported. Every import counts, at module level or inside a function (a lazy import
   still ties the two modules together), ``importlib.import_module("<name>")`` too;
-  ``from X import Y`` where Y is a submodule is an edge to X.Y. The graph has no cycle, and:
+  ``from X import Y`` where Y is a submodule is an edge to X.Y. The graph has no cycle (imports
+  under ``if TYPE_CHECKING:`` never run, so they close none), and:
   - passes/ imports only passes/ (it is usable in any compiler pipeline), torch and the
     standard library;
   - models/ imports only the library, passes/ and models/, never the trainer or the tools;
@@ -18,6 +19,7 @@ turns it into a failure that asks to drop the mark.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import functools
 import json
 import os
@@ -67,9 +69,20 @@ def module_files(root: Path) -> dict[str, Path]:
     return files
 
 
-def imports_of(module: str, path: Path, modules: set[str]) -> tuple[set[str], set[str]]:
-    """(project modules, top-level names of other modules) that ``module``'s source imports,
-    anywhere in the file."""
+def _type_checking_only(tree: ast.Module) -> set[ast.AST]:
+    """The nodes under ``if TYPE_CHECKING:`` (or ``typing.TYPE_CHECKING``): never run."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and (getattr(node.test, "id", None) == "TYPE_CHECKING"
+                                         or getattr(node.test, "attr", None) == "TYPE_CHECKING"):
+            out.update(n for stmt in node.body for n in ast.walk(stmt))
+    return out
+
+
+def imports_of(module: str, path: Path,
+               modules: set[str]) -> tuple[set[str], set[str], set[str]]:
+    """(project modules, those of them imported for type checking only, top-level names of
+    other modules) that ``module``'s source imports, anywhere in the file."""
     is_package = path.name == "__init__.py"
     package = module if is_package else module.rpartition(".")[0]
 
@@ -80,10 +93,13 @@ def imports_of(module: str, path: Path, modules: set[str]) -> tuple[set[str], se
                 return ".".join(parts[:i])
         return None
 
-    names = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    typing_only = _type_checking_only(tree)
+    names = []  # (dotted name, type checking only)
+    for node in ast.walk(tree):
+        found = []
         if isinstance(node, ast.Import):
-            names += [alias.name for alias in node.names]
+            found = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")[:len(package.split(".")) - (node.level - 1)]
@@ -92,28 +108,36 @@ def imports_of(module: str, path: Path, modules: set[str]) -> tuple[set[str], se
                 source = node.module
             for alias in node.names:
                 sub = f"{source}.{alias.name}"
-                names.append(sub if sub in modules else source)
+                found.append(sub if sub in modules else source)
         elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
               and node.func.attr == "import_module" and node.args
               and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
-            names.append(node.args[0].value)
-    project, other = set(), set()
-    for name in names:
+            found = [node.args[0].value]
+        names += [(name, node in typing_only) for name in found]
+    runtime, typing, other = set(), set(), set()
+    for name, type_only in names:
         target = owner(name)
         if target is None:
             other.add(name.split(".")[0])
         elif target != module:
-            project.add(target)
-    return project, other
+            (typing if type_only else runtime).add(target)
+    return runtime | typing, typing - runtime, other
 
 
-def import_graph(root: Path) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
-    """(module → project modules it imports, module → other top-level modules it imports)."""
+@dataclasses.dataclass
+class Imports:
+    edges: dict[str, set[str]]  # module → the project modules it imports
+    runtime: dict[str, set[str]]  # the same less imports for type checking only
+    other: dict[str, set[str]]  # module → the top-level names of other modules it imports
+
+
+def import_graph(root: Path) -> Imports:
     files = module_files(root)
-    edges, other = {}, {}
+    graph = Imports({}, {}, {})
     for module, path in files.items():
-        edges[module], other[module] = imports_of(module, path, set(files))
-    return edges, other
+        edges, typing, graph.other[module] = imports_of(module, path, set(files))
+        graph.edges[module], graph.runtime[module] = edges, edges - typing
+    return graph
 
 
 @functools.cache
@@ -184,22 +208,27 @@ def test_reader_finds_every_kind_of_import(tmp_path):
         "ext/__init__.py": "",
         "ext/c.py": ("import importlib\nimport torch.fx\n"
                      "def h():\n    return importlib.import_module('pkg.a')\n"),
+        "pkg/sub/e.py": ("from typing import TYPE_CHECKING\nimport pkg.b\n"
+                         "if TYPE_CHECKING:\n    from pkg.sub import d\n    import pkg.b\n"),
     }
     for name, text in sources.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
-    edges, other = import_graph(tmp_path)
-    assert edges == {"pkg": {"pkg.a"}, "pkg.a": {"pkg.b", "pkg.sub"}, "pkg.b": {"pkg.ext.c"},
-                     "pkg.sub": set(), "pkg.sub.d": {"pkg.a", "pkg.ext.c"}, "pkg.ext": set(),
-                     "pkg.ext.c": {"pkg.a"}}
-    assert other["pkg.a"] == {"os"} and other["pkg.ext.c"] == {"importlib", "torch"}
-    assert cycles(edges) == [["pkg.a", "pkg.b", "pkg.ext.c"]]
+    graph = import_graph(tmp_path)
+    assert graph.edges == {"pkg": {"pkg.a"}, "pkg.a": {"pkg.b", "pkg.sub"},
+                           "pkg.b": {"pkg.ext.c"}, "pkg.sub": set(),
+                           "pkg.sub.d": {"pkg.a", "pkg.ext.c"}, "pkg.sub.e": {"pkg.b", "pkg.sub.d"},
+                           "pkg.ext": set(), "pkg.ext.c": {"pkg.a"}}
+    # pkg.b is imported at run time as well
+    assert graph.runtime == {**graph.edges, "pkg.sub.e": {"pkg.b"}}
+    assert graph.other["pkg.a"] == {"os"} and graph.other["pkg.ext.c"] == {"importlib", "torch"}
+    assert cycles(graph.runtime) == [["pkg.a", "pkg.b", "pkg.ext.c"]]
 
 
 def test_the_graph_covers_every_layer():
     """The mapping finds each installed package's files (a wrong folder would leave a layer
     empty and its rules vacuous)."""
-    edges, _ = project_graph()
+    edges = project_graph().edges
     layers = {layer(m) for m in edges}
     assert layers == {"library", "passes", "models", "trainer", "tools", "shims"}, layers
     for package in (PKG, f"{PKG}.passes", f"{PKG}.models", f"{PKG}.trainer", f"{PKG}.tools",
@@ -222,7 +251,7 @@ def test_every_package_folder_is_installed():
 
 
 def test_no_import_cycle():
-    edges, _ = project_graph()
+    edges = project_graph().runtime
     found = cycles(edges)
     detail = ["; ".join(f"{a} -> {b}" for a in c for b in sorted(edges[a]) if b in c)
               for c in found]
@@ -261,7 +290,7 @@ def _rule_cases():
 
 @pytest.mark.parametrize("rule,edge", list(_rule_cases()))
 def test_layer_rule(rule, edge):
-    edges, _ = project_graph()
+    edges = project_graph().edges
     if edge is not None:
         assert edge[1] not in edges.get(edge[0], ()), f"{rule[0]}: {edge[0]} -> {edge[1]}"
         return
@@ -273,7 +302,7 @@ def test_layer_rule(rule, edge):
 def test_passes_import_only_torch_and_the_standard_library():
     """Outside the project: torch (functorch ships inside torch's wheel) and the standard
     library, nothing a compiler pipeline would have to install besides torch."""
-    _, other = project_graph()
+    other = project_graph().other
     allowed = set(sys.stdlib_module_names) | {"torch", "functorch"}
     broken = [f"{m} -> {name}" for m in sorted(other) if layer(m) == "passes"
               for name in sorted(other[m] - allowed)]
