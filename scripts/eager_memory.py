@@ -20,7 +20,7 @@ import sys
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, os.path.join(ROOT, "tests", "support"))
 from dist_utils import spawn  # noqa: E402  (gloo ranks in fresh processes)
 
 VARIANTS = ("ss_reshard_true", "ss_reshard_false", "ss_reshard_auto", "fsdp2_eager")

@@ -44,7 +44,8 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for _path in (ROOT, os.path.join(ROOT, "tests")):  # the checkout, uninstalled; test helpers
+# the checkout, uninstalled; the test helpers
+for _path in (ROOT, os.path.join(ROOT, "tests", "support")):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 

@@ -21,7 +21,7 @@ from the same initial shards, in one spawned job per compiler.
   really ran (no cache bypass: dist_utils.BASE_ENV turns inductor's FX-graph and AOT caches
   off; only compiled kernels are shared, between the two ranks), and to
   run the collective starts and waits in the order our passes left them among the matmuls
-  (tests/inductor_code.py; inductor's scheduler moved them until passes/pin_order.py).
+  (tests/support/inductor_code.py; inductor's scheduler moved them until passes/pin_order.py).
 * the inductor hooks do not leak: after compiling with the bucketing backends,
   ``torch._inductor.config.post_grad_custom_post_pass`` and ``joint_custom_pre_pass`` are None,
   and a later plain ``torch.compile(backend="inductor")`` of another model in the same process
@@ -59,7 +59,7 @@ def _code_counts(code: str) -> dict[str, int]:
 
 def _train(rank, world, backend, n_layers, opt_name, get_code=False, mode="fully_shard"):
     """STEPS steps of one backend; returns losses, final local shards, the collective counts
-    and the order of collectives among matmuls (tests/inductor_code.py) of the graphs our
+    and the order of collectives among matmuls (tests/support/inductor_code.py) of the graphs our
     pipeline produced (kind → ...) and, optionally, the same of inductor's code."""
     import simplesharded as ss
     from simplesharded.mesh import build_mesh
