@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from simplesharded.passes.bucketing import bucket_collectives
-from simplesharded.passes.planning import AutoPlan, BlockPlan
+from simplesharded.passes.plans import AutoPlan, BlockPlan
 from simplesharded.passes.reordering import PREFETCH_AHEAD, reorder_for_overlap
 
 import pass_utils as pu
@@ -121,7 +121,7 @@ def _no_leaked_process_group():
 
 
 def my_block(fqn: str) -> str:
-    """Expected block-plan bucket of a parameter (independent of planning.block_key)."""
+    """Expected block-plan bucket of a parameter (independent of plans.block_key)."""
     m = re.match(r"layers\.(\d+)\.", fqn)
     if m:
         return f"layers.{m.group(1)}"
@@ -681,7 +681,7 @@ def test_auto_plan_trials_score_what_the_passes_build(config):
 
     from simplesharded.passes.bucketing import bucketable, merge_buckets
     from simplesharded.passes.hardware import get_hardware
-    from simplesharded.passes.planning import _rank_invariant_time, _Trials
+    from simplesharded.passes.plans import _rank_invariant_time, _Trials
     from simplesharded.passes.reordering import reorder_graph
     from simplesharded.passes.simulate import simulate
 
@@ -776,68 +776,3 @@ def test_manual_passes_equal_backend_pipeline(config):
         assert pu.graph_signature(bucketed) == pu.graph_signature(stages[which]["bucketing"])
         reordered = reorder_for_overlap(bucketed, BlockPlan())
         assert pu.graph_signature(reordered) == pu.graph_signature(stages[which]["reordering"])
-
-
-# -------------------------------------------------------- coalesced gathers (gloo lowering)
-
-COALESCE_CASES = [("w2", "fw"), ("w2", "bw"), ("w8-bf16", "fw"), ("w8-bf16", "bw"),
-                  ("w2-auto", "bw")]
-
-
-def _issue_order(gm) -> list[tuple[str, tuple[str, ...]]]:
-    from simplesharded.passes.collectives import find_collectives
-    return [(c.kind, tuple(c.params)) for c in find_collectives(gm)]
-
-
-def _reads_a_wait(node, hops=2) -> bool:
-    """Does ``node`` read a wait_tensor through at most ``hops`` view/slice nodes?"""
-    for _ in range(hops + 1):
-        inputs = node.all_input_nodes
-        if len(inputs) != 1:
-            return False
-        node = inputs[0]
-        if node.target is pu.WAIT:
-            return True
-    return False
-
-
-@pytest.mark.parametrize("config,which", COALESCE_CASES, ids=["-".join(c) for c in COALESCE_CASES])
-def test_coalesced_gathers_drop_the_copy_out_and_keep_outputs(config, which):
-    """Every multi-parameter bucket becomes one coalesced gather with a waited output per
-    parameter and no clone copy-out; issue order, counts and outputs (bits) unchanged."""
-    import operator
-
-    from simplesharded.passes.coalesce_gathers import coalesce_gathers
-    from simplesharded.passes.collectives import count_collectives
-
-    world, g = graph(config, which)
-    reordered = reorder_for_overlap(block_bucketed(config, which), BlockPlan())
-    multi = [s for s in pu.starts(reordered, pu.AG) if len(pu.node_params(s)) > 1]
-    if not multi:
-        pytest.skip("no multi-parameter gather in this graph")
-    # the default rewrites no transport (gloo's coalesced gather can corrupt the heap)
-    untouched = coalesce_gathers(pu.fresh(reordered))
-    assert pu.graph_signature(untouched) == pu.graph_signature(reordered)
-
-    out = coalesce_gathers(pu.fresh(reordered), transports=None)
-    assert count_collectives(out) == count_collectives(reordered)
-    assert _issue_order(out) == _issue_order(reordered)
-    co = pu.starts(out, pu.AG_COALESCED)
-    assert len(co) == len(multi)
-    pos = {n: i for i, n in enumerate(out.graph.nodes)}
-    for s in co:
-        items = list(s.users)
-        assert all(u.target is operator.getitem for u in items)
-        waits = [w for it in items for w in it.users]
-        assert len(waits) == len(items) == len(s.args[0]), "every output waited once"
-        assert all(w.target is pu.WAIT for w in waits)
-        # only views read the outputs: nothing copies a gathered parameter any more
-        assert all(u.target is torch.ops.aten.view.default for w in waits for u in w.users)
-        assert all(pos[s] < pos[w] < pos[u] for w in waits for u in w.users)
-    assert [n for n in out.graph.nodes
-            if n.target is torch.ops.aten.clone.default and _reads_a_wait(n)] == []
-    assert [n for n in reordered.graph.nodes
-            if n.target is torch.ops.aten.clone.default and _reads_a_wait(n)] != []
-    assert_bitwise_same(g, out, world)
-    again = coalesce_gathers(pu.fresh(out), transports=None)
-    assert pu.graph_signature(again) == pu.graph_signature(out)
