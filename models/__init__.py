@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from . import gpt, hf_llama, hf_source, llama3, moe
+from . import gpt, hf_llama, llama3, moe
 from .gpt import GPT, GPTArgs
 from .llama3 import Llama3, Llama3Args
 from .moe import MoEArgs, MoETransformer

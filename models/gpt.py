@@ -36,7 +36,8 @@ class GPTArgs:
 
     def check_tp(self, tp: int) -> None:
         if tp > 1:
-            raise ValueError(f"tensor_parallel_degree={tp}: model gpt has no tensor-parallel plan")
+            raise ValueError(f"tensor_parallel_degree={tp}: model gpt has no tensor-parallel "
+                             f"styles")
 
 
 FLAVORS: dict[str, GPTArgs] = {

@@ -26,10 +26,10 @@ class HFLlamaArgs(Llama3Args):
     """Llama3Args' fields and checks, so overrides (``n_layers=2``) mean the same for both."""
 
     def check_tp(self, tp: int) -> None:
-        # transformers' config carries a TP plan of its own ("colwise"/"rowwise" strings for
-        # its from_pretrained(tp_plan=...) path), not a parallelize_module plan for our mesh;
-        # none is translated here, so the trainer/bench refuse TP up front.
-        raise ValueError(f"tensor_parallel_degree={tp}: hf_llama has no tensor-parallel plan "
+        # transformers' config carries TP styles of its own ("colwise"/"rowwise" strings for
+        # its from_pretrained(tp_plan=...) path), not parallelize_module styles for our mesh;
+        # none are translated here, so the trainer/bench refuse TP up front.
+        raise ValueError(f"tensor_parallel_degree={tp}: hf_llama has no tensor-parallel styles "
                          f"here (use --tp 1, or model llama3 for TP)")
 
 

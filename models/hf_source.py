@@ -2,8 +2,8 @@
 
 DIR holds a ``config.json`` and optionally the weights as ``*.safetensors`` (one file, or
 several with ``model.safetensors.index.json``) and a ``tokenizer.json``. The path is local
-only: nothing is ever downloaded (``HF_HUB_OFFLINE=1``, ``local_files_only=True``), and a hub
-id instead of a directory is a one-line error.
+only: nothing is ever downloaded (the hub is offline during transformers' loading calls, and
+``local_files_only=True``), and a hub id instead of a directory is a one-line error.
 
 Life of such a model in the trainer:
   1. :func:`build_hf_model`: ``AutoModelForCausalLM.from_config`` on the meta device (no
@@ -31,6 +31,7 @@ import os
 import re
 from dataclasses import dataclass
 from typing import Iterator
+from unittest import mock
 
 import torch
 from torch import nn
@@ -48,15 +49,21 @@ OTHER_WEIGHTS = re.compile(r"pytorch_model.*\.bin|consolidated\..*\.pth|tf_model
 POST_HEAD_KEYS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
-def _need_hf():
-    # No download can ever start, whatever the caller's environment says.
-    os.environ["HF_HUB_OFFLINE"] = "1"
+@contextlib.contextmanager
+def _offline() -> Iterator[None]:
+    """transformers and safetensors imported, and the hub offline for the calls inside: no
+    download can start, whatever the caller's environment says. huggingface_hub reads
+    HF_HUB_OFFLINE once, when it is imported, into the flag every request checks, so the flag
+    is what is set, for these calls only (the process's environment is left alone)."""
     try:
-        import transformers  # noqa: F401
         import safetensors  # noqa: F401
+        import transformers  # noqa: F401
+        from huggingface_hub import constants
     except ImportError:
         raise ValueError("model.name='hf' needs transformers and safetensors: "
                          "pip install 'simplesharded[hf]'") from None
+    with mock.patch.object(constants, "HF_HUB_OFFLINE", True):
+        yield
 
 
 def check_path(path: str) -> str:
@@ -99,16 +106,16 @@ def check_weights(path: str) -> None:
 
 def load_hf_config(path: str):
     """The transformers config of the model in ``path`` (local files only)."""
-    _need_hf()
-    from transformers import AutoConfig
+    with _offline():
+        from transformers import AutoConfig
 
-    check_path(path)
-    try:
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
-    except Exception as e:  # transformers raises several types for a bad/unknown config
-        msg = str(e).strip().splitlines()
-        raise ValueError(f"model.path={path!r}: config.json cannot be read "
-                         f"({type(e).__name__}: {msg[0] if msg else ''})") from None
+        check_path(path)
+        try:
+            config = AutoConfig.from_pretrained(path, local_files_only=True)
+        except Exception as e:  # transformers raises several types for a bad/unknown config
+            msg = str(e).strip().splitlines()
+            raise ValueError(f"model.path={path!r}: config.json cannot be read "
+                             f"({type(e).__name__}: {msg[0] if msg else ''})") from None
     config.use_cache = False  # training only: no KV cache object built (and traced)
     # What a model's own forward does to the logits after its head, which our loss (head +
     # cross-entropy) would silently skip: refused rather than trained differently.
@@ -154,7 +161,7 @@ class HFSourceArgs:
 
     def check_tp(self, tp: int) -> None:
         raise ValueError(f"tensor_parallel_degree={tp}: model.name='hf' has no tensor-parallel "
-                         f"plan here (use 1)")
+                         f"styles here (use 1)")
 
 
 def read_args(path: str) -> HFSourceArgs:
@@ -207,7 +214,7 @@ def build_hf_model(path: str) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     try:
-        with torch.device("meta"):
+        with _offline(), torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
     except ValueError as e:
         msg = str(e).strip().splitlines()

@@ -180,12 +180,12 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-def attention_tp_plan(prefix: str, sequence_parallel: bool) -> dict:
+def attention_tp_styles(prefix: str, sequence_parallel: bool) -> dict:
     """One block's attention and norms: q/k/v column-wise (heads split), o row-wise; with
     sequence parallelism the norms run on a sequence shard and the block's input is
     all-gathered before q/k/v (its output reduce-scattered after o)."""
     seq = Shard(1) if sequence_parallel else Replicate()
-    plan = {
+    styles = {
         f"{prefix}.attention": PrepareModuleInput(input_layouts=(seq, None),
                                                   desired_input_layouts=(Replicate(), None)),
         f"{prefix}.attention.wq": ColwiseParallel(),
@@ -194,12 +194,12 @@ def attention_tp_plan(prefix: str, sequence_parallel: bool) -> dict:
         f"{prefix}.attention.wo": RowwiseParallel(output_layouts=seq),
     }
     if sequence_parallel:
-        plan[f"{prefix}.attention_norm"] = SequenceParallel()
-        plan[f"{prefix}.ffn_norm"] = SequenceParallel()
-    return plan
+        styles[f"{prefix}.attention_norm"] = SequenceParallel()
+        styles[f"{prefix}.ffn_norm"] = SequenceParallel()
+    return styles
 
 
-def ffn_tp_plan(prefix: str, sequence_parallel: bool) -> dict:
+def ffn_tp_styles(prefix: str, sequence_parallel: bool) -> dict:
     """A SwiGLU: w1/w3 column-wise, w2 row-wise (the hidden dim is split)."""
     seq = Shard(1) if sequence_parallel else Replicate()
     return {
@@ -265,10 +265,10 @@ class Llama3(nn.Module):
             return lm_loss(h, self.output, labels, loss_chunks)
         return self.output(h)
 
-    def tp_plan(self, sequence_parallel: bool = True, loss_parallel: bool = False) -> dict:
-        """Tensor-parallel plan for ``parallelize_module(model, mesh["tp"], plan)``: module FQN
-        → torch ParallelStyle. Embedding row-wise (vocabulary split), every block's attention
-        and SwiGLU split by heads / hidden units, output column-wise. With
+    def tp_styles(self, sequence_parallel: bool = True, loss_parallel: bool = False) -> dict:
+        """Tensor parallelism as ``parallelize_module(model, mesh["tp"], styles)`` takes it:
+        module FQN → torch ParallelStyle. Embedding row-wise (vocabulary split), every block's
+        attention and SwiGLU split by heads / hidden units, output column-wise. With
         ``sequence_parallel`` the activations between blocks are sharded on the sequence dim
         (norms and residual adds run on 1/tp of the tokens). The logits are gathered over tp
         (plain tensors), or with ``loss_parallel`` stay a DTensor sharded on the vocabulary
@@ -277,20 +277,20 @@ class Llama3(nn.Module):
         output = (ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1),
                                   use_local_output=False) if loss_parallel else
                   ColwiseParallel(input_layouts=seq, output_layouts=Replicate()))
-        plan = {
+        styles = {
             "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
             "output": output,
         }
         if sequence_parallel:
-            plan["norm"] = SequenceParallel()
+            styles["norm"] = SequenceParallel()
         for name in self.layers:
-            plan.update(attention_tp_plan(f"layers.{name}", sequence_parallel))
-            plan.update(self.feed_forward_tp_plan(f"layers.{name}.feed_forward",
-                                                  sequence_parallel))
-        return plan
+            styles.update(attention_tp_styles(f"layers.{name}", sequence_parallel))
+            styles.update(self.feed_forward_tp_styles(f"layers.{name}.feed_forward",
+                                                      sequence_parallel))
+        return styles
 
-    def feed_forward_tp_plan(self, prefix: str, sequence_parallel: bool) -> dict:
-        return ffn_tp_plan(prefix, sequence_parallel)
+    def feed_forward_tp_styles(self, prefix: str, sequence_parallel: bool) -> dict:
+        return ffn_tp_styles(prefix, sequence_parallel)
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())

@@ -80,7 +80,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInputO
 from simplesharded.passes.annotations import ROUTING_KEY
 from simplesharded.passes.torch_compat import override_optimization_hint
 
-from .llama3 import FeedForward, Llama3, Llama3Args, ffn_tp_plan, trunc_normal_init_
+from .llama3 import FeedForward, Llama3, Llama3Args, ffn_tp_styles, trunc_normal_init_
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 LOAD_BALANCE = ("bias", "aux_loss", "none")
@@ -491,12 +491,12 @@ class MoETransformer(Llama3):
         a = self.args
         return FeedForward(a.dim, a.dense_hidden_dim) if layer_id < a.n_dense_layers else MoE(a)
 
-    def feed_forward_tp_plan(self, prefix: str, sequence_parallel: bool) -> dict:
+    def feed_forward_tp_styles(self, prefix: str, sequence_parallel: bool) -> dict:
         """Dense layers as Llama's; a MoE layer runs whole on every tp rank (its experts are
         not split yet): with sequence parallelism its input is all-gathered and its output
         cut back to this rank's sequence shard (a local slice)."""
         if not isinstance(self.get_submodule(prefix), MoE):
-            return ffn_tp_plan(prefix, sequence_parallel)
+            return ffn_tp_styles(prefix, sequence_parallel)
         if not sequence_parallel:
             return {}
         return {prefix: PrepareModuleInputOutput(
@@ -506,9 +506,9 @@ class MoETransformer(Llama3):
     def moe_layers(self) -> list[MoE]:
         return [m for m in self.modules() if isinstance(m, MoE)]
 
-    def ep_plan(self) -> dict:
-        """Expert-parallel plan for ``parallelize_module(model, mesh["ep"], plan)``: every MoE
-        layer's routed experts split over ep (ExpertParallel)."""
+    def ep_styles(self) -> dict:
+        """Expert parallelism as ``parallelize_module(model, mesh["ep"], styles)`` takes it:
+        every MoE layer's routed experts split over ep (ExpertParallel)."""
         return {name: ExpertParallel() for name, m in self.named_modules() if isinstance(m, MoE)}
 
     @torch.no_grad()

@@ -8,9 +8,9 @@ graph's fingerprint: per collective, in graph order, its op, the mesh dim of its
 (group names differ between the groups of one mesh dim; the dim does not), its tensors'
 dtypes and shapes and its other arguments. The node is compiled into the graph, so a graph
 read back from a compile cache keeps it. At run time the node does its work once per
-fingerprint and process: it publishes the fingerprint in the process group's store and waits
-for every rank's, then either returns or raises, on every rank, an error naming each rank's
-first differing collective. A rank that never arrives (it compiled a different number of
+fingerprint and process group: it publishes the fingerprint in the process group's store and
+waits for every rank's, then either returns or raises, on every rank, an error naming each
+rank's first differing collective. A rank that never arrives (it compiled a different number of
 graphs) is named after ``SIMPLESHARDED_AGREE_TIMEOUT_S`` seconds (default 600, NCCL's own
 watchdog default), never a silent hang.
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import weakref
 
 import torch
 from torch import fx
@@ -99,25 +100,37 @@ def insert_agreement_check(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-# Fingerprints this process has already agreed on; run-time state of the check only.
-_agreed: set[str] = set()
-_checks = 0  # graphs checked so far: the n-th check on every rank compares with the n-th
+class _Checks:
+    """Run-time state of the check on one default process group: the fingerprints its ranks
+    have agreed on, and how many checks this rank has made (the n-th check on every rank
+    compares with the n-th)."""
+
+    def __init__(self):
+        self.agreed: set[str] = set()
+        self.count = 0
+
+
+# Kept per default process group, whose store carries the checks: a group made again starts
+# over with a fresh store. Not per pipeline or backend: the op in a compiled graph (which may
+# come from a compile cache) carries only its fingerprint, and what the ranks share is the
+# order in which they run their graphs' checks, one sequence per process and group.
+_CHECKS: "weakref.WeakKeyDictionary[object, _Checks]" = weakref.WeakKeyDictionary()
 
 
 @torch.library.custom_op("simplesharded::agree", mutates_args=())
 def agree(fingerprint: str) -> None:
-    """Compare this graph's collective sequence with every rank's, once per process."""
-    global _checks
+    """Compare this graph's collective sequence with every rank's, once per process group."""
     import torch.distributed as dist
 
-    if fingerprint in _agreed or not dist.is_available() or not dist.is_initialized():
+    if not dist.is_available() or not dist.is_initialized():
         return
-    if dist.get_world_size() == 1 or str(dist.get_backend()) == "fake":
-        _agreed.add(fingerprint)
+    checks = _CHECKS.setdefault(dist.group.WORLD, _Checks())
+    if fingerprint in checks.agreed:
         return
-    _checks += 1
-    compare(fingerprint, _checks)
-    _agreed.add(fingerprint)
+    if dist.get_world_size() > 1 and str(dist.get_backend()) != "fake":
+        checks.count += 1
+        compare(fingerprint, checks.count)
+    checks.agreed.add(fingerprint)
 
 
 @agree.register_fake

@@ -9,11 +9,11 @@ bytes (each rank receives the chunks it owns), after which the rank adds its ``w
     RS(x, sum)  ⇒  a2a(x) → view [ws, *shard] → chunk 0 + chunk 1 + ... (rank order)
 
 Measured for one llama3-small block on 2 gloo ranks: about half the CPU time and wall time
-of gloo's reduce-scatter (benchmarks/RESULTS.md). With 2 ranks every element is the same
-``a + b`` as before: bitwise equal. With more ranks the sum runs in rank order instead of
-gloo's ring order (last-bit differences only). Only ``sum`` reductions on gloo groups are
-lowered; NCCL has a native reduce-scatter and is left alone. Runs last (after bucketing and
-reordering), so the collective stays where reordering put it.
+of gloo's reduce-scatter (``python -m simplesharded.tools.bench_collectives``). With 2 ranks
+every element is the same ``a + b`` as before: bitwise equal. With more ranks the sum runs in
+rank order instead of gloo's ring order (last-bit differences only). Only ``sum`` reductions
+on gloo groups are lowered; NCCL has a native reduce-scatter and is left alone. Runs last
+(after bucketing and reordering), so the collective stays where reordering put it.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from torch import fx
 
 from .annotations import gathered_param
 from .collectives import find_collectives, is_collective, is_wait
-from .node_meta import alias_kind, aliased_inputs, node_bytes, node_value, value_bytes
+from .node_meta import alias_kind, aliased_inputs, node_value, value_bytes
 
 
 def _graph(g) -> fx.Graph:
@@ -126,8 +126,3 @@ def distinct_bytes(graph, nodes) -> int:
     the partitioner may save a collective's result and its ``wait_tensor`` both, one buffer."""
     *_, size, _, refs = _liveness(_graph(graph))
     return sum(size[k] for k in set().union(*(refs.get(n, set()) for n in nodes)))
-
-
-def input_bytes(graph) -> int:
-    """Bytes of the graph's placeholders and get_attr constants."""
-    return sum(node_bytes(n) for n in _graph(graph).nodes if n.op in ("placeholder", "get_attr"))

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-import torch
 from torch import fx
 
 from .agreement import insert_agreement_check

@@ -13,7 +13,7 @@ passes that take a plan read nothing else from it.
   reshard_after_forward     recompute.py: True / False overrides every parameter's own
                             setting; None: as data_parallel annotated it
 
-The built-in plans are planning.BlockPlan and planning.AutoPlan; a frozen dataclass with these
+The built-in plans are plans.BlockPlan and plans.AutoPlan; a frozen dataclass with these
 four members is a plan of your own (``make_backend(name, plan=...)``).
 """
 from __future__ import annotations

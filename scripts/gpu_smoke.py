@@ -77,14 +77,16 @@ FAKE_CASES = (
      ["--compile.backend", "aot_eager_blockbucketing", "--parallelism.expert_parallel_degree",
       "2"]),
 )
-# The planner's memory model is of the aot_eager plans (inductor fuses and frees on its own
-# schedule): the measured peak of a case under inductor_X is compared with plan aot_eager_X.
+# The planner's memory model is of the aot_eager backends (inductor fuses and frees on its own
+# schedule): the measured peak of a case under inductor_X is compared with aot_eager_X's.
 MEMORY_TOL = 0.35  # |measured / predicted - 1|
 FUSED_ATTENTION = ("_flash_attention", "_cudnn_attention", "_efficient_attention")
 
 
 def _tol(backend: str) -> float:
-    return TOL["inductor" if backend.startswith("inductor") else "other"]
+    from simplesharded.backends import BackendName
+
+    return TOL["inductor" if BackendName.parse(backend).compiler == "inductor" else "other"]
 
 
 # ---------------------------------------------------------------------------------- parity
@@ -233,16 +235,17 @@ def _fake_cfg(config: str, overrides: list[str], device: str):
 
 
 def _predicted_peaks(device: str, cases) -> dict[str, int]:
-    """{case: the planner's per-rank peak bytes} for each case's config and plan. Runs before
+    """{case: the planner's per-rank peak bytes} for each case's config and backend. Runs before
     this process touches the device or a process group: the planner traces in forked
     children, each with a fake group of its own."""
-    from simplesharded.tools.forecast import predicted_peak_bytes
+    from simplesharded.tools.forecast import forecast_backend, predicted_peak_bytes
 
     out = {}
     for name, config, overrides in cases:
         cfg = _fake_cfg(config, overrides, device)
-        plan = cfg.compile.backend.replace("inductor", "aot_eager")
-        out[name] = predicted_peak_bytes(cfg, FAKE_WORLD, [plan], cfg.compile.hardware)[plan]
+        backend = forecast_backend(cfg.compile.backend)
+        out[name] = predicted_peak_bytes(cfg, FAKE_WORLD, [backend],
+                                         cfg.compile.hardware)[backend]
     return out
 
 
@@ -256,8 +259,10 @@ def _fake_case(name: str, config: str, overrides: list[str], device: str,
     from simplesharded.passes.pipeline import LAST_STAGE
     from simplesharded.trainer import Trainer
 
+    from simplesharded.backends import BackendName
+
     cfg = _fake_cfg(config, overrides, device)
-    inductor = cfg.compile.backend.startswith("inductor")
+    inductor = BackendName.parse(cfg.compile.backend).compiler == "inductor"
     tag = f"fake8[{name}, {cfg.compile.backend}]"
     orders: dict[str, list] = {}
     counts: dict[str, dict] = {}

@@ -1,6 +1,8 @@
 #!/bin/bash
 # Run one pytest node id N times in a row while K busy loops compete for the CPU; stop at the
-# first failure. For flaky multi-rank tests (benchmarks/RESULTS.md, issue 13 item 7):
+# first failure. For flaky multi-rank tests (a race that shows only under load, as gloo's heap
+# corruption did:
+# benchmarks/history/journal.md#issue-13-item-7-the-heap-corruption-found-and-no-longer-triggered):
 #   scripts/repeat_under_load.sh 20 2 tests/test_bench.py::test_tiny_bench_runs_end_to_end
 # Prints one line per run (seconds, 1-minute load average) and "N of N passed" or the failure.
 set -u

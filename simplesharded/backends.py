@@ -7,11 +7,14 @@ torch config is changed outside the backend's own ``config.patch`` (see passes/p
   {aot_eager,inductor}_blockbucketing   one bucket per transformer block + overlap reordering
   {aot_eager,inductor}_autobucketing    cost-model buckets + overlap reordering
   (both first run HSDP's replica all-reduces at the padded shard size, so that every rank
-   plans from the same sizes, passes/replica_padding.py)
-  (on gloo both then lower the emulated reduce-scatter to all-to-all + adds, passes/lowering.py;
-   gathering each bucket straight into per-parameter outputs, passes/coalesce_gathers.py, is
-   off: gloo's coalesced gather can corrupt the heap, simplesharded/shims/gloo_gather.py)
+   plans from the same sizes, passes/replica_padding.py, and on gloo then lower the emulated
+   reduce-scatter to all-to-all + adds, passes/lowering.py)
   {aot_eager,inductor}_upstreambucketing torch's own schedule_overlap_bucketing (baseline only)
+
+A name is parsed once into a :class:`BackendName` (compiler, bucketing), and
+:func:`pass_pipeline` is the one place that turns it into passes: the backends here, and the
+tools that run a backend's passes on traced graphs (tools/cluster_trace.py, bench_passes.py),
+all build their pipeline with it.
 """
 from __future__ import annotations
 
@@ -22,17 +25,70 @@ from typing import Callable
 import torch
 
 from simplesharded.passes.bucketing import bucket_collectives
-from simplesharded.passes.coalesce_gathers import coalesce_gathers
-from simplesharded.passes.lowering import lower_reduce_scatters
+from simplesharded.passes.lowering import LOWERED_BACKENDS, lower_reduce_scatters
 from simplesharded.passes.pipeline import PassPipeline, aot_backend, inductor_backend
 from simplesharded.passes.plan_protocol import Plan
-from simplesharded.passes.planning import AutoPlan, BlockPlan
+from simplesharded.passes.plans import AutoPlan, BlockPlan
 from simplesharded.passes.recompute import tag_gathers_for_recompute
 from simplesharded.passes.reordering import reorder_for_overlap
 from simplesharded.passes.replica_padding import pad_replica_all_reduces
 from simplesharded.passes.upstream import upstream_overlap_bucketing
 
-COMPILERS = ("aot_eager", "inductor")
+COMPILERS = ("aot_eager", "inductor")  # the compilers that run our passes
+# none: collectives as traced; block, auto: our bucketing + reordering with BlockPlan or
+# AutoPlan; upstream: torch's own bucketing and overlap scheduling
+BUCKETINGS = ("none", "block", "auto", "upstream")
+
+
+@dataclass(frozen=True)
+class BackendName:
+    """A registry name, parsed: ``compiler`` (aot_eager | inductor | eager) and ``bucketing``
+    (none | block | auto | upstream). ``str()`` gives the name back."""
+
+    compiler: str
+    bucketing: str = "none"
+
+    def __post_init__(self):
+        ok = (self.compiler == "eager" and self.bucketing == "none") or (
+            self.compiler in COMPILERS and self.bucketing in BUCKETINGS)
+        if not ok:
+            raise ValueError(f"no backend has compiler={self.compiler!r} and "
+                             f"bucketing={self.bucketing!r}")
+
+    def __str__(self) -> str:
+        return self.compiler if self.bucketing == "none" else \
+            f"{self.compiler}_{self.bucketing}bucketing"
+
+    @classmethod
+    def parse(cls, name: "str | BackendName") -> "BackendName":
+        """The record of registry name ``name``; a ValueError listing the names otherwise."""
+        if isinstance(name, BackendName):
+            return name
+        try:
+            return _BY_NAME[name]
+        except KeyError:
+            raise ValueError(f"compile.backend={name!r} is not one of {sorted(BACKENDS)}") \
+                from None
+
+    @property
+    def ours(self) -> bool:
+        """Whether our bucketing and reordering passes run (block or auto)."""
+        return self.bucketing in ("block", "auto")
+
+    def on(self, compiler: str) -> "BackendName":
+        """The same bucketing under ``compiler``."""
+        return BackendName(compiler, self.bucketing)
+
+
+_BY_NAME: dict[str, BackendName] = {
+    str(b): b for b in [BackendName("eager")]
+    + [BackendName(c, k) for c in COMPILERS for k in BUCKETINGS]}
+BACKENDS: tuple[str, ...] = tuple(_BY_NAME)  # every name make_backend builds itself
+
+
+def is_torch_backend(name: str) -> bool:
+    """A backend name torch itself registers: make_backend passes it through untouched."""
+    return name in torch._dynamo.list_backends(exclude_tags=())
 
 
 @dataclass(frozen=True)
@@ -66,59 +122,42 @@ def _hardware(opts: BackendOptions):
     return resolve_hardware(opts.hardware)
 
 
-def _plan(kind: str, opts: BackendOptions) -> Plan:
-    """The plan every pass of the backend reads: ``opts.plan``, else the built-in one."""
+def backend_plan(backend: str | BackendName, opts: BackendOptions = BackendOptions()) -> Plan:
+    """The plan every pass of ``backend`` reads: ``opts.plan``, else the built-in one (AutoPlan
+    for autobucketing; BlockPlan for the others, whose recompute pass reads its cap and
+    reshard setting)."""
     if opts.plan is not None:
         return opts.plan
-    if kind == "auto":
+    if BackendName.parse(backend).bucketing == "auto":
         return AutoPlan(_hardware(opts), opts.memory_cap_bytes,
                         reshard_after_forward=opts.reshard_after_forward)
     return BlockPlan(tuple(opts.bucket_patterns), opts.memory_cap_bytes,
                      reshard_after_forward=opts.reshard_after_forward)
 
 
-def _pipeline(opts: BackendOptions, plan: Plan, graph_passes=()) -> PassPipeline:
+def pass_pipeline(backend: str | BackendName, opts: BackendOptions = BackendOptions(),
+                  lower_on: tuple[str, ...] | None = LOWERED_BACKENDS) -> PassPipeline:
+    """The passes ``backend`` runs, reading :func:`backend_plan`: the joint recompute pass,
+    then the graph passes of its bucketing. ``lower_on``: the transports whose
+    reduce-scatters are lowered (passes/lowering.py; None: every group's, for graphs traced
+    on a fake process group that stand for gloo ones)."""
+    backend = BackendName.parse(backend)
+    if backend.compiler == "eager":
+        raise ValueError("backend 'eager' compiles nothing: it has no passes")
+    plan = backend_plan(backend, opts)
+    graph: list = []
+    if backend.ours:
+        # The padding first: the plan must see the same all-reduce sizes on every rank.
+        graph = [("padding", pad_replica_all_reduces),
+                 ("bucketing", functools.partial(bucket_collectives, plan=plan)),
+                 ("reordering", functools.partial(reorder_for_overlap, plan=plan)),
+                 ("lowering", functools.partial(lower_reduce_scatters, transports=lower_on))]
+    elif backend.bucketing == "upstream":
+        graph = [("upstream", functools.partial(upstream_overlap_bucketing,
+                                                hardware=_hardware(opts)))]
     joint = [("recompute", functools.partial(tag_gathers_for_recompute, plan=plan))]
-    return PassPipeline(joint=joint, graph=list(graph_passes), dump_dir=opts.dump_graphs,
+    return PassPipeline(joint=joint, graph=graph, dump_dir=opts.dump_graphs,
                         observer=opts.observer)
-
-
-def _compile(compiler: str, pipeline: PassPipeline) -> Callable:
-    return aot_backend(pipeline) if compiler == "aot_eager" else inductor_backend(pipeline)
-
-
-def _plain(compiler: str, opts: BackendOptions) -> Callable:
-    return _compile(compiler, _pipeline(opts, _plan("block", opts)))
-
-
-def _ours(compiler: str, kind: str, opts: BackendOptions) -> Callable:
-    plan = _plan(kind, opts)
-    # The padding first: the plan must see the same all-reduce sizes on every rank.
-    passes = [("padding", pad_replica_all_reduces),
-              ("bucketing", functools.partial(bucket_collectives, plan=plan)),
-              ("reordering", functools.partial(reorder_for_overlap, plan=plan)),
-              ("lowering", lower_reduce_scatters),
-              ("coalescing", coalesce_gathers)]
-    return _compile(compiler, _pipeline(opts, plan, passes))
-
-
-def _upstream(compiler: str, opts: BackendOptions) -> Callable:
-    passes = [("upstream", functools.partial(upstream_overlap_bucketing,
-                                             hardware=_hardware(opts)))]
-    return _compile(compiler, _pipeline(opts, _plan("block", opts), passes))
-
-
-def _eager(opts: BackendOptions) -> str:
-    return "eager"
-
-
-BACKENDS: dict[str, Callable[[BackendOptions], Callable | str]] = {"eager": _eager}
-for _c in COMPILERS:
-    BACKENDS[_c] = functools.partial(_plain, _c)
-    BACKENDS[f"{_c}_blockbucketing"] = functools.partial(_ours, _c, "block")
-    BACKENDS[f"{_c}_autobucketing"] = functools.partial(_ours, _c, "auto")
-    BACKENDS[f"{_c}_upstreambucketing"] = functools.partial(_upstream, _c)
-del _c
 
 
 def make_backend(name: str, **options) -> Callable | str:
@@ -139,8 +178,10 @@ def make_backend(name: str, **options) -> Callable | str:
         if both:
             raise ValueError(f"backend option(s) {both} and plan=... both given: set them on "
                              f"the plan")
-    if name in BACKENDS:
-        return BACKENDS[name](opts)
-    if name in torch._dynamo.list_backends(exclude_tags=()):
+    if name not in _BY_NAME and is_torch_backend(name):
         return name
-    raise ValueError(f"compile.backend={name!r} is not one of {sorted(BACKENDS)}")
+    backend = BackendName.parse(name)
+    if backend.compiler == "eager":
+        return "eager"
+    pipeline = pass_pipeline(backend, opts)
+    return aot_backend(pipeline) if backend.compiler == "aot_eager" else inductor_backend(pipeline)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Callable, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -269,7 +269,7 @@ def init_distributed(device: str | None = None, timeout_s: float | None = None) 
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         kwargs = {}
         if timeout_s is not None:
@@ -304,7 +304,8 @@ def exit_rank(code: int = 0) -> NoReturn:
     ``destroy_process_group`` does not stop gloo while anything holds the group, and DTensor's
     meshes, dynamo's caches and ``torch.distributed.nn.functional``'s defaults (bound when it is
     imported, after init) do: gloo's threads, and rank 0's store server, outlive it. Interpreter
-    shutdown under them aborted ranks (SIGABRT; benchmarks/RESULTS.md, Session 6).
+    shutdown under them aborted ranks (SIGABRT;
+    benchmarks/history/journal.md#session-6-issue-13-item-7-the-flaky-bench-test).
     ``os._exit`` runs no finalizer or destructor they could race.
     """
     sys.stdout.flush()
@@ -337,8 +338,31 @@ def init_mesh(dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1,
     return build_mesh(dp_replicate, dp_shard, device, tp, ep)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (another process may take it before use)."""
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def spawn_local(fn: Callable, nprocs: int, args: tuple = (), *, join: bool = True,
+                env: dict[str, str] | None = None):
+    """Run ``fn(rank, *args)`` in ``nprocs`` fresh processes (torch.multiprocessing, spawn)
+    that meet on a free local port: MASTER_ADDR and MASTER_PORT (and ``env``) are in their
+    environment, so ``init_process_group(backend, rank=rank, world_size=nprocs)`` in each
+    finds the others. This process's environment is as it was on return. ``join``: wait for
+    them (a rank's exception is raised here); else return their ProcessContext."""
+    import torch.multiprocessing as mp
+    from unittest import mock
+
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), **(env or {})}
+    with mock.patch.dict(os.environ, env):  # children copy the environment when they start
+        context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False,
+                                     start_method="spawn")
+    if not join:
+        return context
+    while not context.join():
+        pass
+    return None

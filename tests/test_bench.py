@@ -181,7 +181,7 @@ def test_parity_names_the_variant_that_computed_something_else():
     (["--model", "hf_llama", "--flavor", "8B"], "--flavor '8B' is not one of ['debug', 'small'] "
                                                 "(--model hf_llama)"),
     (["--model", "hf_llama", "--tp", "2"], "tensor_parallel_degree=2: hf_llama has no "
-                                           "tensor-parallel plan"),
+                                           "tensor-parallel styles"),
     (["--tp", "2", "--variants", "ddp"], "--variants ['ddp'] have no tensor-parallel form"),
     (["--tp", "2", "--world-size", "6"], "--global-batch 8 is not divisible by the "
                                          "data-parallel degree 3"),

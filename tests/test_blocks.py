@@ -172,7 +172,7 @@ def _no_block_warnings(n_layers: int) -> tuple[list[str], int]:
     from pass_utils import chain_graph
 
     from simplesharded.passes.bucketing import bucket_collectives
-    from simplesharded.passes.planning import BlockPlan
+    from simplesharded.passes.plans import BlockPlan
 
     gm = chain_graph(n_layers, rows=2048)
     for node in gm.graph.nodes:

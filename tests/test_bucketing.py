@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from simplesharded.passes.bucketing import bucket_collectives
-from simplesharded.passes.planning import AutoPlan, BlockPlan
+from simplesharded.passes.plans import AutoPlan, BlockPlan
 from simplesharded.passes.reordering import reorder_for_overlap
 
 import pass_utils as pu

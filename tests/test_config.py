@@ -261,10 +261,27 @@ def test_main_prints(capsys):
     assert "--training.grad_reduction" in capsys.readouterr().out
 
 
-def test_backend_check_skipped_without_registry(monkeypatch):
-    import sys
-    monkeypatch.setitem(sys.modules, "simplesharded.backends", None)  # import → ImportError
-    assert load_config(None, ["--compile.backend", "anything"]).compile.backend == "anything"
+def test_backend_check_reads_the_registry():
+    """Without ``backends``: the registry's names, and names torch registers (make_backend
+    passes those through); anything else lists the registry's."""
+    assert load_config(None, ["--compile.backend", "inductor_upstreambucketing"])
+    assert load_config(None, ["--compile.backend", "aot_eager_decomp_partition"])
+    with pytest.raises(ValueError, match=r"compile.backend='anything' is not one of \[.*"
+                                         r"'inductor_upstreambucketing'\]"):
+        load_config(None, ["--compile.backend", "anything"])
+
+
+def test_rules_about_the_config_alone_are_checked_at_load():
+    """Rules that need no model: hybrid_shard needs a replicate degree, sequence parallelism a
+    sequence length the tp degree divides."""
+    with pytest.raises(ValueError, match=r"parallelism.mode='hybrid_shard' needs "
+                                         r"data_parallel_replicate_degree >= 2"):
+        load(None, ["--parallelism.mode", "hybrid_shard"])
+    tp = ["--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "33"]
+    with pytest.raises(ValueError, match=r"tensor_parallel_degree=2 does not divide "
+                                         r"training.seq_len=33"):
+        load(None, tp)
+    assert load(None, [*tp, "--no-parallelism.enable_sequence_parallel"])
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)

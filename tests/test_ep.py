@@ -2,7 +2,7 @@
 
 A small DeepSeek-V3-style MoE (one block, a MoE: 8 or 6 routed experts, top-2, one shared
 expert; a dense block would add compile time and nothing EP touches) gets its routed experts
-split over ``mesh["ep"]`` (``model.ep_plan()``, torch's ``parallelize_module``), then
+split over ``mesh["ep"]`` (``model.ep_styles()``, torch's ``parallelize_module``), then
 ``data_parallel`` shards everything over the dp dims left to it; every case trains 5 SGD steps,
 with the aux-loss-free bias update after each (its counts summed over all ranks by the model),
 on the same global batch as a 1-process reference (each dp rank takes its rows; the tp ranks of
@@ -144,7 +144,8 @@ def _case(rank, world, rep, tp, ep, n_experts, backend, ac):
     import simplesharded as ss
     from simplesharded.passes.agreement import AGREE_OP
     from simplesharded.passes.collectives import count_by_group, group_label
-    from simplesharded.trainer.recipe import _EPCompiled, apply_activation_checkpointing
+    from simplesharded.models.moe import ep_compile_config
+    from simplesharded.trainer.recipe import _ScopedCalls, apply_activation_checkpointing
 
     torch._dynamo.reset()
     graphs: dict = {}
@@ -168,15 +169,16 @@ def _case(rank, world, rep, tp, ep, n_experts, backend, ac):
     ep_group = mesh.get_group("ep").group_name
     model = make_model(n_experts)
     if tp > 1:
-        parallelize_module(model, mesh["tp"], model.tp_plan(sequence_parallel=True))
-    parallelize_module(model, mesh["ep"], model.ep_plan())
+        parallelize_module(model, mesh["tp"], model.tp_styles(sequence_parallel=True))
+    parallelize_module(model, mesh["ep"], model.ep_styles())
     if ac:
         apply_activation_checkpointing(model, "full", 1, compiled=backend != "eager",
                                        expert_parallel=True)
     mode = "hybrid_shard" if rep > 1 else "fully_shard"
     ss.data_parallel(model, mesh, mode, grad_reduction="sum")  # train(): global token count
-    step_fn = model if backend == "eager" else _EPCompiled(torch.compile(
-        model, backend=ss.make_backend(backend, observer=observe), fullgraph=True))
+    step_fn = model if backend == "eager" else _ScopedCalls(torch.compile(
+        model, backend=ss.make_backend(backend, observer=observe), fullgraph=True),
+        ep_compile_config)
     backward_a2a: list = []
     losses, params = train(model, step_fn, rank // tp, world // tp, tp,
                            (lambda: _CountAllToAll(backward_a2a)) if backend == "eager" else None)

@@ -14,7 +14,7 @@ from torch import fx
 
 import simplesharded as ss
 from simplesharded.passes.bucketing import bucket_collectives
-from simplesharded.passes.planning import BlockPlan
+from simplesharded.passes.plans import BlockPlan
 from simplesharded.passes.reordering import reorder_for_overlap
 
 from pass_utils import (AG, RS, WAIT, bitwise_equal, check_waits_before_use,

@@ -41,7 +41,7 @@ TIGHT = 1e-6  # fp32 aot_eager vs eager reference: only the order of the gradien
 def _capture_compile(model):
     """torch.compile with aot_eager + our recompute pass + a pass recording (fw, bw) graphs."""
     from simplesharded.passes.pipeline import PassPipeline, aot_backend
-    from simplesharded.passes.planning import BlockPlan
+    from simplesharded.passes.plans import BlockPlan
     from simplesharded.passes.recompute import tag_gathers_for_recompute
 
     graphs = []

@@ -470,7 +470,7 @@ def test_unknown_name_and_tensor_parallel_are_one_line(zoo):
     with pytest.raises(ValueError, match=r"^model.name='hff' is not one of \[.*'hf'"):
         _check("--model.name", "hff")
     with pytest.raises(ValueError, match=r"^parallelism.tensor_parallel_degree=2: model.name='hf' "
-                                         r"has no tensor-parallel plan here \(use 1\) "
+                                         r"has no tensor-parallel styles here \(use 1\) "
                                          r"\(model.path='.*qwen2'\)$"):
         _check("--model.name", "hf", "--model.path", str(zoo["qwen2"]),
                "--parallelism.tensor_parallel_degree", "2")

@@ -10,7 +10,7 @@ import torch
 import pass_utils as pu
 from simplesharded.passes.annotations import gathered_param
 from simplesharded.passes.memory import gathered_timeline
-from simplesharded.passes.planning import BlockPlan
+from simplesharded.passes.plans import BlockPlan
 from simplesharded.passes.reordering import reorder_for_overlap
 
 DEBUG_CONFIG = "configs/llama3_debug.toml"
@@ -39,7 +39,7 @@ def test_gathered_bytes_stay_within_the_cap_with_kept_blocks(backend, blocks):
     with dry_run.fake_world(2):
         traced = dry_run.trace(cfg, 2, n_layers=4, keep_gathered_bytes=keep,
                                memory_cap_bytes=cap)
-        fw, bw = dry_run.apply_plan(traced, backend, "h100-ib400", cap)
+        fw, bw = dry_run.apply_backend_passes(traced, backend, "h100-ib400", cap)
     kept = [n for n in bw.graph.nodes if n.op == "placeholder" and gathered_param(n)]
     kept = {gathered_param(n) for n in kept}
     assert "output.weight" in kept

@@ -342,7 +342,7 @@ def test_hf_llama_errors_are_one_line():
     with pytest.raises(ValueError, match=r"model.flavor='8B' is not one of \['debug', 'small'\] "
                                          r"\(model.name='hf_llama'\)"):
         build_model("hf_llama", "8B")
-    with pytest.raises(ValueError, match="hf_llama has no tensor-parallel plan"):
+    with pytest.raises(ValueError, match="hf_llama has no tensor-parallel styles"):
         get_model_spec("hf_llama", "small")[1].check_tp(2)
     with pytest.raises(ValueError, match="n_kv_heads"):  # llama3's checks hold
         build_model("hf_llama", "debug", n_kv_heads=5)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from simplesharded.passes.planning import BlockPlan
+from simplesharded.passes.plans import BlockPlan
 from simplesharded.passes.reordering import reorder_for_overlap
 
 import pass_utils as pu

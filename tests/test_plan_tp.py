@@ -100,7 +100,8 @@ def _traced_counts(world: int, tp: int, hw) -> tuple[dict, dict, int, int]:
         str(tp), "--training.global_batch_size", str(world // tp)]), world)
     with dry_run.fake_world(world):
         traced = dry_run.trace(cfg, cfg.training.local_batch_size, n_layers=2)
-        fw, bw = dry_run.apply_plan(traced, "aot_eager_blockbucketing", "h100-ib400", None)
+        fw, bw = dry_run.apply_backend_passes(traced, "aot_eager_blockbucketing", "h100-ib400",
+                                              None)
         counts: dict = {}
         for gm in (fw, bw):
             for key, n in count_by_group(gm, traced.group_labels).items():
@@ -146,8 +147,9 @@ def test_plan_cli_reports_communication_per_group(capsys):
     from simplesharded.tools import forecast as plan
 
     assert plan.main(["--config", DEBUG_CONFIG, "--world-size", "4", "--hardware", "h100-ib400",
-                      "--plans", "aot_eager_blockbucketing", "--parallelism.tensor_parallel_degree",
-                      "2", "--activation_checkpoint.mode", "none"]) == 0
+                      "--backends", "aot_eager_blockbucketing",
+                      "--parallelism.tensor_parallel_degree", "2",
+                      "--activation_checkpoint.mode", "none"]) == 0
     out = capsys.readouterr().out
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines()
             if line.startswith("| aot_eager_blockbucketing")]

@@ -9,7 +9,7 @@ from torch._subclasses import FakeTensorMode
 from pass_utils import AG, RS, WAIT, aten
 
 from simplesharded.passes.hardware import get_hardware
-from simplesharded.passes.planning import _rank_invariant_time
+from simplesharded.passes.plans import _rank_invariant_time
 from simplesharded.passes.rank_local import rank_local_nodes
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from simplesharded.passes.planning import BlockPlan
+from simplesharded.passes.plans import BlockPlan
 
 import pass_utils as pu
 

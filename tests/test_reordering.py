@@ -17,7 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from simplesharded.passes.planning import BlockPlan
+from simplesharded.passes.plans import BlockPlan
 from simplesharded.passes.reordering import PREFETCH_AHEAD, reorder_for_overlap
 
 import pass_utils as pu

@@ -25,7 +25,7 @@ from pass_utils import AR, RS, WAIT, aten
 from simplesharded.passes.annotations import DP_GROUPS_KEY, PARAM_KEY
 from simplesharded.passes.bucketing import bucketable
 from simplesharded.passes.collectives import find_collectives
-from simplesharded.passes.planning import AutoPlan, _collection_paused, _Trials
+from simplesharded.passes.plans import AutoPlan, _collection_paused, _Trials
 from simplesharded.passes.replica_padding import pad_replica_all_reduces
 
 WORLD, SHARDS = 4, 2

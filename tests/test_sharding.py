@@ -276,7 +276,7 @@ def test_tp_degree_must_divide_model_sizes():
         moe.check_tp(512)
 
 
-def test_tp_plan_is_plain_data_over_real_modules():
+def test_tp_styles_are_plain_data_over_real_modules():
     from torch.distributed.tensor.parallel import ParallelStyle
 
     from simplesharded.models import build_model
@@ -284,13 +284,13 @@ def test_tp_plan_is_plain_data_over_real_modules():
     for name in ("llama3", "deepseek_v3"):
         model = build_model(name, "debug", device="meta", n_layers=2)
         for sp in (True, False):
-            plan = model.tp_plan(sequence_parallel=sp)
-            assert all(isinstance(v, ParallelStyle) for v in plan.values())
-            for fqn in plan:  # every key names a module of the model
+            styles = model.tp_styles(sequence_parallel=sp)
+            assert all(isinstance(v, ParallelStyle) for v in styles.values())
+            for fqn in styles:  # every key names a module of the model
                 model.get_submodule(fqn)
-            assert ("norm" in plan) == sp  # norms are sequence-parallel only with SP
-    plan = build_model("llama3", "debug", device="meta", n_layers=2).tp_plan()
-    assert {k for k in plan if k.startswith("layers.0.")} == {
+            assert ("norm" in styles) == sp  # norms are sequence-parallel only with SP
+    styles = build_model("llama3", "debug", device="meta", n_layers=2).tp_styles()
+    assert {k for k in styles if k.startswith("layers.0.")} == {
         f"layers.0.{m}" for m in ("attention", "attention.wq", "attention.wk", "attention.wv",
                                   "attention.wo", "attention_norm", "ffn_norm", "feed_forward",
                                   "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")}

@@ -28,26 +28,26 @@ def test_shipped_config_fits_its_smallest_gpu_count(path):
     cfg = load_config(path, ["--training.dataset_path", ""])
     n = cfg.job.gpu_counts[0]
     cfg = check_static(cfg, n)
-    name = plan.plan_of(cfg.compile.backend)
+    name = plan.forecast_backend(cfg.compile.backend)
     # the H100 profile: what the auto plan sizes its buckets and keep budget by
     peak = plan.predicted_peak_bytes(cfg, n, [name], "h100-ib400", full_trace_layers=8)[name]
     room = MEMORY_HEADROOM * cfg.job.gpu_memory_gib * 2**30
-    print(f"{os.path.basename(path)}: {n} GPUs, plan {name}: {peak / 2**30:.1f} GiB per GPU "
+    print(f"{os.path.basename(path)}: {n} GPUs, backend {name}: {peak / 2**30:.1f} GiB per GPU "
           f"of {room / 2**30:.1f}")
     assert peak <= room, (f"{os.path.basename(path)} at {n} GPUs: the planner predicts "
                           f"{peak / 2**30:.1f} GiB per GPU, above {MEMORY_HEADROOM:.0%} of "
                           f"job.gpu_memory_gib={cfg.job.gpu_memory_gib:g}")
 
 
-def test_plan_of_backend():
-    from simplesharded.tools.forecast import plan_of
+def test_forecast_backend():
+    from simplesharded.tools.forecast import forecast_backend
 
-    assert plan_of("inductor_autobucketing") == "aot_eager_autobucketing"
-    assert plan_of("aot_eager_blockbucketing") == "aot_eager_blockbucketing"
-    assert plan_of("inductor") == plan_of("eager") == "aot_eager"
-    with pytest.raises(ValueError, match=r"compile.backend='inductor_upstreambucketing' has no "
-                                         r"plan here"):
-        plan_of("inductor_upstreambucketing")
+    assert forecast_backend("inductor_autobucketing") == "aot_eager_autobucketing"
+    assert forecast_backend("aot_eager_blockbucketing") == "aot_eager_blockbucketing"
+    assert forecast_backend("inductor") == forecast_backend("eager") == "aot_eager"
+    with pytest.raises(ValueError, match=r"compile.backend='inductor_upstreambucketing' is not "
+                                         r"forecast here"):
+        forecast_backend("inductor_upstreambucketing")
 
 
 def test_plan_reports_the_config_claim():

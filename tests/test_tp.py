@@ -1,6 +1,6 @@
 """FSDP × tensor parallelism on one mesh: parity, bitwise bucketing and graph counts.
 
-A small llama3 (2 blocks) is tensor-parallelised with its own plan (``model.tp_plan``,
+A small llama3 (2 blocks) is tensor-parallelised with its own plan (``model.tp_styles``,
 sequence parallel) by torch's ``parallelize_module`` on ``mesh["tp"]`` and then sharded over
 the dp dims by ``data_parallel``; every case trains a few SGD steps on the same global
 batch as a 1-process reference (the dp ranks split the batch; the tp ranks of one dp rank
@@ -126,7 +126,7 @@ def _layout(rank, world, rep, shard, tp, mode, cases):
 
         mesh = ss.build_mesh(rep, shard, "cpu", tp)
         model = make_model()
-        parallelize_module(model, mesh["tp"], model.tp_plan(sequence_parallel=sp))
+        parallelize_module(model, mesh["tp"], model.tp_styles(sequence_parallel=sp))
         ss.data_parallel(model, mesh, mode, grad_reduction="sum")  # loss_fn: global count
         step_fn = model if backend == "eager" else torch.compile(
             model, backend=ss.make_backend(backend, observer=observe), fullgraph=True)

@@ -5,8 +5,8 @@ tensor, which gloo runs as ``allgather_coalesced``. That work corrupts the heap 
 them finish at once: each of a gloo group's two worker threads stores the finished op's name
 into one string the group shares, without a lock, and ``ALLGATHER_COALESCED`` is too long for
 the string's inline buffer, so two threads can free the same heap buffer
-(benchmarks/RESULTS.md, Session 12). ``all_gather_into_tensor_out`` goes through gloo's plain
-all-gather, whose name fits inline.
+(benchmarks/history/journal.md#issue-13-item-7-the-heap-corruption-found-and-no-longer-triggered).
+``all_gather_into_tensor_out`` goes through gloo's plain all-gather, whose name fits inline.
 
 ``install()`` gives the functional op a CPU kernel that allocates the output and gathers into
 it with the ``_out`` op: the same bytes and values, and the work registered on the output as

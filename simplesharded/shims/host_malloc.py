@@ -8,7 +8,8 @@ rank pays a page fault per 4 KiB of them, every step, on the thread that first w
 That cost is neither compute nor communication; GPU ranks never pay it (their allocator caches),
 and it falls unevenly on data-parallel schemes: DDP's buckets live across steps, FSDP's gathered
 parameters are allocated per step. ``python -m simplesharded.tools.bench --host-malloc system``
-shows the difference (benchmarks/RESULTS.md, Session 12).
+shows the difference
+(benchmarks/history/journal.md#issue-12-page-faults-per-step-a-caching-malloc-for-cpu-ranks-and-the-tables-after-the-heap-fix).
 
 ``CACHING`` (glibc tunables) backs malloc's heap with transparent huge pages (``hugetlb``:
 one fault per 2 MiB instead of per 4 KiB for what is still new), turns its mmap path off and

@@ -12,7 +12,8 @@ devices present, with the process-group backend mesh.backend_for picks (NCCL for
 default ``cpu`` uses gloo.
 
 ``--tp N`` runs every variant on a dp × tp mesh (tp innermost, as the trainer's): torch TP with
-the model's plan on ``mesh["tp"]`` first, then the variant's data parallelism over the dp dims.
+the model's tensor-parallel styles on ``mesh["tp"]`` first, then the variant's data parallelism
+over the dp dims.
 FSDP2 becomes the standard 2-D recipe (``fully_shard`` per block + root on ``mesh["dp_shard"]``)
 and the floors keep their meaning with a tp group in place of a single rank.
 """
@@ -23,7 +24,6 @@ import contextlib
 import json
 import os
 import resource
-import socket
 import statistics
 import sys
 import tempfile
@@ -33,7 +33,8 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from simplesharded.mesh import spawn_local
 
 BASELINES = ("fsdp2_eager", "fsdp2_compiled", "ddp", "compute_floor", "compute_floor_inductor",
              "compute_floor_concurrent", "compute_floor_concurrent_compiled")
@@ -50,7 +51,7 @@ BASELINES = ("fsdp2_eager", "fsdp2_compiled", "ddp", "compute_floor", "compute_f
 # compute_floor_inductor: compute_floor compiled by inductor (fullgraph). Inductor fuses
 # kernels that eager runs one by one, so an inductor variant can beat the eager floor without
 # communicating any faster: ss_inductor_* and fsdp2_compiled (inductor per block) are also
-# measured against this floor (RATIO_ONLY). In the default set without TP.
+# measured against this floor (ratio_applies). In the default set without TP.
 NO_TP_FORM = ("ddp",)  # DDP does not take TP DTensor parameters
 # With --tp the default set is the 2-D recipe's peers only: 4 ranks on 2 cores compiling a
 # TP graph take ~2 min per compiled variant (debug llama3), so the unbucketed ss_aot_eager,
@@ -66,16 +67,27 @@ RATIO_REFS = {"fsdp2_eager": "fsdp2_eager", "compute_floor": "compute_floor",
               "compute_floor_inductor": "floor inductor",
               "compute_floor_concurrent": "floor concurrent",
               "compute_floor_concurrent_compiled": "floor concurrent compiled"}
-# References whose ratio only means something for some variants (name prefixes); the others
-# show "–" in that column. An inductor floor under an eager or aot_eager variant would mix
-# kernel fusion into the comparison of communication.
-RATIO_ONLY = {"compute_floor_inductor": ("ss_inductor", "fsdp2_compiled",
-                                         "compute_floor_inductor")}
+# The inductor floor's ratio only means something for variants that inductor compiles; the
+# others show "–" in that column (an inductor floor under an eager or aot_eager variant would
+# mix kernel fusion into the comparison of communication).
+INDUCTOR_VARIANTS = ("fsdp2_compiled", "compute_floor_inductor")  # and ss_inductor*
+
+
+def ss_backend(variant: str):
+    """The backend (BackendName) of an ``ss_<backend>`` variant; None for a baseline."""
+    from simplesharded.backends import BACKENDS, BackendName
+
+    name = variant.removeprefix("ss_")
+    return BackendName.parse(name) if variant != name and name in BACKENDS else None
 
 
 def ratio_applies(ref: str, variant: str) -> bool:
     """Whether ``variant``'s row gets a ratio against reference variant ``ref``."""
-    return variant.startswith(RATIO_ONLY.get(ref, ""))
+    if ref != "compute_floor_inductor":
+        return True
+    backend = ss_backend(variant)
+    return variant in INDUCTOR_VARIANTS or (backend is not None
+                                            and backend.compiler == "inductor")
 
 
 def all_variants() -> list[str]:
@@ -171,10 +183,10 @@ def _prepare(variant: str, args: BenchArgs, mesh):
         fully_shard(model, mesh=dp_mesh(mesh))
     else:
         from simplesharded import data_parallel, make_backend
-        backend = variant.removeprefix("ss_")
+        backend = ss_backend(variant)
         data_parallel(model, mesh, "fully_shard")
-        if backend != "eager":
-            model = torch.compile(model, backend=make_backend(backend), fullgraph=True)
+        if backend.compiler != "eager":
+            model = torch.compile(model, backend=make_backend(str(backend)), fullgraph=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **OPTIMIZER_IMPL[args.optimizer_impl])
     return model, opt
 
@@ -277,9 +289,9 @@ def _sync(device: str) -> None:
         torch.accelerator.synchronize()
 
 
-def _worker(rank: int, variant: str, args: BenchArgs, port: int, out_dir: str) -> None:
+def _worker(rank: int, variant: str, args: BenchArgs, out_dir: str) -> None:
     from simplesharded.mesh import backend_for, build_mesh, exit_rank
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    os.environ.update(OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     world = _world(variant, args)
     if args.device != "cpu":
@@ -370,11 +382,8 @@ def _rank_environment(args: BenchArgs):
 def run_variant(variant: str, args: BenchArgs) -> RunResult:
     world = _world(variant, args)
     with tempfile.TemporaryDirectory() as out_dir:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         with _rank_environment(args):
-            mp.spawn(_worker, args=(variant, args, port, out_dir), nprocs=world, join=True)
+            spawn_local(_worker, world, (variant, args, out_dir))
         ranks = [RunResult(**json.load(open(os.path.join(out_dir, f"rank{r}.json"))))
                  for r in range(world)]
     res = ranks[0]
@@ -473,17 +482,17 @@ def targets(rows: list[dict]) -> list[str]:
     return out
 
 
-# Variants whose step the planner models without calibration (simplesharded/tools/forecast.py) → its plan
-# names. The autobucketing plan's buckets follow the ranks' calibrated cost model, which the
-# bench's parent process does not hold, so it has no prediction here (`python -m
+# The variants whose step the planner (simplesharded/tools/forecast.py) models without
+# calibration. The autobucketing plan's buckets follow the ranks' calibrated cost model, which
+# the bench's parent process does not hold, so it has no prediction here (`python -m
 # simplesharded.tools.forecast --hardware <calibration file>` gives one).
-PLANNED = {"ss_aot_eager": "aot_eager", "ss_aot_eager_blockbucketing": "aot_eager_blockbucketing"}
+FORECAST = ("ss_aot_eager", "ss_aot_eager_blockbucketing")
 
 
-def planned_peaks(args: BenchArgs, variants: list[str]) -> dict[str, float]:
-    """{variant: per-rank peak MB the planner predicts for it}, for the variants of PLANNED on
+def forecast_peaks(args: BenchArgs, variants: list[str]) -> dict[str, float]:
+    """{variant: per-rank peak MB the planner predicts for it}, for the variants of FORECAST on
     a CPU mesh without tp, when the trainer knows the model (its config describes the step)."""
-    names = {v: PLANNED[v] for v in variants if v in PLANNED}
+    names = {v: str(ss_backend(v)) for v in variants if v in FORECAST}
     if not names or args.tp > 1 or args.device != "cpu":
         return {}
     from simplesharded.trainer.config import load_config
@@ -524,7 +533,7 @@ def main(argv=None) -> int:
                          "accelerator: one rank per device)")
     ap.add_argument("--tp", type=_positive_int, default=1,
                     help="tensor-parallel degree: every variant runs on a dp × tp mesh, torch "
-                         "TP with the model's plan first (default: 1, no TP)")
+                         "TP with the model's tensor-parallel styles first (default: 1, no TP)")
     ap.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
                     help="with --tp > 1, shard activations between blocks on the sequence dim "
                          "(the trainer's default)")
@@ -553,7 +562,7 @@ def main(argv=None) -> int:
                          "step; simplesharded/shims/host_malloc.py) or system (glibc's defaults)")
     ap.add_argument("--predict-memory", action=argparse.BooleanOptionalAction, default=True,
                     help="also print the planner's predicted peak memory per rank for "
-                         + " ".join(PLANNED) + " (a trace of the model, seconds to a minute)")
+                         + " ".join(FORECAST) + " (a trace of the model, seconds to a minute)")
     ap.add_argument("--profile", default="", metavar="DIR",
                     help="write a torch.profiler chrome trace and op table per variant and rank")
     ns = ap.parse_args(argv)
@@ -616,7 +625,7 @@ def main(argv=None) -> int:
             print(f"[rep {rep + 1}/{ns.reps}] {v}: {status} ({time.time() - t0:.0f}s)",
                   file=sys.stderr, flush=True)
     rows = summarize(results, args)
-    planned = planned_peaks(args, variants) if ns.predict_memory else {}
+    planned = forecast_peaks(args, variants) if ns.predict_memory else {}
     for r in rows:
         if r["variant"] in planned:
             r["planned_mb"] = planned[r["variant"]]
@@ -631,7 +640,7 @@ def main(argv=None) -> int:
     if tp > 1:
         sp = ((", sequence parallel" if args.sequence_parallel else "")
               + (", loss parallel" if args.loss_parallel else ""))
-        print(f"torch TP (parallelize_module, the model's plan{sp}) under every variant; "
+        print(f"torch TP (parallelize_module, the model's styles{sp}) under every variant; "
               f"fsdp2_eager: fully_shard per block + root on the dp mesh; compute_floor: one tp "
               f"group ({tp} ranks) alone; compute_floor_concurrent: all {args.dp} tp groups at "
               f"once; neither floor communicates over dp")

@@ -6,22 +6,21 @@ disguise), the all-to-all + local adds that passes/lowering.py emits, and an in-
 all-reduce. All-gather: one flat buffer plus a copy-out per parameter (passes/bucketing.py;
 torch's own kernel, gloo's coalesced gather of one tensor), the same into a buffer the caller
 allocates (gloo's plain all-gather: what simplesharded/shims/gloo_gather.py makes the first form
-run), and the coalesced gather straight into per-parameter outputs
-(passes/coalesce_gathers.py, off by default).
+run), and the coalesced gather straight into per-parameter outputs (which no pass emits:
+gloo's coalesced gather can corrupt the heap, docs/torch_internals.md).
 The bucket is one llama3-small block's parameters (3.1M fp32 elements). Prints median wall ms
 and process CPU ms (all threads) per call; checks the forms of each kind agree.
 """
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from simplesharded.mesh import spawn_local
 
 
 
@@ -33,8 +32,7 @@ def block_numels(world: int) -> list[int]:
     return [-(-p.numel() // world) * world for p in block.parameters()]
 
 
-def _worker(rank: int, world: int, port: int, reps: int, numels: list[int]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank: int, world: int, reps: int, numels: list[int]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     c10d, name = torch.ops._c10d_functional, dist.group.WORLD.group_name
@@ -104,7 +102,7 @@ def _worker(rank: int, world: int, port: int, reps: int, numels: list[int]) -> N
         rows.append((form.__name__, statistics.median(wall), statistics.median(cpu)))
     if rank == 0:
         print(f"one bucket of {n * 4 / 2**20:.0f} MiB fp32 on {world} gloo ranks, median of {reps}")
-        print(f"| form | wall ms | CPU ms (process) | × reduce_scatter CPU |\n|---|---:|---:|---:|")
+        print("| form | wall ms | CPU ms (process) | × reduce_scatter CPU |\n|---|---:|---:|---:|")
         for form, w, c in rows:
             print(f"| {form} | {1e3 * w:.1f} | {1e3 * c:.1f} | {c / rows[0][2]:.2f} |")
         flat, out, coalesced = rows[3][2], rows[4][2], rows[5][2]
@@ -121,13 +119,9 @@ def main(argv=None) -> int:
     ns = ap.parse_args(argv)
     if ns.world_size < 2:
         ap.error(f"--world-size {ns.world_size} must be at least 2")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     # sizes from the parent: the workers import nothing but torch
     numels = block_numels(ns.world_size)
-    mp.spawn(_worker, args=(ns.world_size, port, ns.reps, numels), nprocs=ns.world_size,
-             join=True)
+    spawn_local(_worker, ns.world_size, (ns.world_size, ns.reps, numels))
     return 0
 
 

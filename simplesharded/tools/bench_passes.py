@@ -1,11 +1,11 @@
 """``python -m simplesharded.tools.bench_passes``: how long our compiler passes take on a config's graphs.
 
 Traces the config's training step as the trainer compiles it, over a fake process group of
---world-size ranks (dry_run.py: dynamo, aot_autograd, our joint recompute pass,
+--world-size ranks (cluster_trace.py: dynamo, aot_autograd, our joint recompute pass,
 partitioning), then runs the graph passes of the block- and autobucketing backends on copies
-of the forward and backward graphs, exactly as the backend pipeline calls them, and prints
-each pass's time and the passes' share of the whole compile (trace + passes), in CPU seconds
-of this process: on a shared machine wall time also counts the others' work. Each timed run
+of the forward and backward graphs, in the pipeline the backends build (backends.pass_pipeline),
+and prints each pass's time and the passes' share of the whole compile (trace + passes), in CPU
+seconds of this process: on a shared machine wall time also counts the others' work. Each timed run
 starts after a full garbage collection: the copies of the graphs are this bench's own
 allocations (a compile hands the passes its graphs, it copies nothing), and at 405B the full
 collection they would otherwise set off inside the passes costs 1.5-3 CPU s. The
@@ -27,15 +27,9 @@ def pass_times(traced, name: str, hardware: str) -> dict[str, dict[str, float]]:
     ``traced``'s graphs, run by a PassPipeline as the backend runs them (each pass's time
     includes what the pipeline does after it), and "codegen": generating the final graph's
     code, once, as the backend does after the last pass."""
-    from simplesharded.passes.bucketing import bucket_collectives
-    from simplesharded.passes.coalesce_gathers import coalesce_gathers
-    from simplesharded.passes.lowering import lower_reduce_scatters
-    from simplesharded.passes.pipeline import PassPipeline, generate_code, lazily_compiled
-    from simplesharded.passes.planning import AutoPlan, BlockPlan
-    from simplesharded.passes.reordering import reorder_for_overlap
-    from simplesharded.passes.replica_padding import pad_replica_all_reduces
+    from simplesharded.backends import BackendOptions, pass_pipeline
+    from simplesharded.passes.pipeline import generate_code, lazily_compiled
 
-    plan = BlockPlan() if "block" in name else AutoPlan(hardware)
     out: dict[str, dict[str, float]] = {"fw": {}, "bw": {}}
     last = [0.0]
 
@@ -45,11 +39,7 @@ def pass_times(traced, name: str, hardware: str) -> dict[str, dict[str, float]]:
             out[kind][stage] = now - last[0]
         last[0] = now
 
-    pipeline = PassPipeline(graph=[("padding", pad_replica_all_reduces),
-                                   ("bucketing", lambda gm: bucket_collectives(gm, plan)),
-                                   ("reordering", lambda gm: reorder_for_overlap(gm, plan)),
-                                   ("lowering", lower_reduce_scatters),
-                                   ("coalescing", coalesce_gathers)], observer=observe)
+    pipeline = pass_pipeline(name, BackendOptions(hardware=hardware, observer=observe))
     for kind in ("fw", "bw"):
         gm = lazily_compiled(copy.deepcopy(getattr(traced, kind)))
         gc.collect()  # see the module doc

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from simplesharded.calibration import cache_path, calibrated
-from simplesharded.mesh import exit_rank
+from simplesharded.mesh import exit_rank, spawn_local
 
 
 def format_report(result: dict, path: Path | None = None) -> str:
@@ -33,7 +32,7 @@ def format_report(result: dict, path: Path | None = None) -> str:
     return "\n".join(lines)
 
 
-def _rank_main(rank: int, nproc: int, port: int, force: bool, queue) -> None:
+def _rank_main(rank: int, nproc: int, force: bool, queue) -> None:
     from simplesharded.mesh import backend_for, device_type
 
     device, kwargs = device_type(), {}
@@ -42,8 +41,7 @@ def _rank_main(rank: int, nproc: int, port: int, force: bool, queue) -> None:
         torch.accelerator.set_device_index(index)
         kwargs["device_id"] = torch.device(device, index)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
-    dist.init_process_group(backend_for(device), init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=nproc, **kwargs)
+    dist.init_process_group(backend_for(device), rank=rank, world_size=nproc, **kwargs)
     result = calibrated(force=force)
     if rank == 0:
         queue.put((result, str(cache_path(result["key"]))))
@@ -66,13 +64,8 @@ def main(argv=None) -> int:
     if nproc < 1:
         print(f"--nproc={nproc}: must be >= 1", file=sys.stderr)
         return 2
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    mp.start_processes(_rank_main, args=(nproc, port, ns.force, queue), nprocs=nproc,
-                       start_method="spawn")
+    queue = mp.get_context("spawn").SimpleQueue()
+    spawn_local(_rank_main, nproc, (nproc, ns.force, queue))
     result, path = queue.get()
     print(format_report(result, Path(path)))
     return 0

@@ -1,13 +1,13 @@
-"""Trace a config's training step at cluster scale on this CPU, and apply plans to it.
+"""Trace a config's training step at cluster scale on this CPU, and run backends' passes on it.
 
 ``fake_world(n)`` stands up a fake process group of n ranks (torch's "fake" backend: no
 communication, this process is rank 0). ``trace`` builds the model on the meta device,
 parallelizes it as the trainer does (trainer/recipe.py parallelize: tensor parallelism, activation
 checkpointing, data_parallel) and captures rank 0's forward and backward graphs after
 partitioning; the shards of the meta model are never written, so they take no memory.
-``apply_plan`` runs a backend's passes on copies of those graphs, and ``memory_report`` adds
-the per-rank static state to their peak. ``python -m simplesharded.tools.forecast`` (plan.py) reports on
-them; tests use them directly.
+``apply_backend_passes`` runs a backend's graph passes on copies of those graphs, and
+``memory_report`` adds the per-rank static state to their peak. ``python -m
+simplesharded.tools.forecast`` reports on them; tests use them directly.
 """
 from __future__ import annotations
 
@@ -62,8 +62,8 @@ def trace(cfg, local_batch: int, n_layers: int | None = None,
     from torch._dynamo.backends.common import aot_autograd
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from simplesharded.passes.planning import BlockPlan
-    from simplesharded.passes.recompute import tag_gathers_for_recompute
+    from simplesharded.backends import BackendOptions, pass_pipeline
+    from simplesharded.passes.plans import BlockPlan
 
     cfg = copy.deepcopy(cfg)
     cfg.compile.enable = True  # the compiled step is what the passes plan
@@ -74,11 +74,14 @@ def trace(cfg, local_batch: int, n_layers: int | None = None,
     class _Captured(Exception):
         pass
 
+    # Every backend's joint pass (recompute tagging), reading this plan's cap and keep budget.
+    plan = BlockPlan(memory_cap_bytes=memory_cap_bytes, keep_gathered_bytes=keep_gathered_bytes)
+    joint_passes = pass_pipeline("aot_eager", BackendOptions(plan=plan))
+
     def partition(joint, inputs, **kwargs):
         nonlocal recompute_s
         t = time.process_time()
-        tag_gathers_for_recompute(joint, BlockPlan(memory_cap_bytes=memory_cap_bytes,
-                                                   keep_gathered_bytes=keep_gathered_bytes))
+        joint = joint_passes.run_joint(joint)
         recompute_s = time.process_time() - t
         # Only the graphs are wanted: stop right after partitioning (nothing runs on fakes).
         graphs["fw"], graphs["bw"] = min_cut_rematerialization_partition(joint, inputs, **kwargs)
@@ -114,36 +117,30 @@ def trace(cfg, local_batch: int, n_layers: int | None = None,
                   local_numel, group_labels(mesh))
 
 
-def apply_plan(traced: Traced, name: str, hardware: str, cap_bytes: int | None):
-    """Copies of the traced graphs with backend ``name``'s passes applied (on a gloo
-    ``hardware`` profile also the gloo lowerings, which the fake process group would skip);
-    for a backend without passes, the traced graphs themselves (to read, not to edit)."""
-    from simplesharded.passes.bucketing import bucket_collectives
-    from simplesharded.passes.coalesce_gathers import COALESCED_BACKENDS, coalesce_gathers
+def apply_backend_passes(traced: Traced, backend: str, hardware: str, cap_bytes: int | None):
+    """Copies of the traced graphs with ``backend``'s graph passes applied (its pipeline:
+    backends.pass_pipeline, under the built-in plan with cap ``cap_bytes``; on a gloo
+    ``hardware`` profile its gloo lowerings apply to every group, which on the fake process
+    group they would skip); for a backend without graph passes, the traced graphs themselves
+    (to read, not to edit). The joint pass ran in :func:`trace`; no agreement check is added
+    (nothing here runs the graphs)."""
+    from simplesharded.backends import BackendOptions, pass_pipeline
     from simplesharded.passes.hardware import get_hardware
-    from simplesharded.passes.lowering import lower_reduce_scatters
+    from simplesharded.passes.lowering import LOWERED_BACKENDS
     from simplesharded.passes.pipeline import lazily_compiled
-    from simplesharded.passes.planning import AutoPlan, BlockPlan
-    from simplesharded.passes.reordering import reorder_for_overlap
-    from simplesharded.passes.replica_padding import pad_replica_all_reduces
 
-    if not name.endswith("bucketing"):
+    gloo = get_hardware(hardware).transport == "gloo"
+    pipeline = pass_pipeline(backend, BackendOptions(hardware=hardware, memory_cap_bytes=cap_bytes),
+                             lower_on=None if gloo else LOWERED_BACKENDS)
+    if not pipeline.graph:
         return traced.fw, traced.bw
     # Copies of the graphs in lazy graph modules (dynamo's own kind): nothing here runs them,
     # so the passes' recompiles generate no code. Attributes stay shared: passes never
     # write them.
     fw, bw = (lazily_compiled(gm, copy.deepcopy(gm.graph)) for gm in (traced.fw, traced.bw))
-    plan = (BlockPlan(memory_cap_bytes=cap_bytes) if "block" in name
-            else AutoPlan(hardware, cap_bytes))
-    gloo = get_hardware(hardware).transport == "gloo"
     for gm in (fw, bw):
-        pad_replica_all_reduces(gm)
-        bucket_collectives(gm, plan)
-        reorder_for_overlap(gm, plan)
-        if gloo:
-            lower_reduce_scatters(gm, transports=None)
-            if "gloo" in COALESCED_BACKENDS:  # as the real pipeline would on gloo
-                coalesce_gathers(gm, transports=None)
+        for _, graph_pass in pipeline.graph:
+            graph_pass(gm)
     return fw, bw
 
 

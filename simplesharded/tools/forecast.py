@@ -1,14 +1,14 @@
 """``python -m simplesharded.tools.forecast``: dry-run a config at cluster scale, on this CPU.
 
 Traces one forward+backward of the config's model, parallelized as the trainer does, over a
-*fake* process group of --world-size ranks (dry_run.py; once per reshard-after-forward
+*fake* process group of --world-size ranks (cluster_trace.py; once per reshard-after-forward
 decision, each trace in a forked process, as many side by side as there are cores), then for
-each backend plan applies our passes to copies of the traced graphs and simulates the schedule
+each backend applies its passes to copies of the traced graphs and simulates the schedule
 with the cost model (passes/simulate.py: a compute stream and a communication lane per
 link). Prints step time, exposed communication, bytes sent per rank, tokens/s per rank and
 peak memory per rank, then communication per process group (dp_shard, tp, ep, ...) and, with
 expert parallelism, the all-to-alls' volume and exposed time; --timeline draws the timeline of
-the first plan.
+one backend's step.
 """
 from __future__ import annotations
 
@@ -19,10 +19,13 @@ import os
 import time
 import traceback
 
-from simplesharded.tools.cluster_trace import (Traced, apply_plan, fake_world, memory_report, static_memory,
-                                   trace)
+from simplesharded.backends import BackendName
+from simplesharded.tools.cluster_trace import (Traced, apply_backend_passes, fake_world,
+                                               memory_report, static_memory, trace)
 
-PLANS = ("aot_eager", "aot_eager_blockbucketing", "aot_eager_autobucketing")
+# The backends forecast here: their inductor twins run the same passes (forecast_backend).
+BACKENDS = ("aot_eager", "aot_eager_blockbucketing", "aot_eager_autobucketing")
+BLOCK, AUTO = BackendName("aot_eager", "block"), BackendName("aot_eager", "auto")
 
 
 def draw_timeline(path: str, fw_sched, bw_sched, title: str) -> None:
@@ -68,12 +71,12 @@ def main(argv=None) -> int:
     ap.add_argument("--local-batch", type=int, default=0,
                     help="sequences per data-parallel rank, shared by its tp ranks (default: "
                          "the config's, global_batch_size / dp as the trainer resolves it)")
-    ap.add_argument("--plans", nargs="+", default=list(PLANS))
+    ap.add_argument("--backends", nargs="+", default=list(BACKENDS))
     ap.add_argument("--memory-cap-mb", type=float, default=None,
-                    help="the plans' memory cap (default: the config's compile.memory_cap_mb, "
+                    help="the backends' memory cap (default: the config's compile.memory_cap_mb, "
                          "as the trainer uses it)")
     ap.add_argument("--timeline", default=None, help="PNG path for the timeline")
-    ap.add_argument("--timeline-plan", default="aot_eager_autobucketing")
+    ap.add_argument("--timeline-backend", default=str(AUTO))
     ap.add_argument("--full-trace-layers", type=int, default=8,
                     help="trace every block up to this depth; deeper models are extrapolated "
                          "from traces of 4 and 6 blocks (blocks repeat, so the step is "
@@ -82,9 +85,9 @@ def main(argv=None) -> int:
     try:
         hw = get_hardware(ns.hardware)
         cfg = load_config(ns.config, rest)
-        bad = sorted(set(ns.plans) - set(PLANS))
+        bad = sorted(set(ns.backends) - set(BACKENDS))
         if bad:
-            raise ValueError(f"--plans {bad} not one of {list(PLANS)}")
+            raise ValueError(f"--backends {bad} not one of {list(BACKENDS)}")
         cfg.training.dataset_path = ""  # nothing is read
         if ns.local_batch:
             p, t = cfg.parallelism, cfg.training
@@ -105,26 +108,28 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     cap_mb = cfg.compile.memory_cap_mb if ns.memory_cap_mb is None else ns.memory_cap_mb
     cap = int(cap_mb * 2**20) or None
-    evaluated, keeps = evaluate_plans(cfg, ns, hw, cap, ns.plans, sizes)
+    evaluated, keeps = evaluate_backends(cfg, ns, hw, cap, ns.backends, sizes)
     _report(ns, cfg, hw, evaluated, keeps, sizes, n_layers, t0)
     return 0
 
 
-def evaluate_plans(cfg, ns, hw, cap, plans, sizes) -> tuple[dict, dict]:
-    """Every plan of ``plans`` on traces of ``sizes`` blocks (None: the flavor's depth) of
-    ``cfg``'s compiled step over ``ns.world_size`` fake ranks, cost model ``ns.hardware``:
-    ({keep budget: [{plan: numbers} per trace size]}, {plan: its keep budget})."""
-    from simplesharded.passes.planning import AutoPlan
-    # reshard_after_forward="auto" is decided on the joint graph: the autobucketing plan keeps
-    # blocks within its budget, the others the last block; one trace per distinct decision.
-    keeps = {name: AutoPlan(ns.hardware, cap).keep_gathered_bytes
-             if "autobucketing" in name and cfg.parallelism.reshard == "auto" else None
-             for name in plans}
-    # The autobucketing extrapolation also needs the block plan of its traces.
-    need = {keep: {n for n in plans if keeps[n] == keep} for keep in keeps.values()}
+def evaluate_backends(cfg, ns, hw, cap, backends, sizes) -> tuple[dict, dict]:
+    """Every backend of ``backends`` on traces of ``sizes`` blocks (None: the flavor's depth)
+    of ``cfg``'s compiled step over ``ns.world_size`` fake ranks, cost model ``ns.hardware``:
+    ({keep budget: [{backend: numbers} per trace size]}, {backend: its keep budget})."""
+    from simplesharded.backends import BackendOptions, backend_plan
+
+    # reshard_after_forward="auto" is decided on the joint graph by each backend's plan (the
+    # auto plan keeps blocks within its budget, the block plan the last block): one trace
+    # per distinct decision.
+    opts = BackendOptions(hardware=ns.hardware, memory_cap_bytes=cap)
+    keeps = {name: backend_plan(name, opts).keep_gathered_bytes
+             if cfg.parallelism.reshard == "auto" else None for name in backends}
+    # The autobucketing extrapolation also needs the block bucketing of its traces.
+    need = {keep: {n for n in backends if keeps[n] == keep} for keep in keeps.values()}
     for keep, names in need.items():
-        if len(sizes) > 1 and any("autobucketing" in n for n in names):
-            names.add("aot_eager_blockbucketing")
+        if len(sizes) > 1 and any(BackendName.parse(n) == AUTO for n in names):
+            names.add(str(BLOCK))
     calls = [(_trace_and_evaluate, cfg, ns, hw, cap, k, keep, sorted(names))
              for keep, names in need.items() for k in sizes]
     results = iter(_in_children(calls))
@@ -132,10 +137,10 @@ def evaluate_plans(cfg, ns, hw, cap, plans, sizes) -> tuple[dict, dict]:
     return evaluated, keeps
 
 
-def predicted_peak_bytes(cfg, world_size: int, plans, hardware: str = "local",
+def predicted_peak_bytes(cfg, world_size: int, backends, hardware: str = "local",
                          n_layers: int | None = None,
                          full_trace_layers: int | None = None) -> dict[str, int]:
-    """{plan: per-rank peak bytes the planner predicts} for ``cfg``'s compiled step on
+    """{backend: per-rank peak bytes the planner predicts} for ``cfg``'s compiled step on
     ``world_size`` ranks (``n_layers`` blocks; None: the flavor's), under the config's memory
     cap: fp32 shards, gradients and optimizer state plus the graphs' peak of gathered buffers
     and activations. Every block is traced, or with ``full_trace_layers`` a deeper model is
@@ -147,28 +152,27 @@ def predicted_peak_bytes(cfg, world_size: int, plans, hardware: str = "local",
              else [n_layers])
     ns = argparse.Namespace(world_size=world_size, hardware=hardware)
     cap = int(cfg.compile.memory_cap_mb * 2**20) or None
-    evaluated, keeps = evaluate_plans(cfg, ns, get_hardware(hardware), cap, plans, sizes)
+    evaluated, keeps = evaluate_backends(cfg, ns, get_hardware(hardware), cap, backends, sizes)
     out = {}
-    for name in plans:
+    for name in backends:
         m = _numbers(name, evaluated[keeps[name]], depth)
         out[name] = int(sum(static_memory(m["local_numel"], cfg.optimizer.name))
                         + m["peak_act"])
     return out
 
 
-def plan_of(backend: str) -> str:
-    """The plan of PLANS that models ``backend``'s compiled step (an inductor backend runs
-    the same passes as its aot_eager twin)."""
-    name = {"eager": "aot_eager", "inductor": "aot_eager"}.get(backend, backend)
-    name = name.replace("inductor_", "aot_eager_", 1)
-    if name not in PLANS:
-        raise ValueError(f"compile.backend={backend!r} has no plan here; the planner models "
-                         f"{list(PLANS)} and their inductor twins")
+def forecast_backend(backend: str) -> str:
+    """The backend of BACKENDS whose forecast models ``backend``'s compiled step: its
+    aot_eager twin (inductor runs the same passes; eager is forecast as plain aot_eager)."""
+    name = str(BackendName.parse(backend).on("aot_eager"))
+    if name not in BACKENDS:
+        raise ValueError(f"compile.backend={backend!r} is not forecast here; the planner "
+                         f"models {list(BACKENDS)} and their inductor twins")
     return name
 
 
 def _trace_and_evaluate(cfg, ns, hw, cap, n_layers, keep, names) -> dict[str, dict]:
-    """{plan: _evaluate's numbers} for the plans ``names`` on one trace (see trace); the
+    """{backend: _evaluate's numbers} for the backends ``names`` on one trace (see trace); the
     fake process group stays up throughout: the plans' cost model resolves the traced groups."""
     with fake_world(ns.world_size):
         traced = trace(cfg, cfg.training.local_batch_size, n_layers, keep, cap)
@@ -216,7 +220,7 @@ def _in_children(calls: list[tuple]) -> list:
     while running:
         collect()
     if failed is not None:
-        raise RuntimeError(f"planning in a child process failed:\n{failed}")
+        raise RuntimeError(f"forecasting in a child process failed:\n{failed}")
     return results
 
 
@@ -238,12 +242,12 @@ def _report(ns, cfg, hw, evaluated, keeps, sizes, n_layers, t0) -> None:
           f"{local_batch} × {t.seq_len} tokens per dp rank, AC "
           f"{cfg.activation_checkpoint.mode}; {how}, traced and simulated in "
           f"{time.perf_counter() - t0:.0f}s\n")
-    print("| plan | step s | exposed comm s | comm GB/rank | collectives | tokens/s/rank | "
+    print("| backend | step s | exposed comm s | comm GB/rank | collectives | tokens/s/rank | "
           "peak mem GiB/rank |\n|---|---:|---:|---:|---:|---:|---:|")
     drawn = None
     rows, numbers = [], {}
 
-    for name in ns.plans:
+    for name in ns.backends:
         m = numbers[name] = _numbers(name, evaluated[keeps[name]], n_layers)
         last = evaluated[keeps[name]][-1][name]  # the deepest trace: its links and timeline
         shard = m["local_numel"]
@@ -253,11 +257,11 @@ def _report(ns, cfg, hw, evaluated, keeps, sizes, n_layers, t0) -> None:
               f"{m['collectives']:.0f} | {tokens / step:,.0f} | "
               f"{(static + m['peak_act']) / 2**30:.1f} |")
         rows += [(name, label, link, m) for label, link in last["links"].items()]
-        if drawn is None or name == ns.timeline_plan:
+        if drawn is None or name == ns.timeline_backend:
             drawn = (name, last, static, m["peak_act"])
     print("\ncommunication per process group, per rank and step (comm s: transfer time on the "
           "group's link; exposed s: compute waiting for it)\n\n"
-          "| plan | group | link | collectives | GB/rank | comm s | exposed s |\n"
+          "| backend | group | link | collectives | GB/rank | comm s | exposed s |\n"
           "|---|---|---|---:|---:|---:|---:|")
     for name, label, link, m in rows:
         g = f"group:{label}:"
@@ -266,8 +270,8 @@ def _report(ns, cfg, hw, evaluated, keeps, sizes, n_layers, t0) -> None:
     a2a = "kind:all_to_all:"
     if any(m.get(a2a + "count") for m in numbers.values()):
         print("\nall-to-alls (expert parallelism's token exchange), per rank and step; split "
-              "sizes as balanced routing gives them\n\n| plan | all-to-alls | GB/rank | comm s | "
-              "exposed s |\n|---|---:|---:|---:|---:|")
+              "sizes as balanced routing gives them\n\n| backend | all-to-alls | GB/rank | "
+              "comm s | exposed s |\n|---|---:|---:|---:|---:|")
         for name, m in numbers.items():
             print(f"| {name} | {m[a2a + 'count']:.0f} | {m[a2a + 'bytes'] / 1e9:.2f} | "
                   f"{m[a2a + 'seconds']:.3f} | {m[a2a + 'exposed_s']:.3f} |")
@@ -280,7 +284,7 @@ def _report(ns, cfg, hw, evaluated, keeps, sizes, n_layers, t0) -> None:
         shown = "" if sizes == [None] else f" (first {sizes[-1]} blocks)"
         draw_timeline(ns.timeline, last["fw_sched"], last["bw_sched"],
                       f"{cfg.model.name}/{cfg.model.flavor}{shown}, {ns.world_size} × "
-                      f"{hw.name}, plan {name}")
+                      f"{hw.name}, backend {name}")
         print(f"timeline written to {ns.timeline}")
 
 
@@ -300,17 +304,17 @@ def _stated_fit(cfg, world_size: int, peak: float) -> str:
 
 
 def _numbers(name: str, per_trace: list[dict], n_layers: int) -> dict:
-    """Plan ``name``'s numbers at depth ``n_layers`` from ``per_trace`` ({plan: numbers} of
-    one full trace, or of the 4- and 6-block traces)."""
+    """Backend ``name``'s numbers at depth ``n_layers`` from ``per_trace`` ({backend:
+    numbers} of one full trace, or of the 4- and 6-block traces)."""
     if len(per_trace) == 1:
         return per_trace[0][name]
     own = [numbers[name] for numbers in per_trace]
     m = _extrapolate(own, n_layers)
-    if "autobucketing" in name:
+    if BackendName.parse(name) == AUTO:
         # Cost-model buckets may span several blocks, so their count is not periodic in
-        # depth: scale it from the block plan of the same traces instead. (The peak is: the
-        # memory cap bounds the gathered bytes alive the same way at every depth.)
-        ref = [numbers["aot_eager_blockbucketing"] for numbers in per_trace]
+        # depth: scale it from the block bucketing of the same traces instead. (The peak is:
+        # the memory cap bounds the gathered bytes alive the same way at every depth.)
+        ref = [numbers[str(BLOCK)] for numbers in per_trace]
         ref_m = _extrapolate(ref, n_layers)
         for key in [k for k in m if k == "collectives" or k.endswith(":count")]:
             m[key] = ref_m.get(key, 0) * own[-1][key] / max(1, ref[-1].get(key, 0))
@@ -330,12 +334,12 @@ def _meta_params(cfg):
 
 
 def _evaluate(traced: Traced, name: str, ns, cfg, hw, cap) -> dict:
-    """One plan on one trace: its times, bytes, memory, and per process group (keys
+    """One backend on one trace: its times, bytes, memory, and per process group (keys
     ``group:<mesh dim>:count|bytes|seconds|exposed_s``, the dims' links under ``links``)."""
     from simplesharded.passes.collectives import find_collectives
     from simplesharded.passes.simulate import simulate
 
-    fw, bw = apply_plan(traced, name, ns.hardware, cap)
+    fw, bw = apply_backend_passes(traced, name, ns.hardware, cap)
     fs, bs = (simulate(gm, hw, labels=traced.group_labels) for gm in (fw, bw))
     mem = memory_report(traced, cfg.optimizer.name, (fw, bw))
     out = {"fw_s": fs.makespan, "bw_s": bs.makespan,

@@ -64,9 +64,9 @@ def trace_counts(model_name: str, flavor: str, backend: str, world_size: int = 2
 
     if tp > 1:
         model.args.check_tp(tp)
-        parallelize_module(model, mesh["tp"], model.tp_plan(sequence_parallel))
+        parallelize_module(model, mesh["tp"], model.tp_styles(sequence_parallel))
     if ep > 1:
-        if not hasattr(model, "ep_plan"):
+        if not hasattr(model, "ep_styles"):
             raise ValueError(f"--ep {ep} needs a model with routed experts (deepseek_v3), "
                              f"not {model_name}")
         model.args.check_ep(ep)

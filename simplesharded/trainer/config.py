@@ -14,7 +14,6 @@ resolved config.
 import copy
 import dataclasses
 import difflib
-import importlib
 import json
 import sys
 from dataclasses import dataclass, field
@@ -390,7 +389,7 @@ def load_config(path: str | None = None, argv: list[str] | None = None, *,
                 backends: Iterable[str] | None = None) -> Config:
     """Defaults < TOML at `path` (or `--job.config_file` in argv, which wins) < argv overrides.
 
-    `backends` is passed to validate(); None means simplesharded.backends.BACKENDS if present.
+    `backends` is passed to validate(); None means simplesharded.backends.BACKENDS.
     """
     overrides = parse_cli(list(argv or []))
     for key, value in overrides:
@@ -419,16 +418,6 @@ def load_config(path: str | None = None, argv: list[str] | None = None, *,
         p.mode = "replicate" if p.data_parallel_shard_degree == 1 else "hybrid_shard"
     validate(cfg, backends)
     return cfg
-
-
-def _known_backends() -> set[str] | None:
-    try:
-        # Lazy: the registry imports torch and the passes, and may not exist yet.
-        mod = importlib.import_module("simplesharded.backends")
-    except ImportError:
-        return None  # loading a config must not depend on the compiler stack importing
-    names = getattr(mod, "BACKENDS", None)
-    return set(names) if names is not None else None
 
 
 def _check_hardware(spec: str) -> None:
@@ -505,16 +494,28 @@ def validate(cfg: Config, backends: Iterable[str] | None = None) -> None:
               and p.data_parallel_shard_degree != 1), "parallelism.mode",
          "hybrid_shard when both data parallel degrees are > 1")
 
+    if p.mode == "hybrid_shard" and p.data_parallel_replicate_degree < 2:
+        raise ValueError("parallelism.mode='hybrid_shard' needs "
+                         "data_parallel_replicate_degree >= 2 (a 2-D mesh)")
+    tp = p.tensor_parallel_degree
+    if tp > 1 and p.enable_sequence_parallel and t.seq_len % tp:
+        raise ValueError(f"parallelism.tensor_parallel_degree={tp} does not divide "
+                         f"training.seq_len={t.seq_len} (sequence parallelism splits the "
+                         f"sequence; or --no-parallelism.enable_sequence_parallel)")
     _check_hardware(cfg.compile.hardware)
-    known = set(backends) if backends is not None else _known_backends()
-    name = cfg.compile.backend
-    if known is not None and name not in known:
-        # Names torch itself knows pass through, but only when checking the registry.
-        if backends is None:
-            import torch._dynamo
-            if name in torch._dynamo.list_backends(exclude_tags=()):
-                return
-        raise ValueError(f"compile.backend={name!r} is not one of {sorted(known)}")
+    _check_backend(cfg.compile.backend, backends)
+
+
+def _check_backend(name: str, backends: Iterable[str] | None) -> None:
+    """``name`` must be one of ``backends``; by default one of the registry's, or a name
+    torch itself registers (make_backend passes those through)."""
+    # Lazy: the registry imports torch and the passes.
+    from simplesharded.backends import BACKENDS, is_torch_backend
+
+    known = BACKENDS if backends is None else tuple(backends)
+    if name in known or (backends is None and is_torch_backend(name)):
+        return
+    raise ValueError(f"compile.backend={name!r} is not one of {sorted(known)}")
 
 
 def resolve(cfg: Config, world_size: int) -> Config:

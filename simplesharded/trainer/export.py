@@ -61,7 +61,7 @@ _LLAMA3_NAMES = {  # our llama3's per-block names -> transformers' Llama
 }
 
 
-def _llama3_plan(args: dict, shapes: dict[str, tuple]) -> tuple[dict, list[Tensor]]:
+def _llama3_hf_layout(args: dict, shapes: dict[str, tuple]) -> tuple[dict, list[Tensor]]:
     from simplesharded.models.hf_llama import llama_config
     from simplesharded.models.llama3 import Llama3Args
 
@@ -85,7 +85,7 @@ def _llama3_plan(args: dict, shapes: dict[str, tuple]) -> tuple[dict, list[Tenso
     return llama_config(a).to_dict(), out
 
 
-def plan_export(meta: dict, shapes: dict[str, tuple]) -> tuple[dict, list[Tensor]]:
+def hf_layout(meta: dict, shapes: dict[str, tuple]) -> tuple[dict, list[Tensor]]:
     """(transformers config dict, output tensors) for the model ``meta`` describes
     (checkpoint.model_meta) with parameter shapes ``shapes`` (FQN -> global shape)."""
     if "hf_config" in meta:  # a transformers model: its names already are Hugging Face's
@@ -98,7 +98,7 @@ def plan_export(meta: dict, shapes: dict[str, tuple]) -> tuple[dict, list[Tensor
         return (llama_config(Llama3Args(**meta["args"])).to_dict(),
                 [Tensor(k, k, s) for k, s in shapes.items()])
     if name == "llama3":
-        return _llama3_plan(meta["args"], shapes)
+        return _llama3_hf_layout(meta["args"], shapes)
     raise ValueError(f"export: model {name!r} has no Hugging Face counterpart here "
                      "(llama3, hf_llama and model.name=hf models export)")
 
@@ -151,7 +151,7 @@ def export(folder: str, step: int, to: str, dtype: str | None = None,
     saved = reader.metadata.state_dict_metadata
     shapes = {k[len("model."):]: tuple(v.size) for k, v in saved.items()
               if k.startswith("model.") and hasattr(v, "size")}
-    config, tensors = plan_export(meta, shapes)
+    config, tensors = hf_layout(meta, shapes)
     out_dtype = getattr(torch, dtype) if dtype else None
 
     def dtype_of(t: Tensor) -> torch.dtype:

@@ -1,8 +1,8 @@
-"""Checks of a training config that need no process group: the model it names, the degrees
-against the model's sizes, the sequence length, the dataset. ``python -m simplesharded.trainer
---check-only`` (run_train.sh's preflight) runs them once before torchrun starts any rank; every
-rank runs them again for direct torchrun users. Rules about the config alone live in
-config.py's ``validate``."""
+"""Checks of a training config that need no process group but more than the config: the
+model it names, the degrees and the sequence length against the model's sizes, the dataset
+file. ``python -m simplesharded.trainer --check-only`` (run_train.sh's preflight) runs them
+once before torchrun starts any rank; every rank runs them again for direct torchrun users.
+Rules about the config alone live in config.py's ``validate``."""
 from __future__ import annotations
 
 import os
@@ -29,19 +29,12 @@ def check_static(cfg: Config, world_size: int) -> Config:
     path = cfg.training.dataset_path
     if path and not os.access(path, os.R_OK):
         raise ValueError(f"training.dataset_path={path!r} does not exist or is not readable")
-    if cfg.parallelism.mode == "hybrid_shard" and cfg.parallelism.data_parallel_replicate_degree < 2:
-        raise ValueError("parallelism.mode='hybrid_shard' needs "
-                         "data_parallel_replicate_degree >= 2 (a 2-D mesh)")
     tp = cfg.parallelism.tensor_parallel_degree
     if tp > 1:
         try:
             args.check_tp(tp)
         except ValueError as e:
             raise ValueError(f"parallelism.{e} ({what})") from None
-        if cfg.parallelism.enable_sequence_parallel and cfg.training.seq_len % tp:
-            raise ValueError(f"parallelism.tensor_parallel_degree={tp} does not divide "
-                             f"training.seq_len={cfg.training.seq_len} (sequence parallelism "
-                             f"splits the sequence; or --no-parallelism.enable_sequence_parallel)")
     ep = cfg.parallelism.expert_parallel_degree
     if ep > 1:
         what = f"model {cfg.model.name}/{cfg.model.flavor}"

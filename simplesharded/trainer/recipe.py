@@ -3,13 +3,14 @@ activation checkpointing → data_parallel → torch.compile with our backend
 (:func:`parallelize`), and what the step needs to know of it (loss chunks, loss parallelism)."""
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
 import torch.fx.traceback as fx_traceback
 from torch.distributed.tensor.parallel import parallelize_module
 
-from simplesharded.backends import make_backend
+from simplesharded.backends import BACKENDS, BackendName, make_backend
 from simplesharded.blocks import find_blocks
 from simplesharded.mesh import ep_dim, tp_dim
 from simplesharded.passes.annotations import AC_KEY
@@ -80,31 +81,32 @@ def uses_loss_parallel(cfg: Config) -> bool:
 
 def apply_tensor_parallel(model: torch.nn.Module, mesh, sequence_parallel: bool,
                           loss_parallel: bool = False) -> None:
-    """Torch TP with the model's own plan on ``mesh["tp"]`` (nothing when the mesh has no tp
+    """Torch TP with the model's own styles on ``mesh["tp"]`` (nothing when the mesh has no tp
     dim): the first step of :func:`parallelize`, shared with the benchmark's TP peers."""
     if tp_dim(mesh):
         parallelize_module(model, mesh[tp_dim(mesh)],
-                           model.tp_plan(sequence_parallel, loss_parallel))
+                           model.tp_styles(sequence_parallel, loss_parallel))
 
 
 def apply_expert_parallel(model: torch.nn.Module, mesh) -> None:
-    """The model's expert-parallel plan (models/moe.py ``ep_plan``) on ``mesh["ep"]``
+    """The model's expert-parallel styles (models/moe.py ``ep_styles``) on ``mesh["ep"]``
     (nothing when the mesh has no ep dim)."""
     if ep_dim(mesh):
-        parallelize_module(model, mesh[ep_dim(mesh)], model.ep_plan())
+        parallelize_module(model, mesh[ep_dim(mesh)], model.ep_styles())
 
 
-class _EPCompiled:
-    """A compiled expert-parallel model, called under ``ep_compile_config()`` (models/moe.py:
-    dynamo captures the dispatch's split sizes; scoped to these calls, never global)."""
+class _ScopedCalls:
+    """A compiled model whose calls run under ``contexts`` (factories of dynamo config
+    patches, e.g. models/moe.py ``ep_compile_config``): the settings hold for its compiles
+    and recompiles, which happen inside its calls, and never leak into other compiles."""
 
-    def __init__(self, compiled):
-        self.compiled = compiled
+    def __init__(self, compiled, *contexts):
+        self.compiled, self.contexts = compiled, contexts
 
     def __call__(self, *args, **kwargs):
-        from simplesharded.models.moe import ep_compile_config
-
-        with ep_compile_config():
+        with contextlib.ExitStack() as stack:
+            for context in self.contexts:
+                stack.enter_context(context())
             return self.compiled(*args, **kwargs)
 
 
@@ -130,19 +132,32 @@ def parallelize(model: torch.nn.Module, mesh, cfg: Config, backend=None, observe
                   grad_reduction=t.grad_reduction)
     if not c.enable:
         return model
-    scoped = _EPCompiled if ep_dim(mesh) else (lambda compiled: compiled)
-    if backend is not None:
-        return scoped(torch.compile(model, backend=backend, fullgraph=True))
+    contexts = []
+    if ep_dim(mesh):
+        from simplesharded.models.moe import ep_compile_config
+
+        contexts.append(ep_compile_config)
+    if backend is not None:  # the caller's own: it captures the whole step as one graph
+        compiled = torch.compile(model, backend=backend, fullgraph=True)
+    else:
+        if not c.fullgraph:
+            # A break inside a block makes each block's frame a compile of its own, and each
+            # block's modules have classes of their own (data_parallel's class swap): one
+            # recompile per block, which torch's default limit (8) would cut short, leaving
+            # the later blocks uncompiled.
+            limit = max(torch._dynamo.config.recompile_limit, len(find_blocks(model)) + 8)
+            contexts.append(functools.partial(torch._dynamo.config.patch,
+                                              recompile_limit=limit))
+        backend = make_backend(c.backend, **_backend_options(c, observer))
+        compiled = torch.compile(model, backend=backend, fullgraph=c.fullgraph)
+    return _ScopedCalls(compiled, *contexts) if contexts else compiled
+
+
+def _backend_options(c, observer) -> dict:
+    """make_backend's options from the compile section; the memory cap and the cost model
+    only for backends that bucket (a plain backend's recompute pass keeps its default cap)."""
     opts = {"dump_graphs": c.dump_graphs or None, "observer": observer}
-    if "bucketing" in c.backend:
+    if c.backend in BACKENDS and BackendName.parse(c.backend).bucketing != "none":
         opts["memory_cap_bytes"] = int(c.memory_cap_mb * 2**20) or None
         opts["hardware"] = c.hardware
-    if not c.fullgraph:
-        # A break inside a block makes each block's frame a compile of its own, and each
-        # block's modules have classes of their own (data_parallel's class swap): one
-        # recompile per block, which torch's default limit (8) would cut short, leaving the
-        # later blocks uncompiled.
-        limit = len(find_blocks(model)) + 8
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
-    return scoped(torch.compile(model, backend=make_backend(c.backend, **opts),
-                                fullgraph=c.fullgraph))
+    return opts

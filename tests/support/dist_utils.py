@@ -10,13 +10,11 @@ suite). ``fn`` must be importable (a module-level function of a test module or o
 from __future__ import annotations
 
 import atexit
-import contextlib
 import datetime
 import faulthandler
 import os
 import pickle
 import shutil
-import socket
 import tempfile
 import time
 import traceback
@@ -24,10 +22,9 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
-from simplesharded.mesh import exit_rank
+from simplesharded.mesh import exit_rank, spawn_local
 
 # Environment every rank starts with: one thread per rank (2 cores are shared by up to 4
 # ranks). Inductor: its FX-graph and AOT-autograd caches are off (a cached graph would skip our
@@ -53,32 +50,11 @@ class RankError(RuntimeError):
     """A spawned rank raised; the message holds its rank and traceback."""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def _environ(env: dict[str, str]):
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def _entry(rank: int, world_size: int, port: int, outdir: str, timeout_s: float,
+def _entry(rank: int, world_size: int, outdir: str, timeout_s: float,
            fn: Callable, args: tuple) -> None:
     faulthandler.enable()  # a rank killed by a signal prints its Python stacks to stderr
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     path = os.path.join(outdir, f"rank{rank}.pkl")
 
     def error(e: BaseException):  # stamped when raised: the earliest is the likely cause
@@ -120,10 +96,8 @@ def _spawn_once(world_size, fn, args, timeout_s, env):
     env = {**BASE_ENV, **(env or {})}
     with tempfile.TemporaryDirectory(prefix="ss_spawn_") as outdir:
         env.setdefault("TORCHINDUCTOR_CACHE_DIR", _session_cache_dir())
-        port = free_port()
-        with _environ(env):  # children inherit the environment at start
-            ctx = mp.start_processes(_entry, args=(world_size, port, outdir, timeout_s, fn, args),
-                                     nprocs=world_size, join=False, start_method="spawn")
+        ctx = spawn_local(_entry, world_size, (world_size, outdir, timeout_s, fn, args),
+                          join=False, env=env)
         deadline = time.monotonic() + timeout_s + 60
         failure = None
         try:

@@ -69,7 +69,7 @@ def capture_backend():
     import functools
 
     from simplesharded.passes.pipeline import PassPipeline, aot_backend
-    from simplesharded.passes.planning import BlockPlan
+    from simplesharded.passes.plans import BlockPlan
     from simplesharded.passes.recompute import tag_gathers_for_recompute
 
     captured: list[fx.GraphModule] = []

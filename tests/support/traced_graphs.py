@@ -5,7 +5,7 @@ output; 7-row uneven parameters) are captured once per configuration from a real
 ``torch.compile`` under a fake process group at world sizes 2 and 8 (rank 0's graphs), after
 our joint recompute tagging and torch's partitioner, before any bucketing/reordering: exactly
 what the backends' graph passes receive. The tests of each pass (tests/test_bucketing.py,
-test_reordering.py, test_planning.py, test_pipeline.py, test_coalesce_gathers.py) check the
+test_reordering.py, test_plans.py, test_pipeline.py) check the
 passes' invariants (passes/README.md) on them; the cache is shared, so a session traces each
 configuration once whichever files it runs.
 """
@@ -18,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, settings
 
 from simplesharded.passes.bucketing import bucket_collectives
-from simplesharded.passes.planning import AutoPlan, BlockPlan
+from simplesharded.passes.plans import AutoPlan, BlockPlan
 
 import pass_utils as pu
 import toy_blocks
@@ -108,7 +108,7 @@ def _no_leaked_process_group():
 
 
 def my_block(fqn: str) -> str:
-    """Expected block-plan bucket of a parameter (independent of planning.block_key)."""
+    """Expected block-plan bucket of a parameter (independent of plans.block_key)."""
     m = re.match(r"layers\.(\d+)\.", fqn)
     if m:
         return f"layers.{m.group(1)}"

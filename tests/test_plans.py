@@ -1,4 +1,4 @@
-"""Fast single-process tests of the bucket plans (passes/planning.py) on real traced graphs
+"""Fast single-process tests of the bucket plans (passes/plans.py) on real traced graphs
 (support/traced_graphs.py) and hand-built chains: BlockPlan with user patterns; AutoPlan
 (merging, memory cap, its candidates, its trials on the graph itself); graph_utils.NodeOrder,
 which the trials' edits keep up to date.
@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from simplesharded.passes.bucketing import bucket_collectives
-from simplesharded.passes.planning import AutoPlan, BlockPlan
+from simplesharded.passes.plans import AutoPlan, BlockPlan
 from simplesharded.passes.reordering import reorder_for_overlap
 
 import pass_utils as pu
@@ -163,7 +163,7 @@ def test_auto_plan_trials_score_what_the_passes_build(config):
 
     from simplesharded.passes.bucketing import bucketable, merge_buckets
     from simplesharded.passes.hardware import get_hardware
-    from simplesharded.passes.planning import _rank_invariant_time, _Trials
+    from simplesharded.passes.plans import _rank_invariant_time, _Trials
     from simplesharded.passes.reordering import reorder_graph
     from simplesharded.passes.simulate import simulate
 
