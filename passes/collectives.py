@@ -16,8 +16,9 @@ from .annotations import (BLOCK_KEY, BUCKET_PARAMS_KEY, DP_GROUPS_KEY, LOWERED_K
 
 _c10d = torch.ops._c10d_functional
 ALL_GATHER = _c10d.all_gather_into_tensor.default
-# One gather per input, one output each, read through getitem; our gloo lowering emits it
-# (passes/coalesce_gathers.py).
+# One gather per input, one output each, read through getitem: recognised and costed where a
+# graph holds one; no pass of ours emits it (gloo's coalesced gather can corrupt the heap,
+# docs/torch_internals.md).
 ALL_GATHER_COALESCED = _c10d.all_gather_into_tensor_coalesced.default
 REDUCE_SCATTER = _c10d.reduce_scatter_tensor.default
 ALL_REDUCE = _c10d.all_reduce.default

@@ -7,12 +7,32 @@ import shutil
 import sys
 import tempfile
 
+import pytest
+
 _SUPPORT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "support")
 if _SUPPORT not in sys.path:
     sys.path.insert(0, _SUPPORT)
 
 _CACHE = tempfile.mkdtemp(prefix="ss_calibration_")
 os.environ.setdefault("SIMPLESHARDED_CACHE_DIR", _CACHE)
+
+
+FAKE_WORLD = 4  # ranks of the fake_world fixture's process group
+
+
+@pytest.fixture(scope="module")
+def fake_world():
+    """A fake process group of FAKE_WORLD ranks, this process rank 0 (no communication), for
+    the tests of one module; a test that finds another group still up fails at once."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    assert not dist.is_initialized(), "another test left a process group initialised"
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=FAKE_WORLD)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def pytest_unconfigure(config):

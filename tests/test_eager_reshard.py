@@ -194,19 +194,7 @@ def test_default_grad_reduction_averages():
 
 # ------------------------------------------------------- one process, fake process group
 
-FAKE_WORLD = 4
-
-
-@pytest.fixture(scope="module")
-def fake_world():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    assert not dist.is_initialized(), "another test left a process group initialised"
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=FAKE_WORLD)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+from conftest import FAKE_WORLD  # the fake_world fixture's ranks
 
 
 def _fake_case(case: str, reshard):

@@ -11,7 +11,6 @@ import types
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
@@ -21,19 +20,7 @@ from simplesharded.mesh import resolve_degrees
 
 import toy
 
-WORLD = 4
-
-
-@pytest.fixture(scope="module")
-def fake_world():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    assert not dist.is_initialized(), "another test left a process group initialised"
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+from conftest import FAKE_WORLD as WORLD  # the fake_world fixture's ranks
 
 
 @pytest.fixture

@@ -24,19 +24,6 @@ from simplesharded.mesh import (dense_mesh, dp_dims, dp_mesh, ep_dim, expert_dp_
 import toy
 from dist_utils import max_rel_diff, memo, spawn
 
-WORLD = 4
-
-
-@pytest.fixture(scope="module")
-def fake_world():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    assert not dist.is_initialized(), "another test left a process group initialised"
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------- the rule, single process

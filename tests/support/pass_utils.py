@@ -30,14 +30,13 @@ import torch.distributed as dist
 from torch import fx
 from torch.utils._pytree import tree_flatten, tree_map
 
-_c10d = torch.ops._c10d_functional
+# the passes' own names for the collectives, short for the tests
+from simplesharded.passes.collectives import (ALL_GATHER as AG,
+                                              ALL_GATHER_COALESCED as AG_COALESCED,
+                                              ALL_REDUCE as AR, ALL_TO_ALL as A2A,
+                                              REDUCE_SCATTER as RS, WAIT)
+
 aten = torch.ops.aten
-AG = _c10d.all_gather_into_tensor.default
-AG_COALESCED = _c10d.all_gather_into_tensor_coalesced.default
-RS = _c10d.reduce_scatter_tensor.default
-AR = _c10d.all_reduce.default
-WAIT = _c10d.wait_tensor.default
-A2A = _c10d.all_to_all_single.default
 STARTS = (AG, RS, AR)
 RANK_OFFSET = 0.125  # simulated rank r holds x + r * RANK_OFFSET (exact in fp32 and bf16)
 
