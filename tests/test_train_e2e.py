@@ -475,8 +475,11 @@ def test_run_train_sh_config_errors_before_torchrun(tmp_path):
                         ["'training.stepz'", "did you mean 'training.steps'?"]),
         "shard degree vs world": ({"NGPU": "2"}, ["--parallelism.data_parallel_shard_degree", "3"],
                                   ["parallelism.data_parallel_shard_degree=3", "world size 2"]),
-        "tp degree vs world": ({"NGPU": "4"}, ["--parallelism.tensor_parallel_degree", "3"],
-                               ["parallelism.tensor_parallel_degree=3", "world size 4"]),
+        "tp degree vs world": ({"NGPU": "4"}, ["--parallelism.tensor_parallel_degree", "8"],
+                               ["parallelism.tensor_parallel_degree=8", "world size 4"]),
+        "tp degree vs sequence": ({"NGPU": "4"}, ["--parallelism.tensor_parallel_degree", "3"],
+                                  ["parallelism.tensor_parallel_degree=3 does not divide "
+                                   "training.seq_len=128"]),
         # the world is NGPU x NNODES: checked on each node before the rendezvous
         "world spans nodes": ({"NGPU": "2", "NNODES": "2", "MASTER_ADDR": "127.0.0.1"},
                               ["--parallelism.data_parallel_shard_degree", "2"],
