@@ -1,4 +1,4 @@
-"""Trainer paths of issue 14 that no other test ran: compiled activation checkpointing (loss
+"""Trainer paths that no other test runs: compiled activation checkpointing (loss
 parity with AC off and its lower peak memory), a bf16-params / fp32-reduce compiled run that
 trains, and ``training.grad_reduction="avg"`` against the default ``"sum"``.
 
