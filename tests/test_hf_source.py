@@ -1,5 +1,5 @@
 """Hugging Face models from a local directory (``--model.name hf --model.path DIR``,
-models/hf_source.py).
+models/hf_source.py, the shards filled by models/hf_loading.py).
 
 Tiny models (one block; Llama two) of four architectures are written here with random weights by
 ``save_pretrained(safe_serialization=True)`` (nothing is downloaded): Llama with tied
@@ -195,14 +195,14 @@ def _read_slices(path: str, world: int) -> tuple[int, int, dict]:
     import safetensors
     from transformers import AutoModelForCausalLM
 
-    from simplesharded.models import hf_source
+    from simplesharded.models import hf_loading
 
     counted = [0]
     real, counting = _count_reads(counted)
-    safetensors.safe_open = counting  # hf_source imports it when it reads
+    safetensors.safe_open = counting  # hf_loading imports it when it reads
     try:
         model = _sharded(path, world)
-        assert hf_source.materialize(model) == "loaded"
+        assert hf_loading.materialize(model) == "loaded"
     finally:
         safetensors.safe_open = real
     total = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -238,11 +238,11 @@ def _peak_rss():
 def _load_peak(path: str, world: int) -> tuple[int | None, int, int]:
     """(peak growth of this rank's resident memory while it fills its shards from the files,
     the model's bytes, this rank's shard bytes)."""
-    from simplesharded.models import hf_source
+    from simplesharded.models import hf_loading
 
     model = _sharded(path, world)
     with _peak_rss() as peak:
-        assert hf_source.materialize(model) == "loaded"
+        assert hf_loading.materialize(model) == "loaded"
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     shard = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
     return peak[0], total, shard
@@ -251,10 +251,10 @@ def _load_peak(path: str, world: int) -> tuple[int | None, int, int]:
 def _initialised(path: str, world: int) -> dict[str, torch.Tensor]:
     """Every parameter and buffer, in full, of the model of ``path``'s config.json
     initialised (seed 0) on this rank's shards."""
-    from simplesharded.models import hf_source
+    from simplesharded.models import hf_loading
 
     model = _sharded(path, world)
-    assert hf_source.materialize(model, seed=0) == "initialised"
+    assert hf_loading.materialize(model, seed=0) == "initialised"
     out = {fqn: p.full_tensor() for fqn, p in model.named_parameters()}
     return {**out, **dict(model.named_buffers())}
 
@@ -358,7 +358,7 @@ def test_loading_peak_memory_is_below_the_model(zoo):
     """Each of 2 ranks loading ``big`` (~40 MB in one file, tensors of at most 2 MB) as the
     first thing its process does: its resident memory grows by at least its shards (the
     measure sees the writes: fresh pages) and by less than 3/4 of the model: its shards (1/2)
-    plus the file's pages of the one parameter it is reading (models/hf_source.py
+    plus the file's pages of the one parameter it is reading (models/hf_loading.py
     _OneFile), never the whole model nor its whole half of the file."""
     for rank, r in enumerate(_results(2, tuple(sorted(zoo.items())))):
         peak, total, shard = r["peak"]
@@ -525,7 +525,7 @@ def test_tokenizer_from_directory_and_too_large(tmp_path, zoo):
 
 def test_weights_of_another_config_are_an_error(tmp_path, zoo):
     """config.json and safetensors that disagree: one line naming the tensor."""
-    from simplesharded.models import hf_source
+    from simplesharded.models import hf_loading, hf_source
 
     d = tmp_path / "mixed"
     d.mkdir()
@@ -540,7 +540,7 @@ def test_weights_of_another_config_are_an_error(tmp_path, zoo):
     model.tie_weights()  # to_empty gives the tied head a parameter of its own
     with pytest.raises(ValueError, match=r"tensor 'model.embed_tokens.weight' has shape "
                                          r"\(300, 64\) in the safetensors files but"):
-        hf_source.materialize(model)
+        hf_loading.materialize(model)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

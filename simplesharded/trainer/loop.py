@@ -18,7 +18,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from simplesharded.grad_sync import set_requires_gradient_sync
 from simplesharded.init import init_sharded
 from simplesharded.mesh import build_mesh
-from simplesharded.models import build_model, hf_source
+from simplesharded.models import build_model, hf_loading, hf_source
 from simplesharded.trainer import checkpoint as ckpt
 from simplesharded.trainer.config import Config
 from simplesharded.trainer.data import build_data
@@ -79,7 +79,7 @@ class Trainer:
                              f"does not fit the model's vocab_size {model.args.vocab_size}")
         self.step_fn = parallelize(model, self.mesh, cfg, observer=observer)
         if hf:
-            how = hf_source.materialize(model, cfg.job.seed)
+            how = hf_loading.materialize(model, cfg.job.seed)
             tok = cfg.model.tokenizer_path or "built-in bytes"
             self._print(f"[simplesharded] model.path={cfg.model.path!r}: weights {how}, "
                         f"tokenizer {tok}")
