@@ -32,33 +32,9 @@ expert in token order is dropped, the same in both forms; "sorted" still compute
 Expert parallelism (``ExpertParallel``, applied with torch's ``parallelize_module`` on
 ``mesh["ep"]``): the routed experts' weights are split by expert over the ep ranks (Shard(0),
 E/ep consecutive experts each; data_parallel then shards them further over the dp ranks EP
-left, simplesharded/layout.py). Each rank routes its own tokens exactly as above, sorts its
-(token, choice) rows by expert (so by owner rank), exchanges the per-expert row counts with one
-equal-split all-to-all, sends the rows with a variable-split all-to-all, runs its local experts
-on what it received through the same grouped path ("sorted", received rows grouped by local
-expert, each expert's rows in (source rank, token) order) and sends the results back by the
-reverse all-to-all; the weighting, the sum over choices and the shared experts stay on the
-token's own rank. Per row the arithmetic is the one of the local layer, so the layer's output
-equals the unsplit layer's (rounding aside in the expert weights' gradient sums). The
-load-balancing counts (``tokens_per_expert``) and the aux loss are each rank's own routing, as
-without EP; the trainer sums the counts over all ranks.
-
-Compile-friendly form: the split sizes are data-dependent. They are read with ``.tolist()``
-(under ``ep_compile_config()``, dynamo's ``capture_scalar_outputs`` scoped to the compiled
-call, never set globally), so under torch.compile they are unbacked SymInts and the received
-rows a symbolic size; each gets the balanced count as its optimisation hint (what the cost
-model and the planner read: ``torch._dynamo.override_optimization_hint``). The alternative, a
-static padded exchange (every rank sends every peer a slot of T*min(k, E/ep) rows, what one
-peer can be sent at most, so all shapes are static), moves ep*min(k, E/ep)/k times the bytes
-routing asks for in each of the four token all-to-alls of a layer's step, and holds that much
-memory for the slots: 8x on the 16B flavor at ep 8 (k 6, 8 experts per rank), 11x at ep 64.
-``python -m simplesharded.tools.forecast --config configs/deepseek_v3_16b.toml --world-size 64`` counts
-9.2 GB of all-to-all per rank and step at ep 8; padded, 73 GB, on the link every MoE layer
-waits for. The unbacked form costs one host read of 2*ep integers per layer (a device-to-host
-sync on GPU, which torchtitan's dispatch makes too; on CPU nothing: gloo's variable all-to-all
-takes host splits anyway) and data-dependent shapes in the graph, which our passes read
-through the optimisation hints.
-"""
+left, simplesharded/layout.py), and each layer sends its routed rows to their experts' ranks
+and the results back (models/ep_dispatch.py: the token dispatch, and the dynamo setting a
+compiled expert-parallel model runs under)."""
 
 from __future__ import annotations
 
@@ -67,7 +43,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 import torch.nn.functional as F
@@ -78,8 +53,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInputOutput
 
 from simplesharded.passes.annotations import ROUTING_KEY
-from simplesharded.passes.torch_compat import override_optimization_hint
 
+from .ep_dispatch import dispatch
 from .llama3 import FeedForward, Llama3, Llama3Args, ffn_tp_styles, trunc_normal_init_
 
 SCORE_FUNCS = ("softmax", "sigmoid")
@@ -354,7 +329,8 @@ class MoE(nn.Module):
         keep = pos < C
         src = x[:, None, :].expand(T, k, D).reshape(T * k, D)
         if self.ep_size > 1:
-            out = self._run_expert_parallel(src, flat, keep, counts.clamp(max=C))
+            out = dispatch(src, flat, keep, counts.clamp(max=C), self.ep_group, self.ep_size,
+                           self.args.capacity_factor is None, self._run_sorted)
         elif self.args.experts_impl == "sorted":
             out = self._run_sorted(src, flat, pos, keep, counts.clamp(max=C))
         else:
@@ -398,47 +374,6 @@ class MoE(nn.Module):
         buf = src.new_zeros(N, D).index_add(0, dest, src)
         return self.experts.forward_grouped(buf, offs)[dest]
 
-    def _run_expert_parallel(self, src, flat, keep, kept):
-        """The routed experts under expert parallelism (module doc): rows to the ranks owning
-        their experts, the local experts on the rows received, results back. ``src`` [T*k, dim]
-        in (token, choice) order, ``flat`` their experts, ``keep`` within capacity, ``kept``
-        [E] rows kept per expert. Returns [T*k, dim] in src order (dropped rows 0)."""
-        P, E, group = self.ep_size, self.n_experts, self.ep_group
-        El, (Tk, D) = E // P, src.shape
-        dropless = self.args.capacity_factor is None
-        with fx_traceback.annotate({ROUTING_KEY: True}):
-            # Rows by expert, so by owner rank (experts are split in consecutive runs); the
-            # stable sort keeps token order; dropped rows go last and are not sent.
-            order = torch.argsort(flat if dropless else torch.where(keep, flat, E), stable=True)
-            place = torch.empty_like(order).scatter_(0, order, torch.arange(Tk, device=src.device))
-            # recv[q * El + j]: rows rank q sends to my local expert j
-            recv = funcol.all_to_all_single(kept, None, None, group)
-            splits = torch.cat([kept.view(P, El).sum(1), recv.view(P, El).sum(1)]).tolist()
-        send_splits, recv_splits = splits[:P], splits[P:]
-        for n in splits:  # balanced routing: what the cost model assumes (module doc)
-            torch._check(n >= 0)
-            override_optimization_hint(n, Tk // P)
-        n_send = Tk if dropless else sum(send_splits)
-        if dropless:
-            torch._check(sum(send_splits) == Tk)
-        rows = funcol.all_to_all_single_autograd(src[order[:n_send]], recv_splits,
-                                                 send_splits, group)
-        R = sum(recv_splits)
-        with fx_traceback.annotate({ROUTING_KEY: True}):
-            # Received rows come by source rank q, then local expert j: block b = q * El + j.
-            C = recv.view(P, El)
-            sizes = C.flatten()
-            block = torch.repeat_interleave(torch.arange(P * El, device=src.device), sizes,
-                                            output_size=R)
-            starts = sizes.cumsum(0) - sizes  # each block's first row in what was received
-            ahead = (C.cumsum(0) - C).flatten()  # rows of expert j from ranks before q
-            pos = ahead[block] + torch.arange(R, device=src.device) - starts[block]
-        out = self._run_sorted(rows, block % El, pos, None, C.sum(0))
-        back = funcol.all_to_all_single_autograd(out, send_splits, recv_splits, group)
-        if not dropless:
-            back = torch.cat([back, back.new_zeros(Tk - n_send, D)])
-        return back[place]
-
     def _run_bmm(self, src, flat, pos, keep, C):
         """Every expert on a [capacity, dim] slot buffer in one bmm (dropless: capacity = T).
         Past capacity a row goes to a scratch slot (index E*C) that is never computed."""
@@ -459,7 +394,8 @@ class ExpertParallel(ParallelStyle):
     """Split a MoE layer's routed experts over a 1-D mesh (``mesh["ep"]``) for
     ``parallelize_module``: each weight [E, ...] becomes a DTensor Shard(0) (E/ep consecutive
     experts per rank; data_parallel keeps that placement and shards it further over the dp
-    dims EP left), and the layer dispatches its tokens over the mesh's group (module doc).
+    dims EP left), and the layer dispatches its tokens over the mesh's group
+    (models/ep_dispatch.py).
     No communication: each rank keeps its own experts of the full weights it holds (the same
     on every rank by construction, or on meta)."""
 
@@ -474,12 +410,6 @@ class ExpertParallel(ParallelStyle):
         module.ep_group = device_mesh.get_group().group_name
         module.ep_size = device_mesh.size()
         return module
-
-
-def ep_compile_config():
-    """The dynamo setting a compiled expert-parallel model runs under (module doc): enter it
-    around each call of the compiled model (the trainer does, simplesharded/trainer/recipe.py)."""
-    return torch._dynamo.config.patch(capture_scalar_outputs=True)
 
 
 class MoETransformer(Llama3):

@@ -10,7 +10,7 @@ Written by data_parallel (simplesharded/gather.py) on every op that gathers a pa
   RESHARD_KEY        its reshard_after_forward: True, False or "auto" (passes/recompute.py)
 Written by activation checkpointing under compile (simplesharded/trainer/recipe.py):
   AC_KEY             index of the checkpointed block a forward op belongs to
-Written by the MoE layer (models/moe.py):
+Written by the MoE layer (models/moe.py; its token dispatch: models/ep_dispatch.py):
   ROUTING_KEY        on the ops that decide where tokens go (the top-k choice, and under
                      expert parallelism the exchanged counts, split sizes and the orders built
                      from them): recompute.py saves them for backward, never recomputes them

@@ -25,7 +25,7 @@ ALL_REDUCE = _c10d.all_reduce.default
 WAIT = _c10d.wait_tensor.default
 # An all-to-all is one of ours only when a pass of ours emitted it to implement another kind
 # (passes/lowering.py); its node then carries the LOWERED_KEY annotation = kind. Any other
-# (expert parallelism's token dispatch, models/moe.py) is found and costed, never moved.
+# (expert parallelism's token dispatch, models/ep_dispatch.py) is found and costed, never moved.
 ALL_TO_ALL = _c10d.all_to_all_single.default
 KINDS = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE: "all_reduce",
          ALL_TO_ALL: "all_to_all",

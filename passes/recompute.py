@@ -26,8 +26,9 @@ saves as placeholders, and the memory cap counts those too.
 What is never recomputed, with or without activation checkpointing: a collective that is not
 ours (expert parallelism's all-to-alls, TP's collectives: recomputing one would run it again
 in backward, and an all-to-all's result depends on the other ranks' tokens) and the routing
-decisions of a MoE layer (nodes annotated ``ss_routing`` by models/moe.py: the top-k choice,
-the exchanged counts, the split sizes and the orders built from them). They are MUST_SAVE, so
+decisions of a MoE layer (nodes annotated ``ss_routing`` by models/moe.py and
+models/ep_dispatch.py: the top-k choice, the exchanged counts, the split sizes and the orders
+built from them). They are MUST_SAVE, so
 a recomputed expert computation reads the very rows forward received, never a re-routing.
 (torch's partitioner also force-saves collectives that are not MUST_RECOMPUTE; this pass
 states it for the routing too and does not lean on that default.)

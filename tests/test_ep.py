@@ -144,7 +144,7 @@ def _case(rank, world, rep, tp, ep, n_experts, backend, ac):
     import simplesharded as ss
     from simplesharded.passes.agreement import AGREE_OP
     from simplesharded.passes.collectives import count_by_group, group_label
-    from simplesharded.models.moe import ep_compile_config
+    from simplesharded.models.ep_dispatch import ep_compile_config
     from simplesharded.trainer.recipe import _ScopedCalls, apply_activation_checkpointing
 
     torch._dynamo.reset()

@@ -78,7 +78,7 @@ def trace_counts(model_name: str, flavor: str, backend: str, world_size: int = 2
                              backend=make_backend(backend, observer=observe, hardware=hardware,
                                                   **backend_options))
     tokens = torch.randint(0, 256, (1, seq_len))
-    from simplesharded.models.moe import ep_compile_config
+    from simplesharded.models.ep_dispatch import ep_compile_config
 
     scoped = ep_compile_config() if ep > 1 else contextlib.nullcontext()
     try:

@@ -97,7 +97,7 @@ def apply_expert_parallel(model: torch.nn.Module, mesh) -> None:
 
 class _ScopedCalls:
     """A compiled model whose calls run under ``contexts`` (factories of dynamo config
-    patches, e.g. models/moe.py ``ep_compile_config``): the settings hold for its compiles
+    patches, e.g. models/ep_dispatch.py ``ep_compile_config``): the settings hold for its compiles
     and recompiles, which happen inside its calls, and never leak into other compiles."""
 
     def __init__(self, compiled, *contexts):
@@ -134,7 +134,7 @@ def parallelize(model: torch.nn.Module, mesh, cfg: Config, backend=None, observe
         return model
     contexts = []
     if ep_dim(mesh):
-        from simplesharded.models.moe import ep_compile_config
+        from simplesharded.models.ep_dispatch import ep_compile_config
 
         contexts.append(ep_compile_config)
     if backend is not None:  # the caller's own: it captures the whole step as one graph
