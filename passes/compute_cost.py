@@ -35,7 +35,8 @@ _EXTRA_FLOPS = {
 
 def _formula(packet):
     """The FLOP formula of an op, or None. Read live: ops outside torch (e.g. the MoE's
-    simplesharded::expert_mm) register theirs when their module is imported."""
+    simplesharded::expert_mm, models/expert_mm.py) register theirs when their module is
+    imported."""
     return _EXTRA_FLOPS.get(packet) or flop_registry.get(packet)
 
 # Allocate without touching memory: cost no time.

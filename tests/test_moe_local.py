@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from simplesharded.models.moe import MoE, MoEArgs, MoETransformer, uses_grouped_mm
+from simplesharded.models.expert_mm import uses_grouped_mm
+from simplesharded.models.moe import MoE, MoEArgs, MoETransformer
 
 E, K, DIM, HID = 8, 2, 16, 8
 
