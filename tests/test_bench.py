@@ -8,13 +8,14 @@ import sys
 import pytest
 import torch
 
-from simplesharded.tools import bench, bench_collectives, bench_passes
+from simplesharded.tools import (bench, bench_collectives, bench_passes, bench_run, bench_table,
+                                 bench_variants)
 
 
 def _run(variant, ms):
-    return bench.RunResult(variant, step_s=[ms / 1e3] * 3, first_step_s=ms / 1e3 + 1.0,
-                           collectives_per_step=4, peak_mem_mb=100.0,
-                           main_cpu_s=0.9 * ms / 1e3, other_cpu_s=0.05)
+    return bench_run.RunResult(variant, step_s=[ms / 1e3] * 3, first_step_s=ms / 1e3 + 1.0,
+                               collectives_per_step=4, peak_mem_mb=100.0,
+                               main_cpu_s=0.9 * ms / 1e3, other_cpu_s=0.05)
 
 
 def test_summarize_ratios_and_targets():
@@ -24,17 +25,17 @@ def test_summarize_ratios_and_targets():
                "ss_aot_eager_autobucketing": [_run("ss_aot_eager_autobucketing", 1140),
                                               _run("ss_aot_eager_autobucketing", 1160)],
                "ss_aot_eager_upstreambucketing": [_run("ss_aot_eager_upstreambucketing", 1300)]}
-    rows = {r["variant"]: r for r in bench.summarize(results, bench.BenchArgs())}
+    rows = {r["variant"]: r for r in bench_table.summarize(results, bench_variants.BenchArgs())}
     auto = rows["ss_aot_eager_autobucketing"]
     assert auto["step_ms"] == pytest.approx(1150)  # median over repetitions
     assert auto["x_fsdp2_eager"] == pytest.approx(1150 / 1500)
     assert auto["x_compute_floor"] == pytest.approx(1.15)
     assert auto["x_compute_floor_concurrent"] == pytest.approx(1150 / 1100)
     assert auto["compile_s"] == pytest.approx(2.14 - 1.15)  # first step of rep 1 − median
-    verdicts = bench.targets(list(rows.values()))
+    verdicts = bench_table.targets(list(rows.values()))
     assert "MISS ss_aot_eager_autobucketing / fsdp2_eager = 0.77 (target ≤ 0.7)" in verdicts
     assert "PASS ss_aot_eager_autobucketing / compute_floor = 1.15 (target ≤ 1.15)" in verdicts
-    table = bench.format_table(list(rows.values()), bench.BenchArgs())
+    table = bench_table.format_table(list(rows.values()), bench_variants.BenchArgs())
     assert ("| ss_aot_eager_autobucketing | 1150 | 0.77 | 1.15 | 1.05 | 4 | 1.0 | 100 | – | "
             "1035 + 50 |") in table
 
@@ -55,8 +56,8 @@ def test_step_peak_bytes_counts_state_gradients_and_activations():
 
     step()  # the optimizer state exists from here on
     params = sum(p.numel() * 4 for p in model.parameters())
-    assert bench._resident_bytes(model, opt) == 3 * params + 8 * 4  # + 8 AdamW step counters
-    peak = bench._step_peak_bytes(step, model, opt, "cpu")
+    assert bench_run._resident_bytes(model, opt) == 3 * params + 8 * 4  # + 8 AdamW step counters
+    peak = bench_run._step_peak_bytes(step, model, opt, "cpu")
     activations = 4 * x.numel() * 4  # the outputs of the first three layers, kept for backward
     # at least: state, all gradients, and the saved activations at the end of forward
     assert peak >= 3 * params + activations
@@ -71,7 +72,7 @@ def test_inductor_floor_ratio_only_for_inductor_variants():
     results = {v: [_run(v, ms)] for v, ms in [
         ("compute_floor", 1000), ("compute_floor_inductor", 800), ("fsdp2_compiled", 1200),
         ("ss_inductor_blockbucketing", 1000), ("ss_aot_eager_blockbucketing", 1100)]}
-    rows = {r["variant"]: r for r in bench.summarize(results, bench.BenchArgs())}
+    rows = {r["variant"]: r for r in bench_table.summarize(results, bench_variants.BenchArgs())}
     assert rows["ss_inductor_blockbucketing"]["x_compute_floor_inductor"] == pytest.approx(1.25)
     assert rows["fsdp2_compiled"]["x_compute_floor_inductor"] == pytest.approx(1.5)
     assert rows["compute_floor_inductor"]["x_compute_floor_inductor"] == pytest.approx(1.0)
@@ -79,13 +80,13 @@ def test_inductor_floor_ratio_only_for_inductor_variants():
     assert "x_compute_floor_inductor" not in rows["compute_floor"]
     for row in rows.values():  # the eager floor's column is unchanged: every variant has it
         assert row["x_compute_floor"] == pytest.approx(row["step_ms"] / 1000)
-    table = bench.format_table(list(rows.values()), bench.BenchArgs())
+    table = bench_table.format_table(list(rows.values()), bench_variants.BenchArgs())
     assert "| variant | step ms | × compute_floor | × floor inductor | collectives/step |" in table
     assert "| ss_aot_eager_blockbucketing | 1100 | 1.10 | – | 4 |" in table
     assert "| ss_inductor_blockbucketing | 1000 | 1.00 | 1.25 | 4 |" in table
     # in the default set without TP (the inductor variants' floor), not in the 2-D one
-    assert "compute_floor_inductor" in bench.default_variants(1)
-    assert "compute_floor_inductor" not in bench.default_variants(2)
+    assert "compute_floor_inductor" in bench_variants.default_variants(1)
+    assert "compute_floor_inductor" not in bench_variants.default_variants(2)
 
 
 def test_thread_cpu_accounting_sees_other_threads():
@@ -93,7 +94,7 @@ def test_thread_cpu_accounting_sees_other_threads():
     import threading
     import time
 
-    main0, other0 = bench._thread_cpu_s()
+    main0, other0 = bench_run._thread_cpu_s()
     spun, release = threading.Event(), threading.Event()
 
     def spin():
@@ -106,7 +107,7 @@ def test_thread_cpu_accounting_sees_other_threads():
     t = threading.Thread(target=spin)
     t.start()
     spun.wait()
-    main1, other1 = bench._thread_cpu_s()
+    main1, other1 = bench_run._thread_cpu_s()
     release.set()
     t.join()
     assert other1 - other0 >= 0.1
@@ -114,10 +115,11 @@ def test_thread_cpu_accounting_sees_other_threads():
 
 
 def test_failed_variant_is_reported_not_hidden():
-    bad = bench.RunResult("ddp", error="RuntimeError: boom")
-    rows = bench.summarize({"ddp": [bad]}, bench.BenchArgs())
+    bad = bench_run.RunResult("ddp", error="RuntimeError: boom")
+    rows = bench_table.summarize({"ddp": [bad]}, bench_variants.BenchArgs())
     assert rows == [{"variant": "ddp", "error": "RuntimeError: boom"}]
-    assert "failed: RuntimeError: boom" in bench.format_table(rows, bench.BenchArgs())
+    table = bench_table.format_table(rows, bench_variants.BenchArgs())
+    assert "failed: RuntimeError: boom" in table
 
 
 def test_unknown_variant_is_an_error(capsys):
@@ -151,26 +153,26 @@ def test_tiny_bench_runs_end_to_end(tmp_path, capsys):
 
 def test_parity_names_the_variant_that_computed_something_else():
     def run(variant, *losses):
-        return [bench.RunResult(variant, [1.0], losses=list(losses))]
+        return [bench_run.RunResult(variant, [1.0], losses=list(losses))]
 
     # the floors train on one dp rank's batch: their step 2 is not compared
     runs = {"compute_floor": run("compute_floor", 6.0, 5.0),
             "fsdp2_eager": run("fsdp2_eager", 6.0003, 5.9),
             "ss_aot_eager": run("ss_aot_eager", 6.0, 5.9)}
-    rows = bench.summarize(runs, bench.BenchArgs())
-    ok, line = bench.parity(rows)
+    rows = bench_table.summarize(runs, bench_variants.BenchArgs())
+    ok, line = bench_table.parity(rows)
     assert ok, line
     assert line == ("parity (rtol 0.0001): step 1: 3 runs agree with compute_floor (6.000000) "
                     "within 5.0e-05; step 2 (no floors): 2 runs agree with fsdp2_eager "
                     "(5.900000) within 0.0e+00")
     runs["ss_aot_eager"] = run("ss_aot_eager", 6.01, 5.8)
-    ok, line = bench.parity(bench.summarize(runs, bench.BenchArgs()))
+    ok, line = bench_table.parity(bench_table.summarize(runs, bench_variants.BenchArgs()))
     assert not ok
     assert line == ("PARITY MISMATCH (rtol 0.0001): step 1: ss_aot_eager 6.010000 vs "
                     "compute_floor 6.000000; step 2: ss_aot_eager 5.800000 vs fsdp2_eager "
                     "5.900000")
     # a reference that did not run has no column (not a ratio of 0)
-    table = bench.format_table(rows, bench.BenchArgs())
+    table = bench_table.format_table(rows, bench_variants.BenchArgs())
     assert "| step ms | × fsdp2_eager | × compute_floor | collectives/step |" in table
     assert ("| fsdp2_eager | 1000 | 1.00 | 1.00 | 0 | 0.0 | 0 | – | 0 + 0 | 0 | 6.000300 | 5.900000 |"
             in table)
@@ -301,7 +303,7 @@ def test_one_rank_per_accelerator(monkeypatch, capsys):
     assert "--world-size 2" in err and "1 cuda device(s)" in err, err
     ran = []
     monkeypatch.setattr(bench, "run_variant", lambda v, args: ran.append(args.world_size)
-                        or bench.RunResult(v, error="stopped by the test"))
+                        or bench_run.RunResult(v, error="stopped by the test"))
     bench.main(["--device", "cuda", "--variants", "ddp", "--reps", "1",
                 "--global-batch", "2", "--no-predict-memory"])
     assert ran == [1]

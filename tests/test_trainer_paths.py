@@ -53,10 +53,10 @@ def _losses(trainer, steps: int) -> list[float]:
 
 def _fwd_bwd_peak(trainer) -> int:
     """Peak live tensor bytes of one forward+backward of the trainer's compiled step (shards
-    and optimizer state included, see bench._step_peak_bytes): the lower of two measurements,
+    and optimizer state included, see bench_run._step_peak_bytes): the lower of two measurements,
     as the profiler's running total also counts allocations of other threads (gloo's), which
     only add (a few MB between runs here)."""
-    from simplesharded.tools.bench import _step_peak_bytes
+    from simplesharded.tools.bench_run import _step_peak_bytes
     inputs, labels = next(trainer.data.train)
 
     def step():
@@ -105,7 +105,7 @@ def test_compiled_activation_checkpointing_matches_and_saves_memory():
     """activation_checkpoint.mode full and selective (every 2nd block), compiled with
     aot_eager: 5 steps with the same losses as mode none (≤ 1e-6 rel, every
     rank), and a lower peak of live tensor bytes in one forward+backward of the trainer's
-    compiled step on every rank (torch.profiler's memory events, bench._step_peak_bytes)."""
+    compiled step on every rank (torch.profiler's memory events, bench_run._step_peak_bytes)."""
     for rank, r in enumerate(_run()):
         ref = r[("ac", "none")]
         assert len(ref["losses"]) == AC_STEPS and all(map(math.isfinite, ref["losses"])), ref

@@ -1,0 +1,242 @@
+"""Running one variant of ``python -m simplesharded.tools.bench`` and timing it: its ranks
+spawned in their own process group (``run_variant``), each training warmup and timed steps on
+the same synthetic batch, and what a rank measures (``RunResult``): step times, collectives per
+step from the process groups' sequence numbers, CPU time per thread, page faults, peak tensor
+memory, rank 0's first losses, or the error that stopped it."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import resource
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+
+from simplesharded.mesh import spawn_local
+from simplesharded.tools.bench_variants import BenchArgs, loss_parallel_on, prepare, world_of
+
+# Rank 0's losses of the first PARITY_STEPS steps are recorded for the parity check
+# (bench_table.py): step 1 checks model, init and batch; step 2 also the gradient path (dp
+# reduction, optimizer). The floors train on one dp rank's batch, so they take part in step 1
+# only.
+PARITY_STEPS = 2
+
+
+@dataclass
+class RunResult:
+    variant: str
+    step_s: list[float] = field(default_factory=list)
+    first_step_s: float = 0.0
+    collectives_per_step: int = 0
+    peak_mem_mb: float = 0.0  # tensors alive at once in a step (see _step_peak_bytes)
+    main_cpu_s: float = 0.0  # CPU time per timed step: the main (compute) thread
+    other_cpu_s: float = 0.0  # ... every other thread (gloo's workers, autograd, ...)
+    page_faults: float = 0.0  # minor page faults per timed step, all threads (fresh pages)
+    losses: list[float] = field(default_factory=list)  # rank 0's, first PARITY_STEPS steps
+    error: str = ""
+
+
+def _collectives_issued(meshes) -> int:
+    """Collectives issued so far on every process group a variant can use (the world group and
+    each dim of ``meshes``), from the groups' own sequence numbers: each collective, coalesced
+    or not, advances its group's by one. No profiler is involved, so counting adds no thread
+    callbacks and no imports to the timed process."""
+    groups = {id(g): g for g in [dist.group.WORLD]
+              + [m.get_group(d) for m in meshes for d in range(m.ndim)]}
+    return sum(g._get_sequence_number_for_group() for g in groups.values())
+
+
+def _profile_step(step, variant: str, rank: int, profile_dir: str) -> None:
+    """One step under torch.profiler: a chrome trace and the top ops by self CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    os.makedirs(profile_dir, exist_ok=True)
+    stem = os.path.join(profile_dir, f"{variant}_rank{rank}")
+    prof.export_chrome_trace(stem + ".json")
+    with open(stem + ".txt", "w") as f:
+        f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
+
+def _resident_bytes(model, opt) -> int:
+    """Bytes of the tensors a rank holds between steps: its parameter shards (local parts of
+    DTensors), buffers and optimizer state, each storage once."""
+    from torch.distributed.tensor import DTensor
+    tensors = [*model.parameters(), *model.buffers(),
+               *(v for state in opt.state.values() for v in state.values()
+                 if isinstance(v, torch.Tensor))]
+    storages = {}
+    for t in tensors:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def _step_peak_bytes(step, model, opt, device: str) -> int:
+    """Peak bytes of live tensors on this rank during one step (gradients zeroed before it,
+    parameter shards and optimizer state included; allocator caches and compile-time memory
+    not). On an accelerator its allocator's peak. On CPU, which keeps no such count: what the
+    rank holds between steps plus the highest running total of bytes allocated and not yet
+    freed during the step, from torch.profiler's memory events (every allocation and free of
+    a tensor made while it records)."""
+    opt.zero_grad(set_to_none=True)
+    if device != "cpu":
+        torch.accelerator.reset_peak_memory_stats()
+        step()
+        _sync(device)
+        return torch.accelerator.max_memory_allocated()
+    from torch.profiler import ProfilerActivity, profile
+    resident = _resident_bytes(model, opt)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = [e["args"] for e in json.load(f)["traceEvents"] if e.get("name") == "[memory]"]
+    if not events:
+        return resident
+    # "Total Allocated": the allocator's running total, kept while memory is profiled; a free
+    # of a tensor made before the step is not in it (nor was its allocation)
+    start = events[0]["Total Allocated"] - events[0]["Bytes"]
+    return resident + max(0, max(e["Total Allocated"] for e in events) - start)
+
+
+def _thread_cpu_s() -> tuple[float, float]:
+    """CPU seconds so far of this process's main thread and of all its other threads
+    (Linux /proc; (0, 0) elsewhere). On 2 cores, comm threads' CPU is time compute loses."""
+    main = other = 0.0
+    try:
+        tick = os.sysconf("SC_CLK_TCK")
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+            cpu = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+            if int(tid) == os.getpid():
+                main += cpu
+            else:
+                other += cpu
+    except OSError:
+        return 0.0, 0.0
+    return main, other
+
+
+def _minor_faults() -> int:
+    """Minor page faults of this process so far. On CPU a buffer the allocator takes fresh
+    from the OS (malloc's mmap for large blocks) is zeroed page by page on first touch: a
+    step cost that a caching allocator (every GPU's) does not pay."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _sync(device: str) -> None:
+    """Wait for the accelerator's queued work, so a step's time includes it."""
+    if device != "cpu":
+        torch.accelerator.synchronize()
+
+
+def _worker(rank: int, variant: str, args: BenchArgs, out_dir: str) -> None:
+    from simplesharded.mesh import backend_for, build_mesh, exit_rank
+    os.environ.update(OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    world = world_of(variant, args)
+    if args.device != "cpu":
+        torch.accelerator.set_device_index(rank % torch.accelerator.device_count())
+    dist.init_process_group(backend_for(args.device), rank=rank, world_size=world)
+    result = RunResult(variant)
+    try:
+        mesh = build_mesh(1, world // args.tp, args.device, args.tp)
+        model, opt = prepare(variant, args, mesh)
+        # tp is the innermost mesh dim: the tp ranks of one dp rank read that dp rank's batch
+        g = torch.Generator().manual_seed(args.seed + rank // args.tp)
+        tokens = torch.randint(0, 256, (args.global_batch // args.dp, args.seq_len + 1),
+                               generator=g).to(args.device)
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        from simplesharded.models import logits_of
+        from simplesharded.trainer import local_loss
+        from torch.distributed.tensor.parallel import loss_parallel
+        # as the trainer: vocabulary-sharded logits, forward and backward of the loss parallel
+        loss_context = loss_parallel if loss_parallel_on(args) else contextlib.nullcontext
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            with loss_context():
+                logits = logits_of(model(x))  # a tensor, or transformers' output object
+                loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1),
+                                                         y.flatten())
+                loss.backward()
+            opt.step()
+            if len(result.losses) < PARITY_STEPS:
+                result.losses.append(local_loss(loss.detach()).item())
+
+        for i in range(args.warmup):
+            dist.barrier()
+            t0 = time.perf_counter()
+            step()
+            _sync(args.device)
+            if i == 0:
+                result.first_step_s = time.perf_counter() - t0
+        cpu0, faults0 = _thread_cpu_s(), _minor_faults()
+        for _ in range(args.steps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            step()
+            _sync(args.device)
+            dist.barrier()
+            result.step_s.append(time.perf_counter() - t0)
+        cpu1 = _thread_cpu_s()
+        result.main_cpu_s, result.other_cpu_s = ((b - a) / args.steps for a, b in zip(cpu0, cpu1))
+        result.page_faults = (_minor_faults() - faults0) / args.steps
+        from simplesharded.mesh import dp_mesh
+        meshes = (mesh, dp_mesh(mesh))
+        issued = _collectives_issued(meshes)
+        step()
+        result.collectives_per_step = _collectives_issued(meshes) - issued
+        if args.profile_dir:
+            dist.barrier()
+            _profile_step(step, variant, rank, args.profile_dir)
+        result.peak_mem_mb = _step_peak_bytes(step, model, opt, args.device) / 2**20
+        dist.barrier()  # no collective is in flight on any rank
+    except Exception as e:  # reported in the table, the other variants still run
+        # the first non-empty line: some of torch's messages start with a newline
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+        result.error = f"{type(e).__name__}: {first}"[:200]
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(asdict(result), f)
+        dist.destroy_process_group()
+    exit_rank(0)  # gloo's threads outlive destroy_process_group: see exit_rank
+
+
+@contextlib.contextmanager
+def _rank_environment(args: BenchArgs):
+    """The environment ranks start in: every variant's the same. CPU ranks get the launcher's
+    caching malloc settings (host_malloc.py) unless --host-malloc system asks for glibc's
+    defaults."""
+    from simplesharded.shims.host_malloc import TUNABLES, caching_env
+    if args.device != "cpu":
+        yield
+        return
+    with mock.patch.dict(os.environ):  # restores the environment as it was
+        if args.host_malloc == "caching":
+            os.environ.update(caching_env())
+        else:
+            os.environ.pop(TUNABLES, None)  # glibc's defaults
+        yield
+
+
+def run_variant(variant: str, args: BenchArgs) -> RunResult:
+    world = world_of(variant, args)
+    with tempfile.TemporaryDirectory() as out_dir:
+        with _rank_environment(args):
+            spawn_local(_worker, world, (variant, args, out_dir))
+        ranks = [RunResult(**json.load(open(os.path.join(out_dir, f"rank{r}.json"))))
+                 for r in range(world)]
+    res = ranks[0]
+    res.peak_mem_mb = max(r.peak_mem_mb for r in ranks)
+    res.error = next((r.error for r in ranks if r.error), "")
+    return res

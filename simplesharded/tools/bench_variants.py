@@ -1,0 +1,128 @@
+"""What each variant of ``python -m simplesharded.tools.bench`` runs: the variants (our
+backends as ``ss_<backend>``, and the baselines: FSDP2 eager and compiled, DDP, the compute
+floors), the defaults with and without TP, the setting every variant shares (``BenchArgs``),
+the ranks a variant takes and the model and optimizer it builds, TP-parallelized and then
+wrapped or compiled its way (``prepare``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BASELINES = ("fsdp2_eager", "fsdp2_compiled", "ddp", "compute_floor", "compute_floor_inductor",
+             "compute_floor_concurrent", "compute_floor_concurrent_compiled")
+# compute_floor: one process alone on the machine (the issue's definition); with --tp, one tp
+# group alone (tp ranks on one dp rank's batch): compute plus TP's own collectives, no dp.
+# compute_floor_concurrent: every rank runs the floor's step at the same time, with no
+# data-parallel communication at all: what the ranks' compute (and TP) costs while they share
+# cores, caches and memory bandwidth, i.e. the floor any data-parallel variant on this machine
+# can reach. With --tp on 2 cores this is the floor that matters: 2×tp ranks share the cores.
+# compute_floor_concurrent_compiled: the same under torch's plain aot_eager. The floor of our
+# compiled variants under TP: eager TP pays DTensor's per-op dispatch (sharding propagation in
+# Python), which compiling traces away. Without TP the eager floor is the lower one (aot_eager
+# runs a decomposed graph: ~20% more main-thread CPU on debug llama3), so it is not a default.
+# compute_floor_inductor: compute_floor compiled by inductor (fullgraph). Inductor fuses
+# kernels that eager runs one by one, so an inductor variant can beat the eager floor without
+# communicating any faster: ss_inductor_* and fsdp2_compiled (inductor per block) are also
+# measured against this floor (bench_table.py: ratio_applies). In the default set without TP.
+NO_TP_FORM = ("ddp",)  # DDP does not take TP DTensor parameters
+# With --tp the default set is the 2-D recipe's peers only: 4 ranks on 2 cores compiling a
+# TP graph take ~2 min per compiled variant (debug llama3), so the unbucketed ss_aot_eager,
+# compiled FSDP2 and the inductor backends are left for --variants to name.
+TP_DEFAULT = ("compute_floor", "compute_floor_concurrent", "compute_floor_concurrent_compiled",
+              "fsdp2_eager", "ss_aot_eager_blockbucketing", "ss_aot_eager_autobucketing")
+
+
+def ss_backend(variant: str):
+    """The backend (BackendName) of an ``ss_<backend>`` variant; None for a baseline."""
+    from simplesharded.backends import BACKENDS, BackendName
+
+    name = variant.removeprefix("ss_")
+    return BackendName.parse(name) if variant != name and name in BACKENDS else None
+
+
+def all_variants() -> list[str]:
+    from simplesharded.backends import BACKENDS
+    return list(BASELINES) + [f"ss_{name}" for name in BACKENDS]
+
+
+def default_variants(tp: int) -> list[str]:
+    """Without TP every variant but the aot_eager floor (see BASELINES: it is not the floor;
+    the inductor floor is in); with TP the 2-D recipe's peers (TP_DEFAULT)."""
+    if tp > 1:
+        return list(TP_DEFAULT)
+    return [v for v in all_variants() if v != "compute_floor_concurrent_compiled"]
+
+
+@dataclass
+class BenchArgs:
+    model: str = "llama3"
+    flavor: str = "small"
+    n_layers: int | None = None  # override the flavor's depth (tiny runs, tests)
+    world_size: int = 2  # ranks in all (dp × tp)
+    tp: int = 1
+    sequence_parallel: bool = True  # with tp > 1, as the trainer's enable_sequence_parallel
+    loss_parallel: bool = True  # with tp > 1, as the trainer's enable_loss_parallel
+    global_batch: int = 8
+    seq_len: int = 256
+    warmup: int = 3
+    steps: int = 20
+    seed: int = 0
+    optimizer_impl: str = "foreach"  # AdamW kernels for every variant (as the trainer's default)
+    profile_dir: str = ""  # when set: torch.profiler trace + op table per rank of one more step
+    device: str = "cpu"  # or an accelerator type ("cuda"): one device per rank
+    host_malloc: str = "caching"  # CPU ranks' malloc: "caching" (host_malloc.py) or "system"
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // self.tp
+
+
+def _build(args: BenchArgs, device: str):
+    from simplesharded.models import build_model
+    torch.manual_seed(args.seed)
+    depth = {"n_layers": args.n_layers} if args.n_layers else {}
+    return build_model(args.model, args.flavor, device=device, **depth)
+
+
+def world_of(variant: str, args: BenchArgs) -> int:
+    """Ranks a variant runs on: the floors are one dp rank's worth (1 rank, or its tp group)."""
+    return args.tp if variant in ("compute_floor", "compute_floor_inductor") else args.world_size
+
+
+def loss_parallel_on(args: BenchArgs) -> bool:
+    return args.tp > 1 and args.loss_parallel
+
+
+def prepare(variant: str, args: BenchArgs, mesh):
+    """The model (TP-parallelized when the mesh has a tp dim, then wrapped/compiled for the
+    variant) and its optimizer."""
+    from simplesharded.mesh import dp_mesh
+    from simplesharded.trainer import OPTIMIZER_IMPL, apply_tensor_parallel
+    model = _build(args, "cpu").to(args.device)  # initialised on CPU: the same weights anywhere
+    apply_tensor_parallel(model, mesh, args.sequence_parallel, loss_parallel_on(args))
+    if variant.startswith("compute_floor"):
+        # torch's own backends: no pass of ours in a floor
+        if variant.endswith("_compiled"):
+            model = torch.compile(model, backend="aot_eager", fullgraph=True)
+        elif variant.endswith("_inductor"):
+            model = torch.compile(model, backend="inductor", fullgraph=True)
+    elif variant == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+        model = DistributedDataParallel(model)
+    elif variant.startswith("fsdp2"):
+        from torch.distributed.fsdp import fully_shard
+        from simplesharded.blocks import find_blocks
+        for _, block in find_blocks(model):
+            if variant == "fsdp2_compiled":
+                block.compile()  # per-block compile, as torchtitan does for FSDP2
+            fully_shard(block, mesh=dp_mesh(mesh))
+        fully_shard(model, mesh=dp_mesh(mesh))
+    else:
+        from simplesharded import data_parallel, make_backend
+        backend = ss_backend(variant)
+        data_parallel(model, mesh, "fully_shard")
+        if backend.compiler != "eager":
+            model = torch.compile(model, backend=make_backend(str(backend)), fullgraph=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **OPTIMIZER_IMPL[args.optimizer_impl])
+    return model, opt
