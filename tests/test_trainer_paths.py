@@ -53,9 +53,9 @@ def _losses(trainer, steps: int) -> list[float]:
 
 def _fwd_bwd_peak(trainer) -> int:
     """Peak live tensor bytes of one forward+backward of the trainer's compiled step (shards
-    and optimizer state included, see bench_run._step_peak_bytes): the lower of two measurements,
-    as the profiler's running total also counts allocations of other threads (gloo's), which
-    only add (a few MB between runs here)."""
+    and optimizer state included, see bench_run._step_peak_bytes): the lower of two
+    measurements, as the profiler's running total also counts allocations of other threads
+    (gloo's), which only add (a few MB between runs here)."""
     from simplesharded.tools.bench_run import _step_peak_bytes
     inputs, labels = next(trainer.data.train)
 
