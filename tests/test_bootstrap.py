@@ -1,0 +1,36 @@
+"""scripts/bootstrap.sh on nodes that share one checkout (srun on a shared file system): the
+first installs into .venv, the others wait for it and install nothing. The venv's python is a
+stand-in that logs the install and takes a second, so the test runs no pip."""
+import os
+import shutil
+import subprocess
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_concurrent_bootstraps_install_once(tmp_path):
+    if shutil.which("flock") is None:
+        pytest.skip("no flock on this machine: the bootstrap installs without a lock")
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(os.path.join(ROOT, "scripts", "bootstrap.sh"), tmp_path / "scripts")
+    shutil.copy(os.path.join(ROOT, "pyproject.toml"), tmp_path)
+    python = tmp_path / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    log = tmp_path / "installs.log"
+    python.write_text(textwrap.dedent(f"""\
+        #!/usr/bin/env bash
+        echo "start $$" >> {log}; sleep 1; echo "end $$" >> {log}
+        """))
+    python.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "SIMPLESHARDED_PYTHON"}
+    cmd = ["bash", "-c", f"source {tmp_path}/scripts/bootstrap.sh && echo ok"]
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(3)]
+    outs = [p.communicate(timeout=60) for p in procs]
+    assert all(p.returncode == 0 and out.strip() == "ok" for p, (out, _) in zip(procs, outs)), outs
+    lines = log.read_text().split()
+    assert lines[0::2] == ["start", "end"], lines  # one install, whole, by one node
+    assert (tmp_path / ".venv" / ".simplesharded-installed").exists()
