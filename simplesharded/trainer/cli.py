@@ -19,6 +19,13 @@ from simplesharded.trainer.preflight import HF, check_static
 EXIT_CONFIG, EXIT_NONFINITE = 2, 3
 
 
+def _error(e: Exception) -> None:
+    """One ``error:`` line in one write: every rank of a job shares the launcher's stderr, and
+    print's separate write of the newline let two ranks' lines run together."""
+    sys.stderr.write(f"error: {e}\n")
+    sys.stderr.flush()
+
+
 def make_deterministic(device: str) -> None:
     """torch's deterministic algorithms (``training.deterministic``). On CUDA, cuBLAS needs a
     fixed workspace for them, which it reads from the environment when its handle is created:
@@ -41,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(None, argv)
         cfg = check_static(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        _error(e)
         return EXIT_CONFIG
     if check_only:
         return 0
@@ -59,10 +66,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"compile={cfg.compile.backend if cfg.compile.enable else 'off'}", flush=True)
         trainer.run()
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        _error(e)
         code = EXIT_CONFIG
     except NonFiniteError as e:
-        print(f"error: {e}", file=sys.stderr)
+        _error(e)
         code = EXIT_NONFINITE
     finally:
         if dist.is_initialized():
