@@ -19,6 +19,13 @@ for which dims are data-parallel. It also reads meshes built elsewhere: an unnam
 user-named mesh (``init_device_mesh("cpu", (2,))``, FSDP2's examples) is data-parallel in
 every dim, 1-D the shard dim, 2-D (replicate, shard) as FSDP2's HSDP; tp and ep need the names
 above.
+
+Pipeline parallelism adds ``pp`` as the outermost dim: ``(pp, dp_replicate?, dp_shard | efsdp x
+ep, tp?)``. A pp group is ranks ``world / pp`` apart, so each stage's dp, ep and tp groups are
+the same consecutive ranks as without pp. ``pp`` is neither data- nor model-parallel to a
+parameter: a stage's parameters live on :func:`stage_mesh`, the mesh without it, and
+``data_parallel`` given a mesh with a pp dim works on that sub-mesh (so a checkpoint's DTensors
+name no pp dim and load at another pp degree).
 """
 from __future__ import annotations
 
@@ -36,8 +43,9 @@ REPLICATE_DIM = "dp_replicate"
 TP_DIM = "tp"
 EP_DIM = "ep"
 EFSDP_DIM = "efsdp"  # the dp_shard ranks left to an expert weight: dp_shard / ep
+PP_DIM = "pp"  # pipeline stages: outermost, never a parameter's dim (stage_mesh)
 DP_DIMS = (REPLICATE_DIM, SHARD_DIM, EFSDP_DIM)  # the names a data-parallel dim goes by
-OUR_DIMS = (*DP_DIMS, EP_DIM, TP_DIM)
+OUR_DIMS = (PP_DIM, *DP_DIMS, EP_DIM, TP_DIM)
 
 
 def device_type() -> str:
@@ -52,12 +60,13 @@ def backend_for(device: str) -> str:
 
 @dataclass(frozen=True)
 class MeshDegrees:
-    """Resolved degrees; ``replicate * shard * tp == world``; ``ep`` divides ``shard``."""
+    """Resolved degrees; ``pp * replicate * shard * tp == world``; ``ep`` divides ``shard``."""
 
     replicate: int
     shard: int
     tp: int = 1
     ep: int = 1
+    pp: int = 1
 
     @property
     def efsdp(self) -> int:
@@ -70,11 +79,12 @@ class MeshDegrees:
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp
+        return self.pp * self.dp * self.tp
 
     def dims(self) -> tuple[tuple[str, int], ...]:
         """(name, size) of each mesh dim, outermost first, by the module doc's rule."""
-        dims = [(REPLICATE_DIM, self.replicate)] if self.replicate > 1 else []
+        dims = [(PP_DIM, self.pp)] if self.pp > 1 else []
+        dims += [(REPLICATE_DIM, self.replicate)] if self.replicate > 1 else []
         if self.ep > 1:
             dims += [(EFSDP_DIM, self.efsdp), (EP_DIM, self.ep)]
         else:
@@ -86,15 +96,24 @@ class MeshDegrees:
 
 def resolve_degrees(world_size: int, dp_replicate: int = 1, dp_shard: int = -1,
                     tp: int = 1, ep: int = 1,
-                    names: tuple[str, ...] = ("dp_replicate", "dp_shard", "tp", "ep")
-                    ) -> MeshDegrees:
+                    names: tuple[str, ...] = ("dp_replicate", "dp_shard", "tp", "ep", "pp"),
+                    pp: int = 1) -> MeshDegrees:
     """Fill a ``-1`` degree from the world size and check the product (and that ``ep``
-    divides dp_shard: expert parallelism borrows dp_shard's ranks).
+    divides dp_shard: expert parallelism borrows dp_shard's ranks). ``pp`` stages split the
+    world first: the other degrees fill ``world_size / pp`` ranks.
 
     The one place degrees are resolved. Raises ValueError naming the degrees (as ``names``
     spells them: the API's or the config's keys) and the world size when they do not multiply
     to it.
     """
+    pp_name = names[4] if len(names) > 4 else "pp"
+    if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
+        raise ValueError(f"{pp_name}={pp!r} must be a positive int")
+    if world_size % pp:
+        raise ValueError(f"{pp_name}={pp} does not divide the world size {world_size}")
+    world = f"{world_size // pp} (world size {world_size} / {pp_name}={pp})" if pp > 1 else \
+        str(world_size)
+    world_size //= pp
     values = (dp_replicate, dp_shard, tp, ep)
     for name, val in zip(names, values):
         fill = name in names[:2]
@@ -110,18 +129,18 @@ def resolve_degrees(world_size: int, dp_replicate: int = 1, dp_shard: int = -1,
         known = (dp_replicate if dp_shard == -1 else dp_shard) * tp
         if world_size % known:
             raise ValueError(f"{given}{_product(given, known)} does not divide the world size "
-                             f"{world_size}")
+                             f"{world}")
         if dp_shard == -1:
             dp_shard = world_size // known
         else:
             dp_replicate = world_size // known
     elif dp_replicate * dp_shard * tp != world_size:
         raise ValueError(f"{given}{_product(given, dp_replicate * dp_shard * tp)} does not "
-                         f"equal the world size {world_size}")
+                         f"equal the world size {world}")
     if dp_shard % ep:
         raise ValueError(f"{names[3]}={ep} does not divide {names[1]}={dp_shard} (expert "
                          f"parallelism borrows its ranks from the data-parallel shards)")
-    return MeshDegrees(dp_replicate, dp_shard, tp, ep)
+    return MeshDegrees(dp_replicate, dp_shard, tp, ep, pp)
 
 
 def _product(given: str, value: int) -> str:
@@ -136,6 +155,7 @@ class MeshRoles:
     dp: tuple[int, ...]  # the data-parallel dims, outermost first: (shard,) or (replicate, shard)
     tp: int | None = None
     ep: int | None = None
+    pp: int | None = None  # the pipeline dim (0 when present): neither dp nor model-parallel
 
     @property
     def replicate(self) -> int | None:
@@ -150,14 +170,14 @@ class MeshRoles:
     @property
     def rest(self) -> tuple[str | None, ...]:
         """Names of the dims after the dp dims (tp, ep), in mesh order."""
-        return self.names[len(self.dp):]
+        return self.names[self.dp[-1] + 1:]
 
 
 # The layouts read by name, for error messages ("?": only when its degree is > 1).
 NAMED_LAYOUTS = (f"({REPLICATE_DIM!r}?, {SHARD_DIM!r}, {TP_DIM!r}?) or "
                  f"({REPLICATE_DIM!r}?, {EFSDP_DIM!r}, {EP_DIM!r}, {TP_DIM!r}?)")
 _EXPECTED = (f"1 or 2 data-parallel dims (any names or none, as init_device_mesh makes them) "
-             f"or dims named {NAMED_LAYOUTS} (init_mesh)")
+             f"or dims named {NAMED_LAYOUTS}, after an optional {PP_DIM!r} (init_mesh)")
 
 
 def mesh_roles(mesh: DeviceMesh) -> MeshRoles:
@@ -178,12 +198,15 @@ def mesh_roles(mesh: DeviceMesh) -> MeshRoles:
                              f"{mesh.ndim}-D mesh with dims {names}; expected {_EXPECTED}")
         return MeshRoles(names, tuple(range(mesh.ndim)))
     dp = tuple(i for i, n in enumerate(names) if n in DP_DIMS)
-    tp, ep = (names.index(n) if n in names else None for n in (TP_DIM, EP_DIM))
-    if not 1 <= len(dp) <= 2 or dp != tuple(range(len(dp))):
-        # dp dims lead: a parameter's placements are its dp placements, then the rest's
-        raise ValueError(f"data_parallel needs one or two data-parallel dims outermost; the "
-                         f"mesh's dims are {names}; expected {_EXPECTED}")
-    return MeshRoles(names, dp, tp, ep)
+    tp, ep, pp = (names.index(n) if n in names else None for n in (TP_DIM, EP_DIM, PP_DIM))
+    lead = 1 if pp == 0 else 0  # pp, when present, comes first
+    if (pp not in (None, 0) or not 1 <= len(dp) <= 2
+            or dp != tuple(range(lead, lead + len(dp)))):
+        # dp dims lead (after pp): a parameter's placements are its dp placements, then the
+        # rest's
+        raise ValueError(f"data_parallel needs one or two data-parallel dims outermost (after "
+                         f"{PP_DIM!r}); the mesh's dims are {names}; expected {_EXPECTED}")
+    return MeshRoles(names, dp, tp, ep, pp)
 
 
 def dp_dims(mesh: DeviceMesh) -> tuple[str | None, ...]:
@@ -210,13 +233,23 @@ def dim_size(mesh: DeviceMesh, name: str) -> int:
     return mesh.size(names.index(name))
 
 
+def stage_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh a pipeline stage's parameters live on: ``mesh`` without its pp dim (``mesh``
+    itself when it has none)."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if PP_DIM not in names:
+        return mesh
+    rest = tuple(n for n in names if n != PP_DIM)
+    return mesh[rest if len(rest) > 1 else rest[0]]
+
+
 def dense_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The mesh of every parameter that is not an expert weight: ``(dp_replicate?, dp_shard,
     tp?)``. ``mesh`` itself without an ep dim; with one, the mesh it was unflattened from
     (module doc)."""
     if not ep_dim(mesh):
         return mesh
-    root = mesh._get_root_mesh()
+    root = stage_mesh(mesh._get_root_mesh())
     if (SHARD_DIM not in (root.mesh_dim_names or ())
             or dim_size(root, SHARD_DIM) != dim_size(mesh, EFSDP_DIM) * dim_size(mesh, EP_DIM)):
         raise ValueError(f"a mesh with an {EP_DIM!r} dim must come from build_mesh/init_mesh "
@@ -314,13 +347,13 @@ def exit_rank(code: int = 0) -> NoReturn:
 
 
 def build_mesh(dp_replicate: int = 1, dp_shard: int = -1, device: str | None = None,
-               tp: int = 1, ep: int = 1) -> DeviceMesh:
+               tp: int = 1, ep: int = 1, pp: int = 1) -> DeviceMesh:
     """The named mesh of the module doc: ``dp_shard`` always (split into ``efsdp`` x ``ep``
-    when ``ep`` > 1), ``dp_replicate`` and ``tp`` when their degree is > 1. The process group
-    must already exist (see :func:`init_distributed`).
+    when ``ep`` > 1), ``pp``, ``dp_replicate`` and ``tp`` when their degree is > 1. The process
+    group must already exist (see :func:`init_distributed`).
     """
-    degrees = resolve_degrees(dist.get_world_size(), dp_replicate, dp_shard, tp, ep)
-    dense = MeshDegrees(degrees.replicate, degrees.shard, degrees.tp)
+    degrees = resolve_degrees(dist.get_world_size(), dp_replicate, dp_shard, tp, ep, pp=pp)
+    dense = MeshDegrees(degrees.replicate, degrees.shard, degrees.tp, pp=degrees.pp)
     names, sizes = zip(*dense.dims())
     mesh = init_device_mesh(device or device_type(), sizes, mesh_dim_names=names)
     if degrees.ep == 1:
@@ -329,13 +362,13 @@ def build_mesh(dp_replicate: int = 1, dp_shard: int = -1, device: str | None = N
 
 
 def init_mesh(dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1,
-              device: str | None = None, ep: int = 1) -> DeviceMesh:
+              device: str | None = None, ep: int = 1, pp: int = 1) -> DeviceMesh:
     """Initialise the process group (if needed) and build the mesh (see :func:`build_mesh`)."""
     if dist.is_initialized():
         # Validate before any collective work so a bad degree fails fast and clearly.
-        resolve_degrees(dist.get_world_size(), dp_replicate, dp_shard, tp, ep)
+        resolve_degrees(dist.get_world_size(), dp_replicate, dp_shard, tp, ep, pp=pp)
     device = init_distributed(device)
-    return build_mesh(dp_replicate, dp_shard, device, tp, ep)
+    return build_mesh(dp_replicate, dp_shard, device, tp, ep, pp)
 
 
 def free_port() -> int:

@@ -31,7 +31,7 @@ from simplesharded.eager_reshard import _EagerReshard
 from simplesharded.gather import _GatherScope, _sharded_property
 from simplesharded.grad_sync import _GradSync
 from simplesharded.layout import _DPView, _GatherSpec, _mode_placements, _shard_param
-from simplesharded.mesh import EP_DIM, dense_mesh, ep_dim, expert_dp_mesh
+from simplesharded.mesh import EP_DIM, dense_mesh, ep_dim, expert_dp_mesh, stage_mesh
 from simplesharded.mesh import dp_mesh as _dp_mesh
 from simplesharded.sharded_state import (ShardedModuleState, ShardedParam,
                                          attach_sharded_state, sharded_state)
@@ -103,7 +103,10 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     The first call gives torch's functional all-gather a CPU kernel that runs gloo's plain
     all-gather (simplesharded/shims/gloo_gather.py: torch's own runs a coalesced one that can
     corrupt the heap), for every CPU gather in the process, compiled or not.
+    A mesh with a pp dim (``init_mesh(pp=N)``): ``model`` is this rank's pipeline stage, sharded
+    over this rank's dp dims only, on the mesh without pp (mesh.stage_mesh).
     """
+    mesh = stage_mesh(mesh)
     dense = dense_mesh(mesh)
     dp = _dp_mesh(dense)
     placements = _mode_placements(mode, dp)

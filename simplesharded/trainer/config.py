@@ -28,6 +28,29 @@ else:  # the same parser, packaged, before Python 3.11
 # The floating-point dtypes a config may name (torch.<name>): mixed precision, export.
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
+# parallelism.pipeline_parallel_schedule → (stages per pp rank by default, whether that number
+# is fixed). simplesharded/pipelining.py maps the names to torch's schedule classes.
+PIPELINE_SCHEDULES = {"1F1B": (1, True), "Interleaved1F1B": (2, False),
+                      "InterleavedZeroBubble": (2, False), "ZBVZeroBubble": (2, True)}
+
+
+def pipeline_stages(p: "Parallelism") -> int:
+    """How many pipeline stages the config asks for (all pp ranks together)."""
+    if p.pipeline_parallel_layers_per_stage:
+        return len(p.pipeline_parallel_layers_per_stage)
+    return p.pipeline_parallel_degree * PIPELINE_SCHEDULES[p.pipeline_parallel_schedule][0]
+
+
+def pipeline_microbatches_needed(schedule: str, pp: int, stages: int) -> tuple[int, int]:
+    """(least number of micro-batches, what the number must be a multiple of) for a schedule
+    step: a 1F1B pipeline fills with one micro-batch per stage; the interleaved schedules run
+    in rounds of pp micro-batches; ZBV's V needs one per stage."""
+    if schedule == "1F1B":
+        return pp, 1
+    if schedule == "ZBVZeroBubble":
+        return stages, 1
+    return pp, pp
+
 
 def _opt(default, help: str = "", choices: tuple[str, ...] | None = None):
     """A dataclass field whose help text and allowed choices live next to its default."""
@@ -147,6 +170,26 @@ class Parallelism:
         "auto", "free gathered params after forward and re-gather in backward: always, never, "
         "or auto (the compile plan decides per block; see data_parallel)",
         ("auto", "always", "never"))
+    pipeline_parallel_degree: int = _opt(
+        1, "pipeline stages over this many rank groups (outermost mesh dim, pp); the other "
+        "degrees fill world / pp ranks; 1 = no pipeline")
+    pipeline_parallel_schedule: str = _opt(
+        "1F1B", "torch.distributed.pipelining schedule: 1F1B (one stage per rank), "
+        "Interleaved1F1B and InterleavedZeroBubble (several stages per rank, 2 unless "
+        "pipeline_parallel_layers_per_stage says), ZBVZeroBubble (2 stages per rank, V-shaped)",
+        tuple(PIPELINE_SCHEDULES))
+    pipeline_parallel_microbatch_size: int = _opt(
+        1, "sequences per pipeline micro-batch: each schedule step splits a rank's "
+        "local_batch_size into local_batch_size / this many micro-batches")
+    pipeline_parallel_layers_per_stage: list[int] = _opt(
+        [], "blocks of each stage, first to last (their count is the number of stages); [] = "
+        "the blocks split evenly (the earlier stages one more) over the schedule's stages. "
+        "CLI: 3,3,2,2")
+    pipeline_fsdp_policy: str = _opt(
+        "reduce_once", "FSDP across a stage's micro-batches: every_microbatch (each backward "
+        "reduces its gradients: they stay sharded) or reduce_once (backwards sum full-size "
+        "gradients on the rank, one reduction per stage per step: the stage's gradients "
+        "unsharded meanwhile)", ("every_microbatch", "reduce_once"))
 
     @property
     def reshard(self) -> bool | str:
@@ -458,7 +501,8 @@ def validate(cfg: Config, backends: Iterable[str] | None = None) -> None:
     for key in ("training.global_batch_size", "training.seq_len", "training.steps",
                 "training.gradient_accumulation_steps", "training.val_steps",
                 "parallelism.data_parallel_replicate_degree", "parallelism.tensor_parallel_degree",
-                "parallelism.expert_parallel_degree",
+                "parallelism.expert_parallel_degree", "parallelism.pipeline_parallel_degree",
+                "parallelism.pipeline_parallel_microbatch_size",
                 "activation_checkpoint.selective_every", "checkpoint.interval",
                 "metrics.log_freq", "profiling.profile_freq"):
         need(get(key) >= 1, key, ">= 1")
@@ -502,8 +546,28 @@ def validate(cfg: Config, backends: Iterable[str] | None = None) -> None:
         raise ValueError(f"parallelism.tensor_parallel_degree={tp} does not divide "
                          f"training.seq_len={t.seq_len} (sequence parallelism splits the "
                          f"sequence; or --no-parallelism.enable_sequence_parallel)")
+    _check_pipeline(cfg)
     _check_hardware(cfg.compile.hardware)
     _check_backend(cfg.compile.backend, backends)
+
+
+def _check_pipeline(cfg: Config) -> None:
+    """The pipeline keys' rules that need neither the world size nor the model."""
+    p = cfg.parallelism
+    pp, split, name = (p.pipeline_parallel_degree, p.pipeline_parallel_layers_per_stage,
+                       p.pipeline_parallel_schedule)
+    if any(n < 1 for n in split):
+        raise ValueError(f"parallelism.pipeline_parallel_layers_per_stage={split} must give "
+                         f"every stage at least one block")
+    if pp == 1:
+        return
+    stages = pipeline_stages(p)
+    per_rank, fixed = PIPELINE_SCHEDULES[name]
+    if stages % pp or (fixed and stages != per_rank * pp):
+        want = f"{per_rank * pp}" if fixed else f"a multiple of {pp}"
+        raise ValueError(f"parallelism.pipeline_parallel_layers_per_stage={split} gives "
+                         f"{stages} stages; schedule {name} on pipeline_parallel_degree={pp} "
+                         f"runs {want}")
 
 
 def _check_backend(name: str, backends: Iterable[str] | None) -> None:
@@ -522,7 +586,10 @@ def resolve(cfg: Config, world_size: int) -> Config:
     """Return a copy with the -1 degrees and local_batch_size filled for `world_size` ranks.
 
     Batch rule: global_batch_size = local_batch_size * dp * gradient_accumulation_steps, where
-    dp = world_size / tensor_parallel_degree (the tp ranks of one dp rank share its batch).
+    dp = world_size / (pipeline_parallel_degree * tensor_parallel_degree) (the tp ranks of one
+    dp rank share its batch; so do the stages of one pipeline). Under pipeline parallelism a
+    rank's local batch is split into local_batch_size / pipeline_parallel_microbatch_size
+    micro-batches per schedule step.
     """
     from simplesharded.mesh import resolve_degrees
 
@@ -533,7 +600,8 @@ def resolve(cfg: Config, world_size: int) -> Config:
                               p.expert_parallel_degree,
                               names=tuple(f"parallelism.{k}_degree" for k in (
                                   "data_parallel_replicate", "data_parallel_shard",
-                                  "tensor_parallel", "expert_parallel")))
+                                  "tensor_parallel", "expert_parallel", "pipeline_parallel")),
+                              pp=p.pipeline_parallel_degree)
     p.data_parallel_shard_degree = degrees.shard
     dp = degrees.dp
     per_step = dp * t.gradient_accumulation_steps
@@ -547,7 +615,27 @@ def resolve(cfg: Config, world_size: int) -> Config:
         raise ValueError(f"training.global_batch_size={t.global_batch_size} != local_batch_size "
                          f"({t.local_batch_size}) * dp ({dp}) * "
                          f"gradient_accumulation_steps ({t.gradient_accumulation_steps})")
+    if p.pipeline_parallel_degree > 1:
+        _check_microbatches(p, t.local_batch_size)
     return cfg
+
+
+def _check_microbatches(p: Parallelism, local_batch: int) -> None:
+    """A schedule step splits a rank's local batch into micro-batches: evenly, and into as
+    many as the schedule needs."""
+    mb, pp, name = (p.pipeline_parallel_microbatch_size, p.pipeline_parallel_degree,
+                    p.pipeline_parallel_schedule)
+    if local_batch % mb:
+        raise ValueError(f"parallelism.pipeline_parallel_microbatch_size={mb} does not divide "
+                         f"training.local_batch_size={local_batch}")
+    n = local_batch // mb
+    least, multiple = pipeline_microbatches_needed(name, pp, pipeline_stages(p))
+    if n < least or n % multiple:
+        rule = f"at least {least}" + (f" and a multiple of {multiple}" if multiple > 1 else "")
+        raise ValueError(f"schedule {name} with pipeline_parallel_degree={pp} needs {rule} "
+                         f"micro-batches per step; training.local_batch_size={local_batch} / "
+                         f"parallelism.pipeline_parallel_microbatch_size={mb} gives {n} (raise "
+                         f"the global batch or lower the micro-batch size)")
 
 
 def help_text(usage: str = "python -m simplesharded.trainer.config [--json] [--section.key VALUE ...]"

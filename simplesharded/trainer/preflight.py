@@ -45,7 +45,32 @@ def check_static(cfg: Config, world_size: int) -> Config:
             args.check_ep(ep)
         except ValueError as e:
             raise ValueError(f"parallelism.{e} of {what}") from None
+    if cfg.parallelism.pipeline_parallel_degree > 1:
+        _check_pipeline(cfg)
     return cfg
+
+
+def _check_pipeline(cfg: Config) -> None:
+    """The model can be cut into the stages the config asks for (simplesharded/stage_split.py
+    cuts the model the trainer builds, on the meta device here)."""
+    from simplesharded.models import build_model
+    from simplesharded.stage_split import plan_stages
+    from simplesharded.trainer.config import pipeline_stages
+
+    p = cfg.parallelism
+    key = f"parallelism.pipeline_parallel_degree={p.pipeline_parallel_degree}"
+    if cfg.model.name == HF:
+        raise ValueError(f"{key}: Hugging Face models (model.name='hf') cannot be cut into "
+                         f"pipeline stages yet; use 1")
+    model = build_model(cfg.model.name, cfg.model.flavor, device="meta")
+    split = p.pipeline_parallel_layers_per_stage
+    try:
+        plan_stages(model, pipeline_stages(p), split or None)
+    except ValueError as e:
+        if split:
+            key = f"parallelism.pipeline_parallel_layers_per_stage={split}"
+        raise ValueError(f"{key} (schedule {p.pipeline_parallel_schedule}, model "
+                         f"{cfg.model.name}/{cfg.model.flavor}): {e}") from None
 
 
 def _check_zoo(cfg: Config):
