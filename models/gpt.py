@@ -112,13 +112,18 @@ class GPT(nn.Module):
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
                 loss_chunks: int = 0) -> torch.Tensor:
         """tokens [B, S] (int64) -> logits [B, S, vocab_size]; with ``labels``: their summed
-        cross-entropy in ``loss_chunks`` chunks of tokens, as Llama3.forward."""
+        cross-entropy in ``loss_chunks`` chunks of tokens, as Llama3.forward; a pipeline stage
+        takes and returns hidden states as Llama3.forward's does."""
         S = tokens.shape[1]
         if S > self.args.max_seq_len:
             raise ValueError(f"sequence length {S} exceeds max_seq_len={self.args.max_seq_len}")
-        h = self.wte(tokens) + self.wpe(torch.arange(S, device=tokens.device))
+        h = tokens
+        if self.wte is not None:
+            h = self.wte(tokens) + self.wpe(torch.arange(S, device=tokens.device))
         for block in self.blocks.values():
             h = block(h)
+        if self.head is None:
+            return h
         h = self.ln_f(h)
         if labels is not None:
             return lm_loss(h, self.head, labels, loss_chunks)

@@ -240,26 +240,33 @@ class Llama3(nn.Module):
         stream's variance does not grow with depth.
         """
         self.freqs_cis = self._freqs_cis(buffer_device or self.freqs_cis.device)
-        trunc_normal_init_(self.tok_embeddings.weight, 0.02)
+        # A pipeline stage (simplesharded/stage_split.py) lacks the modules of other stages.
+        if self.tok_embeddings is not None:
+            trunc_normal_init_(self.tok_embeddings.weight, 0.02)
         out_std = 0.02 / math.sqrt(2 * self.args.n_layers)
         for layer in self.layers.values():
             layer.init_weights(out_std)
-        nn.init.ones_(self.norm.weight)
-        trunc_normal_init_(self.output.weight, self.args.dim ** -0.5)
+        if self.norm is not None:
+            nn.init.ones_(self.norm.weight)
+        if self.output is not None:
+            trunc_normal_init_(self.output.weight, self.args.dim ** -0.5)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
                 loss_chunks: int = 0) -> torch.Tensor:
         """tokens [B, S] (int64) -> logits [B, S, vocab_size] in the parameters' dtype; with
         ``labels`` [B, S]: their summed cross-entropy instead (fp32 scalar), computed in
         ``loss_chunks`` chunks of tokens so the full logits never exist at once (0 = auto,
-        1 = unchunked; models/loss.py)."""
+        1 = unchunked; models/loss.py). A pipeline stage without the embedding takes hidden
+        states [B, S, dim] as ``tokens``; one without the output head returns hidden states."""
         S = tokens.shape[1]
         if S > self.args.max_seq_len:
             raise ValueError(f"sequence length {S} exceeds max_seq_len={self.args.max_seq_len}")
         freqs_cis = self.freqs_cis[:S]
-        h = self.tok_embeddings(tokens)
+        h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, freqs_cis)
+        if self.output is None:
+            return h
         h = self.norm(h)
         if labels is not None:
             return lm_loss(h, self.output, labels, loss_chunks)
