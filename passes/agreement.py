@@ -16,6 +16,10 @@ watchdog default), never a silent hang.
 
 The store, not a collective, carries the check: a store wait has a timeout and cannot be
 mismatched by the very collectives it is checking.
+
+Which ranks must agree: every rank, unless :func:`set_agreement_peers` names fewer. Under
+pipeline parallelism the stages are different models, so only the ranks holding the same
+stages (one pp coordinate: simplesharded/pipelining.py sets them) compile the same graphs.
 """
 from __future__ import annotations
 
@@ -100,6 +104,16 @@ def insert_agreement_check(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
+_PEERS: list = [None]  # the ranks this process's graphs are compared with; None: every rank
+
+
+def set_agreement_peers(ranks) -> None:
+    """Compare this process's graphs with those of ``ranks`` (global ranks, this one
+    included) only; None: with every rank. Every rank of a group of peers must name the same
+    ranks, before its first compiled graph runs."""
+    _PEERS[0] = None if ranks is None else tuple(sorted(int(r) for r in ranks))
+
+
 class _Checks:
     """Run-time state of the check on one default process group: the fingerprints its ranks
     have agreed on, and how many checks this rank has made (the n-th check on every rank
@@ -127,9 +141,14 @@ def agree(fingerprint: str) -> None:
     checks = _CHECKS.setdefault(dist.group.WORLD, _Checks())
     if fingerprint in checks.agreed:
         return
-    if dist.get_world_size() > 1 and str(dist.get_backend()) != "fake":
+    peers = _PEERS[0]
+    if (len(peers) if peers is not None else dist.get_world_size()) > 1 and \
+            str(dist.get_backend()) != "fake":
         checks.count += 1
-        compare(fingerprint, checks.count)
+        if peers is None:
+            compare(fingerprint, checks.count)
+        else:
+            compare(fingerprint, checks.count, peers=peers)
     checks.agreed.add(fingerprint)
 
 
@@ -142,25 +161,28 @@ AGREE_OP = torch.ops.simplesharded.agree.default
 fx.node.has_side_effect(AGREE_OP)  # no outputs: dead-code elimination must keep it
 
 
-def compare(fingerprint: str, seq: int, timeout_s: float | None = None) -> None:
-    """Publish ``fingerprint`` as check ``seq`` of this rank, wait for every rank's, raise
-    the same error on every rank if they differ."""
+def compare(fingerprint: str, seq: int, timeout_s: float | None = None,
+            peers: tuple[int, ...] | None = None) -> None:
+    """Publish ``fingerprint`` as check ``seq`` of this rank, wait for every rank's (every
+    one of ``peers``, when given), raise the same error on every rank if they differ."""
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _get_default_store
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    ranks = list(peers) if peers is not None else list(range(dist.get_world_size()))
+    rank = ranks.index(dist.get_rank())  # errors below name positions among the peers
     if timeout_s is None:
         timeout_s = float(os.environ.get(TIMEOUT_ENV, "600"))
     store = _get_default_store()
-    keys = [f"{_KEY_PREFIX}/{seq}/{r}" for r in range(world)]
+    prefix = _KEY_PREFIX if peers is None else f"{_KEY_PREFIX}/peers-{'-'.join(map(str, ranks))}"
+    keys = [f"{prefix}/{seq}/{r}" for r in ranks]
     store.set(keys[rank], fingerprint)
     try:
         store.wait(keys, datetime.timedelta(seconds=timeout_s))
     except Exception:  # the store says only "timeout"; find who is missing
-        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
         raise RuntimeError(
-            f"simplesharded: rank {rank} compiled graph #{seq} with collectives, but rank(s) "
-            f"{missing} did not reach graph #{seq} within {timeout_s:.0f} s ({TIMEOUT_ENV}): "
+            f"simplesharded: rank {ranks[rank]} compiled graph #{seq} with collectives, but "
+            f"rank(s) {missing} did not reach graph #{seq} within {timeout_s:.0f} s ({TIMEOUT_ENV}): "
             f"the ranks compiled different graphs, which would hang their collectives"
         ) from None
     sequences = [json.loads(store.get(k).decode()) for k in keys]

@@ -1,0 +1,192 @@
+"""Pipeline parallelism composed with FSDP on 4 gloo ranks (pp 2 x dp_shard 2): parity with one
+process, the FSDP policies' reductions, the trainer.
+
+A small Llama 3 (4 blocks) is cut into stages (simplesharded/stage_split.py: 2 for 1F1B, 4 for
+the interleaved and V schedules, one or two per rank), each stage sharded by ``data_parallel``
+over the dp ranks of its pp coordinate and compiled or not, and trained for 5 SGD steps by
+torch's schedule (simplesharded/pipelining.py) on the same global batch as a one-process
+reference: each dp rank takes its rows, split into 4 micro-batches of one sequence; the loss is
+the summed cross-entropy over the global token count, computed on the last stage. Losses (the
+same on every rank) and the final parameters (gathered to full tensors) must agree to 1e-5
+relative: a missing, doubled or misplaced micro-batch gradient, a reduction over the wrong
+ranks or a stage fed the wrong activations is an O(1) error.
+
+Every schedule x backend x policy runs: ``1F1B``, ``Interleaved1F1B`` and ``ZBVZeroBubble``
+(split backward: its weight part runs on the rank-local accumulators under reduce_once, on the
+shards otherwise; compiled, one node computes both); eager and ``aot_eager_blockbucketing``;
+``every_microbatch`` and ``reduce_once``. The last step of each runs under torch.profiler,
+which counts the gradient reductions the process groups ran (gloo's reduce-scatter, all-to-all
+or all-reduce calls: eager, compiled and lowered ones alike): reduce_once must run exactly one
+per stage and step, every_microbatch at least one per micro-batch and stage.
+
+One spawn of 4 ranks runs it all (the mesh is built once per rank: DTensor reuses a cached
+plan of an equal mesh built earlier, whose groups would not be the ones data_parallel
+annotated, and the passes would leave those collectives alone); the tests read its results.
+"""
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from dist_utils import max_rel_diff, memo, spawn
+
+pytestmark = pytest.mark.slow
+
+ARGS = dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=32)
+GLOBAL_BATCH, SEQ, STEPS, PP, MICROBATCHES = 8, 16, 5, 2, 4
+# SGD, as tests/test_ep.py. At lr 0.1 five steps amplify fp32 rounding to 1e-5 in the embedding
+# (every_microbatch); so does one process summing 8 micro-batches against its whole batch, 5.8e-6,
+# and in float64 the same comparison gives 3.5e-13: rounding. At 0.05 the largest is 7.5e-7.
+SGD = dict(lr=0.05)
+TOL = 1e-5
+SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble")
+BACKENDS = ("eager", "aot_eager_blockbucketing")
+POLICIES = ("reduce_once", "every_microbatch")
+CASES = [(s, b, p) for s in SCHEDULES for b in BACKENDS for p in POLICIES]
+# what the process groups run for a gradient reduction on gloo: a reduce-scatter (eager
+# DTensor: coalesced; deferred_reduce on other transports), its lowering to an all-to-all
+# (compiled, and deferred_reduce), an all-reduce (replicated gradients)
+REDUCTIONS = ("c10d::reduce_scatter_tensor_coalesced_", "c10d::_reduce_scatter_base_",
+              "c10d::alltoall_base_", "c10d::allreduce_")
+
+
+def make_model():
+    from simplesharded.models import build_model
+
+    torch.manual_seed(0)
+    return build_model("llama3", "debug", device="cpu", **ARGS)
+
+
+def batch(step: int):
+    g = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, ARGS["vocab_size"], (GLOBAL_BATCH, SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def loss_fn(logits, labels):
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
+                           reduction="sum") / (GLOBAL_BATCH * SEQ)
+
+
+@memo
+def reference():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), **SGD)
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(step)
+        loss = loss_fn(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _case(mesh, schedule: str, backend: str, policy: str) -> dict:
+    import simplesharded as ss
+    from simplesharded.passes import agreement
+    from simplesharded.pipelining import pipeline, pipeline_peers
+
+    torch._dynamo.reset()
+    dp, dp_rank = mesh.size(1), mesh.get_local_rank(1)
+    rows = GLOBAL_BATCH // dp
+    mb = rows // MICROBATCHES
+
+    def prepare(stage):
+        ss.data_parallel(stage, mesh, grad_reduction="sum")  # loss_fn: global token count
+        if backend == "eager":
+            return stage
+        return torch.compile(stage, backend=ss.make_backend(backend), fullgraph=True)
+
+    hidden = torch.empty(mb, SEQ, ARGS["dim"], device="meta")
+    pipe = pipeline(make_model(), mesh, schedule=schedule, n_microbatches=MICROBATCHES,
+                    loss_fn=loss_fn, prepare=prepare, policy=policy, hidden=hidden,
+                    microbatch=torch.empty(mb, SEQ, dtype=torch.long, device="meta"),
+                    output=torch.empty(mb, SEQ, ARGS["vocab_size"], device="meta"))
+    opt = torch.optim.SGD(pipe.model.parameters(), **SGD)
+    losses, reductions = [], None
+    for step in range(STEPS):
+        x, y = batch(step)
+        x, y = x[dp_rank * rows:(dp_rank + 1) * rows], y[dp_rank * rows:(dp_rank + 1) * rows]
+        opt.zero_grad(set_to_none=True)
+        if step == STEPS - 1:
+            with torch.profiler.profile() as prof:
+                out = pipe.step(x, y)
+            reductions = sum(e.name in REDUCTIONS for e in prof.events())
+        else:
+            out = pipe.step(x, y)
+        opt.step()
+        total = torch.stack(out).sum().detach() if out else torch.zeros(())
+        dist.all_reduce(total)  # the last stage's ranks hold the losses
+        losses.append(total.item())
+    from torch.distributed.tensor import DTensor
+
+    params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+              for n, p in pipe.model.named_parameters()}
+    return {"losses": losses, "params": params if dp_rank == 0 else {},
+            "stages": [s.stage_index for s in pipe.stages],
+            "deferred": [s.reductions for s in pipe.stages], "reductions": reductions,
+            "peers": (agreement._PEERS[0], tuple(pipeline_peers(mesh)))}
+
+
+def job(rank, world, folder):
+    from simplesharded.mesh import build_mesh
+
+    mesh = build_mesh(1, -1, "cpu", pp=PP)
+    return {case: _case(mesh, *case) for case in CASES}
+
+
+@memo
+def run():
+    with tempfile.TemporaryDirectory(prefix="ss_pp_") as folder:
+        return spawn(4, job, folder, timeout_s=900)
+
+
+@pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
+def test_parity_with_single_process(case):
+    ref_losses, ref_params = reference()
+    results = run()
+    got = results[0][case]
+    for r in results[1:]:  # every rank reports the same global loss
+        assert r[case]["losses"] == got["losses"]
+    rel = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref_losses))
+    assert rel <= TOL, (got["losses"], ref_losses)
+    params = {}
+    for r in results:  # dp rank 0 of each pp rank: its stages' parameters
+        params.update(r[case]["params"])
+    assert set(params) == set(ref_params)
+    bad = {n: max_rel_diff(p, ref_params[n]) for n, p in params.items()
+           if not max_rel_diff(p, ref_params[n]) <= TOL}
+    assert not bad, f"final parameters beyond {TOL}: {bad}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
+def test_reduce_once_reduces_once_per_stage_and_step(case):
+    schedule, _, policy = case
+    for rank, r in enumerate(run()):
+        got = r[case]
+        n_stages = len(got["stages"])
+        assert n_stages == (1 if schedule == "1F1B" else 2)
+        if policy == "reduce_once":
+            assert got["deferred"] == [STEPS] * n_stages, (rank, got["deferred"])
+            assert got["reductions"] == n_stages, (rank, got["reductions"])
+        else:
+            assert got["deferred"] == [0] * n_stages
+            assert got["reductions"] >= MICROBATCHES * n_stages, (rank, got["reductions"])
+
+
+def test_stage_placement_and_agreement_peers():
+    """1F1B: stage = pp rank; interleaved: pp rank r holds r and r + 2; ZBV: the V. Each rank's
+    compiled graphs are checked against the ranks of its pp coordinate only."""
+    for rank, r in enumerate(run()):
+        pp_rank = rank // 2
+        assert r[("1F1B", "eager", "reduce_once")]["stages"] == [pp_rank]
+        assert r[("Interleaved1F1B", "eager", "reduce_once")]["stages"] == [pp_rank, pp_rank + 2]
+        assert r[("ZBVZeroBubble", "eager", "reduce_once")]["stages"] == [pp_rank, 3 - pp_rank]
+        peers, expected = r[("1F1B", "aot_eager_blockbucketing", "reduce_once")]["peers"]
+        assert peers == expected == (2 * pp_rank, 2 * pp_rank + 1)
