@@ -19,6 +19,10 @@ which counts the gradient reductions the process groups ran (gloo's reduce-scatt
 or all-reduce calls: eager, compiled and lowered ones alike): reduce_once must run exactly one
 per stage and step, every_microbatch at least one per micro-batch and stage.
 
+The trainer runs in the same job (eager, llama3 debug): pp 2 gives the losses and validation
+loss of the same run without pp, and a checkpoint it saves loads into a run without pp (the
+FQN-keyed DCP checkpoint reshards across pp degrees).
+
 One spawn of 4 ranks runs it all (the mesh is built once per rank: DTensor reuses a cached
 plan of an equal mesh built earlier, whose groups would not be the ones data_parallel
 annotated, and the passes would leave those collectives alone); the tests read its results.
@@ -26,6 +30,7 @@ annotated, and the passes would leave those collectives alone); the tests read i
 from __future__ import annotations
 
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -134,11 +139,40 @@ def _case(mesh, schedule: str, backend: str, policy: str) -> dict:
             "peers": (agreement._PEERS[0], tuple(pipeline_peers(mesh)))}
 
 
+TRAINER = ["--training.seq_len", "32", "--training.global_batch_size", "8",
+           "--no-metrics.progress_bar", "--no-compile.enable", "--training.val_every", "100",
+           "--training.val_steps", "1", "--lr_scheduler.warmup_steps", "15",
+           "--lr_scheduler.decay_type", "constant"]
+TRAINER_RUNS = {  # name → (steps, arguments); the folder is per test session
+    # saves at step 2 (and at its last, 3), run on to step 3
+    "pp2": (3, ["--parallelism.pipeline_parallel_degree", "2", "--checkpoint.enable",
+                "--checkpoint.interval", "2"]),
+    "resumed_pp1": (3, ["--checkpoint.enable", "--checkpoint.load_step", "2"]),
+    "pp1": (3, []),
+}
+
+
+def _trainer_run(folder: str, name: str) -> tuple[list[float], float]:
+    from simplesharded.trainer import Trainer, check_static
+    from simplesharded.trainer.config import load_config
+
+    torch._dynamo.reset()
+    steps, args = TRAINER_RUNS[name]
+    dump = str(Path(folder) / ("ckpt" if name in ("pp2", "resumed_pp1") else name))
+    cfg = check_static(load_config(None, [*TRAINER, *args, "--training.steps", str(steps),
+                                          "--job.dump_folder", dump]), dist.get_world_size())
+    trainer = Trainer(cfg, "cpu")
+    return trainer.run(), trainer.validate()
+
+
 def job(rank, world, folder):
     from simplesharded.mesh import build_mesh
 
     mesh = build_mesh(1, -1, "cpu", pp=PP)
-    return {case: _case(mesh, *case) for case in CASES}
+    out = {case: _case(mesh, *case) for case in CASES}
+    for name in TRAINER_RUNS:
+        out[name] = _trainer_run(folder, name)
+    return out
 
 
 @memo
@@ -190,3 +224,25 @@ def test_stage_placement_and_agreement_peers():
         assert r[("ZBVZeroBubble", "eager", "reduce_once")]["stages"] == [pp_rank, 3 - pp_rank]
         peers, expected = r[("1F1B", "aot_eager_blockbucketing", "reduce_once")]["peers"]
         assert peers == expected == (2 * pp_rank, 2 * pp_rank + 1)
+
+
+def test_trainer_pp2_matches_no_pp():
+    """The trainer with --parallelism.pipeline_parallel_degree 2 (pp 2 x dp 2, 1F1B, 2
+    micro-batches a step, reduce_once) gives the losses and the validation loss of the same
+    run on dp 4 (3 eager steps, <= 1e-5 rel), on every rank."""
+    results = run()
+    for r in results:
+        (pp2, val2), (pp1, val1) = r["pp2"], r["pp1"]
+        assert len(pp2) == len(pp1) == 3
+        assert max(abs(a - b) / abs(b) for a, b in zip(pp2, pp1)) <= TOL, (pp2, pp1)
+        assert abs(val2 - val1) <= TOL * abs(val1), (val2, val1)
+
+
+def test_trainer_checkpoint_saved_with_pp2_resumes_with_pp1():
+    """A checkpoint saved at step 2 by pp 2 x dp 2 loads into dp 4 (DCP reshards the stages'
+    FQN-keyed shards); its step-3 loss is the uninterrupted pp 2 run's."""
+    r = run()[0]
+    (straight, _), (resumed, _) = r["pp2"], r["resumed_pp1"]
+    assert len(straight) == 3
+    assert len(resumed) == 1 and abs(resumed[0] - straight[2]) <= TOL * abs(straight[2]), \
+        (resumed, straight)

@@ -42,9 +42,14 @@ def step_dir(folder: str, step: int) -> str:
     return os.path.join(folder, f"step-{step}")
 
 
+# Optimizer state keyed per parameter FQN (its param_groups' settings too): under pipeline
+# parallelism each rank holds other parameters, and a param_groups list saved by one rank
+# would name only that rank's parameters to every rank that loads it.
+_OPTIONS = StateDictOptions(ignore_frozen_params=False, flatten_optimizer_state_dict=True)
+
+
 def _app_state(model, optimizer, extra: dict):
-    model_sd, optim_sd = get_state_dict(model, optimizer,
-                                        options=StateDictOptions(ignore_frozen_params=False))
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
     return {"model": model_sd, "optimizer": optim_sd, "train": extra}
 
 
@@ -129,7 +134,7 @@ def _load_one(folder, step, model, optimizer, loader_state_template) -> dict:
         raise CheckpointError(f"checkpoint {path!r} could not be loaded ({type(e).__name__}"
                               f"{': ' + msg[0] if msg else ''})") from e
     set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"])
+                   optim_state_dict=state["optimizer"], options=_OPTIONS)
     return state["train"]
 
 

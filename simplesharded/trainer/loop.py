@@ -1,7 +1,8 @@
 """The training loop: :class:`Trainer` builds the mesh, data, model (meta device →
 parallelize → initialise the shards), optimizer and schedule from a resolved config, and
 runs steps with gradient accumulation, clipping, validation, DCP checkpoints, metrics and
-profiling."""
+profiling. Under pipeline parallelism a step is the pipeline schedule's
+(:meth:`Trainer.pipeline_step`) and the model is this rank's stages."""
 from __future__ import annotations
 
 import contextlib
@@ -17,7 +18,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from simplesharded.grad_sync import set_requires_gradient_sync
 from simplesharded.init import init_sharded
-from simplesharded.mesh import build_mesh
+from simplesharded.mesh import PP_DIM, build_mesh
 from simplesharded.models import build_model, hf_loading, hf_source
 from simplesharded.trainer import checkpoint as ckpt
 from simplesharded.trainer.config import Config
@@ -26,7 +27,9 @@ from simplesharded.trainer.metrics import (MetricsLogger, format_record, memory_
                                           reset_peak_memory, throughput)
 from simplesharded.trainer.optim import build_optimizer, grad_norm_and_clip, lr_lambda
 from simplesharded.trainer.preflight import HF
-from simplesharded.trainer.recipe import loss_chunks, parallelize, uses_loss_parallel
+from simplesharded.pipelining import Pipeline
+from simplesharded.trainer.recipe import (loss_chunks, parallelize, pipeline_loss,
+                                          uses_loss_parallel)
 
 
 class NonFiniteError(RuntimeError):
@@ -61,14 +64,17 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         p, t = cfg.parallelism, cfg.training
         self.mesh = build_mesh(p.data_parallel_replicate_degree, p.data_parallel_shard_degree,
-                               device, p.tensor_parallel_degree, p.expert_parallel_degree)
+                               device, p.tensor_parallel_degree, p.expert_parallel_degree,
+                               p.pipeline_parallel_degree)
         # tp is the innermost mesh dim: the tp ranks of one dp rank are consecutive and read
-        # the same batch.
+        # the same batch; pp the outermost: the stages of one dp rank read the same batch too
+        # (the first stage its inputs, the last its labels).
         self.tp = p.tensor_parallel_degree
         self.loss_parallel = uses_loss_parallel(cfg)
         self.loss_chunks = loss_chunks(cfg)
         torch.manual_seed(cfg.job.seed)
-        self.data = build_data(cfg, self.rank // self.tp, self.world // self.tp)
+        per_stage = self.world // p.pipeline_parallel_degree
+        self.data = build_data(cfg, (self.rank % per_stage) // self.tp, per_stage // self.tp)
         hf = cfg.model.name == HF
         if hf:
             model = hf_source.build_hf_model(cfg.model.path)
@@ -77,8 +83,15 @@ class Trainer:
         if self.data.tokenizer.vocab_size > model.args.vocab_size:
             raise ValueError(f"model.tokenizer_path: vocabulary {self.data.tokenizer.vocab_size} "
                              f"does not fit the model's vocab_size {model.args.vocab_size}")
-        self.step_fn = parallelize(model, self.mesh, cfg, observer=observer)
-        if hf:
+        self.step_fn = parallelize(model, self.mesh, cfg, observer=observer,
+                                   loss_fn=pipeline_loss(self._denominator()))
+        self.pipeline = self.step_fn if isinstance(self.step_fn, Pipeline) else None
+        if self.pipeline is not None:
+            for stage in self.pipeline.modules:  # each the model's values for its tensors
+                init_sharded(stage, seed=cfg.job.seed)
+            self.model_info = model  # the whole model (meta): what a checkpoint says it is
+            model = self.pipeline.model  # this rank's stages, under the model's names
+        elif hf:
             how = hf_loading.materialize(model, cfg.job.seed)
             tok = cfg.model.tokenizer_path or "built-in bytes"
             self._print(f"[simplesharded] model.path={cfg.model.path!r}: weights {how}, "
@@ -88,11 +101,13 @@ class Trainer:
             # same full values at any world size and tp / ep degree (simplesharded/init.py).
             init_sharded(model, seed=cfg.job.seed)
         self.model = model
+        if self.pipeline is None:
+            self.model_info = model
         self.params = [q for q in model.parameters() if q.requires_grad]
         self.optimizer = build_optimizer(cfg, self.params)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.tokens_per_step = t.global_batch_size * t.seq_len
-        self.flops_per_token = model.num_flops_per_token(t.seq_len)
+        self.flops_per_token = self.model_info.num_flops_per_token(t.seq_len)
         self.peak = peak_flops(device, cfg.metrics.peak_tflops, t.mixed_precision_param)
         self.ckpt_folder = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
         self.step = 0
@@ -117,13 +132,20 @@ class Trainer:
     def _loss_context(self):
         return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
 
-    def train_step(self) -> dict[str, float]:
+    def _denominator(self) -> int:
+        """What a rank divides its summed loss by. sum: the global token count, gradients are
+        summed, so the result is the exact global mean; avg: its local token count, gradients
+        averaged over ranks."""
         t = self.cfg.training
-        self.optimizer.zero_grad(set_to_none=True)
-        local_tokens = t.local_batch_size * t.seq_len * t.gradient_accumulation_steps
-        # sum: every rank divides by the global token count and gradients are summed, so the
-        # result is the exact global mean; avg: local mean, gradients averaged over ranks.
-        denom = self.tokens_per_step if t.grad_reduction == "sum" else local_tokens
+        if t.grad_reduction == "sum":
+            return t.global_batch_size * t.seq_len
+        return t.local_batch_size * t.seq_len * t.gradient_accumulation_steps
+
+    def accumulation_steps(self) -> torch.Tensor:
+        """Forward and backward of each micro-batch of one optimizer step: the summed loss of
+        this rank's batch."""
+        t = self.cfg.training
+        denom = self._denominator()
         loss_sum = torch.zeros((), device=self.device)
         n = t.gradient_accumulation_steps
         # last_microbatch: the earlier micro-batches' backwards only accumulate locally, the
@@ -137,7 +159,31 @@ class Trainer:
                 loss = self.forward_loss(self.step_fn, inputs, labels)
                 (loss / denom).backward()
             loss_sum += local_loss(loss.detach())
-        norm = grad_norm_and_clip(self.params, t.max_norm)
+        return loss_sum
+
+    def pipeline_step(self) -> torch.Tensor:
+        """The micro-batches of one optimizer step through the pipeline schedule: the summed
+        loss of this rank's batch where its last stage lives (zero elsewhere). Each schedule
+        step splits one accumulation step's batch into the schedule's micro-batches."""
+        loss_sum = torch.zeros((), device=self.device)
+        for _ in range(self.cfg.training.gradient_accumulation_steps):
+            inputs, labels = next(self.data.train)
+            losses = self.pipeline.step(inputs.to(self.device), labels.to(self.device))
+            if losses:  # each micro-batch's loss / the denominator: back to a sum
+                loss_sum += torch.stack([loss.detach() for loss in losses]).sum() * \
+                    self._denominator()
+        return loss_sum
+
+    def train_step(self) -> dict[str, float]:
+        t = self.cfg.training
+        self.optimizer.zero_grad(set_to_none=True)
+        pp_group = None
+        if self.pipeline is not None:
+            loss_sum = self.pipeline_step()
+            pp_group = self.mesh.get_group(PP_DIM)  # each stage's gradients on its ranks
+        else:
+            loss_sum = self.accumulation_steps()
+        norm = grad_norm_and_clip(self.params, t.max_norm, pp_group)
         dist.all_reduce(loss_sum)  # every tp rank of a dp rank holds the same loss
         loss = (loss_sum / (self.tokens_per_step * self.tp)).item()
         norm = norm.item()
@@ -149,7 +195,9 @@ class Trainer:
             self._print(f"step {self.step + 1}: non-finite loss/grad norm, step skipped")
         else:
             self.optimizer.step()
-            if hasattr(self.model, "update_expert_bias"):
+            if self.pipeline is not None:
+                self.pipeline.update_expert_bias()
+            elif hasattr(self.model, "update_expert_bias"):
                 self.model.update_expert_bias()
         self.scheduler.step()
         return {"loss": loss, "grad_norm": norm}
@@ -161,6 +209,11 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         for _ in range(self.cfg.training.val_steps):
             inputs, labels = next(loader)
+            if self.pipeline is not None:
+                losses = self.pipeline.evaluate(inputs.to(self.device), labels.to(self.device))
+                if losses:  # each micro-batch's loss / the denominator: back to a sum
+                    total += torch.stack(losses).sum() * self._denominator()
+                continue
             with self._loss_context():
                 total += local_loss(self.forward_loss(self.model, inputs, labels))
         dist.all_reduce(total)
@@ -223,7 +276,8 @@ class Trainer:
                                               or self.step == cfg.training.steps):
                     ckpt.save(self.ckpt_folder, self.step, self.model, self.optimizer,
                               self.data.train.state_dict(), cfg.checkpoint.keep_latest_k,
-                              ckpt.model_meta(self.model, cfg.model.name, cfg.model.flavor))
+                              ckpt.model_meta(self.model_info, cfg.model.name,
+                                              cfg.model.flavor))
                 if profiler:
                     profiler.step()
         if bar:

@@ -6,6 +6,7 @@ import logging
 import math
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from simplesharded.trainer.config import Config
@@ -41,10 +42,12 @@ def build_optimizer(cfg: Config, params):
                              weight_decay=o.weight_decay, **impl)
 
 
-def grad_norm_and_clip(params, max_norm: float) -> torch.Tensor:
+def grad_norm_and_clip(params, max_norm: float, pp_group=None) -> torch.Tensor:
     """Global L2 norm over sharded grads (a DTensor norm reduces across ranks), clipped.
     Gradients on different meshes (expert weights live on the ep mesh, the others on the
-    dense one; DTensor computes on one mesh at a time) are normed per mesh, then combined."""
+    dense one; DTensor computes on one mesh at a time) are normed per mesh, then combined.
+    ``pp_group``: the pipeline's group, whose ranks hold the other stages' gradients: their
+    squared norms are summed over it."""
     by_mesh: dict = {}
     for p in params:
         if p.grad is not None:
@@ -52,6 +55,10 @@ def grad_norm_and_clip(params, max_norm: float) -> torch.Tensor:
     norms = [_total_norm([p.grad for p in group]) for group in by_mesh.values()] or [
         _total_norm([])]
     norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+    if pp_group is not None:
+        squared = norm.square()
+        dist.all_reduce(squared, group=pp_group)
+        norm = squared.sqrt()
     if max_norm > 0:
         for group in by_mesh.values():
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)

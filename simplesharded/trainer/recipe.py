@@ -1,6 +1,7 @@
 """The parallelization recipe, in its order: tensor parallelism → expert parallelism →
-activation checkpointing → data_parallel → torch.compile with our backend
-(:func:`parallelize`), and what the step needs to know of it (loss chunks, loss parallelism)."""
+activation checkpointing → data_parallel → torch.compile with our backend, per pipeline stage
+(:func:`parallelize`), and what the step needs to know of it (loss chunks, loss parallelism,
+the pipeline's loss)."""
 from __future__ import annotations
 
 import contextlib
@@ -13,9 +14,10 @@ from torch.distributed.tensor.parallel import parallelize_module
 from simplesharded.backends import BACKENDS, BackendName, make_backend
 from simplesharded.blocks import find_blocks
 from simplesharded.mesh import ep_dim, tp_dim
+from simplesharded.passes.agreement import set_agreement_peers
 from simplesharded.passes.annotations import AC_KEY
 from simplesharded.sharding import MixedPrecisionPolicy, data_parallel
-from simplesharded.trainer.config import Config
+from simplesharded.trainer.config import Config, pipeline_stages
 
 
 def apply_activation_checkpointing(model: torch.nn.Module, mode: str, every: int,
@@ -110,28 +112,69 @@ class _ScopedCalls:
             return self.compiled(*args, **kwargs)
 
 
-def parallelize(model: torch.nn.Module, mesh, cfg: Config, backend=None, observer=None):
-    """TP → EP → activation checkpointing → data_parallel → compile, in that order; returns
-    the callable a step runs (the compiled model, or the model itself). ``backend``: a
-    torch.compile backend used instead of the configured one (``python -m simplesharded.tools.forecast``
-    captures the graphs with its own, so it traces what the trainer compiles). ``observer``:
-    handed to the configured backend (``make_backend``), which shows it every graph our
-    passes produce (the GPU smoke compares them with inductor's code)."""
+def parallelize(model: torch.nn.Module, mesh, cfg: Config, backend=None, observer=None,
+                loss_fn=None):
+    """TP → EP → activation checkpointing → data_parallel → compile, in that order, on the
+    model or, under pipeline parallelism, on each of this rank's stages; returns the callable
+    a step runs (the compiled model, or the model itself), or the
+    :class:`~simplesharded.pipelining.Pipeline` of this rank's stages (``loss_fn``: the loss
+    its last stage computes from the logits and the labels, :func:`pipeline_loss`).
+    ``backend``: a torch.compile backend used instead of the configured one (``python -m
+    simplesharded.tools.forecast`` captures the graphs with its own, so it traces what the
+    trainer compiles). ``observer``: handed to the configured backend (``make_backend``),
+    which shows it every graph our passes produce (the GPU smoke compares them with
+    inductor's code)."""
     p, t, c = cfg.parallelism, cfg.training, cfg.compile
-    apply_tensor_parallel(model, mesh, p.enable_sequence_parallel, uses_loss_parallel(cfg))
-    apply_expert_parallel(model, mesh)
-    apply_activation_checkpointing(model, cfg.activation_checkpoint.mode,
-                                   cfg.activation_checkpoint.selective_every,
-                                   compiled=c.enable, expert_parallel=bool(ep_dim(mesh)))
     pdt, rdt = getattr(torch, t.mixed_precision_param), getattr(torch, t.mixed_precision_reduce)
     mp = MixedPrecisionPolicy(pdt, rdt) if (pdt, rdt) != (torch.float32, torch.float32) else None
-    # Explicit: the trainer's own default is "sum" (data_parallel's is "avg"), with every
-    # rank's loss divided by the global token count (train_step), so the reduced gradient is
-    # the exact global mean whatever the ranks' token counts.
-    data_parallel(model, mesh, p.mode, mp_policy=mp, reshard_after_forward=p.reshard,
-                  grad_reduction=t.grad_reduction)
-    if not c.enable:
-        return model
+
+    def prepare(part: torch.nn.Module):
+        apply_tensor_parallel(part, mesh, p.enable_sequence_parallel, uses_loss_parallel(cfg))
+        apply_expert_parallel(part, mesh)
+        apply_activation_checkpointing(part, cfg.activation_checkpoint.mode,
+                                       cfg.activation_checkpoint.selective_every,
+                                       compiled=c.enable, expert_parallel=bool(ep_dim(mesh)))
+        # Explicit: the trainer's own default is "sum" (data_parallel's is "avg"), with every
+        # rank's loss divided by the global token count (train_step), so the reduced gradient
+        # is the exact global mean whatever the ranks' token counts.
+        data_parallel(part, mesh, p.mode, mp_policy=mp, reshard_after_forward=p.reshard,
+                      grad_reduction=t.grad_reduction)
+        return _compiled(part, mesh, cfg, backend, observer) if c.enable else part
+
+    if p.pipeline_parallel_degree == 1:
+        set_agreement_peers(None)  # one model: every rank compiles the same graphs
+        return prepare(model)
+    from simplesharded.pipelining import pipeline
+
+    # What one micro-batch is at each stage boundary: tokens in, hidden states between
+    # stages, logits out (in the gathered parameters' dtype), so no forward runs to find out.
+    mb, a = p.pipeline_parallel_microbatch_size, model.args
+    act = pdt if mp is not None else torch.float32
+    return pipeline(
+        model, mesh, schedule=p.pipeline_parallel_schedule,
+        n_microbatches=t.local_batch_size // mb, loss_fn=loss_fn, prepare=prepare,
+        microbatch=torch.empty(mb, t.seq_len, dtype=torch.long, device="meta"),
+        hidden=torch.empty(mb, t.seq_len, a.dim, dtype=act, device="meta"),
+        output=torch.empty(mb, t.seq_len, a.vocab_size, dtype=act, device="meta"),
+        n_stages=pipeline_stages(p), layers_per_stage=p.pipeline_parallel_layers_per_stage or None,
+        policy=p.pipeline_fsdp_policy)
+
+
+def pipeline_loss(denominator: float):
+    """The pipeline's loss on its last stage: the logits' summed cross-entropy (in fp32)
+    divided by ``denominator`` (the trainer's: the global token count under grad_reduction
+    "sum"), so the schedule's summed micro-batch gradients are one process's."""
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(
+            logits.float().flatten(0, -2), labels.flatten(), reduction="sum") / denominator
+
+    return loss_fn
+
+
+def _compiled(model: torch.nn.Module, mesh, cfg: Config, backend, observer):
+    """``model`` under torch.compile with the configured backend (or ``backend``), in the
+    dynamo settings it needs."""
+    c = cfg.compile
     contexts = []
     if ep_dim(mesh):
         from simplesharded.models.ep_dispatch import ep_compile_config
