@@ -37,6 +37,7 @@ check (passes/agreement.py) compares each rank with those (:func:`pipeline_peers
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -47,6 +48,8 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleI
                                           ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 from torch.distributed.pipelining._backward import (stage_backward, stage_backward_input,
                                                     stage_backward_weight)
+from torch.distributed.pipelining.schedules import (BACKWARD_INPUT, BACKWARD_WEIGHT,
+                                                    FULL_BACKWARD)
 
 from simplesharded.deferred_reduce import reduce_accumulated
 from simplesharded.grad_sync import set_requires_gradient_sync
@@ -109,6 +112,37 @@ class ShardedStage(PipelineStage):
             self.reductions += reduce_accumulated(self.root)
         if grad_scale_factor != 1:
             self.scale_grads(grad_scale_factor)
+
+
+@contextlib.contextmanager
+def _backward_actions_skipped(schedule):
+    """Within: the backward actions of a runtime schedule (the interleaved and V ones) only
+    consume the (empty) gradient receives posted for them. Its ``eval`` still walks them, and
+    for a V's two stages on one rank it hands the later stage's input gradient to the earlier
+    one, which fails when there is none (no backward in eval)."""
+    table = getattr(schedule, "_comp_type_to_function_map", None)
+    if table is None:
+        yield
+        return
+    saved = dict(table)
+    for kind in (FULL_BACKWARD, BACKWARD_INPUT):
+        schedule.register_custom_function(kind, _take_grad_receives)
+    schedule.register_custom_function(BACKWARD_WEIGHT, _nothing)
+    try:
+        yield
+    finally:
+        table.clear()
+        table.update(saved)
+
+
+def _nothing(action, ctx) -> None:
+    return None
+
+
+def _take_grad_receives(action, ctx) -> None:
+    works = ctx.schedule_ref.bwd_recv_ops.pop((action.stage_index, action.microbatch_index), [])
+    for work in works:
+        work.wait()
 
 
 def pipeline_peers(mesh) -> list[int]:
@@ -187,8 +221,9 @@ class Pipeline:
     def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor] | None:
         """As :meth:`step`, forwards only (the schedule's ``eval``): validation."""
         losses = [] if self.has_last else None
-        self.schedule.eval(*((inputs,) if self.has_first else ()),
-                           target=labels if self.has_last else None, losses=losses)
+        with _backward_actions_skipped(self.schedule):
+            self.schedule.eval(*((inputs,) if self.has_first else ()),
+                               target=labels if self.has_last else None, losses=losses)
         return losses
 
     def update_expert_bias(self) -> None:

@@ -7,7 +7,8 @@ over the dp ranks of its pp coordinate and compiled or not, and trained for 5 SG
 torch's schedule (simplesharded/pipelining.py) on the same global batch as a one-process
 reference: each dp rank takes its rows, split into 4 micro-batches of one sequence; the loss is
 the summed cross-entropy over the global token count, computed on the last stage. Losses (the
-same on every rank) and the final parameters (gathered to full tensors) must agree to 1e-5
+same on every rank; the 5 steps' and a forward-only one after them, through the schedule's
+``eval`` as the trainer validates) and the final parameters (gathered to full tensors) must agree to 1e-5
 relative: a missing, doubled or misplaced micro-batch gradient, a reduction over the wrong
 ranks or a stage fed the wrong activations is an O(1) error.
 
@@ -89,6 +90,9 @@ def reference():
         loss.backward()
         opt.step()
         losses.append(loss.item())
+    with torch.no_grad():
+        x, y = batch(STEPS)
+        losses.append(loss_fn(model(x), y).item())  # the trained model's: validation's
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -128,6 +132,13 @@ def _case(mesh, schedule: str, backend: str, policy: str) -> dict:
         opt.step()
         total = torch.stack(out).sum().detach() if out else torch.zeros(())
         dist.all_reduce(total)  # the last stage's ranks hold the losses
+        losses.append(total.item())
+    with torch.no_grad():  # forwards only: the schedule's eval, as the trainer validates
+        x, y = batch(STEPS)
+        out = pipe.evaluate(x[dp_rank * rows:(dp_rank + 1) * rows],
+                            y[dp_rank * rows:(dp_rank + 1) * rows])
+        total = torch.stack(out).sum() if out else torch.zeros(())
+        dist.all_reduce(total)
         losses.append(total.item())
     from torch.distributed.tensor import DTensor
 
