@@ -96,17 +96,16 @@ class MeshDegrees:
 
 def resolve_degrees(world_size: int, dp_replicate: int = 1, dp_shard: int = -1,
                     tp: int = 1, ep: int = 1,
-                    names: tuple[str, ...] = ("dp_replicate", "dp_shard", "tp", "ep", "pp"),
-                    pp: int = 1) -> MeshDegrees:
+                    names: tuple[str, ...] = ("dp_replicate", "dp_shard", "tp", "ep"),
+                    pp: int = 1, pp_name: str = "pp") -> MeshDegrees:
     """Fill a ``-1`` degree from the world size and check the product (and that ``ep``
     divides dp_shard: expert parallelism borrows dp_shard's ranks). ``pp`` stages split the
     world first: the other degrees fill ``world_size / pp`` ranks.
 
     The one place degrees are resolved. Raises ValueError naming the degrees (as ``names``
-    spells them: the API's or the config's keys) and the world size when they do not multiply
-    to it.
+    spells them, ``pp_name`` for pp: the API's or the config's keys) and the world size when
+    they do not multiply to it.
     """
-    pp_name = names[4] if len(names) > 4 else "pp"
     if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
         raise ValueError(f"{pp_name}={pp!r} must be a positive int")
     if world_size % pp:
@@ -140,7 +139,7 @@ def resolve_degrees(world_size: int, dp_replicate: int = 1, dp_shard: int = -1,
     if dp_shard % ep:
         raise ValueError(f"{names[3]}={ep} does not divide {names[1]}={dp_shard} (expert "
                          f"parallelism borrows its ranks from the data-parallel shards)")
-    return MeshDegrees(dp_replicate, dp_shard, tp, ep, pp)
+    return MeshDegrees(dp_replicate, dp_shard, tp, ep, pp=pp)
 
 
 def _product(given: str, value: int) -> str:

@@ -72,7 +72,7 @@ def test_degrees_with_pp():
     from simplesharded.mesh import MeshDegrees, resolve_degrees
 
     d = resolve_degrees(8, 1, -1, 2, 1, pp=2)
-    assert d == MeshDegrees(1, 2, 2, 1, 2) and d.world == 8
+    assert d == MeshDegrees(1, 2, 2, 1, pp=2) and d.world == 8
     assert d.dims() == (("pp", 2), ("dp_shard", 2), ("tp", 2))
     with pytest.raises(ValueError, match=r"^pp=3 does not divide the world size 8$"):
         resolve_degrees(8, 1, -1, 1, 1, pp=3)

@@ -600,8 +600,9 @@ def resolve(cfg: Config, world_size: int) -> Config:
                               p.expert_parallel_degree,
                               names=tuple(f"parallelism.{k}_degree" for k in (
                                   "data_parallel_replicate", "data_parallel_shard",
-                                  "tensor_parallel", "expert_parallel", "pipeline_parallel")),
-                              pp=p.pipeline_parallel_degree)
+                                  "tensor_parallel", "expert_parallel")),
+                              pp=p.pipeline_parallel_degree,
+                              pp_name="parallelism.pipeline_parallel_degree")
     p.data_parallel_shard_degree = degrees.shard
     dp = degrees.dp
     per_step = dp * t.gradient_accumulation_steps
