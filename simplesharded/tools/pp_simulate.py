@@ -1,0 +1,215 @@
+"""Simulate one pipeline-parallel step: each pp rank runs its actions (simplesharded/tools/
+pp_orders.py) on one compute stream; a forward waits for the previous stage's output and a
+backward for the next stage's gradient, each sent point-to-point after the producer finishes
+(``p2p_s[k]``: the transfer between stage ``k`` and ``k + 1``, either direction).
+
+A rank's idle time before an action is a *bubble* while the producer is still computing and an
+*exposed p2p wait* once it has finished and the transfer is in flight. A stage's FSDP work is
+inside its costs (the traced graphs of one micro-batch, with their own exposed waits), except
+under ``reduce_once`` where the stage's gradients are reduced once, after its last backward, on
+the rank's data-parallel link: beside the rank's later compute, exposed at the end of the step.
+
+Memory per stage over time: static state + the stage's working peak + the saved activations of
+the micro-batches in flight (from a forward's start to its backward's end), plus under
+``reduce_once`` the unsharded gradient sums (first backward to the reduction's end) and, when
+parameters are gathered once per step, the unsharded parameters (first forward to last
+backward). Transfers do not contend with one another (activations are small next to a link).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from simplesharded.tools.pp_orders import Action
+
+POLICIES = ("every_microbatch", "reduce_once")
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """One stage, one micro-batch: seconds and bytes (per rank)."""
+
+    fw_s: float
+    bw_s: float
+    reduce_s: float = 0.0  # the stage's gradient reduction under reduce_once, once per step
+    fsdp_exposed_s: float = 0.0  # FSDP waits inside fw_s + bw_s (from the traced graphs)
+    act_bytes: int = 0  # saved for backward per micro-batch in flight
+    working_bytes: int = 0  # transient peak while one of its actions runs
+    static_bytes: int = 0  # parameter shards, gradients, optimizer state
+    grad_sum_bytes: int = 0  # unsharded gradient sums held under reduce_once
+    gathered_bytes: int = 0  # unsharded parameters held when gathering once per step
+    gathers: int = 0  # all-gathers of one micro-batch's forward + backward
+    reductions: int = 0  # reduce-scatters (or all-reduces) of one micro-batch's backward
+
+
+@dataclass
+class Box:
+    rank: int
+    kind: str  # "F", "B", "R" (reduction), "wait" (exposed p2p), "bubble"
+    stage: int
+    microbatch: int
+    start: float
+    end: float
+
+
+@dataclass
+class PipelineStep:
+    step_s: float
+    bubble_fraction: float  # idle compute / (pp x step)
+    boxes: list[Box]
+    exposed_p2p_s: list[float]  # per rank
+    exposed_reduce_s: list[float]  # per rank: the reduction beyond its last compute
+    exposed_fsdp_s: list[float]  # per rank: FSDP waits inside its actions
+    memory: dict[int, list[tuple[float, int]]]  # stage -> (time, bytes) steps
+    peak_stage_bytes: dict[int, int]
+    peak_rank_bytes: list[int]
+    max_in_flight: dict[int, int]  # stage -> most micro-batches saved at once
+    gathers: dict[int, int]  # stage -> all-gathers per step
+    reductions: dict[int, int]  # stage -> reductions per step
+    p2p_sends: int = 0
+    by_rank_stages: list[list[int]] = field(default_factory=list)
+
+    @property
+    def exposed_comm_s(self) -> list[float]:
+        return [a + b + c for a, b, c in zip(self.exposed_p2p_s, self.exposed_reduce_s,
+                                             self.exposed_fsdp_s)]
+
+
+def simulate_pipeline(orders: list[list[Action]], stage_rank: list[int], costs: list[StageCost],
+                      p2p_s: list[float], n_microbatches: int, policy: str = "every_microbatch",
+                      gather_every_microbatch: bool = True) -> PipelineStep:
+    """One step of ``orders`` (module doc). ``costs[s]``: stage ``s``'s; ``p2p_s``: one per
+    stage boundary (len = stages - 1)."""
+    if policy not in POLICIES:
+        raise ValueError(f"pipeline FSDP policy={policy!r} is not one of {list(POLICIES)}")
+    n_stages, pp, m = len(costs), len(orders), n_microbatches
+    if len(p2p_s) != n_stages - 1 or len(stage_rank) != n_stages:
+        raise ValueError("p2p_s needs one entry per stage boundary, stage_rank one per stage")
+    done: dict[tuple[str, int, int], float] = {}  # action -> compute end
+    boxes: list[Box] = []
+    free = [0.0] * pp
+    ptr = [0] * pp
+    exposed_p2p = [0.0] * pp
+    sends = 0
+    while any(ptr[r] < len(orders[r]) for r in range(pp)):
+        progressed = False
+        for r in range(pp):
+            while ptr[r] < len(orders[r]):
+                a = orders[r][ptr[r]]
+                dep = _dependency(a, n_stages)
+                if dep is not None and dep not in done:
+                    break
+                if dep is None:
+                    produced = arrival = 0.0
+                else:
+                    produced = done[dep]
+                    remote = stage_rank[dep[1]] != r
+                    arrival = produced + (p2p_s[min(a.stage, dep[1])] if remote else 0.0)
+                    sends += remote
+                start = max(free[r], arrival)
+                if start > free[r]:
+                    bubble_end = min(start, max(produced, free[r]))
+                    if bubble_end > free[r]:
+                        boxes.append(Box(r, "bubble", a.stage, a.microbatch, free[r], bubble_end))
+                    if start > bubble_end:
+                        boxes.append(Box(r, "wait", a.stage, a.microbatch, bubble_end, start))
+                        exposed_p2p[r] += start - bubble_end
+                c = costs[a.stage]
+                end = start + (c.fw_s if a.kind == "F" else c.bw_s)
+                boxes.append(Box(r, a.kind, a.stage, a.microbatch, start, end))
+                done[(a.kind, a.stage, a.microbatch)] = end
+                free[r] = end
+                ptr[r] += 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError("the pipeline orders deadlock: every rank waits on another")
+
+    # reduce_once: one reduction per stage after its last backward, on the rank's dp link
+    lane = [0.0] * pp
+    reduce_end: dict[int, float] = {}
+    if policy == "reduce_once":
+        for s in sorted(range(n_stages), key=lambda s: done[("B", s, m - 1)]):
+            r = stage_rank[s]
+            begin = max(lane[r], max(done[("B", s, i)] for i in range(m)))
+            lane[r] = reduce_end[s] = begin + costs[s].reduce_s
+            boxes.append(Box(r, "R", s, -1, begin, reduce_end[s]))
+    step = max(max(free), max(lane))
+    exposed_reduce = [max(0.0, lane[r] - free[r]) for r in range(pp)]
+    busy = sum(b.end - b.start for b in boxes if b.kind in ("F", "B"))
+
+    by_rank = [[s for s in range(n_stages) if stage_rank[s] == r] for r in range(pp)]
+    exposed_fsdp = [m * sum(costs[s].fsdp_exposed_s for s in by_rank[r]) for r in range(pp)]
+    memory, in_flight = _memory(boxes, costs, m, policy, gather_every_microbatch, reduce_end)
+    peaks = {s: max(b for _, b in curve) for s, curve in memory.items()}
+    rank_peaks = [_rank_peak([memory[s] for s in by_rank[r]],
+                             max((costs[s].working_bytes for s in by_rank[r]), default=0),
+                             [costs[s].working_bytes for s in by_rank[r]])
+                  for r in range(pp)]
+    gathers = {s: costs[s].gathers * (m if gather_every_microbatch else 1)
+               for s in range(n_stages)}
+    reductions = {s: costs[s].reductions * m if policy == "every_microbatch"
+                  else int(costs[s].reduce_s > 0 or costs[s].reductions > 0)
+                  for s in range(n_stages)}
+    return PipelineStep(step, 1.0 - busy / (pp * step) if step else 0.0, boxes, exposed_p2p,
+                        exposed_reduce, exposed_fsdp, memory, peaks, rank_peaks, in_flight,
+                        gathers, reductions, sends, by_rank)
+
+
+def _dependency(a: Action, n_stages: int) -> tuple[str, int, int] | None:
+    """The action whose result ``a`` needs from another stage (or its own forward)."""
+    if a.kind == "F":
+        return ("F", a.stage - 1, a.microbatch) if a.stage > 0 else None
+    if a.stage < n_stages - 1:
+        return ("B", a.stage + 1, a.microbatch)
+    return ("F", a.stage, a.microbatch)
+
+
+def _memory(boxes, costs, m, policy, gather_every_microbatch, reduce_end):
+    """{stage: [(time, bytes)] after each change} and {stage: most micro-batches in flight}."""
+    events: dict[int, list[tuple[float, int, int]]] = defaultdict(list)  # (t, d bytes, d count)
+    first_f, first_b, last_b = {}, {}, {}
+    for b in boxes:
+        c = costs[b.stage] if b.kind in ("F", "B") else None
+        if b.kind == "F":  # the forward's saved activations, until its backward is done
+            events[b.stage].append((b.start, c.act_bytes, 1))
+            first_f[b.stage] = min(first_f.get(b.stage, b.start), b.start)
+        elif b.kind == "B":
+            events[b.stage].append((b.end, -c.act_bytes, -1))
+            first_b[b.stage] = min(first_b.get(b.stage, b.start), b.start)
+            last_b[b.stage] = max(last_b.get(b.stage, b.end), b.end)
+    for s, c in enumerate(costs):
+        if policy == "reduce_once" and s in first_b:
+            events[s] += [(first_b[s], c.grad_sum_bytes, 0), (reduce_end[s], -c.grad_sum_bytes, 0)]
+        if not gather_every_microbatch and s in first_f:
+            events[s] += [(first_f[s], c.gathered_bytes, 0), (last_b[s], -c.gathered_bytes, 0)]
+    memory, in_flight = {}, {}
+    for s, c in enumerate(costs):
+        level, count, most = c.static_bytes + c.working_bytes, 0, 0
+        curve = [(0.0, level)]
+        # frees before allocations at the same instant: a backward's end and the next forward
+        for t, d, k in sorted(events[s], key=lambda e: (e[0], e[1] > 0)):
+            level, count = level + d, count + k
+            most = max(most, count)
+            curve.append((t, level))
+        memory[s], in_flight[s] = curve, most
+    return memory, in_flight
+
+
+def _rank_peak(curves, working, workings) -> int:
+    """Peak of a rank's stages together: their curves summed, one working peak at a time (a
+    rank runs one action at once)."""
+    times = sorted({t for curve in curves for t, _ in curve})
+    best = 0
+    for t in times:
+        total = sum(_at(curve, t) for curve in curves)
+        best = max(best, total - sum(workings) + working)
+    return int(best)
+
+
+def _at(curve, t) -> int:
+    level = curve[0][1]
+    for when, b in curve:
+        if when > t:
+            break
+        level = b
+    return level

@@ -1,0 +1,114 @@
+"""The planner's pipeline model: schedule orders (simplesharded/tools/pp_orders.py), the step's
+simulation (pp_simulate.py), the p2p links and the timeline (pp_forecast.py, pp_timeline.py).
+Single-process, synthetic costs: no trace."""
+import pytest
+
+from simplesharded.tools.pp_orders import Action, rank_orders, stage_rank
+from simplesharded.tools.pp_simulate import StageCost, simulate_pipeline
+
+
+def _kinds(order):
+    return [f"{a.kind}{a.microbatch}" for a in order]
+
+
+def _run(schedule, pp, stages, m, fw=1.0, bw=2.0, p2p=0.0, **cost):
+    costs = [StageCost(fw, bw, **cost) for _ in range(stages)]
+    return simulate_pipeline(rank_orders(schedule, pp, stages, m),
+                             stage_rank(schedule, stages, pp), costs, [p2p] * (stages - 1), m)
+
+
+def test_1f1b_two_stages_four_microbatches_order():
+    first, last = rank_orders("1F1B", 2, 2, 4)
+    assert _kinds(first) == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"]
+    assert _kinds(last) == ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3"]
+    assert {a.stage for a in first} == {0} and {a.stage for a in last} == {1}
+
+
+@pytest.mark.parametrize("schedule,pp,stages,m", [("1F1B", 2, 2, 4), ("1F1B", 4, 4, 8),
+                                                  ("1F1B", 4, 4, 3),
+                                                  ("Interleaved1F1B", 2, 4, 4),
+                                                  ("Interleaved1F1B", 4, 8, 8)])
+def test_every_action_once_forward_before_backward(schedule, pp, stages, m):
+    orders = rank_orders(schedule, pp, stages, m)
+    ranks = stage_rank(schedule, stages, pp)
+    for r, order in enumerate(orders):
+        assert len(order) == len(set(order))
+        assert {a.stage for a in order} == {s for s in range(stages) if ranks[s] == r}
+        for a in order:
+            if a.kind == "B":
+                assert order.index(Action("F", a.stage, a.microbatch)) < order.index(a)
+    assert sum(len(o) for o in orders) == 2 * stages * m
+
+
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (8, 32)])
+def test_1f1b_bubble_is_textbook_for_equal_costs(pp, m):
+    step = _run("1F1B", pp, pp, m)
+    assert step.step_s == pytest.approx((m + pp - 1) * 3.0)
+    assert step.bubble_fraction == pytest.approx((pp - 1) / (m + pp - 1))
+    assert step.exposed_p2p_s == [0.0] * pp
+
+
+def test_interleaving_shrinks_the_bubble_by_stages_per_rank():
+    # same model work split into twice as many stages of half the cost each
+    pp, m = 4, 8
+    plain = _run("1F1B", pp, pp, m, fw=2.0, bw=4.0)
+    inter = _run("Interleaved1F1B", pp, 2 * pp, m, fw=1.0, bw=2.0)
+    assert plain.bubble_fraction == pytest.approx((pp - 1) / (m + pp - 1))
+    assert inter.step_s < plain.step_s
+    assert inter.step_s == pytest.approx(m * 6.0 + (pp - 1) * 6.0 / 2)
+
+
+def test_in_flight_microbatches_per_stage():
+    pp, m = 4, 8
+    act = 10
+    step = _run("1F1B", pp, pp, m, act_bytes=act, static_bytes=1000)
+    assert step.max_in_flight == {s: pp - s for s in range(pp)}
+    assert step.peak_stage_bytes == {s: 1000 + act * (pp - s) for s in range(pp)}
+    inter = _run("Interleaved1F1B", pp, 2 * pp, m, act_bytes=act)
+    for r in range(pp):  # the rank's stages together hold more than 1F1B's pp - r
+        held = sum(inter.max_in_flight[s] for s in inter.by_rank_stages[r])
+        assert held > pp - r
+    memory = step.memory[0]
+    assert memory[0] == (0.0, 1000) and memory[-1][1] == 1000  # all freed by the end
+
+
+def test_p2p_wait_is_exposed_and_lengthens_the_step():
+    pp, m = 2, 4
+    free = _run("1F1B", pp, pp, m)
+    slow = _run("1F1B", pp, pp, m, p2p=0.5)
+    assert slow.step_s > free.step_s
+    assert slow.exposed_p2p_s[1] > 0
+    assert any(b.kind == "wait" for b in slow.boxes)
+    assert slow.p2p_sends == 2 * m  # one activation and one gradient per micro-batch
+
+
+def test_reduce_once_reduces_after_the_last_backward_and_counts_once():
+    pp, m = 2, 4
+    kw = dict(reduce_s=0.5, gathers=3, reductions=3, grad_sum_bytes=100)
+    once = simulate_pipeline(rank_orders("1F1B", pp, pp, m), stage_rank("1F1B", pp, pp),
+                             [StageCost(1.0, 2.0, **kw)] * pp, [0.0], m, policy="reduce_once")
+    each = _run("1F1B", pp, pp, m, **kw)
+    assert once.reductions == {0: 1, 1: 1} and each.reductions == {0: 3 * m, 1: 3 * m}
+    assert once.gathers == each.gathers == {0: 3 * m, 1: 3 * m}
+    last = max(b.end for b in once.boxes if b.kind == "B" and b.stage == 0)
+    (r,) = [b for b in once.boxes if b.kind == "R" and b.stage == 0]
+    assert r.start == last and once.step_s == pytest.approx(last + 0.5)
+    assert once.exposed_reduce_s[0] == pytest.approx(0.5)
+    assert once.peak_stage_bytes[0] == each.peak_stage_bytes[0] + 100
+
+
+def test_gather_once_counts_one_gather_per_stage_and_holds_the_parameters():
+    pp, m = 2, 4
+    orders, ranks = rank_orders("1F1B", pp, pp, m), stage_rank("1F1B", pp, pp)
+    costs = [StageCost(1.0, 2.0, gathers=3, gathered_bytes=50)] * pp
+    once = simulate_pipeline(orders, ranks, costs, [0.0], m, gather_every_microbatch=False)
+    each = simulate_pipeline(orders, ranks, costs, [0.0], m)
+    assert once.gathers == {0: 3, 1: 3} and each.gathers == {0: 3 * m, 1: 3 * m}
+    assert once.peak_stage_bytes[0] == each.peak_stage_bytes[0] + 50
+
+
+def test_unmodelled_schedule_is_refused():
+    with pytest.raises(ValueError, match="not modelled"):
+        rank_orders("ZBVZeroBubble", 2, 4, 4)
+    with pytest.raises(ValueError, match="rounds of 4"):
+        rank_orders("Interleaved1F1B", 4, 8, 6)
