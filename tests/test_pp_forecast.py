@@ -112,3 +112,57 @@ def test_unmodelled_schedule_is_refused():
         rank_orders("ZBVZeroBubble", 2, 4, 4)
     with pytest.raises(ValueError, match="rounds of 4"):
         rank_orders("Interleaved1F1B", 4, 8, 6)
+
+
+def test_p2p_crosses_nodes_when_the_pipeline_spans_them():
+    from simplesharded.passes.comm_cost import INTER_NODE, INTRA_NODE
+    from simplesharded.passes.hardware import get_hardware
+    from simplesharded.tools.pp_forecast import p2p_link, p2p_seconds
+    hw = get_hardware("h100-ib400")  # 8 GPUs per node
+    assert p2p_link(8, 2, hw) == INTRA_NODE  # pp 2 x 4: neighbours 4 ranks apart, one node
+    assert p2p_link(16, 2, hw) == INTER_NODE  # neighbours 8 ranks apart: the next node
+    assert p2p_link(512, 8, hw) == INTER_NODE
+    nbytes = 1 * 8192 * 16384 * 2 // 8
+    assert p2p_seconds(nbytes, INTER_NODE, hw) == pytest.approx(hw.alpha_s
+                                                                + nbytes / hw.bandwidth_Bps)
+    assert p2p_seconds(nbytes, INTER_NODE, hw) > p2p_seconds(nbytes, INTRA_NODE, hw)
+
+
+def test_stage_costs_from_per_block_numbers():
+    from simplesharded.passes.hardware import get_hardware
+    from simplesharded.tools.pp_forecast import stage_costs
+    block = {"fw_s": 1.0, "bw_s": 2.0, "peak_act": 10, "group:dp_shard:exposed_s": 0.1,
+             "fw:dp_shard:all_gather": 1, "bw:dp_shard:all_gather": 1,
+             "bw:dp_shard:reduce_scatter": 1, "fw:tp:all_gather": 5}
+    rest = {"fw_s": 0.5, "bw_s": 0.5, "peak_act": 7, "group:dp_shard:exposed_s": 0.0,
+            "fw:dp_shard:all_gather": 2, "bw:dp_shard:all_gather": 0,
+            "bw:dp_shard:reduce_scatter": 2}
+    hw = get_hardware("h100-ib400")
+    costs = stage_costs(block, rest, [3, 2], [300, 200], 500, 50.0, 4, "reduce_once", hw,
+                        "inter-node", "AdamW", 2, 4)
+    first, last = costs
+    assert (first.fw_s, first.bw_s) == (3.0, 6.0)
+    assert (last.fw_s, last.bw_s) == (2.5, 4.5)  # norm, head and loss on the last stage
+    assert first.gathers == 6 and last.gathers == 6  # tp's gathers are not FSDP's
+    assert first.reductions == 3 and last.reductions == 4
+    assert first.act_bytes == 30 and first.working_bytes == 7
+    assert first.static_bytes == 16 * 30 and last.static_bytes == 16 * 20  # AdamW fp32
+    assert first.grad_sum_bytes == 4 * 30 * 4  # unsharded over dp_shard 4
+    assert first.reduce_s > last.reduce_s > 0
+
+
+def test_timeline_has_one_row_per_stage_and_a_memory_curve_each():
+    matplotlib = pytest.importorskip("matplotlib")
+    from simplesharded.tools.pp_timeline import draw_pipeline
+    step = _run("Interleaved1F1B", 2, 4, 4, p2p=0.2, act_bytes=2**20)
+    fig = draw_pipeline(None, step, "test")
+    try:
+        ax, mem = fig.axes
+        labels = [t.get_text() for t in ax.get_yticklabels()]
+        assert labels == [f"stage {s} (rank {s % 2})" for s in range(4)]
+        texts = {t.get_text() for t in ax.texts}
+        assert {f"{k}{i}" for k in "FB" for i in range(4)} <= texts
+        assert len(mem.get_lines()) == 4
+        assert "exposed p2p wait" in [t.get_text() for t in ax.get_legend().get_texts()]
+    finally:
+        matplotlib.pyplot.close(fig)

@@ -8,7 +8,7 @@ with the cost model (passes/simulate.py: a compute stream and a communication la
 link). Prints step time, exposed communication, bytes sent per rank, tokens/s per rank and
 peak memory per rank, then communication per process group (dp_shard, tp, ep, ...) and, with
 expert parallelism, the all-to-alls' volume and exposed time; --timeline draws the timeline of
-one backend's step.
+one backend's step. With pipeline parallelism the step is the schedule's (pp_forecast.py).
 """
 from __future__ import annotations
 
@@ -81,6 +81,12 @@ def main(argv=None) -> int:
                     help="trace every block up to this depth; deeper models are extrapolated "
                          "from traces of 4 and 6 blocks (blocks repeat, so the step is "
                          "periodic in depth: llama3 8B's numbers are the same either way)")
+    ap.add_argument("--pp-schedules", nargs="+", default=None,
+                    help="with pipeline_parallel_degree > 1: the schedules to compare on the "
+                         "same traces (default: the config's)")
+    ap.add_argument("--pp-policies", nargs="+", default=None,
+                    help="with pipeline_parallel_degree > 1: the FSDP policies to compare "
+                         "(every_microbatch, reduce_once; default: the config's)")
     ns, rest = ap.parse_known_args(argv)
     try:
         hw = get_hardware(ns.hardware)
@@ -93,21 +99,28 @@ def main(argv=None) -> int:
             p, t = cfg.parallelism, cfg.training
             dp = resolve_degrees(ns.world_size, p.data_parallel_replicate_degree,
                                  p.data_parallel_shard_degree, p.tensor_parallel_degree,
-                                 p.expert_parallel_degree).dp
+                                 p.expert_parallel_degree,
+                                 pp=p.pipeline_parallel_degree).dp
             t.local_batch_size = ns.local_batch
             t.global_batch_size = ns.local_batch * dp * t.gradient_accumulation_steps
         cfg = check_static(cfg, ns.world_size)  # the trainer's checks: degrees, batch, tp
     except ValueError as e:
         ap.error(str(e))
     p = cfg.parallelism
+    t0 = time.perf_counter()
+    cap_mb = cfg.compile.memory_cap_mb if ns.memory_cap_mb is None else ns.memory_cap_mb
+    cap = int(cap_mb * 2**20) or None
+    if p.pipeline_parallel_degree > 1:
+        from simplesharded.tools import pp_forecast
+        try:
+            return pp_forecast.run(cfg, ns, hw, cap, t0)
+        except ValueError as e:
+            ap.error(str(e))
     from simplesharded.models import get_model_spec
     n_layers = get_model_spec(cfg.model.name, cfg.model.flavor)[1].n_layers
     # Blocks are identical, so the schedule is periodic: for deep models trace two short
     # versions and extrapolate linearly (exact for the per-block part, and 10x faster).
     sizes = [None] if n_layers <= ns.full_trace_layers else [4, 6]
-    t0 = time.perf_counter()
-    cap_mb = cfg.compile.memory_cap_mb if ns.memory_cap_mb is None else ns.memory_cap_mb
-    cap = int(cap_mb * 2**20) or None
     evaluated, keeps = evaluate_backends(cfg, ns, hw, cap, ns.backends, sizes)
     _report(ns, cfg, hw, evaluated, keeps, sizes, n_layers, t0)
     return 0
@@ -348,6 +361,12 @@ def _evaluate(traced: Traced, name: str, ns, cfg, hw, cap) -> dict:
            "collectives": len(find_collectives(fw)) + len(find_collectives(bw)),
            "peak_act": int(mem.peak_activations), "local_numel": traced.local_numel,
            "fw_sched": fs, "bw_sched": bs, "links": {}}
+    # per graph, mesh dim and kind: the pipeline model (pp_forecast.py) tells FSDP's gathers
+    # from its reductions per micro-batch
+    for graph, gm in (("fw", fw), ("bw", bw)):
+        for c in find_collectives(gm):
+            key = f"{graph}:{traced.group_labels.get(c.group_name, '?')}:{c.kind}"
+            out[key] = out.get(key, 0) + 1
     for sched in (fs, bs):
         for prefix, tallies in (("group", sched.by_group), ("kind", sched.by_kind)):
             for label, g in tallies.items():

@@ -1,0 +1,57 @@
+"""The timeline of one pipeline step (pp_simulate.PipelineStep) as a PNG: one row per stage
+with each micro-batch's forward (F) and backward (B) box, coloured by micro-batch and labelled
+with its number, the idle time before an action as a hatched bubble or, where the input was
+computed but still in flight, a red exposed wait; reduce_once's reductions in orange. Below,
+each stage's memory over the step."""
+from __future__ import annotations
+
+_IDLE = {"bubble": dict(facecolor="none", edgecolor="0.6", hatch="///"),
+         "wait": dict(facecolor="tab:red", edgecolor="none"),
+         "R": dict(facecolor="tab:orange", edgecolor="none")}
+
+
+def draw_pipeline(path: str | None, step, title: str):
+    """Draw ``step``; save to ``path`` (None: return the figure, for tests)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ValueError("--timeline needs matplotlib: pip install matplotlib") from e
+    stages = sorted(step.memory)
+    rank_of = {s: r for r, ss in enumerate(step.by_rank_stages) for s in ss}
+    fig, (ax, mem) = plt.subplots(2, 1, sharex=True, figsize=(14, 2 + 0.5 * len(stages) + 2.5),
+                                  gridspec_kw={"height_ratios": [max(2, len(stages)), 3]})
+    cmap = plt.get_cmap("tab10")
+    row = {s: len(stages) - 1 - i for i, s in enumerate(stages)}  # stage 0 on top
+    for b in step.boxes:
+        y, x, w = row[b.stage], 1e3 * b.start, 1e3 * (b.end - b.start)
+        if b.kind in ("F", "B"):
+            ax.broken_barh([(x, w)], (y - 0.4, 0.8), facecolors=cmap(b.microbatch % 10),
+                           edgecolor="k" if b.kind == "B" else "white", linewidth=0.5,
+                           alpha=0.55 if b.kind == "F" else 1.0)
+            ax.text(x + w / 2, y, f"{b.kind}{b.microbatch}", ha="center", va="center",
+                    fontsize=6, clip_on=True)
+        else:
+            ax.broken_barh([(x, w)], (y - 0.4, 0.8), linewidth=0.5, **_IDLE[b.kind])
+    ax.set_yticks([row[s] for s in stages], [f"stage {s} (rank {rank_of[s]})" for s in stages])
+    ax.set_title(f"{title}: step {1e3 * step.step_s:.4g} ms, bubble "
+                 f"{step.bubble_fraction:.0%}")
+    handles = [plt.Rectangle((0, 0), 1, 1, facecolor=cmap(0), alpha=0.55),
+               plt.Rectangle((0, 0), 1, 1, facecolor=cmap(0), edgecolor="k")]
+    handles += [plt.Rectangle((0, 0), 1, 1, **style) for style in _IDLE.values()]
+    ax.legend(handles, ["forward", "backward", "bubble", "exposed p2p wait", "reduction"],
+              loc="upper right", fontsize=7, ncol=5)
+    for s in stages:
+        times, levels = zip(*step.memory[s], (step.step_s, step.memory[s][-1][1]))
+        mem.step([1e3 * t for t in times], [b / 2**30 for b in levels], where="post",
+                 label=f"stage {s}")
+    mem.set_ylabel("GiB")
+    mem.set_xlabel("ms")
+    mem.legend(fontsize=6, ncol=min(8, len(stages)), loc="lower center")
+    fig.tight_layout()
+    if path is None:
+        return fig
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
