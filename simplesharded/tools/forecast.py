@@ -112,8 +112,15 @@ def main(argv=None) -> int:
     cap = int(cap_mb * 2**20) or None
     if p.pipeline_parallel_degree > 1:
         from simplesharded.tools import pp_forecast
+
+        def traced_numbers(stage_cfg, sub, name):  # depth -> numbers, and the groups' links
+            evaluated, keeps = evaluate_backends(stage_cfg, sub, hw, cap, [name], [4, 6])
+            runs = evaluated[keeps[name]]
+            return (lambda n: _numbers(name, runs, n)), runs[-1][name]["links"]
         try:
-            return pp_forecast.run(cfg, ns, hw, cap, t0)
+            ns.pp_backend = (forecast_backend(cfg.compile.backend) if cfg.compile.enable
+                             else "aot_eager")
+            return pp_forecast.run(cfg, ns, hw, cap, t0, traced_numbers)
         except ValueError as e:
             ap.error(str(e))
     from simplesharded.models import get_model_spec

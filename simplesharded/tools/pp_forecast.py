@@ -118,20 +118,21 @@ def stage_numels(cfg, n_stages: int, blocks: list[int]) -> tuple[list[int], int]
     return out, sum(numel.values())
 
 
-def run(cfg, ns, hw, cap, t0) -> int:
-    """Trace, simulate and print (forecast.main's pipeline path)."""
+def run(cfg, ns, hw, cap, t0, traced_numbers) -> int:
+    """Trace, simulate and print (forecast.main's pipeline path). ``traced_numbers(cfg, ns,
+    name)``: forecast.py's numbers of backend ``name`` as a function of depth, and the links of
+    the traced groups (passed in: forecast.py imports this module)."""
     import time
 
     from simplesharded.models import get_model_spec
     from simplesharded.stage_split import even_split
-    from simplesharded.tools.forecast import _numbers, evaluate_backends, forecast_backend
     from simplesharded.trainer import check_static
     from simplesharded.trainer.config import PIPELINE_SCHEDULES
 
     p, t = cfg.parallelism, cfg.training
     pp, tp, world = p.pipeline_parallel_degree, p.tensor_parallel_degree, ns.world_size
     args = get_model_spec(cfg.model.name, cfg.model.flavor)[1]
-    name = forecast_backend(cfg.compile.backend) if cfg.compile.enable else "aot_eager"
+    name = ns.pp_backend
     mb, local_batch = p.pipeline_parallel_microbatch_size, t.local_batch_size
     m = local_batch // mb
     dp = world // (pp * tp)
@@ -143,12 +144,10 @@ def run(cfg, ns, hw, cap, t0) -> int:
     st.local_batch_size, st.gradient_accumulation_steps, st.global_batch_size = mb, 1, mb * dp
     sc = check_static(sc, world // pp)
     sub = argparse.Namespace(world_size=world // pp, hardware=ns.hardware)
-    evaluated, keeps = evaluate_backends(sc, sub, hw, cap, [name], [4, 6])
-    at = lambda n: _numbers(name, evaluated[keeps[name]], n)  # noqa: E731
+    at, links = traced_numbers(sc, sub, name)
     four, five = at(4), at(5)
     per_block = {k: five[k] - four[k] for k in four}
     rest = {k: four[k] - 4 * per_block[k] for k in four}
-    links = evaluated[keeps[name]][-1][name]["links"]
     local_full = four["local_numel"] + (args.n_layers - 4) * per_block["local_numel"]
 
     act_bytes = _DTYPE_BYTES.get(t.mixed_precision_param, 4)
