@@ -105,6 +105,13 @@ def test_gather_once_counts_one_gather_per_stage_and_holds_the_parameters():
     each = simulate_pipeline(orders, ranks, costs, [0.0], m)
     assert once.gathers == {0: 3, 1: 3} and each.gathers == {0: 3 * m, 1: 3 * m}
     assert once.peak_stage_bytes[0] == each.peak_stage_bytes[0] + 50
+    # the step's gather delays each stage's first forward, and the wait counts as exposed
+    slow = [StageCost(1.0, 2.0, gather_s=0.5)] * pp
+    gated = simulate_pipeline(orders, ranks, slow, [0.0], m, gather_every_microbatch=False)
+    first = min(b.start for b in gated.boxes if b.kind == "F" and b.stage == 0)
+    assert first == 0.5 and gated.step_s == pytest.approx(each.step_s + 0.5)
+    assert gated.exposed_fsdp_s[0] == pytest.approx(0.5)
+    assert [b.kind for b in gated.boxes if b.rank == 0][:2] == ["G", "gather"]
 
 
 def test_unmodelled_schedule_is_refused():
@@ -149,6 +156,12 @@ def test_stage_costs_from_per_block_numbers():
     assert first.static_bytes == 16 * 30 and last.static_bytes == 16 * 20  # AdamW fp32
     assert first.grad_sum_bytes == 4 * 30 * 4  # unsharded over dp_shard 4
     assert first.reduce_s > last.reduce_s > 0
+    # gathered once per step: the forwards lose the traced FSDP waits, one gather per step
+    block["fw:exposed:dp_shard"], block["bw:exposed:dp_shard"] = 0.04, 0.06
+    once = stage_costs(block, rest, [3, 2], [300, 200], 500, 50.0, 4, "reduce_once", hw,
+                       "inter-node", "AdamW", 2, 4, gather_once=True)[0]
+    assert once.fw_s == pytest.approx(3.0 - 3 * 0.04) and once.bw_s == pytest.approx(6.0 - 0.18)
+    assert once.gathers == 3 and once.gather_s > 0 and once.gathered_bytes == 2 * 30 * 4
 
 
 def test_timeline_has_one_row_per_stage_and_a_memory_curve_each():
@@ -163,6 +176,7 @@ def test_timeline_has_one_row_per_stage_and_a_memory_curve_each():
         texts = {t.get_text() for t in ax.texts}
         assert {f"{k}{i}" for k in "FB" for i in range(4)} <= texts
         assert len(mem.get_lines()) == 4
-        assert "exposed p2p wait" in [t.get_text() for t in ax.get_legend().get_texts()]
+        legend = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert {"bubble", "exposed p2p wait", "forward", "backward"} <= set(legend)
     finally:
         matplotlib.pyplot.close(fig)

@@ -87,6 +87,10 @@ def main(argv=None) -> int:
     ap.add_argument("--pp-policies", nargs="+", default=None,
                     help="with pipeline_parallel_degree > 1: the FSDP policies to compare "
                          "(every_microbatch, reduce_once; default: the config's)")
+    ap.add_argument("--pp-gather", nargs="+", default=None,
+                    choices=("every_microbatch", "once"),
+                    help="with pipeline_parallel_degree > 1: FSDP gathers in every micro-batch "
+                         "(what the pipeline runs; default) and/or once per step (a what-if)")
     ns, rest = ap.parse_known_args(argv)
     try:
         hw = get_hardware(ns.hardware)
@@ -374,6 +378,9 @@ def _evaluate(traced: Traced, name: str, ns, cfg, hw, cap) -> dict:
         for c in find_collectives(gm):
             key = f"{graph}:{traced.group_labels.get(c.group_name, '?')}:{c.kind}"
             out[key] = out.get(key, 0) + 1
+    for graph, sched in (("fw", fs), ("bw", bs)):
+        for label, g in sched.by_group.items():
+            out[f"{graph}:exposed:{label}"] = g.exposed_s
     for sched in (fs, bs):
         for prefix, tallies in (("group", sched.by_group), ("kind", sched.by_kind)):
             for label, g in tallies.items():

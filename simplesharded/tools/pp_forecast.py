@@ -44,6 +44,7 @@ class StagePlan:
     p2p_bytes: int
     p2p_link: str
     p2p_s: float
+    gather: str = "every_microbatch"  # or "once" (a what-if: see stage_costs)
 
 
 def p2p_link(world_size: int, pp: int, hw) -> str:
@@ -65,10 +66,13 @@ def p2p_seconds(nbytes: int, link: str, hw) -> float:
 
 def stage_costs(per_block: dict, rest: dict, blocks: list[int], stage_numel: list[int],
                 total_numel: int, local_numel: float, dp_shard: int, policy: str, hw,
-                dp_link: str, optimizer: str, param_bytes: int, reduce_bytes: int
-                ) -> list[StageCost]:
+                dp_link: str, optimizer: str, param_bytes: int, reduce_bytes: int,
+                gather_once: bool = False) -> list[StageCost]:
     """StageCost of each stage from the traced numbers of one block (``per_block``) and of
-    the rest of the model (``rest``): see the module doc."""
+    the rest of the model (``rest``): see the module doc. ``gather_once``: the stage's
+    parameters gathered once per step instead of in every micro-batch (a what-if: the
+    pipeline runs the traced per-micro-batch gathers), so its micro-batches' forwards, and
+    under reduce_once their backwards too, lose the FSDP waits the traces show."""
     from simplesharded.passes.comm_cost import comm_time
     from simplesharded.tools.cluster_trace import static_memory
 
@@ -76,8 +80,10 @@ def stage_costs(per_block: dict, rest: dict, blocks: list[int], stage_numel: lis
         return sum(v for k, v in m.items() if k.startswith(graph + ":")
                    and k.split(":")[1] in _FSDP_DIMS and k.split(":")[2] in kinds)
 
-    def fsdp_exposed(m):
-        return sum(m.get(f"group:{d}:exposed_s", 0.0) for d in _FSDP_DIMS)
+    def fsdp_exposed(m, graph="group"):
+        if graph == "group":
+            return sum(m.get(f"group:{d}:exposed_s", 0.0) for d in _FSDP_DIMS)
+        return sum(m.get(f"{graph}:exposed:{d}", 0.0) for d in _FSDP_DIMS)
 
     reduce_kinds = ("reduce_scatter", "all_reduce", "all_to_all")
     out = []
@@ -86,14 +92,26 @@ def stage_costs(per_block: dict, rest: dict, blocks: list[int], stage_numel: lis
         part = [(per_block, n)] + ([(rest, 1)] if last else [])
         mix = lambda f: sum(f(m) * k for m, k in part)  # noqa: E731
         local = local_numel * stage_numel[s] / total_numel
-        gathers = mix(lambda m: count(m, "fw", ("all_gather",)) + count(m, "bw", ("all_gather",)))
+        gathers = mix(lambda m: count(m, "fw", ("all_gather",))
+                      + (0 if gather_once else count(m, "bw", ("all_gather",))))
         reductions = mix(lambda m: count(m, "bw", reduce_kinds))
         # one flat reduce-scatter of the stage's summed gradients (deferred_reduce.py)
         reduce_s = (comm_time("reduce_scatter", int(local * dp_shard * reduce_bytes), dp_shard,
                               hw, dp_link) if policy == "reduce_once" else 0.0)
+        fw_s, bw_s, exposed = (mix(lambda m: m["fw_s"]), mix(lambda m: m["bw_s"]),
+                               mix(fsdp_exposed))
+        gather_s = 0.0
+        if gather_once:
+            fw_s -= mix(lambda m: fsdp_exposed(m, "fw"))
+            exposed -= mix(lambda m: fsdp_exposed(m, "fw"))
+            if policy == "reduce_once":
+                bw_s -= mix(lambda m: fsdp_exposed(m, "bw"))
+                exposed -= mix(lambda m: fsdp_exposed(m, "bw"))
+            gather_s = comm_time("all_gather", int(local * dp_shard * param_bytes), dp_shard,
+                                 hw, dp_link)
         out.append(StageCost(
-            fw_s=mix(lambda m: m["fw_s"]), bw_s=mix(lambda m: m["bw_s"]), reduce_s=reduce_s,
-            fsdp_exposed_s=mix(fsdp_exposed),
+            fw_s=fw_s, bw_s=bw_s, reduce_s=reduce_s, gather_s=gather_s,
+            fsdp_exposed_s=max(0.0, exposed),
             act_bytes=int(n * per_block["peak_act"]),
             working_bytes=int(max(0.0, rest["peak_act"])),
             static_bytes=int(sum(static_memory(int(local), optimizer))),
@@ -156,6 +174,7 @@ def run(cfg, ns, hw, cap, t0, traced_numbers) -> int:
     link = p2p_link(world, pp, hw)
     schedules = ns.pp_schedules or [p.pipeline_parallel_schedule]
     policies = ns.pp_policies or [p.pipeline_fsdp_policy]
+    gathers = getattr(ns, "pp_gather", None) or ["every_microbatch"]
     print(f"{cfg.model.name}/{cfg.model.flavor} ({args.n_layers} blocks) on {world} ranks of "
           f"{hw.name}: pp {pp} x dp {dp} (shard {sp.data_parallel_shard_degree}) x tp {tp}; "
           f"{m} micro-batches of {mb} x {t.seq_len} tokens per pipeline step (local batch "
@@ -164,9 +183,9 @@ def run(cfg, ns, hw, cap, t0, traced_numbers) -> int:
           f"{time.perf_counter() - t0:.0f}s\n")
     print(f"activations between stages: {nbytes / 2**20:.1f} MiB per micro-batch and direction"
           f" on the {link} link ({1e3 * p2p_seconds(nbytes, link, hw):.2f} ms)\n")
-    print("| schedule | FSDP policy | stages | step s | bubble | exposed p2p s | exposed "
+    print("| schedule | FSDP policy | gather | stages | step s | bubble | exposed p2p s | exposed "
           "reduce s | exposed FSDP s | tokens/s/GPU | peak GiB (max rank) |\n"
-          "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     results = []
     for schedule in schedules:
         n_stages = (len(p.pipeline_parallel_layers_per_stage) or
@@ -174,13 +193,14 @@ def run(cfg, ns, hw, cap, t0, traced_numbers) -> int:
         blocks = (list(p.pipeline_parallel_layers_per_stage)
                   or even_split(args.n_layers, n_stages))
         numels, total = stage_numels(cfg, n_stages, blocks)
-        for policy in policies:
+        for policy, gather in [(q, g) for q in policies for g in gathers]:
             costs = stage_costs(per_block, rest, blocks, numels, total, local_full,
                                 sp.data_parallel_shard_degree, policy, hw,
                                 links.get("dp_shard", link), cfg.optimizer.name,
-                                act_bytes, _DTYPE_BYTES.get(t.mixed_precision_reduce, 4))
+                                act_bytes, _DTYPE_BYTES.get(t.mixed_precision_reduce, 4),
+                                gather_once=gather == "once")
             plan = StagePlan(schedule, policy, pp, n_stages, blocks, m, nbytes, link,
-                             p2p_seconds(nbytes, link, hw))
+                             p2p_seconds(nbytes, link, hw), gather)
             step = simulate(plan, costs)
             ranks = step.by_rank_stages
             # AdamW on the rank's fp32 shards, memory bound (as forecast.py counts it)
@@ -189,21 +209,22 @@ def run(cfg, ns, hw, cap, t0, traced_numbers) -> int:
             total_s = step.step_s + optim_s
             tps = local_batch * t.seq_len * dp / total_s / world
             r = max(range(pp), key=lambda i: step.exposed_comm_s[i])
-            print(f"| {schedule} | {policy} | {n_stages} | {total_s:.4g} | "
+            print(f"| {schedule} | {policy} | {gather} | {n_stages} | {total_s:.4g} | "
                   f"{step.bubble_fraction:.1%} | {step.exposed_p2p_s[r]:.3g} | "
                   f"{step.exposed_reduce_s[r]:.3g} | {step.exposed_fsdp_s[r]:.3g} | "
                   f"{tps:,.0f} | {max(step.peak_rank_bytes) / 2**30:.3g} |")
             results.append((plan, costs, step))
-    print("\n(exposed: the pp rank with the most; step includes the AdamW update, "
-          "memory bound)")
+    print("\n(exposed: the pp rank with the most; step includes the AdamW update, memory "
+          "bound; gather once: a what-if, the pipeline gathers in every micro-batch)")
     for plan, costs, step in results:
-        print(f"\nper stage, {plan.schedule} / {plan.policy}\n\n| stage | rank | blocks | F ms | "
-              "B ms | in flight | gathers/step | reductions/step | peak GiB (stage) |\n"
-              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print(f"\nper stage, {plan.schedule} / {plan.policy} / gather {plan.gather}\n\n| stage | rank | blocks | F ms | "
+              "B ms | in flight | saved GiB/micro-batch | gathers/step | reductions/step | peak GiB "
+              "(stage) |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         ranks = stage_rank(plan.schedule, plan.n_stages, plan.pp)
         for s, c in enumerate(costs):
             print(f"| {s} | {ranks[s]} | {plan.blocks[s]} | {1e3 * c.fw_s:.1f} | "
-                  f"{1e3 * c.bw_s:.1f} | {step.max_in_flight[s]} | {step.gathers[s]} | "
+                  f"{1e3 * c.bw_s:.1f} | {step.max_in_flight[s]} | {c.act_bytes / 2**30:.3g} | "
+                  f"{step.gathers[s]} | "
                   f"{step.reductions[s]} | {step.peak_stage_bytes[s] / 2**30:.3g} |")
         print("peak per pp rank (its stages together), GiB: "
               + ", ".join(f"{b / 2**30:.3g}" for b in step.peak_rank_bytes))
@@ -211,7 +232,8 @@ def run(cfg, ns, hw, cap, t0, traced_numbers) -> int:
         from simplesharded.tools.pp_timeline import draw_pipeline
         plan, _, step = results[0]
         draw_pipeline(ns.timeline, step, f"{cfg.model.name}/{cfg.model.flavor}, {world} x "
-                      f"{hw.name}, pp {pp} {plan.schedule} ({plan.policy}), {m} micro-batches")
+                      f"{hw.name}, pp {pp} {plan.schedule} ({plan.policy}, gather "
+                      f"{plan.gather}), {m} micro-batches")
         print(f"\ntimeline written to {ns.timeline}")
     return 0
 
@@ -221,6 +243,6 @@ def simulate(plan: StagePlan, costs: list[StageCost]) -> PipelineStep:
     orders = rank_orders(plan.schedule, plan.pp, plan.n_stages, plan.n_microbatches)
     return simulate_pipeline(orders, stage_rank(plan.schedule, plan.n_stages, plan.pp), costs,
                              [plan.p2p_s] * (plan.n_stages - 1), plan.n_microbatches,
-                             plan.policy)
+                             plan.policy, gather_every_microbatch=plan.gather != "once")
 
 

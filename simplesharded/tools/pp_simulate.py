@@ -8,6 +8,8 @@ A rank's idle time before an action is a *bubble* while the producer is still co
 inside its costs (the traced graphs of one micro-batch, with their own exposed waits), except
 under ``reduce_once`` where the stage's gradients are reduced once, after its last backward, on
 the rank's data-parallel link: beside the rank's later compute, exposed at the end of the step.
+Gathering once per step (``gather_every_microbatch=False``), a rank gathers its stages'
+parameters at the start of the step on that link, and a stage's first forward waits for them.
 
 Memory per stage over time: static state + the stage's working peak + the saved activations of
 the micro-batches in flight (from a forward's start to its backward's end), plus under
@@ -38,6 +40,7 @@ class StageCost:
     static_bytes: int = 0  # parameter shards, gradients, optimizer state
     grad_sum_bytes: int = 0  # unsharded gradient sums held under reduce_once
     gathered_bytes: int = 0  # unsharded parameters held when gathering once per step
+    gather_s: float = 0.0  # gathering the stage's parameters, when once per step
     gathers: int = 0  # all-gathers of one micro-batch's forward + backward
     reductions: int = 0  # reduce-scatters (or all-reduces) of one micro-batch's backward
 
@@ -45,7 +48,9 @@ class StageCost:
 @dataclass
 class Box:
     rank: int
-    kind: str  # "F", "B", "R" (reduction), "wait" (exposed p2p), "bubble"
+    # "F", "B", "R" (reduction), "G" (the step's gather, on the dp link), "wait" (exposed
+    # p2p), "gather" (idle for G), "bubble"
+    kind: str
     stage: int
     microbatch: int
     start: float
@@ -88,8 +93,17 @@ def simulate_pipeline(orders: list[list[Action]], stage_rank: list[int], costs: 
     done: dict[tuple[str, int, int], float] = {}  # action -> compute end
     boxes: list[Box] = []
     free = [0.0] * pp
+    # gathering once per step: each rank gathers its stages at the start, in stage order, on
+    # its dp link; a stage's first forward waits for its own
+    gathered: dict[int, float] = {}
+    if not gather_every_microbatch:
+        for r in range(pp):
+            t = 0.0
+            for s in (s for s in range(n_stages) if stage_rank[s] == r):
+                boxes.append(Box(r, "G", s, -1, t, t + costs[s].gather_s))
+                t = gathered[s] = t + costs[s].gather_s
     ptr = [0] * pp
-    exposed_p2p = [0.0] * pp
+    exposed_p2p, exposed_gather = [0.0] * pp, [0.0] * pp
     sends = 0
     while any(ptr[r] < len(orders[r]) for r in range(pp)):
         progressed = False
@@ -106,14 +120,20 @@ def simulate_pipeline(orders: list[list[Action]], stage_rank: list[int], costs: 
                     remote = stage_rank[dep[1]] != r
                     arrival = produced + (p2p_s[min(a.stage, dep[1])] if remote else 0.0)
                     sends += remote
-                start = max(free[r], arrival)
-                if start > free[r]:
-                    bubble_end = min(start, max(produced, free[r]))
-                    if bubble_end > free[r]:
-                        boxes.append(Box(r, "bubble", a.stage, a.microbatch, free[r], bubble_end))
-                    if start > bubble_end:
-                        boxes.append(Box(r, "wait", a.stage, a.microbatch, bubble_end, start))
-                        exposed_p2p[r] += start - bubble_end
+                gate = gathered.get(a.stage, 0.0) if a.kind == "F" else 0.0
+                start = max(free[r], arrival, gate)
+                # idle before it: a bubble while the producer computes, then an exposed p2p
+                # wait while its output travels, then waiting for the step's gather
+                t = free[r]
+                for until, kind in ((produced, "bubble"), (arrival, "wait"), (gate, "gather")):
+                    end = min(start, max(t, until))
+                    if end > t:
+                        boxes.append(Box(r, kind, a.stage, a.microbatch, t, end))
+                        if kind == "wait":
+                            exposed_p2p[r] += end - t
+                        else:
+                            exposed_gather[r] += (end - t) * (kind == "gather")
+                        t = end
                 c = costs[a.stage]
                 end = start + (c.fw_s if a.kind == "F" else c.bw_s)
                 boxes.append(Box(r, a.kind, a.stage, a.microbatch, start, end))
@@ -138,7 +158,8 @@ def simulate_pipeline(orders: list[list[Action]], stage_rank: list[int], costs: 
     busy = sum(b.end - b.start for b in boxes if b.kind in ("F", "B"))
 
     by_rank = [[s for s in range(n_stages) if stage_rank[s] == r] for r in range(pp)]
-    exposed_fsdp = [m * sum(costs[s].fsdp_exposed_s for s in by_rank[r]) for r in range(pp)]
+    exposed_fsdp = [m * sum(costs[s].fsdp_exposed_s for s in by_rank[r]) + exposed_gather[r]
+                    for r in range(pp)]
     memory, in_flight = _memory(boxes, costs, m, policy, gather_every_microbatch, reduce_end)
     peaks = {s: max(b for _, b in curve) for s, curve in memory.items()}
     rank_peaks = [_rank_peak([memory[s] for s in by_rank[r]],

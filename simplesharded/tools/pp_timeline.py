@@ -1,13 +1,19 @@
 """The timeline of one pipeline step (pp_simulate.PipelineStep) as a PNG: one row per stage
 with each micro-batch's forward (F) and backward (B) box, coloured by micro-batch and labelled
 with its number, the idle time before an action as a hatched bubble or, where the input was
-computed but still in flight, a red exposed wait; reduce_once's reductions in orange. Below,
-each stage's memory over the step."""
+computed but still in flight, a red exposed wait (purple: waiting for the step's gather);
+reduce_once's reductions and a once-per-step gather as strips under the row (they run on the
+data-parallel link). Below, each stage's memory over the step."""
 from __future__ import annotations
 
 _IDLE = {"bubble": dict(facecolor="none", edgecolor="0.6", hatch="///"),
          "wait": dict(facecolor="tab:red", edgecolor="none"),
-         "R": dict(facecolor="tab:orange", edgecolor="none")}
+         "gather": dict(facecolor="tab:purple", edgecolor="none"),
+         "R": dict(facecolor="tab:orange", edgecolor="none"),
+         "G": dict(facecolor="tab:blue", edgecolor="none")}
+_NAMES = ["bubble", "exposed p2p wait", "waiting for the step's gather",
+          "reduction (dp link)", "gather (dp link)"]
+_LANE = ("R", "G")  # on the dp link beside compute: a thin strip under the row
 
 
 def draw_pipeline(path: str | None, step, title: str):
@@ -32,6 +38,8 @@ def draw_pipeline(path: str | None, step, title: str):
                            alpha=0.55 if b.kind == "F" else 1.0)
             ax.text(x + w / 2, y, f"{b.kind}{b.microbatch}", ha="center", va="center",
                     fontsize=6, clip_on=True)
+        elif b.kind in _LANE:
+            ax.broken_barh([(x, w)], (y - 0.48, 0.12), linewidth=0, **_IDLE[b.kind])
         else:
             ax.broken_barh([(x, w)], (y - 0.4, 0.8), linewidth=0.5, **_IDLE[b.kind])
     ax.set_yticks([row[s] for s in stages], [f"stage {s} (rank {rank_of[s]})" for s in stages])
@@ -40,8 +48,8 @@ def draw_pipeline(path: str | None, step, title: str):
     handles = [plt.Rectangle((0, 0), 1, 1, facecolor=cmap(0), alpha=0.55),
                plt.Rectangle((0, 0), 1, 1, facecolor=cmap(0), edgecolor="k")]
     handles += [plt.Rectangle((0, 0), 1, 1, **style) for style in _IDLE.values()]
-    ax.legend(handles, ["forward", "backward", "bubble", "exposed p2p wait", "reduction"],
-              loc="upper right", fontsize=7, ncol=5)
+    ax.legend(handles, ["forward", "backward"] + _NAMES, loc="upper right", fontsize=7,
+              ncol=7)
     for s in stages:
         times, levels = zip(*step.memory[s], (step.step_s, step.memory[s][-1][1]))
         mem.step([1e3 * t for t in times], [b / 2**30 for b in levels], where="post",
