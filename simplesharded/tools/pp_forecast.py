@@ -12,7 +12,7 @@ backend's own FSDP waits inside. The stage's parameters are counted from the mod
 last).
 
 The step is then simulated per pp rank (pp_simulate.py) in the schedule's order (pp_orders.py):
-activations (micro-batch x seq x dim, divided by tp under sequence parallelism) sent between
+activations (micro-batch x seq x dim, whole sequences also under sequence parallelism) sent between
 stages on the link joining ranks ``world / pp`` apart (inter-node as soon as one pp coordinate
 fills a node); FSDP per ``pipeline_fsdp_policy``: gathers in every micro-batch's forward and
 backward (what simplesharded/pipelining.py runs under both policies), reductions per
@@ -169,8 +169,9 @@ def run(cfg, ns, hw, cap, t0, traced_numbers) -> int:
     local_full = four["local_numel"] + (args.n_layers - 4) * per_block["local_numel"]
 
     act_bytes = _DTYPE_BYTES.get(t.mixed_precision_param, 4)
-    seq_share = tp if (tp > 1 and p.enable_sequence_parallel) else 1
-    nbytes = mb * t.seq_len * args.dim * act_bytes // seq_share
+    # whole sequences on every tp rank: sequence-parallel stages gather their output at the
+    # stage edge (the pipeline's tp styles), so each tp rank sends the full hidden states
+    nbytes = mb * t.seq_len * args.dim * act_bytes
     link = p2p_link(world, pp, hw)
     schedules = ns.pp_schedules or [p.pipeline_parallel_schedule]
     policies = ns.pp_policies or [p.pipeline_fsdp_policy]
