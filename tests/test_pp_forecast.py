@@ -180,3 +180,15 @@ def test_timeline_has_one_row_per_stage_and_a_memory_curve_each():
         assert {"bubble", "exposed p2p wait", "forward", "backward"} <= set(legend)
     finally:
         matplotlib.pyplot.close(fig)
+
+
+def test_forecast_refuses_an_unmodelled_schedule_before_tracing(capsys):
+    import os
+
+    from simplesharded.tools import forecast
+    config = os.path.join(os.path.dirname(__file__), "..", "configs", "llama3_debug.toml")
+    with pytest.raises(SystemExit):
+        forecast.main(["--config", config, "--world-size", "4",
+                       "--hardware", "h100-ib400", "--parallelism.pipeline_parallel_degree",
+                       "2", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"])
+    assert "not modelled" in capsys.readouterr().err

@@ -155,6 +155,15 @@ def run(cfg, ns, hw, cap, t0, traced_numbers) -> int:
     m = local_batch // mb
     dp = world // (pp * tp)
 
+    schedules = ns.pp_schedules or [p.pipeline_parallel_schedule]
+    for schedule in schedules:  # before minutes of tracing
+        if schedule not in PIPELINE_SCHEDULES:
+            raise ValueError(f"--pp-schedules {schedule!r} is not one of "
+                             f"{list(PIPELINE_SCHEDULES)}")
+        n = len(p.pipeline_parallel_layers_per_stage) or pp * PIPELINE_SCHEDULES[schedule][0]
+        stage_rank(schedule, n, pp)
+        rank_orders(schedule, pp, n, m)
+
     # one pp coordinate's ranks, one micro-batch, no pipeline: the per-block costs
     sc = copy.deepcopy(cfg)
     sp, st = sc.parallelism, sc.training
@@ -173,7 +182,6 @@ def run(cfg, ns, hw, cap, t0, traced_numbers) -> int:
     # stage edge (the pipeline's tp styles), so each tp rank sends the full hidden states
     nbytes = mb * t.seq_len * args.dim * act_bytes
     link = p2p_link(world, pp, hw)
-    schedules = ns.pp_schedules or [p.pipeline_parallel_schedule]
     policies = ns.pp_policies or [p.pipeline_fsdp_policy]
     gathers = getattr(ns, "pp_gather", None) or ["every_microbatch"]
     print(f"{cfg.model.name}/{cfg.model.flavor} ({args.n_layers} blocks) on {world} ranks of "

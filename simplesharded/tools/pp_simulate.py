@@ -163,9 +163,7 @@ def simulate_pipeline(orders: list[list[Action]], stage_rank: list[int], costs: 
     memory, in_flight = _memory(boxes, costs, m, policy, gather_every_microbatch, reduce_end)
     peaks = {s: max(b for _, b in curve) for s, curve in memory.items()}
     rank_peaks = [_rank_peak([memory[s] for s in by_rank[r]],
-                             max((costs[s].working_bytes for s in by_rank[r]), default=0),
-                             [costs[s].working_bytes for s in by_rank[r]])
-                  for r in range(pp)]
+                             [costs[s].working_bytes for s in by_rank[r]]) for r in range(pp)]
     gathers = {s: costs[s].gathers * (m if gather_every_microbatch else 1)
                for s in range(n_stages)}
     reductions = {s: costs[s].reductions * m if policy == "every_microbatch"
@@ -216,15 +214,13 @@ def _memory(boxes, costs, m, policy, gather_every_microbatch, reduce_end):
     return memory, in_flight
 
 
-def _rank_peak(curves, working, workings) -> int:
-    """Peak of a rank's stages together: their curves summed, one working peak at a time (a
-    rank runs one action at once)."""
+def _rank_peak(curves, workings) -> int:
+    """Peak of a rank's stages together: their curves summed, with one working peak (the
+    largest) instead of each stage's, as a rank runs one action at a time."""
     times = sorted({t for curve in curves for t, _ in curve})
-    best = 0
-    for t in times:
-        total = sum(_at(curve, t) for curve in curves)
-        best = max(best, total - sum(workings) + working)
-    return int(best)
+    overlap = sum(workings) - max(workings, default=0)
+    return int(max((sum(_at(curve, t) for curve in curves) for t in times), default=0)
+               - overlap)
 
 
 def _at(curve, t) -> int:
