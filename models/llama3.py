@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                               PrepareModuleInputOutput, PrepareModuleOutput,
                                                RowwiseParallel, SequenceParallel)
 
 from simplesharded.models.loss import lm_loss
@@ -294,6 +295,27 @@ class Llama3(nn.Module):
             styles.update(attention_tp_styles(f"layers.{name}", sequence_parallel))
             styles.update(self.feed_forward_tp_styles(f"layers.{name}.feed_forward",
                                                       sequence_parallel))
+        if sequence_parallel:
+            styles.update(self._stage_edge_styles())
+        return styles
+
+    def _stage_edge_styles(self) -> dict:
+        """A pipeline stage (simplesharded/stage_split.py) under sequence parallelism: stages
+        hand each other whole sequences (forward reads their length for RoPE), so a stage
+        without the embedding cuts its input to this rank's sequence shard before its first
+        block (no communication), and one without the head gathers its last block's output."""
+        names = list(self.layers)
+        takes, gives = self.tok_embeddings is None, self.output is None
+        if not names or not (takes or gives):
+            return {}
+        cut = dict(input_layouts=(Replicate(), None), desired_input_layouts=(Shard(1), None))
+        gather = dict(output_layouts=Shard(1), desired_output_layouts=Replicate())
+        first, last = f"layers.{names[0]}", f"layers.{names[-1]}"
+        if takes and gives and first == last:
+            return {first: PrepareModuleInputOutput(**cut, use_local_input=True, **gather)}
+        styles = {first: PrepareModuleInput(**cut, use_local_output=True)} if takes else {}
+        if gives:
+            styles[last] = PrepareModuleOutput(**gather)
         return styles
 
     def feed_forward_tp_styles(self, prefix: str, sequence_parallel: bool) -> dict:

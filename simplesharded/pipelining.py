@@ -30,7 +30,8 @@ Zero-bubble schedules split a backward into the inputs' part (I) and the weights
 Eager, W runs autograd on the leaves that receive the weights' gradients: the shards with sync
 on, the rank-local accumulators (grad_sync.py) with sync off. Compiled, a stage's forward is
 one autograd node that computes both parts at once: I runs the full backward and W has nothing
-left to do (the schedule still orders the stages' work; only the I/W overlap is lost).
+left to do (the schedule still orders the stages' work; only the I/W overlap is lost); so does
+an eager stage whose output is a view (tensor parallelism's gathered output).
 
 Only the ranks holding the same stages compile the same collectives, so the rank-agreement
 check (passes/agreement.py) compares each rank with those (:func:`pipeline_peers`).
@@ -95,11 +96,16 @@ class ShardedStage(PipelineStage):
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward=False):
         if backward_type == "weight":
-            if self.compiled:  # the input backward did it all (module doc)
+            if not bwd_kwargs["param_groups"]:  # the input backward did it all (module doc)
                 return (), None
             return stage_backward_weight(self._grad_leaves(), bwd_kwargs["param_groups"]), None
         outputs, grads = bwd_kwargs["stage_output"], bwd_kwargs["output_grads"]
-        if backward_type == "input" and not self.compiled:
+        # torch's input backward frees the outputs' graph with an in-place detach, which a
+        # view (a tensor-parallel stage's gathered output) does not allow: such a stage runs
+        # its whole backward there, as a compiled one does
+        views = any(isinstance(t, torch.Tensor) and t._is_view()
+                    for t in (outputs if isinstance(outputs, (tuple, list)) else [outputs]))
+        if backward_type == "input" and not self.compiled and not views:
             return stage_backward_input(outputs, grads, bwd_kwargs["input_values"],
                                         iter(self._grad_leaves()))
         if grads is None and isinstance(outputs, (tuple, list)):

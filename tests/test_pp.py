@@ -21,8 +21,9 @@ or all-reduce calls: eager, compiled and lowered ones alike): reduce_once must r
 per stage and step, every_microbatch at least one per micro-batch and stage.
 
 The trainer runs in the same job (eager, llama3 debug): pp 2 gives the losses and validation
-loss of the same run without pp, and a checkpoint it saves loads into a run without pp (the
-FQN-keyed DCP checkpoint reshards across pp degrees).
+loss of the same run without pp, pp 2 x tp 2 (two stages per rank) those of the run on one
+process, and a checkpoint it saves loads into a run without pp (the FQN-keyed DCP checkpoint
+reshards across pp degrees).
 
 One spawn of 4 ranks runs it all (the mesh is built once per rank: DTensor reuses a cached
 plan of an equal mesh built earlier, whose groups would not be the ones data_parallel
@@ -160,6 +161,10 @@ TRAINER_RUNS = {  # name → (steps, arguments); the folder is per test session
                 "--checkpoint.interval", "2"]),
     "resumed_pp1": (3, ["--checkpoint.enable", "--checkpoint.load_step", "2"]),
     "pp1": (3, []),
+    # tensor parallelism inside the stages (sequence parallel, loss parallel), two per rank
+    "pp2_tp2": (3, ["--parallelism.pipeline_parallel_degree", "2",
+                    "--parallelism.tensor_parallel_degree", "2",
+                    "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),
 }
 
 
@@ -190,6 +195,17 @@ def job(rank, world, folder):
 def run():
     with tempfile.TemporaryDirectory(prefix="ss_pp_") as folder:
         return spawn(4, job, folder, timeout_s=900)
+
+
+def one_process_job(rank, world, folder):
+    return _trainer_run(folder, "pp1")
+
+
+@memo
+def one_process():
+    """The trainer's run without pp on one process: the reference of the 4-rank runs."""
+    with tempfile.TemporaryDirectory(prefix="ss_pp1_") as folder:
+        return spawn(1, one_process_job, folder, timeout_s=300)[0]
 
 
 @pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
@@ -247,6 +263,18 @@ def test_trainer_pp2_matches_no_pp():
         assert len(pp2) == len(pp1) == 3
         assert max(abs(a - b) / abs(b) for a, b in zip(pp2, pp1)) <= TOL, (pp2, pp1)
         assert abs(val2 - val1) <= TOL * abs(val1), (val2, val1)
+
+
+def test_trainer_pp2_tp2_matches_one_process():
+    """pp 2 x tp 2 (Interleaved1F1B: two stages per rank; sequence- and loss-parallel stages
+    that hand each other whole sequences) gives the one-process run's losses and validation
+    loss (3 eager steps, <= 1e-5 rel), on every rank."""
+    ref, ref_val = one_process()
+    assert len(ref) == 3
+    for r in run():
+        got, val = r["pp2_tp2"]
+        assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) <= TOL, (got, ref)
+        assert abs(val - ref_val) <= TOL * abs(ref_val), (val, ref_val)
 
 
 def test_trainer_checkpoint_saved_with_pp2_resumes_with_pp1():

@@ -168,10 +168,11 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for _ in range(self.cfg.training.gradient_accumulation_steps):
             inputs, labels = next(self.data.train)
-            losses = self.pipeline.step(inputs.to(self.device), labels.to(self.device))
+            with self._loss_context():  # the last stage's loss and its backward
+                losses = self.pipeline.step(inputs.to(self.device), labels.to(self.device))
             if losses:  # each micro-batch's loss / the denominator: back to a sum
-                loss_sum += torch.stack([loss.detach() for loss in losses]).sum() * \
-                    self._denominator()
+                loss_sum += torch.stack([local_loss(loss.detach()) for loss in losses]).sum() \
+                    * self._denominator()
         return loss_sum
 
     def train_step(self) -> dict[str, float]:
@@ -210,9 +211,12 @@ class Trainer:
         for _ in range(self.cfg.training.val_steps):
             inputs, labels = next(loader)
             if self.pipeline is not None:
-                losses = self.pipeline.evaluate(inputs.to(self.device), labels.to(self.device))
+                with self._loss_context():
+                    losses = self.pipeline.evaluate(inputs.to(self.device),
+                                                    labels.to(self.device))
                 if losses:  # each micro-batch's loss / the denominator: back to a sum
-                    total += torch.stack(losses).sum() * self._denominator()
+                    total += torch.stack([local_loss(x) for x in losses]).sum() * \
+                        self._denominator()
                 continue
             with self._loss_context():
                 total += local_loss(self.forward_loss(self.model, inputs, labels))

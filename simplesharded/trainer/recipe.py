@@ -86,8 +86,11 @@ def apply_tensor_parallel(model: torch.nn.Module, mesh, sequence_parallel: bool,
     """Torch TP with the model's own styles on ``mesh["tp"]`` (nothing when the mesh has no tp
     dim): the first step of :func:`parallelize`, shared with the benchmark's TP peers."""
     if tp_dim(mesh):
+        styles = model.tp_styles(sequence_parallel, loss_parallel)
+        # a pipeline stage lacks the other stages' modules (None in its tree)
+        present = {fqn for fqn, _ in model.named_modules()}
         parallelize_module(model, mesh[tp_dim(mesh)],
-                           model.tp_styles(sequence_parallel, loss_parallel))
+                           {k: v for k, v in styles.items() if k in present})
 
 
 def apply_expert_parallel(model: torch.nn.Module, mesh) -> None:
@@ -125,6 +128,7 @@ def parallelize(model: torch.nn.Module, mesh, cfg: Config, backend=None, observe
     which shows it every graph our passes produce (the GPU smoke compares them with
     inductor's code)."""
     p, t, c = cfg.parallelism, cfg.training, cfg.compile
+    pp = p.pipeline_parallel_degree
     pdt, rdt = getattr(torch, t.mixed_precision_param), getattr(torch, t.mixed_precision_reduce)
     mp = MixedPrecisionPolicy(pdt, rdt) if (pdt, rdt) != (torch.float32, torch.float32) else None
 
@@ -139,9 +143,11 @@ def parallelize(model: torch.nn.Module, mesh, cfg: Config, backend=None, observe
         # is the exact global mean whatever the ranks' token counts.
         data_parallel(part, mesh, p.mode, mp_policy=mp, reshard_after_forward=p.reshard,
                       grad_reduction=t.grad_reduction)
-        return _compiled(part, mesh, cfg, backend, observer) if c.enable else part
+        if not c.enable:
+            return part
+        return _compiled(part, mesh, cfg, backend, observer, pipeline_stages(p) // pp)
 
-    if p.pipeline_parallel_degree == 1:
+    if pp == 1:
         set_agreement_peers(None)  # one model: every rank compiles the same graphs
         return prepare(model)
     from simplesharded.pipelining import pipeline
@@ -171,11 +177,21 @@ def pipeline_loss(denominator: float):
     return loss_fn
 
 
-def _compiled(model: torch.nn.Module, mesh, cfg: Config, backend, observer):
+def _compiled(model: torch.nn.Module, mesh, cfg: Config, backend, observer,
+              stages_per_rank: int = 1):
     """``model`` under torch.compile with the configured backend (or ``backend``), in the
-    dynamo settings it needs."""
+    dynamo settings it needs. ``stages_per_rank``: pipeline stages this rank compiles."""
     c = cfg.compile
     contexts = []
+    dynamic = None
+    if stages_per_rank > 1:
+        # Stages of one model run one forward's code: each is a cache entry of its own (a
+        # recompile, to dynamo), and a second stage's other input (hidden states, not tokens)
+        # would make dynamo compile sizes as symbols, split over tp into expressions that
+        # differ per rank. Static sizes, and room for every stage's entries (train, eval).
+        dynamic = False
+        limit = max(torch._dynamo.config.recompile_limit, 4 * stages_per_rank + 8)
+        contexts.append(functools.partial(torch._dynamo.config.patch, recompile_limit=limit))
     if ep_dim(mesh):
         from simplesharded.models.ep_dispatch import ep_compile_config
 
@@ -192,7 +208,7 @@ def _compiled(model: torch.nn.Module, mesh, cfg: Config, backend, observer):
             contexts.append(functools.partial(torch._dynamo.config.patch,
                                               recompile_limit=limit))
         backend = make_backend(c.backend, **_backend_options(c, observer))
-        compiled = torch.compile(model, backend=backend, fullgraph=c.fullgraph)
+        compiled = torch.compile(model, backend=backend, fullgraph=c.fullgraph, dynamic=dynamic)
     return _ScopedCalls(compiled, *contexts) if contexts else compiled
 
 
