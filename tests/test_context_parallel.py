@@ -1,24 +1,45 @@
-"""Context parallelism (models/context_parallel.py) composed with FSDP on one mesh.
+"""Context parallelism (models/context_parallel.py) composed with FSDP, and TP, on one mesh.
 
-One process: the head-tail layout, the per-rank causal mask, RoPE at global positions, the
-attention maths against one unsplit SDPA (the K/V gather stood in for by a concatenation), the
-mesh (``(dp_shard, cp, tp?)`` over a ``dp_shard_cp`` root that shards every parameter over
-dp_shard x cp), and the config and preflight error lines.
+Fast, one process: the head-tail layout, the per-rank causal mask, RoPE at global positions,
+the attention maths against one unsplit SDPA (the K/V gather stood in for by a concatenation),
+the mesh (``(dp_shard, cp, tp?)`` over a ``dp_shard_cp`` root), the data loader's chunks, the
+config and preflight error lines.
+
+Slow, one spawn per world size: a 2-block llama3 trains 3 SGD steps on the same global batch
+as a 1-process reference (the dp ranks split the batch, the cp ranks of a dp rank each keep
+their head-tail chunks of its sequences, the tp ranks read the same). Losses, the first step's
+gradients and the final parameters (gathered to full tensors) must agree to 1e-5 relative:
+what differs from the reference is the order of additions (the masked SDPA over gathered keys,
+the reductions over dp_shard x cp, tp's row-parallel matmuls), a few fp32 ulps. A key at a
+wrong position, a wrong rotation, a mask off by a chunk or a missing reduction over the cp
+ranks is an O(1) error. The 4-rank job also runs the trainer with context parallel degree 2
+(compiled) and without (eager), whose losses must agree.
 """
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from simplesharded.models import context_parallel as cpm
+from simplesharded.passes.annotations import CP_KEY, annotations
+from simplesharded.passes.collectives import find_collectives
+
+from dist_utils import max_rel_diff, memo, spawn
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA = str(ROOT / "configs" / "llama3_debug.toml")
 ARGS = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=32)
+GLOBAL_BATCH, SEQ, STEPS = 4, 16, 3
+SGD = dict(lr=0.5)  # as tests/test_tp.py: parameter parity as tight as gradient parity
+TOL = 1e-5
+CP = 2
 
 
 def make_model(**overrides):
@@ -69,6 +90,26 @@ def test_rope_rows_at_global_positions():
     with pytest.raises(ValueError, match=r"sequence length 24 \(12 tokens on each of 2 cp "
                                          r"ranks\) exceeds max_seq_len=20"):
         cp.rope(table, 12)
+
+
+def test_shard_sequence_and_loader_chunks():
+    """shard_sequence keeps a rank's chunks; the loader's cp ranks read the dp rank's samples
+    and keep their chunks of inputs and labels alike."""
+    from simplesharded.trainer.data import DistributedTokenLoader
+
+    x = torch.arange(2 * 8).view(2, 8)
+    assert cpm.shard_sequence(x, 1, 2).tolist() == [[2, 3, 4, 5], [10, 11, 12, 13]]
+    tokens = torch.arange(1000)
+    whole = DistributedTokenLoader(tokens, 16, 2, dp_rank=1, dp_world=2, seed=3)
+    parts = [DistributedTokenLoader(tokens, 16, 2, dp_rank=1, dp_world=2, seed=3, cp_rank=r,
+                                    cp=CP) for r in range(CP)]
+    for _ in range(2):
+        xs, ys = next(whole)
+        for r, loader in enumerate(parts):
+            xr, yr = next(loader)
+            assert xr.shape == (2, 16 // CP) and xr.is_contiguous()
+            assert torch.equal(xr, cpm.shard_sequence(xs, r, CP))
+            assert torch.equal(yr, cpm.shard_sequence(ys, r, CP))
 
 
 @pytest.mark.parametrize("cp,heads", [(2, (4, 2)), (4, (4, 4))])
@@ -210,3 +251,176 @@ def test_config_errors_are_one_line(argv, world, message):
     with pytest.raises(ValueError) as e:
         _load(argv, world)
     assert str(e.value) == message
+
+
+def test_config_resolves_batch_over_dp_only():
+    """The cp ranks of a dp rank share its sequences: 4 ranks at cp 2 are dp 2."""
+    cfg = _load(["--parallelism.context_parallel_degree", "2"])
+    assert cfg.parallelism.data_parallel_shard_degree == 2
+    assert cfg.training.local_batch_size == cfg.training.global_batch_size // 2
+    cfg = _load(["--parallelism.context_parallel_degree", "2",
+                 "--parallelism.tensor_parallel_degree", "2"])
+    assert cfg.parallelism.data_parallel_shard_degree == 1
+
+
+def _cp_collectives(gm):
+    return [c for c in find_collectives(gm) if CP_KEY in annotations(c.start)]
+
+
+# ------------------------------------------------------------------ parity (spawned ranks)
+
+
+def batch(step: int):
+    g = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, ARGS["vocab_size"], (GLOBAL_BATCH, SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _full(t):
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def train(model, step_fn, dp_rank: int, dp_size: int, cp_rank: int, cp: int, tp: int):
+    """STEPS SGD steps; the summed loss of a rank's tokens over the global token count, so the
+    ranks' losses sum to the reference's mean (tp ranks hold the same: divided out)."""
+    opt = torch.optim.SGD(model.parameters(), **SGD)
+    rows = GLOBAL_BATCH // dp_size
+    losses, grads = [], None
+    for step in range(STEPS):
+        x, y = batch(step)
+        x, y = x[dp_rank * rows:(dp_rank + 1) * rows], y[dp_rank * rows:(dp_rank + 1) * rows]
+        if cp > 1:
+            x, y = cpm.shard_sequence(x, cp_rank, cp), cpm.shard_sequence(y, cp_rank, cp)
+        loss = step_fn(x, y, loss_chunks=1) / (GLOBAL_BATCH * SEQ)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if step == 0:
+            grads = {n: _full(p.grad) for n, p in model.named_parameters()}
+        opt.step()
+        total = loss.detach().clone()
+        if dp_size * cp * tp > 1:  # a spawned rank: the others hold the rest of the sum
+            dist.all_reduce(total)
+        losses.append(total.item() / tp)
+    return losses, grads, {n: _full(p) for n, p in model.named_parameters()}
+
+
+@memo
+def reference():
+    model = make_model()
+    return train(model, model, 0, 1, 0, 1, 1)
+
+
+# world → [(dp_shard, tp, backend, activation checkpointing)]; cp = 2 throughout
+LAYOUTS = {
+    2: [(1, 1, "eager", False), (1, 1, "aot_eager_blockbucketing", False),
+        (1, 1, "aot_eager_blockbucketing", True)],
+    4: [(2, 1, "eager", False), (2, 1, "aot_eager_blockbucketing", False),
+        (1, 2, "eager", False), (1, 2, "aot_eager_blockbucketing", False)],
+}
+CASES = [(world, case) for world, cases in LAYOUTS.items() for case in cases]
+
+
+def _case(rank, world, dp, tp, backend, ac):
+    import simplesharded as ss
+    from simplesharded.trainer.recipe import apply_activation_checkpointing, apply_tensor_parallel
+
+    torch._dynamo.reset()
+    counts: dict = {}
+
+    def observe(kind, stage, gm):
+        if kind in ("fw", "bw") and stage == "agreement":
+            counts[kind] = sorted((c.kind, c.group_name) for c in _cp_collectives(gm))
+
+    mesh = ss.build_mesh(1, dp, "cpu", tp=tp, cp=CP)
+    model = make_model()
+    apply_tensor_parallel(model, mesh, sequence_parallel=True)
+    cpm.apply_context_parallel(model, mesh["cp"])
+    if ac:
+        apply_activation_checkpointing(model, "full", 1, compiled=backend != "eager")
+    ss.data_parallel(model, mesh, grad_reduction="sum")
+    step_fn = model if backend == "eager" else torch.compile(
+        model, backend=ss.make_backend(backend, observer=observe), fullgraph=True)
+    losses, grads, params = train(model, step_fn, mesh["dp_shard"].get_local_rank(), dp,
+                                  mesh["cp"].get_local_rank(), CP, tp)
+    return {"losses": losses, "grads": grads if rank == 0 else None,
+            "params": params if rank == 0 else None, "counts": counts,
+            "cp_group": mesh.get_group("cp").group_name}
+
+
+# The trainer on the debug config, small; constant lr after warmup
+TRAINER = ["--training.seq_len", "32", "--training.global_batch_size", "4",
+           "--training.steps", "3", "--training.val_every", "3", "--training.val_steps", "1",
+           "--no-metrics.progress_bar", "--lr_scheduler.warmup_steps", "15",
+           "--lr_scheduler.decay_type", "constant"]
+TRAINER_RUNS = {"cp2_compiled": ["--parallelism.context_parallel_degree", "2",
+                                 "--compile.enable", "--compile.backend", "aot_eager_blockbucketing"],
+                "cp1_eager": []}
+
+
+def _trainer_run(rank, world, folder: str, name: str):
+    from simplesharded.trainer import Trainer, check_static
+    from simplesharded.trainer.config import load_config
+
+    torch._dynamo.reset()
+    cfg = check_static(load_config(None, ["--job.config_file", LLAMA, *TRAINER,
+                                          *TRAINER_RUNS[name], "--job.dump_folder",
+                                          os.path.join(folder, name)]), world)
+    trainer = Trainer(cfg, "cpu")
+    losses = trainer.run()
+    return losses, trainer.validate()
+
+
+def job(rank, world, folder):
+    out = {case: _case(rank, world, *case) for case in LAYOUTS[world]}
+    if world == 4:
+        for name in TRAINER_RUNS:
+            out[name] = _trainer_run(rank, world, folder, name)
+    return out
+
+
+@memo
+def run(world: int):
+    with tempfile.TemporaryDirectory(prefix="ss_cp_") as folder:
+        return spawn(world, job, folder, timeout_s=900)
+
+
+def _ids(v):
+    world, (dp, tp, backend, ac) = v
+    return f"w{world}-dp{dp}-cp{CP}-tp{tp}-{backend}{'-ac' if ac else ''}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,case", CASES, ids=[_ids(c) for c in CASES])
+def test_parity_with_single_process(world, case):
+    ref_losses, ref_grads, ref_params = reference()
+    results = run(world)
+    got = results[0][case]
+    for r in results[1:]:  # every rank reports the same global loss
+        assert r[case]["losses"] == got["losses"]
+    rel = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref_losses))
+    assert rel <= TOL, (got["losses"], ref_losses)
+    for what, mine, ref in (("gradients", got["grads"], ref_grads),
+                            ("final parameters", got["params"], ref_params)):
+        assert set(mine) == set(ref)
+        bad = {n: max_rel_diff(t, ref[n]) for n, t in mine.items()
+               if not max_rel_diff(t, ref[n]) <= TOL}
+        assert not bad, f"{what} beyond {TOL}: {bad}"
+    if case[2] != "eager":  # the compiled graphs: one K/V gather per block, on the cp group
+        for r in results:
+            cp_group, counts = r[case]["cp_group"], r[case]["counts"]
+            n = ARGS["n_layers"]
+            assert counts == {"fw": [("all_gather", cp_group)] * n,
+                              "bw": [("reduce_scatter", cp_group)] * n}, counts
+
+
+@pytest.mark.slow
+def test_trainer_cp2_compiled_matches_no_cp():
+    """The trainer on 4 ranks with context parallel degree 2, compiled (dp 2 x cp 2), gives the
+    losses of the same run without CP (dp 4, eager), and the same validation loss: each is the
+    mean over the global tokens (1e-4 rel, as the EP trainer test)."""
+    r = run(4)[0]
+    (cp_losses, cp_val), (ref_losses, ref_val) = r["cp2_compiled"], r["cp1_eager"]
+    assert len(cp_losses) == len(ref_losses) == 3
+    assert max(abs(a - b) / abs(b) for a, b in zip(cp_losses, ref_losses)) <= 1e-4, \
+        (cp_losses, ref_losses)
+    assert abs(cp_val - ref_val) <= 1e-4 * abs(ref_val), (cp_val, ref_val)

@@ -61,14 +61,17 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         p, t = cfg.parallelism, cfg.training
         self.mesh = build_mesh(p.data_parallel_replicate_degree, p.data_parallel_shard_degree,
-                               device, p.tensor_parallel_degree, p.expert_parallel_degree)
-        # tp is the innermost mesh dim: the tp ranks of one dp rank are consecutive and read
-        # the same batch.
-        self.tp = p.tensor_parallel_degree
+                               device, p.tensor_parallel_degree, p.expert_parallel_degree,
+                               p.context_parallel_degree)
+        # tp is the innermost mesh dim, cp the next: the cp x tp ranks of one dp rank are
+        # consecutive and read the same batch (each cp rank keeps its chunks of it).
+        self.tp, self.cp = p.tensor_parallel_degree, p.context_parallel_degree
         self.loss_parallel = uses_loss_parallel(cfg)
         self.loss_chunks = loss_chunks(cfg)
         torch.manual_seed(cfg.job.seed)
-        self.data = build_data(cfg, self.rank // self.tp, self.world // self.tp)
+        shared = self.tp * self.cp
+        self.data = build_data(cfg, self.rank // shared, self.world // shared,
+                               cp_rank=self.rank // self.tp % self.cp)
         hf = cfg.model.name == HF
         if hf:
             model = hf_source.build_hf_model(cfg.model.path)
@@ -120,7 +123,10 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         t = self.cfg.training
         self.optimizer.zero_grad(set_to_none=True)
-        local_tokens = t.local_batch_size * t.seq_len * t.gradient_accumulation_steps
+        # a cp rank holds seq_len / cp tokens of each sequence; the loss sums over all ranks'
+        # tokens count each once (the cp ranks' are disjoint), tp's tp times
+        local_tokens = (t.local_batch_size * t.seq_len // self.cp
+                        * t.gradient_accumulation_steps)
         # sum: every rank divides by the global token count and gradients are summed, so the
         # result is the exact global mean; avg: local mean, gradients averaged over ranks.
         denom = self.tokens_per_step if t.grad_reduction == "sum" else local_tokens

@@ -1,5 +1,5 @@
 """The parallelization recipe, in its order: tensor parallelism → expert parallelism →
-activation checkpointing → data_parallel → torch.compile with our backend
+context parallelism → activation checkpointing → data_parallel → torch.compile with our backend
 (:func:`parallelize`), and what the step needs to know of it (loss chunks, loss parallelism)."""
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from simplesharded.backends import BACKENDS, BackendName, make_backend
 from simplesharded.blocks import find_blocks
-from simplesharded.mesh import ep_dim, tp_dim
+from simplesharded.mesh import cp_dim, ep_dim, tp_dim
+from simplesharded.models.context_parallel import apply_context_parallel
 from simplesharded.passes.annotations import AC_KEY
 from simplesharded.sharding import MixedPrecisionPolicy, data_parallel
 from simplesharded.trainer.config import Config
@@ -111,7 +112,7 @@ class _ScopedCalls:
 
 
 def parallelize(model: torch.nn.Module, mesh, cfg: Config, backend=None, observer=None):
-    """TP → EP → activation checkpointing → data_parallel → compile, in that order; returns
+    """TP → EP → CP → activation checkpointing → data_parallel → compile, in that order; returns
     the callable a step runs (the compiled model, or the model itself). ``backend``: a
     torch.compile backend used instead of the configured one (``python -m simplesharded.tools.forecast``
     captures the graphs with its own, so it traces what the trainer compiles). ``observer``:
@@ -120,6 +121,8 @@ def parallelize(model: torch.nn.Module, mesh, cfg: Config, backend=None, observe
     p, t, c = cfg.parallelism, cfg.training, cfg.compile
     apply_tensor_parallel(model, mesh, p.enable_sequence_parallel, uses_loss_parallel(cfg))
     apply_expert_parallel(model, mesh)
+    if cp_dim(mesh):  # the model's attention over sequences split on mesh["cp"]
+        apply_context_parallel(model, mesh[cp_dim(mesh)])
     apply_activation_checkpointing(model, cfg.activation_checkpoint.mode,
                                    cfg.activation_checkpoint.selective_every,
                                    compiled=c.enable, expert_parallel=bool(ep_dim(mesh)))
