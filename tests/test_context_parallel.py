@@ -3,7 +3,10 @@
 Fast, one process: the head-tail layout, the per-rank causal mask, RoPE at global positions,
 the attention maths against one unsplit SDPA (the K/V gather stood in for by a concatenation),
 the mesh (``(dp_shard, cp, tp?)`` over a ``dp_shard_cp`` root), the data loader's chunks, the
-config and preflight error lines.
+config and preflight error lines, and the compiled graphs on a fake process group: one K/V
+gather per block on the cp group, never bucketed, never gathered again in backward (its result
+is saved, with or without activation checkpointing), and overlapped by reordering with the
+compute that does not need it.
 
 Slow, one spawn per world size: a 2-block llama3 trains 3 SGD steps on the same global batch
 as a 1-process reference (the dp ranks split the batch, the cp ranks of a dp rank each keep
@@ -17,6 +20,7 @@ ranks is an O(1) error. The 4-rank job also runs the trainer with context parall
 """
 from __future__ import annotations
 
+import operator
 import os
 import tempfile
 from pathlib import Path
@@ -28,7 +32,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
 from simplesharded.models import context_parallel as cpm
-from simplesharded.passes.annotations import CP_KEY, annotations
+from simplesharded.passes.annotations import BUCKET_KEY, BUCKET_PARAMS_KEY, CP_KEY, annotations
+from simplesharded.passes.bucketing import bucketable
 from simplesharded.passes.collectives import find_collectives
 
 from dist_utils import max_rel_diff, memo, spawn
@@ -263,8 +268,133 @@ def test_config_resolves_batch_over_dp_only():
     assert cfg.parallelism.data_parallel_shard_degree == 1
 
 
+# ------------------------------------------------------------------ compiled graphs (fake pg)
+
+
+_GRAPHS: dict = {}
+
+
+def _graphs(ac: bool):
+    """{"fw"|"bw": {stage: gm}} of a 2-block CP model on the fake world of 4 (dp_shard 2 x
+    cp 2) under aot_eager_blockbucketing, and the cp group's name; traced once per module."""
+    if ac not in _GRAPHS:
+        import pass_utils as pu
+
+        import simplesharded as ss
+        from simplesharded.trainer.recipe import apply_activation_checkpointing
+
+        mesh = ss.build_mesh(1, 2, "cpu", cp=2)
+        model = make_model()
+        cpm.apply_context_parallel(model, mesh["cp"])
+        if ac:
+            apply_activation_checkpointing(model, "full", 1, compiled=True)
+        tokens = torch.randint(0, ARGS["vocab_size"], (2, SEQ // CP))
+        stages = pu.capture_graphs(model, mesh, (tokens, tokens),
+                                   loss=lambda out: out, reshard_after_forward="auto")
+        _GRAPHS[ac] = stages, mesh.get_group("cp").group_name
+    return _GRAPHS[ac]
+
+
 def _cp_collectives(gm):
     return [c for c in find_collectives(gm) if CP_KEY in annotations(c.start)]
+
+
+@pytest.mark.parametrize("ac", [False, True], ids=["no-ac", "ac"])
+def test_cp_gathers_one_per_block_untouched_by_our_passes(fake_world, ac):
+    """Forward: one K/V all-gather per block on the cp group, carrying ss_cp and no parameter;
+    backward: its reduce-scatter, and no all-gather on the cp group (the gathered K/V are
+    saved, never gathered again, activation checkpointing or not). Bucketing merges the
+    parameters' gathers but not these, and no pass moves them: each keeps its start, its wait
+    and the nodes around them (the reordering pass leaves collectives that are not ours
+    where they were traced, passes/reordering.py)."""
+    stages, cp_group = _graphs(ac)
+    n = ARGS["n_layers"]
+    for kind, cp_kind in (("fw", "all_gather"), ("bw", "reduce_scatter")):
+        before = _cp_collectives(stages[kind]["input"])
+        assert [c.kind for c in before] == [cp_kind] * n, (kind, before)
+        assert all(c.group_name == cp_group and not c.ours for c in before)
+        assert all(c.wait is not None for c in before)
+        for stage in ("bucketing", "reordering", "agreement"):
+            gm = stages[kind][stage]
+            after = _cp_collectives(gm)
+            assert [(c.kind, c.start.name, c.wait.name) for c in after] == \
+                [(c.kind, c.start.name, c.wait.name) for c in before], (kind, stage)
+            for c in after:
+                assert BUCKET_KEY not in annotations(c.start)
+                assert BUCKET_PARAMS_KEY not in annotations(c.start)
+                # the gathered buffer's input and first reader are the traced ones
+                assert c.start.args[0].name in {a.name for a in before[0].start.graph.nodes}
+        # never offered to a plan (BlockPlan's or AutoPlan's): only parameters' collectives are
+        offered = {c.start for c in bucketable(stages[kind]["input"].graph)}
+        assert offered and not offered & {c.start for c in before}
+        ours = [c for c in find_collectives(stages[kind]["bucketing"]) if c.ours]
+        assert len(ours) < len([c for c in find_collectives(stages[kind]["input"]) if c.ours])
+    bw_cp_gathers = [c for c in find_collectives(stages["bw"]["agreement"])
+                     if c.group_name == cp_group and c.kind == "all_gather" and not c.ours]
+    assert bw_cp_gathers == []
+    # backward reads the gathered K/V forward saved (the buffer, or its keys and values), never
+    # a saved local K/V to gather again
+    gathered = _cp_collectives(stages["fw"]["input"])[0]
+    local_shape = gathered.start.args[0].meta["val"].shape
+    B, Hkv, D = local_shape[1], local_shape[3], local_shape[4]
+    full_shape = gathered.wait.meta["val"].shape
+    shapes = [tuple(p.meta["val"].shape) for p in stages["bw"]["input"].graph.find_nodes(
+        op="placeholder") if isinstance(p.meta.get("val"), torch.Tensor)]
+    assert tuple(local_shape) not in shapes
+    saved = [x for x in shapes if x in (tuple(full_shape), (B, Hkv, full_shape[0], D))]
+    assert len(saved) >= n, shapes
+
+
+def test_reordering_overlaps_each_cp_collective_with_compute_that_does_not_need_it(fake_world):
+    """As traced, a cp collective is waited right after its start. After reordering, forward:
+    the query projection (a matmul) runs between a K/V gather's start and its wait, and the
+    wait is followed by nothing but views before the attention; backward: matmuls of the
+    layer's other gradients run while the keys' gradients are reduce-scattered. Everything
+    the start reads still comes before it."""
+    stages, _ = _graphs(False)
+    mm = torch.ops.aten.mm.default
+    for kind in ("fw", "bw"):
+        traced = stages[kind]["input"]
+        for c in _cp_collectives(traced):  # as traced: nothing between start and wait
+            assert c.start.next is c.wait, (kind, c.start.next)
+        gm = stages[kind]["agreement"]
+        nodes = list(gm.graph.nodes)
+        pos = {n: i for i, n in enumerate(nodes)}
+        for c in _cp_collectives(gm):
+            between = nodes[pos[c.start] + 1:pos[c.wait]]
+            assert any(n.target is mm for n in between), (kind, [n.name for n in between])
+            reads, stack = set(), [c.start]
+            while stack:
+                for a in stack.pop().all_input_nodes:
+                    if a not in reads:
+                        reads.add(a)
+                        stack.append(a)
+            assert all(pos[a] < pos[c.start] for a in reads)
+            if kind == "fw":
+                first = min((u for u in _users_past_views(c.wait)), key=pos.__getitem__)
+                assert "scaled_dot_product" in str(first.target), first
+                # between them only views (the gathered K/V's, the queries' transpose)
+                assert all(n.target in _VIEW_OPS for n in nodes[pos[c.wait] + 1:pos[first]]), \
+                    [(n.name, n.target) for n in nodes[pos[c.wait] + 1:pos[first]]]
+
+
+def _views_of(node):
+    out, stack = {node}, [node]
+    while stack:
+        for u in stack.pop().users:
+            if u not in out and u.target in _VIEW_OPS:
+                out.add(u)
+                stack.append(u)
+    return out
+
+
+def _users_past_views(node):
+    views = _views_of(node)
+    return {u for v in views for u in v.users if u not in views}
+
+
+_VIEW_OPS = {torch.ops.aten.permute.default, torch.ops.aten.unbind.int,
+             torch.ops.aten.transpose.int, torch.ops.aten.view.default, operator.getitem}
 
 
 # ------------------------------------------------------------------ parity (spawned ranks)
