@@ -193,9 +193,16 @@ def _overlap_cp_collectives(collectives: list[Collective], order: NodeOrder) -> 
     """Context parallelism's collectives (``ss_cp``): each issued before the compute that does
     not need it, and waited right before its first use (module doc)."""
     cp = [c for c in collectives if c.wait is not None and CP_KEY in annotations(c.start)]
+    if not cp:
+        return
+    # What the other steps place with their collective: each wait's copy-outs and views, and
+    # the pure ops only its result feeds (a reduction's averaging). They stay, so those steps
+    # find them where they left them (idempotence) and no gathered buffer lives longer.
+    held = {n for c in collectives if c.wait is not None
+            for n in reduction_epilogue(gather_chain(c.wait, order), order)}
     floor = None  # the previous one's wait: compute is never moved across it
     for c in sorted(cp, key=lambda c: order[c.start]):
-        _issue_before_independent_compute(c.start, floor, order)
+        _issue_before_independent_compute(c.start, floor, order, held)
         chain = _views_of_result(c.wait, order)
         use = _first_use(chain, order)
         if use is not None:
@@ -218,20 +225,20 @@ def _views_of_result(wait: fx.Node, order: NodeOrder) -> list[fx.Node]:
 
 
 def _issue_before_independent_compute(start: fx.Node, floor: fx.Node | None,
-                                      order: NodeOrder) -> None:
+                                      order: NodeOrder, held: set[fx.Node]) -> None:
     """Move the pure compute between ``floor`` (exclusive; None: the graph's start) and
     ``start`` that ``start`` does not read, directly or not, to right after ``start``, in its
-    order. What stays: ``start``'s inputs, collectives and waits, impure and random ops, and
-    all they read. A moved node feeds no node that stays (that one would then read it), so
-    every use still follows its definition."""
+    order. What stays: ``start``'s inputs, collectives and waits, ``held``, impure and random
+    ops, and all they read. A moved node feeds no node that stays (that one would then read
+    it), so every use still follows its definition."""
     window, node = [], (floor.next if floor is not None else next(iter(start.graph.nodes)))
     while node is not start:
         window.append(node)
         node = node.next
     stays = {start}
     for node in reversed(window):  # a reader comes after what it reads
-        if (node.op != "call_function" or is_collective_or_wait(node) or node.is_impure()
-                or _random(node) or any(u in stays for u in node.users)):
+        if (node.op != "call_function" or is_collective_or_wait(node) or node in held
+                or node.is_impure() or _random(node) or any(u in stays for u in node.users)):
             stays.add(node)
     anchor = start
     for node in window:

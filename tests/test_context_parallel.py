@@ -258,6 +258,24 @@ def test_config_errors_are_one_line(argv, world, message):
     assert str(e.value) == message
 
 
+def test_preflight_prints_one_error_line(monkeypatch, capsys):
+    """run_train.sh's preflight (``python -m simplesharded.trainer --check-only``): a CP error
+    is one ``error:`` line and exit 2; a good CP config passes."""
+    from simplesharded.trainer import main as train_main
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    cp = ["--check-only", "--job.config_file", LLAMA, "--parallelism.context_parallel_degree"]
+    assert train_main([*cp, "2"]) == 0
+    assert capsys.readouterr().err == ""
+    assert train_main([*cp, "2", "--model.name", "gpt"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: parallelism.context_parallel_degree=2 needs a model whose "
+                          "attention runs under context parallelism") and err.count("\n") == 1
+    assert train_main([*cp, "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: parallelism.context_parallel_degree=3") and err.count("\n") == 1
+
+
 def test_config_resolves_batch_over_dp_only():
     """The cp ranks of a dp rank share its sequences: 4 ranks at cp 2 are dp 2."""
     cfg = _load(["--parallelism.context_parallel_degree", "2"])
@@ -350,7 +368,12 @@ def test_reordering_overlaps_each_cp_collective_with_compute_that_does_not_need_
     the query projection (a matmul) runs between a K/V gather's start and its wait, and the
     wait is followed by nothing but views before the attention; backward: matmuls of the
     layer's other gradients run while the keys' gradients are reduce-scattered. Everything
-    the start reads still comes before it."""
+    the start reads still comes before it, and a second run changes nothing."""
+    import pass_utils as pu
+
+    from simplesharded.passes.plans import BlockPlan
+    from simplesharded.passes.reordering import reorder_for_overlap
+
     stages, _ = _graphs(False)
     mm = torch.ops.aten.mm.default
     for kind in ("fw", "bw"):
@@ -376,6 +399,9 @@ def test_reordering_overlaps_each_cp_collective_with_compute_that_does_not_need_
                 # between them only views (the gathered K/V's, the queries' transpose)
                 assert all(n.target in _VIEW_OPS for n in nodes[pos[c.wait] + 1:pos[first]]), \
                     [(n.name, n.target) for n in nodes[pos[c.wait] + 1:pos[first]]]
+        again = pu.fresh(stages[kind]["reordering"])
+        reorder_for_overlap(again, BlockPlan())
+        assert pu.graph_signature(again) == pu.graph_signature(stages[kind]["reordering"])
 
 
 def _views_of(node):
