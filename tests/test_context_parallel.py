@@ -468,7 +468,7 @@ def reference():
 
 # world → [(dp_shard, tp, backend, activation checkpointing)]; cp = 2 throughout
 LAYOUTS = {
-    2: [(1, 1, "eager", False), (1, 1, "aot_eager_blockbucketing", False),
+    2: [(1, 1, "eager", False), (1, 1, "eager", True), (1, 1, "aot_eager_blockbucketing", False),
         (1, 1, "aot_eager_blockbucketing", True)],
     4: [(2, 1, "eager", False), (2, 1, "aot_eager_blockbucketing", False),
         (1, 2, "eager", False), (1, 2, "aot_eager_blockbucketing", False)],
