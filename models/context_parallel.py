@@ -19,9 +19,9 @@ built from positions, and attention does not depend on the order of its keys.
 Every rank has the same shapes (only the mask's values and the rotation's rows differ), so the
 ranks trace graphs of one structure and plan the same collectives (passes/plan_protocol.py).
 Costs: a rank scores its 2c queries against all S keys and masks about half of them, twice the
-causal work (no block of keys is skipped); the mask is [2c, S] booleans, and the gathered K/V
-(S tokens) live from the gather to the end of the layer's attention, and, saved for backward,
-until its backward. Ring attention, which streams blocks of keys and skips the masked ones,
+causal work (no block of keys is skipped); the mask is [2c, S] booleans, which SDPA turns into
+an additive bias in the queries' dtype that is saved for backward (one for all layers); and
+the gathered K/V (S tokens) are saved per layer for backward. Ring attention, which streams blocks of keys and skips the masked ones,
 avoids both but needs an attention kernel that returns its log-sum-exp (torch's ring attention
 has no CPU sharding rule for the CPU flash kernel).
 
