@@ -79,6 +79,9 @@ def test_degrees_with_pp():
     with pytest.raises(ValueError, match=r"dp_shard=3 does not equal the world size 4 "
                                          r"\(world size 8 / pp=2\)"):
         resolve_degrees(8, 1, 3, 1, 1, pp=2)
+    with pytest.raises(ValueError, match=r"^pp=2 with cp=2: pipeline parallelism together "
+                                         r"with context parallelism is not supported yet"):
+        resolve_degrees(8, 1, -1, 1, 1, 2, pp=2)
 
 
 def test_config_keys_and_defaults():
@@ -149,6 +152,9 @@ def _error(argv: list[str], world: int, capsys, monkeypatch) -> str:
     ([*PP2, "--parallelism.pipeline_parallel_layers_per_stage", "6,0"], 4,
      "parallelism.pipeline_parallel_layers_per_stage=[6, 0] must give every stage at least one "
      "block"),
+    ([*PP2, "--parallelism.context_parallel_degree", "2"], 4,
+     "parallelism.context_parallel_degree=2 with pipeline_parallel_degree=2: pipeline "
+     "parallelism together with context parallelism is not supported yet; set one of them to 1"),
     ([*PP2, "--model.name", "gpt"], 4,
      "parallelism.pipeline_parallel_degree=2 (schedule 1F1B, model gpt/debug): GPT cannot be "
      "staged: parameter 'wte.weight' (stage 0) is tied to 'head.weight' (stage 1); pipeline "

@@ -1,7 +1,7 @@
 """The parallelization recipe, in its order: tensor parallelism → expert parallelism →
-activation checkpointing → data_parallel → torch.compile with our backend, per pipeline stage
-(:func:`parallelize`), and what the step needs to know of it (loss chunks, loss parallelism,
-the pipeline's loss)."""
+context parallelism → activation checkpointing → data_parallel → torch.compile with our backend,
+per pipeline stage (:func:`parallelize`), and what the step needs to know of it (loss chunks,
+loss parallelism, the pipeline's loss)."""
 from __future__ import annotations
 
 import contextlib
@@ -13,7 +13,8 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from simplesharded.backends import BACKENDS, BackendName, make_backend
 from simplesharded.blocks import find_blocks
-from simplesharded.mesh import ep_dim, tp_dim
+from simplesharded.mesh import cp_dim, ep_dim, tp_dim
+from simplesharded.models.context_parallel import apply_context_parallel
 from simplesharded.passes.agreement import set_agreement_peers
 from simplesharded.passes.annotations import AC_KEY
 from simplesharded.sharding import MixedPrecisionPolicy, data_parallel
@@ -117,7 +118,7 @@ class _ScopedCalls:
 
 def parallelize(model: torch.nn.Module, mesh, cfg: Config, backend=None, observer=None,
                 loss_fn=None):
-    """TP → EP → activation checkpointing → data_parallel → compile, in that order, on the
+    """TP → EP → CP → activation checkpointing → data_parallel → compile, in that order, on the
     model or, under pipeline parallelism, on each of this rank's stages; returns the callable
     a step runs (the compiled model, or the model itself), or the
     :class:`~simplesharded.pipelining.Pipeline` of this rank's stages (``loss_fn``: the loss
@@ -135,6 +136,8 @@ def parallelize(model: torch.nn.Module, mesh, cfg: Config, backend=None, observe
     def prepare(part: torch.nn.Module):
         apply_tensor_parallel(part, mesh, p.enable_sequence_parallel, uses_loss_parallel(cfg))
         apply_expert_parallel(part, mesh)
+        if cp_dim(mesh):  # the model's attention over sequences split on mesh["cp"]
+            apply_context_parallel(part, mesh[cp_dim(mesh)])
         apply_activation_checkpointing(part, cfg.activation_checkpoint.mode,
                                        cfg.activation_checkpoint.selective_every,
                                        compiled=c.enable, expert_parallel=bool(ep_dim(mesh)))
