@@ -191,10 +191,14 @@ class Parallelism:
         "the blocks split evenly (the earlier stages one more) over the schedule's stages. "
         "CLI: 3,3,2,2")
     pipeline_fsdp_policy: str = _opt(
-        "reduce_once", "FSDP across a stage's micro-batches: every_microbatch (each backward "
-        "reduces its gradients: they stay sharded) or reduce_once (backwards sum full-size "
-        "gradients on the rank, one reduction per stage per step: the stage's gradients "
-        "unsharded meanwhile)", ("every_microbatch", "reduce_once"))
+        "auto", "FSDP across a stage's micro-batches: every_microbatch (each forward gathers, "
+        "each backward reduces: parameters and gradients stay sharded), reduce_once (backwards "
+        "sum full-size gradients on the rank, one reduction per stage per step: the stage's "
+        "gradients unsharded meanwhile), gather_once (reduce_once, and one gather per stage "
+        "per step: its parameters unsharded too), or auto (per stage: gather_once when its "
+        "parameters fit compile.memory_cap_mb, else reduce_once; see "
+        "simplesharded/pipelining.py: auto_policy)",
+        ("auto", "every_microbatch", "reduce_once", "gather_once"))
 
     @property
     def reshard(self) -> bool | str:

@@ -166,7 +166,7 @@ def parallelize(model: torch.nn.Module, mesh, cfg: Config, backend=None, observe
         hidden=torch.empty(mb, t.seq_len, a.dim, dtype=act, device="meta"),
         output=torch.empty(mb, t.seq_len, a.vocab_size, dtype=act, device="meta"),
         n_stages=pipeline_stages(p), layers_per_stage=p.pipeline_parallel_layers_per_stage or None,
-        policy=p.pipeline_fsdp_policy)
+        policy=p.pipeline_fsdp_policy, memory_cap_mb=c.memory_cap_mb, param_dtype=pdt)
 
 
 def pipeline_loss(denominator: float):
