@@ -17,8 +17,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                               PrepareModuleInputOutput, PrepareModuleOutput,
                                                RowwiseParallel, SequenceParallel)
 
+from simplesharded.models.context_parallel import ContextParallel
 from simplesharded.models.loss import lm_loss
 
 
@@ -113,6 +115,10 @@ def trunc_normal_init_(weight: torch.Tensor, std: float) -> None:
 
 
 class Attention(nn.Module):
+    # Set by models/context_parallel.py's apply_context_parallel: x is then this rank's
+    # head-tail chunks of sequences split over the cp ranks.
+    context_parallel: ContextParallel | None = None
+
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int):
         super().__init__()
         self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
@@ -134,6 +140,9 @@ class Attention(nn.Module):
         k = self.wk(x).view(B, S, -1, self.head_dim)
         v = self.wv(x).view(B, S, -1, self.head_dim)
         q, k = apply_rotary_emb(q, freqs_cis), apply_rotary_emb(k, freqs_cis)
+        if self.context_parallel is not None:  # keys of the whole sequence: gathered
+            y = self.context_parallel.attention(q, k, v)
+            return self.wo(y.transpose(1, 2).reshape(B, S, -1))
         # GQA: each kv head serves n_heads // n_kv_heads consecutive query heads; SDPA reads
         # them in place (enable_gqa) instead of materialising repeated K and V.
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -211,6 +220,9 @@ def ffn_tp_styles(prefix: str, sequence_parallel: bool) -> dict:
 
 
 class Llama3(nn.Module):
+    # Context parallelism (models/context_parallel.py): tokens are this rank's head-tail chunks.
+    context_parallel: ContextParallel | None = None
+
     def __init__(self, args: Llama3Args):
         super().__init__()
         self.args = args
@@ -261,7 +273,8 @@ class Llama3(nn.Module):
         S = tokens.shape[1]
         if S > self.args.max_seq_len:
             raise ValueError(f"sequence length {S} exceeds max_seq_len={self.args.max_seq_len}")
-        freqs_cis = self.freqs_cis[:S]
+        cp = self.context_parallel  # RoPE at the global positions of this rank's chunks
+        freqs_cis = self.freqs_cis[:S] if cp is None else cp.rope(self.freqs_cis, S)
         h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, freqs_cis)
@@ -294,6 +307,27 @@ class Llama3(nn.Module):
             styles.update(attention_tp_styles(f"layers.{name}", sequence_parallel))
             styles.update(self.feed_forward_tp_styles(f"layers.{name}.feed_forward",
                                                       sequence_parallel))
+        if sequence_parallel:
+            styles.update(self._stage_edge_styles())
+        return styles
+
+    def _stage_edge_styles(self) -> dict:
+        """A pipeline stage (simplesharded/stage_split.py) under sequence parallelism: stages
+        hand each other whole sequences (forward reads their length for RoPE), so a stage
+        without the embedding cuts its input to this rank's sequence shard before its first
+        block (no communication), and one without the head gathers its last block's output."""
+        names = list(self.layers)
+        takes, gives = self.tok_embeddings is None, self.output is None
+        if not names or not (takes or gives):
+            return {}
+        cut = dict(input_layouts=(Replicate(), None), desired_input_layouts=(Shard(1), None))
+        gather = dict(output_layouts=Shard(1), desired_output_layouts=Replicate())
+        first, last = f"layers.{names[0]}", f"layers.{names[-1]}"
+        if takes and gives and first == last:
+            return {first: PrepareModuleInputOutput(**cut, use_local_input=True, **gather)}
+        styles = {first: PrepareModuleInput(**cut, use_local_output=True)} if takes else {}
+        if gives:
+            styles[last] = PrepareModuleOutput(**gather)
         return styles
 
     def feed_forward_tp_styles(self, prefix: str, sequence_parallel: bool) -> dict:

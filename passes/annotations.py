@@ -14,6 +14,10 @@ Written by the MoE layer (models/moe.py; its token dispatch: models/ep_dispatch.
   ROUTING_KEY        on the ops that decide where tokens go (the top-k choice, and under
                      expert parallelism the exchanged counts, split sizes and the orders built
                      from them): recompute.py saves them for backward, never recomputes them
+Written by context parallelism (models/context_parallel.py):
+  CP_KEY             on the all-gather of K and V over the cp group (its value: the group's
+                     name): a collective of the model, not of a parameter; no pass moves or
+                     merges it, and backward reads its saved result (recompute.py)
 Written by our passes:
   BUCKET_KEY         the bucket a merged collective implements (bucketing.py)
   BUCKET_PARAMS_KEY  FQNs of every parameter a merged collective serves (bucketing.py)
@@ -32,6 +36,7 @@ BLOCK_KEY = "ss_block"
 RESHARD_KEY = "ss_reshard"
 AC_KEY = "ss_ac"
 ROUTING_KEY = "ss_routing"
+CP_KEY = "ss_cp"
 BUCKET_KEY = "ss_bucket"
 BUCKET_PARAMS_KEY = "ss_bucket_params"
 LOWERED_KEY = "ss_lowered"

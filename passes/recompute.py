@@ -30,6 +30,9 @@ decisions of a MoE layer (nodes annotated ``ss_routing`` by models/moe.py and
 models/ep_dispatch.py: the top-k choice, the exchanged counts, the split sizes and the orders
 built from them). They are MUST_SAVE, so
 a recomputed expert computation reads the very rows forward received, never a re-routing.
+Context parallelism's K/V all-gather (``ss_cp``, models/context_parallel.py) is such a
+collective: backward reads the gathered keys and values forward saved and never gathers them
+again (the memory of the whole sequence's K/V per layer, instead of a second gather per layer).
 (torch's partitioner also force-saves collectives that are not MUST_RECOMPUTE; this pass
 states it for the routing too and does not lean on that default.)
 """

@@ -44,13 +44,39 @@ class _ScaleGrad(torch.autograd.Function):
 def gather_param(shard: DTensor, param: ShardedParam) -> torch.Tensor:
     """Shard → full local tensor in param_dtype (the model-parallel DTensor when
     ``param.mp_layout`` is set); its gradient is reduced back onto the shard over the
-    parameter's dp dims only.
+    parameter's dp dims only. A parameter held gathered (simplesharded/gather_once.py) is read
+    from there: no collective, its gradient to the rank-local accumulator.
 
     All dp ops are annotated with the parameter FQN so graph passes can find them in the
     forward, joint and backward graphs without guessing from graph shape. The model-parallel
     re-wrap is outside the annotation: TP collectives (e.g. the all-reduce of a replicated
     norm weight's gradient under sequence parallelism) belong to TP, not to the dp passes.
     """
+    spec, mp = param.spec, param.mp_layout
+    held = _held(param)
+    if held is not None:
+        local = spec.grad_sync.route(held, param.fqn)
+    else:
+        local = _gathered(shard, param)
+    if mp is not None:
+        local = DTensor.from_local(local, mp.mesh, (mp.placement,), run_check=False,
+                                   shape=mp.shape, stride=mp.stride)
+    return local
+
+
+def _held(param: ShardedParam) -> torch.Tensor | None:
+    """The full tensor gathered once for several forwards (simplesharded/gather_once.py), if
+    any: its gradient reaches the accumulators only, so sync must be off."""
+    sync = param.spec.grad_sync
+    held = sync.held.get(param.fqn) if sync is not None else None
+    if held is not None and sync.sync and torch.is_grad_enabled():
+        raise RuntimeError(f"{param.fqn} is held gathered (gather_once) while gradient sync "
+                           f"is on: its gradient would never be reduced")
+    return held
+
+
+def _gathered(shard: DTensor, param: ShardedParam) -> torch.Tensor:
+    """The dp all-gather of gather_param, annotated, with its gradient's reduction."""
     spec, mp = param.spec, param.mp_layout
     annotation = {PARAM_KEY: param.fqn, DP_GROUPS_KEY: spec.dp_groups,
                   RESHARD_KEY: spec.reshard_after_forward}
@@ -88,9 +114,6 @@ def gather_param(shard: DTensor, param: ShardedParam) -> torch.Tensor:
             local = _ScaleGrad.apply(local, spec.grad_scale)
         if spec.grad_sync is not None:
             local = spec.grad_sync.route(local, param.fqn)
-    if mp is not None:
-        local = DTensor.from_local(local, mp.mesh, (mp.placement,), run_check=False,
-                                   shape=mp.shape, stride=mp.stride)
     return local
 
 
@@ -154,7 +177,9 @@ def _sharded_property(name: str) -> property:
             full = gather_param(shard, param)
         if cache:
             scope.gathered[fqn] = full
-        if scope.eager is not None and not torch.compiler.is_compiling():
+        # a held tensor stays gathered across forwards: nothing for eager resharding to free
+        if (scope.eager is not None and not torch.compiler.is_compiling()
+                and _held(param) is None):
             scope.eager.note(self, name, full)
         return full
 

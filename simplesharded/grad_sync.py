@@ -90,6 +90,8 @@ class _GradSync:
         self.sync = True
         self.acc: dict[str, torch.Tensor] = {}  # fqn → accumulator leaf (made when sync goes off)
         self.pending: dict[str, torch.Tensor] = {}  # fqn → accumulated gradient to add once
+        # fqn → the full tensor gathered once for several forwards (simplesharded/gather_once.py)
+        self.held: dict[str, torch.Tensor | None] = {}
 
     def route(self, local: torch.Tensor, fqn: str) -> torch.Tensor:
         """The gathered tensor as the module sees it (called in gather_param)."""

@@ -13,6 +13,14 @@ other parameter is sharded over all of dp_shard as without EP. That dense layout
 ``(dp_replicate?, dp_shard, tp?)`` is the mesh :func:`build_mesh` makes first; the ep mesh is
 its ``_unflatten`` (torch's DeviceMesh API for exactly this), so the dense mesh is the ep mesh's
 root (:func:`dense_mesh`) and needs no flattened-dim slicing, and both share one rank layout.
+
+Context parallelism (``cp`` > 1) sits between the dp dims and tp: ``(dp_replicate?, dp_shard,
+cp, tp?)``, so a cp group is ranks of one node next to tp. The cp ranks of one dp rank read the
+same sequences and each holds different tokens of them (models/context_parallel.py); for the
+parameters they are data parallel like dp_shard's, so the dense mesh shards every parameter over
+dp_shard x cp as one dim, ``dp_shard_cp`` (torchtitan's name): ``build_mesh`` makes
+``(dp_replicate?, dp_shard_cp, tp?)`` first and the cp mesh is its ``_unflatten``, the same
+root-and-unflatten relation as EP's. EP together with CP is not supported yet (an error).
 Nothing downstream may assume a number of dims: it asks :func:`dp_dims` / :func:`tp_dim` /
 :func:`dense_mesh` / :func:`expert_dp_mesh`, which all read :func:`mesh_roles`, the one rule
 for which dims are data-parallel. It also reads meshes built elsewhere: an unnamed or
@@ -25,7 +33,8 @@ ep, tp?)``. A pp group is ranks ``world / pp`` apart, so each stage's dp, ep and
 the same consecutive ranks as without pp. ``pp`` is neither data- nor model-parallel to a
 parameter: a stage's parameters live on :func:`stage_mesh`, the mesh without it, and
 ``data_parallel`` given a mesh with a pp dim works on that sub-mesh (so a checkpoint's DTensors
-name no pp dim and load at another pp degree).
+name no pp dim and load at another pp degree). PP together with CP is not supported yet (an
+error).
 """
 from __future__ import annotations
 
@@ -44,8 +53,11 @@ TP_DIM = "tp"
 EP_DIM = "ep"
 EFSDP_DIM = "efsdp"  # the dp_shard ranks left to an expert weight: dp_shard / ep
 PP_DIM = "pp"  # pipeline stages: outermost, never a parameter's dim (stage_mesh)
-DP_DIMS = (REPLICATE_DIM, SHARD_DIM, EFSDP_DIM)  # the names a data-parallel dim goes by
-OUR_DIMS = (PP_DIM, *DP_DIMS, EP_DIM, TP_DIM)
+CP_DIM = "cp"
+SHARD_CP_DIM = "dp_shard_cp"  # dp_shard x cp flattened: what the parameters are sharded over
+# the names a data-parallel dim goes by
+DP_DIMS = (REPLICATE_DIM, SHARD_DIM, EFSDP_DIM, SHARD_CP_DIM)
+OUR_DIMS = (PP_DIM, *DP_DIMS, EP_DIM, CP_DIM, TP_DIM)
 
 
 def device_type() -> str:
@@ -60,12 +72,14 @@ def backend_for(device: str) -> str:
 
 @dataclass(frozen=True)
 class MeshDegrees:
-    """Resolved degrees; ``pp * replicate * shard * tp == world``; ``ep`` divides ``shard``."""
+    """Resolved degrees; ``pp * replicate * shard * cp * tp == world``; ``ep`` divides
+    ``shard``."""
 
     replicate: int
     shard: int
     tp: int = 1
     ep: int = 1
+    cp: int = 1
     pp: int = 1
 
     @property
@@ -75,11 +89,12 @@ class MeshDegrees:
 
     @property
     def dp(self) -> int:
+        """Data-parallel ranks that read different sequences (cp and tp ranks share them)."""
         return self.replicate * self.shard
 
     @property
     def world(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
 
     def dims(self) -> tuple[tuple[str, int], ...]:
         """(name, size) of each mesh dim, outermost first, by the module doc's rule."""
@@ -89,14 +104,16 @@ class MeshDegrees:
             dims += [(EFSDP_DIM, self.efsdp), (EP_DIM, self.ep)]
         else:
             dims.append((SHARD_DIM, self.shard))
+        if self.cp > 1:
+            dims.append((CP_DIM, self.cp))
         if self.tp > 1:
             dims.append((TP_DIM, self.tp))
         return tuple(dims)
 
 
 def resolve_degrees(world_size: int, dp_replicate: int = 1, dp_shard: int = -1,
-                    tp: int = 1, ep: int = 1,
-                    names: tuple[str, ...] = ("dp_replicate", "dp_shard", "tp", "ep"),
+                    tp: int = 1, ep: int = 1, cp: int = 1,
+                    names: tuple[str, ...] = ("dp_replicate", "dp_shard", "tp", "ep", "cp"),
                     pp: int = 1, pp_name: str = "pp") -> MeshDegrees:
     """Fill a ``-1`` degree from the world size and check the product (and that ``ep``
     divides dp_shard: expert parallelism borrows dp_shard's ranks). ``pp`` stages split the
@@ -113,7 +130,7 @@ def resolve_degrees(world_size: int, dp_replicate: int = 1, dp_shard: int = -1,
     world = f"{world_size // pp} (world size {world_size} / {pp_name}={pp})" if pp > 1 else \
         str(world_size)
     world_size //= pp
-    values = (dp_replicate, dp_shard, tp, ep)
+    values = (dp_replicate, dp_shard, tp, ep, cp)
     for name, val in zip(names, values):
         fill = name in names[:2]
         if not isinstance(val, int) or isinstance(val, bool) or (val < 1 and not
@@ -122,10 +139,10 @@ def resolve_degrees(world_size: int, dp_replicate: int = 1, dp_shard: int = -1,
                              + (" or -1 (fill the world)" if fill else ""))
     if dp_replicate == -1 and dp_shard == -1:
         raise ValueError(f"{names[0]} and {names[1]} cannot both be -1; set at most one to -1")
-    given = " x ".join(f"{n}={v}" for n, v in zip(names[:3], values) if v != -1 and (v > 1 or
-                                                                                  n == names[1]))
+    factors = [(names[i], values[i]) for i in (0, 1, 4, 2)]  # mesh order; ep is no factor
+    given = " x ".join(f"{n}={v}" for n, v in factors if v != -1 and (v > 1 or n == names[1]))
     if -1 in (dp_replicate, dp_shard):
-        known = (dp_replicate if dp_shard == -1 else dp_shard) * tp
+        known = (dp_replicate if dp_shard == -1 else dp_shard) * cp * tp
         if world_size % known:
             raise ValueError(f"{given}{_product(given, known)} does not divide the world size "
                              f"{world}")
@@ -133,13 +150,19 @@ def resolve_degrees(world_size: int, dp_replicate: int = 1, dp_shard: int = -1,
             dp_shard = world_size // known
         else:
             dp_replicate = world_size // known
-    elif dp_replicate * dp_shard * tp != world_size:
-        raise ValueError(f"{given}{_product(given, dp_replicate * dp_shard * tp)} does not "
-                         f"equal the world size {world}")
+    elif dp_replicate * dp_shard * cp * tp != world_size:
+        raise ValueError(f"{given}{_product(given, dp_replicate * dp_shard * cp * tp)} does "
+                         f"not equal the world size {world}")
     if dp_shard % ep:
         raise ValueError(f"{names[3]}={ep} does not divide {names[1]}={dp_shard} (expert "
                          f"parallelism borrows its ranks from the data-parallel shards)")
-    return MeshDegrees(dp_replicate, dp_shard, tp, ep, pp=pp)
+    if ep > 1 and cp > 1:
+        raise ValueError(f"{names[3]}={ep} with {names[4]}={cp}: expert parallelism together "
+                         f"with context parallelism is not supported yet; set one of them to 1")
+    if pp > 1 and cp > 1:
+        raise ValueError(f"{pp_name}={pp} with {names[4]}={cp}: pipeline parallelism together "
+                         f"with context parallelism is not supported yet; set one of them to 1")
+    return MeshDegrees(dp_replicate, dp_shard, tp, ep, cp, pp=pp)
 
 
 def _product(given: str, value: int) -> str:
@@ -154,6 +177,7 @@ class MeshRoles:
     dp: tuple[int, ...]  # the data-parallel dims, outermost first: (shard,) or (replicate, shard)
     tp: int | None = None
     ep: int | None = None
+    cp: int | None = None
     pp: int | None = None  # the pipeline dim (0 when present): neither dp nor model-parallel
 
     @property
@@ -168,13 +192,14 @@ class MeshRoles:
 
     @property
     def rest(self) -> tuple[str | None, ...]:
-        """Names of the dims after the dp dims (tp, ep), in mesh order."""
+        """Names of the dims after the dp dims (cp, tp, ep), in mesh order."""
         return self.names[self.dp[-1] + 1:]
 
 
 # The layouts read by name, for error messages ("?": only when its degree is > 1).
 NAMED_LAYOUTS = (f"({REPLICATE_DIM!r}?, {SHARD_DIM!r}, {TP_DIM!r}?) or "
-                 f"({REPLICATE_DIM!r}?, {EFSDP_DIM!r}, {EP_DIM!r}, {TP_DIM!r}?)")
+                 f"({REPLICATE_DIM!r}?, {EFSDP_DIM!r}, {EP_DIM!r}, {TP_DIM!r}?) or "
+                 f"({REPLICATE_DIM!r}?, {SHARD_DIM!r}, {CP_DIM!r}, {TP_DIM!r}?)")
 _EXPECTED = (f"1 or 2 data-parallel dims (any names or none, as init_device_mesh makes them) "
              f"or dims named {NAMED_LAYOUTS}, after an optional {PP_DIM!r} (init_mesh)")
 
@@ -183,21 +208,23 @@ def mesh_roles(mesh: DeviceMesh) -> MeshRoles:
     """The one rule for which dims of a mesh are data-parallel, and in which role.
 
     A mesh whose names are all ours (module doc) is read by name: its dp dims are those named
-    dp_replicate, dp_shard or efsdp, and it may have tp and ep dims after them. Any other mesh
+    dp_replicate, dp_shard, efsdp or dp_shard_cp, and it may have cp, tp and ep dims after
+    them. Any other mesh
     (unnamed, as FSDP2 examples build it, or named by the user) is read by position: all its
     dims are data-parallel, 1-D being the shard dim and 2-D (replicate, shard) as FSDP2's HSDP.
-    TP and EP need our names: an unnamed tp dim cannot be told from a dp dim. Raises
+    TP, EP and CP need our names: an unnamed tp dim cannot be told from a dp dim. Raises
     ValueError for a mesh it cannot read.
     """
     names = tuple(getattr(mesh, "mesh_dim_names", None) or (None,) * mesh.ndim)
     ours = all(n in OUR_DIMS for n in names)
     if not ours or mesh.ndim == 1:
-        if mesh.ndim > 2 or (mesh.ndim == 2 and {TP_DIM, EP_DIM} & set(names)):
+        if mesh.ndim > 2 or (mesh.ndim == 2 and {TP_DIM, EP_DIM, CP_DIM} & set(names)):
             raise ValueError(f"data_parallel cannot tell the data-parallel dims of a "
                              f"{mesh.ndim}-D mesh with dims {names}; expected {_EXPECTED}")
         return MeshRoles(names, tuple(range(mesh.ndim)))
     dp = tuple(i for i, n in enumerate(names) if n in DP_DIMS)
-    tp, ep, pp = (names.index(n) if n in names else None for n in (TP_DIM, EP_DIM, PP_DIM))
+    tp, ep, cp, pp = (names.index(n) if n in names else None
+                      for n in (TP_DIM, EP_DIM, CP_DIM, PP_DIM))
     lead = 1 if pp == 0 else 0  # pp, when present, comes first
     if (pp not in (None, 0) or not 1 <= len(dp) <= 2
             or dp != tuple(range(lead, lead + len(dp)))):
@@ -205,7 +232,7 @@ def mesh_roles(mesh: DeviceMesh) -> MeshRoles:
         # rest's
         raise ValueError(f"data_parallel needs one or two data-parallel dims outermost (after "
                          f"{PP_DIM!r}); the mesh's dims are {names}; expected {_EXPECTED}")
-    return MeshRoles(names, dp, tp, ep, pp)
+    return MeshRoles(names, dp, tp, ep, cp, pp)
 
 
 def dp_dims(mesh: DeviceMesh) -> tuple[str | None, ...]:
@@ -224,6 +251,11 @@ def ep_dim(mesh: DeviceMesh) -> str | None:
     return EP_DIM if mesh_roles(mesh).ep is not None else None
 
 
+def cp_dim(mesh: DeviceMesh) -> str | None:
+    """``"cp"`` when the mesh has a context-parallel dim, else None."""
+    return CP_DIM if mesh_roles(mesh).cp is not None else None
+
+
 def dim_size(mesh: DeviceMesh, name: str) -> int:
     """Size of the mesh dim called ``name``."""
     names = mesh.mesh_dim_names or ()
@@ -235,7 +267,7 @@ def dim_size(mesh: DeviceMesh, name: str) -> int:
 def stage_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The mesh a pipeline stage's parameters live on: ``mesh`` without its pp dim (``mesh``
     itself when it has none)."""
-    names = tuple(mesh.mesh_dim_names or ())
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
     if PP_DIM not in names:
         return mesh
     rest = tuple(n for n in names if n != PP_DIM)
@@ -244,14 +276,17 @@ def stage_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 def dense_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The mesh of every parameter that is not an expert weight: ``(dp_replicate?, dp_shard,
-    tp?)``. ``mesh`` itself without an ep dim; with one, the mesh it was unflattened from
-    (module doc)."""
-    if not ep_dim(mesh):
+    tp?)``, or ``(dp_replicate?, dp_shard_cp, tp?)`` under context parallelism. ``mesh`` itself
+    without an ep or cp dim; with one, the mesh it was unflattened from (module doc)."""
+    split = ((SHARD_DIM, (EFSDP_DIM, EP_DIM)) if ep_dim(mesh) else
+             (SHARD_CP_DIM, (SHARD_DIM, CP_DIM)) if cp_dim(mesh) else None)
+    if split is None:
         return mesh
+    whole, parts = split
     root = stage_mesh(mesh._get_root_mesh())
-    if (SHARD_DIM not in (root.mesh_dim_names or ())
-            or dim_size(root, SHARD_DIM) != dim_size(mesh, EFSDP_DIM) * dim_size(mesh, EP_DIM)):
-        raise ValueError(f"a mesh with an {EP_DIM!r} dim must come from build_mesh/init_mesh "
+    if (whole not in (root.mesh_dim_names or ())
+            or dim_size(root, whole) != dim_size(mesh, parts[0]) * dim_size(mesh, parts[1])):
+        raise ValueError(f"a mesh with an {parts[1]!r} dim must come from build_mesh/init_mesh "
                          f"(its dense layout is its root); got {mesh}")
     return root
 
@@ -268,9 +303,9 @@ def group_labels(mesh: DeviceMesh) -> dict[str, str]:
     whose dp_shard spans efsdp x ep). What passes/collectives.group_label reads from a
     group's description, except that a 1-D mesh over the whole world reuses the default
     group, whose description names no dim. A group that serves two dims (ep = dp_shard: both
-    the default group) is labelled with both, "ep/dp_shard"."""
+    the default group) is labelled with both, "ep/dp_shard" (or "cp/dp_shard_cp")."""
     labels: dict[str, str] = {}
-    for m in [mesh] + ([dense_mesh(mesh)] if ep_dim(mesh) else []):
+    for m in [mesh] + ([dense_mesh(mesh)] if dense_mesh(mesh) is not mesh else []):
         for d in m.mesh_dim_names or ():
             name = m.get_group(d).group_name
             labels[name] = d if labels.get(name, d) == d else f"{labels[name]}/{d}"
@@ -346,28 +381,33 @@ def exit_rank(code: int = 0) -> NoReturn:
 
 
 def build_mesh(dp_replicate: int = 1, dp_shard: int = -1, device: str | None = None,
-               tp: int = 1, ep: int = 1, pp: int = 1) -> DeviceMesh:
+               tp: int = 1, ep: int = 1, cp: int = 1, pp: int = 1) -> DeviceMesh:
     """The named mesh of the module doc: ``dp_shard`` always (split into ``efsdp`` x ``ep``
-    when ``ep`` > 1), ``pp``, ``dp_replicate`` and ``tp`` when their degree is > 1. The process
-    group must already exist (see :func:`init_distributed`).
+    when ``ep`` > 1), ``pp``, ``dp_replicate``, ``cp`` and ``tp`` when their degree is > 1.
+    The process group must already exist (see :func:`init_distributed`).
     """
-    degrees = resolve_degrees(dist.get_world_size(), dp_replicate, dp_shard, tp, ep, pp=pp)
-    dense = MeshDegrees(degrees.replicate, degrees.shard, degrees.tp, pp=degrees.pp)
+    degrees = resolve_degrees(dist.get_world_size(), dp_replicate, dp_shard, tp, ep, cp, pp=pp)
+    dense = MeshDegrees(degrees.replicate, degrees.shard * degrees.cp, degrees.tp,
+                        pp=degrees.pp)
     names, sizes = zip(*dense.dims())
+    if degrees.cp > 1:
+        names = tuple(SHARD_CP_DIM if n == SHARD_DIM else n for n in names)
     mesh = init_device_mesh(device or device_type(), sizes, mesh_dim_names=names)
+    if degrees.cp > 1:
+        return mesh._unflatten(SHARD_CP_DIM, (degrees.shard, degrees.cp), (SHARD_DIM, CP_DIM))
     if degrees.ep == 1:
         return mesh
     return mesh._unflatten(SHARD_DIM, (degrees.efsdp, degrees.ep), (EFSDP_DIM, EP_DIM))
 
 
 def init_mesh(dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1,
-              device: str | None = None, ep: int = 1, pp: int = 1) -> DeviceMesh:
+              device: str | None = None, ep: int = 1, cp: int = 1, pp: int = 1) -> DeviceMesh:
     """Initialise the process group (if needed) and build the mesh (see :func:`build_mesh`)."""
     if dist.is_initialized():
         # Validate before any collective work so a bad degree fails fast and clearly.
-        resolve_degrees(dist.get_world_size(), dp_replicate, dp_shard, tp, ep, pp=pp)
+        resolve_degrees(dist.get_world_size(), dp_replicate, dp_shard, tp, ep, cp, pp=pp)
     device = init_distributed(device)
-    return build_mesh(dp_replicate, dp_shard, device, tp, ep, pp)
+    return build_mesh(dp_replicate, dp_shard, device, tp, ep, cp, pp)
 
 
 def free_port() -> int:

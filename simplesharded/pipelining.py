@@ -25,12 +25,20 @@ FSDP across micro-batches, ``policy``:
   forward runs before earlier micro-batches' backwards, when the sums are not yet complete.
   Memory: the stage's gradients unsharded between its first backward and the reduction.
   Every rank decides alike: the setting is the policy's, never a rank's state.
+- ``"gather_once"``: reduce_once's backwards and reduction, and the stage's first forward of a
+  step all-gathers its parameters once (simplesharded/gather_once.py: one collective per
+  bucket of like-sharded parameters) and keeps them, so no micro-batch gathers; they are
+  released at the reduction point. Traffic: one gather and one reduction per stage and step,
+  whatever the number of micro-batches. Memory: the stage's parameters and gradients
+  unsharded through the step. (Gathering once but reducing every micro-batch is not offered:
+  held parameters have no autograd path back to the shards.)
 
 Zero-bubble schedules split a backward into the inputs' part (I) and the weights' part (W).
 Eager, W runs autograd on the leaves that receive the weights' gradients: the shards with sync
 on, the rank-local accumulators (grad_sync.py) with sync off. Compiled, a stage's forward is
 one autograd node that computes both parts at once: I runs the full backward and W has nothing
-left to do (the schedule still orders the stages' work; only the I/W overlap is lost).
+left to do (the schedule still orders the stages' work; only the I/W overlap is lost); so does
+an eager stage whose output is a view (tensor parallelism's gathered output).
 
 Only the ranks holding the same stages compile the same collectives, so the rank-agreement
 check (passes/agreement.py) compares each rank with those (:func:`pipeline_peers`).
@@ -52,6 +60,7 @@ from torch.distributed.pipelining.schedules import (BACKWARD_INPUT, BACKWARD_WEI
                                                     FULL_BACKWARD)
 
 from simplesharded.deferred_reduce import reduce_accumulated
+from simplesharded.gather_once import gather_held, release_held
 from simplesharded.grad_sync import set_requires_gradient_sync
 from simplesharded.mesh import PP_DIM, dim_size, stage_mesh
 from simplesharded.passes.agreement import set_agreement_peers
@@ -62,7 +71,9 @@ from simplesharded.stage_split import cut_stages, merged_view, stages_of_rank
 SCHEDULES = {"1F1B": (Schedule1F1B, "loop"), "Interleaved1F1B": (ScheduleInterleaved1F1B, "loop"),
              "InterleavedZeroBubble": (ScheduleInterleavedZeroBubble, "loop"),
              "ZBVZeroBubble": (ScheduleZBVZeroBubble, "v")}
-POLICIES = ("every_microbatch", "reduce_once")
+POLICIES = ("every_microbatch", "reduce_once", "gather_once")
+AUTO = "auto"  # pipeline()'s policy chosen per stage by auto_policy
+DEFERRED = ("reduce_once", "gather_once")  # the policies whose backwards accumulate on the rank
 
 
 class ShardedStage(PipelineStage):
@@ -77,11 +88,16 @@ class ShardedStage(PipelineStage):
         super().__init__(root, stage_index, num_stages, device, input_args=input_args,
                          output_args=output_args, group=group)
         self.root, self.run, self.policy, self.compiled = root, run, policy, compiled
-        self.reductions = 0  # collectives issued by reduce_once's reductions (tests, logs)
+        self.reductions = 0  # collectives issued by the deferred reductions (tests, logs)
+        self.gathers = 0  # collectives issued by gather_once's gathers (tests, logs)
+        self.holding = False
 
     def forward_maybe_with_nosync(self, *args, **kwargs):
-        if self.policy == "reduce_once" and torch.is_grad_enabled():
+        if self.policy in DEFERRED and torch.is_grad_enabled():
             set_requires_gradient_sync(self.root, False)
+            if self.policy == "gather_once" and not self.holding:  # the step's first forward
+                self.gathers += gather_held(self.root)
+                self.holding = True
         return self.run(*args, **kwargs)
 
     def _grad_leaves(self) -> list[torch.Tensor]:
@@ -95,11 +111,16 @@ class ShardedStage(PipelineStage):
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward=False):
         if backward_type == "weight":
-            if self.compiled:  # the input backward did it all (module doc)
+            if not bwd_kwargs["param_groups"]:  # the input backward did it all (module doc)
                 return (), None
             return stage_backward_weight(self._grad_leaves(), bwd_kwargs["param_groups"]), None
         outputs, grads = bwd_kwargs["stage_output"], bwd_kwargs["output_grads"]
-        if backward_type == "input" and not self.compiled:
+        # torch's input backward frees the outputs' graph with an in-place detach, which a
+        # view (a tensor-parallel stage's gathered output) does not allow: such a stage runs
+        # its whole backward there, as a compiled one does
+        views = any(isinstance(t, torch.Tensor) and t._is_view()
+                    for t in (outputs if isinstance(outputs, (tuple, list)) else [outputs]))
+        if backward_type == "input" and not self.compiled and not views:
             return stage_backward_input(outputs, grads, bwd_kwargs["input_values"],
                                         iter(self._grad_leaves()))
         if grads is None and isinstance(outputs, (tuple, list)):
@@ -108,8 +129,11 @@ class ShardedStage(PipelineStage):
         return result, ([] if backward_type == "input" else None)
 
     def perform_reduce_grad(self, grad_scale_factor: int):
-        if self.policy == "reduce_once":
+        if self.policy in DEFERRED:
             self.reductions += reduce_accumulated(self.root)
+        if self.holding:
+            release_held(self.root)
+            self.holding = False
         if grad_scale_factor != 1:
             self.scale_grads(grad_scale_factor)
 
@@ -235,15 +259,20 @@ class Pipeline:
 
     @property
     def reductions(self) -> int:
-        """Collectives the reduce-once reductions issued so far, over this rank's stages."""
+        """Collectives the deferred reductions issued so far, over this rank's stages."""
         return sum(s.reductions for s in self.stages)
+
+    @property
+    def gathers(self) -> int:
+        """Collectives the gather-once gathers issued so far, over this rank's stages."""
+        return sum(s.gathers for s in self.stages)
 
 
 def pipeline(model: nn.Module, mesh, *, schedule: str, n_microbatches: int, loss_fn: Callable,
              prepare: Callable[[nn.Module], Callable], microbatch: torch.Tensor,
              hidden: torch.Tensor, output: torch.Tensor, n_stages: int | None = None,
-             layers_per_stage: Sequence[int] | None = None, policy: str = "reduce_once"
-             ) -> Pipeline:
+             layers_per_stage: Sequence[int] | None = None, policy: str = "reduce_once",
+             memory_cap_mb: float = 0.0, param_dtype: torch.dtype = torch.float32) -> Pipeline:
     """This rank's stages of ``model`` (built on the meta device, or with storage) on ``mesh``
     (with a pp dim), and the schedule ``schedule`` over them.
 
@@ -252,7 +281,9 @@ def pipeline(model: nn.Module, mesh, *, schedule: str, n_microbatches: int, loss
     its compiled form). microbatch, hidden, output: tensors (meta will do) shaped as one
     micro-batch of the first stage's input, of what stages pass on, and of the last stage's
     output (fed to ``loss_fn(output, labels)``). n_stages: default one per pp rank for 1F1B,
-    two for the others; layers_per_stage: blocks per stage (default an even split).
+    two for the others; layers_per_stage: blocks per stage (default an even split). policy:
+    one of :data:`POLICIES` for every stage, or ``"auto"``: :func:`auto_policy` per stage, from
+    ``memory_cap_mb`` and ``param_dtype``.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"pipeline schedule {schedule!r} is not one of {sorted(SCHEDULES)}")
@@ -261,14 +292,28 @@ def pipeline(model: nn.Module, mesh, *, schedule: str, n_microbatches: int, loss
     ids = stages_of_rank(mesh.get_local_rank(PP_DIM), n_stages, pp, SCHEDULES[schedule][1])
     modules, stages = [], []
     for i, module in cut_stages(model, n_stages, ids, layers_per_stage):
+        mine = auto_policy(module, memory_cap_mb, param_dtype) if policy == AUTO else policy
         run = prepare(module)
         stages.append(pipeline_stage(
-            module, run, i, n_stages, mesh, policy, compiled=run is not module,
+            module, run, i, n_stages, mesh, mine, compiled=run is not module,
             input_args=microbatch if i == 0 else hidden,
             output_args=output if i == n_stages - 1 else hidden))
         modules.append(module)
     return Pipeline(modules, stages, build_schedule(schedule, stages, n_microbatches, loss_fn),
                     merged_view(modules), _peer_group(mesh))
+
+
+def auto_policy(stage: nn.Module, memory_cap_mb: float, param_dtype: torch.dtype) -> str:
+    """The policy ``"auto"`` gives a stage (before sharding: its parameters at full size):
+    ``gather_once`` when its parameters, gathered in ``param_dtype``, fit the memory cap
+    (``compile.memory_cap_mb``: gathered bytes alive at once, which gather_once keeps for the
+    whole step), else ``reduce_once``; ``reduce_once`` too without a cap (0), which gives no
+    room to judge by. Every rank of a stage decides alike (the same modules, the same cap)."""
+    numel = sum(p.numel() for p in stage.parameters())
+    held = numel * torch.empty((), dtype=param_dtype, device="meta").element_size()
+    if memory_cap_mb > 0 and held <= memory_cap_mb * 2**20:
+        return "gather_once"
+    return "reduce_once"
 
 
 def _peer_group(mesh):
@@ -283,4 +328,4 @@ def _peer_group(mesh):
 
 
 __all__ = ["Pipeline", "pipeline", "ShardedStage", "pipeline_stage", "build_schedule",
-           "pipeline_peers", "SCHEDULES", "POLICIES"]
+           "pipeline_peers", "auto_policy", "SCHEDULES", "POLICIES"]

@@ -15,14 +15,18 @@ ranks or a stage fed the wrong activations is an O(1) error.
 Every schedule x backend x policy runs: ``1F1B``, ``Interleaved1F1B`` and ``ZBVZeroBubble``
 (split backward: its weight part runs on the rank-local accumulators under reduce_once, on the
 shards otherwise; compiled, one node computes both); eager and ``aot_eager_blockbucketing``;
-``every_microbatch`` and ``reduce_once``. The last step of each runs under torch.profiler,
-which counts the gradient reductions the process groups ran (gloo's reduce-scatter, all-to-all
-or all-reduce calls: eager, compiled and lowered ones alike): reduce_once must run exactly one
-per stage and step, every_microbatch at least one per micro-batch and stage.
+``every_microbatch``, ``reduce_once`` and ``gather_once`` (and gather_once with 2 micro-batches
+a step, 1F1B). The last step of each runs under torch.profiler, which counts the gradient
+reductions and the parameter gathers the process groups ran (gloo's reduce-scatter, all-to-all
+or all-reduce calls; its all-gathers: eager, compiled and lowered ones alike): reduce_once and
+gather_once must run exactly one reduction per stage and step, every_microbatch at least one
+per micro-batch and stage; gather_once exactly one gather per bucket and stage and step,
+whatever the number of micro-batches, the others at least one per micro-batch and stage.
 
 The trainer runs in the same job (eager, llama3 debug): pp 2 gives the losses and validation
-loss of the same run without pp, and a checkpoint it saves loads into a run without pp (the
-FQN-keyed DCP checkpoint reshards across pp degrees).
+loss of the same run without pp, pp 2 x tp 2 (two stages per rank) those of the run on one
+process (gather_once), and a checkpoint pp 2 saves loads into a run without pp and into one
+at pp 2 x tp 2 (the FQN-keyed DCP checkpoint reshards across pp and tp degrees).
 
 One spawn of 4 ranks runs it all (the mesh is built once per rank: DTensor reuses a cached
 plan of an equal mesh built earlier, whose groups would not be the ones data_parallel
@@ -51,13 +55,18 @@ SGD = dict(lr=0.05)
 TOL = 1e-5
 SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble")
 BACKENDS = ("eager", "aot_eager_blockbucketing")
-POLICIES = ("reduce_once", "every_microbatch")
+POLICIES = ("reduce_once", "every_microbatch", "gather_once")
 CASES = [(s, b, p) for s in SCHEDULES for b in BACKENDS for p in POLICIES]
+# gather_once with 2 micro-batches a step (of two sequences): its gathers must not change
+FEWER = [("1F1B", b, "gather_once", 2) for b in BACKENDS]
 # what the process groups run for a gradient reduction on gloo: a reduce-scatter (eager
 # DTensor: coalesced; deferred_reduce on other transports), its lowering to an all-to-all
 # (compiled, and deferred_reduce), an all-reduce (replicated gradients)
 REDUCTIONS = ("c10d::reduce_scatter_tensor_coalesced_", "c10d::_reduce_scatter_base_",
               "c10d::alltoall_base_", "c10d::allreduce_")
+# and for a parameter gather: eager DTensor's, the compiled (functional) one, gather_once's
+GATHERS = ("c10d::allgather_", "c10d::_allgather_base_", "c10d::allgather_coalesced_",
+           "c10d::allgather_into_tensor_coalesced_")
 
 
 def make_model():
@@ -96,7 +105,8 @@ def reference():
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _case(mesh, schedule: str, backend: str, policy: str) -> dict:
+def _case(mesh, schedule: str, backend: str, policy: str, microbatches: int = MICROBATCHES
+          ) -> dict:
     import simplesharded as ss
     from simplesharded.passes import agreement
     from simplesharded.pipelining import pipeline, pipeline_peers
@@ -104,7 +114,7 @@ def _case(mesh, schedule: str, backend: str, policy: str) -> dict:
     torch._dynamo.reset()
     dp, dp_rank = mesh.size(1), mesh.get_local_rank(1)
     rows = GLOBAL_BATCH // dp
-    mb = rows // MICROBATCHES
+    mb = rows // microbatches
 
     def prepare(stage):
         ss.data_parallel(stage, mesh, grad_reduction="sum")  # loss_fn: global token count
@@ -113,12 +123,12 @@ def _case(mesh, schedule: str, backend: str, policy: str) -> dict:
         return torch.compile(stage, backend=ss.make_backend(backend), fullgraph=True)
 
     hidden = torch.empty(mb, SEQ, ARGS["dim"], device="meta")
-    pipe = pipeline(make_model(), mesh, schedule=schedule, n_microbatches=MICROBATCHES,
+    pipe = pipeline(make_model(), mesh, schedule=schedule, n_microbatches=microbatches,
                     loss_fn=loss_fn, prepare=prepare, policy=policy, hidden=hidden,
                     microbatch=torch.empty(mb, SEQ, dtype=torch.long, device="meta"),
                     output=torch.empty(mb, SEQ, ARGS["vocab_size"], device="meta"))
     opt = torch.optim.SGD(pipe.model.parameters(), **SGD)
-    losses, reductions = [], None
+    losses, reductions, gathers = [], None, None
     for step in range(STEPS):
         x, y = batch(step)
         x, y = x[dp_rank * rows:(dp_rank + 1) * rows], y[dp_rank * rows:(dp_rank + 1) * rows]
@@ -127,6 +137,7 @@ def _case(mesh, schedule: str, backend: str, policy: str) -> dict:
             with torch.profiler.profile() as prof:
                 out = pipe.step(x, y)
             reductions = sum(e.name in REDUCTIONS for e in prof.events())
+            gathers = sum(e.name in GATHERS for e in prof.events())
         else:
             out = pipe.step(x, y)
         opt.step()
@@ -147,6 +158,10 @@ def _case(mesh, schedule: str, backend: str, policy: str) -> dict:
     return {"losses": losses, "params": params if dp_rank == 0 else {},
             "stages": [s.stage_index for s in pipe.stages],
             "deferred": [s.reductions for s in pipe.stages], "reductions": reductions,
+            "held": [s.gathers for s in pipe.stages], "gathers": gathers,
+            # gather_once's buckets: the stage's parameters sharded alike (placements, dtype)
+            "buckets": [len({(p.placements, p.dtype) for p in s.root.parameters()})
+                        for s in pipe.stages],
             "peers": (agreement._PEERS[0], tuple(pipeline_peers(mesh)))}
 
 
@@ -160,6 +175,15 @@ TRAINER_RUNS = {  # name → (steps, arguments); the folder is per test session
                 "--checkpoint.interval", "2"]),
     "resumed_pp1": (3, ["--checkpoint.enable", "--checkpoint.load_step", "2"]),
     "pp1": (3, []),
+    # tensor parallelism inside the stages (sequence parallel, loss parallel), two per rank
+    "pp2_tp2": (3, ["--parallelism.pipeline_parallel_degree", "2",
+                    "--parallelism.tensor_parallel_degree", "2",
+                    "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+                    "--parallelism.pipeline_fsdp_policy", "gather_once"]),
+    # pp2's step-2 checkpoint at pp 2 x tp 2: the stages' shards resharded over tp too
+    "resumed_pp2_tp2": (3, ["--parallelism.pipeline_parallel_degree", "2",
+                            "--parallelism.tensor_parallel_degree", "2",
+                            "--checkpoint.enable", "--checkpoint.load_step", "2"]),
 }
 
 
@@ -169,7 +193,7 @@ def _trainer_run(folder: str, name: str) -> tuple[list[float], float]:
 
     torch._dynamo.reset()
     steps, args = TRAINER_RUNS[name]
-    dump = str(Path(folder) / ("ckpt" if name in ("pp2", "resumed_pp1") else name))
+    dump = str(Path(folder) / ("ckpt" if name == "pp2" or name.startswith("resumed") else name))
     cfg = check_static(load_config(None, [*TRAINER, *args, "--training.steps", str(steps),
                                           "--job.dump_folder", dump]), dist.get_world_size())
     trainer = Trainer(cfg, "cpu")
@@ -180,7 +204,7 @@ def job(rank, world, folder):
     from simplesharded.mesh import build_mesh
 
     mesh = build_mesh(1, -1, "cpu", pp=PP)
-    out = {case: _case(mesh, *case) for case in CASES}
+    out = {case: _case(mesh, *case) for case in CASES + FEWER}
     for name in TRAINER_RUNS:
         out[name] = _trainer_run(folder, name)
     return out
@@ -192,7 +216,22 @@ def run():
         return spawn(4, job, folder, timeout_s=900)
 
 
-@pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
+def one_process_job(rank, world, folder):
+    return _trainer_run(folder, "pp1")
+
+
+@memo
+def one_process():
+    """The trainer's run without pp on one process: the reference of the 4-rank runs."""
+    with tempfile.TemporaryDirectory(prefix="ss_pp1_") as folder:
+        return spawn(1, one_process_job, folder, timeout_s=300)[0]
+
+
+def _id(case) -> str:
+    return "-".join(map(str, case))
+
+
+@pytest.mark.parametrize("case", CASES + FEWER, ids=[_id(c) for c in CASES + FEWER])
 def test_parity_with_single_process(case):
     ref_losses, ref_params = reference()
     results = run()
@@ -210,19 +249,35 @@ def test_parity_with_single_process(case):
     assert not bad, f"final parameters beyond {TOL}: {bad}"
 
 
-@pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
 def test_reduce_once_reduces_once_per_stage_and_step(case):
     schedule, _, policy = case
     for rank, r in enumerate(run()):
         got = r[case]
         n_stages = len(got["stages"])
         assert n_stages == (1 if schedule == "1F1B" else 2)
-        if policy == "reduce_once":
+        if policy in ("reduce_once", "gather_once"):
             assert got["deferred"] == [STEPS] * n_stages, (rank, got["deferred"])
             assert got["reductions"] == n_stages, (rank, got["reductions"])
         else:
             assert got["deferred"] == [0] * n_stages
             assert got["reductions"] >= MICROBATCHES * n_stages, (rank, got["reductions"])
+
+
+@pytest.mark.parametrize("case", CASES + FEWER, ids=[_id(c) for c in CASES + FEWER])
+def test_gather_once_gathers_once_per_bucket_and_step(case):
+    """gather_once: a step's all-gathers (counted by the profiler) are the stages' buckets,
+    with 4 micro-batches as with 2; the other policies gather in every micro-batch."""
+    schedule, _, policy = case[:3]
+    for rank, r in enumerate(run()):
+        got = r[case]
+        n_stages = len(got["stages"])
+        if policy == "gather_once":
+            assert got["gathers"] == sum(got["buckets"]), (rank, got["gathers"], got["buckets"])
+            assert got["held"] == [STEPS * b for b in got["buckets"]], (rank, got["held"])
+        else:
+            assert got["held"] == [0] * n_stages
+            assert got["gathers"] >= MICROBATCHES * n_stages, (rank, got["gathers"])
 
 
 def test_stage_placement_and_agreement_peers():
@@ -249,11 +304,26 @@ def test_trainer_pp2_matches_no_pp():
         assert abs(val2 - val1) <= TOL * abs(val1), (val2, val1)
 
 
-def test_trainer_checkpoint_saved_with_pp2_resumes_with_pp1():
-    """A checkpoint saved at step 2 by pp 2 x dp 2 loads into dp 4 (DCP reshards the stages'
-    FQN-keyed shards); its step-3 loss is the uninterrupted pp 2 run's."""
-    r = run()[0]
-    (straight, _), (resumed, _) = r["pp2"], r["resumed_pp1"]
-    assert len(straight) == 3
-    assert len(resumed) == 1 and abs(resumed[0] - straight[2]) <= TOL * abs(straight[2]), \
-        (resumed, straight)
+def test_trainer_pp2_tp2_matches_one_process():
+    """pp 2 x tp 2 (Interleaved1F1B: two stages per rank; sequence- and loss-parallel stages
+    that hand each other whole sequences) gives the one-process run's losses and validation
+    loss (3 eager steps, <= 1e-5 rel), on every rank, under gather_once (the held parameters
+    are the tp-local ones)."""
+    ref, ref_val = one_process()
+    assert len(ref) == 3
+    for r in run():
+        got, val = r["pp2_tp2"]
+        assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) <= TOL, (got, ref)
+        assert abs(val - ref_val) <= TOL * abs(ref_val), (val, ref_val)
+
+
+@pytest.mark.parametrize("resumed", ["resumed_pp1", "resumed_pp2_tp2"])
+def test_trainer_checkpoint_saved_with_pp2_resumes_elsewhere(resumed):
+    """A checkpoint saved at step 2 by pp 2 x dp 2 loads into dp 4 and into pp 2 x tp 2 (DCP
+    reshards the stages' FQN-keyed shards); the step-3 loss is the uninterrupted pp 2 run's,
+    on every rank."""
+    for r in run():
+        (straight, _), (got, _) = r["pp2"], r[resumed]
+        assert len(straight) == 3
+        assert len(got) == 1 and abs(got[0] - straight[2]) <= TOL * abs(straight[2]), \
+            (got, straight)

@@ -79,6 +79,9 @@ def test_degrees_with_pp():
     with pytest.raises(ValueError, match=r"dp_shard=3 does not equal the world size 4 "
                                          r"\(world size 8 / pp=2\)"):
         resolve_degrees(8, 1, 3, 1, 1, pp=2)
+    with pytest.raises(ValueError, match=r"^pp=2 with cp=2: pipeline parallelism together "
+                                         r"with context parallelism is not supported yet"):
+        resolve_degrees(8, 1, -1, 1, 1, 2, pp=2)
 
 
 def test_config_keys_and_defaults():
@@ -87,7 +90,7 @@ def test_config_keys_and_defaults():
     p = Config().parallelism
     assert (p.pipeline_parallel_degree, p.pipeline_parallel_schedule,
             p.pipeline_parallel_microbatch_size, p.pipeline_parallel_layers_per_stage,
-            p.pipeline_fsdp_policy) == (1, "1F1B", 1, [], "reduce_once")
+            p.pipeline_fsdp_policy) == (1, "1F1B", 1, [], "auto")
     cfg = load_config(None, [*PP2, "--parallelism.pipeline_parallel_schedule",
                              "Interleaved1F1B", "--parallelism.pipeline_parallel_layers_per_stage",
                              "2,2,1,1", "--parallelism.pipeline_fsdp_policy", "every_microbatch"])
@@ -97,6 +100,22 @@ def test_config_keys_and_defaults():
     assert cfg.parallelism.data_parallel_shard_degree == 2 and cfg.training.local_batch_size == 4
     assert pipeline_stages(load_config(None, [*PP2, "--parallelism.pipeline_parallel_schedule",
                                               "ZBVZeroBubble"]).parallelism) == 4
+
+
+def test_auto_policy_gathers_once_when_the_stage_fits_the_memory_cap():
+    """auto: gather_once when a stage's parameters, gathered in the param dtype, fit
+    compile.memory_cap_mb; reduce_once above it and without a cap."""
+    from simplesharded.models import build_model
+    from simplesharded.pipelining import auto_policy
+    from simplesharded.stage_split import cut_stages
+
+    model = build_model("llama3", "debug", device="meta")
+    (_, stage), = cut_stages(model, 2, [0], None)
+    mib = sum(p.numel() for p in stage.parameters()) * 4 / 2**20  # fp32
+    assert auto_policy(stage, mib, torch.float32) == "gather_once"
+    assert auto_policy(stage, mib * 0.99, torch.float32) == "reduce_once"
+    assert auto_policy(stage, mib * 0.5, torch.bfloat16) == "gather_once"  # half the bytes
+    assert auto_policy(stage, 0.0, torch.float32) == "reduce_once"
 
 
 def _error(argv: list[str], world: int, capsys, monkeypatch) -> str:
@@ -117,9 +136,9 @@ def _error(argv: list[str], world: int, capsys, monkeypatch) -> str:
     ([*PP2, "--parallelism.pipeline_parallel_schedule", "GPipe"], 4,
      "parallelism.pipeline_parallel_schedule='GPipe' is not one of ['1F1B', 'Interleaved1F1B', "
      "'InterleavedZeroBubble', 'ZBVZeroBubble']"),
-    ([*PP2, "--parallelism.pipeline_fsdp_policy", "gather_once"], 4,
-     "parallelism.pipeline_fsdp_policy='gather_once' is not one of ['every_microbatch', "
-     "'reduce_once']"),
+    ([*PP2, "--parallelism.pipeline_fsdp_policy", "gather_twice"], 4,
+     "parallelism.pipeline_fsdp_policy='gather_twice' is not one of ['auto', 'every_microbatch', "
+     "'gather_once', 'reduce_once']"),
     # global 8 over dp 4: 2 sequences per rank, 1 micro-batch of 2 for 1F1B on pp 2
     ([*PP2, "--parallelism.pipeline_parallel_microbatch_size", "2"], 8,
      "schedule 1F1B with pipeline_parallel_degree=2 needs at least 2 micro-batches per step; "
@@ -149,6 +168,9 @@ def _error(argv: list[str], world: int, capsys, monkeypatch) -> str:
     ([*PP2, "--parallelism.pipeline_parallel_layers_per_stage", "6,0"], 4,
      "parallelism.pipeline_parallel_layers_per_stage=[6, 0] must give every stage at least one "
      "block"),
+    ([*PP2, "--parallelism.context_parallel_degree", "2"], 4,
+     "parallelism.context_parallel_degree=2 with pipeline_parallel_degree=2: pipeline "
+     "parallelism together with context parallelism is not supported yet; set one of them to 1"),
     ([*PP2, "--model.name", "gpt"], 4,
      "parallelism.pipeline_parallel_degree=2 (schedule 1F1B, model gpt/debug): GPT cannot be "
      "staged: parameter 'wte.weight' (stage 0) is tied to 'head.weight' (stage 1); pipeline "

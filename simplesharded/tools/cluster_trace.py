@@ -93,7 +93,8 @@ def trace(cfg, local_batch: int, n_layers: int | None = None,
     t0 = time.process_time()
     try:
         mesh = build_mesh(p.data_parallel_replicate_degree, p.data_parallel_shard_degree,
-                          "cpu", p.tensor_parallel_degree, p.expert_parallel_degree)
+                          "cpu", p.tensor_parallel_degree, p.expert_parallel_degree,
+                          p.context_parallel_degree)
         extra = {"n_layers": n_layers} if n_layers else {}
         model = build_model(cfg.model.name, cfg.model.flavor, device="meta", **extra)
         # Not under FakeTensorMode: the mesh slicing in TP and data_parallel runs tensor ops
@@ -102,7 +103,9 @@ def trace(cfg, local_batch: int, n_layers: int | None = None,
         # nothing runs: capture stops once the graphs are partitioned.
         step = parallelize(model, mesh, cfg, backend=capture)
         local_numel = sum(q.to_local().numel() for q in model.parameters())
-        tokens, labels = torch.randint(0, 256, (2, local_batch, t.seq_len))
+        # a cp rank's head-tail chunks of each sequence (models/context_parallel.py)
+        local_len = t.seq_len // p.context_parallel_degree
+        tokens, labels = torch.randint(0, 256, (2, local_batch, local_len))
         # the trainer's step: the loss in the model's forward, in the loss-parallel context
         context = loss_parallel() if uses_loss_parallel(cfg) else contextlib.nullcontext()
         try:

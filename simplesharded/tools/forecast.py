@@ -103,7 +103,7 @@ def main(argv=None) -> int:
             p, t = cfg.parallelism, cfg.training
             dp = resolve_degrees(ns.world_size, p.data_parallel_replicate_degree,
                                  p.data_parallel_shard_degree, p.tensor_parallel_degree,
-                                 p.expert_parallel_degree,
+                                 p.expert_parallel_degree, p.context_parallel_degree,
                                  pp=p.pipeline_parallel_degree).dp
             t.local_batch_size = ns.local_batch
             t.global_batch_size = ns.local_batch * dp * t.gradient_accumulation_steps
@@ -253,13 +253,15 @@ def _report(ns, cfg, hw, evaluated, keeps, sizes, n_layers, t0) -> None:
 
     p, t = cfg.parallelism, cfg.training
     local_batch, tp = t.local_batch_size, p.tensor_parallel_degree
-    tokens = local_batch * t.seq_len // tp  # per rank: a dp rank's tp ranks share its tokens
+    # per rank: a dp rank's tp ranks share its tokens, its cp ranks split them
+    tokens = local_batch * t.seq_len // (tp * p.context_parallel_degree)
     how = ("traced in full" if sizes == [None] else
            f"extrapolated from traces of {sizes[0]} and {sizes[1]} blocks")
     full_numel = sum(math.prod(q.shape) for q in _meta_params(cfg))
     size = f"{full_numel / 1e9:.2f}B" if full_numel >= 1e9 else f"{full_numel / 1e6:.1f}M"
     degrees = resolve_degrees(ns.world_size, p.data_parallel_replicate_degree,
-                              p.data_parallel_shard_degree, tp, p.expert_parallel_degree)
+                              p.data_parallel_shard_degree, tp, p.expert_parallel_degree,
+                              p.context_parallel_degree)
     mesh = " × ".join(f"{name} {n}" for name, n in degrees.dims())
     print(f"{cfg.model.name}/{cfg.model.flavor} ({size} params, {n_layers} "
           f"blocks) on {ns.world_size} ranks of {hw.name} (mesh {mesh}), mode {p.mode}, "

@@ -157,6 +157,11 @@ class Parallelism:
                                           "split over this many ranks borrowed from "
                                           "data_parallel_shard_degree (which it must divide; "
                                           "tokens dispatched by all-to-all); 1 = off")
+    context_parallel_degree: int = _opt(1, "context-parallel degree: each sequence split over "
+                                           "this many ranks (a mesh dim between the dp dims "
+                                           "and tp; head-tail chunks, K/V all-gathered in "
+                                           "attention); parameters are sharded over dp_shard "
+                                           "x cp; 1 = off")
     enable_sequence_parallel: bool = _opt(True, "with tensor parallelism, shard activations "
                                                 "between blocks on the sequence dim")
     enable_loss_parallel: bool = _opt(True, "with tensor parallelism, compute the loss on "
@@ -186,10 +191,14 @@ class Parallelism:
         "the blocks split evenly (the earlier stages one more) over the schedule's stages. "
         "CLI: 3,3,2,2")
     pipeline_fsdp_policy: str = _opt(
-        "reduce_once", "FSDP across a stage's micro-batches: every_microbatch (each backward "
-        "reduces its gradients: they stay sharded) or reduce_once (backwards sum full-size "
-        "gradients on the rank, one reduction per stage per step: the stage's gradients "
-        "unsharded meanwhile)", ("every_microbatch", "reduce_once"))
+        "auto", "FSDP across a stage's micro-batches: every_microbatch (each forward gathers, "
+        "each backward reduces: parameters and gradients stay sharded), reduce_once (backwards "
+        "sum full-size gradients on the rank, one reduction per stage per step: the stage's "
+        "gradients unsharded meanwhile), gather_once (reduce_once, and one gather per stage "
+        "per step: its parameters unsharded too), or auto (per stage: gather_once when its "
+        "parameters fit compile.memory_cap_mb, else reduce_once; see "
+        "simplesharded/pipelining.py: auto_policy)",
+        ("auto", "every_microbatch", "reduce_once", "gather_once"))
 
     @property
     def reshard(self) -> bool | str:
@@ -501,7 +510,8 @@ def validate(cfg: Config, backends: Iterable[str] | None = None) -> None:
     for key in ("training.global_batch_size", "training.seq_len", "training.steps",
                 "training.gradient_accumulation_steps", "training.val_steps",
                 "parallelism.data_parallel_replicate_degree", "parallelism.tensor_parallel_degree",
-                "parallelism.expert_parallel_degree", "parallelism.pipeline_parallel_degree",
+                "parallelism.expert_parallel_degree", "parallelism.context_parallel_degree",
+                "parallelism.pipeline_parallel_degree",
                 "parallelism.pipeline_parallel_microbatch_size",
                 "activation_checkpoint.selective_every", "checkpoint.interval",
                 "metrics.log_freq", "profiling.profile_freq"):
@@ -541,10 +551,25 @@ def validate(cfg: Config, backends: Iterable[str] | None = None) -> None:
     if p.mode == "hybrid_shard" and p.data_parallel_replicate_degree < 2:
         raise ValueError("parallelism.mode='hybrid_shard' needs "
                          "data_parallel_replicate_degree >= 2 (a 2-D mesh)")
-    tp = p.tensor_parallel_degree
-    if tp > 1 and p.enable_sequence_parallel and t.seq_len % tp:
+    tp, cp = p.tensor_parallel_degree, p.context_parallel_degree
+    if cp > 1 and t.seq_len % (2 * cp):
+        raise ValueError(f"parallelism.context_parallel_degree={cp}: training.seq_len="
+                         f"{t.seq_len} does not split into 2 * {cp} = {2 * cp} equal chunks "
+                         f"(each cp rank holds a head and a tail chunk of every sequence)")
+    if cp > 1 and p.pipeline_parallel_degree > 1:
+        raise ValueError(f"parallelism.context_parallel_degree={cp} with "
+                         f"pipeline_parallel_degree={p.pipeline_parallel_degree}: pipeline "
+                         f"parallelism together with context parallelism is not supported "
+                         f"yet; set one of them to 1")
+    if cp > 1 and p.expert_parallel_degree > 1:
+        raise ValueError(f"parallelism.context_parallel_degree={cp} with "
+                         f"expert_parallel_degree={p.expert_parallel_degree}: expert "
+                         f"parallelism together with context parallelism is not supported "
+                         f"yet; set one of them to 1")
+    if tp > 1 and p.enable_sequence_parallel and (t.seq_len // cp) % tp:
+        where = f" / context_parallel_degree={cp} = {t.seq_len // cp}" if cp > 1 else ""
         raise ValueError(f"parallelism.tensor_parallel_degree={tp} does not divide "
-                         f"training.seq_len={t.seq_len} (sequence parallelism splits the "
+                         f"training.seq_len={t.seq_len}{where} (sequence parallelism splits the "
                          f"sequence; or --no-parallelism.enable_sequence_parallel)")
     _check_pipeline(cfg)
     _check_hardware(cfg.compile.hardware)
@@ -586,10 +611,10 @@ def resolve(cfg: Config, world_size: int) -> Config:
     """Return a copy with the -1 degrees and local_batch_size filled for `world_size` ranks.
 
     Batch rule: global_batch_size = local_batch_size * dp * gradient_accumulation_steps, where
-    dp = world_size / (pipeline_parallel_degree * tensor_parallel_degree) (the tp ranks of one
-    dp rank share its batch; so do the stages of one pipeline). Under pipeline parallelism a
-    rank's local batch is split into local_batch_size / pipeline_parallel_microbatch_size
-    micro-batches per schedule step.
+    dp = world_size / (pipeline_parallel_degree * context_parallel_degree *
+    tensor_parallel_degree) (the cp and tp ranks of one dp rank share its batch; so do the
+    stages of one pipeline). Under pipeline parallelism a rank's local batch is split into
+    local_batch_size / pipeline_parallel_microbatch_size micro-batches per schedule step.
     """
     from simplesharded.mesh import resolve_degrees
 
@@ -597,10 +622,10 @@ def resolve(cfg: Config, world_size: int) -> Config:
     p, t = cfg.parallelism, cfg.training
     degrees = resolve_degrees(world_size, p.data_parallel_replicate_degree,
                               p.data_parallel_shard_degree, p.tensor_parallel_degree,
-                              p.expert_parallel_degree,
+                              p.expert_parallel_degree, p.context_parallel_degree,
                               names=tuple(f"parallelism.{k}_degree" for k in (
                                   "data_parallel_replicate", "data_parallel_shard",
-                                  "tensor_parallel", "expert_parallel")),
+                                  "tensor_parallel", "expert_parallel", "context_parallel")),
                               pp=p.pipeline_parallel_degree,
                               pp_name="parallelism.pipeline_parallel_degree")
     p.data_parallel_shard_degree = degrees.shard

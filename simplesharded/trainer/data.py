@@ -18,6 +18,8 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
+from simplesharded.models.context_parallel import head_tail_positions
+
 VAL_FRACTION = 0.02
 STDLIB_MAX_BYTES = 32 << 20  # the stdlib without tests is ~14 MB; the cap bounds memory/time
 _STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests",
@@ -292,11 +294,15 @@ class DistributedTokenLoader:
     positions r, r + W, r + 2W, ... of it. So ranks are disjoint, and the only state is the
     global counter — which is why a checkpoint resumes at any dp world size without
     repeating or skipping samples.
+
+    ``cp_rank`` of ``cp`` > 1 (context parallelism): the cp ranks of one dp rank read the same
+    samples, and each keeps its head-tail chunks of every sequence (inputs and labels alike,
+    models/context_parallel.py): [local_batch_size, seq_len // cp] each.
     """
 
     def __init__(self, tokens_source: Any, seq_len: int, local_batch_size: int,
                  dp_rank: int = 0, dp_world: int = 1, seed: int = 0, split: str = "train",
-                 *, shuffle: bool = True):
+                 *, shuffle: bool = True, cp_rank: int = 0, cp: int = 1):
         split = TextCorpus._split_name(split)
         if hasattr(tokens_source, "tokens"):
             tokens = tokens_source.tokens(split)
@@ -320,6 +326,9 @@ class DistributedTokenLoader:
         self.consumed_samples = 0  # global, over all ranks
         self._perm: tuple[int, torch.Tensor] | None = None  # (epoch, permutation) cache
         self._offsets = torch.arange(seq_len + 1)
+        self._keep = None  # this cp rank's token positions (None: the whole sequence)
+        if cp > 1:
+            self._keep = head_tail_positions(seq_len, cp_rank, cp)
 
     @property
     def global_batch_size(self) -> int:
@@ -351,7 +360,10 @@ class DistributedTokenLoader:
         self.consumed_samples += self.global_batch_size
         starts = self.sample_ids(positions) * self.seq_len
         windows = self.tokens[starts[:, None] + self._offsets].long()
-        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+        inputs, labels = windows[:, :-1], windows[:, 1:]
+        if self._keep is not None:
+            inputs, labels = inputs[:, self._keep], labels[:, self._keep]
+        return inputs.contiguous(), labels.contiguous()
 
     def reset(self) -> None:
         """Back to the first batch (e.g. to evaluate on the same validation batches again)."""
@@ -386,11 +398,14 @@ class Data(NamedTuple):
     validation: DistributedTokenLoader | None
 
 
-def build_data(cfg: Any, dp_rank: int, dp_world: int) -> Data:
+def build_data(cfg: Any, dp_rank: int, dp_world: int, cp_rank: int = 0) -> Data:
     """Tokenizer, corpus and loaders from a Config (validation loader only if val_every > 0).
 
-    A local_batch_size of -1 is derived as in config.resolve().
+    A local_batch_size of -1 is derived as in config.resolve(). ``cp_rank``: this rank's
+    place in its cp group, whose ranks read the same samples (parallelism.
+    context_parallel_degree > 1: each keeps its head-tail chunks of every sequence).
     """
+    cp = {"cp_rank": cp_rank, "cp": cfg.parallelism.context_parallel_degree}
     t = cfg.training
     local = t.local_batch_size
     if local == -1:
@@ -401,9 +416,10 @@ def build_data(cfg: Any, dp_rank: int, dp_world: int) -> Data:
         local = t.global_batch_size // per_step
     tokenizer = load_tokenizer(cfg.model.tokenizer_path)
     corpus = load_corpus(t.dataset, t.dataset_path, tokenizer)
-    train = DistributedTokenLoader(corpus, t.seq_len, local, dp_rank, dp_world, cfg.job.seed)
+    train = DistributedTokenLoader(corpus, t.seq_len, local, dp_rank, dp_world, cfg.job.seed,
+                                   **cp)
     val = None
     if t.val_every > 0:
         val = DistributedTokenLoader(corpus, t.seq_len, local, dp_rank, dp_world, cfg.job.seed,
-                                     "validation", shuffle=False)
+                                     "validation", shuffle=False, **cp)
     return Data(tokenizer, corpus, train, val)

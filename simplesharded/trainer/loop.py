@@ -65,16 +65,19 @@ class Trainer:
         p, t = cfg.parallelism, cfg.training
         self.mesh = build_mesh(p.data_parallel_replicate_degree, p.data_parallel_shard_degree,
                                device, p.tensor_parallel_degree, p.expert_parallel_degree,
-                               p.pipeline_parallel_degree)
-        # tp is the innermost mesh dim: the tp ranks of one dp rank are consecutive and read
-        # the same batch; pp the outermost: the stages of one dp rank read the same batch too
-        # (the first stage its inputs, the last its labels).
-        self.tp = p.tensor_parallel_degree
+                               p.context_parallel_degree, p.pipeline_parallel_degree)
+        # tp is the innermost mesh dim, cp the next: the cp x tp ranks of one dp rank are
+        # consecutive and read the same batch (each cp rank keeps its chunks of it); pp the
+        # outermost: the stages of one dp rank read the same batch too (the first stage its
+        # inputs, the last its labels).
+        self.tp, self.cp = p.tensor_parallel_degree, p.context_parallel_degree
         self.loss_parallel = uses_loss_parallel(cfg)
         self.loss_chunks = loss_chunks(cfg)
         torch.manual_seed(cfg.job.seed)
+        shared = self.tp * self.cp
         per_stage = self.world // p.pipeline_parallel_degree
-        self.data = build_data(cfg, (self.rank % per_stage) // self.tp, per_stage // self.tp)
+        self.data = build_data(cfg, (self.rank % per_stage) // shared, per_stage // shared,
+                               cp_rank=self.rank // self.tp % self.cp)
         hf = cfg.model.name == HF
         if hf:
             model = hf_source.build_hf_model(cfg.model.path)
@@ -137,9 +140,11 @@ class Trainer:
         summed, so the result is the exact global mean; avg: its local token count, gradients
         averaged over ranks."""
         t = self.cfg.training
-        if t.grad_reduction == "sum":
+        if t.grad_reduction == "sum":  # called before tokens_per_step is set
             return t.global_batch_size * t.seq_len
-        return t.local_batch_size * t.seq_len * t.gradient_accumulation_steps
+        # a cp rank holds seq_len / cp tokens of each sequence; the loss sums over all ranks'
+        # tokens count each once (the cp ranks' are disjoint), tp's tp times
+        return t.local_batch_size * t.seq_len // self.cp * t.gradient_accumulation_steps
 
     def accumulation_steps(self) -> torch.Tensor:
         """Forward and backward of each micro-batch of one optimizer step: the summed loss of
@@ -168,10 +173,11 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for _ in range(self.cfg.training.gradient_accumulation_steps):
             inputs, labels = next(self.data.train)
-            losses = self.pipeline.step(inputs.to(self.device), labels.to(self.device))
+            with self._loss_context():  # the last stage's loss and its backward
+                losses = self.pipeline.step(inputs.to(self.device), labels.to(self.device))
             if losses:  # each micro-batch's loss / the denominator: back to a sum
-                loss_sum += torch.stack([loss.detach() for loss in losses]).sum() * \
-                    self._denominator()
+                loss_sum += torch.stack([local_loss(loss.detach()) for loss in losses]).sum() \
+                    * self._denominator()
         return loss_sum
 
     def train_step(self) -> dict[str, float]:
@@ -210,9 +216,12 @@ class Trainer:
         for _ in range(self.cfg.training.val_steps):
             inputs, labels = next(loader)
             if self.pipeline is not None:
-                losses = self.pipeline.evaluate(inputs.to(self.device), labels.to(self.device))
+                with self._loss_context():
+                    losses = self.pipeline.evaluate(inputs.to(self.device),
+                                                    labels.to(self.device))
                 if losses:  # each micro-batch's loss / the denominator: back to a sum
-                    total += torch.stack(losses).sum() * self._denominator()
+                    total += torch.stack([local_loss(x) for x in losses]).sum() * \
+                        self._denominator()
                 continue
             with self._loss_context():
                 total += local_loss(self.forward_loss(self.model, inputs, labels))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 from simplesharded.models import get_model_spec, hf_source
+from simplesharded.models.context_parallel import supports_context_parallel
 from simplesharded.trainer.config import Config, resolve
 from simplesharded.trainer.data import load_tokenizer
 
@@ -47,6 +48,13 @@ def check_static(cfg: Config, world_size: int) -> Config:
             raise ValueError(f"parallelism.{e} of {what}") from None
     if cfg.parallelism.pipeline_parallel_degree > 1:
         _check_pipeline(cfg)
+    cp = cfg.parallelism.context_parallel_degree
+    if cp > 1 and (cfg.model.name == HF
+                   or not supports_context_parallel(get_model_spec(cfg.model.name,
+                                                                   cfg.model.flavor)[0])):
+        raise ValueError(f"parallelism.context_parallel_degree={cp} needs a model whose "
+                         f"attention runs under context parallelism (llama3, deepseek_v3); "
+                         f"{what} has none")
     return cfg
 
 

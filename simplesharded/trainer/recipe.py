@@ -1,7 +1,7 @@
 """The parallelization recipe, in its order: tensor parallelism → expert parallelism →
-activation checkpointing → data_parallel → torch.compile with our backend, per pipeline stage
-(:func:`parallelize`), and what the step needs to know of it (loss chunks, loss parallelism,
-the pipeline's loss)."""
+context parallelism → activation checkpointing → data_parallel → torch.compile with our backend,
+per pipeline stage (:func:`parallelize`), and what the step needs to know of it (loss chunks,
+loss parallelism, the pipeline's loss)."""
 from __future__ import annotations
 
 import contextlib
@@ -13,7 +13,8 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from simplesharded.backends import BACKENDS, BackendName, make_backend
 from simplesharded.blocks import find_blocks
-from simplesharded.mesh import ep_dim, tp_dim
+from simplesharded.mesh import cp_dim, ep_dim, tp_dim
+from simplesharded.models.context_parallel import apply_context_parallel
 from simplesharded.passes.agreement import set_agreement_peers
 from simplesharded.passes.annotations import AC_KEY
 from simplesharded.sharding import MixedPrecisionPolicy, data_parallel
@@ -86,8 +87,11 @@ def apply_tensor_parallel(model: torch.nn.Module, mesh, sequence_parallel: bool,
     """Torch TP with the model's own styles on ``mesh["tp"]`` (nothing when the mesh has no tp
     dim): the first step of :func:`parallelize`, shared with the benchmark's TP peers."""
     if tp_dim(mesh):
+        styles = model.tp_styles(sequence_parallel, loss_parallel)
+        # a pipeline stage lacks the other stages' modules (None in its tree)
+        present = {fqn for fqn, _ in model.named_modules()}
         parallelize_module(model, mesh[tp_dim(mesh)],
-                           model.tp_styles(sequence_parallel, loss_parallel))
+                           {k: v for k, v in styles.items() if k in present})
 
 
 def apply_expert_parallel(model: torch.nn.Module, mesh) -> None:
@@ -114,7 +118,7 @@ class _ScopedCalls:
 
 def parallelize(model: torch.nn.Module, mesh, cfg: Config, backend=None, observer=None,
                 loss_fn=None):
-    """TP → EP → activation checkpointing → data_parallel → compile, in that order, on the
+    """TP → EP → CP → activation checkpointing → data_parallel → compile, in that order, on the
     model or, under pipeline parallelism, on each of this rank's stages; returns the callable
     a step runs (the compiled model, or the model itself), or the
     :class:`~simplesharded.pipelining.Pipeline` of this rank's stages (``loss_fn``: the loss
@@ -125,12 +129,15 @@ def parallelize(model: torch.nn.Module, mesh, cfg: Config, backend=None, observe
     which shows it every graph our passes produce (the GPU smoke compares them with
     inductor's code)."""
     p, t, c = cfg.parallelism, cfg.training, cfg.compile
+    pp = p.pipeline_parallel_degree
     pdt, rdt = getattr(torch, t.mixed_precision_param), getattr(torch, t.mixed_precision_reduce)
     mp = MixedPrecisionPolicy(pdt, rdt) if (pdt, rdt) != (torch.float32, torch.float32) else None
 
     def prepare(part: torch.nn.Module):
         apply_tensor_parallel(part, mesh, p.enable_sequence_parallel, uses_loss_parallel(cfg))
         apply_expert_parallel(part, mesh)
+        if cp_dim(mesh):  # the model's attention over sequences split on mesh["cp"]
+            apply_context_parallel(part, mesh[cp_dim(mesh)])
         apply_activation_checkpointing(part, cfg.activation_checkpoint.mode,
                                        cfg.activation_checkpoint.selective_every,
                                        compiled=c.enable, expert_parallel=bool(ep_dim(mesh)))
@@ -139,9 +146,11 @@ def parallelize(model: torch.nn.Module, mesh, cfg: Config, backend=None, observe
         # is the exact global mean whatever the ranks' token counts.
         data_parallel(part, mesh, p.mode, mp_policy=mp, reshard_after_forward=p.reshard,
                       grad_reduction=t.grad_reduction)
-        return _compiled(part, mesh, cfg, backend, observer) if c.enable else part
+        if not c.enable:
+            return part
+        return _compiled(part, mesh, cfg, backend, observer, pipeline_stages(p) // pp)
 
-    if p.pipeline_parallel_degree == 1:
+    if pp == 1:
         set_agreement_peers(None)  # one model: every rank compiles the same graphs
         return prepare(model)
     from simplesharded.pipelining import pipeline
@@ -157,7 +166,7 @@ def parallelize(model: torch.nn.Module, mesh, cfg: Config, backend=None, observe
         hidden=torch.empty(mb, t.seq_len, a.dim, dtype=act, device="meta"),
         output=torch.empty(mb, t.seq_len, a.vocab_size, dtype=act, device="meta"),
         n_stages=pipeline_stages(p), layers_per_stage=p.pipeline_parallel_layers_per_stage or None,
-        policy=p.pipeline_fsdp_policy)
+        policy=p.pipeline_fsdp_policy, memory_cap_mb=c.memory_cap_mb, param_dtype=pdt)
 
 
 def pipeline_loss(denominator: float):
@@ -171,11 +180,21 @@ def pipeline_loss(denominator: float):
     return loss_fn
 
 
-def _compiled(model: torch.nn.Module, mesh, cfg: Config, backend, observer):
+def _compiled(model: torch.nn.Module, mesh, cfg: Config, backend, observer,
+              stages_per_rank: int = 1):
     """``model`` under torch.compile with the configured backend (or ``backend``), in the
-    dynamo settings it needs."""
+    dynamo settings it needs. ``stages_per_rank``: pipeline stages this rank compiles."""
     c = cfg.compile
     contexts = []
+    dynamic = None
+    if stages_per_rank > 1:
+        # Stages of one model run one forward's code: each is a cache entry of its own (a
+        # recompile, to dynamo), and a second stage's other input (hidden states, not tokens)
+        # would make dynamo compile sizes as symbols, split over tp into expressions that
+        # differ per rank. Static sizes, and room for every stage's entries (train, eval).
+        dynamic = False
+        limit = max(torch._dynamo.config.recompile_limit, 4 * stages_per_rank + 8)
+        contexts.append(functools.partial(torch._dynamo.config.patch, recompile_limit=limit))
     if ep_dim(mesh):
         from simplesharded.models.ep_dispatch import ep_compile_config
 
@@ -192,7 +211,7 @@ def _compiled(model: torch.nn.Module, mesh, cfg: Config, backend, observer):
             contexts.append(functools.partial(torch._dynamo.config.patch,
                                               recompile_limit=limit))
         backend = make_backend(c.backend, **_backend_options(c, observer))
-        compiled = torch.compile(model, backend=backend, fullgraph=c.fullgraph)
+        compiled = torch.compile(model, backend=backend, fullgraph=c.fullgraph, dynamic=dynamic)
     return _ScopedCalls(compiled, *contexts) if contexts else compiled
 
 

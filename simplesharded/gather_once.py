@@ -1,0 +1,122 @@
+"""Gather a model's parameters once for several forwards: ``gather_held(model)`` before the
+first, ``release_held(model)`` after the last (the pipeline's ``gather_once`` policy,
+simplesharded/pipelining.py).
+
+``gather_held`` all-gathers every sharded parameter of a ``data_parallel`` root in its
+``param_dtype`` and keeps the full tensors, detached, in the root's gradient-sync state
+(``held``, by FQN). While a parameter is held, reading it (simplesharded/gather.py) returns the
+held tensor instead of gathering: no collective in the forwards, eager or compiled (a compiled
+forward takes the held tensors as graph inputs). The held tensors carry no autograd link to the
+shards, so the forwards must run with gradient sync off (simplesharded/grad_sync.py): each
+backward sums the full-size gradients into the rank-local accumulators, and
+simplesharded/deferred_reduce.py reduces them once. ``release_held`` drops the full tensors.
+
+One collective per bucket, a bucket being the parameters sharded the same way (the same dp
+mesh, a plain shard on its innermost dim, replicated on the others; the same dtype): each
+rank's chunks, padded to the largest chunk as DTensor pads an uneven shard, are laid out in one
+flat buffer and all-gathered over the shard dim; a replicated dim needs no communication (every
+replica holds the same chunk). Placements the flat layout does not cover (a parameter sharded
+over two dp dims) are gathered one by one through DTensor.
+
+Memory: the held parameters, unsharded, from the first forward to the release, on top of the
+unsharded gradients that reducing once costs. Every rank of the dp groups must call both at the
+same points (the gathers are collectives).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+
+from simplesharded.deferred_reduce import _dp_view, _kind
+from simplesharded.sharded_state import sharded_state
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _sync_of(model: nn.Module):
+    model = getattr(model, "_orig_mod", model)
+    state = sharded_state(model)
+    if state is None or not state.root:
+        raise ValueError(f"{type(model).__name__} is not a model returned by data_parallel")
+    return model, state.grad_sync
+
+
+def gather_held(model: nn.Module) -> int:
+    """Gather every sharded parameter of ``model`` (a ``data_parallel`` root or its compiled
+    wrapper) into its held tensors (module doc). Returns how many collectives it issued."""
+    model, sync = _sync_of(model)
+    buckets: dict[tuple, list] = defaultdict(list)
+    for module in model.modules():
+        ms = sharded_state(module)
+        if ms is None or ms.grad_sync is not sync:
+            continue
+        for name, param in ms.params.items():
+            shard = module._parameters[name]
+            if shard is None or param.fqn in sync.held:
+                continue
+            sync.held[param.fqn] = None  # claimed: a tied parameter is gathered once
+            mesh, placements = _dp_view(shard, param)
+            dtype = param.spec.param_dtype or shard.dtype
+            buckets[(id(mesh), _kind(placements), dtype)].append(
+                (mesh, placements, shard, param))
+    issued = 0
+    with torch.no_grad():
+        for (_, kind, dtype), members in buckets.items():
+            if kind is not None and kind[0] == "shard":
+                issued += _gather_flat(members, kind[1], dtype, sync.held)
+                continue
+            for mesh, placements, shard, param in members:
+                full = _dp_tensor(mesh, placements, shard, param).to(dtype)
+                if kind is None:
+                    issued += sum(not isinstance(p, Replicate) for p in placements)
+                    full = full.redistribute(mesh, (Replicate(),) * mesh.ndim)
+                sync.held[param.fqn] = full.to_local().contiguous()
+    return issued
+
+
+def release_held(model: nn.Module) -> None:
+    """Drop ``model``'s held tensors: its forwards gather again."""
+    _sync_of(model)[1].held.clear()
+
+
+def _dp_tensor(mesh, placements, shard: DTensor, param) -> DTensor:
+    """The shard as a DTensor on its dp dims only (as gather.gather_param reads it)."""
+    mp = param.mp_layout
+    shape, stride = (mp.local_shape, mp.local_stride) if mp is not None else \
+        (shard.shape, shard.stride())
+    return DTensor.from_local(shard.to_local(), mesh, placements, run_check=False,
+                              shape=shape, stride=stride)
+
+
+def _gather_flat(members: list, dim: int, dtype: torch.dtype, held: dict) -> int:
+    mesh = members[0][0]
+    group = mesh.get_group(mesh.ndim - 1)
+    width, rank = mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1)
+    pieces, layout = [], []
+    for _, _, shard, param in members:
+        mp = param.mp_layout
+        shape = tuple(mp.local_shape if mp is not None else shard.shape)
+        n = shape[dim]
+        chunk = -(-n // width)  # DTensor's Shard: torch.chunk's sizes, padded to the largest
+        local = shard.to_local().to(dtype)
+        keep = local.shape[dim]
+        if keep != chunk:
+            pad = [0, 0] * (local.ndim - 1 - dim) + [0, chunk - keep]
+            local = torch.nn.functional.pad(local, pad)
+        pieces.append(local.reshape(-1))
+        layout.append((param.fqn, local.shape, n))
+    flat = torch.cat(pieces)
+    out = flat.new_empty(width * flat.numel())
+    _all_gather(out, flat, group=group)
+    rows = out.view(width, -1)  # row r: rank r's chunks, as this rank laid its own out
+    offset = 0
+    for fqn, piece_shape, n in layout:
+        size = piece_shape.numel()
+        full = rows[:, offset:offset + size].reshape(width, *piece_shape)
+        offset += size
+        held[fqn] = full.movedim(0, dim).flatten(dim, dim + 1).narrow(dim, 0, n).contiguous()
+    return 1
