@@ -286,6 +286,45 @@ def test_config_resolves_batch_over_dp_only():
     assert cfg.parallelism.data_parallel_shard_degree == 1
 
 
+# ------------------------------------------------------------------ the planner (forecast)
+
+
+def test_forecast_costs_the_kv_gathers_and_memory_by_sequence_length(capsys):
+    """`python -m simplesharded.tools.forecast` at cp 2 (dp 2 x cp 2, fake world): the K/V
+    collectives it finds in the traced graphs are one gather and one reduce-scatter per layer,
+    each gather as large as the model's shapes say (2 · tokens · kv_heads · head_dim · bytes
+    of a dp rank's micro-batch), and sending (cp − 1) / cp of it; --seq-lens reports a row per
+    length, whose tokens per rank are split over cp."""
+    import re
+
+    from simplesharded.models import get_model_spec
+    from simplesharded.tools import forecast
+
+    assert forecast.main(["--config", LLAMA, "--world-size", "4", "--hardware", "h100-ib400",
+                          "--backends", "aot_eager_blockbucketing",
+                          "--timeline-backend", "aot_eager_blockbucketing",
+                          "--parallelism.context_parallel_degree", "2",
+                          "--seq-lens", "64", "256"]) == 0
+    out = capsys.readouterr().out
+    args = get_model_spec("llama3", "debug")[1]
+    local_batch, seq = 8 // 2, 128  # the debug config: global batch 8 over dp 2, fp32
+    per_layer = 2 * local_batch * seq * args.n_kv_heads * (args.dim // args.n_heads) * 4
+    line = next(x for x in out.splitlines() if x.startswith("context parallel:"))
+    count, traced, formula, sent = re.match(
+        r"context parallel: (\d+) K/V .*?, ([\d.,]+) MiB gathered per layer traced .*? = "
+        r"([\d.,]+) MiB\), ([\d.,]+) MiB/rank sent", line).groups()
+    assert int(count) == 2 * args.n_layers
+    assert float(traced) == float(formula) == round(per_layer / 2**20, 2)
+    # forward gathers and backward reduce-scatters, each sending half at cp 2
+    assert float(sent) == round(2 * args.n_layers * per_layer / 2 / 2**20, 2)
+    rows = {int(r[0]): r for r in (
+        [c.strip() for c in x.strip("|").split("|")] for x in out.splitlines()
+        if re.match(r"\| \d+ \| \d+ \|", x))}
+    assert sorted(rows) == [64, 256]
+    assert [int(rows[n][1]) for n in (64, 256)] == [local_batch * 64 // 2, local_batch * 256 // 2]
+    assert float(rows[256][2]) > float(rows[64][2])  # activations grow with the sequence
+
+
 # ------------------------------------------------------------------ compiled graphs (fake pg)
 
 
