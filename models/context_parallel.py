@@ -81,6 +81,10 @@ class ContextParallel:
     size: int
     rank: int
 
+    def positions(self, local_len: int, device=None) -> torch.Tensor:
+        """Global positions of this rank's ``local_len`` tokens of a sequence."""
+        return head_tail_positions(local_len * self.size, self.rank, self.size, device)
+
     def rope(self, table: torch.Tensor, local_len: int) -> torch.Tensor:
         """The rows of the RoPE table ``table`` [max_seq_len, ...] at the global positions of
         this rank's ``local_len`` tokens."""

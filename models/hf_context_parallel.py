@@ -3,7 +3,8 @@
 A transformers model that declares ``_supports_attention_backend`` (Llama, Qwen2, Mistral, ...)
 looks its attention function up by ``config._attn_implementation`` in ``AttentionInterface``
 and rotates q and k by the ``position_ids`` its base model is called with. So CP needs no change
-to the model's code: :func:`apply_hf_context_parallel` registers one attention function,
+to the model's code: :func:`apply_hf_context_parallel` (called by models/context_parallel.py's
+``apply_context_parallel``, whose ``ContextParallel`` it is handed) registers one attention function,
 ``ss_context_parallel`` (:meth:`ContextParallel.attention`: K/V all-gathered over the cp group,
 the per-rank causal mask of models/context_parallel.py), sets the model to it, gives each
 attention module this rank's :class:`ContextParallel`, and makes the base model's default
@@ -12,15 +13,15 @@ registered under that name, so transformers builds no mask (and no packed-sequen
 the non-contiguous positions): the attention function builds its own.
 
 Not covered: sliding-window or chunked attention, attention sinks and soft-capping (the
-function is plain causal attention; such a model is refused), padding masks (training reads
-full sequences), and caches (training only).
+function is plain causal attention: such a config is refused before training, and the
+function refuses an attention layer that passes it a window or sinks), padding masks
+(training reads full sequences), and caches (training only).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from .context_parallel import ContextParallel, head_tail_positions
 
 ATTENTION = "ss_context_parallel"
 # Config keys that mean anything but plain causal attention over the whole sequence.
@@ -72,6 +73,10 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
     if cp is None:
         raise ValueError(f"{type(module).__name__} runs attention {ATTENTION!r} without a cp "
                          f"group: apply_context_parallel sets it")
+    extra = sorted(k for k in ("sliding_window", "s_aux", "sinks") if kwargs.get(k) is not None)
+    if extra:
+        raise ValueError(f"{type(module).__name__} asks attention {ATTENTION!r} for {extra}: "
+                         f"context parallelism computes plain causal attention only")
     if dropout:
         raise ValueError(f"attention dropout {dropout} under context parallelism is not "
                          f"supported")
@@ -80,7 +85,7 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
     return y.transpose(1, 2).contiguous(), None
 
 
-def apply_hf_context_parallel(model: nn.Module, cp: ContextParallel) -> None:
+def apply_hf_context_parallel(model: nn.Module, cp) -> None:
     """Run ``model``'s attention under context parallelism ``cp`` (see the module doc)."""
     from transformers import AttentionInterface
 
@@ -99,8 +104,7 @@ def apply_hf_context_parallel(model: nn.Module, cp: ContextParallel) -> None:
         tokens = args[0] if args else kwargs.get("input_ids")
         if tokens is None:
             tokens = kwargs["inputs_embeds"]
-        positions = head_tail_positions(tokens.shape[1] * cp.size, cp.rank, cp.size,
-                                        tokens.device)
+        positions = cp.positions(tokens.shape[1], tokens.device)
         return args, {**kwargs, "position_ids": positions.unsqueeze(0)}
 
     base.register_forward_pre_hook(global_positions, with_kwargs=True)

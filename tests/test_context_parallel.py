@@ -8,6 +8,10 @@ gather per block on the cp group, never bucketed, never gathered again in backwa
 is saved, with or without activation checkpointing), and overlapped by reordering with the
 compute that does not need it.
 
+The planner (a subprocess of ``python -m simplesharded.tools.forecast``): the K/V collectives it
+finds in the traced graphs against their size from the model's shapes, and its memory by
+sequence length.
+
 Slow, one spawn per world size: a 2-block llama3 trains 3 SGD steps on the same global batch
 as a 1-process reference (the dp ranks split the batch, the cp ranks of a dp rank each keep
 their head-tail chunks of its sequences, the tp ranks read the same). Losses, the first step's
@@ -15,7 +19,9 @@ gradients and the final parameters (gathered to full tensors) must agree to 1e-5
 what differs from the reference is the order of additions (the masked SDPA over gathered keys,
 the reductions over dp_shard x cp, tp's row-parallel matmuls), a few fp32 ulps. A key at a
 wrong position, a wrong rotation, a mask off by a chunk or a missing reduction over the cp
-ranks is an O(1) error. The 4-rank job also runs the trainer with context parallel degree 2
+ranks is an O(1) error. The 2-rank job also trains the MoE model (compiled) and transformers'
+Llama (eager and compiled, its attention through the attention interface) against their own
+1-process references. The 4-rank job also runs the trainer with context parallel degree 2
 (compiled) and without (eager), whose losses must agree.
 """
 from __future__ import annotations
