@@ -4,7 +4,8 @@ A transformers model that declares ``_supports_attention_backend`` (Llama, Qwen2
 looks its attention function up by ``config._attn_implementation`` in ``AttentionInterface``
 and rotates q and k by the ``position_ids`` its base model is called with. So CP needs no change
 to the model's code: :func:`apply_hf_context_parallel` (called by models/context_parallel.py's
-``apply_context_parallel``, whose ``ContextParallel`` it is handed) registers one attention function,
+``apply_context_parallel``, whose ``ContextParallel`` it is handed) registers one attention
+function,
 ``ss_context_parallel`` (:meth:`ContextParallel.attention`: K/V all-gathered over the cp group,
 the per-rank causal mask of models/context_parallel.py), sets the model to it, gives each
 attention module this rank's :class:`ContextParallel`, and makes the base model's default

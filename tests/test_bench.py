@@ -175,7 +175,8 @@ def test_parity_names_the_variant_that_computed_something_else():
     # a reference that did not run has no column (not a ratio of 0)
     table = bench_table.format_table(rows, bench_variants.BenchArgs())
     assert "| step ms | × fsdp2_eager | × compute_floor | collectives/step |" in table
-    assert ("| fsdp2_eager | 1000 | 1.00 | 1.00 | 0 | 0.0 | 0 | 0 | – | 0 + 0 | 0 | 6.000300 | 5.900000 |"
+    assert ("| fsdp2_eager | 1000 | 1.00 | 1.00 | 0 | 0.0 | 0 | 0 | – | 0 + 0 | 0 | 6.000300 | "
+            "5.900000 |"
             in table)
 
 

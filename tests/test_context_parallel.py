@@ -636,7 +636,8 @@ def run(world: int):
 
 def _ids(v):
     world, (dp, tp, backend, ac, *name) = v
-    return f"w{world}-dp{dp}-cp{CP}-tp{tp}-{backend}{'-ac' if ac else ''}{''.join('-' + n for n in name)}"
+    model = "".join("-" + n for n in name)
+    return f"w{world}-dp{dp}-cp{CP}-tp{tp}-{backend}{'-ac' if ac else ''}{model}"
 
 
 @pytest.mark.slow

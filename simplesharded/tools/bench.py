@@ -61,8 +61,8 @@ def main(argv=None) -> int:
     ap.add_argument("--n-layers", type=_positive_int, default=None,
                     help="override the flavor's depth")
     ap.add_argument("--world-size", type=_positive_int, default=None,
-                    help="ranks in all, dp × cp × tp (default on cpu: 2 × --cp × --tp, i.e. dp 2; on an "
-                         "accelerator: one rank per device)")
+                    help="ranks in all, dp × cp × tp (default on cpu: 2 × --cp × --tp, i.e. "
+                         "dp 2; on an accelerator: one rank per device)")
     ap.add_argument("--tp", type=_positive_int, default=1,
                     help="tensor-parallel degree: every variant runs on a dp × tp mesh, torch "
                          "TP with the model's tensor-parallel styles first (default: 1, no TP)")
@@ -147,14 +147,15 @@ def main(argv=None) -> int:
         _, model_args = get_model_spec(ns.model, ns.flavor)
         if tp > 1:
             model_args.check_tp(tp)
-        from simplesharded.models.context_parallel import supports_context_parallel
-        if cp > 1 and not supports_context_parallel(MODELS[ns.model][0]):
-            raise ValueError(f"--cp {cp}: this model's attention does not run under context "
-                             f"parallelism (llama3, deepseek_v3 do)")
         # on meta, i.e. no memory and no init: the depth override and a missing optional
         # dependency (hf_llama: transformers) fail here, once, not in every variant's ranks
-        build_model(ns.model, ns.flavor, device="meta",
-                    **({"n_layers": ns.n_layers} if ns.n_layers else {}))
+        meta = build_model(ns.model, ns.flavor, device="meta",
+                           **({"n_layers": ns.n_layers} if ns.n_layers else {}))
+        from simplesharded.models.context_parallel import supports_context_parallel
+        from simplesharded.models.hf_context_parallel import is_hf_model
+        if cp > 1 and not (supports_context_parallel(type(meta)) or is_hf_model(meta)):
+            raise ValueError(f"--cp {cp}: this model's attention does not run under context "
+                             f"parallelism (llama3, deepseek_v3 and hf_llama do)")
     except (ValueError, ImportError) as e:
         ap.error(f"{e} (--model {ns.model} --flavor {ns.flavor} --tp {tp}"
                  + (f" --cp {cp})" if cp > 1 else ")"))

@@ -82,12 +82,13 @@ def _resident_bytes(model, opt) -> int:
 
 
 def _step_peak_bytes(step, model, opt, device: str) -> tuple[int, int]:
-    """(peak, held): peak bytes of live tensors on this rank during one step (gradients zeroed before it,
-    parameter shards and optimizer state included; allocator caches and compile-time memory
-    not). On an accelerator its allocator's peak. On CPU, which keeps no such count: what the
-    rank holds between steps plus the highest running total of bytes allocated and not yet
-    freed during the step, from torch.profiler's memory events (every allocation and free of
-    a tensor made while it records); held: the bytes alive before the step."""
+    """(peak, held): peak bytes of live tensors on this rank during one step (gradients zeroed
+    before it, parameter shards and optimizer state included; allocator caches and
+    compile-time memory not). On an accelerator its allocator's peak. On CPU, which keeps no
+    such count: what the rank holds between steps plus the highest running total of bytes
+    allocated and not yet freed during the step, from torch.profiler's memory events (every
+    allocation and free of a tensor made while it records); held: the bytes alive before the
+    step."""
     opt.zero_grad(set_to_none=True)
     if device != "cpu":
         held = torch.accelerator.memory_allocated()

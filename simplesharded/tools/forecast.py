@@ -360,9 +360,10 @@ def _cp_line(cfg, m: dict) -> str:
     cp = cfg.parallelism.context_parallel_degree
     per_layer = kv_gather_bytes(cfg)
     return (f"context parallel: {m['cp:count']:.0f} K/V collectives over cp per step (a "
-            f"gather per layer forward, a reduce-scatter backward), {m['cp:gathered_bytes'] / 2**20:,.2f} "
-            f"MiB gathered per layer traced (2 · tokens · kv_heads · head_dim · bytes = "
-            f"{per_layer / 2**20:,.2f} MiB), {m['cp:sent_bytes'] / 2**20:,.2f} MiB/rank sent "
+            f"gather per layer forward, a reduce-scatter backward), "
+            f"{m['cp:gathered_bytes'] / 2**20:,.2f} MiB gathered per layer traced (2 · tokens "
+            f"· kv_heads · head_dim · bytes = {per_layer / 2**20:,.2f} MiB), "
+            f"{m['cp:sent_bytes'] / 2**20:,.2f} MiB/rank sent "
             f"((cp − 1) / cp of each, cp {cp})")
 
 
