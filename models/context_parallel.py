@@ -81,6 +81,10 @@ class ContextParallel:
     size: int
     rank: int
 
+    def positions(self, local_len: int, device=None) -> torch.Tensor:
+        """Global positions of this rank's ``local_len`` tokens of a sequence."""
+        return head_tail_positions(local_len * self.size, self.rank, self.size, device)
+
     def rope(self, table: torch.Tensor, local_len: int) -> torch.Tensor:
         """The rows of the RoPE table ``table`` [max_seq_len, ...] at the global positions of
         this rank's ``local_len`` tokens."""
@@ -90,10 +94,12 @@ class ContextParallel:
                              f"{self.size} cp ranks) exceeds max_seq_len={table.shape[0]}")
         return table[head_tail_positions(seq_len, self.rank, self.size, table.device)]
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  scale: float | None = None) -> torch.Tensor:
         """Causal attention of this rank's queries over the whole sequence's keys: q [B, s, H,
         D] and k, v [B, s, Hkv, D] (rotated) of this rank's s tokens → [B, H, s, D], as
-        ``F.scaled_dot_product_attention`` of the unsplit sequence gives for these queries."""
+        ``F.scaled_dot_product_attention`` of the unsplit sequence gives for these queries
+        (``scale``: SDPA's, default 1 / sqrt(D))."""
         seq_len = q.shape[1] * self.size
         # K and V in one gather; tokens leading, so the gather's dim 0 concatenates the ranks'
         kv = torch.stack((k, v), dim=2).transpose(0, 1).contiguous()  # [s, B, 2, Hkv, D]
@@ -102,7 +108,7 @@ class ContextParallel:
         keys, values = kv.permute(1, 2, 3, 0, 4).unbind(1)  # [B, Hkv, S, D] each
         mask = causal_mask(seq_len, self.rank, self.size, q.device)
         return F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
-                                              enable_gqa=q.shape[2] != k.shape[2])
+                                              scale=scale, enable_gqa=q.shape[2] != k.shape[2])
 
 
 def supports_context_parallel(model_cls: type) -> bool:
@@ -115,8 +121,15 @@ def apply_context_parallel(model: nn.Module, mesh) -> None:
     """Split ``model``'s sequences over the 1-D cp mesh ``mesh`` (``mesh["cp"]`` of
     simplesharded.mesh.build_mesh): every module that declares ``context_parallel`` (the model,
     its attention layers) gets this rank's :class:`ContextParallel`. Its inputs must then be
-    each rank's head-tail chunks (:func:`shard_sequence`). ValueError for a model whose
-    attention cannot run so."""
+    each rank's head-tail chunks (:func:`shard_sequence`). A transformers model that runs its
+    attention through transformers' attention interface (Llama and its family) is set up by
+    models/hf_context_parallel.py. ValueError for a model whose attention cannot run so."""
+    from .hf_context_parallel import apply_hf_context_parallel, is_hf_model
+
+    if is_hf_model(model):
+        cp = ContextParallel(mesh.get_group().group_name, mesh.size(), mesh.get_local_rank())
+        apply_hf_context_parallel(model, cp)
+        return
     if not supports_context_parallel(type(model)):
         raise ValueError(f"{type(model).__name__} has no attention that runs under context "
                          f"parallelism (models/context_parallel.py)")

@@ -229,6 +229,21 @@ def build_hf_model(path: str) -> nn.Module:
     return model
 
 
+def check_context_parallel(path: str) -> None:
+    """ValueError when the model of ``path`` cannot run its attention under context
+    parallelism (models/hf_context_parallel.py), from its config and class alone."""
+    from .hf_context_parallel import check_hf_config
+
+    config = load_hf_config(path)
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:  # build_hf_model reports it, in its own words
+        return
+    check_hf_config(config, cls)
+
+
 def hf_tokenizer_path(path: str) -> str:
     """DIR/tokenizer.json when the model directory has one, else ''."""
     f = os.path.join(path, TOKENIZER_FILE)

@@ -71,6 +71,11 @@ FLAVORS: dict[str, Llama3Args] = {
                      multiple_of=256, ffn_dim_multiplier=1.5, max_seq_len=8192),
     "8B": Llama3Args(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
                      multiple_of=1024, ffn_dim_multiplier=1.3, max_seq_len=8192),
+    # 8B's shapes at Llama 3.1's context length, for context parallelism
+    # (configs/llama3_8b_128k.toml). Positions past 8192 rotate at plain rope_theta: Llama
+    # 3.1's RoPE scaling is not implemented, so this trains from scratch, it does not load 3.1.
+    "8B_128k": Llama3Args(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                          multiple_of=1024, ffn_dim_multiplier=1.3, max_seq_len=131072),
     "70B": Llama3Args(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
                       multiple_of=4096, ffn_dim_multiplier=1.3, max_seq_len=8192),
     "405B": Llama3Args(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256,

@@ -14,7 +14,7 @@ from simplesharded.tools import (bench, bench_collectives, bench_passes, bench_r
 
 def _run(variant, ms):
     return bench_run.RunResult(variant, step_s=[ms / 1e3] * 3, first_step_s=ms / 1e3 + 1.0,
-                               collectives_per_step=4, peak_mem_mb=100.0,
+                               collectives_per_step=4, peak_mem_mb=100.0, step_mem_mb=60.0,
                                main_cpu_s=0.9 * ms / 1e3, other_cpu_s=0.05)
 
 
@@ -36,7 +36,7 @@ def test_summarize_ratios_and_targets():
     assert "MISS ss_aot_eager_autobucketing / fsdp2_eager = 0.77 (target ≤ 0.7)" in verdicts
     assert "PASS ss_aot_eager_autobucketing / compute_floor = 1.15 (target ≤ 1.15)" in verdicts
     table = bench_table.format_table(list(rows.values()), bench_variants.BenchArgs())
-    assert ("| ss_aot_eager_autobucketing | 1150 | 0.77 | 1.15 | 1.05 | 4 | 1.0 | 100 | – | "
+    assert ("| ss_aot_eager_autobucketing | 1150 | 0.77 | 1.15 | 1.05 | 4 | 1.0 | 100 | 60 | – | "
             "1035 + 50 |") in table
 
 
@@ -57,7 +57,8 @@ def test_step_peak_bytes_counts_state_gradients_and_activations():
     step()  # the optimizer state exists from here on
     params = sum(p.numel() * 4 for p in model.parameters())
     assert bench_run._resident_bytes(model, opt) == 3 * params + 8 * 4  # + 8 AdamW step counters
-    peak = bench_run._step_peak_bytes(step, model, opt, "cpu")
+    peak, held = bench_run._step_peak_bytes(step, model, opt, "cpu")
+    assert held == 3 * params + 8 * 4
     activations = 4 * x.numel() * 4  # the outputs of the first three layers, kept for backward
     # at least: state, all gradients, and the saved activations at the end of forward
     assert peak >= 3 * params + activations
@@ -174,7 +175,8 @@ def test_parity_names_the_variant_that_computed_something_else():
     # a reference that did not run has no column (not a ratio of 0)
     table = bench_table.format_table(rows, bench_variants.BenchArgs())
     assert "| step ms | × fsdp2_eager | × compute_floor | collectives/step |" in table
-    assert ("| fsdp2_eager | 1000 | 1.00 | 1.00 | 0 | 0.0 | 0 | – | 0 + 0 | 0 | 6.000300 | 5.900000 |"
+    assert ("| fsdp2_eager | 1000 | 1.00 | 1.00 | 0 | 0.0 | 0 | 0 | – | 0 + 0 | 0 | 6.000300 | "
+            "5.900000 |"
             in table)
 
 
@@ -192,6 +194,14 @@ def test_parity_names_the_variant_that_computed_something_else():
     (["--tp", "2", "--seq-len", "33"], "--tp 2 does not divide --seq-len 33"),
     (["--tp", "0"], "argument --tp: 0 is not a positive integer"),
     (["--device", "nodevice"], "--device nodevice: this machine's accelerator is "),
+    (["--cp", "2", "--variants", "fsdp2_eager"], "--variants ['fsdp2_eager'] have no "
+                                                 "context-parallel form here"),
+    (["--cp", "2", "--tp", "2", "--world-size", "6"], "--cp 2 × --tp 2 does not divide "
+                                                      "--world-size 6"),
+    (["--cp", "4", "--seq-len", "36"], "--seq-len 36 does not split into 2 × --cp 4 equal "
+                                       "chunks"),
+    (["--cp", "2", "--model", "gpt"], "--cp 2: this model's attention does not run under "
+                                      "context parallelism"),
 ])
 def test_bad_tp_flags_are_one_line_errors(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -307,3 +317,26 @@ def test_one_rank_per_accelerator(monkeypatch, capsys):
     bench.main(["--device", "cuda", "--variants", "ddp", "--reps", "1",
                 "--global-batch", "2", "--no-predict-memory"])
     assert ran == [1]
+
+
+@pytest.mark.slow
+def test_tiny_cp_bench_runs_end_to_end(tmp_path, capsys):
+    """cp 2 on 2 ranks (dp 1), one block: the floor is the cp group itself, whose only
+    collectives are the K/V gather forward and its reduce-scatter backward; ours adds the
+    parameters' over dp_shard x cp; both on the same first-step loss."""
+    out = tmp_path / "r.json"
+    variants = ["compute_floor", "ss_aot_eager_blockbucketing"]
+    assert bench.main(["--cp", "2", "--world-size", "2", "--flavor", "debug", "--n-layers", "1",
+                       "--seq-len", "32", "--warmup", "1", "--steps", "1", "--reps", "1",
+                       "--no-predict-memory", "--json", str(out), "--variants", *variants]) == 0
+    report = json.loads(out.read_text())
+    assert (report["args"]["world_size"], report["args"]["cp"]) == (2, 2)
+    rows = {r["variant"]: r for r in report["rows"]}
+    assert not any("error" in r for r in rows.values()), rows
+    assert rows["compute_floor"]["collectives_per_step"] == 2  # one block: gather + its grad
+    assert rows["ss_aot_eager_blockbucketing"]["collectives_per_step"] > 2
+    for row in rows.values():
+        assert 0 < row["step_mem_mb"] <= row["peak_mem_mb"], row
+    printed = capsys.readouterr().out
+    assert "2 ranks = dp 1 × cp 2" in printed
+    assert "parity (rtol 0.0001): step 1: 2 runs agree" in printed

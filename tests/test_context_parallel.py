@@ -8,6 +8,10 @@ gather per block on the cp group, never bucketed, never gathered again in backwa
 is saved, with or without activation checkpointing), and overlapped by reordering with the
 compute that does not need it.
 
+The planner (a subprocess of ``python -m simplesharded.tools.forecast``): the K/V collectives it
+finds in the traced graphs against their size from the model's shapes, and its memory by
+sequence length.
+
 Slow, one spawn per world size: a 2-block llama3 trains 3 SGD steps on the same global batch
 as a 1-process reference (the dp ranks split the batch, the cp ranks of a dp rank each keep
 their head-tail chunks of its sequences, the tp ranks read the same). Losses, the first step's
@@ -15,7 +19,9 @@ gradients and the final parameters (gathered to full tensors) must agree to 1e-5
 what differs from the reference is the order of additions (the masked SDPA over gathered keys,
 the reductions over dp_shard x cp, tp's row-parallel matmuls), a few fp32 ulps. A key at a
 wrong position, a wrong rotation, a mask off by a chunk or a missing reduction over the cp
-ranks is an O(1) error. The 4-rank job also runs the trainer with context parallel degree 2
+ranks is an O(1) error. The 2-rank job also trains the MoE model (compiled) and transformers'
+Llama (eager and compiled, its attention through the attention interface) against their own
+1-process references. The 4-rank job also runs the trainer with context parallel degree 2
 (compiled) and without (eager), whose losses must agree.
 """
 from __future__ import annotations
@@ -47,11 +53,19 @@ TOL = 1e-5
 CP = 2
 
 
-def make_model(**overrides):
+# The models run under CP besides llama3: the MoE model (llama3's attention, routed experts on
+# each rank's own tokens) and transformers' Llama (through its attention interface)
+MODEL_ARGS = {"llama3": {}, "deepseek_v3": dict(n_routed_experts=4, moe_hidden_dim=32,
+                                                dense_hidden_dim=64),
+              "hf_llama": {}}
+
+
+def make_model(name: str = "llama3", **overrides):
     from simplesharded.models import build_model
 
     torch.manual_seed(0)
-    return build_model("llama3", "debug", device="cpu", **{**ARGS, **overrides})
+    return build_model(name, "debug", device="cpu",
+                       **{**ARGS, **MODEL_ARGS[name], **overrides})
 
 
 # ------------------------------------------------------------------ layout, mask, RoPE
@@ -246,7 +260,8 @@ def _load(argv, world=4):
      "--no-parallelism.enable_sequence_parallel)"),
     (["--parallelism.context_parallel_degree", "2", "--model.name", "gpt"], 4,
      "parallelism.context_parallel_degree=2 needs a model whose attention runs under context "
-     "parallelism (llama3, deepseek_v3); model gpt/debug has none"),
+     "parallelism (llama3, deepseek_v3, --model.name hf of the Llama family); model gpt/debug "
+     "has none"),
     (["--parallelism.context_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2",
       "--model.name", "deepseek_v3"], 8,
      "parallelism.context_parallel_degree=2 with expert_parallel_degree=2: expert parallelism "
@@ -256,6 +271,26 @@ def test_config_errors_are_one_line(argv, world, message):
     with pytest.raises(ValueError) as e:
         _load(argv, world)
     assert str(e.value) == message
+
+
+def test_hf_models_run_cp_when_their_attention_is_plain_causal(tmp_path):
+    """--model.name hf: a Llama config passes the preflight at cp 2; sliding-window attention
+    (Qwen2's use_sliding_window) is one error naming the key."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=300)
+    LlamaConfig(**shape).save_pretrained(tmp_path / "llama")
+    Qwen2Config(**shape, use_sliding_window=True, sliding_window=16).save_pretrained(
+        tmp_path / "qwen2")
+    cp = ["--parallelism.context_parallel_degree", "2", "--model.name", "hf", "--model.path"]
+    assert _load([*cp, str(tmp_path / "llama")]).parallelism.context_parallel_degree == 2
+    with pytest.raises(ValueError) as e:
+        _load([*cp, str(tmp_path / "qwen2")])
+    assert str(e.value).startswith(
+        f"parallelism.context_parallel_degree=2 with model.path='{tmp_path / 'qwen2'}': "
+        f"Qwen2ForCausalLM: config ")
+    assert "sliding" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_preflight_prints_one_error_line(monkeypatch, capsys):
@@ -284,6 +319,48 @@ def test_config_resolves_batch_over_dp_only():
     cfg = _load(["--parallelism.context_parallel_degree", "2",
                  "--parallelism.tensor_parallel_degree", "2"])
     assert cfg.parallelism.data_parallel_shard_degree == 1
+
+
+# ------------------------------------------------------------------ the planner (forecast)
+
+
+def test_forecast_costs_the_kv_gathers_and_memory_by_sequence_length():
+    """`python -m simplesharded.tools.forecast` at cp 2 (dp 2 x cp 2, fake world): the K/V
+    collectives it finds in the traced graphs are one gather and one reduce-scatter per layer,
+    each gather as large as the model's shapes say (2 · tokens · kv_heads · head_dim · bytes
+    of a dp rank's micro-batch), and sending (cp − 1) / cp of it; --seq-lens reports a row per
+    length, whose tokens per rank are split over cp."""
+    import re
+    import subprocess
+    import sys
+
+    from simplesharded.models import get_model_spec
+
+    # its own process: the forecast stands up its fake process group, which this module's
+    # fake_world fixture may hold already
+    out = subprocess.run(
+        [sys.executable, "-m", "simplesharded.tools.forecast", "--config", LLAMA,
+         "--world-size", "4", "--hardware", "h100-ib400", "--backends",
+         "aot_eager_blockbucketing", "--timeline-backend", "aot_eager_blockbucketing",
+         "--parallelism.context_parallel_degree", "2", "--seq-lens", "64", "256"],
+        capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    args = get_model_spec("llama3", "debug")[1]
+    local_batch, seq = 8 // 2, 128  # the debug config: global batch 8 over dp 2, fp32
+    per_layer = 2 * local_batch * seq * args.n_kv_heads * (args.dim // args.n_heads) * 4
+    line = next(x for x in out.splitlines() if x.startswith("context parallel:"))
+    count, traced, formula, sent = re.match(
+        r"context parallel: (\d+) K/V .*?, ([\d.,]+) MiB gathered per layer traced .*? = "
+        r"([\d.,]+) MiB\), ([\d.,]+) MiB/rank sent", line).groups()
+    assert int(count) == 2 * args.n_layers
+    assert float(traced) == float(formula) == round(per_layer / 2**20, 2)
+    # forward gathers and backward reduce-scatters, each sending half at cp 2
+    assert float(sent) == round(2 * args.n_layers * per_layer / 2 / 2**20, 2)
+    rows = {int(r[0]): r for r in (
+        [c.strip() for c in x.strip("|").split("|")] for x in out.splitlines()
+        if re.match(r"\| \d+ \| \d+ \|", x))}
+    assert sorted(rows) == [64, 256]
+    assert [int(rows[n][1]) for n in (64, 256)] == [local_batch * 64 // 2, local_batch * 256 // 2]
+    assert float(rows[256][2]) > float(rows[64][2])  # activations grow with the sequence
 
 
 # ------------------------------------------------------------------ compiled graphs (fake pg)
@@ -436,9 +513,22 @@ def _full(t):
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
-def train(model, step_fn, dp_rank: int, dp_size: int, cp_rank: int, cp: int, tp: int):
+def _loss(step_fn, x, y, name: str):
+    """The summed cross-entropy of ``x``'s tokens: our models compute it in their forward,
+    transformers' return logits."""
+    from simplesharded.models import logits_of
+
+    if name == "hf_llama":
+        logits = logits_of(step_fn(x))
+        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
+    return step_fn(x, y, loss_chunks=1)
+
+
+def train(model, step_fn, dp_rank: int, dp_size: int, cp_rank: int, cp: int, tp: int,
+          name: str = "llama3"):
     """STEPS SGD steps; the summed loss of a rank's tokens over the global token count, so the
-    ranks' losses sum to the reference's mean (tp ranks hold the same: divided out)."""
+    ranks' losses sum to the reference's mean (tp ranks hold the same: divided out). The MoE
+    model's expert bias is updated from the token counts of all ranks, as the trainer does."""
     opt = torch.optim.SGD(model.parameters(), **SGD)
     rows = GLOBAL_BATCH // dp_size
     losses, grads = [], None
@@ -447,12 +537,14 @@ def train(model, step_fn, dp_rank: int, dp_size: int, cp_rank: int, cp: int, tp:
         x, y = x[dp_rank * rows:(dp_rank + 1) * rows], y[dp_rank * rows:(dp_rank + 1) * rows]
         if cp > 1:
             x, y = cpm.shard_sequence(x, cp_rank, cp), cpm.shard_sequence(y, cp_rank, cp)
-        loss = step_fn(x, y, loss_chunks=1) / (GLOBAL_BATCH * SEQ)
+        loss = _loss(step_fn, x, y, name) / (GLOBAL_BATCH * SEQ)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if step == 0:
             grads = {n: _full(p.grad) for n, p in model.named_parameters()}
         opt.step()
+        if hasattr(model, "update_expert_bias"):
+            model.update_expert_bias()
         total = loss.detach().clone()
         if dp_size * cp * tp > 1:  # a spawned rank: the others hold the rest of the sum
             dist.all_reduce(total)
@@ -461,22 +553,24 @@ def train(model, step_fn, dp_rank: int, dp_size: int, cp_rank: int, cp: int, tp:
 
 
 @memo
-def reference():
-    model = make_model()
-    return train(model, model, 0, 1, 0, 1, 1)
+def reference(name: str = "llama3"):
+    model = make_model(name)
+    return train(model, model, 0, 1, 0, 1, 1, name)
 
 
-# world → [(dp_shard, tp, backend, activation checkpointing)]; cp = 2 throughout
+# world → [(dp_shard, tp, backend, activation checkpointing[, model])]; cp = 2 throughout
 LAYOUTS = {
     2: [(1, 1, "eager", False), (1, 1, "eager", True), (1, 1, "aot_eager_blockbucketing", False),
-        (1, 1, "aot_eager_blockbucketing", True)],
+        (1, 1, "aot_eager_blockbucketing", True),
+        (1, 1, "aot_eager_blockbucketing", False, "deepseek_v3"),
+        (1, 1, "eager", False, "hf_llama"), (1, 1, "aot_eager_blockbucketing", False, "hf_llama")],
     4: [(2, 1, "eager", False), (2, 1, "aot_eager_blockbucketing", False),
         (1, 2, "eager", False), (1, 2, "aot_eager_blockbucketing", False)],
 }
 CASES = [(world, case) for world, cases in LAYOUTS.items() for case in cases]
 
 
-def _case(rank, world, dp, tp, backend, ac):
+def _case(rank, world, dp, tp, backend, ac, name="llama3"):
     import simplesharded as ss
     from simplesharded.trainer.recipe import apply_activation_checkpointing, apply_tensor_parallel
 
@@ -488,7 +582,7 @@ def _case(rank, world, dp, tp, backend, ac):
             counts[kind] = sorted((c.kind, c.group_name) for c in _cp_collectives(gm))
 
     mesh = ss.build_mesh(1, dp, "cpu", tp=tp, cp=CP)
-    model = make_model()
+    model = make_model(name)
     apply_tensor_parallel(model, mesh, sequence_parallel=True)
     cpm.apply_context_parallel(model, mesh["cp"])
     if ac:
@@ -497,7 +591,7 @@ def _case(rank, world, dp, tp, backend, ac):
     step_fn = model if backend == "eager" else torch.compile(
         model, backend=ss.make_backend(backend, observer=observe), fullgraph=True)
     losses, grads, params = train(model, step_fn, mesh["dp_shard"].get_local_rank(), dp,
-                                  mesh["cp"].get_local_rank(), CP, tp)
+                                  mesh["cp"].get_local_rank(), CP, tp, name)
     return {"losses": losses, "grads": grads if rank == 0 else None,
             "params": params if rank == 0 else None, "counts": counts,
             "cp_group": mesh.get_group("cp").group_name}
@@ -541,14 +635,15 @@ def run(world: int):
 
 
 def _ids(v):
-    world, (dp, tp, backend, ac) = v
-    return f"w{world}-dp{dp}-cp{CP}-tp{tp}-{backend}{'-ac' if ac else ''}"
+    world, (dp, tp, backend, ac, *name) = v
+    model = "".join("-" + n for n in name)
+    return f"w{world}-dp{dp}-cp{CP}-tp{tp}-{backend}{'-ac' if ac else ''}{model}"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world,case", CASES, ids=[_ids(c) for c in CASES])
 def test_parity_with_single_process(world, case):
-    ref_losses, ref_grads, ref_params = reference()
+    ref_losses, ref_grads, ref_params = reference(*case[4:])
     results = run(world)
     got = results[0][case]
     for r in results[1:]:  # every rank reports the same global loss
@@ -564,7 +659,7 @@ def test_parity_with_single_process(world, case):
     if case[2] != "eager":  # the compiled graphs: one K/V gather per block, on the cp group
         for r in results:
             cp_group, counts = r[case]["cp_group"], r[case]["counts"]
-            n = ARGS["n_layers"]
+            n = ARGS["n_layers"]  # the MoE model's too: its first block dense, the second MoE
             assert counts == {"fw": [("all_gather", cp_group)] * n,
                               "bw": [("reduce_scatter", cp_group)] * n}, counts
 

@@ -273,6 +273,11 @@ def _job(rank: int, world: int, dirs: dict[str, Path], dump: str) -> dict:
         torch._dynamo.reset()
     out["init"] = {arch: _initialised(str(dirs[f"{arch}_init"]), world) for arch in ARCHS}
     if world > 1:
+        # context parallel degree 2 (dp 1): the same sequences, each split over the 2 ranks
+        trainer = _trainer(dirs["llama"], dirs["data"], Path(dump) / "llama_cp2", world,
+                           [*RUNS["llama"], "--parallelism.context_parallel_degree", "2"])
+        out["llama_cp2"] = [trainer.train_step()["loss"] for _ in range(STEPS)]
+        torch._dynamo.reset()
         out["slices"] = {arch: _read_slices(str(dirs[arch]), world) for arch in SLICED}
     else:  # one process: the world-2 job has more to do
         out["graph_break"] = _graph_break(dirs, Path(dump) / "gb", world)
@@ -325,6 +330,17 @@ def test_two_ranks_match_one_process(zoo, arch):
     bad = [(s + 1, g, w) for s, (g, w) in enumerate(zip(got, want)) if not rel(g, w) <= 1e-5]
     assert not bad, f"{arch}: (step, 2 ranks, 1 process) beyond 1e-5 rel: {bad}"
     assert want[-1] < want[0], want  # it trains
+
+
+@pytest.mark.slow
+def test_llama_at_context_parallel_2_matches_one_process(zoo):
+    """transformers' Llama trained by the trainer at context parallel degree 2, compiled (its
+    attention through the attention interface: models/hf_context_parallel.py), gives the
+    losses of one process on whole sequences."""
+    dirs = tuple(sorted(zoo.items()))
+    want, got = _results(1, dirs)[0]["llama"], _results(2, dirs)[0]["llama_cp2"]
+    bad = [(s + 1, g, w) for s, (g, w) in enumerate(zip(got, want)) if not rel(g, w) <= 1e-5]
+    assert len(got) == STEPS and not bad, f"(step, cp 2, 1 process) beyond 1e-5 rel: {bad}"
 
 
 @pytest.mark.slow

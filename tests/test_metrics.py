@@ -141,3 +141,35 @@ def test_trainer_resets_the_peak_after_its_first_step(tmp_path, monkeypatch):
     recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(recs) == 3
     assert all(r["tps"] == pytest.approx(r["tokens_per_s_global"] / 4) for r in recs)
+
+
+def test_compare_losses_script(tmp_path, capsys):
+    """scripts/compare_losses.py on two runs' metrics.jsonl: a row per shared step, the largest
+    relative difference, exit 1 above --rtol or with no step in common; a step logged twice
+    (a resumed run) counts its last record."""
+    import importlib.util
+    import json
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(
+        "compare_losses", os.path.join(root, "scripts", "compare_losses.py"))
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+
+    def run(name, records):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text(
+            "\n".join(json.dumps(r) for r in records) + "\n")
+        return str(tmp_path / name)
+
+    a = run("a", [{"step": 1, "loss": 9.0}, {"step": 1, "loss": 4.0}, {"step": 2, "loss": 3.0},
+                  {"step": 3, "val_loss": 2.0}])
+    b = run("b", [{"step": 1, "loss": 4.0001}, {"step": 2, "loss": 3.0}])
+    assert compare.main([a, b]) == 0
+    out = capsys.readouterr().out
+    assert "| 1 | 4.000000 | 4.000100 | 2.5e-05 |" in out and "| 2 | 3.000000 | 3.000000 |" in out
+    assert "2 steps, max rel diff 2.5e-05: within rtol 0.0001" in out
+    assert compare.main([a, b, "--rtol", "1e-5"]) == 1
+    assert "ABOVE rtol 1e-05" in capsys.readouterr().out
+    assert compare.main([a, run("c", [{"step": 7, "loss": 1.0}])]) == 1
+    assert "logged no step in common" in capsys.readouterr().err

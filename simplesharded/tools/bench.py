@@ -11,6 +11,10 @@ variants (see bench_run.PARITY_STEPS): they compute the same thing or the compar
 devices present, with the process-group backend mesh.backend_for picks (NCCL for cuda); the
 default ``cpu`` uses gloo.
 
+``--cp N`` splits every sequence over N ranks (models/context_parallel.py's head-tail chunks,
+K/V gathered over cp in attention) on a dp × cp mesh: our backends shard the parameters over
+dp × cp, the floor is one dp rank's cp group; peak memory per rank shows what CP saves.
+
 ``--tp N`` runs every variant on a dp × tp mesh (tp innermost, as the trainer's): torch TP with
 the model's tensor-parallel styles on ``mesh["tp"]`` first, then the variant's data parallelism
 over the dp dims.
@@ -35,8 +39,9 @@ import torch
 from simplesharded.tools.bench_run import RunResult, run_variant
 from simplesharded.tools.bench_table import (FORECAST, forecast_peaks, format_table, parity,
                                              summarize, targets)
-from simplesharded.tools.bench_variants import (BASELINES, NO_TP_FORM, TP_DEFAULT, BenchArgs,
-                                                all_variants, default_variants)
+from simplesharded.tools.bench_variants import (BASELINES, CP_DEFAULT, NO_CP_FORM, NO_TP_FORM,
+                                                TP_DEFAULT, BenchArgs, all_variants,
+                                                default_variants)
 
 
 def _positive_int(text: str) -> int:
@@ -56,11 +61,14 @@ def main(argv=None) -> int:
     ap.add_argument("--n-layers", type=_positive_int, default=None,
                     help="override the flavor's depth")
     ap.add_argument("--world-size", type=_positive_int, default=None,
-                    help="ranks in all, dp × tp (default on cpu: 2 × --tp, i.e. dp 2; on an "
-                         "accelerator: one rank per device)")
+                    help="ranks in all, dp × cp × tp (default on cpu: 2 × --cp × --tp, i.e. "
+                         "dp 2; on an accelerator: one rank per device)")
     ap.add_argument("--tp", type=_positive_int, default=1,
                     help="tensor-parallel degree: every variant runs on a dp × tp mesh, torch "
                          "TP with the model's tensor-parallel styles first (default: 1, no TP)")
+    ap.add_argument("--cp", type=_positive_int, default=1,
+                    help="context-parallel degree: each sequence split over --cp ranks "
+                         "(default: 1, no CP)")
     ap.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
                     help="with --tp > 1, shard activations between blocks on the sequence dim "
                          "(the trainer's default)")
@@ -74,7 +82,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=_positive_int, default=3)
     ap.add_argument("--variants", nargs="+", default=None,
                     help="default: all of " + " ".join(BASELINES) + " ss_<every backend>; "
-                         "with --tp > 1: " + " ".join(TP_DEFAULT))
+                         "with --tp > 1: " + " ".join(TP_DEFAULT) + "; with --cp > 1: "
+                         + " ".join(CP_DEFAULT))
     from simplesharded.trainer import OPTIMIZER_IMPL
     ap.add_argument("--optimizer-impl", default="foreach", choices=list(OPTIMIZER_IMPL),
                     help="AdamW kernels, the same for every variant (default: foreach, as the "
@@ -93,18 +102,18 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", default="", metavar="DIR",
                     help="write a torch.profiler chrome trace and op table per variant and rank")
     ns = ap.parse_args(argv)
-    tp = ns.tp
+    tp, cp = ns.tp, ns.cp
     accelerator = torch.accelerator.current_accelerator()
     if ns.device != "cpu" and getattr(accelerator, "type", None) != ns.device:
         ap.error(f"--device {ns.device}: this machine's accelerator is "
                  f"{getattr(accelerator, 'type', 'none')}; use cpu or that")
     # One device per rank: two NCCL ranks cannot share a GPU.
     devices = torch.accelerator.device_count() if ns.device != "cpu" else None
-    world = ns.world_size or (devices if devices else 2 * tp)
+    world = ns.world_size or (devices if devices else 2 * cp * tp)
     if devices and world > devices:
         ap.error(f"--world-size {world}: this machine has {devices} {ns.device} device(s), "
                  f"one per rank")
-    variants = ns.variants or default_variants(tp)
+    variants = ns.variants or default_variants(tp, cp)
     unknown = sorted(set(variants) - set(all_variants()))
     if unknown:
         ap.error(f"--variants {unknown} not one of {all_variants()}")
@@ -112,11 +121,22 @@ def main(argv=None) -> int:
     if no_tp:
         ap.error(f"--variants {no_tp} have no tensor-parallel form; with --tp {tp} leave "
                  f"them out")
-    if world % tp:
-        ap.error(f"--tp {tp} does not divide --world-size {world}")
-    if ns.global_batch % (world // tp):
+    no_cp = sorted(set(variants) & set(NO_CP_FORM)) if cp > 1 else []
+    if no_cp:
+        ap.error(f"--variants {no_cp} have no context-parallel form here; with --cp {cp} leave "
+                 f"them out (choices: {' '.join(CP_DEFAULT)} and the other ss_ backends)")
+    # the flags named as given: --cp only where it is set
+    inner = f"--cp {cp} × --tp {tp}" if cp > 1 else f"--tp {tp}"
+    if world % (cp * tp):
+        ap.error(f"{inner} does not divide --world-size {world}")
+    if ns.global_batch % (world // (cp * tp)):
         ap.error(f"--global-batch {ns.global_batch} is not divisible by the data-parallel "
-                 f"degree {world // tp} (--world-size {world} / --tp {tp})")
+                 f"degree {world // (cp * tp)} (--world-size {world} / "
+                 + (f"({inner}))" if cp > 1 else f"{inner})"))
+    if cp > 1 and ns.seq_len % (2 * cp * (tp if ns.sequence_parallel else 1)):
+        ap.error(f"--seq-len {ns.seq_len} does not split into 2 × --cp {cp} equal chunks"
+                 + (f" of a multiple of --tp {tp} tokens" if tp > 1 and ns.sequence_parallel
+                    else "") + " (context parallelism's head-tail layout)")
     from simplesharded.models import MODELS, build_model, get_model_spec
     if ns.model not in MODELS:
         ap.error(f"--model {ns.model!r} is not one of {sorted(MODELS)}")
@@ -129,15 +149,21 @@ def main(argv=None) -> int:
             model_args.check_tp(tp)
         # on meta, i.e. no memory and no init: the depth override and a missing optional
         # dependency (hf_llama: transformers) fail here, once, not in every variant's ranks
-        build_model(ns.model, ns.flavor, device="meta",
-                    **({"n_layers": ns.n_layers} if ns.n_layers else {}))
+        meta = build_model(ns.model, ns.flavor, device="meta",
+                           **({"n_layers": ns.n_layers} if ns.n_layers else {}))
+        from simplesharded.models.context_parallel import supports_context_parallel
+        from simplesharded.models.hf_context_parallel import is_hf_model
+        if cp > 1 and not (supports_context_parallel(type(meta)) or is_hf_model(meta)):
+            raise ValueError(f"--cp {cp}: this model's attention does not run under context "
+                             f"parallelism (llama3, deepseek_v3 and hf_llama do)")
     except (ValueError, ImportError) as e:
-        ap.error(f"{e} (--model {ns.model} --flavor {ns.flavor} --tp {tp})")
+        ap.error(f"{e} (--model {ns.model} --flavor {ns.flavor} --tp {tp}"
+                 + (f" --cp {cp})" if cp > 1 else ")"))
     if tp > 1 and ns.sequence_parallel and ns.seq_len % tp:
         ap.error(f"--tp {tp} does not divide --seq-len {ns.seq_len} (sequence parallelism "
                  f"splits the sequence; or --no-sequence-parallel)")
     args = BenchArgs(model=ns.model, flavor=ns.flavor, n_layers=ns.n_layers, world_size=world,
-                     tp=tp, sequence_parallel=ns.sequence_parallel,
+                     tp=tp, cp=cp, sequence_parallel=ns.sequence_parallel,
                      loss_parallel=ns.loss_parallel, global_batch=ns.global_batch,
                      seq_len=ns.seq_len, warmup=ns.warmup, steps=ns.steps,
                      optimizer_impl=ns.optimizer_impl, profile_dir=ns.profile,
@@ -157,7 +183,8 @@ def main(argv=None) -> int:
         if r["variant"] in planned:
             r["planned_mb"] = planned[r["variant"]]
     depth = f" ({args.n_layers} layers)" if args.n_layers else ""
-    mesh = f" = dp {args.dp} × tp {tp}" if tp > 1 else ""
+    mesh = "".join(f" × {name} {n}" for name, n in (("cp", cp), ("tp", tp)) if n > 1)
+    mesh = f" = dp {args.dp}{mesh}" if mesh else ""
     from simplesharded.mesh import backend_for
     print(f"\n{args.model}/{args.flavor}{depth}, {args.world_size} ranks{mesh} "
           f"({backend_for(args.device)}, {args.device}), "
@@ -171,12 +198,16 @@ def main(argv=None) -> int:
               f"fsdp2_eager: fully_shard per block + root on the dp mesh; compute_floor: one tp "
               f"group ({tp} ranks) alone; compute_floor_concurrent: all {args.dp} tp groups at "
               f"once; neither floor communicates over dp")
+    if cp > 1:
+        print(f"context parallel: each sequence split over {cp} ranks (head-tail chunks, K/V "
+              f"all-gathered in attention); our backends shard over dp × cp; compute_floor: "
+              f"one dp rank's cp group ({cp * tp} ranks) without data parallelism")
     print()
     print(format_table(rows, args))
     print()
     agree, line = parity(rows)
     print(line)
-    if tp == 1:  # the targets are for 1-D FSDP
+    if tp == cp == 1:  # the targets are for 1-D FSDP
         for line in targets(rows):
             print(line)
     if ns.json:

@@ -34,6 +34,10 @@ class RunResult:
     first_step_s: float = 0.0
     collectives_per_step: int = 0
     peak_mem_mb: float = 0.0  # tensors alive at once in a step (see _step_peak_bytes)
+    # ... less what the rank holds between steps (shards, optimizer state): what the step
+    # itself allocates, gathered parameters, activations and gradients (CP divides the
+    # activations)
+    step_mem_mb: float = 0.0
     main_cpu_s: float = 0.0  # CPU time per timed step: the main (compute) thread
     other_cpu_s: float = 0.0  # ... every other thread (gloo's workers, autograd, ...)
     page_faults: float = 0.0  # minor page faults per timed step, all threads (fresh pages)
@@ -77,19 +81,21 @@ def _resident_bytes(model, opt) -> int:
     return sum(storages.values())
 
 
-def _step_peak_bytes(step, model, opt, device: str) -> int:
-    """Peak bytes of live tensors on this rank during one step (gradients zeroed before it,
-    parameter shards and optimizer state included; allocator caches and compile-time memory
-    not). On an accelerator its allocator's peak. On CPU, which keeps no such count: what the
-    rank holds between steps plus the highest running total of bytes allocated and not yet
-    freed during the step, from torch.profiler's memory events (every allocation and free of
-    a tensor made while it records)."""
+def _step_peak_bytes(step, model, opt, device: str) -> tuple[int, int]:
+    """(peak, held): peak bytes of live tensors on this rank during one step (gradients zeroed
+    before it, parameter shards and optimizer state included; allocator caches and
+    compile-time memory not). On an accelerator its allocator's peak. On CPU, which keeps no
+    such count: what the rank holds between steps plus the highest running total of bytes
+    allocated and not yet freed during the step, from torch.profiler's memory events (every
+    allocation and free of a tensor made while it records); held: the bytes alive before the
+    step."""
     opt.zero_grad(set_to_none=True)
     if device != "cpu":
+        held = torch.accelerator.memory_allocated()
         torch.accelerator.reset_peak_memory_stats()
         step()
         _sync(device)
-        return torch.accelerator.max_memory_allocated()
+        return torch.accelerator.max_memory_allocated(), held
     from torch.profiler import ProfilerActivity, profile
     resident = _resident_bytes(model, opt)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -100,11 +106,11 @@ def _step_peak_bytes(step, model, opt, device: str) -> int:
         with open(path) as f:
             events = [e["args"] for e in json.load(f)["traceEvents"] if e.get("name") == "[memory]"]
     if not events:
-        return resident
+        return resident, resident
     # "Total Allocated": the allocator's running total, kept while memory is profiled; a free
     # of a tensor made before the step is not in it (nor was its allocation)
     start = events[0]["Total Allocated"] - events[0]["Bytes"]
-    return resident + max(0, max(e["Total Allocated"] for e in events) - start)
+    return resident + max(0, max(e["Total Allocated"] for e in events) - start), resident
 
 
 def _thread_cpu_s() -> tuple[float, float]:
@@ -149,13 +155,18 @@ def _worker(rank: int, variant: str, args: BenchArgs, out_dir: str) -> None:
     dist.init_process_group(backend_for(args.device), rank=rank, world_size=world)
     result = RunResult(variant)
     try:
-        mesh = build_mesh(1, world // args.tp, args.device, args.tp)
+        mesh = build_mesh(1, world // (args.cp * args.tp), args.device, args.tp, cp=args.cp)
         model, opt = prepare(variant, args, mesh)
-        # tp is the innermost mesh dim: the tp ranks of one dp rank read that dp rank's batch
-        g = torch.Generator().manual_seed(args.seed + rank // args.tp)
+        # cp and tp are the innermost mesh dims: the cp x tp ranks of one dp rank read that dp
+        # rank's batch
+        g = torch.Generator().manual_seed(args.seed + rank // (args.cp * args.tp))
         tokens = torch.randint(0, 256, (args.global_batch // args.dp, args.seq_len + 1),
                                generator=g).to(args.device)
         x, y = tokens[:, :-1], tokens[:, 1:]
+        if args.cp > 1:  # each cp rank keeps its head-tail chunks of every sequence
+            from simplesharded.models.context_parallel import shard_sequence
+            cp_rank = mesh["cp"].get_local_rank()
+            x, y = shard_sequence(x, cp_rank, args.cp), shard_sequence(y, cp_rank, args.cp)
         from simplesharded.models import logits_of
         from simplesharded.trainer import local_loss
         from torch.distributed.tensor.parallel import loss_parallel
@@ -199,7 +210,8 @@ def _worker(rank: int, variant: str, args: BenchArgs, out_dir: str) -> None:
         if args.profile_dir:
             dist.barrier()
             _profile_step(step, variant, rank, args.profile_dir)
-        result.peak_mem_mb = _step_peak_bytes(step, model, opt, args.device) / 2**20
+        peak, held = _step_peak_bytes(step, model, opt, args.device)
+        result.peak_mem_mb, result.step_mem_mb = peak / 2**20, (peak - held) / 2**20
         dist.barrier()  # no collective is in flight on any rank
     except Exception as e:  # reported in the table, the other variants still run
         # the first non-empty line: some of torch's messages start with a newline
@@ -238,5 +250,6 @@ def run_variant(variant: str, args: BenchArgs) -> RunResult:
                  for r in range(world)]
     res = ranks[0]
     res.peak_mem_mb = max(r.peak_mem_mb for r in ranks)
+    res.step_mem_mb = max(r.step_mem_mb for r in ranks)
     res.error = next((r.error for r in ranks if r.error), "")
     return res

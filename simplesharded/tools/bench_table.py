@@ -42,7 +42,8 @@ def summarize(results: dict[str, list[RunResult]], args: BenchArgs) -> list[dict
         rows.append({"variant": variant, "step_ms": 1e3 * med,
                      "compile_s": max(0.0, ok[0].first_step_s - med),
                      "collectives_per_step": ok[0].collectives_per_step,
-                     "peak_mem_mb": max(r.peak_mem_mb for r in ok), "reps": len(ok),
+                     "peak_mem_mb": max(r.peak_mem_mb for r in ok),
+                     "step_mem_mb": max(r.step_mem_mb for r in ok), "reps": len(ok),
                      "main_cpu_ms": 1e3 * statistics.median(r.main_cpu_s for r in ok),
                      "other_cpu_ms": 1e3 * statistics.median(r.other_cpu_s for r in ok),
                      "page_faults": statistics.median(r.page_faults for r in ok),
@@ -59,7 +60,8 @@ def summarize(results: dict[str, list[RunResult]], args: BenchArgs) -> list[dict
 def format_table(rows: list[dict], args: BenchArgs) -> str:
     refs = [ref for ref in RATIO_REFS if any(f"x_{ref}" in r for r in rows)]
     cols = (["variant", "step ms"] + [f"× {RATIO_REFS[ref]}" for ref in refs]
-            + ["collectives/step", "compile s", "peak tensor MB/rank", "planned MB/rank",
+            + ["collectives/step", "compile s", "peak tensor MB/rank", "of it the step's MB/rank",
+               "planned MB/rank",
                "CPU ms/step main + other threads", "page faults/step"]
             + [f"loss step {k + 1}" for k in range(PARITY_STEPS)])
     lines = ["| " + " | ".join(cols) + " |", "|---|" + "---:|" * (len(cols) - 1)]
@@ -75,7 +77,8 @@ def format_table(rows: list[dict], args: BenchArgs) -> str:
         planned = f"{r['planned_mb']:.0f}" if "planned_mb" in r else "–"
         lines.append(f"| {r['variant']} | {r['step_ms']:.0f} | {ratios}"
                      f"{r['collectives_per_step']} | "
-                     f"{r['compile_s']:.1f} | {r['peak_mem_mb']:.0f} | {planned} | "
+                     f"{r['compile_s']:.1f} | {r['peak_mem_mb']:.0f} | "
+                     f"{r.get('step_mem_mb', 0):.0f} | {planned} | "
                      f"{r.get('main_cpu_ms', 0):.0f} + {r.get('other_cpu_ms', 0):.0f} | "
                      f"{r.get('page_faults', 0):.0f} | {losses} |")
     return "\n".join(lines)
@@ -142,7 +145,8 @@ def forecast_peaks(args: BenchArgs, variants: list[str]) -> dict[str, float]:
                                  "--training.global_batch_size", str(args.global_batch),
                                  "--training.seq_len", str(args.seq_len),
                                  "--training.dataset_path", "",
-                                 "--activation_checkpoint.mode", "none"])
+                                 "--activation_checkpoint.mode", "none",
+                                 "--parallelism.context_parallel_degree", str(args.cp)])
         cfg = check_static(cfg, args.world_size)
     except ValueError:  # a model the trainer does not build (hf_llama)
         return {}

@@ -31,6 +31,12 @@ NO_TP_FORM = ("ddp",)  # DDP does not take TP DTensor parameters
 # compiled FSDP2 and the inductor backends are left for --variants to name.
 TP_DEFAULT = ("compute_floor", "compute_floor_concurrent", "compute_floor_concurrent_compiled",
               "fsdp2_eager", "ss_aot_eager_blockbucketing", "ss_aot_eager_autobucketing")
+# With --cp the floors are one dp rank's cp (x tp) group, splitting its sequences as every
+# variant does. FSDP2 and DDP are left out: neither knows the cp ranks are data parallel for
+# the parameters (they would need their own dp_shard x cp mesh), and the inductor floor's CP
+# graph is not tested.
+NO_CP_FORM = ("ddp", "fsdp2_eager", "fsdp2_compiled", "compute_floor_inductor")
+CP_DEFAULT = ("compute_floor", "ss_aot_eager_blockbucketing", "ss_aot_eager_autobucketing")
 
 
 def ss_backend(variant: str):
@@ -46,9 +52,12 @@ def all_variants() -> list[str]:
     return list(BASELINES) + [f"ss_{name}" for name in BACKENDS]
 
 
-def default_variants(tp: int) -> list[str]:
+def default_variants(tp: int, cp: int = 1) -> list[str]:
     """Without TP every variant but the aot_eager floor (see BASELINES: it is not the floor;
-    the inductor floor is in); with TP the 2-D recipe's peers (TP_DEFAULT)."""
+    the inductor floor is in); with TP the 2-D recipe's peers (TP_DEFAULT); with CP the floor
+    and our bucketing backends (CP_DEFAULT)."""
+    if cp > 1:
+        return list(CP_DEFAULT)
     if tp > 1:
         return list(TP_DEFAULT)
     return [v for v in all_variants() if v != "compute_floor_concurrent_compiled"]
@@ -59,8 +68,9 @@ class BenchArgs:
     model: str = "llama3"
     flavor: str = "small"
     n_layers: int | None = None  # override the flavor's depth (tiny runs, tests)
-    world_size: int = 2  # ranks in all (dp × tp)
+    world_size: int = 2  # ranks in all (dp × cp × tp)
     tp: int = 1
+    cp: int = 1  # context parallel: each sequence split over cp ranks (head-tail chunks)
     sequence_parallel: bool = True  # with tp > 1, as the trainer's enable_sequence_parallel
     loss_parallel: bool = True  # with tp > 1, as the trainer's enable_loss_parallel
     global_batch: int = 8
@@ -75,7 +85,7 @@ class BenchArgs:
 
     @property
     def dp(self) -> int:
-        return self.world_size // self.tp
+        return self.world_size // (self.cp * self.tp)
 
 
 def _build(args: BenchArgs, device: str):
@@ -86,8 +96,10 @@ def _build(args: BenchArgs, device: str):
 
 
 def world_of(variant: str, args: BenchArgs) -> int:
-    """Ranks a variant runs on: the floors are one dp rank's worth (1 rank, or its tp group)."""
-    return args.tp if variant in ("compute_floor", "compute_floor_inductor") else args.world_size
+    """Ranks a variant runs on: the floors are one dp rank's worth (1 rank, or its cp x tp
+    group)."""
+    floor = variant in ("compute_floor", "compute_floor_inductor")
+    return args.cp * args.tp if floor else args.world_size
 
 
 def loss_parallel_on(args: BenchArgs) -> bool:
@@ -95,12 +107,16 @@ def loss_parallel_on(args: BenchArgs) -> bool:
 
 
 def prepare(variant: str, args: BenchArgs, mesh):
-    """The model (TP-parallelized when the mesh has a tp dim, then wrapped/compiled for the
+    """The model (TP-parallelized when the mesh has a tp dim, its attention split over the cp
+    dim when it has one, as the trainer's recipe orders them, then wrapped/compiled for the
     variant) and its optimizer."""
-    from simplesharded.mesh import dp_mesh
+    from simplesharded.mesh import cp_dim, dp_mesh
+    from simplesharded.models.context_parallel import apply_context_parallel
     from simplesharded.trainer import OPTIMIZER_IMPL, apply_tensor_parallel
     model = _build(args, "cpu").to(args.device)  # initialised on CPU: the same weights anywhere
     apply_tensor_parallel(model, mesh, args.sequence_parallel, loss_parallel_on(args))
+    if cp_dim(mesh):
+        apply_context_parallel(model, mesh[cp_dim(mesh)])
     if variant.startswith("compute_floor"):
         # torch's own backends: no pass of ours in a floor
         if variant.endswith("_compiled"):

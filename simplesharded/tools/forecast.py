@@ -7,7 +7,10 @@ each backend applies its passes to copies of the traced graphs and simulates the
 with the cost model (passes/simulate.py: a compute stream and a communication lane per
 link). Prints step time, exposed communication, bytes sent per rank, tokens/s per rank and
 peak memory per rank, then communication per process group (dp_shard, tp, ep, ...) and, with
-expert parallelism, the all-to-alls' volume and exposed time; --timeline draws the timeline of
+expert parallelism, the all-to-alls' volume and exposed time; with context parallelism, the K/V
+all-gathers found in the traced graphs (their ``ss_cp`` annotation) next to their size from
+the model's shapes, 2 · tokens · kv_heads · head_dim · bytes per layer; --seq-lens reports the
+peak memory per rank at each of several sequence lengths; --timeline draws the timeline of
 one backend's step. With pipeline parallelism the step is the schedule's (pp_forecast.py).
 """
 from __future__ import annotations
@@ -75,6 +78,10 @@ def main(argv=None) -> int:
     ap.add_argument("--memory-cap-mb", type=float, default=None,
                     help="the backends' memory cap (default: the config's compile.memory_cap_mb, "
                          "as the trainer uses it)")
+    ap.add_argument("--seq-lens", type=int, nargs="+", default=None, metavar="N",
+                    help="also the peak memory per rank at each of these sequence lengths "
+                         "(the timeline backend's, one trace each; with context parallelism "
+                         "each must split into 2 × cp chunks)")
     ap.add_argument("--timeline", default=None, help="PNG path for the timeline")
     ap.add_argument("--timeline-backend", default=str(AUTO))
     ap.add_argument("--full-trace-layers", type=int, default=8,
@@ -108,6 +115,13 @@ def main(argv=None) -> int:
             t.local_batch_size = ns.local_batch
             t.global_batch_size = ns.local_batch * dp * t.gradient_accumulation_steps
         cfg = check_static(cfg, ns.world_size)  # the trainer's checks: degrees, batch, tp
+        if ns.seq_lens:
+            if ns.timeline_backend not in ns.backends:
+                raise ValueError(f"--seq-lens reports --timeline-backend "
+                                 f"{ns.timeline_backend!r}, which is not one of --backends "
+                                 f"{ns.backends}")
+            for n in ns.seq_lens:  # each as the trainer would check it
+                check_static(_with_seq_len(cfg, n), ns.world_size)
     except ValueError as e:
         ap.error(str(e))
     p = cfg.parallelism
@@ -134,7 +148,40 @@ def main(argv=None) -> int:
     sizes = [None] if n_layers <= ns.full_trace_layers else [4, 6]
     evaluated, keeps = evaluate_backends(cfg, ns, hw, cap, ns.backends, sizes)
     _report(ns, cfg, hw, evaluated, keeps, sizes, n_layers, t0)
+    if ns.seq_lens:
+        _report_seq_lens(ns, cfg, hw, cap, sizes, n_layers)
     return 0
+
+
+def _with_seq_len(cfg, seq_len: int):
+    import copy
+    cfg = copy.deepcopy(cfg)
+    cfg.training.seq_len = seq_len
+    return cfg
+
+
+def _report_seq_lens(ns, cfg, hw, cap, sizes, n_layers) -> None:
+    """Peak memory per rank of the timeline backend at each of ``ns.seq_lens`` (the config's
+    batch, degrees and activation checkpointing; one trace per length and depth)."""
+    name = ns.timeline_backend
+    print(f"\nmemory per rank by sequence length ({name}; "
+          f"{cfg.training.local_batch_size} sequence(s) per dp rank, context parallel degree "
+          f"{cfg.parallelism.context_parallel_degree})\n\n| seq_len | tokens/rank | "
+          f"gathered buffers + activations GiB | peak GiB/rank | within "
+          f"job.gpu_memory_gib |\n|---:|---:|---:|---:|---|")
+    from simplesharded.trainer.config import MEMORY_HEADROOM
+    room = MEMORY_HEADROOM * cfg.job.gpu_memory_gib * 2**30
+    for n in ns.seq_lens:
+        c = _with_seq_len(cfg, n)
+        evaluated, keeps = evaluate_backends(c, ns, hw, cap, [name], sizes)
+        m = _numbers(name, evaluated[keeps[name]], n_layers)
+        static = sum(static_memory(m["local_numel"], c.optimizer.name))
+        peak = static + m["peak_act"]
+        tokens = c.training.local_batch_size * n // (c.parallelism.tensor_parallel_degree
+                                                      * c.parallelism.context_parallel_degree)
+        fits = ("–" if not cfg.job.gpu_memory_gib else
+                "yes" if peak <= room else "NO")
+        print(f"| {n} | {tokens} | {m['peak_act'] / 2**30:.2f} | {peak / 2**30:.1f} | {fits} |")
 
 
 def evaluate_backends(cfg, ns, hw, cap, backends, sizes) -> tuple[dict, dict]:
@@ -301,6 +348,9 @@ def _report(ns, cfg, hw, evaluated, keeps, sizes, n_layers, t0) -> None:
         for name, m in numbers.items():
             print(f"| {name} | {m[a2a + 'count']:.0f} | {m[a2a + 'bytes'] / 1e9:.2f} | "
                   f"{m[a2a + 'seconds']:.3f} | {m[a2a + 'exposed_s']:.3f} |")
+    m = numbers[ns.backends[0]]
+    if m.get("cp:count"):
+        print("\n" + _cp_line(cfg, m))
     name, last, static, act = drawn
     print(f"\nmemory per rank ({name}): params + grads + optimizer {static / 2**30:.2f} GiB "
           f"(fp32 shards), gathered buffers + activations {act / 2**30:.2f} GiB; the device "
@@ -312,6 +362,33 @@ def _report(ns, cfg, hw, evaluated, keeps, sizes, n_layers, t0) -> None:
                       f"{cfg.model.name}/{cfg.model.flavor}{shown}, {ns.world_size} × "
                       f"{hw.name}, backend {name}")
         print(f"timeline written to {ns.timeline}")
+
+
+def kv_gather_bytes(cfg) -> int:
+    """Bytes one layer's K/V all-gather produces on each cp rank, from the model's shapes:
+    K and V of every token of a dp rank's micro-batch (2 · tokens · kv_heads · head_dim ·
+    the parameters' compute dtype's bytes), tp ranks holding their share of the heads."""
+    import torch
+    from simplesharded.models import get_model_spec
+    args = get_model_spec(cfg.model.name, cfg.model.flavor)[1]
+    t, p = cfg.training, cfg.parallelism
+    dtype = getattr(torch, t.mixed_precision_param)
+    head_dim = args.dim // args.n_heads
+    kv_heads = max(1, args.n_kv_heads // p.tensor_parallel_degree)
+    return 2 * t.local_batch_size * t.seq_len * kv_heads * head_dim * dtype.itemsize
+
+
+def _cp_line(cfg, m: dict) -> str:
+    """The K/V all-gathers of the traced step (forward gathers, backward reduce-scatters of
+    their gradients) next to their size from the model's shapes."""
+    cp = cfg.parallelism.context_parallel_degree
+    per_layer = kv_gather_bytes(cfg)
+    return (f"context parallel: {m['cp:count']:.0f} K/V collectives over cp per step (a "
+            f"gather per layer forward, a reduce-scatter backward), "
+            f"{m['cp:gathered_bytes'] / 2**20:,.2f} MiB gathered per layer traced (2 · tokens "
+            f"· kv_heads · head_dim · bytes = {per_layer / 2**20:,.2f} MiB), "
+            f"{m['cp:sent_bytes'] / 2**20:,.2f} MiB/rank sent "
+            f"((cp − 1) / cp of each, cp {cp})")
 
 
 def _stated_fit(cfg, world_size: int, peak: float) -> str:
@@ -362,6 +439,7 @@ def _meta_params(cfg):
 def _evaluate(traced: Traced, name: str, ns, cfg, hw, cap) -> dict:
     """One backend on one trace: its times, bytes, memory, and per process group (keys
     ``group:<mesh dim>:count|bytes|seconds|exposed_s``, the dims' links under ``links``)."""
+    from simplesharded.passes.annotations import CP_KEY, annotations
     from simplesharded.passes.collectives import find_collectives
     from simplesharded.passes.simulate import simulate
 
@@ -383,6 +461,16 @@ def _evaluate(traced: Traced, name: str, ns, cfg, hw, cap) -> dict:
     for graph, sched in (("fw", fs), ("bw", bs)):
         for label, g in sched.by_group.items():
             out[f"{graph}:exposed:{label}"] = g.exposed_s
+    # Context parallelism's K/V collectives, found by annotation (their group may be the
+    # parameters' too, when dp_shard is 1): count, a forward gather's output, bytes sent
+    cp = [c for gm in (fw, bw) for c in find_collectives(gm) if CP_KEY in annotations(c.start)]
+    gathers = [c.nbytes for c in find_collectives(fw)
+               if CP_KEY in annotations(c.start) and c.kind == "all_gather"]
+    out["cp:count"] = len(cp)
+    out["cp:gathered_bytes"] = max(gathers, default=0)
+    out["cp:sent_bytes"] = sum(
+        (c.nbytes * c.group_size if c.kind == "reduce_scatter" else c.nbytes)
+        * (c.group_size - 1) / c.group_size for c in cp)
     for sched in (fs, bs):
         for prefix, tallies in (("group", sched.by_group), ("kind", sched.by_kind)):
             for label, g in tallies.items():

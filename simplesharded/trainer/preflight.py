@@ -49,12 +49,17 @@ def check_static(cfg: Config, world_size: int) -> Config:
     if cfg.parallelism.pipeline_parallel_degree > 1:
         _check_pipeline(cfg)
     cp = cfg.parallelism.context_parallel_degree
-    if cp > 1 and (cfg.model.name == HF
-                   or not supports_context_parallel(get_model_spec(cfg.model.name,
-                                                                   cfg.model.flavor)[0])):
+    if cp > 1 and cfg.model.name == HF:
+        try:
+            hf_source.check_context_parallel(cfg.model.path)
+        except ValueError as e:
+            raise ValueError(f"parallelism.context_parallel_degree={cp} with "
+                             f"model.path={cfg.model.path!r}: {e}") from None
+    elif cp > 1 and not supports_context_parallel(get_model_spec(cfg.model.name,
+                                                                 cfg.model.flavor)[0]):
         raise ValueError(f"parallelism.context_parallel_degree={cp} needs a model whose "
-                         f"attention runs under context parallelism (llama3, deepseek_v3); "
-                         f"{what} has none")
+                         f"attention runs under context parallelism (llama3, deepseek_v3, "
+                         f"--model.name hf of the Llama family); {what} has none")
     return cfg
 
 
