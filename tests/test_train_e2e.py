@@ -276,7 +276,7 @@ def test_hsdp_matches_fully_shard(tmp_path, eager2):
                          "--parallelism.data_parallel_replicate_degree", "2",
                          "--parallelism.data_parallel_shard_degree", "2",
                          "--job.dump_folder", str(tmp_path)), tmp_path)
-    assert "mode=hybrid_shard mesh=(2, 2)" in r.stdout, r
+    assert "mode=hybrid_shard mesh=dp_replicate=2,dp_shard=2" in r.stdout, r
     assert_close(read_losses(tmp_path), ref, range(1, 4), 1e-5, "HSDP vs fully_shard")
 
 
@@ -416,7 +416,7 @@ def test_tp_compiled_loss_curve_matches_dp_only(tp2_compiled, eager2):
     runs eager: eager dp is the plainer program to hold compiled TP against."""
     dump, r = tp2_compiled
     assert r.returncode == 0, r
-    assert "[simplesharded] llama3/debug world=4 mode=fully_shard mesh=(2, 2) " \
+    assert "[simplesharded] llama3/debug world=4 mode=fully_shard mesh=dp_shard=2,tp=2 " \
            "compile=aot_eager_autobucketing" in r.stdout, r
     tp = read_losses(dump)
     assert sorted(tp) == list(range(1, 11)), r

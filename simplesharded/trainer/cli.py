@@ -19,6 +19,20 @@ from simplesharded.trainer.preflight import HF, check_static
 EXIT_CONFIG, EXIT_NONFINITE = 2, 3
 
 
+def _mesh_text(mesh) -> str:
+    """``pp=2,dp_shard=2``: the degrees by name (a user's unnamed mesh by position)."""
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    return ",".join(f"{n}={d}" for n, d in zip(names, mesh.mesh.shape))
+
+
+def _pipeline_text(cfg, pipeline) -> str:
+    """With pp: the schedule and rank 0's stages' FSDP policies (``auto`` resolves per stage)."""
+    if pipeline is None:
+        return ""
+    policies = ",".join(s.policy for s in pipeline.stages)
+    return f" pp_schedule={cfg.parallelism.pipeline_parallel_schedule} policies(rank0)={policies}"
+
+
 def _error(e: Exception) -> None:
     """One ``error:`` line in one write: every rank of a job shares the launcher's stderr, and
     print's separate write of the newline let two ranks' lines run together."""
@@ -62,8 +76,9 @@ def main(argv: list[str] | None = None) -> int:
             model = (f"hf:{cfg.model.path}" if cfg.model.name == HF
                      else f"{cfg.model.name}/{cfg.model.flavor}")
             print(f"[simplesharded] {model} world={trainer.world} "
-                  f"mode={cfg.parallelism.mode} mesh={tuple(trainer.mesh.mesh.shape)} "
-                  f"compile={cfg.compile.backend if cfg.compile.enable else 'off'}", flush=True)
+                  f"mode={cfg.parallelism.mode} mesh={_mesh_text(trainer.mesh)} "
+                  f"compile={cfg.compile.backend if cfg.compile.enable else 'off'}"
+                  f"{_pipeline_text(cfg, trainer.pipeline)}", flush=True)
         trainer.run()
     except ValueError as e:
         _error(e)
