@@ -305,11 +305,18 @@ def pipeline(model: nn.Module, mesh, *, schedule: str, n_microbatches: int, loss
 
 def auto_policy(stage: nn.Module, memory_cap_mb: float, param_dtype: torch.dtype) -> str:
     """The policy ``"auto"`` gives a stage (before sharding: its parameters at full size):
-    ``gather_once`` when its parameters, gathered in ``param_dtype``, fit the memory cap
-    (``compile.memory_cap_mb``: gathered bytes alive at once, which gather_once keeps for the
-    whole step), else ``reduce_once``; ``reduce_once`` too without a cap (0), which gives no
-    room to judge by. Every rank of a stage decides alike (the same modules, the same cap)."""
-    numel = sum(p.numel() for p in stage.parameters())
+    :func:`auto_policy_of` its parameter count."""
+    return auto_policy_of(sum(p.numel() for p in stage.parameters()), memory_cap_mb,
+                          param_dtype)
+
+
+def auto_policy_of(numel: int, memory_cap_mb: float, param_dtype: torch.dtype) -> str:
+    """``"auto"``'s rule for a stage of ``numel`` parameters (at full size; the planner asks
+    too, simplesharded/tools/pp_forecast.py): ``gather_once`` when they, gathered in
+    ``param_dtype``, fit the memory cap (``compile.memory_cap_mb``: gathered bytes alive at
+    once, which gather_once keeps for the whole step), else ``reduce_once``; ``reduce_once`` too
+    without a cap (0), which gives no room to judge by. Every rank of a stage decides alike
+    (the same modules, the same cap)."""
     held = numel * torch.empty((), dtype=param_dtype, device="meta").element_size()
     if memory_cap_mb > 0 and held <= memory_cap_mb * 2**20:
         return "gather_once"
@@ -328,4 +335,4 @@ def _peer_group(mesh):
 
 
 __all__ = ["Pipeline", "pipeline", "ShardedStage", "pipeline_stage", "build_schedule",
-           "pipeline_peers", "auto_policy", "SCHEDULES", "POLICIES"]
+           "pipeline_peers", "auto_policy", "auto_policy_of", "SCHEDULES", "POLICIES"]

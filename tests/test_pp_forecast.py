@@ -97,21 +97,67 @@ def test_reduce_once_reduces_after_the_last_backward_and_counts_once():
     assert once.peak_stage_bytes[0] == each.peak_stage_bytes[0] + 100
 
 
-def test_gather_once_counts_one_gather_per_stage_and_holds_the_parameters():
-    pp, m = 2, 4
+@pytest.mark.parametrize("m", [4, 8])
+def test_gather_once_gathers_once_per_step_whatever_the_microbatches(m):
+    pp = 2
     orders, ranks = rank_orders("1F1B", pp, pp, m), stage_rank("1F1B", pp, pp)
-    costs = [StageCost(1.0, 2.0, gathers=3, gathered_bytes=50)] * pp
-    once = simulate_pipeline(orders, ranks, costs, [0.0], m, gather_every_microbatch=False)
-    each = simulate_pipeline(orders, ranks, costs, [0.0], m)
-    assert once.gathers == {0: 3, 1: 3} and each.gathers == {0: 3 * m, 1: 3 * m}
-    assert once.peak_stage_bytes[0] == each.peak_stage_bytes[0] + 50
-    # the step's gather delays each stage's first forward, and the wait counts as exposed
-    slow = [StageCost(1.0, 2.0, gather_s=0.5)] * pp
-    gated = simulate_pipeline(orders, ranks, slow, [0.0], m, gather_every_microbatch=False)
+    kw = dict(reduce_s=0.5, reductions=3, grad_sum_bytes=100)
+    held = [StageCost(1.0, 2.0, step_gathers=1, gathered_bytes=50, **kw)] * pp
+    once = simulate_pipeline(orders, ranks, held, [0.0], m, policy="gather_once")
+    deferred = simulate_pipeline(orders, ranks, [StageCost(1.0, 2.0, gathers=3, **kw)] * pp,
+                                 [0.0], m, policy="reduce_once")
+    assert once.gathers == {0: 1, 1: 1} and deferred.gathers == {0: 3 * m, 1: 3 * m}
+    assert once.reductions == deferred.reductions == {0: 1, 1: 1}
+    # the parameters are held from the gather to the reduction, on top of the gradient sums
+    assert once.peak_stage_bytes[0] == deferred.peak_stage_bytes[0] + 50
+    assert once.memory[0][-1][1] == deferred.memory[0][-1][1]  # released with the reduction
+    # each stage's first forward gathers first, on the rank's compute: exposed
+    slow = [StageCost(1.0, 2.0, gather_s=0.5, step_gathers=1)] * pp
+    gated = simulate_pipeline(orders, ranks, slow, [0.0], m, policy="gather_once")
+    (g,) = [b for b in gated.boxes if b.kind == "G" and b.stage == 0]
     first = min(b.start for b in gated.boxes if b.kind == "F" and b.stage == 0)
-    assert first == 0.5 and gated.step_s == pytest.approx(each.step_s + 0.5)
-    assert gated.exposed_fsdp_s[0] == pytest.approx(0.5)
-    assert [b.kind for b in gated.boxes if b.rank == 0][:2] == ["G", "gather"]
+    assert (g.start, g.end, first) == (0.0, 0.5, 0.5)
+    assert gated.exposed_fsdp_s == [pytest.approx(0.5)] * pp
+    assert sum(b.kind == "G" for b in gated.boxes) == pp
+
+
+def test_policies_per_stage():
+    pp, m = 2, 4
+    costs = [StageCost(1.0, 2.0, gathers=3, reductions=3, reduce_s=0.5)] * pp
+    mixed = simulate_pipeline(rank_orders("1F1B", pp, pp, m), stage_rank("1F1B", pp, pp), costs,
+                              [0.0], m, policy=["reduce_once", "every_microbatch"])
+    assert mixed.reductions == {0: 1, 1: 3 * m}
+    assert [b.stage for b in mixed.boxes if b.kind == "R"] == [0]
+    with pytest.raises(ValueError, match="not one of"):
+        simulate_pipeline(rank_orders("1F1B", pp, pp, m), stage_rank("1F1B", pp, pp), costs,
+                          [0.0], m, policy="auto")  # the planner resolves auto first
+
+
+def test_auto_resolves_per_stage_as_the_pipeline_does():
+    """The planner's stages (its parameter counts) and the pipeline's own cut
+    (pipelining.auto_policy on each stage module) give the same policies, on either side of
+    the memory cap."""
+    import torch
+
+    from simplesharded.models import build_model
+    from simplesharded.pipelining import auto_policy
+    from simplesharded.stage_split import cut_stages
+    from simplesharded.tools.pp_forecast import stage_numels, stage_policies
+    from simplesharded.trainer.config import load_config
+
+    cfg = load_config(None, [])  # llama3 debug: the first stage has the embedding, the last
+    blocks = [1, 2, 3]           # the head: three different sizes
+    numels, _ = stage_numels(cfg, 3, blocks)
+    modules = [mod for _, mod in cut_stages(build_model(cfg.model.name, cfg.model.flavor,
+                                                        device="meta"), 3, [0, 1, 2], blocks)]
+    seen = set()
+    for numel in numels:
+        for cap_mb in (numel * 2 / 2**20, numel * 2 / 2**20 * 0.99, 0.0):
+            ours = stage_policies("auto", numels, cap_mb, "bfloat16")
+            assert ours == [auto_policy(mod, cap_mb, torch.bfloat16) for mod in modules]
+            seen.add(tuple(ours))
+    assert len({q for policies in seen for q in policies}) == 2  # both outcomes exercised
+    assert stage_policies("every_microbatch", numels, 1e9, "bfloat16") == ["every_microbatch"] * 3
 
 
 def test_unmodelled_schedule_is_refused():
@@ -156,12 +202,15 @@ def test_stage_costs_from_per_block_numbers():
     assert first.static_bytes == 16 * 30 and last.static_bytes == 16 * 20  # AdamW fp32
     assert first.grad_sum_bytes == 4 * 30 * 4  # unsharded over dp_shard 4
     assert first.reduce_s > last.reduce_s > 0
-    # gathered once per step: the forwards lose the traced FSDP waits, one gather per step
+    # gather_once: the micro-batches lose the traced FSDP waits, one gather per step
     block["fw:exposed:dp_shard"], block["bw:exposed:dp_shard"] = 0.04, 0.06
-    once = stage_costs(block, rest, [3, 2], [300, 200], 500, 50.0, 4, "reduce_once", hw,
-                       "inter-node", "AdamW", 2, 4, gather_once=True)[0]
+    once, each = stage_costs(block, rest, [3, 2], [300, 200], 500, 50.0, 4,
+                             ["gather_once", "every_microbatch"], hw, "inter-node", "AdamW", 2, 4)
     assert once.fw_s == pytest.approx(3.0 - 3 * 0.04) and once.bw_s == pytest.approx(6.0 - 0.18)
-    assert once.gathers == 3 and once.gather_s > 0 and once.gathered_bytes == 2 * 30 * 4
+    assert (once.gathers, once.step_gathers) == (0, 1)
+    assert once.gather_s > 0 and once.gathered_bytes == 2 * 30 * 4
+    assert once.reduce_s == first.reduce_s
+    assert (each.gathers, each.step_gathers, each.reduce_s) == (6, 0, 0.0)
 
 
 def test_timeline_has_one_row_per_stage_and_a_memory_curve_each():

@@ -66,6 +66,8 @@ def main(argv=None) -> int:
     from simplesharded.trainer.config import load_config
     from simplesharded.mesh import resolve_degrees
     from simplesharded.passes.hardware import HARDWARE, get_hardware
+    from simplesharded.pipelining import AUTO as AUTO_POLICY
+    from simplesharded.pipelining import POLICIES
     from simplesharded.trainer import check_static
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True, help="a configs/*.toml file")
@@ -91,13 +93,10 @@ def main(argv=None) -> int:
     ap.add_argument("--pp-schedules", nargs="+", default=None,
                     help="with pipeline_parallel_degree > 1: the schedules to compare on the "
                          "same traces (default: the config's)")
-    ap.add_argument("--pp-policies", nargs="+", default=None,
-                    help="with pipeline_parallel_degree > 1: the FSDP policies to compare "
-                         "(every_microbatch, reduce_once; default: the config's)")
-    ap.add_argument("--pp-gather", nargs="+", default=None,
-                    choices=("every_microbatch", "once"),
-                    help="with pipeline_parallel_degree > 1: FSDP gathers in every micro-batch "
-                         "(what the pipeline runs; default) and/or once per step (a what-if)")
+    ap.add_argument("--pp-policies", nargs="+", default=None, choices=(AUTO_POLICY, *POLICIES),
+                    help="with pipeline_parallel_degree > 1: the FSDP policies to compare, as "
+                         "parallelism.pipeline_fsdp_policy takes them (auto: per stage, as the "
+                         "pipeline picks; default: the config's)")
     ns, rest = ap.parse_known_args(argv)
     try:
         hw = get_hardware(ns.hardware)

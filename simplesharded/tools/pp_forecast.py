@@ -14,9 +14,13 @@ last).
 The step is then simulated per pp rank (pp_simulate.py) in the schedule's order (pp_orders.py):
 activations (micro-batch x seq x dim, whole sequences also under sequence parallelism) sent between
 stages on the link joining ranks ``world / pp`` apart (inter-node as soon as one pp coordinate
-fills a node); FSDP per ``pipeline_fsdp_policy``: gathers in every micro-batch's forward and
-backward (what simplesharded/pipelining.py runs under both policies), reductions per
-micro-batch or once per stage and step on the dp link.
+fills a node); FSDP per stage as simplesharded/pipelining.py runs ``pipeline_fsdp_policy``:
+``every_microbatch`` and ``reduce_once`` gather in every micro-batch's forward (and backward,
+as traced), ``every_microbatch`` reduces per micro-batch, the other two once per stage and step
+on the dp link; ``gather_once`` gathers the stage's parameters once per step (one flat
+collective: a dense stage's parameters are one bucket of simplesharded/gather_once.py) and its
+micro-batches lose the traced FSDP waits; ``auto`` is resolved per stage by the pipeline's own
+rule (pipelining.auto_policy_of) on the stage's parameter count.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ import argparse
 import copy
 from dataclasses import dataclass
 
+from simplesharded.pipelining import AUTO, DEFERRED, POLICIES, auto_policy_of
 from simplesharded.tools.pp_orders import rank_orders, stage_rank
 from simplesharded.tools.pp_simulate import PipelineStep, StageCost, simulate_pipeline
 
@@ -44,7 +49,7 @@ class StagePlan:
     p2p_bytes: int
     p2p_link: str
     p2p_s: float
-    gather: str = "every_microbatch"  # or "once" (a what-if: see stage_costs)
+    policies: list[str]  # each stage's, ``auto`` resolved
 
 
 def p2p_link(world_size: int, pp: int, hw) -> str:
@@ -65,14 +70,12 @@ def p2p_seconds(nbytes: int, link: str, hw) -> float:
 
 
 def stage_costs(per_block: dict, rest: dict, blocks: list[int], stage_numel: list[int],
-                total_numel: int, local_numel: float, dp_shard: int, policy: str, hw,
-                dp_link: str, optimizer: str, param_bytes: int, reduce_bytes: int,
-                gather_once: bool = False) -> list[StageCost]:
+                total_numel: int, local_numel: float, dp_shard: int, policy: str | list[str], hw,
+                dp_link: str, optimizer: str, param_bytes: int,
+                reduce_bytes: int) -> list[StageCost]:
     """StageCost of each stage from the traced numbers of one block (``per_block``) and of
-    the rest of the model (``rest``): see the module doc. ``gather_once``: the stage's
-    parameters gathered once per step instead of in every micro-batch (a what-if: the
-    pipeline runs the traced per-micro-batch gathers), so its micro-batches' forwards, and
-    under reduce_once their backwards too, lose the FSDP waits the traces show."""
+    the rest of the model (``rest``): see the module doc. ``policy``: every stage's, or one per
+    stage (none ``auto``)."""
     from simplesharded.passes.comm_cost import comm_time
     from simplesharded.tools.cluster_trace import static_memory
 
@@ -86,31 +89,30 @@ def stage_costs(per_block: dict, rest: dict, blocks: list[int], stage_numel: lis
         return sum(m.get(f"{graph}:exposed:{d}", 0.0) for d in _FSDP_DIMS)
 
     reduce_kinds = ("reduce_scatter", "all_reduce", "all_to_all")
+    policies = [policy] * len(blocks) if isinstance(policy, str) else policy
     out = []
-    for s, n in enumerate(blocks):
+    for s, (n, pol) in enumerate(zip(blocks, policies)):
         last = s == len(blocks) - 1
         part = [(per_block, n)] + ([(rest, 1)] if last else [])
         mix = lambda f: sum(f(m) * k for m, k in part)  # noqa: E731
         local = local_numel * stage_numel[s] / total_numel
-        gathers = mix(lambda m: count(m, "fw", ("all_gather",))
-                      + (0 if gather_once else count(m, "bw", ("all_gather",))))
+        gathers = mix(lambda m: count(m, "fw", ("all_gather",)) + count(m, "bw", ("all_gather",)))
         reductions = mix(lambda m: count(m, "bw", reduce_kinds))
         # one flat reduce-scatter of the stage's summed gradients (deferred_reduce.py)
         reduce_s = (comm_time("reduce_scatter", int(local * dp_shard * reduce_bytes), dp_shard,
-                              hw, dp_link) if policy == "reduce_once" else 0.0)
+                              hw, dp_link) if pol in DEFERRED else 0.0)
         fw_s, bw_s, exposed = (mix(lambda m: m["fw_s"]), mix(lambda m: m["bw_s"]),
                                mix(fsdp_exposed))
-        gather_s = 0.0
-        if gather_once:
-            fw_s -= mix(lambda m: fsdp_exposed(m, "fw"))
-            exposed -= mix(lambda m: fsdp_exposed(m, "fw"))
-            if policy == "reduce_once":
-                bw_s -= mix(lambda m: fsdp_exposed(m, "bw"))
-                exposed -= mix(lambda m: fsdp_exposed(m, "bw"))
+        gather_s, step_gathers = 0.0, 0
+        if pol == "gather_once":  # held parameters: no FSDP collective in any micro-batch
+            fw_wait, bw_wait = (mix(lambda m, g=g: fsdp_exposed(m, g)) for g in ("fw", "bw"))
+            fw_s, bw_s, exposed = fw_s - fw_wait, bw_s - bw_wait, exposed - fw_wait - bw_wait
+            gathers, step_gathers = 0, 1
             gather_s = comm_time("all_gather", int(local * dp_shard * param_bytes), dp_shard,
                                  hw, dp_link)
         out.append(StageCost(
             fw_s=fw_s, bw_s=bw_s, reduce_s=reduce_s, gather_s=gather_s,
+            step_gathers=step_gathers,
             fsdp_exposed_s=max(0.0, exposed),
             act_bytes=int(n * per_block["peak_act"]),
             working_bytes=int(max(0.0, rest["peak_act"])),
@@ -119,6 +121,26 @@ def stage_costs(per_block: dict, rest: dict, blocks: list[int], stage_numel: lis
             gathered_bytes=int(param_bytes * local * dp_shard),
             gathers=round(gathers), reductions=round(reductions)))
     return out
+
+
+def stage_policies(policy: str, numels: list[int], memory_cap_mb: float,
+                   param_dtype: str) -> list[str]:
+    """Each stage's policy: ``policy``, or for ``auto`` what the pipeline picks for a stage of
+    that many parameters (pipelining.auto_policy_of, the trainer's own rule)."""
+    import torch
+    if policy != AUTO:
+        return [policy] * len(numels)
+    return [auto_policy_of(n, memory_cap_mb, getattr(torch, param_dtype)) for n in numels]
+
+
+def policy_label(policy: str, policies: list[str]) -> str:
+    """``policy`` as the table shows it: ``auto`` with what it resolved to per stage."""
+    if policy != AUTO:
+        return policy
+    counts = {q: policies.count(q) for q in POLICIES if q in policies}
+    if len(counts) == 1:
+        return f"auto: {policies[0]}"
+    return "auto: " + ", ".join(f"{q} x{k}" for q, k in counts.items())
 
 
 def stage_numels(cfg, n_stages: int, blocks: list[int]) -> tuple[list[int], int]:
@@ -137,9 +159,10 @@ def stage_numels(cfg, n_stages: int, blocks: list[int]) -> tuple[list[int], int]
 
 
 def run(cfg, ns, hw, cap, t0, traced_numbers) -> int:
-    """Trace, simulate and print (forecast.main's pipeline path). ``traced_numbers(cfg, ns,
-    name)``: forecast.py's numbers of backend ``name`` as a function of depth, and the links of
-    the traced groups (passed in: forecast.py imports this module)."""
+    """Trace, simulate and print (forecast.main's pipeline path). ``cap``: the memory cap in
+    bytes (None: none), which ``auto`` judges by; ``traced_numbers(cfg, ns, name)``:
+    forecast.py's numbers of backend ``name`` as a function of depth, and the links of the
+    traced groups (passed in: forecast.py imports this module)."""
     import time
 
     from simplesharded.models import get_model_spec
@@ -156,6 +179,7 @@ def run(cfg, ns, hw, cap, t0, traced_numbers) -> int:
     dp = world // (pp * tp)
 
     schedules = ns.pp_schedules or [p.pipeline_parallel_schedule]
+    policies = ns.pp_policies or [p.pipeline_fsdp_policy]
     for schedule in schedules:  # before minutes of tracing
         if schedule not in PIPELINE_SCHEDULES:
             raise ValueError(f"--pp-schedules {schedule!r} is not one of "
@@ -182,8 +206,6 @@ def run(cfg, ns, hw, cap, t0, traced_numbers) -> int:
     # stage edge (the pipeline's tp styles), so each tp rank sends the full hidden states
     nbytes = mb * t.seq_len * args.dim * act_bytes
     link = p2p_link(world, pp, hw)
-    policies = ns.pp_policies or [p.pipeline_fsdp_policy]
-    gathers = getattr(ns, "pp_gather", None) or ["every_microbatch"]
     print(f"{cfg.model.name}/{cfg.model.flavor} ({args.n_layers} blocks) on {world} ranks of "
           f"{hw.name}: pp {pp} x dp {dp} (shard {sp.data_parallel_shard_degree}) x tp {tp}; "
           f"{m} micro-batches of {mb} x {t.seq_len} tokens per pipeline step (local batch "
@@ -192,9 +214,9 @@ def run(cfg, ns, hw, cap, t0, traced_numbers) -> int:
           f"{time.perf_counter() - t0:.0f}s\n")
     print(f"activations between stages: {nbytes / 2**20:.1f} MiB per micro-batch and direction"
           f" on the {link} link ({1e3 * p2p_seconds(nbytes, link, hw):.2f} ms)\n")
-    print("| schedule | FSDP policy | gather | stages | step s | bubble | exposed p2p s | exposed "
+    print("| schedule | FSDP policy | stages | step s | bubble | exposed p2p s | exposed "
           "reduce s | exposed FSDP s | tokens/s/GPU | peak GiB (max rank) |\n"
-          "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     results = []
     for schedule in schedules:
         n_stages = (len(p.pipeline_parallel_layers_per_stage) or
@@ -202,14 +224,14 @@ def run(cfg, ns, hw, cap, t0, traced_numbers) -> int:
         blocks = (list(p.pipeline_parallel_layers_per_stage)
                   or even_split(args.n_layers, n_stages))
         numels, total = stage_numels(cfg, n_stages, blocks)
-        for policy, gather in [(q, g) for q in policies for g in gathers]:
+        for policy in policies:
+            each = stage_policies(policy, numels, (cap or 0) / 2**20, t.mixed_precision_param)
             costs = stage_costs(per_block, rest, blocks, numels, total, local_full,
-                                sp.data_parallel_shard_degree, policy, hw,
+                                sp.data_parallel_shard_degree, each, hw,
                                 links.get("dp_shard", link), cfg.optimizer.name,
-                                act_bytes, _DTYPE_BYTES.get(t.mixed_precision_reduce, 4),
-                                gather_once=gather == "once")
-            plan = StagePlan(schedule, policy, pp, n_stages, blocks, m, nbytes, link,
-                             p2p_seconds(nbytes, link, hw), gather)
+                                act_bytes, _DTYPE_BYTES.get(t.mixed_precision_reduce, 4))
+            plan = StagePlan(schedule, policy_label(policy, each), pp, n_stages, blocks, m,
+                             nbytes, link, p2p_seconds(nbytes, link, hw), each)
             step = simulate(plan, costs)
             ranks = step.by_rank_stages
             # AdamW on the rank's fp32 shards, memory bound (as forecast.py counts it)
@@ -218,20 +240,21 @@ def run(cfg, ns, hw, cap, t0, traced_numbers) -> int:
             total_s = step.step_s + optim_s
             tps = local_batch * t.seq_len * dp / total_s / world
             r = max(range(pp), key=lambda i: step.exposed_comm_s[i])
-            print(f"| {schedule} | {policy} | {gather} | {n_stages} | {total_s:.4g} | "
+            print(f"| {schedule} | {plan.policy} | {n_stages} | {total_s:.4g} | "
                   f"{step.bubble_fraction:.1%} | {step.exposed_p2p_s[r]:.3g} | "
                   f"{step.exposed_reduce_s[r]:.3g} | {step.exposed_fsdp_s[r]:.3g} | "
                   f"{tps:,.0f} | {max(step.peak_rank_bytes) / 2**30:.3g} |")
             results.append((plan, costs, step))
     print("\n(exposed: the pp rank with the most; step includes the AdamW update, memory "
-          "bound; gather once: a what-if, the pipeline gathers in every micro-batch)")
+          "bound)")
     for plan, costs, step in results:
-        print(f"\nper stage, {plan.schedule} / {plan.policy} / gather {plan.gather}\n\n| stage | rank | blocks | F ms | "
-              "B ms | in flight | saved GiB/micro-batch | gathers/step | reductions/step | peak GiB "
-              "(stage) |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print(f"\nper stage, {plan.schedule} / {plan.policy}\n\n| stage | rank | policy | blocks "
+              "| F ms | B ms | in flight | saved GiB/micro-batch | gathers/step | reductions/step "
+              "| peak GiB (stage) |\n|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         ranks = stage_rank(plan.schedule, plan.n_stages, plan.pp)
         for s, c in enumerate(costs):
-            print(f"| {s} | {ranks[s]} | {plan.blocks[s]} | {1e3 * c.fw_s:.1f} | "
+            print(f"| {s} | {ranks[s]} | {plan.policies[s]} | {plan.blocks[s]} | "
+                  f"{1e3 * c.fw_s:.1f} | "
                   f"{1e3 * c.bw_s:.1f} | {step.max_in_flight[s]} | {c.act_bytes / 2**30:.3g} | "
                   f"{step.gathers[s]} | "
                   f"{step.reductions[s]} | {step.peak_stage_bytes[s] / 2**30:.3g} |")
@@ -241,8 +264,7 @@ def run(cfg, ns, hw, cap, t0, traced_numbers) -> int:
         from simplesharded.tools.pp_timeline import draw_pipeline
         plan, _, step = results[0]
         draw_pipeline(ns.timeline, step, f"{cfg.model.name}/{cfg.model.flavor}, {world} x "
-                      f"{hw.name}, pp {pp} {plan.schedule} ({plan.policy}, gather "
-                      f"{plan.gather}), {m} micro-batches")
+                      f"{hw.name}, pp {pp} {plan.schedule} ({plan.policy}), {m} micro-batches")
         print(f"\ntimeline written to {ns.timeline}")
     return 0
 
@@ -252,6 +274,6 @@ def simulate(plan: StagePlan, costs: list[StageCost]) -> PipelineStep:
     orders = rank_orders(plan.schedule, plan.pp, plan.n_stages, plan.n_microbatches)
     return simulate_pipeline(orders, stage_rank(plan.schedule, plan.n_stages, plan.pp), costs,
                              [plan.p2p_s] * (plan.n_stages - 1), plan.n_microbatches,
-                             plan.policy, gather_every_microbatch=plan.gather != "once")
+                             plan.policies)
 
 

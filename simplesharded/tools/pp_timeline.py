@@ -1,19 +1,17 @@
 """The timeline of one pipeline step (pp_simulate.PipelineStep) as a PNG: one row per stage
 with each micro-batch's forward (F) and backward (B) box, coloured by micro-batch and labelled
 with its number, the idle time before an action as a hatched bubble or, where the input was
-computed but still in flight, a red exposed wait (purple: waiting for the step's gather);
-reduce_once's reductions and a once-per-step gather as strips under the row (they run on the
-data-parallel link). Below, each stage's memory over the step."""
+computed but still in flight, a red exposed wait; gather_once's gather as a purple box before
+the stage's first forward, and the deferred policies' reductions as strips under the row (they
+run on the data-parallel link beside compute). Below, each stage's memory over the step."""
 from __future__ import annotations
 
 _IDLE = {"bubble": dict(facecolor="none", edgecolor="0.6", hatch="///"),
          "wait": dict(facecolor="tab:red", edgecolor="none"),
-         "gather": dict(facecolor="tab:purple", edgecolor="none"),
-         "R": dict(facecolor="tab:orange", edgecolor="none"),
-         "G": dict(facecolor="tab:blue", edgecolor="none")}
-_NAMES = ["bubble", "exposed p2p wait", "waiting for the step's gather",
-          "reduction (dp link)", "gather (dp link)"]
-_LANE = ("R", "G")  # on the dp link beside compute: a thin strip under the row
+         "G": dict(facecolor="tab:purple", edgecolor="none"),
+         "R": dict(facecolor="tab:orange", edgecolor="none")}
+_NAMES = ["bubble", "exposed p2p wait", "gather (gather_once)", "reduction (dp link)"]
+_LANE = ("R",)  # on the dp link beside compute: a thin strip under the row
 
 
 def draw_pipeline(path: str | None, step, title: str):
