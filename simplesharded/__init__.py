@@ -17,7 +17,8 @@ from simplesharded.mesh import (build_mesh, init_distributed, init_mesh,  # noqa
                                 resolve_degrees)
 from simplesharded.sharding import (MixedPrecisionPolicy, data_parallel,  # noqa: E402
                                     disable_gather)
+from simplesharded.step import compile_step  # noqa: E402
 
 __all__ = ["BACKENDS", "make_backend", "build_mesh", "init_distributed", "init_mesh",
            "resolve_degrees", "MixedPrecisionPolicy", "data_parallel", "disable_gather",
-           "init_sharded", "no_gradient_sync", "set_requires_gradient_sync"]
+           "compile_step", "init_sharded", "no_gradient_sync", "set_requires_gradient_sync"]
