@@ -18,6 +18,7 @@ op with a tensor learning rate reproduces bitwise.
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch import nn
 
 # The optimizers whose update is written here (exact classes: a subclass may change step).
@@ -33,7 +34,7 @@ _UNSUPPORTED = {torch.optim.AdamW: (("amsgrad", False), ("maximize", False),
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``t``: a DTensor's local tensor (a view, so in-place updates land
     on the shard), a plain tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def prepare(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:

@@ -21,13 +21,14 @@ import torch
 from torch import nn
 
 from simplesharded.backends import make_backend
+from simplesharded.grad_clip import clip_
 from simplesharded.optim_update import (apply_update, hyperparameters, prepare,
                                         step_inputs)
 
 
 def compile_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                  loss_fn: Callable[..., torch.Tensor], *, backend: str,
-                 **backend_options) -> Callable[..., torch.Tensor]:
+                 max_norm: float | None = None, **backend_options) -> Callable[..., torch.Tensor]:
     """A callable ``step(*batch) -> loss`` that runs ``loss_fn(model, *batch)``, its backward,
     global-norm clipping of the gradients to ``max_norm`` (None: none), the optimizer's step
     and the zeroing of the gradients as one ``torch.compile(fullgraph=True)`` graph.
@@ -44,11 +45,15 @@ def compile_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     # so a change recompiles instead of being ignored.
     hypers = hyperparameters(optimizer)
     optimizer.zero_grad(set_to_none=True)
+    if max_norm is not None:
+        max_norm = float(max_norm)
 
     def step_graph(lrs, states, *batch):
         loss = loss_fn(model, *batch)
         grads = torch.autograd.grad(loss, params, allow_unused=True)
         with torch.no_grad():
+            if max_norm is not None:
+                clip_(list(grads), max_norm)
             it = iter(grads)
             nested = [[next(it) for _ in g] for g in groups]
             apply_update(decoupled, groups, hypers, nested, lrs, states)

@@ -13,24 +13,32 @@ import functools
 import pytest
 import torch
 
-from dist_utils import spawn
+from dist_utils import max_rel_diff, spawn
 
 STEPS = 10
-# (name, backend, optimizer class, weight_decay)
+MAX_NORM = 0.3  # below every step's gradient norm here: clipping acts at each step
+# (name, backend, optimizer class, weight_decay, max_norm)
 CASES = [
-    ("aot_eager_adamw", "aot_eager", "AdamW", 0.1),
-    ("blockbucketing_adamw", "aot_eager_blockbucketing", "AdamW", 0.1),
-    ("blockbucketing_adam_l2", "aot_eager_blockbucketing", "Adam", 0.01),
+    ("aot_eager_adamw", "aot_eager", "AdamW", 0.1, None),
+    ("blockbucketing_adamw", "aot_eager_blockbucketing", "AdamW", 0.1, None),
+    ("blockbucketing_adam_l2", "aot_eager_blockbucketing", "Adam", 0.01, None),
+    ("blockbucketing_adamw_clip", "aot_eager_blockbucketing", "AdamW", 0.1, MAX_NORM),
 ]
+BITWISE = [c[0] for c in CASES if c[4] is None]
+CLIPPED = [c[0] for c in CASES if c[4] is not None]
+
+
+def _plain_model():
+    from models.llama3 import Llama3, Llama3Args
+
+    torch.manual_seed(0)
+    return Llama3(Llama3Args(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128))
 
 
 def _model(mesh):
     import simplesharded as ss
-    from models.llama3 import Llama3, Llama3Args
 
-    torch.manual_seed(0)
-    args = Llama3Args(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128)
-    return ss.data_parallel(Llama3(args), mesh)
+    return ss.data_parallel(_plain_model(), mesh)
 
 
 def _loss(model, tokens, labels):
@@ -46,7 +54,7 @@ def _lr(i):  # a schedule: the step graph takes it as an input, nothing recompil
     return 1e-2 * (0.9 ** i)
 
 
-def _case(rank, mesh, backend, opt_name, wd):
+def _case(rank, mesh, backend, opt_name, wd, max_norm):
     import simplesharded as ss
 
     opt_cls = getattr(torch.optim, opt_name)
@@ -55,11 +63,14 @@ def _case(rank, mesh, backend, opt_name, wd):
     ref = _model(mesh)
     ref_c = torch.compile(ref, backend=ss.make_backend(backend), fullgraph=True)
     ref_opt = opt_cls(ref.parameters(), lr=_lr(0), weight_decay=wd, foreach=False)
-    ref_losses = []
+    ref_losses, ref_norms = [], []
     for i, b in enumerate(batches):
         ref_opt.param_groups[0]["lr"] = _lr(i)
         loss = _loss(ref_c, b, b)
         loss.backward()
+        if max_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+            ref_norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
         ref_opt.step()
         ref_opt.zero_grad()
         ref_losses.append(loss.item())
@@ -67,7 +78,7 @@ def _case(rank, mesh, backend, opt_name, wd):
     torch._dynamo.reset()
     model = _model(mesh)
     opt = opt_cls(model.parameters(), lr=_lr(0), weight_decay=wd)
-    step = ss.compile_step(model, opt, _loss, backend=backend)
+    step = ss.compile_step(model, opt, _loss, backend=backend, max_norm=max_norm)
     losses = []
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for i, b in enumerate(batches):
@@ -76,7 +87,9 @@ def _case(rank, mesh, backend, opt_name, wd):
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
     ref_state, state = ref_opt.state_dict()["state"], opt.state_dict()["state"]
     return {
-        "losses": losses, "ref_losses": ref_losses, "graphs": graphs,
+        "losses": losses, "ref_losses": ref_losses, "ref_norms": ref_norms, "graphs": graphs,
+        "param_rel": max(max_rel_diff(b.to_local(), a.to_local())
+                         for a, b in zip(ref.parameters(), model.parameters())),
         "params_equal": [torch.equal(a.to_local(), b.to_local())
                          for a, b in zip(ref.parameters(), model.parameters())],
         "max_abs_diff": max((a.to_local() - b.to_local()).abs().max().item()
@@ -104,7 +117,7 @@ def _results():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [c[0] for c in CASES])
+@pytest.mark.parametrize("case", BITWISE)
 def test_step_graph_matches_split_step_bitwise(case):
     """10 steps with a changing learning rate: every parameter shard and every optimizer state
     tensor bitwise equal to the split step's, the same losses, one graph compiled, and no
@@ -116,6 +129,22 @@ def test_step_graph_matches_split_step_bitwise(case):
         assert r["losses"] == r["ref_losses"], (rank, r["losses"], r["ref_losses"])
         assert r["graphs"] == 1, (rank, r["graphs"])
         assert r["grads_none"], rank
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CLIPPED)
+def test_clipped_step_graph_matches_split_step_with_clip_grad_norm(case):
+    """With max_norm: the split step clips with torch.nn.utils.clip_grad_norm_ (one norm per
+    gradient), the step graph with one all-reduce of the shards' sums of squares; the sums
+    run in another order, so parameters and losses agree to 1e-6 relative after 10 steps,
+    with clipping active at every step."""
+    for rank, res in enumerate(_results()):
+        r = res[case]
+        assert min(r["ref_norms"]) > MAX_NORM, (rank, r["ref_norms"])
+        assert r["param_rel"] <= 1e-6, (rank, r["param_rel"])
+        assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(r["losses"], r["ref_losses"])), \
+            (rank, r["losses"], r["ref_losses"])
+        assert r["graphs"] == 1 and r["grads_none"], rank
 
 
 # ------------------------------------------------------------------------- single process
@@ -174,3 +203,89 @@ def test_an_update_not_written_is_one_error_naming_the_optimizer(make, match):
     with pytest.raises(TypeError, match=match):
         ss.compile_step(model, make(model.parameters()), lambda m, x: m(x).sum(),
                         backend="aot_eager")
+
+
+def _step_graphs(backend="aot_eager_blockbucketing", max_norm=None):
+    """The step graph of the 2-block Llama on a fake world of 2, as our pipeline received it
+    and after its last pass; and the split step's forward and backward graphs (the same model
+    compiled alone, its gathered parameters kept for backward as the step graph keeps them)."""
+    import copy
+
+    import pass_utils as pu
+    import simplesharded as ss
+
+    seen = {}
+
+    def observe(kind, stage, gm):
+        seen.setdefault(stage, []).append(copy.deepcopy(gm))
+
+    with pu.fake_world(2) as mesh:
+        torch._dynamo.reset()
+        model = _model(mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        step = ss.compile_step(model, opt, _loss, backend=backend, max_norm=max_norm,
+                               observer=observe)
+        tokens = torch.randint(0, 128, (2, 16))
+        step(tokens, tokens)
+        step(tokens, tokens)
+        torch._dynamo.reset()
+        split = pu.capture_graphs(_plain_model(), mesh, (tokens, tokens),
+                                  loss=lambda out: out, reshard_after_forward=False,
+                                  backend=backend)
+    return seen, split
+
+
+def _from(node, filename):
+    return filename in (node.meta.get("stack_trace") or "")
+
+
+def test_step_graph_holds_the_bucketed_collectives_and_the_update():
+    """One graph for two steps. Its traced backward carries data_parallel's annotations
+    (passes/traced_backward.py), so block bucketing merges its reduce-scatters as in the split
+    step's backward graph: the same all-gathers (one per bucket) and reduce-scatters (one per
+    bucket) as the split step's two graphs together, and the update of every parameter in
+    the same graph after them. Each reduce-scatter is waited where the next one is issued
+    (one in flight while backward computes), not right after its own start."""
+    import pass_utils as pu
+
+    seen, split = _step_graphs()
+    assert len(seen["input"]) == 1  # compiled once
+    first, final = seen["input"][0], seen["agreement"][0]
+    rs_in = pu.starts(first, pu.RS)
+    assert rs_in and all(pu.node_params(s) for s in rs_in)  # annotated
+    counts = pu.collective_counts(final)
+    assert counts["all_gather"] == pu.collective_counts(split["fw"]["agreement"])["all_gather"]
+    assert counts["reduce_scatter"] == \
+        pu.collective_counts(split["bw"]["agreement"])["reduce_scatter"]
+    assert counts["reduce_scatter"] < len(rs_in)  # merged
+    pos = pu._pos(final)
+    update = [n for n in final.graph.nodes if _from(n, "optim_update.py")]
+    assert update
+    reds = sorted(pu.reduction_intervals(final))
+    nodes = list(final.graph.nodes)
+    mms = [i for i, n in enumerate(nodes) if n.target in (torch.ops.aten.mm.default,
+                                                          torch.ops.aten.bmm.default)]
+    # Waited where the next reduce-scatter is issued: the backward's matmuls in between run
+    # while it is in flight, none is left between its wait and the next start.
+    for (s, w, _), (nxt, _, _) in zip(reds, reds[1:]):
+        assert not any(w < i < nxt for i in mms), (s, w, nxt)
+    assert any(reds[0][0] < i < reds[0][1] for i in mms), reds[0]
+    # Every parameter's moment update (one lerp each) follows the last reduce-scatter's
+    # start: traced in program order, and no pass yet moves a bucket's update up to its own
+    # reduction (only pure ops of the gradient alone sink with a wait).
+    lerps = [n for n in update if n.target is torch.ops.aten.lerp.Scalar]
+    assert len(lerps) == len(list(_plain_model().parameters()))
+    assert min(pos[n] for n in lerps) > reds[-1][0]
+
+
+def test_clipped_step_graph_reduces_the_norm_once():
+    """With max_norm: one all-reduce (the sum of the shards' squared norms) in the step graph,
+    on the dp group, besides the bucketed reduce-scatters."""
+    import pass_utils as pu
+
+    seen, split = _step_graphs(max_norm=1.0)
+    final = seen["agreement"][0]
+    counts = pu.collective_counts(final)
+    assert counts["all_reduce"] == 1
+    assert counts["reduce_scatter"] == \
+        pu.collective_counts(split["bw"]["agreement"])["reduce_scatter"]
