@@ -96,8 +96,12 @@ def apply_update(decoupled: bool, groups: list[list], hypers: list[tuple], grads
     from :func:`hyperparameters`, ``lrs`` and ``states`` from :func:`step_inputs`. Call under
     ``torch.no_grad()``. Nothing here reads the optimizer: dynamo would guard on its
     param_groups, learning rate included, and recompile when a schedule changes it."""
-    for params, gs, hyper, lr, sts in zip(groups, grads, hypers, lrs, states):
-        for p, g, st in zip(params, gs, sts):
+    # Last parameter first: backward reduces the gradients roughly in reverse parameter
+    # order, so the first parameters' gradients (the embedding's) arrive last, and their
+    # reduction can stay in flight while the others' updates run. Each update is on its own
+    # parameter and state, so the order changes no value.
+    for params, gs, hyper, lr, sts in reversed(list(zip(groups, grads, hypers, lrs, states))):
+        for p, g, st in reversed(list(zip(params, gs, sts))):
             if g is not None:
                 _adam(p, g, st, hyper, lr, decoupled)
 

@@ -244,7 +244,7 @@ def test_step_graph_holds_the_bucketed_collectives_and_the_update():
     (passes/traced_backward.py), so block bucketing merges its reduce-scatters as in the split
     step's backward graph: the same all-gathers (one per bucket) and reduce-scatters (one per
     bucket) as the split step's two graphs together, and the update of every parameter in
-    the same graph after them. Each reduce-scatter is waited where the next one is issued
+    the same graph after them, the last reduce-scatter in flight while they run. Each reduce-scatter is waited where the next one is issued
     (one in flight while backward computes), not right after its own start."""
     import pass_utils as pu
 
@@ -272,10 +272,16 @@ def test_step_graph_holds_the_bucketed_collectives_and_the_update():
     assert any(reds[0][0] < i < reds[0][1] for i in mms), reds[0]
     # Every parameter's moment update (one lerp each) follows the last reduce-scatter's
     # start: traced in program order, and no pass yet moves a bucket's update up to its own
-    # reduction (only pure ops of the gradient alone sink with a wait).
+    # reduction (only pure ops of the gradient alone sink with a wait). The update runs last
+    # parameter first, so the last reduction (the embedding's, a bucket of its own) stays in
+    # flight during every other parameter's update.
     lerps = [n for n in update if n.target is torch.ops.aten.lerp.Scalar]
-    assert len(lerps) == len(list(_plain_model().parameters()))
+    n_params = len(list(_plain_model().parameters()))
+    assert len(lerps) == n_params
     assert min(pos[n] for n in lerps) > reds[-1][0]
+    last_start, last_wait, last = reds[-1]
+    assert pu.node_params(last) == ["tok_embeddings.weight"]
+    assert sum(last_start < pos[n] < last_wait for n in lerps) == n_params - 1
 
 
 def test_clipped_step_graph_reduces_the_norm_once():
