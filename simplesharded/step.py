@@ -21,14 +21,15 @@ import torch
 from torch import nn
 
 from simplesharded.backends import make_backend
-from simplesharded.grad_clip import clip_
+from simplesharded.grad_clip import clip_, global_norm
 from simplesharded.optim_update import (apply_update, hyperparameters, prepare,
                                         step_inputs)
 
 
 def compile_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                  loss_fn: Callable[..., torch.Tensor], *, backend: str,
-                 max_norm: float | None = None, **backend_options) -> Callable[..., torch.Tensor]:
+                 max_norm: float | None = None, with_grad_norm: bool = False,
+                 **backend_options) -> Callable[..., torch.Tensor]:
     """A callable ``step(*batch) -> loss`` that runs ``loss_fn(model, *batch)``, its backward,
     global-norm clipping of the gradients to ``max_norm`` (None: none), the optimizer's step
     and the zeroing of the gradients as one ``torch.compile(fullgraph=True)`` graph.
@@ -36,7 +37,8 @@ def compile_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     ``model``: as :func:`simplesharded.data_parallel` returned it (or a plain module).
     ``optimizer``: AdamW or Adam over its parameters (another one is a TypeError naming it;
     simplesharded/optim_update.py). ``backend``: a name :func:`simplesharded.make_backend`
-    takes; ``backend_options`` go to it.
+    takes; ``backend_options`` go to it. ``with_grad_norm``: ``step`` returns ``(loss,
+    norm)``, the gradients' global norm before clipping (computed in the graph).
     """
     params = prepare(optimizer)
     groups = [[p for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
@@ -52,12 +54,15 @@ def compile_step(model: nn.Module, optimizer: torch.optim.Optimizer,
         loss = loss_fn(model, *batch)
         grads = torch.autograd.grad(loss, params, allow_unused=True)
         with torch.no_grad():
+            norm = None
             if max_norm is not None:
-                clip_(list(grads), max_norm)
+                norm = clip_(list(grads), max_norm)
+            elif with_grad_norm:
+                norm = global_norm([g for g in grads if g is not None])
             it = iter(grads)
             nested = [[next(it) for _ in g] for g in groups]
             apply_update(decoupled, groups, hypers, nested, lrs, states)
-        return loss.detach()
+        return (loss.detach(), norm) if with_grad_norm else loss.detach()
 
     compiled = torch.compile(step_graph, backend=make_backend(backend, **backend_options),
                              fullgraph=True)
