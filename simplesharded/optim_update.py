@@ -11,9 +11,9 @@ and what torch itself turns a Python float into for these ops), and the few ops 
 it as a Scalar argument are spelled with tensor ops in the kernel's own order.
 
 One job: :func:`prepare` checks an optimizer and fills its state as its first ``step`` would;
-:func:`apply_update` is the traced update of one step. SGD is not written: its eager
-``add_(grad, alpha=-lr)`` is a fused multiply-add in the vectorised kernel, which no traced
-op with a tensor learning rate reproduces bitwise.
+:func:`apply_update` is the traced update of one step. SGD is not written yet: its eager
+``add_(grad, alpha=-lr)`` takes the rate as a Scalar, and a spelling with a tensor rate that
+gives the kernel's bits has not been found and tested.
 """
 from __future__ import annotations
 
