@@ -24,6 +24,7 @@ from torch import fx
 
 from .agreement import insert_agreement_check
 from .collectives import count_collectives, is_backward_graph
+from .traced_backward import annotate_traced_backward
 
 # Returns the graph module ready to run: a pass that edits the graph regenerates its code.
 GraphPass = Callable[[fx.GraphModule], fx.GraphModule]
@@ -64,7 +65,12 @@ class PassPipeline:
     def run_graph(self, gm: fx.GraphModule) -> fx.GraphModule:
         # Last: the ranks compare the sequence the passes produced (passes/agreement.py).
         passes = list(self.graph) + [(LAST_STAGE, insert_agreement_check)]
-        return self._run(gm, passes, "bw" if is_backward_graph(gm) else "fw")
+        backward = is_backward_graph(gm)
+        if not backward:
+            # A backward traced into a forward graph (compile_step) gets the annotations
+            # the passes find collectives by; a graph without one is unchanged.
+            annotate_traced_backward(gm)
+        return self._run(gm, passes, "bw" if backward else "fw")
 
     def _run(self, gm, passes, kind):
         self._dump(gm, kind, "input")

@@ -87,8 +87,10 @@ def gather_chain(wait: fx.Node, order: NodeOrder) -> list[fx.Node]:
 
 def reduction_epilogue(chain: list[fx.Node], order: NodeOrder) -> list[fx.Node]:
     """``chain`` plus the pure ops computed from it alone whose results only the graph's
-    output reads (the 1/N averaging of a reduced gradient): they sink with the wait, or the
-    first of them would pin the wait right after its start. Graph order."""
+    output or compute outside them reads (the 1/N averaging of a reduced gradient, read by
+    the output, or by the optimizer's update in a step graph): they sink with the wait, or
+    the first of them would pin the wait right after its start. One that feeds a collective
+    (HSDP's replica all-reduce) stays where it is. Graph order."""
     members, candidates, frontier = set(chain), [], list(chain)  # computed from the chain alone
     while frontier:
         for user in frontier.pop().users:
@@ -98,9 +100,10 @@ def reduction_epilogue(chain: list[fx.Node], order: NodeOrder) -> list[fx.Node]:
                 members.add(user)
                 candidates.append(user)
                 frontier.append(user)
-    kept = set(chain)
+    kept, pending = set(chain), set(candidates)
     for node in sorted(candidates, key=order.__getitem__, reverse=True):
-        if all(u in kept or u.op == "output" for u in node.users):
+        if all(u in kept or u.op == "output"
+               or (u not in pending and not is_collective_or_wait(u)) for u in node.users):
             kept.add(node)
     return sorted(kept, key=order.__getitem__)
 

@@ -20,4 +20,12 @@ from simplesharded.sharding import (MixedPrecisionPolicy, data_parallel,  # noqa
 
 __all__ = ["BACKENDS", "make_backend", "build_mesh", "init_distributed", "init_mesh",
            "resolve_degrees", "MixedPrecisionPolicy", "data_parallel", "disable_gather",
-           "init_sharded", "no_gradient_sync", "set_requires_gradient_sync"]
+           "compile_step", "init_sharded", "no_gradient_sync", "set_requires_gradient_sync"]
+
+
+def __getattr__(name):
+    # compile_step's three modules load on first use: `import simplesharded` stays small.
+    if name == "compile_step":
+        from simplesharded.step import compile_step
+        return compile_step
+    raise AttributeError(f"module 'simplesharded' has no attribute {name!r}")

@@ -219,6 +219,9 @@ class Compile:
     memory_cap_mb: float = _opt(0.0, "most MiB of gathered parameters alive at once (kept ones and "
                                 "copy-outs included); 0 = plan default")
     dump_graphs: str = _opt("", "directory to write FX graphs before/after passes")
+    scope: str = _opt("model", "what one compiled graph holds: the model (its forward, and "
+                      "its backward) or the whole step (forward, loss, backward, clipping and the "
+                      "optimizer's step: simplesharded.compile_step)", ("model", "step"))
     hardware: str = _opt("calibrated", "cost-model numbers: 'calibrated' (measured at start-up, "
                          "cached; python -m simplesharded.tools.calibrate), a calibration .json "
                          "file, or a profile name")
@@ -572,6 +575,8 @@ def validate(cfg: Config, backends: Iterable[str] | None = None) -> None:
                          f"training.seq_len={t.seq_len}{where} (sequence parallelism splits the "
                          f"sequence; or --no-parallelism.enable_sequence_parallel)")
     _check_pipeline(cfg)
+    if cfg.compile.scope == "step":
+        _check_step_scope(cfg)
     _check_hardware(cfg.compile.hardware)
     _check_backend(cfg.compile.backend, backends)
 
@@ -593,6 +598,28 @@ def _check_pipeline(cfg: Config) -> None:
         raise ValueError(f"parallelism.pipeline_parallel_layers_per_stage={split} gives "
                          f"{stages} stages; schedule {name} on pipeline_parallel_degree={pp} "
                          f"runs {want}")
+
+
+def _check_step_scope(cfg: Config) -> None:
+    """compile.scope=step compiles simplesharded.compile_step: what it does not do yet is one
+    error naming the setting."""
+    t, p, c = cfg.training, cfg.parallelism, cfg.compile
+    unsupported = [
+        ("compile.enable", c.enable, True), ("optimizer.name", cfg.optimizer.name, "AdamW"),
+        ("training.gradient_accumulation_steps", t.gradient_accumulation_steps, 1),
+        ("training.on_nonfinite", t.on_nonfinite, "stop"),
+        ("parallelism.tensor_parallel_degree", p.tensor_parallel_degree, 1),
+        ("parallelism.expert_parallel_degree", p.expert_parallel_degree, 1),
+        ("parallelism.context_parallel_degree", p.context_parallel_degree, 1),
+        ("parallelism.pipeline_parallel_degree", p.pipeline_parallel_degree, 1),
+        ("activation_checkpoint.mode", cfg.activation_checkpoint.mode, "none"),
+        ("compile.fullgraph", c.fullgraph, True)]
+    for key, value, ok in unsupported:
+        if value != ok:
+            raise ValueError(f"compile.scope='step' needs {key}={ok!r}, got {value!r}")
+    if not c.backend.startswith("aot_eager"):
+        raise ValueError(f"compile.scope='step' is tested on the aot_eager backends only, "
+                         f"got compile.backend={c.backend!r}")
 
 
 def _check_backend(name: str, backends: Iterable[str] | None) -> None:

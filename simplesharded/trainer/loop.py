@@ -111,6 +111,9 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.tokens_per_step = t.global_batch_size * t.seq_len
         self.flops_per_token = self.model_info.num_flops_per_token(t.seq_len)
+        # compile.scope=step: forward to optimizer step in one graph (simplesharded/step.py)
+        self.whole_step = self._compile_step(observer) if (
+            cfg.compile.enable and cfg.compile.scope == "step") else None
         self.peak = peak_flops(device, cfg.metrics.peak_tflops, t.mixed_precision_param)
         self.ckpt_folder = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
         self.step = 0
@@ -145,6 +148,35 @@ class Trainer:
         # a cp rank holds seq_len / cp tokens of each sequence; the loss sums over all ranks'
         # tokens count each once (the cp ranks' are disjoint), tp's tp times
         return t.local_batch_size * t.seq_len // self.cp * t.gradient_accumulation_steps
+
+    def _compile_step(self, observer):
+        from simplesharded.step import compile_step
+        from simplesharded.trainer.recipe import _backend_options
+
+        c, t, denom = self.cfg.compile, self.cfg.training, self._denominator()
+
+        def loss_fn(model, inputs, labels):
+            return model(inputs, labels, loss_chunks=self.loss_chunks) / denom
+
+        return compile_step(self.model, self.optimizer, loss_fn, backend=c.backend,
+                            max_norm=t.max_norm if t.max_norm > 0 else None,
+                            with_grad_norm=True, **_backend_options(c, observer))
+
+    def _train_whole_step(self) -> dict[str, float]:
+        """One step of compile.scope=step: the graph has taken the optimizer's step when it
+        returns, so a non-finite loss or norm stops training after it (validated:
+        training.on_nonfinite=stop)."""
+        inputs, labels = next(self.data.train)
+        scaled, norm = self.whole_step(inputs.to(self.device), labels.to(self.device))
+        loss_sum = local_loss(scaled) * self._denominator()
+        dist.all_reduce(loss_sum)
+        loss = (loss_sum / (self.tokens_per_step * self.tp)).item()
+        norm = norm.item()
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            raise NonFiniteError(f"non-finite loss={loss} or grad_norm={norm} at step "
+                                 f"{self.step + 1}; training stopped, checkpoints untouched")
+        self.scheduler.step()
+        return {"loss": loss, "grad_norm": norm}
 
     def accumulation_steps(self) -> torch.Tensor:
         """Forward and backward of each micro-batch of one optimizer step: the summed loss of
@@ -181,6 +213,8 @@ class Trainer:
         return loss_sum
 
     def train_step(self) -> dict[str, float]:
+        if self.whole_step is not None:
+            return self._train_whole_step()
         t = self.cfg.training
         self.optimizer.zero_grad(set_to_none=True)
         pp_group = None

@@ -1,0 +1,135 @@
+"""The optimizer update, written so that torch.compile traces it into the step graph.
+
+``Optimizer.step`` cannot be traced as one graph with the backward (dynamo breaks the graph
+in its grad-mode decorator), and torch's fused AdamW kernel cannot be functionalized by
+aot_autograd. So the update runs here, on each parameter's local shard (Adam and AdamW are
+elementwise, so a shard's update needs only that shard), with the optimizer's own state
+tensors and hyperparameters. It reproduces, op for op, the for-loop (``foreach=False``)
+update torch runs eagerly on CPU, with two changes that leave every value bitwise the same:
+the learning rate is a float64 0-d tensor (a graph input, so a schedule never recompiles,
+and what torch itself turns a Python float into for these ops), and the few ops that take
+it as a Scalar argument are spelled with tensor ops in the kernel's own order.
+
+One job: :func:`prepare` checks an optimizer and fills its state as its first ``step`` would;
+:func:`apply_update` is the traced update of one step. SGD is not written yet: its eager
+``add_(grad, alpha=-lr)`` takes the rate as a Scalar, and a spelling with a tensor rate that
+gives the kernel's bits has not been found and tested.
+"""
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch import nn
+
+# The optimizers whose update is written here (exact classes: a subclass may change step).
+SUPPORTED = (torch.optim.AdamW, torch.optim.Adam)
+# Options whose update is not written here: (option, the value we support).
+_UNSUPPORTED = {torch.optim.AdamW: (("amsgrad", False), ("maximize", False),
+                                    ("differentiable", False), ("capturable", False)),
+                torch.optim.Adam: (("amsgrad", False), ("maximize", False),
+                                   ("differentiable", False), ("capturable", False),
+                                   ("decoupled_weight_decay", False))}
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: a DTensor's local tensor (a view, so in-place updates land
+    on the shard), a plain tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def prepare(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
+    """Check that ``optimizer``'s update is one this module writes, create its state as its
+    first eager ``step`` would (zeros, and a float32 step count), and return its parameters
+    in group order. Raises TypeError naming the optimizer and what is not supported."""
+    kind = type(optimizer)
+    if kind not in SUPPORTED:
+        raise TypeError(f"compile_step cannot trace {kind.__module__}.{kind.__qualname__}: "
+                        f"its update is written for {[c.__name__ for c in SUPPORTED]} only")
+    params = []
+    for group in optimizer.param_groups:
+        bad = [f"{k}={group.get(k)!r}" for k, ok in _UNSUPPORTED[kind] if group.get(k, ok) != ok]
+        if bad:
+            raise TypeError(f"compile_step cannot trace {kind.__name__} with {', '.join(bad)}")
+        fixed = [k for k in ("betas", "weight_decay", "eps") if isinstance(group[k], torch.Tensor)
+                 or (k == "betas" and any(isinstance(b, torch.Tensor) for b in group[k]))]
+        if fixed:
+            raise TypeError(f"compile_step cannot trace {kind.__name__} with tensor {fixed}")
+        for p in group["params"]:
+            if not p.requires_grad:
+                continue
+            if torch.is_complex(p):
+                raise TypeError(f"compile_step cannot trace {kind.__name__} on complex "
+                                f"parameters")
+            params.append(p)
+            state = optimizer.state[p]
+            if not state:
+                # As Adam's _init_group does (its float32 step count on the CPU).
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return params
+
+
+def hyperparameters(optimizer: torch.optim.Optimizer) -> list[tuple]:
+    """Per param group, what the traced update reads besides the learning rate: (betas,
+    weight_decay, eps). The step graph is specialised on them (a change recompiles it)."""
+    return [(tuple(g["betas"]), g["weight_decay"], g["eps"]) for g in optimizer.param_groups]
+
+
+def step_inputs(optimizer: torch.optim.Optimizer) -> tuple[list, list]:
+    """What one step reads from ``optimizer``, taken at call time (``load_state_dict``
+    replaces the state tensors): per group a float64 0-d learning rate, and per parameter
+    its (step, exp_avg, exp_avg_sq) state tensors, in :func:`prepare`'s order."""
+    lrs = [torch.as_tensor(g["lr"], dtype=torch.float64).detach().clone()
+           for g in optimizer.param_groups]
+    states = [[(optimizer.state[p]["step"], optimizer.state[p]["exp_avg"],
+                optimizer.state[p]["exp_avg_sq"]) for p in g["params"] if p.requires_grad]
+              for g in optimizer.param_groups]
+    return lrs, states
+
+
+def apply_update(decoupled: bool, groups: list[list], hypers: list[tuple], grads: list,
+                 lrs: list[torch.Tensor], states: list[list]) -> None:
+    """One optimizer step on the local shards, traced. ``groups``: per param group its
+    parameters (as :func:`prepare` returned them, grouped), ``grads`` the same nesting with
+    their gradients (None: skipped, as torch skips a parameter without ``.grad``); ``hypers``
+    from :func:`hyperparameters`, ``lrs`` and ``states`` from :func:`step_inputs`. Call under
+    ``torch.no_grad()``. Nothing here reads the optimizer: dynamo would guard on its
+    param_groups, learning rate included, and recompile when a schedule changes it."""
+    # Last parameter first: backward reduces the gradients roughly in reverse parameter
+    # order, so the first parameters' gradients (the embedding's) arrive last, and their
+    # reduction can stay in flight while the others' updates run. Each update is on its own
+    # parameter and state, so the order changes no value.
+    for params, gs, hyper, lr, sts in reversed(list(zip(groups, grads, hypers, lrs, states))):
+        for p, g, st in reversed(list(zip(params, gs, sts))):
+            if g is not None:
+                _adam(p, g, st, hyper, lr, decoupled)
+
+
+def _adam(p, g, state, hyper, lr, decoupled: bool) -> None:
+    param, grad = local(p), local(g)
+    step_t, exp_avg, exp_avg_sq = state
+    exp_avg, exp_avg_sq = local(exp_avg), local(exp_avg_sq)
+    (beta1, beta2), wd, eps = hyper
+    step_t += 1
+    if wd != 0:
+        if decoupled:
+            param.mul_(1 - lr * wd)
+        else:
+            grad = grad.add(param, alpha=wd)
+    exp_avg.lerp_(grad, 1 - beta1)
+    # Eagerly addcmul_(grad, grad, value=1 - beta2). Dynamo rewrites an addcmul_ that has a
+    # value into mul + fma, which rounds differently from the kernel; without a value it stays
+    # aten.addcmul, and the value folded into the first factor gives the kernel's bits
+    # (tests/test_step.py compares them).
+    exp_avg_sq.mul_(beta2).addcmul_(grad * (1 - beta2), grad)
+    # Eagerly these are Python floats from step_t.item(); in float64 0-d tensors the same
+    # IEEE operations give the same values, without reading the step count on the host.
+    step = step_t.to(torch.float64)
+    bias_correction1 = 1 - beta1 ** step
+    bias_correction2 = 1 - beta2 ** step
+    step_size = lr / bias_correction1
+    denom = (exp_avg_sq.sqrt() / bias_correction2.sqrt()).add_(eps)
+    # addcdiv_(exp_avg, denom, value=-step_size) takes a Scalar value; its kernel computes
+    # param + (value * exp_avg) / denom, spelled here in that order.
+    param.add_((exp_avg * -step_size) / denom)

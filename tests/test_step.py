@@ -1,0 +1,357 @@
+"""compile_step (simplesharded/step.py, optim_update.py): forward, loss, backward and AdamW's
+step in one compiled graph, against the split step (the same model compiled with the same
+backend, ``loss.backward()``, eager ``optimizer.step()``, ``zero_grad()``).
+
+One spawn of 2 gloo ranks runs every case (``_job``) on a small Llama 3 (2 blocks); the tests
+read its results. Single-process tests: the traced update alone against torch's eager one,
+and the errors.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from dist_utils import max_rel_diff, spawn
+
+STEPS = 10
+MAX_NORM = 0.3  # below every step's gradient norm here: clipping acts at each step
+# (name, backend, optimizer class, weight_decay, max_norm)
+CASES = [
+    ("aot_eager_adamw", "aot_eager", "AdamW", 0.1, None),
+    ("blockbucketing_adamw", "aot_eager_blockbucketing", "AdamW", 0.1, None),
+    ("blockbucketing_adam_l2", "aot_eager_blockbucketing", "Adam", 0.01, None),
+    ("blockbucketing_adamw_clip", "aot_eager_blockbucketing", "AdamW", 0.1, MAX_NORM),
+]
+BITWISE = [c[0] for c in CASES if c[4] is None]
+CLIPPED = [c[0] for c in CASES if c[4] is not None]
+
+
+def _plain_model():
+    from models.llama3 import Llama3, Llama3Args
+
+    torch.manual_seed(0)
+    return Llama3(Llama3Args(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128))
+
+
+def _model(mesh):
+    import simplesharded as ss
+
+    return ss.data_parallel(_plain_model(), mesh)
+
+
+def _loss(model, tokens, labels):
+    return model(tokens, labels) / labels.numel()
+
+
+def _batches(rank):
+    g = torch.Generator().manual_seed(100 + rank)  # each rank its own data
+    return [torch.randint(0, 128, (2, 16), generator=g) for _ in range(STEPS)]
+
+
+def _lr(i):  # a schedule: the step graph takes it as an input, nothing recompiles
+    return 1e-2 * (0.9 ** i)
+
+
+def _case(rank, mesh, backend, opt_name, wd, max_norm):
+    import simplesharded as ss
+
+    opt_cls = getattr(torch.optim, opt_name)
+    batches = _batches(rank)
+    # The split step: today's recipe.
+    ref = _model(mesh)
+    ref_c = torch.compile(ref, backend=ss.make_backend(backend), fullgraph=True)
+    ref_opt = opt_cls(ref.parameters(), lr=_lr(0), weight_decay=wd, foreach=False)
+    ref_losses, ref_norms = [], []
+    for i, b in enumerate(batches):
+        ref_opt.param_groups[0]["lr"] = _lr(i)
+        loss = _loss(ref_c, b, b)
+        loss.backward()
+        if max_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+            ref_norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(loss.item())
+    # The step graph.
+    torch._dynamo.reset()
+    model = _model(mesh)
+    opt = opt_cls(model.parameters(), lr=_lr(0), weight_decay=wd)
+    step = ss.compile_step(model, opt, _loss, backend=backend, max_norm=max_norm)
+    losses = []
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for i, b in enumerate(batches):
+        opt.param_groups[0]["lr"] = _lr(i)
+        losses.append(step(b, b).item())
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
+    ref_state, state = ref_opt.state_dict()["state"], opt.state_dict()["state"]
+    return {
+        "losses": losses, "ref_losses": ref_losses, "ref_norms": ref_norms, "graphs": graphs,
+        "param_rel": max(max_rel_diff(b.to_local(), a.to_local())
+                         for a, b in zip(ref.parameters(), model.parameters())),
+        "params_equal": [torch.equal(a.to_local(), b.to_local())
+                         for a, b in zip(ref.parameters(), model.parameters())],
+        "max_abs_diff": max((a.to_local() - b.to_local()).abs().max().item()
+                            for a, b in zip(ref.parameters(), model.parameters())),
+        "state_equal": all(torch.equal(_local(ref_state[k][n]), _local(state[k][n]))
+                           for k in ref_state for n in ("step", "exp_avg", "exp_avg_sq")),
+        "grads_none": all(p.grad is None for p in model.parameters()),
+    }
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _job(rank, world):
+    from simplesharded.mesh import build_mesh
+
+    mesh = build_mesh(dp_replicate=1, dp_shard=world, device="cpu")
+    return {name: _case(rank, mesh, *case) for name, *case in CASES}
+
+
+@functools.lru_cache(maxsize=None)
+def _results():
+    return spawn(2, _job, timeout_s=900)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", BITWISE)
+def test_step_graph_matches_split_step_bitwise(case):
+    """10 steps with a changing learning rate: every parameter shard and every optimizer state
+    tensor bitwise equal to the split step's, the same losses, one graph compiled, and no
+    ``.grad`` left on the parameters."""
+    for rank, res in enumerate(_results()):
+        r = res[case]
+        assert all(r["params_equal"]), (rank, r["max_abs_diff"], r["params_equal"])
+        assert r["state_equal"], rank
+        assert r["losses"] == r["ref_losses"], (rank, r["losses"], r["ref_losses"])
+        assert r["graphs"] == 1, (rank, r["graphs"])
+        assert r["grads_none"], rank
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CLIPPED)
+def test_clipped_step_graph_matches_split_step_with_clip_grad_norm(case):
+    """With max_norm: the split step clips with torch.nn.utils.clip_grad_norm_ (one norm per
+    gradient), the step graph with one all-reduce of the shards' sums of squares; the sums
+    run in another order, so parameters and losses agree to 1e-6 relative after 10 steps,
+    with clipping active at every step."""
+    for rank, res in enumerate(_results()):
+        r = res[case]
+        assert min(r["ref_norms"]) > MAX_NORM, (rank, r["ref_norms"])
+        assert r["param_rel"] <= 1e-6, (rank, r["param_rel"])
+        assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(r["losses"], r["ref_losses"])), \
+            (rank, r["losses"], r["ref_losses"])
+        assert r["graphs"] == 1 and r["grads_none"], rank
+
+
+# ------------------------------------------------------------------------- single process
+
+
+@pytest.mark.parametrize("opt_name,wd", [("AdamW", 0.1), ("AdamW", 0.0), ("Adam", 0.01)])
+def test_traced_update_is_bitwise_torchs_eager_update(opt_name, wd):
+    """apply_update compiled (aot_eager) against torch's eager for-loop step on the same
+    gradients, 10 steps with a changing learning rate, shapes with vector tails: parameters
+    and every state tensor bitwise equal."""
+    from simplesharded.optim_update import apply_update, hyperparameters, prepare, step_inputs
+
+    torch.manual_seed(0)
+    shapes = [(64, 64), (37,), (13, 5), (1,)]
+    init = [torch.randn(s) for s in shapes]
+    grads = [[torch.randn(s) for s in shapes] for _ in range(STEPS)]
+
+    def make():
+        ps = [torch.nn.Parameter(t.clone()) for t in init]
+        return ps, getattr(torch.optim, opt_name)(ps, lr=_lr(0), weight_decay=wd,
+                                                   foreach=False)
+
+    ref, ref_opt = make()
+    for i in range(STEPS):
+        ref_opt.param_groups[0]["lr"] = _lr(i)
+        for p, g in zip(ref, grads[i]):
+            p.grad = g.clone()
+        ref_opt.step()
+    ps, opt = make()
+    prepare(opt)
+    hypers = hyperparameters(opt)
+    decoupled = opt_name == "AdamW"
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def update(gs, lrs, states):
+        with torch.no_grad():
+            apply_update(decoupled, [ps], hypers, [gs], lrs, states)
+
+    for i in range(STEPS):
+        opt.param_groups[0]["lr"] = _lr(i)
+        update(grads[i], *step_inputs(opt))
+    assert all(torch.equal(a, b) for a, b in zip(ref, ps))
+    for k in ("step", "exp_avg", "exp_avg_sq"):
+        assert all(torch.equal(ref_opt.state[a][k], opt.state[b][k]) for a, b in zip(ref, ps)), k
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda ps: torch.optim.SGD(ps, lr=0.1), "cannot trace torch.optim.sgd.SGD"),
+    (lambda ps: torch.optim.AdamW(ps, amsgrad=True), "AdamW with amsgrad=True"),
+    (lambda ps: torch.optim.Adam(ps, maximize=True), "Adam with maximize=True"),
+])
+def test_an_update_not_written_is_one_error_naming_the_optimizer(make, match):
+    import simplesharded as ss
+
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(TypeError, match=match):
+        ss.compile_step(model, make(model.parameters()), lambda m, x: m(x).sum(),
+                        backend="aot_eager")
+
+
+def _step_graphs(backend="aot_eager_blockbucketing", max_norm=None):
+    """The step graph of the 2-block Llama on a fake world of 2, as our pipeline received it
+    and after its last pass; and the split step's forward and backward graphs (the same model
+    compiled alone, its gathered parameters kept for backward as the step graph keeps them)."""
+    import copy
+
+    import pass_utils as pu
+    import simplesharded as ss
+
+    seen = {}
+
+    def observe(kind, stage, gm):
+        seen.setdefault(stage, []).append(copy.deepcopy(gm))
+
+    with pu.fake_world(2) as mesh:
+        torch._dynamo.reset()
+        model = _model(mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        step = ss.compile_step(model, opt, _loss, backend=backend, max_norm=max_norm,
+                               observer=observe)
+        tokens = torch.randint(0, 128, (2, 16))
+        step(tokens, tokens)
+        step(tokens, tokens)
+        torch._dynamo.reset()
+        split = pu.capture_graphs(_plain_model(), mesh, (tokens, tokens),
+                                  loss=lambda out: out, reshard_after_forward=False,
+                                  backend=backend)
+    return seen, split
+
+
+def _from(node, filename):
+    return filename in (node.meta.get("stack_trace") or "")
+
+
+def test_step_graph_holds_the_bucketed_collectives_and_the_update():
+    """One graph for two steps. Its traced backward carries data_parallel's annotations
+    (passes/traced_backward.py), so block bucketing merges its reduce-scatters as in the split
+    step's backward graph: the same all-gathers (one per bucket) and reduce-scatters (one per
+    bucket) as the split step's two graphs together, and the update of every parameter in
+    the same graph after them, the last reduce-scatter in flight while they run. Each reduce-scatter is waited where the next one is issued
+    (one in flight while backward computes), not right after its own start."""
+    import pass_utils as pu
+
+    seen, split = _step_graphs()
+    assert len(seen["input"]) == 1  # compiled once
+    first, final = seen["input"][0], seen["agreement"][0]
+    rs_in = pu.starts(first, pu.RS)
+    assert rs_in and all(pu.node_params(s) for s in rs_in)  # annotated
+    counts = pu.collective_counts(final)
+    assert counts["all_gather"] == pu.collective_counts(split["fw"]["agreement"])["all_gather"]
+    assert counts["reduce_scatter"] == \
+        pu.collective_counts(split["bw"]["agreement"])["reduce_scatter"]
+    assert counts["reduce_scatter"] < len(rs_in)  # merged
+    pos = pu._pos(final)
+    update = [n for n in final.graph.nodes if _from(n, "optim_update.py")]
+    assert update
+    reds = sorted(pu.reduction_intervals(final))
+    nodes = list(final.graph.nodes)
+    mms = [i for i, n in enumerate(nodes) if n.target in (torch.ops.aten.mm.default,
+                                                          torch.ops.aten.bmm.default)]
+    # Waited where the next reduce-scatter is issued: the backward's matmuls in between run
+    # while it is in flight, none is left between its wait and the next start.
+    for (s, w, _), (nxt, _, _) in zip(reds, reds[1:]):
+        assert not any(w < i < nxt for i in mms), (s, w, nxt)
+    assert any(reds[0][0] < i < reds[0][1] for i in mms), reds[0]
+    # Every parameter's moment update (one lerp each) follows the last reduce-scatter's
+    # start: traced in program order, and no pass yet moves a bucket's update up to its own
+    # reduction (only pure ops of the gradient alone sink with a wait). The update runs last
+    # parameter first, so the last reduction (the embedding's, a bucket of its own) stays in
+    # flight during every other parameter's update.
+    lerps = [n for n in update if n.target is torch.ops.aten.lerp.Scalar]
+    n_params = len(list(_plain_model().parameters()))
+    assert len(lerps) == n_params
+    assert min(pos[n] for n in lerps) > reds[-1][0]
+    last_start, last_wait, last = reds[-1]
+    assert pu.node_params(last) == ["tok_embeddings.weight"]
+    assert sum(last_start < pos[n] < last_wait for n in lerps) == n_params - 1
+
+
+def test_clipped_step_graph_reduces_the_norm_once():
+    """With max_norm: one all-reduce (the sum of the shards' squared norms) in the step graph,
+    on the dp group, besides the bucketed reduce-scatters."""
+    import pass_utils as pu
+
+    seen, split = _step_graphs(max_norm=1.0)
+    final = seen["agreement"][0]
+    counts = pu.collective_counts(final)
+    assert counts["all_reduce"] == 1
+    assert counts["reduce_scatter"] == \
+        pu.collective_counts(split["bw"]["agreement"])["reduce_scatter"]
+
+
+# ------------------------------------------------------------------------------ the trainer
+
+TRAINER_STEPS = 10
+# configs/llama3_debug.toml, shortened as tests/test_trainer_paths.py does; for-loop AdamW (the
+# update compile_step writes) and its max_norm 1.0 clipping.
+TRAINER_ARGS = ["--training.seq_len", "32", "--training.global_batch_size", "4",
+                "--training.val_every", "0", "--no-metrics.progress_bar",
+                "--optimizer.implementation", "for-loop", "--compile.enable",
+                "--compile.backend", "aot_eager_blockbucketing"]
+
+
+def _trainer_job(rank, world):
+    from pathlib import Path
+
+    from simplesharded.trainer import Trainer, check_static
+    from simplesharded.trainer.config import load_config
+
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "llama3_debug.toml")
+    out = {}
+    for scope in ("model", "step"):
+        torch._dynamo.reset()
+        cfg = check_static(load_config(None, ["--job.config_file", config, *TRAINER_ARGS,
+                                              "--compile.scope", scope]), world)
+        trainer = Trainer(cfg, "cpu")
+        records = [trainer.train_step() for _ in range(TRAINER_STEPS)]
+        out[scope] = {"loss": [r["loss"] for r in records],
+                      "grad_norm": [r["grad_norm"] for r in records]}
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _trainer_results():
+    return spawn(2, _trainer_job, timeout_s=900)
+
+
+@pytest.mark.slow
+def test_trainer_step_scope_trains_as_model_scope():
+    """compile.scope=step against scope=model on llama3 debug, 10 steps (warmup and cosine
+    schedule, max_norm 1.0): the same losses and gradient norms up to the clipping's rounding
+    (the norm is summed in another order; measured ≤ 1.2e-7 relative, asserted ≤ 1e-6)."""
+    for rank, res in enumerate(_trainer_results()):
+        for key in ("loss", "grad_norm"):
+            a, b = res["step"][key], res["model"][key]
+            assert all(abs(x - y) <= 1e-6 * abs(y) for x, y in zip(a, b)), (rank, key, a, b)
+
+
+def test_step_scope_refuses_what_it_does_not_do():
+    """One error naming the setting (load_config validates)."""
+    from simplesharded.trainer.config import load_config
+
+    for extra, key in ((["--training.gradient_accumulation_steps", "2"],
+                        "training.gradient_accumulation_steps"),
+                       (["--optimizer.name", "SGD"], "optimizer.name"),
+                       (["--compile.backend", "inductor"], "compile.backend")):
+        with pytest.raises(ValueError, match=key):
+            load_config("configs/llama3_debug.toml",
+                        ["--compile.enable", "--compile.scope", "step",
+                         "--compile.backend", "aot_eager", *extra])
