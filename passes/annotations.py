@@ -18,6 +18,10 @@ Written by context parallelism (models/context_parallel.py):
   CP_KEY             on the all-gather of K and V over the cp group (its value: the group's
                      name): a collective of the model, not of a parameter; no pass moves or
                      merges it, and backward reads its saved result (recompute.py)
+Written by compile_step's traced update (simplesharded/optim_update.py):
+  UPDATE_KEY         on every op of a parameter's optimizer update: that parameter's FQN
+                     (its index in the optimizer when it is not the model's); how
+                     update_placement.py finds an update to move next to its reduction
 Written by our passes:
   BUCKET_KEY         the bucket a merged collective implements (bucketing.py)
   BUCKET_PARAMS_KEY  FQNs of every parameter a merged collective serves (bucketing.py)
@@ -41,6 +45,7 @@ BUCKET_KEY = "ss_bucket"
 BUCKET_PARAMS_KEY = "ss_bucket_params"
 LOWERED_KEY = "ss_lowered"
 GATHERED_KEY = "ss_gathered"
+UPDATE_KEY = "ss_update"
 
 
 def annotations(node: fx.Node) -> dict:

@@ -25,6 +25,7 @@ from torch import fx
 from .agreement import insert_agreement_check
 from .collectives import count_collectives, is_backward_graph
 from .traced_backward import annotate_traced_backward
+from .update_placement import has_updates, place_updates
 
 # Returns the graph module ready to run: a pass that edits the graph regenerates its code.
 GraphPass = Callable[[fx.GraphModule], fx.GraphModule]
@@ -70,6 +71,9 @@ class PassPipeline:
             # A backward traced into a forward graph (compile_step) gets the annotations
             # the passes find collectives by; a graph without one is unchanged.
             annotate_traced_backward(gm)
+            if self.graph and has_updates(gm):
+                # A step graph's updates go next to their reductions once these are placed.
+                passes.insert(len(self.graph), ("update_placement", place_updates))
         return self._run(gm, passes, "bw" if backward else "fw")
 
     def _run(self, gm, passes, kind):

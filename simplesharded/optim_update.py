@@ -18,8 +18,11 @@ gives the kernel's bits has not been found and tested.
 from __future__ import annotations
 
 import torch
+import torch.fx.traceback as fx_traceback
 from torch.distributed.tensor import DTensor
 from torch import nn
+
+from simplesharded.passes.annotations import UPDATE_KEY
 
 # The optimizers whose update is written here (exact classes: a subclass may change step).
 SUPPORTED = (torch.optim.AdamW, torch.optim.Adam)
@@ -89,21 +92,29 @@ def step_inputs(optimizer: torch.optim.Optimizer) -> tuple[list, list]:
 
 
 def apply_update(decoupled: bool, groups: list[list], hypers: list[tuple], grads: list,
-                 lrs: list[torch.Tensor], states: list[list]) -> None:
+                 lrs: list[torch.Tensor], states: list[list],
+                 names: list[list[str]] | None = None) -> None:
     """One optimizer step on the local shards, traced. ``groups``: per param group its
     parameters (as :func:`prepare` returned them, grouped), ``grads`` the same nesting with
     their gradients (None: skipped, as torch skips a parameter without ``.grad``); ``hypers``
     from :func:`hyperparameters`, ``lrs`` and ``states`` from :func:`step_inputs`. Call under
     ``torch.no_grad()``. Nothing here reads the optimizer: dynamo would guard on its
-    param_groups, learning rate included, and recompile when a schedule changes it."""
+    param_groups, learning rate included, and recompile when a schedule changes it.
+    ``names``: the same nesting, each parameter's FQN; every op of its update is annotated
+    with it (``ss_update``; its index in the optimizer without ``names``), so a pass can move
+    the update next to its gradient's reduction (passes/update_placement.py)."""
     # Last parameter first: backward reduces the gradients roughly in reverse parameter
-    # order, so the first parameters' gradients (the embedding's) arrive last, and their
-    # reduction can stay in flight while the others' updates run. Each update is on its own
-    # parameter and state, so the order changes no value.
-    for params, gs, hyper, lr, sts in reversed(list(zip(groups, grads, hypers, lrs, states))):
-        for p, g, st in reversed(list(zip(params, gs, sts))):
+    # order, so this is the order their gradients arrive in; without clipping our passes then
+    # move each update up to its own reduction (passes/update_placement.py). Each update is
+    # on its own parameter and state, so the order changes no value.
+    if names is None:
+        names = [[f"{i}.{j}" for j in range(len(ps))] for i, ps in enumerate(groups)]
+    for params, gs, hyper, lr, sts, ns in reversed(list(zip(groups, grads, hypers, lrs,
+                                                             states, names))):
+        for p, g, st, name in reversed(list(zip(params, gs, sts, ns))):
             if g is not None:
-                _adam(p, g, st, hyper, lr, decoupled)
+                with fx_traceback.annotate({UPDATE_KEY: name}):
+                    _adam(p, g, st, hyper, lr, decoupled)
 
 
 def _adam(p, g, state, hyper, lr, decoupled: bool) -> None:

@@ -43,6 +43,10 @@ def compile_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     params = prepare(optimizer)
     groups = [[p for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
     decoupled = type(optimizer) is torch.optim.AdamW
+    fqns = {id(p): n for n, p in model.named_parameters()}
+    # Each update's ops carry its parameter's name (passes/update_placement.py finds them
+    # by it); one the model does not own gets its place in the optimizer.
+    names = [[fqns.get(id(p), f"{i}.{j}") for j, p in enumerate(g)] for i, g in enumerate(groups)]
     # Read by the traced update as constants (dynamo guards on them); refreshed at each call,
     # so a change recompiles instead of being ignored.
     hypers = hyperparameters(optimizer)
@@ -61,7 +65,7 @@ def compile_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                 norm = global_norm([g for g in grads if g is not None])
             it = iter(grads)
             nested = [[next(it) for _ in g] for g in groups]
-            apply_update(decoupled, groups, hypers, nested, lrs, states)
+            apply_update(decoupled, groups, hypers, nested, lrs, states, names)
         return (loss.detach(), norm) if with_grad_norm else loss.detach()
 
     compiled = torch.compile(step_graph, backend=make_backend(backend, **backend_options),
