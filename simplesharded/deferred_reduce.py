@@ -49,20 +49,15 @@ def reduce_accumulated(model: nn.Module) -> int:
     sync = state.grad_sync
     groups: dict[tuple, list] = defaultdict(list)
     seen: set[str] = set()
-    for module in model.modules():
-        ms = sharded_state(module)
-        if ms is None or ms.grad_sync is not sync:
+    for param, shard in sync.sharded_params(model):
+        leaf = sync.acc.get(param.fqn)
+        if param.fqn in seen or leaf is None or leaf.grad is None:
             continue
-        for name, param in ms.params.items():
-            leaf = sync.acc.get(param.fqn)
-            if param.fqn in seen or leaf is None or leaf.grad is None:
-                continue
-            seen.add(param.fqn)
-            shard = module._parameters[name]
-            mesh, placements = _dp_view(shard, param)
-            rdt = param.spec.reduce_dtype or param.spec.param_dtype or leaf.grad.dtype
-            kind = _kind(placements)
-            groups[(id(mesh), kind, rdt)].append((mesh, placements, shard, param, leaf))
+        seen.add(param.fqn)
+        mesh, placements = _dp_view(shard, param)
+        rdt = param.spec.reduce_dtype or param.spec.param_dtype or leaf.grad.dtype
+        kind = _kind(placements)
+        groups[(id(mesh), kind, rdt)].append((mesh, placements, shard, param, leaf))
     issued = 0
     for (_, kind, rdt), members in groups.items():
         if kind is None:

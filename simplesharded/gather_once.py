@@ -50,19 +50,13 @@ def gather_held(model: nn.Module) -> int:
     wrapper) into its held tensors (module doc). Returns how many collectives it issued."""
     model, sync = _sync_of(model)
     buckets: dict[tuple, list] = defaultdict(list)
-    for module in model.modules():
-        ms = sharded_state(module)
-        if ms is None or ms.grad_sync is not sync:
+    for param, shard in sync.sharded_params(model):
+        if param.fqn in sync.held:
             continue
-        for name, param in ms.params.items():
-            shard = module._parameters[name]
-            if shard is None or param.fqn in sync.held:
-                continue
-            sync.held[param.fqn] = None  # claimed: a tied parameter is gathered once
-            mesh, placements = _dp_view(shard, param)
-            dtype = param.spec.param_dtype or shard.dtype
-            buckets[(id(mesh), _kind(placements), dtype)].append(
-                (mesh, placements, shard, param))
+        sync.held[param.fqn] = None  # claimed: a tied parameter is gathered once
+        mesh, placements = _dp_view(shard, param)
+        dtype = param.spec.param_dtype or shard.dtype
+        buckets[(id(mesh), _kind(placements), dtype)].append((mesh, placements, shard, param))
     issued = 0
     with torch.no_grad():
         for (_, kind, dtype), members in buckets.items():
@@ -95,7 +89,7 @@ def _dp_tensor(mesh, placements, shard: DTensor, param) -> DTensor:
 def _gather_flat(members: list, dim: int, dtype: torch.dtype, held: dict) -> int:
     mesh = members[0][0]
     group = mesh.get_group(mesh.ndim - 1)
-    width, rank = mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1)
+    width = mesh.size(mesh.ndim - 1)
     pieces, layout = [], []
     for _, _, shard, param in members:
         mp = param.mp_layout

@@ -103,19 +103,26 @@ class _GradSync:
         pending = self.pending.pop(fqn, None)
         return local if pending is None else _AddGrad.apply(local, pending)
 
-    def make_accumulators(self, model: nn.Module) -> None:
+    def sharded_params(self, model: nn.Module) -> Iterator[tuple]:
+        """(param, shard) of every sharded parameter of ``model`` under this sync, in module
+        order (a tied parameter once per module that holds it)."""
         for module in model.modules():
             state = sharded_state(module)
             if state is None or state.grad_sync is not self:
                 continue
             for name, param in state.params.items():
                 shard = module._parameters[name]
-                if param.fqn in self.acc or shard is None or not shard.requires_grad:
-                    continue
-                mp = param.mp_layout
-                shape = mp.local_shape if mp is not None else shard.shape
-                zero = torch.zeros((), dtype=shard.dtype, device=shard.device)
-                self.acc[param.fqn] = zero.expand(shape).requires_grad_()
+                if shard is not None:
+                    yield param, shard
+
+    def make_accumulators(self, model: nn.Module) -> None:
+        for param, shard in self.sharded_params(model):
+            if param.fqn in self.acc or not shard.requires_grad:
+                continue
+            mp = param.mp_layout
+            shape = mp.local_shape if mp is not None else shard.shape
+            zero = torch.zeros((), dtype=shard.dtype, device=shard.device)
+            self.acc[param.fqn] = zero.expand(shape).requires_grad_()
 
     def take_accumulated(self) -> None:
         """Move each leaf's summed gradient to ``pending`` (added to an older pending one, if a
