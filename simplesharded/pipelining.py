@@ -237,17 +237,18 @@ class Pipeline:
         dim 0): forwards, the loss on the last stage, backwards, the policy's reductions.
         Every rank of a pp group calls it; the first stage reads ``inputs``, the last
         ``labels``. Returns each micro-batch's loss where the last stage lives, else None."""
-        losses = [] if self.has_last else None
-        self.schedule.step(*((inputs,) if self.has_first else ()),
-                           target=labels if self.has_last else None, losses=losses)
-        return losses
+        return self._run(self.schedule.step, inputs, labels)
 
     def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor] | None:
         """As :meth:`step`, forwards only (the schedule's ``eval``): validation."""
-        losses = [] if self.has_last else None
         with _backward_actions_skipped(self.schedule):
-            self.schedule.eval(*((inputs,) if self.has_first else ()),
-                               target=labels if self.has_last else None, losses=losses)
+            return self._run(self.schedule.eval, inputs, labels)
+
+    def _run(self, schedule_call, inputs, labels) -> list[torch.Tensor] | None:
+        """``schedule_call`` with the inputs on the first stage and the labels on the last."""
+        losses = [] if self.has_last else None
+        schedule_call(*((inputs,) if self.has_first else ()),
+                      target=labels if self.has_last else None, losses=losses)
         return losses
 
     def update_expert_bias(self) -> None:

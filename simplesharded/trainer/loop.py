@@ -207,10 +207,15 @@ class Trainer:
             inputs, labels = next(self.data.train)
             with self._loss_context():  # the last stage's loss and its backward
                 losses = self.pipeline.step(inputs.to(self.device), labels.to(self.device))
-            if losses:  # each micro-batch's loss / the denominator: back to a sum
-                loss_sum += torch.stack([local_loss(loss.detach()) for loss in losses]).sum() \
-                    * self._denominator()
+            loss_sum += self._pipeline_loss_sum(losses)
         return loss_sum
+
+    def _pipeline_loss_sum(self, losses) -> torch.Tensor | float:
+        """The schedule's per-micro-batch losses (each / the denominator) back to a sum; 0 on
+        a rank without the last stage (``losses`` None)."""
+        if not losses:
+            return 0.0
+        return torch.stack([local_loss(x.detach()) for x in losses]).sum() * self._denominator()
 
     def train_step(self) -> dict[str, float]:
         if self.whole_step is not None:
@@ -253,9 +258,7 @@ class Trainer:
                 with self._loss_context():
                     losses = self.pipeline.evaluate(inputs.to(self.device),
                                                     labels.to(self.device))
-                if losses:  # each micro-batch's loss / the denominator: back to a sum
-                    total += torch.stack([local_loss(x) for x in losses]).sum() * \
-                        self._denominator()
+                total += self._pipeline_loss_sum(losses)
                 continue
             with self._loss_context():
                 total += local_loss(self.forward_loss(self.model, inputs, labels))
