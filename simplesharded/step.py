@@ -18,17 +18,23 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.fx.traceback as fx_traceback
 from torch import nn
 
 from simplesharded.backends import make_backend
-from simplesharded.grad_clip import clip_, global_norm
+from simplesharded.grad_clip import clip_coefficient, global_norm, scale_
+from simplesharded.passes.annotations import UPDATE_KEY
 from simplesharded.optim_update import (apply_update, hyperparameters, prepare,
                                         step_inputs)
+
+# What clipping divides by (see compile_step).
+CLIP_NORMS = ("current", "previous")
 
 
 def compile_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                  loss_fn: Callable[..., torch.Tensor], *, backend: str,
-                 max_norm: float | None = None, with_grad_norm: bool = False,
+                 max_norm: float | None = None, clip_norm: str = "current",
+                 with_grad_norm: bool = False,
                  **backend_options) -> Callable[..., torch.Tensor]:
     """A callable ``step(*batch) -> loss`` that runs ``loss_fn(model, *batch)``, its backward,
     global-norm clipping of the gradients to ``max_norm`` (None: none), the optimizer's step
@@ -39,7 +45,18 @@ def compile_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     simplesharded/optim_update.py). ``backend``: a name :func:`simplesharded.make_backend`
     takes; ``backend_options`` go to it. ``with_grad_norm``: ``step`` returns ``(loss,
     norm)``, the gradients' global norm before clipping (computed in the graph).
+
+    ``clip_norm``: which norm the clipping divides by. ``"current"`` (torch's
+    ``clip_grad_norm_``): this step's, so every update waits for the norm's all-reduce, which
+    waits for the last gradient. ``"previous"``: the previous step's (the first step, and the
+    first after a restart, is not clipped), so each update runs as soon as its own gradient
+    is reduced, under the rest of the backward (passes/update_placement.py). The trade: a
+    step's gradients are clipped against the last step's size, so one spike is clipped a step
+    late. Adam's and AdamW's first update does not depend on the gradients' scale, so the
+    unclipped first step changes it only through ``eps``.
     """
+    if clip_norm not in CLIP_NORMS:
+        raise ValueError(f"compile_step: clip_norm={clip_norm!r} is not one of {CLIP_NORMS}")
     params = prepare(optimizer)
     groups = [[p for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
     decoupled = type(optimizer) is torch.optim.AdamW
@@ -53,16 +70,31 @@ def compile_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     optimizer.zero_grad(set_to_none=True)
     if max_norm is not None:
         max_norm = float(max_norm)
+    flat_names = [n for ns in names for n in ns]
+    # clip_norm="previous": the last step's norm, a graph input the graph overwrites (0 before
+    # the first step: a coefficient of 1).
+    last_norm = torch.zeros((), dtype=torch.float32, device=_device_of(params))
 
-    def step_graph(lrs, states, *batch):
+    def step_graph(lrs, states, last_norm, *batch):
+        if max_norm is not None and clip_norm == "previous":
+            # First in the graph: an update depending on it is free to move up to its gradient
+            with torch.no_grad():
+                coef = clip_coefficient(last_norm, max_norm)
         loss = loss_fn(model, *batch)
         grads = torch.autograd.grad(loss, params, allow_unused=True)
         with torch.no_grad():
             norm = None
+            if max_norm is not None or with_grad_norm:
+                present = [i for i, g in enumerate(grads) if g is not None]
+                norm = global_norm([grads[i] for i in present], [flat_names[i] for i in present])
             if max_norm is not None:
-                norm = clip_(list(grads), max_norm)
-            elif with_grad_norm:
-                norm = global_norm([g for g in grads if g is not None])
+                if clip_norm == "current":
+                    coef = clip_coefficient(norm, max_norm)
+                for g, name in zip(grads, flat_names):
+                    with fx_traceback.annotate({UPDATE_KEY: name}):  # part of its update
+                        scale_([g], coef)
+                if clip_norm == "previous":
+                    last_norm.copy_(norm)
             it = iter(grads)
             nested = [[next(it) for _ in g] for g in groups]
             apply_update(decoupled, groups, hypers, nested, lrs, states, names)
@@ -78,6 +110,10 @@ def compile_step(model: nn.Module, optimizer: torch.optim.Optimizer,
         lrs, states = step_inputs(optimizer)
         # Scoped to the call: dynamo reads it while tracing, and nothing else should see it.
         with torch._dynamo.config.patch(trace_autograd_ops=True):
-            return compiled(lrs, states, *batch)
+            return compiled(lrs, states, last_norm, *batch)
 
     return step
+
+
+def _device_of(params: list) -> torch.device:
+    return params[0].device if params else torch.device("cpu")

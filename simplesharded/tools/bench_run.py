@@ -156,7 +156,15 @@ def _worker(rank: int, variant: str, args: BenchArgs, out_dir: str) -> None:
     result = RunResult(variant)
     try:
         mesh = build_mesh(1, world // (args.cp * args.tp), args.device, args.tp, cp=args.cp)
-        model, opt = prepare(variant, args, mesh)
+        from simplesharded.models import logits_of
+        from simplesharded.trainer import local_loss
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        def loss_of(model, x, y):
+            logits = logits_of(model(x))  # a tensor, or transformers' output object
+            return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+        model, opt, compiled_step = prepare(variant, args, mesh, loss_of)
         # cp and tp are the innermost mesh dims: the cp x tp ranks of one dp rank read that dp
         # rank's batch
         g = torch.Generator().manual_seed(args.seed + rank // (args.cp * args.tp))
@@ -167,20 +175,18 @@ def _worker(rank: int, variant: str, args: BenchArgs, out_dir: str) -> None:
             from simplesharded.models.context_parallel import shard_sequence
             cp_rank = mesh["cp"].get_local_rank()
             x, y = shard_sequence(x, cp_rank, args.cp), shard_sequence(y, cp_rank, args.cp)
-        from simplesharded.models import logits_of
-        from simplesharded.trainer import local_loss
-        from torch.distributed.tensor.parallel import loss_parallel
         # as the trainer: vocabulary-sharded logits, forward and backward of the loss parallel
         loss_context = loss_parallel if loss_parallel_on(args) else contextlib.nullcontext
 
         def step():
-            opt.zero_grad(set_to_none=True)
-            with loss_context():
-                logits = logits_of(model(x))  # a tensor, or transformers' output object
-                loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1),
-                                                         y.flatten())
-                loss.backward()
-            opt.step()
+            if compiled_step is not None:  # forward to optimizer update: one graph
+                loss = compiled_step(x, y)
+            else:
+                opt.zero_grad(set_to_none=True)
+                with loss_context():
+                    loss = loss_of(model, x, y)
+                    loss.backward()
+                opt.step()
             if len(result.losses) < PARITY_STEPS:
                 result.losses.append(local_loss(loss.detach()).item())
 

@@ -37,19 +37,33 @@ TP_DEFAULT = ("compute_floor", "compute_floor_concurrent", "compute_floor_concur
 # graph is not tested.
 NO_CP_FORM = ("ddp", "fsdp2_eager", "fsdp2_compiled", "compute_floor_inductor")
 CP_DEFAULT = ("compute_floor", "ss_aot_eager_blockbucketing", "ss_aot_eager_autobucketing")
+# The step-graph variants in the default set (without TP or CP, which compile_step does not
+# take yet): our two bucketing backends.
+STEP_DEFAULT = ("ss_step_aot_eager_blockbucketing", "ss_step_aot_eager_autobucketing")
+
+
+# ss_step_<backend>: the whole step (forward to optimizer update) as one graph,
+# simplesharded.compile_step; its update is traced for the aot_eager backends only.
+STEP_PREFIX = "ss_step_"
 
 
 def ss_backend(variant: str):
-    """The backend (BackendName) of an ``ss_<backend>`` variant; None for a baseline."""
+    """The backend (BackendName) of an ``ss_<backend>`` or ``ss_step_<backend>`` variant;
+    None for a baseline."""
     from simplesharded.backends import BACKENDS, BackendName
 
-    name = variant.removeprefix("ss_")
+    name = variant.removeprefix(STEP_PREFIX).removeprefix("ss_")
     return BackendName.parse(name) if variant != name and name in BACKENDS else None
+
+
+def is_step_variant(variant: str) -> bool:
+    return variant.startswith(STEP_PREFIX) and ss_backend(variant) is not None
 
 
 def all_variants() -> list[str]:
     from simplesharded.backends import BACKENDS
-    return list(BASELINES) + [f"ss_{name}" for name in BACKENDS]
+    return (list(BASELINES) + [f"ss_{name}" for name in BACKENDS]
+            + [f"{STEP_PREFIX}{name}" for name in BACKENDS if name.startswith("aot_eager")])
 
 
 def default_variants(tp: int, cp: int = 1) -> list[str]:
@@ -60,7 +74,8 @@ def default_variants(tp: int, cp: int = 1) -> list[str]:
         return list(CP_DEFAULT)
     if tp > 1:
         return list(TP_DEFAULT)
-    return [v for v in all_variants() if v != "compute_floor_concurrent_compiled"]
+    return [v for v in all_variants() if v != "compute_floor_concurrent_compiled"
+            and (not is_step_variant(v) or v in STEP_DEFAULT)]
 
 
 @dataclass
@@ -106,10 +121,11 @@ def loss_parallel_on(args: BenchArgs) -> bool:
     return args.tp > 1 and args.loss_parallel
 
 
-def prepare(variant: str, args: BenchArgs, mesh):
+def prepare(variant: str, args: BenchArgs, mesh, loss_fn):
     """The model (TP-parallelized when the mesh has a tp dim, its attention split over the cp
     dim when it has one, as the trainer's recipe orders them, then wrapped/compiled for the
-    variant) and its optimizer."""
+    variant), its optimizer, and for a step variant the compiled step
+    (``step(x, y) -> loss`` from ``loss_fn(model, x, y)``; None otherwise)."""
     from simplesharded.mesh import cp_dim, dp_mesh
     from simplesharded.models.context_parallel import apply_context_parallel
     from simplesharded.trainer import OPTIMIZER_IMPL, apply_tensor_parallel
@@ -138,7 +154,11 @@ def prepare(variant: str, args: BenchArgs, mesh):
         from simplesharded import data_parallel, make_backend
         backend = ss_backend(variant)
         data_parallel(model, mesh, "fully_shard")
+        if is_step_variant(variant):
+            from simplesharded import compile_step
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            return model, opt, compile_step(model, opt, loss_fn, backend=str(backend))
         if backend.compiler != "eager":
             model = torch.compile(model, backend=make_backend(str(backend)), fullgraph=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **OPTIMIZER_IMPL[args.optimizer_impl])
-    return model, opt
+    return model, opt, None

@@ -122,6 +122,11 @@ class Training:
     seq_len: int = _opt(256, "tokens per sequence")
     steps: int = _opt(30, "optimizer steps")
     max_norm: float = _opt(1.0, "gradient clipping norm; 0 disables clipping")
+    clip_norm: str = _opt(
+        "current", "with compile.scope=step, the norm clipping divides by: current (this "
+        "step's, as clip_grad_norm_) or previous (the last step's; the first step is not "
+        "clipped), which lets each parameter's update run as soon as its gradient is reduced",
+        ("current", "previous"))
     gradient_accumulation_steps: int = _opt(1, "micro-batches per optimizer step")
     gradient_sync: str = _opt(
         "every_microbatch", "with gradient_accumulation_steps > 1: every_microbatch reduces "
@@ -577,6 +582,10 @@ def validate(cfg: Config, backends: Iterable[str] | None = None) -> None:
     _check_pipeline(cfg)
     if cfg.compile.scope == "step":
         _check_step_scope(cfg)
+    elif t.clip_norm != "current":
+        raise ValueError(f"training.clip_norm={t.clip_norm!r} needs compile.scope='step' "
+                         f"(got {cfg.compile.scope!r}): the split step clips with this step's "
+                         f"norm")
     _check_hardware(cfg.compile.hardware)
     _check_backend(cfg.compile.backend, backends)
 
@@ -608,8 +617,6 @@ def _check_step_scope(cfg: Config) -> None:
         ("compile.enable", c.enable, True), ("optimizer.name", cfg.optimizer.name, "AdamW"),
         ("training.gradient_accumulation_steps", t.gradient_accumulation_steps, 1),
         ("training.on_nonfinite", t.on_nonfinite, "stop"),
-        ("parallelism.tensor_parallel_degree", p.tensor_parallel_degree, 1),
-        ("parallelism.expert_parallel_degree", p.expert_parallel_degree, 1),
         ("parallelism.context_parallel_degree", p.context_parallel_degree, 1),
         ("parallelism.pipeline_parallel_degree", p.pipeline_parallel_degree, 1),
         ("activation_checkpoint.mode", cfg.activation_checkpoint.mode, "none"),

@@ -18,7 +18,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from simplesharded.grad_sync import set_requires_gradient_sync
 from simplesharded.init import init_sharded
-from simplesharded.mesh import PP_DIM, build_mesh
+from simplesharded.mesh import PP_DIM, build_mesh, ep_dim
 from simplesharded.models import build_model, hf_loading, hf_source
 from simplesharded.trainer import checkpoint as ckpt
 from simplesharded.trainer.config import Config
@@ -151,23 +151,29 @@ class Trainer:
 
     def _compile_step(self, observer):
         from simplesharded.step import compile_step
-        from simplesharded.trainer.recipe import _backend_options
+        from simplesharded.trainer.recipe import _ScopedCalls, _backend_options
 
         c, t, denom = self.cfg.compile, self.cfg.training, self._denominator()
 
         def loss_fn(model, inputs, labels):
             return model(inputs, labels, loss_chunks=self.loss_chunks) / denom
 
-        return compile_step(self.model, self.optimizer, loss_fn, backend=c.backend,
+        step = compile_step(self.model, self.optimizer, loss_fn, backend=c.backend,
                             max_norm=t.max_norm if t.max_norm > 0 else None,
-                            with_grad_norm=True, **_backend_options(c, observer))
+                            clip_norm=t.clip_norm, with_grad_norm=True,
+                            **_backend_options(c, observer))
+        if ep_dim(self.mesh):  # the token exchange's split sizes: as the compiled model's
+            from simplesharded.models.ep_dispatch import ep_compile_config
+            return _ScopedCalls(step, ep_compile_config)
+        return step
 
     def _train_whole_step(self) -> dict[str, float]:
         """One step of compile.scope=step: the graph has taken the optimizer's step when it
         returns, so a non-finite loss or norm stops training after it (validated:
         training.on_nonfinite=stop)."""
         inputs, labels = next(self.data.train)
-        scaled, norm = self.whole_step(inputs.to(self.device), labels.to(self.device))
+        with self._loss_context():  # the loss's backward is in the graph too
+            scaled, norm = self.whole_step(inputs.to(self.device), labels.to(self.device))
         loss_sum = local_loss(scaled) * self._denominator()
         dist.all_reduce(loss_sum)
         loss = (loss_sum / (self.tokens_per_step * self.tp)).item()
@@ -175,6 +181,8 @@ class Trainer:
         if not (math.isfinite(loss) and math.isfinite(norm)):
             raise NonFiniteError(f"non-finite loss={loss} or grad_norm={norm} at step "
                                  f"{self.step + 1}; training stopped, checkpoints untouched")
+        if hasattr(self.model, "update_expert_bias"):
+            self.model.update_expert_bias()
         self.scheduler.step()
         return {"loss": loss, "grad_norm": norm}
 
