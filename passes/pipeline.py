@@ -24,7 +24,7 @@ from torch import fx
 
 from .agreement import insert_agreement_check
 from .collectives import count_collectives, is_backward_graph
-from .traced_backward import annotate_traced_backward
+from .traced_backward import annotate_traced_backward, traced_backward_nodes
 from .update_placement import has_updates, place_updates
 
 # Returns the graph module ready to run: a pass that edits the graph regenerates its code.
@@ -56,6 +56,9 @@ class PassPipeline:
 
     joint: Sequence[tuple[str, GraphPass]] = ()
     graph: Sequence[tuple[str, GraphPass]] = ()
+    # Run first on a step graph (a forward graph with a traced backward, compile_step): what
+    # the joint passes do for a graph aot_autograd partitions.
+    step: Sequence[tuple[str, GraphPass]] = ()
     dump_dir: str | None = None
     observer: Callable[[str, str, fx.GraphModule], None] | None = None  # (kind, stage, gm)
     _seq: itertools.count = field(default_factory=itertools.count, repr=False)
@@ -74,6 +77,8 @@ class PassPipeline:
             if self.graph and has_updates(gm):
                 # A step graph's updates go next to their reductions once these are placed.
                 passes.insert(len(self.graph), ("update_placement", place_updates))
+            if traced_backward_nodes(gm):
+                passes = list(self.step) + passes
         return self._run(gm, passes, "bw" if backward else "fw")
 
     def _run(self, gm, passes, kind):

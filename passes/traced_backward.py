@@ -37,3 +37,25 @@ def annotate_traced_backward(gm: fx.GraphModule) -> fx.GraphModule:
         if custom and not node.meta.get("custom"):
             node.meta["custom"] = copy.deepcopy(custom)
     return gm
+
+
+def traced_backward_nodes(gm: fx.GraphModule) -> set[fx.Node]:
+    """The nodes of ``gm`` that a traced ``autograd.grad`` made, and every node computed from
+    one (a gradient's collectives carry no mark of their own, and the update reads the
+    gradients); empty for every graph aot_autograd partitions."""
+    out: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        if n.meta.get("autograd_backward") or any(i in out for i in n.all_input_nodes):
+            out.add(n)
+    return out
+
+
+def is_traced_backward(node: fx.Node) -> bool:
+    """Whether ``node`` is marked as made by a traced backward (a collective's start is not:
+    bucketing.py asks of gathers, which step_regather.py marks)."""
+    return bool(node.meta.get("autograd_backward"))
+
+
+def mark_traced_backward(node: fx.Node) -> None:
+    """Mark a node a pass adds to a step graph's backward as such."""
+    node.meta["autograd_backward"] = True

@@ -30,6 +30,7 @@ from simplesharded.passes.pipeline import PassPipeline, aot_backend, inductor_ba
 from simplesharded.passes.plan_protocol import Plan
 from simplesharded.passes.plans import AutoPlan, BlockPlan
 from simplesharded.passes.recompute import tag_gathers_for_recompute
+from simplesharded.passes.step_regather import regather_for_backward
 from simplesharded.passes.reordering import reorder_for_overlap
 from simplesharded.passes.replica_padding import pad_replica_all_reduces
 from simplesharded.passes.upstream import upstream_overlap_bucketing
@@ -156,7 +157,8 @@ def pass_pipeline(backend: str | BackendName, opts: BackendOptions = BackendOpti
         graph = [("upstream", functools.partial(upstream_overlap_bucketing,
                                                 hardware=_hardware(opts)))]
     joint = [("recompute", functools.partial(tag_gathers_for_recompute, plan=plan))]
-    return PassPipeline(joint=joint, graph=graph, dump_dir=opts.dump_graphs,
+    step = [("regather", functools.partial(regather_for_backward, plan=plan))]
+    return PassPipeline(joint=joint, graph=graph, step=step, dump_dir=opts.dump_graphs,
                         observer=opts.observer)
 
 

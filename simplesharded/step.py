@@ -34,7 +34,7 @@ CLIP_NORMS = ("current", "previous")
 def compile_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                  loss_fn: Callable[..., torch.Tensor], *, backend: str,
                  max_norm: float | None = None, clip_norm: str = "current",
-                 with_grad_norm: bool = False,
+                 accumulation_steps: int = 1, with_grad_norm: bool = False,
                  **backend_options) -> Callable[..., torch.Tensor]:
     """A callable ``step(*batch) -> loss`` that runs ``loss_fn(model, *batch)``, its backward,
     global-norm clipping of the gradients to ``max_norm`` (None: none), the optimizer's step
@@ -54,9 +54,20 @@ def compile_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     step's gradients are clipped against the last step's size, so one spike is clipped a step
     late. Adam's and AdamW's first update does not depend on the gradients' scale, so the
     unclipped first step changes it only through ``eps``.
+
+    ``accumulation_steps`` N > 1: every tensor of ``batch`` is split into N micro-batches
+    along dim 0, and the graph runs ``loss_fn``'s forward and backward on each in turn (one
+    micro-batch's activations alive at a time; its gradients reduce-scattered as its backward
+    ends, as ``gradient_sync="every_microbatch"``), sums their gradients in micro-batch order
+    (as ``loss.backward()`` per micro-batch accumulates ``.grad``) and steps once; ``step``
+    returns the sum of the micro-batches' losses. The graph holds N copies of the forward and
+    backward: compiling takes about N times as long.
     """
     if clip_norm not in CLIP_NORMS:
         raise ValueError(f"compile_step: clip_norm={clip_norm!r} is not one of {CLIP_NORMS}")
+    if not (isinstance(accumulation_steps, int) and accumulation_steps >= 1):
+        raise ValueError(f"compile_step: accumulation_steps={accumulation_steps!r} is not a "
+                         f"positive integer")
     params = prepare(optimizer)
     groups = [[p for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
     decoupled = type(optimizer) is torch.optim.AdamW
@@ -80,8 +91,15 @@ def compile_step(model: nn.Module, optimizer: torch.optim.Optimizer,
             # First in the graph: an update depending on it is free to move up to its gradient
             with torch.no_grad():
                 coef = clip_coefficient(last_norm, max_norm)
-        loss = loss_fn(model, *batch)
-        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        loss, grads = None, None
+        for micro in _micro_batches(batch, accumulation_steps):
+            part = loss_fn(model, *micro)
+            part_grads = torch.autograd.grad(part, params, allow_unused=True)
+            with torch.no_grad():
+                loss = part.detach() if loss is None else loss + part.detach()
+                grads = part_grads if grads is None else [
+                    b if a is None else a if b is None else a + b
+                    for a, b in zip(grads, part_grads)]
         with torch.no_grad():
             norm = None
             if max_norm is not None or with_grad_norm:
@@ -98,12 +116,17 @@ def compile_step(model: nn.Module, optimizer: torch.optim.Optimizer,
             it = iter(grads)
             nested = [[next(it) for _ in g] for g in groups]
             apply_update(decoupled, groups, hypers, nested, lrs, states, names)
-        return (loss.detach(), norm) if with_grad_norm else loss.detach()
+        return (loss, norm) if with_grad_norm else loss
 
     compiled = torch.compile(step_graph, backend=make_backend(backend, **backend_options),
                              fullgraph=True)
 
     def step(*batch):
+        for t in batch:  # checked here: an error raised while dynamo traces is not this one
+            if accumulation_steps > 1 and isinstance(t, torch.Tensor) and (
+                    t.dim() == 0 or t.shape[0] % accumulation_steps):
+                raise ValueError(f"compile_step: accumulation_steps={accumulation_steps} does "
+                                 f"not divide a batch tensor's dim 0 (shape {tuple(t.shape)})")
         now = hyperparameters(optimizer)
         if now != hypers:
             hypers[:] = now
@@ -113,6 +136,15 @@ def compile_step(model: nn.Module, optimizer: torch.optim.Optimizer,
             return compiled(lrs, states, last_norm, *batch)
 
     return step
+
+
+def _micro_batches(batch: tuple, n: int) -> list[tuple]:
+    """``batch`` as ``n`` micro-batches: each tensor split into ``n`` equal parts along dim 0
+    (anything else passed to each as it is)."""
+    if n == 1:
+        return [batch]
+    parts = [t.chunk(n) if isinstance(t, torch.Tensor) else [t] * n for t in batch]
+    return [tuple(p[i] for p in parts) for i in range(n)]
 
 
 def _device_of(params: list) -> torch.device:

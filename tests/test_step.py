@@ -18,15 +18,16 @@ from dist_utils import max_rel_diff, spawn
 
 STEPS = 10
 MAX_NORM = 0.3  # below every step's gradient norm here: clipping acts at each step
-# (name, model, backend, optimizer class, weight_decay, (max_norm, clip_norm) or None)
+# (name, model, backend, optimizer class, weight_decay, (max_norm, clip_norm) or None,
+#  micro-batches per step)
 CASES = [
-    ("tied_gpt_aot_eager_adamw", "gpt", "aot_eager", "AdamW", 0.1, None),
+    ("tied_gpt_aot_eager_adamw_accumulation2", "gpt", "aot_eager", "AdamW", 0.1, None, 2),
     ("hf_llama_blockbucketing_adam_l2", "hf_llama", "aot_eager_blockbucketing", "Adam", 0.01,
-     None),
+     None, 1),
     ("blockbucketing_adamw_clip", "llama3", "aot_eager_blockbucketing", "AdamW", 0.1,
-     (MAX_NORM, "current")),
+     (MAX_NORM, "current"), 1),
     ("hf_llama_blockbucketing_adamw_clip_previous", "hf_llama", "aot_eager_blockbucketing",
-     "AdamW", 0.1, (MAX_NORM, "previous")),
+     "AdamW", 0.1, (MAX_NORM, "previous"), 1),
 ]
 BITWISE = [c[0] for c in CASES if c[5] is None]
 CLIPPED = [c[0] for c in CASES if c[5] is not None]
@@ -67,7 +68,7 @@ def _lr(i):  # a schedule: the step graph takes it as an input, nothing recompil
     return 1e-2 * (0.9 ** i)
 
 
-def _case(rank, mesh, model_name, backend, opt_name, wd, clip):
+def _case(rank, mesh, model_name, backend, opt_name, wd, clip, accumulation):
     import simplesharded as ss
 
     opt_cls = getattr(torch.optim, opt_name)
@@ -80,8 +81,11 @@ def _case(rank, mesh, model_name, backend, opt_name, wd, clip):
     ref_losses, ref_norms, last_norm = [], [], None
     for i, b in enumerate(batches):
         ref_opt.param_groups[0]["lr"] = _lr(i)
-        loss = _loss(ref_c, b, b)
-        loss.backward()
+        loss = 0.0
+        for micro in b.chunk(accumulation):  # .grad accumulates over the micro-batches
+            part = _loss(ref_c, micro, micro)
+            part.backward()
+            loss = loss + part.detach()
         if clip_norm == "current":
             norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
         elif clip_norm == "previous":  # the first step is not clipped
@@ -99,7 +103,7 @@ def _case(rank, mesh, model_name, backend, opt_name, wd, clip):
     model = _model(mesh, model_name)
     opt = opt_cls(model.parameters(), lr=_lr(0), weight_decay=wd)
     step = ss.compile_step(model, opt, _loss, backend=backend, max_norm=max_norm,
-                           clip_norm=clip_norm or "current")
+                           clip_norm=clip_norm or "current", accumulation_steps=accumulation)
     losses = []
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for i, b in enumerate(batches):
@@ -142,7 +146,8 @@ def _results():
 def test_step_graph_matches_split_step_bitwise(case):
     """10 steps with a changing learning rate: every parameter shard and every optimizer state
     tensor bitwise equal to the split step's, the same losses, one graph compiled, and no
-    ``.grad`` left on the parameters."""
+    ``.grad`` left on the parameters. With 2 micro-batches per step the split step runs
+    backward on each, accumulating ``.grad``; the step graph sums them in the same order."""
     for rank, res in enumerate(_results()):
         r = res[case]
         assert all(r["params_equal"]), (rank, r["max_abs_diff"], r["params_equal"])
@@ -229,8 +234,8 @@ def test_an_update_not_written_is_one_error_naming_the_optimizer(make, match):
 
 def _step_graphs(backend="aot_eager_blockbucketing", max_norm=None, clip_norm="current"):
     """The step graph of the 2-block Llama on a fake world of 2, as our pipeline received it
-    and after its last pass; and the split step's forward and backward graphs (the same model
-    compiled alone, its gathered parameters kept for backward as the step graph keeps them)."""
+    and after each pass; and the split step's forward and backward graphs (the same model
+    compiled alone, resharding after forward as data_parallel does by default)."""
     import copy
 
     import pass_utils as pu
@@ -252,7 +257,7 @@ def _step_graphs(backend="aot_eager_blockbucketing", max_norm=None, clip_norm="c
         step(tokens, tokens)
         torch._dynamo.reset()
         split = pu.capture_graphs(_plain_model(), mesh, (tokens, tokens),
-                                  loss=lambda out: out, reshard_after_forward=False,
+                                  loss=lambda out: out, reshard_after_forward="auto",
                                   backend=backend)
     return seen, split
 
@@ -260,8 +265,9 @@ def _step_graphs(backend="aot_eager_blockbucketing", max_norm=None, clip_norm="c
 def test_step_graph_holds_the_bucketed_collectives_and_the_update():
     """One graph for two steps. Its traced backward carries data_parallel's annotations
     (passes/traced_backward.py), so block bucketing merges its reduce-scatters as in the split
-    step's backward graph: the same all-gathers (one per bucket) and reduce-scatters (one per
-    bucket) as the split step's two graphs together, and the update of every parameter in
+    step's backward graph: the same all-gathers (one per bucket, forward's and those backward
+    gathers again, passes/step_regather.py) and reduce-scatters (one per bucket) as the split
+    step's two graphs together, and the update of every parameter in
     the same graph, each after its own bucket's reduce-scatter. Each reduce-scatter is waited
     where the next one is issued (one in flight while backward computes), not right after its
     own start."""
@@ -273,9 +279,11 @@ def test_step_graph_holds_the_bucketed_collectives_and_the_update():
     rs_in = pu.starts(first, pu.RS)
     assert rs_in and all(pu.node_params(s) for s in rs_in)  # annotated
     counts = pu.collective_counts(final)
-    assert counts["all_gather"] == pu.collective_counts(split["fw"]["agreement"])["all_gather"]
-    assert counts["reduce_scatter"] == \
-        pu.collective_counts(split["bw"]["agreement"])["reduce_scatter"]
+    split_fw = pu.collective_counts(split["fw"]["agreement"])
+    split_bw = pu.collective_counts(split["bw"]["agreement"])
+    assert split_bw["all_gather"] > 0  # the split step's backward gathers again too
+    assert counts["all_gather"] == split_fw["all_gather"] + split_bw["all_gather"]
+    assert counts["reduce_scatter"] == split_bw["reduce_scatter"]
     assert counts["reduce_scatter"] < len(rs_in)  # merged
     pos = pu._pos(final)
     update = [n for n in final.graph.nodes if "ss_update" in (n.meta.get("custom") or {})]
@@ -300,6 +308,42 @@ def test_step_graph_holds_the_bucketed_collectives_and_the_update():
     assert pu.node_params(last) == ["tok_embeddings.weight"]
     assert sum(pos[n] < last_start for n in lerps) > 0
     assert sum(pos[n] > last_wait for n in lerps) == 1
+
+
+def _backward_reads_of_gathers(gm):
+    """{fqn: forward gather-chain nodes (its gather and views of it) a traced-backward node
+    reads}."""
+    from simplesharded.passes.step_regather import _gather_chains
+    from simplesharded.passes.traced_backward import traced_backward_nodes
+
+    backward = traced_backward_nodes(gm)
+    return {fqn: [n for n in chain if any(u in backward for u in n.users)]
+            for fqn, chain in _gather_chains(gm.graph, backward).items()
+            if any(u in backward for n in chain for u in n.users)}
+
+
+def test_step_graph_reshards_after_forward_as_the_split_step():
+    """passes/step_regather.py: as traced, the backward reads every gathered parameter the
+    forward gathered (the whole model gathered at the forward's end). After the pass, with
+    data_parallel's default (reshard "auto": the last block and what follows stay gathered),
+    the backward reads only those, and the others are gathered again in backward, once per
+    bucket; a second run changes nothing."""
+    import copy
+
+    from simplesharded.backends import backend_plan
+    from simplesharded.passes.step_regather import regather_for_backward
+
+    seen, _ = _step_graphs()
+    before = _backward_reads_of_gathers(seen["input"][0])
+    after = _backward_reads_of_gathers(seen["regather"][0])
+    n_params = len(list(_plain_model().parameters()))
+    assert len(before) == n_params - 1  # all but the embedding, whose backward needs no weight
+    kept = {f for f in before if not f.startswith("layers.0.")}
+    assert set(after) == kept, sorted(after)
+    gm = copy.deepcopy(seen["regather"][0])
+    code = gm.code
+    regather_for_backward(gm, backend_plan("aot_eager_blockbucketing"))
+    assert gm.code == code
 
 
 def _annotated(gm, suffix=""):
@@ -354,24 +398,33 @@ def test_clipping_with_the_previous_norm_lets_updates_start_early():
     assert sum(pos[n] > last_rs_wait for n in lerps) == 1  # the embedding's, the last bucket
 
 
-def test_clip_norm_must_be_current_or_previous():
+def test_clip_norm_and_accumulation_bad_values_are_one_error_each():
     import simplesharded as ss
 
     model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
     with pytest.raises(ValueError, match="clip_norm='lagged' is not one of"):
-        ss.compile_step(model, torch.optim.AdamW(model.parameters()), lambda m, x: m(x).sum(),
-                        backend="aot_eager", max_norm=1.0, clip_norm="lagged")
+        ss.compile_step(model, opt, lambda m, x: m(x).sum(), backend="aot_eager",
+                        max_norm=1.0, clip_norm="lagged")
+    with pytest.raises(ValueError, match="accumulation_steps=0 is not a positive integer"):
+        ss.compile_step(model, opt, lambda m, x: m(x).sum(), backend="aot_eager",
+                        accumulation_steps=0)
+    step = ss.compile_step(model, opt, lambda m, x: m(x).sum(), backend="aot_eager",
+                           accumulation_steps=2)
+    with pytest.raises(ValueError, match="accumulation_steps=2 does not divide"):
+        step(torch.randn(3, 4))
 
 
 # ------------------------------------------------------------------------------ the trainer
 
 TRAINER_STEPS = 10
 # configs/llama3_debug.toml, shortened as tests/test_trainer_paths.py does; for-loop AdamW (the
-# update compile_step writes) and its max_norm 1.0 clipping.
+# update compile_step writes), its max_norm 1.0 clipping, 2 micro-batches per step.
 TRAINER_ARGS = ["--training.seq_len", "32", "--training.global_batch_size", "4",
                 "--training.val_every", "0", "--no-metrics.progress_bar",
                 "--optimizer.implementation", "for-loop", "--compile.enable",
-                "--compile.backend", "aot_eager_blockbucketing"]
+                "--compile.backend", "aot_eager_blockbucketing",
+                "--training.gradient_accumulation_steps", "2"]
 
 
 def _trainer_job(rank, world):
@@ -413,8 +466,8 @@ def test_step_scope_refuses_what_it_does_not_do():
     """One error naming the setting (load_config validates)."""
     from simplesharded.trainer.config import load_config
 
-    for extra, key in ((["--training.gradient_accumulation_steps", "2"],
-                        "training.gradient_accumulation_steps"),
+    for extra, key in ((["--training.gradient_sync", "last_microbatch"],
+                        "training.gradient_sync"),
                        (["--optimizer.name", "SGD"], "optimizer.name"),
                        (["--compile.backend", "inductor"], "compile.backend")):
         with pytest.raises(ValueError, match=key):

@@ -615,7 +615,7 @@ def _check_step_scope(cfg: Config) -> None:
     t, p, c = cfg.training, cfg.parallelism, cfg.compile
     unsupported = [
         ("compile.enable", c.enable, True), ("optimizer.name", cfg.optimizer.name, "AdamW"),
-        ("training.gradient_accumulation_steps", t.gradient_accumulation_steps, 1),
+        ("training.gradient_sync", t.gradient_sync, "every_microbatch"),
         ("training.on_nonfinite", t.on_nonfinite, "stop"),
         ("parallelism.context_parallel_degree", p.context_parallel_degree, 1),
         ("parallelism.pipeline_parallel_degree", p.pipeline_parallel_degree, 1),

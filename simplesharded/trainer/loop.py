@@ -160,7 +160,9 @@ class Trainer:
 
         step = compile_step(self.model, self.optimizer, loss_fn, backend=c.backend,
                             max_norm=t.max_norm if t.max_norm > 0 else None,
-                            clip_norm=t.clip_norm, with_grad_norm=True,
+                            clip_norm=t.clip_norm,
+                            accumulation_steps=t.gradient_accumulation_steps,
+                            with_grad_norm=True,
                             **_backend_options(c, observer))
         if ep_dim(self.mesh):  # the token exchange's split sizes: as the compiled model's
             from simplesharded.models.ep_dispatch import ep_compile_config
@@ -171,7 +173,10 @@ class Trainer:
         """One step of compile.scope=step: the graph has taken the optimizer's step when it
         returns, so a non-finite loss or norm stops training after it (validated:
         training.on_nonfinite=stop)."""
-        inputs, labels = next(self.data.train)
+        # The step's micro-batches in one batch: the graph splits it again (compile_step)
+        micro = [next(self.data.train)
+                 for _ in range(self.cfg.training.gradient_accumulation_steps)]
+        inputs, labels = (torch.cat(parts) for parts in zip(*micro))
         with self._loss_context():  # the loss's backward is in the graph too
             scaled, norm = self.whole_step(inputs.to(self.device), labels.to(self.device))
         loss_sum = local_loss(scaled) * self._denominator()
