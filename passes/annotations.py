@@ -46,6 +46,15 @@ BUCKET_PARAMS_KEY = "ss_bucket_params"
 LOWERED_KEY = "ss_lowered"
 GATHERED_KEY = "ss_gathered"
 UPDATE_KEY = "ss_update"
+# Graph-level, in GraphModule.meta: lines a pass leaves about what it did not do and why; a
+# graph dump (pipeline.py) prints them at its top.
+NOTES_KEY = "ss_notes"
+
+
+def add_note(gm: fx.GraphModule, note: str) -> None:
+    notes = gm.meta.setdefault(NOTES_KEY, [])
+    if note not in notes:
+        notes.append(note)
 
 
 def annotations(node: fx.Node) -> dict:

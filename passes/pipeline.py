@@ -23,6 +23,8 @@ from typing import Callable, Sequence
 from torch import fx
 
 from .agreement import insert_agreement_check
+from .annotations import NOTES_KEY
+from .cross_step import explain_cross_step_prefetch
 from .collectives import count_collectives, is_backward_graph
 from .traced_backward import annotate_traced_backward, traced_backward_nodes
 from .update_placement import has_updates, place_updates
@@ -77,6 +79,7 @@ class PassPipeline:
             if self.graph and has_updates(gm):
                 # A step graph's updates go next to their reductions once these are placed.
                 passes.insert(len(self.graph), ("update_placement", place_updates))
+                passes.insert(len(self.graph) + 1, ("cross_step", explain_cross_step_prefetch))
             if traced_backward_nodes(gm):
                 passes = list(self.step) + passes
         return self._run(gm, passes, "bw" if backward else "fw")
@@ -96,7 +99,8 @@ class PassPipeline:
             return
         os.makedirs(self.dump_dir, exist_ok=True)
         path = Path(self.dump_dir) / f"{next(self._seq):03d}_{kind}_{stage}.txt"
-        path.write_text(f"# collectives: {count_collectives(gm)}\n"
+        notes = "".join(f"# note: {line}\n" for line in gm.meta.get(NOTES_KEY, ()))
+        path.write_text(f"# collectives: {count_collectives(gm)}\n" + notes
                         + gm.print_readable(print_output=False, include_stride=False))
 
     def uuid(self) -> str:

@@ -40,13 +40,19 @@ def annotate_traced_backward(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def traced_backward_nodes(gm: fx.GraphModule) -> set[fx.Node]:
-    """The nodes of ``gm`` that a traced ``autograd.grad`` made, and every node computed from
-    one (a gradient's collectives carry no mark of their own, and the update reads the
-    gradients); empty for every graph aot_autograd partitions."""
+    """A step graph's traced backward: the nodes a traced ``autograd.grad`` made, and every
+    node computed from one (a gradient's collectives carry no mark of their own, and the
+    update reads the gradients). Empty unless that includes a gradient reduction: a forward
+    graph aot_autograd partitioned can hold a few backward ops the partitioner moved into it
+    (the transposes of the weights it saves), which are no traced backward."""
+    from .collectives import ALL_REDUCE, REDUCE_SCATTER
+
     out: set[fx.Node] = set()
     for n in gm.graph.nodes:
         if n.meta.get("autograd_backward") or any(i in out for i in n.all_input_nodes):
             out.add(n)
+    if not any(n.target in (REDUCE_SCATTER, ALL_REDUCE) for n in out):
+        return set()
     return out
 
 

@@ -57,7 +57,7 @@ def test_step_peak_bytes_counts_state_gradients_and_activations():
     step()  # the optimizer state exists from here on
     params = sum(p.numel() * 4 for p in model.parameters())
     assert bench_run._resident_bytes(model, opt) == 3 * params + 8 * 4  # + 8 AdamW step counters
-    peak, held = bench_run._step_peak_bytes(step, model, opt, "cpu")
+    peak, held, _, _ = bench_run._step_peak_bytes(step, model, opt, "cpu")
     assert held == 3 * params + 8 * 4
     activations = 4 * x.numel() * 4  # the outputs of the first three layers, kept for backward
     # at least: state, all gradients, and the saved activations at the end of forward
@@ -65,6 +65,29 @@ def test_step_peak_bytes_counts_state_gradients_and_activations():
     assert peak >= 4 * params
     # at most: everything at once, with room for the optimizer's foreach temporaries
     assert peak <= 3 * params + params + activations + 2 * params, (peak, params, activations)
+
+
+def test_copied_bytes_counts_each_copy_once():
+    """The outermost copy ops of a profiled region, each once (clone's inner copy_ and
+    split_with_sizes_copy's inner clones are not counted again), casts apart."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    a, b = torch.randn(64, 64), torch.randn(32, 64)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True,
+                 record_shapes=True) as prof:
+        c = torch.cat([a, b])  # 96 x 64 fp32 each
+        d = c.clone()
+        d.copy_(c)
+        torch.split_with_sizes_copy(c, [64, 32])
+        c.to(torch.bfloat16)  # a cast: half the bytes
+        c.t().contiguous()  # a copy made by contiguous()'s clone
+        c + 1  # not a copy
+    one = 96 * 64 * 4
+    copied, cast = bench_run.copied_bytes(prof.events())
+    # an op's allocations as the profiler records them: the output, give or take a few bytes
+    assert abs(cast - one // 2) <= 64 and abs(copied - (5 * one + one // 2)) <= 64, \
+        (copied, cast)
 
 
 def test_inductor_floor_ratio_only_for_inductor_variants():
@@ -134,14 +157,20 @@ def test_tiny_bench_runs_end_to_end(tmp_path, capsys):
     out = tmp_path / "r.json"
     assert bench.main(["--flavor", "debug", "--seq-len", "32", "--warmup", "1", "--steps", "2",
                        "--reps", "1", "--json", str(out), "--variants", "compute_floor",
-                       "ss_aot_eager_blockbucketing"]) == 0
+                       "ss_aot_eager_blockbucketing", "ss_step_aot_eager_blockbucketing"]) == 0
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
-    assert "error" not in rows["ss_aot_eager_blockbucketing"], rows
+    assert not any("error" in r for r in rows.values()), rows
     assert rows["compute_floor"]["collectives_per_step"] == 0
     # debug llama3 (6 blocks), counted at runtime from gloo's events: forward gathers
     # embeddings + 6 blocks + head (8), backward re-gathers blocks 0-4 (the last block and the
-    # head stay gathered: reshard_after_forward="auto"), 8 reductions
+    # head stay gathered: reshard_after_forward="auto"), 8 reductions; the whole step in one
+    # graph issues the same (passes/step_regather.py gathers again in its traced backward)
     assert rows["ss_aot_eager_blockbucketing"]["collectives_per_step"] == 8 + 5 + 8
+    assert rows["ss_step_aot_eager_blockbucketing"]["collectives_per_step"] == 8 + 5 + 8
+    # bytes the step copies: the buckets' copy-in and copy-out add to the floor's; fp32, so no
+    # parameter is cast (a few KB of index casts are)
+    assert rows["ss_aot_eager_blockbucketing"]["copied_mb"] > rows["compute_floor"]["copied_mb"]
+    assert rows["ss_aot_eager_blockbucketing"]["cast_mb"] < 0.01
     # peak tensor memory per rank, measured, and the planner's prediction for the same step
     # (it does not model the loss, computed outside the compiled model, nor the optimizer's
     # temporaries): debug llama3 has 1.9M parameters, ~30 MB of fp32 state per rank
@@ -175,7 +204,7 @@ def test_parity_names_the_variant_that_computed_something_else():
     # a reference that did not run has no column (not a ratio of 0)
     table = bench_table.format_table(rows, bench_variants.BenchArgs())
     assert "| step ms | × fsdp2_eager | × compute_floor | collectives/step |" in table
-    assert ("| fsdp2_eager | 1000 | 1.00 | 1.00 | 0 | 0.0 | 0 | 0 | – | 0 + 0 | 0 | 6.000300 | "
+    assert ("| fsdp2_eager | 1000 | 1.00 | 1.00 | 0 | 0.0 | 0 | 0 | – | 0 + 0 | 0 | 0 (0) | 6.000300 | "
             "5.900000 |"
             in table)
 

@@ -356,6 +356,17 @@ def _annotated(gm, suffix=""):
     return out
 
 
+def test_step_graph_says_why_the_next_steps_first_gather_is_not_issued():
+    """passes/cross_step.py: the final step graph's notes name the first gather's parameters
+    (the embedding's bucket), the update that writes their shards, and the reason; the note
+    is what a graph dump prints at its top."""
+    seen, _ = _step_graphs()
+    notes = seen["agreement"][0].meta.get("ss_notes", [])
+    assert len(notes) == 1, notes
+    assert "next step's first all-gather" in notes[0] and "tok_embeddings.weight" in notes[0]
+    assert "waits on its collectives before it returns" in notes[0]
+
+
 def test_clipped_step_graph_reduces_the_norm_once():
     """With max_norm: one all-reduce (the gradients' squared norms, one vector) in the step
     graph, on the dp group, besides the bucketed reduce-scatters. Each gradient's local norm

@@ -47,6 +47,8 @@ def summarize(results: dict[str, list[RunResult]], args: BenchArgs) -> list[dict
                      "main_cpu_ms": 1e3 * statistics.median(r.main_cpu_s for r in ok),
                      "other_cpu_ms": 1e3 * statistics.median(r.other_cpu_s for r in ok),
                      "page_faults": statistics.median(r.page_faults for r in ok),
+                     "copied_mb": max(r.copied_mb for r in ok),
+                     "cast_mb": max(r.cast_mb for r in ok),
                      "losses": [r.losses for r in ok]})
     base = {r["variant"]: r.get("step_ms") for r in rows}
     for r in rows:
@@ -62,7 +64,8 @@ def format_table(rows: list[dict], args: BenchArgs) -> str:
     cols = (["variant", "step ms"] + [f"× {RATIO_REFS[ref]}" for ref in refs]
             + ["collectives/step", "compile s", "peak tensor MB/rank", "of it the step's MB/rank",
                "planned MB/rank",
-               "CPU ms/step main + other threads", "page faults/step"]
+               "CPU ms/step main + other threads", "page faults/step",
+               "copied MB/step (of it casts)"]
             + [f"loss step {k + 1}" for k in range(PARITY_STEPS)])
     lines = ["| " + " | ".join(cols) + " |", "|---|" + "---:|" * (len(cols) - 1)]
     for r in rows:
@@ -80,7 +83,8 @@ def format_table(rows: list[dict], args: BenchArgs) -> str:
                      f"{r['compile_s']:.1f} | {r['peak_mem_mb']:.0f} | "
                      f"{r.get('step_mem_mb', 0):.0f} | {planned} | "
                      f"{r.get('main_cpu_ms', 0):.0f} + {r.get('other_cpu_ms', 0):.0f} | "
-                     f"{r.get('page_faults', 0):.0f} | {losses} |")
+                     f"{r.get('page_faults', 0):.0f} | "
+                     f"{r.get('copied_mb', 0):.0f} ({r.get('cast_mb', 0):.0f}) | {losses} |")
     return "\n".join(lines)
 
 
