@@ -27,6 +27,7 @@ from .annotations import NOTES_KEY
 from .cross_step import explain_cross_step_prefetch
 from .collectives import count_collectives, is_backward_graph
 from .traced_backward import annotate_traced_backward, traced_backward_nodes
+from .update_inplace import reinplace_updates
 from .update_placement import has_updates, place_updates
 
 # Returns the graph module ready to run: a pass that edits the graph regenerates its code.
@@ -80,6 +81,9 @@ class PassPipeline:
                 # A step graph's updates go next to their reductions once these are placed.
                 passes.insert(len(self.graph), ("update_placement", place_updates))
                 passes.insert(len(self.graph) + 1, ("cross_step", explain_cross_step_prefetch))
+                # Last before the agreement check: whether an input is read after its update
+                # depends on the final order.
+                passes.insert(len(self.graph) + 2, ("update_inplace", reinplace_updates))
             if traced_backward_nodes(gm):
                 passes = list(self.step) + passes
         return self._run(gm, passes, "bw" if backward else "fw")

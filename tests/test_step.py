@@ -32,6 +32,8 @@ CASES = [
 BITWISE = [c[0] for c in CASES if c[5] is None]
 CLIPPED = [c[0] for c in CASES if c[5] is not None]
 SHAPES = dict(dim=64, n_layers=2, n_heads=4, vocab_size=128)
+# A moment update's lerp: in place after passes/update_inplace.py, functional before it.
+LERP = (torch.ops.aten.lerp.Scalar, torch.ops.aten.lerp_.Scalar)
 
 
 def _plain_model(name="llama3"):
@@ -301,9 +303,13 @@ def test_step_graph_holds_the_bucketed_collectives_and_the_update():
     # is waited, while the next one is in flight (passes/update_placement.py;
     # tests/test_update_placement.py checks each bucket); the last reduction (the
     # embedding's, a bucket of its own) is waited before its own update only.
-    lerps = [n for n in update if n.target is torch.ops.aten.lerp.Scalar]
+    lerps = [n for n in update if n.target in LERP]
     n_params = len(list(_plain_model().parameters()))
     assert len(lerps) == n_params
+    # The update writes parameters and state in place (passes/update_inplace.py): no
+    # functionalized copy-back is left.
+    assert all(n.target is torch.ops.aten.lerp_.Scalar for n in lerps)
+    assert not [n for n in final.graph.nodes if n.target is torch.ops.aten.copy_.default]
     last_start, last_wait, last = reds[-1]
     assert pu.node_params(last) == ["tok_embeddings.weight"]
     assert sum(pos[n] < last_start for n in lerps) > 0
@@ -389,7 +395,7 @@ def test_clipped_step_graph_reduces_the_norm_once():
     early = [p for p, ns in norms.items() if max(pos[n] for n in ns) < last_rs_wait]
     assert early and set(norms) - set(early) == {"tok_embeddings.weight"}, early
     updates = _annotated(final)
-    lerps = [n for ns in updates.values() for n in ns if n.target is torch.ops.aten.lerp.Scalar]
+    lerps = [n for ns in updates.values() for n in ns if n.target in LERP]
     assert lerps and all(pos[n] > norm_wait for n in lerps)
 
 
@@ -405,7 +411,7 @@ def test_clipping_with_the_previous_norm_lets_updates_start_early():
     last_rs_wait = max(w for _, w, s in pu.reduction_intervals(final)
                        if "reduce_scatter" in str(s.target))
     lerps = [n for ns in _annotated(final).values() for n in ns
-             if n.target is torch.ops.aten.lerp.Scalar]
+             if n.target in LERP]
     assert sum(pos[n] > last_rs_wait for n in lerps) == 1  # the embedding's, the last bucket
 
 
