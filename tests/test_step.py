@@ -10,6 +10,7 @@ and the errors.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import pytest
 import torch
@@ -457,9 +458,13 @@ def _trainer_job(rank, world):
         cfg = check_static(load_config(None, ["--job.config_file", config, *TRAINER_ARGS,
                                               "--compile.scope", scope]), world)
         trainer = Trainer(cfg, "cpu")
-        records = [trainer.train_step() for _ in range(TRAINER_STEPS)]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            records = [trainer.train_step() for _ in range(TRAINER_STEPS)]
         out[scope] = {"loss": [r["loss"] for r in records],
-                      "grad_norm": [r["grad_norm"] for r in records]}
+                      "grad_norm": [r["grad_norm"] for r in records],
+                      "scheduler_warnings": sum("lr_scheduler.step()" in str(w.message)
+                                                for w in caught)}
     return out
 
 
@@ -477,6 +482,8 @@ def test_trainer_step_scope_trains_as_model_scope():
         for key in ("loss", "grad_norm"):
             a, b = res["step"][key], res["model"][key]
             assert all(abs(x - y) <= 1e-6 * abs(y) for x, y in zip(a, b)), (rank, key, a, b)
+        # the graph takes the optimizer's step: torch's scheduler must not warn that it saw none
+        assert res["step"]["scheduler_warnings"] == 0, rank
 
 
 def test_step_scope_refuses_what_it_does_not_do():

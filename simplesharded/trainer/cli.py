@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[simplesharded] {model} world={trainer.world} "
                   f"mode={cfg.parallelism.mode} mesh={_mesh_text(trainer.mesh)} "
                   f"compile={cfg.compile.backend if cfg.compile.enable else 'off'}"
+                  f"{' scope=step' if trainer.whole_step is not None else ''}"
                   f"{_pipeline_text(cfg, trainer.pipeline)}", flush=True)
         trainer.run()
     except ValueError as e:

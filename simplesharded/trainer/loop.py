@@ -8,8 +8,10 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 import sys
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -188,7 +190,12 @@ class Trainer:
                                  f"{self.step + 1}; training stopped, checkpoints untouched")
         if hasattr(self.model, "update_expert_bias"):
             self.model.update_expert_bias()
-        self.scheduler.step()
+        with warnings.catch_warnings():
+            # The graph took the optimizer's step; torch's scheduler, which watches calls to
+            # optimizer.step(), would warn at every step that it has not seen one.
+            warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()`"),
+                                    UserWarning)
+            self.scheduler.step()
         return {"loss": loss, "grad_norm": norm}
 
     def accumulation_steps(self) -> torch.Tensor:
