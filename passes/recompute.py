@@ -142,22 +142,32 @@ def kept_gathered(graph: fx.Graph, backward: set[fx.Node], budget: int | None,
     return kept
 
 
-def _annotate_views(graph: fx.Graph, backward: set[fx.Node]) -> None:
-    """Mark the forward views of each gathered parameter (module doc) with its FQN."""
+def gathered_nodes(graph: fx.Graph, backward: set[fx.Node]) -> dict[fx.Node, tuple[str, bool]]:
+    """The forward nodes that hold a gathered parameter, in graph order: ``{node: (fqn,
+    view)}``, ``view`` False for the ops of its gather (annotated ``ss_param``), True for the
+    views of them other ops make (a matmul's transposes)."""
     from .node_meta import alias_kind, aliased_inputs
 
-    held: dict[fx.Node, str] = {}
+    held: dict[fx.Node, tuple[str, bool]] = {}
     for node in graph.nodes:  # graph order: a view comes after what it views
         if node in backward or node.op != "call_function":
             continue
         fqn = annotations(node).get(PARAM_KEY)
-        if fqn is None and alias_kind(node) == "view":
-            fqn = next((held[a] for a in aliased_inputs(node) if a in held), None)
-            if fqn is not None:
-                # a dict of its own: fx.traceback.annotate may share one between nodes
-                node.meta["custom"] = {**annotations(node), GATHERED_KEY: fqn}
         if fqn is not None:
-            held[node] = fqn
+            held[node] = (fqn, False)
+        elif alias_kind(node) == "view":
+            fqn = next((held[a][0] for a in aliased_inputs(node) if a in held), None)
+            if fqn is not None:
+                held[node] = (fqn, True)
+    return held
+
+
+def _annotate_views(graph: fx.Graph, backward: set[fx.Node]) -> None:
+    """Mark the forward views of each gathered parameter (module doc) with its FQN."""
+    for node, (fqn, view) in gathered_nodes(graph, backward).items():
+        if view:
+            # a dict of its own: fx.traceback.annotate may share one between nodes
+            node.meta["custom"] = {**annotations(node), GATHERED_KEY: fqn}
 
 
 def _seeded(node: fx.Node) -> bool:

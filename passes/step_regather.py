@@ -26,10 +26,9 @@ import copy
 
 from torch import fx
 
-from .annotations import PARAM_KEY, RESHARD_KEY, annotations
-from .node_meta import alias_kind, aliased_inputs
+from .annotations import RESHARD_KEY, annotations
 from .plan_protocol import Plan
-from .recompute import kept_gathered
+from .recompute import gathered_nodes, kept_gathered
 from .traced_backward import mark_traced_backward, traced_backward_nodes
 
 
@@ -78,17 +77,8 @@ def regather_for_backward(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
 
 
 def _gather_chains(graph: fx.Graph, backward: set[fx.Node]) -> dict[str, list[fx.Node]]:
-    """{fqn: the forward nodes, in graph order, of its gather (annotated ``ss_param``) and the
-    views of them}."""
-    held: dict[fx.Node, str] = {}
+    """{fqn: the forward nodes, in graph order, of its gather and the views of them}."""
     chains: dict[str, list[fx.Node]] = {}
-    for node in graph.nodes:
-        if node in backward or node.op != "call_function":
-            continue
-        fqn = annotations(node).get(PARAM_KEY)
-        if fqn is None and alias_kind(node) == "view":
-            fqn = next((held[a] for a in aliased_inputs(node) if a in held), None)
-        if fqn is not None:
-            held[node] = fqn
-            chains.setdefault(fqn, []).append(node)
+    for node, (fqn, _) in gathered_nodes(graph, backward).items():
+        chains.setdefault(fqn, []).append(node)
     return chains
