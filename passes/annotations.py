@@ -26,6 +26,9 @@ Written by our passes:
   BUCKET_KEY         the bucket a merged collective implements (bucketing.py)
   BUCKET_PARAMS_KEY  FQNs of every parameter a merged collective serves (bucketing.py)
   LOWERED_KEY        the kind an all-to-all implements (lowering.py): it is then one of ours
+  REGATHER_KEY       on the ops step_regather.py adds to a step graph's traced backward: a
+                     gather made again for backward, bucketed apart from the forward's
+                     gathers (bucketing.py)
   GATHERED_KEY       FQN of the gathered parameter a forward view of it holds (recompute.py):
                      a saved view reaches the backward graph as a placeholder carrying it, so
                      the memory cap counts it (reordering.py, memory.py)
@@ -45,6 +48,7 @@ BUCKET_KEY = "ss_bucket"
 BUCKET_PARAMS_KEY = "ss_bucket_params"
 LOWERED_KEY = "ss_lowered"
 GATHERED_KEY = "ss_gathered"
+REGATHER_KEY = "ss_regather"
 UPDATE_KEY = "ss_update"
 # Graph-level, in GraphModule.meta: lines a pass leaves about what it did not do and why; a
 # graph dump (pipeline.py) prints them at its top.

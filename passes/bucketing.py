@@ -18,13 +18,13 @@ from collections import defaultdict
 import torch
 from torch import fx
 
-from .annotations import BLOCK_KEY, BUCKET_KEY, BUCKET_PARAMS_KEY, PARAM_KEY, annotations
+from .annotations import (BLOCK_KEY, BUCKET_KEY, BUCKET_PARAMS_KEY, PARAM_KEY, REGATHER_KEY,
+                          annotations)
 from .collectives import (ALL_GATHER, ALL_REDUCE, PLAIN, REDUCE_SCATTER, WAIT, Collective,
                           find_collectives)
 from .graph_utils import (NodeOrder, aten, call, fake_mode_of, flat, hoist_before,
                           stable_topological_sort)
 from .plan_protocol import Plan
-from .traced_backward import is_traced_backward, mark_traced_backward
 
 
 def bucket_collectives(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
@@ -62,20 +62,17 @@ def merge_buckets(graph: fx.Graph, collectives: list[Collective], keys: list,
             # A step graph's backward gathers parameters again (step_regather.py): never in
             # one bucket with the forward's gathers of the same block.
             groups[(key, c.kind, c.group_name, c.group_size, c.dtype, _reduce_op(c),
-                    is_traced_backward(c.start))].append(c)
+                    bool(annotations(c.start).get(REGATHER_KEY)))].append(c)
     if fake_mode is None:
         fake_mode = fake_mode_of(graph, [c.start.args[0] for cs in groups.values() for c in cs])
     order = NodeOrder(graph)  # one for all merges: renumbering per bucket is quadratic
     merge = {"all_gather": functools.partial(_merge_all_gathers, order=order),
              "reduce_scatter": _merge_reduce_scatters, "all_reduce": _merge_all_reduces}
     merged: list[Collective] = []
-    for (key, kind, *_, backward), members in groups.items():
+    for (key, kind, *_), members in groups.items():
         if len(members) > 1:
             members = sorted(members, key=lambda c: order[c.start])
-            outs = merge[kind](graph, members, fake_mode, str(key))
-            if backward:
-                _mark_backward(outs, str(key))
-            _replace(members, outs, graph, detach)
+            _replace(members, merge[kind](graph, members, fake_mode, str(key)), graph, detach)
             merged += members
     # Users of an early reduction now read the merged one, defined at the bucket's last start.
     # (A merged gather is defined at its first start and copied out where each wait was: the
@@ -83,19 +80,6 @@ def merge_buckets(graph: fx.Graph, collectives: list[Collective], keys: list,
     if any(c.kind != "all_gather" for c in merged):
         stable_topological_sort(graph)
     return merged
-
-
-def _mark_backward(outs: list[fx.Node], bucket: str) -> None:
-    """Mark a traced-backward bucket's new nodes (its annotation's, from its outputs up to its
-    inputs) as traced backward, as its members were: a second run groups them the same."""
-    todo, seen = list(outs), set()
-    while todo:
-        n = todo.pop()
-        if n in seen or annotations(n).get(BUCKET_KEY) != bucket:
-            continue
-        seen.add(n)
-        mark_traced_backward(n)
-        todo.extend(n.all_input_nodes)
 
 
 def _reduce_op(c: Collective) -> str | None:
@@ -110,6 +94,8 @@ def _custom(members: list[Collective], bucket: str) -> dict:
               BUCKET_KEY: bucket}
     if members[0].block is not None:
         custom[BLOCK_KEY] = members[0].block
+    if annotations(members[0].start).get(REGATHER_KEY):
+        custom[REGATHER_KEY] = True
     return custom
 
 

@@ -11,9 +11,10 @@ This pass decides as the recompute pass does (the same annotations,
 ``plan.reshard_after_forward`` and :func:`~.recompute.kept_gathered`'s budget). For each
 parameter that reshards, it copies the chain from the shard to what backward reads right
 before the first backward node that reads it, and backward reads the copy: the forward's
-gathered tensor dies after its last forward use. The copies are marked as traced backward,
-so bucketing merges them with each other, never with the forward's gathers (bucketing.py
-groups by phase), and reordering prefetches them as it does a backward graph's.
+gathered tensor dies after its last forward use. The copies are marked as traced backward and
+annotated ``ss_regather``, so bucketing merges them with each other, never with the forward's
+gathers (bucketing.py groups by it), and reordering prefetches them as it does a backward
+graph's.
 
 Invariant: every value is unchanged (a gather of the same shard gives the same bits); the
 copies depend only on the graph and the plan, so every rank makes the same ones; afterwards
@@ -26,7 +27,7 @@ import copy
 
 from torch import fx
 
-from .annotations import RESHARD_KEY, annotations
+from .annotations import REGATHER_KEY, RESHARD_KEY, annotations
 from .plan_protocol import Plan
 from .recompute import gathered_nodes, kept_gathered
 from .traced_backward import mark_traced_backward, traced_backward_nodes
@@ -64,7 +65,8 @@ def regather_for_backward(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         with graph.inserting_before(first):
             for n in sorted(needed, key=pos.__getitem__):
                 c = graph.node_copy(n, lambda x: copies.get(x, x))
-                c.meta = {**n.meta, "custom": copy.deepcopy(n.meta.get("custom"))}
+                c.meta = {**n.meta, "custom": {**copy.deepcopy(annotations(n)),
+                                               REGATHER_KEY: True}}
                 mark_traced_backward(c)
                 copies[n] = c
         for n in read:
@@ -80,5 +82,6 @@ def _gather_chains(graph: fx.Graph, backward: set[fx.Node]) -> dict[str, list[fx
     """{fqn: the forward nodes, in graph order, of its gather and the views of them}."""
     chains: dict[str, list[fx.Node]] = {}
     for node, (fqn, _) in gathered_nodes(graph, backward).items():
-        chains.setdefault(fqn, []).append(node)
+        if not annotations(node).get(REGATHER_KEY):  # a gather this pass made (bucketed)
+            chains.setdefault(fqn, []).append(node)
     return chains

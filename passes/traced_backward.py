@@ -56,12 +56,6 @@ def traced_backward_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     return out
 
 
-def is_traced_backward(node: fx.Node) -> bool:
-    """Whether ``node`` is marked as made by a traced backward (a collective's start is not:
-    bucketing.py asks of gathers, which step_regather.py marks)."""
-    return bool(node.meta.get("autograd_backward"))
-
-
 def mark_traced_backward(node: fx.Node) -> None:
     """Mark a node a pass adds to a step graph's backward as such."""
     node.meta["autograd_backward"] = True

@@ -63,7 +63,7 @@ LAYOUTS = {
     # 3 experts per rank over efsdp 2: sharded on dim 1 (dim 0 would pad a whole expert)
     (1, 1, 2, 6): (("eager", False), ("aot_eager_blockbucketing", False)),
     # 2 experts per rank, efsdp 1
-    (1, 1, 4, 8): (("eager", False), ("aot_eager", False), ("aot_eager_blockbucketing", True)),
+    (1, 1, 4, 8): (("eager", False), ("aot_eager_blockbucketing", True)),
     # TP 2 x EP 2 (dp_shard 2 = efsdp 1 x ep 2): the MoE runs on whole sequences per tp rank
     (1, 2, 2, 8): (("eager", False), ("aot_eager_blockbucketing", False)),
     # HSDP x EP: (dp_replicate 2, efsdp 1, ep 2); expert weights (Replicate, Shard) on

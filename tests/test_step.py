@@ -27,8 +27,8 @@ CASES = [
      None, 1),
     ("blockbucketing_adamw_clip", "llama3", "aot_eager_blockbucketing", "AdamW", 0.1,
      (MAX_NORM, "current"), 1),
-    ("hf_llama_blockbucketing_adamw_clip_previous", "hf_llama", "aot_eager_blockbucketing",
-     "AdamW", 0.1, (MAX_NORM, "previous"), 1),
+    ("blockbucketing_adamw_clip_previous", "llama3", "aot_eager_blockbucketing", "AdamW", 0.1,
+     (MAX_NORM, "previous"), 1),
 ]
 BITWISE = [c[0] for c in CASES if c[5] is None]
 CLIPPED = [c[0] for c in CASES if c[5] is not None]

@@ -312,9 +312,10 @@ def test_passes_import_only_torch_and_the_standard_library():
 # ------------------------------------------------------------------ what importing loads
 
 # Measured when written: 26 project modules (the library's 7, passes' 17 through backends'
-# pipeline, shims and shims.gloo_gather). Room for a module split or two; the models (7
-# modules) or the trainer (11) loaded as well would break it.
-MAX_LIBRARY_MODULES = 32
+# pipeline, shims and shims.gloo_gather); 34 once the step graph's passes came (regather,
+# in-place update, cross-step note). Room for a module split; the models (7 modules) or the
+# trainer (11) loaded as well would break it.
+MAX_LIBRARY_MODULES = 36
 
 
 def test_import_simplesharded_loads_no_trainer_or_tool(record_property):
