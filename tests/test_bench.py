@@ -67,6 +67,19 @@ def test_step_peak_bytes_counts_state_gradients_and_activations():
     assert peak <= 3 * params + params + activations + 2 * params, (peak, params, activations)
 
 
+def test_step_variants_name_our_aot_eager_backends():
+    """ss_step_<backend>: compile_step with that backend (its update is traced for the
+    aot_eager backends only); the two bucketing ones are in the default set without TP."""
+    assert str(bench_variants.ss_backend("ss_step_aot_eager_blockbucketing")) == \
+        "aot_eager_blockbucketing"
+    assert bench_variants.is_step_variant("ss_step_aot_eager_autobucketing")
+    assert not bench_variants.is_step_variant("ss_aot_eager_autobucketing")
+    steps = [v for v in bench_variants.all_variants() if bench_variants.is_step_variant(v)]
+    assert steps and all("aot_eager" in v for v in steps)
+    assert set(bench_variants.STEP_DEFAULT) <= set(bench_variants.default_variants(1))
+    assert not set(steps) & set(bench_variants.default_variants(2))
+
+
 def test_copied_bytes_counts_each_copy_once():
     """The outermost copy ops of a profiled region, each once (clone's inner copy_ and
     split_with_sizes_copy's inner clones are not counted again), casts apart."""
@@ -157,16 +170,15 @@ def test_tiny_bench_runs_end_to_end(tmp_path, capsys):
     out = tmp_path / "r.json"
     assert bench.main(["--flavor", "debug", "--seq-len", "32", "--warmup", "1", "--steps", "2",
                        "--reps", "1", "--json", str(out), "--variants", "compute_floor",
-                       "ss_aot_eager_blockbucketing", "ss_step_aot_eager_blockbucketing"]) == 0
+                       "ss_aot_eager_blockbucketing"]) == 0
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
     assert not any("error" in r for r in rows.values()), rows
     assert rows["compute_floor"]["collectives_per_step"] == 0
     # debug llama3 (6 blocks), counted at runtime from gloo's events: forward gathers
     # embeddings + 6 blocks + head (8), backward re-gathers blocks 0-4 (the last block and the
-    # head stay gathered: reshard_after_forward="auto"), 8 reductions; the whole step in one
-    # graph issues the same (passes/step_regather.py gathers again in its traced backward)
+    # head stay gathered: reshard_after_forward="auto"), 8 reductions (the step graph's, the
+    # same: tests/test_step.py counts them in its graph)
     assert rows["ss_aot_eager_blockbucketing"]["collectives_per_step"] == 8 + 5 + 8
-    assert rows["ss_step_aot_eager_blockbucketing"]["collectives_per_step"] == 8 + 5 + 8
     # bytes the step copies: the buckets' copy-in and copy-out add to the floor's; fp32, so no
     # parameter is cast (a few KB of index casts are)
     assert rows["ss_aot_eager_blockbucketing"]["copied_mb"] > rows["compute_floor"]["copied_mb"]
@@ -216,6 +228,8 @@ def test_parity_names_the_variant_that_computed_something_else():
     (["--model", "hf_llama", "--tp", "2"], "tensor_parallel_degree=2: hf_llama has no "
                                            "tensor-parallel styles"),
     (["--tp", "2", "--variants", "ddp"], "--variants ['ddp'] have no tensor-parallel form"),
+    (["--tp", "2", "--variants", "ss_step_aot_eager_blockbucketing"],
+     "--variants ['ss_step_aot_eager_blockbucketing'] have no tensor-parallel form"),
     (["--tp", "2", "--world-size", "6"], "--global-batch 8 is not divisible by the "
                                          "data-parallel degree 3"),
     (["--tp", "2", "--world-size", "3"], "--tp 2 does not divide --world-size 3"),

@@ -41,7 +41,7 @@ from simplesharded.tools.bench_table import (FORECAST, forecast_peaks, format_ta
                                              summarize, targets)
 from simplesharded.tools.bench_variants import (BASELINES, CP_DEFAULT, NO_CP_FORM, NO_TP_FORM,
                                                 TP_DEFAULT, BenchArgs, all_variants,
-                                                default_variants)
+                                                default_variants, is_step_variant)
 
 
 def _positive_int(text: str) -> int:
@@ -117,11 +117,12 @@ def main(argv=None) -> int:
     unknown = sorted(set(variants) - set(all_variants()))
     if unknown:
         ap.error(f"--variants {unknown} not one of {all_variants()}")
-    no_tp = sorted(set(variants) & set(NO_TP_FORM)) if tp > 1 else []
+    # compile_step takes TP, but the bench's step variant does not run TP's loss parallelism
+    no_tp = sorted(v for v in variants if v in NO_TP_FORM or is_step_variant(v)) if tp > 1 else []
     if no_tp:
         ap.error(f"--variants {no_tp} have no tensor-parallel form; with --tp {tp} leave "
                  f"them out")
-    no_cp = sorted(set(variants) & set(NO_CP_FORM)) if cp > 1 else []
+    no_cp = sorted(v for v in variants if v in NO_CP_FORM or is_step_variant(v)) if cp > 1 else []
     if no_cp:
         ap.error(f"--variants {no_cp} have no context-parallel form here; with --cp {cp} leave "
                  f"them out (choices: {' '.join(CP_DEFAULT)} and the other ss_ backends)")
