@@ -78,12 +78,13 @@ class PassPipeline:
             # the passes find collectives by; a graph without one is unchanged.
             annotate_traced_backward(gm)
             if self.graph and has_updates(gm):
-                # A step graph's updates go next to their reductions once these are placed.
-                passes.insert(len(self.graph), ("update_placement", place_updates))
-                passes.insert(len(self.graph) + 1, ("cross_step", explain_cross_step_prefetch))
-                # Last before the agreement check: whether an input is read after its update
-                # depends on the final order.
-                passes.insert(len(self.graph) + 2, ("update_inplace", reinplace_updates))
+                # After the graph passes, before the agreement check: a step graph's updates
+                # go next to their reductions once these are placed, and run in place last
+                # (whether an input is read after its update depends on the final order).
+                passes[len(self.graph):len(self.graph)] = [
+                    ("update_placement", place_updates),
+                    ("cross_step", explain_cross_step_prefetch),
+                    ("update_inplace", reinplace_updates)]
             if traced_backward_nodes(gm):
                 passes = list(self.step) + passes
         return self._run(gm, passes, "bw" if backward else "fw")
