@@ -8,6 +8,17 @@ deletes this file's fallbacks.
 from __future__ import annotations
 
 import torch
+from torch.torch_version import TorchVersion
+
+# Features that need the pinned release: an older torch refuses them in one line (needs()).
+STEP_GRAPH = "compile_step (dynamo tracing torch.autograd.grad in the step)"
+
+
+def needs(feature: str, version: str = "2.13") -> None:
+    """Raise one line naming ``feature`` when this torch is older than ``version``."""
+    if TorchVersion(torch.__version__) < version:
+        raise RuntimeError(f"{feature} needs torch >= {version}; this is {torch.__version__}")
+
 
 try:
     from torch.fx.experimental.symbolic_shapes import optimization_hint
@@ -23,4 +34,4 @@ def override_optimization_hint(value, hint: int) -> None:
         override(value, hint)
 
 
-__all__ = ["optimization_hint", "override_optimization_hint"]
+__all__ = ["STEP_GRAPH", "needs", "optimization_hint", "override_optimization_hint"]

@@ -24,6 +24,7 @@ from torch import nn
 from simplesharded.backends import make_backend
 from simplesharded.grad_clip import clip_coefficient, global_norm, scale_
 from simplesharded.passes.annotations import UPDATE_KEY
+from simplesharded.passes.torch_compat import STEP_GRAPH, needs
 from simplesharded.optim_update import (apply_update, hyperparameters, prepare,
                                         step_inputs)
 
@@ -63,6 +64,7 @@ def compile_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     returns the sum of the micro-batches' losses. The graph holds N copies of the forward and
     backward: compiling takes about N times as long.
     """
+    needs(STEP_GRAPH)
     if clip_norm not in CLIP_NORMS:
         raise ValueError(f"compile_step: clip_norm={clip_norm!r} is not one of {CLIP_NORMS}")
     if not (isinstance(accumulation_steps, int) and accumulation_steps >= 1):

@@ -435,6 +435,14 @@ def test_clip_norm_and_accumulation_bad_values_are_one_error_each():
         step(torch.randn(3, 4))
 
 
+def test_an_older_torch_is_refused_in_one_line_naming_the_feature():
+    from simplesharded.passes.torch_compat import STEP_GRAPH, needs
+
+    needs(STEP_GRAPH)  # the pinned torch
+    with pytest.raises(RuntimeError, match=r"^compile_step .* needs torch >= 99.0; this is 2\."):
+        needs(STEP_GRAPH, "99.0")
+
+
 # ------------------------------------------------------------------------------ the trainer
 
 TRAINER_STEPS = 10

@@ -627,6 +627,11 @@ def _check_step_scope(cfg: Config) -> None:
     if not c.backend.startswith("aot_eager"):
         raise ValueError(f"compile.scope='step' is tested on the aot_eager backends only, "
                          f"got compile.backend={c.backend!r}")
+    from simplesharded.passes.torch_compat import STEP_GRAPH, needs
+    try:
+        needs(STEP_GRAPH)
+    except RuntimeError as e:
+        raise ValueError(f"compile.scope='step': {e}") from None
 
 
 def _check_backend(name: str, backends: Iterable[str] | None) -> None:
