@@ -32,6 +32,9 @@ Written by our passes:
   GATHERED_KEY       FQN of the gathered parameter a forward view of it holds (recompute.py):
                      a saved view reaches the backward graph as a placeholder carrying it, so
                      the memory cap counts it (reordering.py, memory.py)
+  FLAT_KEY           (buffer name, offset) of a parameter whose shard lives in a bucket's
+                     flat buffer (simplesharded/flat_shards.py): bucketing lays such a
+                     bucket out in buffer order, so its input is one view (view_cat.py)
 """
 from __future__ import annotations
 
@@ -50,6 +53,7 @@ LOWERED_KEY = "ss_lowered"
 GATHERED_KEY = "ss_gathered"
 REGATHER_KEY = "ss_regather"
 UPDATE_KEY = "ss_update"
+FLAT_KEY = "ss_flat"
 # Graph-level, in GraphModule.meta: lines a pass leaves about what it did not do and why; a
 # graph dump (pipeline.py) prints them at its top.
 NOTES_KEY = "ss_notes"

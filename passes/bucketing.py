@@ -11,15 +11,14 @@ dtypes inside one bucket become one collective per dtype.
 """
 from __future__ import annotations
 
-import functools
 import math
 from collections import defaultdict
 
 import torch
 from torch import fx
 
-from .annotations import (BLOCK_KEY, BUCKET_KEY, BUCKET_PARAMS_KEY, PARAM_KEY, REGATHER_KEY,
-                          annotations)
+from .annotations import (BLOCK_KEY, BUCKET_KEY, BUCKET_PARAMS_KEY, FLAT_KEY, PARAM_KEY,
+                          REGATHER_KEY, annotations)
 from .collectives import (ALL_GATHER, ALL_REDUCE, PLAIN, REDUCE_SCATTER, WAIT, Collective,
                           find_collectives)
 from .graph_utils import (NodeOrder, aten, call, fake_mode_of, flat, hoist_before,
@@ -66,13 +65,14 @@ def merge_buckets(graph: fx.Graph, collectives: list[Collective], keys: list,
     if fake_mode is None:
         fake_mode = fake_mode_of(graph, [c.start.args[0] for cs in groups.values() for c in cs])
     order = NodeOrder(graph)  # one for all merges: renumbering per bucket is quadratic
-    merge = {"all_gather": functools.partial(_merge_all_gathers, order=order),
-             "reduce_scatter": _merge_reduce_scatters, "all_reduce": _merge_all_reduces}
+    merge = {"all_gather": _merge_all_gathers, "reduce_scatter": _merge_reduce_scatters,
+             "all_reduce": _merge_all_reduces}
     merged: list[Collective] = []
     for (key, kind, *_), members in groups.items():
         if len(members) > 1:
-            members = sorted(members, key=lambda c: order[c.start])
-            _replace(members, merge[kind](graph, members, fake_mode, str(key)), graph, detach)
+            members = _layout_order(members, order)
+            _replace(members, merge[kind](graph, members, fake_mode, str(key), order), graph,
+                     detach)
             merged += members
     # Users of an early reduction now read the merged one, defined at the bucket's last start.
     # (A merged gather is defined at its first start and copied out where each wait was: the
@@ -80,6 +80,17 @@ def merge_buckets(graph: fx.Graph, collectives: list[Collective], keys: list,
     if any(c.kind != "all_gather" for c in merged):
         stable_topological_sort(graph)
     return merged
+
+
+def _layout_order(members: list[Collective], order: NodeOrder) -> list[Collective]:
+    """The order of a bucket's members in its buffer: graph order, or, when every member's
+    shard lives in the same flat buffer (FLAT_KEY), that buffer's order, so the copy-in and
+    the gradient's copy-out become views (view_cat.py)."""
+    members = sorted(members, key=lambda c: order[c.start])
+    slots = [annotations(c.start).get(FLAT_KEY) for c in members]
+    if all(slots) and len({s[0] for s in slots}) == 1:
+        return sorted(members, key=lambda c: annotations(c.start)[FLAT_KEY][1])
+    return members
 
 
 def _reduce_op(c: Collective) -> str | None:
@@ -124,11 +135,12 @@ def _replace(members: list[Collective], new_values: list[fx.Node], graph: fx.Gra
 
 
 def _merge_all_gathers(graph, members, fake_mode, bucket, order):
-    anchor = members[0].start
+    anchor = min((c.start for c in members), key=order.__getitem__)
     ws, name = members[0].group_size, members[0].group_name
     custom = _custom(members, bucket)
-    for c in members[1:]:
-        hoist_before(c.start.args[0], anchor, order)
+    for c in members:
+        if c.start is not anchor:
+            hoist_before(c.start.args[0], anchor, order)
     with graph.inserting_before(anchor):
         shards = [c.start.args[0] for c in members]
         sizes = [math.prod(s.meta["val"].shape) for s in shards]
@@ -155,8 +167,9 @@ def _merge_all_gathers(graph, members, fake_mode, bucket, order):
     return outs
 
 
-def _merge_reduce_scatters(graph, members, fake_mode, bucket):
-    anchor = members[-1].start  # every input exists by the last original reduce-scatter
+def _merge_reduce_scatters(graph, members, fake_mode, bucket, order):
+    # every input exists by the last original reduce-scatter
+    anchor = max((c.start for c in members), key=order.__getitem__)
     ws, name, op = members[0].group_size, members[0].group_name, members[0].start.args[1]
     custom = _custom(members, bucket)
     with graph.inserting_before(anchor):
@@ -172,8 +185,8 @@ def _merge_reduce_scatters(graph, members, fake_mode, bucket):
         return _split(graph, wait, members, cols, fake_mode, custom)
 
 
-def _merge_all_reduces(graph, members, fake_mode, bucket):
-    anchor = members[-1].start
+def _merge_all_reduces(graph, members, fake_mode, bucket, order):
+    anchor = max((c.start for c in members), key=order.__getitem__)
     name, op = members[0].group_name, members[0].start.args[1]
     custom = _custom(members, bucket)
     with graph.inserting_before(anchor):

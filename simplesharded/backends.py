@@ -34,6 +34,7 @@ from simplesharded.passes.step_regather import regather_for_backward
 from simplesharded.passes.reordering import reorder_for_overlap
 from simplesharded.passes.replica_padding import pad_replica_all_reduces
 from simplesharded.passes.upstream import upstream_overlap_bucketing
+from simplesharded.passes.view_cat import elide_view_cats
 
 COMPILERS = ("aot_eager", "inductor")  # the compilers that run our passes
 # none: collectives as traced; block, auto: our bucketing + reordering with BlockPlan or
@@ -152,7 +153,8 @@ def pass_pipeline(backend: str | BackendName, opts: BackendOptions = BackendOpti
         graph = [("padding", pad_replica_all_reduces),
                  ("bucketing", functools.partial(bucket_collectives, plan=plan)),
                  ("reordering", functools.partial(reorder_for_overlap, plan=plan)),
-                 ("lowering", functools.partial(lower_reduce_scatters, transports=lower_on))]
+                 ("lowering", functools.partial(lower_reduce_scatters, transports=lower_on)),
+                ("view_cat", elide_view_cats)]
     elif backend.bucketing == "upstream":
         graph = [("upstream", functools.partial(upstream_overlap_bucketing,
                                                 hardware=_hardware(opts)))]

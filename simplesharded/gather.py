@@ -21,7 +21,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from simplesharded.layout import _is_hybrid
-from simplesharded.passes.annotations import BLOCK_KEY, DP_GROUPS_KEY, PARAM_KEY, RESHARD_KEY
+from simplesharded.passes.annotations import (BLOCK_KEY, DP_GROUPS_KEY, FLAT_KEY, PARAM_KEY,
+                                             RESHARD_KEY)
 from simplesharded.sharded_state import ShardedParam, sharded_state
 
 if TYPE_CHECKING:
@@ -82,6 +83,14 @@ def _gathered(shard: DTensor, param: ShardedParam) -> torch.Tensor:
                   RESHARD_KEY: spec.reshard_after_forward}
     if param.block is not None:
         annotation[BLOCK_KEY] = param.block
+    if param.flat is not None:
+        # The shard read through its bucket's leaf (flat_shards.py), outside the annotation:
+        # the split belongs to the bucket, not to this parameter's gather.
+        slot = param.flat
+        annotation[FLAT_KEY] = (slot.flat.name, slot.offset)
+        shard = DTensor.from_local(slot.flat.piece(slot.index), shard.device_mesh,
+                                   shard.placements, run_check=False, shape=shard.shape,
+                                   stride=shard.stride())
     with fx_traceback.annotate(annotation):
         if spec.dp_mesh is not None:
             # The dp part of the shard as a DTensor on the dp dims only: its global tensor is
@@ -97,7 +106,7 @@ def _gathered(shard: DTensor, param: ShardedParam) -> torch.Tensor:
         # "avg" scales the gradient once it is reduced, on the shard (1/dp of the elements),
         # except when it is reduced in float16, whose sum over ranks could overflow first.
         pre_scale = (spec.reduce_dtype or spec.param_dtype or shard.dtype) == torch.float16
-        if spec.grad_scale != 1.0 and not pre_scale:
+        if spec.grad_scale != 1.0 and not pre_scale and param.flat is None:  # flat: on the leaf
             shard = DTensor.from_local(_ScaleGrad.apply(shard.to_local(), spec.grad_scale),
                                        shard.device_mesh, shard.placements, run_check=False,
                                        shape=shard.shape, stride=shard.stride())
@@ -152,6 +161,7 @@ class _GatherScope:
                  last_block: str | None = None):
         self.active = False
         self.gathered: dict = {}
+        self.flat_pieces: dict = {}  # bucket buffer name → its shards as views (flat_shards.py)
         self.tied: set[str] = set()  # FQNs of parameters held by more than one module
         self.reshard_after_forward = reshard_after_forward
         self.last_block = last_block  # the last block in module order (blocks.py), if any

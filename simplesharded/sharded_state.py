@@ -18,6 +18,7 @@ from torch import nn
 if TYPE_CHECKING:
     from simplesharded.gather import _GatherScope
     from simplesharded.grad_sync import _GradSync
+    from simplesharded.flat_shards import FlatSlot
     from simplesharded.layout import _GatherSpec, _MPLayout
 
 _ATTR = "_simplesharded_state"
@@ -32,6 +33,7 @@ class ShardedParam:
     spec: _GatherSpec  # its dp dims, dtypes, gradient scaling and reshard choice
     mp_layout: _MPLayout | None  # set when it is a TP or EP DTensor to its module
     block: str | None  # its first owner's block (blocks.py), for the graph annotation
+    flat: FlatSlot | None = None  # its place in a bucket's buffer (flat_buckets=True)
 
 
 @dataclass(eq=False)

@@ -28,6 +28,7 @@ from torch.distributed.tensor import Partial, Replicate
 
 from simplesharded.blocks import BlockSpec, block_of
 from simplesharded.eager_reshard import _EagerReshard
+from simplesharded.flat_shards import FlatShards, flat_eligible
 from simplesharded.gather import _GatherScope, _sharded_property
 from simplesharded.grad_sync import _GradSync
 from simplesharded.layout import _DPView, _GatherSpec, _mode_placements, _shard_param
@@ -69,7 +70,8 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
                   mp_policy: MixedPrecisionPolicy | None = None,
                   reshard_after_forward: bool | str = "auto",
                   grad_reduction: str = "avg",
-                  blocks: Sequence[BlockSpec] | None = None) -> nn.Module:
+                  blocks: Sequence[BlockSpec] | None = None,
+                  flat_buckets: bool = False) -> nn.Module:
     """Shard ``model`` in place over ``mesh`` and return it.
 
     mode: ``replicate`` (DDP-like), ``fully_shard`` (FSDP/ZeRO-3) or ``hybrid_shard``
@@ -94,6 +96,12 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     blocks: which modules are the model's blocks (one bucket each under
     ``*_blockbucketing``, the units of ``"auto"``): None finds them in the module tree
     (simplesharded/blocks.py); or module classes, class names or module-FQN regexes.
+    flat_buckets: keep each bucket's local shards (a block's parameters; those before the
+    first block; those after the last) in one contiguous buffer, every shard a view of it, so
+    the bucketed all-gather reads the buffer as it is and the gradient lands as the
+    reduce-scatter's output (simplesharded/flat_shards.py). Parameters, ``state_dict()`` and
+    checkpoints are the same. Plain parameters sharded evenly on dim 0 of a 1-D dp mesh only;
+    the others stay on their own. Not with :func:`simplesharded.compile_step`.
     A parameter read more than once in one forward of ``model`` (tied weights, a module called
     twice) is gathered once; its gradient is summed locally and reduced once (eager: tied
     weights only, so an uncompiled gather never outlives its block).
@@ -143,11 +151,12 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     # id(original param) → its one shard and record: tied parameters share both (the FQN and
     # block of the first owner, as named_parameters() reports it)
     shards: dict[int, tuple[nn.Parameter, ShardedParam]] = {}
+    owners = []  # (module name, module, its parameter names), in module order
     for mod_name, module in list(model.named_modules()):
         names = [n for n, p in module._parameters.items() if p is not None]
         if not names and module is not model:
             continue
-        records = {}
+        owners.append((mod_name, module, names))
         for name in names:
             param = module._parameters[name]
             if id(param) not in shards:
@@ -158,7 +167,12 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
                     ShardedParam(fqn, param_spec, layout, block_of_module.get(mod_name)))
             else:
                 scope.tied.add(shards[id(param)][1].fqn)
-            module._parameters[name], records[name] = shards[id(param)]
+    if flat_buckets:
+        _pack_flat(shards, dense.size(), scope)
+    for mod_name, module, names in owners:
+        records = {}
+        for name in names:
+            module._parameters[name], records[name] = shards[id(module._parameters[name])]
         attach_sharded_state(module, ShardedModuleState(
             params=records, scope=scope, grad_sync=spec.grad_sync,
             original_class=type(module), read_block=block_of_module.get(mod_name),
@@ -173,6 +187,32 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     if mp_policy.param_dtype is not None and mp_policy.cast_forward_inputs:
         model.register_forward_pre_hook(_input_caster(mp_policy.param_dtype), with_kwargs=True)
     return model
+
+
+def _pack_flat(shards: dict[int, tuple[nn.Parameter, ShardedParam]], mesh_size: int,
+               scope: _GatherScope) -> None:
+    """Move the eligible shards of each bucket into one buffer (in ``shards``' module order):
+    a block's parameters, those before the first block ("pre") and after it ("post"); one
+    buffer per dtype and device. The records gain their slot; the new parameters replace the
+    old ones in ``shards``."""
+    groups: dict[tuple, list[int]] = {}
+    seen_block = False
+    for key, (shard, record) in shards.items():
+        seen_block = seen_block or record.block is not None
+        if not flat_eligible(shard, mesh_size, record.mp_layout, record.spec):
+            continue
+        bucket = record.block if record.block is not None else ("post" if seen_block else "pre")
+        groups.setdefault((bucket, shard.dtype, shard.device), []).append(key)
+    for (bucket, dtype, _), keys in groups.items():
+        spec = shards[keys[0]][1].spec
+        # "avg" scales the gradient on the leaf, once for the bucket (gather.py scales a
+        # float16 reduction before it instead, per parameter)
+        pre_scale = (spec.reduce_dtype or spec.param_dtype or dtype) == torch.float16
+        flat = FlatShards(f"{bucket}/{str(dtype).removeprefix('torch.')}",
+                          [(shards[k][1].fqn, shards[k][0]) for k in keys], scope,
+                          1.0 if pre_scale else spec.grad_scale)
+        for k, param, slot in zip(keys, flat.params, flat.slots):
+            shards[k] = (param, dataclasses.replace(shards[k][1], flat=slot))
 
 
 def _input_caster(dtype: torch.dtype):
@@ -201,6 +241,7 @@ def _scope_root_forward(model: nn.Module, scope: _GatherScope,
 
     def forward(self, *args, **kwargs):
         scope.gathered.clear()
+        scope.flat_pieces.clear()
         scope.active = True
         hooks = contextlib.nullcontext()
         # Uncompiled with grad: free gathered parameters after forward (_EagerReshard).
@@ -216,6 +257,7 @@ def _scope_root_forward(model: nn.Module, scope: _GatherScope,
                 out = inner(self, *args, **kwargs)
         finally:
             scope.gathered.clear()
+            scope.flat_pieces.clear()
             scope.active = False
             scope.eager = None
         if output_dtype is None:

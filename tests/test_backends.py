@@ -9,7 +9,7 @@ from simplesharded.backends import (BACKENDS, BackendName, BackendOptions, backe
                                     pass_pipeline)
 from simplesharded.passes.plans import AutoPlan, BlockPlan
 
-OURS = ["padding", "bucketing", "reordering", "lowering"]
+OURS = ["padding", "bucketing", "reordering", "lowering", "view_cat"]
 
 
 def test_every_name_parses_and_prints_back():

@@ -45,6 +45,10 @@ STEP_DEFAULT = ("ss_step_aot_eager_blockbucketing", "ss_step_aot_eager_autobucke
 # ss_step_<backend>: the whole step (forward to optimizer update) as one graph,
 # simplesharded.compile_step; its update is traced for the aot_eager backends only.
 STEP_PREFIX = "ss_step_"
+# ss_flat_<backend>: data_parallel(..., flat_buckets=True), each bucket's shards in one
+# buffer (simplesharded/flat_shards.py); for the backends that bucket (block, auto).
+FLAT_PREFIX = "ss_flat_"
+FLAT_DEFAULT = ("ss_flat_aot_eager_blockbucketing", "ss_flat_aot_eager_autobucketing")
 
 
 def ss_backend(variant: str):
@@ -52,7 +56,7 @@ def ss_backend(variant: str):
     None for a baseline."""
     from simplesharded.backends import BACKENDS, BackendName
 
-    name = variant.removeprefix(STEP_PREFIX).removeprefix("ss_")
+    name = variant.removeprefix(STEP_PREFIX).removeprefix(FLAT_PREFIX).removeprefix("ss_")
     return BackendName.parse(name) if variant != name and name in BACKENDS else None
 
 
@@ -60,10 +64,15 @@ def is_step_variant(variant: str) -> bool:
     return variant.startswith(STEP_PREFIX) and ss_backend(variant) is not None
 
 
+def is_flat_variant(variant: str) -> bool:
+    return variant.startswith(FLAT_PREFIX) and ss_backend(variant) is not None
+
+
 def all_variants() -> list[str]:
-    from simplesharded.backends import BACKENDS
+    from simplesharded.backends import BACKENDS, BackendName
     return (list(BASELINES) + [f"ss_{name}" for name in BACKENDS]
-            + [f"{STEP_PREFIX}{name}" for name in BACKENDS if name.startswith("aot_eager")])
+            + [f"{STEP_PREFIX}{name}" for name in BACKENDS if name.startswith("aot_eager")]
+            + [f"{FLAT_PREFIX}{name}" for name in BACKENDS if BackendName.parse(name).ours])
 
 
 def default_variants(tp: int, cp: int = 1) -> list[str]:
@@ -75,7 +84,8 @@ def default_variants(tp: int, cp: int = 1) -> list[str]:
     if tp > 1:
         return list(TP_DEFAULT)
     return [v for v in all_variants() if v != "compute_floor_concurrent_compiled"
-            and (not is_step_variant(v) or v in STEP_DEFAULT)]
+            and (not is_step_variant(v) or v in STEP_DEFAULT)
+            and (not is_flat_variant(v) or v in FLAT_DEFAULT)]
 
 
 @dataclass
@@ -153,7 +163,7 @@ def prepare(variant: str, args: BenchArgs, mesh, loss_fn):
     else:
         from simplesharded import data_parallel, make_backend
         backend = ss_backend(variant)
-        data_parallel(model, mesh, "fully_shard")
+        data_parallel(model, mesh, "fully_shard", flat_buckets=is_flat_variant(variant))
         if is_step_variant(variant):
             from simplesharded import compile_step
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)

@@ -1,0 +1,124 @@
+"""Flat shard storage: a bucket's local shards in one contiguous buffer
+(``data_parallel(..., flat_buckets=True)``).
+
+Each parameter keeps its DTensor shard (same FQN, placements, shape) whose local tensor is a
+view of its bucket's buffer, so ``state_dict()``, DCP, optimizers and ``init_sharded`` read
+and write the buffer through the views and nothing changes for them. ``forward`` reads a
+bucket's shards through one autograd leaf over the same buffer, split once per forward
+(:meth:`FlatShards.pieces`). Two copies of a bucketed step then go away:
+
+  * the all-gather's copy-in: the bucket's input is adjacent views of the leaf, which
+    passes/view_cat.py turns into one view of the buffer (under mixed precision the cast of
+    the buffer is the only copy);
+  * the gradient's copy-out: the split's backward concatenates the gradient pieces in buffer
+    order, which is the bucketed reduce-scatter's output as it is (view_cat again), so the
+    leaf's gradient is that output; after backward each parameter's ``.grad`` is set to its
+    view (:meth:`FlatShards.hand_out_grad`), or added to what is there (accumulation).
+
+The all-gather's copy-out stays: a parameter sharded on dim 0 is interleaved across the
+ranks' chunks of the gathered buffer (docs/zero_copy.md says why its placement stays).
+
+Invariant: a buffer's members, order and offsets depend only on the module tree and the
+parameters' shapes, so they are the same on every rank; a buffer holds one dtype, one mesh and
+parameters sharded evenly on dim 0 only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.fx.traceback as fx_traceback
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from simplesharded.gather import _ScaleGrad
+from simplesharded.passes.annotations import FLAT_KEY
+
+if TYPE_CHECKING:
+    from simplesharded.gather import _GatherScope
+
+
+@dataclass(frozen=True)
+class FlatSlot:
+    """Where one parameter's local shard lives: ``flat``'s elements [offset, offset + numel)."""
+
+    flat: "FlatShards"
+    index: int
+    offset: int
+    numel: int
+
+
+class FlatShards:
+    """One bucket's local shards in one buffer, and the autograd leaf forward reads them by."""
+
+    def __init__(self, name: str, params: list[tuple[str, nn.Parameter]], scope: _GatherScope,
+                 grad_scale: float = 1.0):
+        self.name = name
+        self.scope = scope
+        self.grad_scale = grad_scale
+        self.fqns = [fqn for fqn, _ in params]
+        locals_ = [p.to_local() for _, p in params]
+        self.numels = [t.numel() for t in locals_]
+        self.shapes = [tuple(t.shape) for t in locals_]
+        first = locals_[0]
+        buffer = torch.empty(sum(self.numels), dtype=first.dtype, device=first.device)
+        self.params: list[nn.Parameter] = []
+        self.slots: list[FlatSlot] = []
+        offset = 0
+        for i, ((fqn, p), local) in enumerate(zip(params, locals_)):
+            view = buffer.narrow(0, offset, local.numel()).view(local.shape)
+            view.copy_(local)
+            shard = DTensor.from_local(view, p.device_mesh, p.placements, run_check=False,
+                                       shape=p.shape, stride=p.stride())
+            self.params.append(nn.Parameter(shard, requires_grad=p.requires_grad))
+            self.slots.append(FlatSlot(self, i, offset, local.numel()))
+            offset += local.numel()
+        # The leaf shares the buffer's storage: what the optimizer writes through the shards
+        # is what the next forward reads.
+        self.leaf = buffer.detach().requires_grad_(True)
+        self.leaf.register_post_accumulate_grad_hook(self.hand_out_grad)
+
+    def piece(self, index: int) -> torch.Tensor:
+        """Member ``index``'s local shard, a view of the leaf. Inside the model's forward the
+        bucket is split once (cached in the gather scope, emptied at both ends of forward)."""
+        scope = self.scope
+        pieces = scope.flat_pieces.get(self.name) if scope.active else None
+        if pieces is None:
+            pieces = self.pieces()
+            if scope.active:
+                scope.flat_pieces[self.name] = pieces
+        return pieces[index]
+
+    def pieces(self) -> tuple[torch.Tensor, ...]:
+        """The local shards as views of the leaf, in buffer order: one split, whose backward
+        is one concatenation of their gradients; the gradient's "avg" scaling once, here."""
+        # Annotated: the recompute pass recomputes these views in backward, so a re-gather
+        # there reads the leaf, not one saved view per parameter (passes/recompute.py).
+        with fx_traceback.annotate({FLAT_KEY: self.name}):
+            leaf = self.leaf
+            if self.grad_scale != 1.0:
+                leaf = _ScaleGrad.apply(leaf, self.grad_scale)
+            pieces = torch.split(leaf, self.numels)
+            return tuple(t.view(s) for t, s in zip(pieces, self.shapes))
+
+    def hand_out_grad(self, leaf: torch.Tensor) -> None:
+        """The leaf's gradient as each parameter's ``.grad`` (views: no copy), added to a
+        gradient already there; the leaf's own is dropped, so ``zero_grad`` on the
+        parameters is all a training loop does."""
+        grad, leaf.grad = leaf.grad, None
+        for p, slot, shape in zip(self.params, self.slots, self.shapes):
+            local = grad.narrow(0, slot.offset, slot.numel).view(shape)
+            if p.grad is None:
+                p.grad = DTensor.from_local(local, p.device_mesh, p.placements,
+                                            run_check=False, shape=p.shape, stride=p.stride())
+            else:
+                p.grad.to_local().add_(local)
+
+
+def flat_eligible(shard: DTensor, mesh_size: int, mp_layout, spec) -> bool:
+    """Whether a parameter can live in a flat buffer: plain (no TP/EP), FSDP over a mesh of dp
+    dims only, sharded evenly on dim 0, trained."""
+    return (mp_layout is None and spec.dp_mesh is None and not spec.hybrid
+            and shard.requires_grad and tuple(shard.placements) == (Shard(0),)
+            and shard.ndim > 0 and shard.shape[0] % mesh_size == 0)
