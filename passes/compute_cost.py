@@ -16,6 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from .collectives import is_collective, is_wait
 from .node_meta import alias_kind, concrete_int, has_value, node_bytes, node_value
+from .view_cat import adjacent_run
 
 if TYPE_CHECKING:
     from .hardware import Hardware
@@ -95,11 +96,14 @@ _FLOPS_SEEN: dict = {}
 
 def node_time(node: fx.Node, hw: Hardware) -> float:
     """Roofline seconds of a compute node: max(FLOPs / flops_per_s, bytes read+written / mem_bw).
-    0 for placeholders, output, views/getitem, collectives and waits (comm_cost.py)."""
+    0 for placeholders, output, views/getitem, collectives and waits (comm_cost.py), and a
+    cat that view_cat.py turns into a view."""
     if node.op != "call_function" or is_collective(node) or is_wait(node):
         return 0.0
     if node.target in _NO_TRAFFIC or alias_kind(node) == "view":
         return 0.0
+    if node.target is aten.cat.default and adjacent_run(node) is not None:
+        return 0.0  # a view once view_cat.py has run (a flat bucket's copy-in)
     if not has_value(node):
         return 0.0  # no tensor output (sym_size, scalar arithmetic, ...)
     moved = node_bytes(node) + sum(node_bytes(a) for a in node.all_input_nodes)

@@ -40,7 +40,7 @@ def elide_view_cats(gm: fx.GraphModule) -> fx.GraphModule:
     graph = gm.graph
     changed = False
     for node in list(graph.find_nodes(op="call_function", target=aten.cat.default)):
-        run = _adjacent_run(node)
+        run = adjacent_run(node)
         if run is None:
             continue
         root, start, end, cast = run
@@ -65,7 +65,7 @@ def elide_view_cats(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def _adjacent_run(cat: fx.Node):
+def adjacent_run(cat: fx.Node):
     """(x, first element, end, the cast or None) when ``cat`` concatenates adjacent views of
     x (each under the same cast, or none), else None."""
     pieces = cat.args[0]

@@ -25,6 +25,7 @@ from simplesharded.backends import make_backend
 from simplesharded.grad_clip import clip_coefficient, global_norm, scale_
 from simplesharded.passes.annotations import UPDATE_KEY
 from simplesharded.passes.torch_compat import STEP_GRAPH, needs
+from simplesharded.sharded_state import sharded_state
 from simplesharded.optim_update import (apply_update, hyperparameters, prepare,
                                         step_inputs)
 
@@ -70,6 +71,12 @@ def compile_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     if not (isinstance(accumulation_steps, int) and accumulation_steps >= 1):
         raise ValueError(f"compile_step: accumulation_steps={accumulation_steps!r} is not a "
                          f"positive integer")
+    if any(r.flat is not None for m in model.modules() if (st := sharded_state(m)) is not None
+           for r in st.params.values()):
+        # its backward is torch.autograd.grad of the optimizer's parameters, which a flat
+        # bucket's forward does not read (it reads the bucket's leaf)
+        raise ValueError("compile_step: the model is wrapped with flat_buckets=True, which "
+                         "compile_step does not take yet; wrap it with flat_buckets=False")
     params = prepare(optimizer)
     groups = [[p for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
     decoupled = type(optimizer) is torch.optim.AdamW

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import re
+import tempfile
 
 import pytest
 import torch
@@ -46,6 +47,12 @@ STEPS = 10
 INDUCTOR_LAYERS = 1  # C++ compile time grows with kernels (~1 s each here); buckets: 3
 INDUCTOR_TOL = 1e-4
 AOT = ("aot_eager", "aot_eager_blockbucketing", "aot_eager_autobucketing")
+# data_parallel(..., flat_buckets=True) (simplesharded/flat_shards.py) under the same backends:
+# bitwise the same training, with fewer copies (counted below); "flat:eager" against "eager";
+# and under bf16 mixed precision against the same backend without flat buffers.
+FLAT = ("flat:aot_eager_blockbucketing", "flat:aot_eager_autobucketing")
+FLAT_PAIRS = (("eager", "flat:eager"),
+              ("bf16:aot_eager_blockbucketing", "bf16+flat:aot_eager_blockbucketing"))
 INDUCTOR = ("inductor_blockbucketing", "inductor_autobucketing", "inductor")
 
 _COLLECTIVE = {"all_gather": r"all_gather_into_tensor(_out)?\.default\(",
@@ -60,7 +67,10 @@ def _code_counts(code: str) -> dict[str, int]:
 def _train(rank, world, backend, n_layers, opt_name, get_code=False, mode="fully_shard"):
     """STEPS steps of one backend; returns losses, final local shards, the collective counts
     and the order of collectives among matmuls (tests/support/inductor_code.py) of the graphs our
-    pipeline produced (kind → ...) and, optionally, the same of inductor's code."""
+    pipeline produced (kind → ...) and, optionally, the same of inductor's code. ``backend``
+    may carry options before a colon: ``flat`` (flat_buckets=True), ``bf16`` (param_dtype)."""
+    options, _, backend = backend.rpartition(":")
+    options = set(options.split("+")) - {""}
     import simplesharded as ss
     from simplesharded.mesh import build_mesh
     from simplesharded.passes.collectives import count_collectives
@@ -78,15 +88,19 @@ def _train(rank, world, backend, n_layers, opt_name, get_code=False, mode="fully
         graph_counts[kind]["all_gather_coalesced"] = sum(
             n.target is torch.ops._c10d_functional.all_gather_into_tensor_coalesced.default
             for n in gm.graph.nodes)
+        graph_counts[kind]["cat"] = sum(n.target is torch.ops.aten.cat.default
+                                        for n in gm.graph.nodes)
 
     torch._dynamo.reset()
     # ZeRO-3 (every block re-gathered in backward): the counts below assume it
+    mp = ss.MixedPrecisionPolicy(param_dtype=torch.bfloat16) if "bf16" in options else None
     model = ss.data_parallel(toy_blocks.make_model(n_layers=n_layers), mesh, mode,
-                             reshard_after_forward=True)
+                             reshard_after_forward=True, mp_policy=mp,
+                             flat_buckets="flat" in options)
     opt = (torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
            if opt_name == "adamw" else torch.optim.SGD(model.parameters(), lr=0.1))
-    compiled = torch.compile(model, fullgraph=True,
-                             backend=ss.make_backend(backend, observer=observe))
+    compiled = model if backend == "eager" else torch.compile(
+        model, fullgraph=True, backend=ss.make_backend(backend, observer=observe))
     numel = world * toy_blocks.BATCH_PER_RANK * toy_blocks.SEQ
     losses, code_counts, code_orders = [], None, None
     for step in range(STEPS):
@@ -114,8 +128,46 @@ def _train(rank, world, backend, n_layers, opt_name, get_code=False, mode="fully
                 graph_orders=graph_orders, code_orders=code_orders)
 
 
-def aot_job(rank, world):
-    return {be: _train(rank, world, be, toy_blocks.N_LAYERS, "adamw") for be in AOT}
+def aot_job(rank, world, tmp):
+    out = {be: _train(rank, world, be, toy_blocks.N_LAYERS, "adamw")
+           for be in AOT + FLAT + tuple(b for pair in FLAT_PAIRS for b in pair)}
+    out["dcp"] = _dcp_round_trip(rank, world, tmp)
+    return out
+
+
+def _dcp_round_trip(rank, world, tmp):
+    """A DCP checkpoint saved without flat buffers loads into a model with them (and back):
+    the values land in the buffers, which forward then reads."""
+    import torch.distributed.checkpoint as dcp
+
+    import simplesharded as ss
+    from simplesharded.mesh import build_mesh
+
+    mesh = build_mesh(dp_replicate=1, dp_shard=world, device="cpu")
+    tokens, _ = toy_blocks.batch(rank, 0)
+
+    def model(flat, seed):  # each its own weights: a load must change every one
+        return ss.data_parallel(toy_blocks.make_model(seed), mesh, flat_buckets=flat)
+
+    def full(m):
+        return {n: p.full_tensor() for n, p in m.named_parameters()}
+
+    saved = model(False, 1)
+    dcp.save(saved.state_dict(), checkpoint_id=f"{tmp}/plain")
+    flat = model(True, 2)
+    dcp.load(flat.state_dict(), checkpoint_id=f"{tmp}/plain")
+    dcp.save(flat.state_dict(), checkpoint_id=f"{tmp}/flat")
+    back = model(False, 3)
+    dcp.load(back.state_dict(), checkpoint_id=f"{tmp}/flat")
+    with torch.no_grad():
+        outputs = [m(tokens) for m in (saved, flat, back)]
+    want = full(saved)
+    assert not any(torch.equal(v, want[n]) for n, v in full(model(True, 2)).items())
+    return dict(loaded_flat=all(torch.equal(v, want[n]) for n, v in full(flat).items()),
+                loaded_back=all(torch.equal(v, want[n]) for n, v in full(back).items()),
+                same_output=all(torch.equal(o, outputs[0]) for o in outputs[1:]),
+                placements=[(n, p.placements, p.shape) for n, p in flat.named_parameters()]
+                == [(n, p.placements, p.shape) for n, p in saved.named_parameters()])
 
 
 def aot_replicate_job(rank, world):
@@ -174,6 +226,9 @@ def _plain_torch_inductor(rank, world):
 
 @functools.lru_cache(maxsize=None)
 def _run(job_name):
+    if job_name == "aot_job":
+        with tempfile.TemporaryDirectory() as tmp:
+            return spawn(WORLD, aot_job, tmp, timeout_s=900)
     return spawn(WORLD, globals()[job_name], timeout_s=900)
 
 
@@ -218,6 +273,43 @@ def test_aot_eager_bucketing_bitwise():
                 assert torch.equal(got["params"][name], p), (rank, be, name)
         assert ref["losses"][-1] < ref["losses"][0]  # it trains
     assert ranks[0]["aot_eager"]["losses"] != ranks[1]["aot_eager"]["losses"]  # data differ
+
+
+def _same_training(got, ref, what):
+    assert got["losses"] == ref["losses"], (what, got["losses"], ref["losses"])
+    assert got["params"].keys() == ref["params"].keys()
+    for name, p in ref["params"].items():
+        assert torch.equal(got["params"][name], p), (what, name)
+
+
+def test_flat_buckets_train_bitwise_as_without_and_copy_less():
+    """flat_buckets=True: the same losses and shards, bit for bit, under both bucketing
+    backends (against plain aot_eager), eager, and bf16 mixed precision; and the copies it
+    removes are gone from the graphs. The toy's block buckets are all even (flat); its head
+    bucket mixes norm.weight (flat) with the 7-row output.weight (not: uneven), its embedding
+    is alone and uneven."""
+    n = toy_blocks.N_LAYERS
+    for rank, res in enumerate(_run("aot_job")):
+        for be in FLAT:
+            _same_training(res[be], res["aot_eager"], (rank, be))
+        for plain, flat in FLAT_PAIRS:
+            _same_training(res[flat], res[plain], (rank, flat))
+        plain = res["aot_eager_blockbucketing"]["graph_counts"]
+        flat = res["flat:aot_eager_blockbucketing"]["graph_counts"]
+        assert plain["fw"]["all_gather"] == flat["fw"]["all_gather"] == n + 2
+        assert plain["bw"]["reduce_scatter"] == flat["bw"]["reduce_scatter"] == n + 2
+        # forward: a cat per bucketed gather (blocks, head), flat: the head's only (its
+        # uneven output.weight is not in the buffer)
+        assert (plain["fw"]["cat"], flat["fw"]["cat"]) == (n + 1, 1)
+        # backward, plain: each bucket's re-gather copy-in and reduce-scatter copy-in, and
+        # the uneven parameters' padding; flat: no block re-gather copy-in, and no cat of a
+        # buffer's gradient pieces either (the split's backward, one per buffer, is a view)
+        assert plain["bw"]["cat"] - flat["bw"]["cat"] == n
+        bf16 = res["bf16+flat:aot_eager_blockbucketing"]["graph_counts"]
+        assert bf16["fw"]["cat"] == 1
+        dcp = res["dcp"]
+        assert dcp == dict(loaded_flat=True, loaded_back=True, same_output=True,
+                           placements=True), (rank, dcp)
 
 
 def test_replicate_all_reduce_bucketing_bitwise():
