@@ -20,17 +20,18 @@ ranks' chunks of the gathered buffer (docs/zero_copy.md says why its placement s
 
 Invariant: a buffer's members, order and offsets depend only on the module tree and the
 parameters' shapes, so they are the same on every rank; a buffer holds one dtype, one mesh and
-parameters sharded evenly on dim 0 only.
+parameters sharded evenly on dim 0 only (replicated over HSDP's other dim).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.fx.traceback as fx_traceback
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from simplesharded.gather import _ScaleGrad
 from simplesharded.passes.annotations import FLAT_KEY
@@ -118,9 +119,16 @@ class FlatShards:
                 p.grad.to_local().add_(local)
 
 
-def flat_eligible(shard: DTensor, mesh_size: int, mp_layout, spec) -> bool:
-    """Whether a parameter can live in a flat buffer: plain (no TP/EP), FSDP over a mesh of dp
-    dims only, sharded evenly on dim 0, trained."""
-    return (mp_layout is None and spec.dp_mesh is None and not spec.hybrid
-            and shard.requires_grad and tuple(shard.placements) == (Shard(0),)
-            and shard.ndim > 0 and shard.shape[0] % mesh_size == 0)
+def flat_eligible(shard: DTensor, mp_layout, spec) -> bool:
+    """Whether a parameter can live in a flat buffer: plain (no TP/EP) on a mesh of dp dims
+    only, sharded evenly on dim 0 (FSDP; HSDP's replicated dim aside), trained."""
+    if mp_layout is not None or spec.dp_mesh is not None or not shard.requires_grad:
+        return False
+    mesh, placements = shard.device_mesh, shard.placements
+    if any(type(p) not in (Shard, Replicate) for p in placements):
+        return False  # _StridedShard and the like
+    if any(isinstance(p, Shard) and p.dim != 0 for p in placements):
+        return False
+    ranks = math.prod(mesh.size(i) for i, p in enumerate(placements) if isinstance(p, Shard))
+    return ranks > 0 and shard.ndim > 0 and shard.shape[0] % ranks == 0 and any(
+        isinstance(p, Shard) for p in placements)

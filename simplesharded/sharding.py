@@ -100,8 +100,8 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     first block; those after the last) in one contiguous buffer, every shard a view of it, so
     the bucketed all-gather reads the buffer as it is and the gradient lands as the
     reduce-scatter's output (simplesharded/flat_shards.py). Parameters, ``state_dict()`` and
-    checkpoints are the same. Plain parameters sharded evenly on dim 0 of a 1-D dp mesh only;
-    the others stay on their own. Not with :func:`simplesharded.compile_step`.
+    checkpoints are the same. Plain parameters sharded evenly on dim 0 over a mesh of dp dims
+    (FSDP, HSDP) only; the others stay on their own. Not with :func:`simplesharded.compile_step`.
     A parameter read more than once in one forward of ``model`` (tied weights, a module called
     twice) is gathered once; its gradient is summed locally and reduced once (eager: tied
     weights only, so an uncompiled gather never outlives its block).
@@ -168,7 +168,7 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
             else:
                 scope.tied.add(shards[id(param)][1].fqn)
     if flat_buckets:
-        _pack_flat(shards, dense.size(), scope)
+        _pack_flat(shards, scope)
     for mod_name, module, names in owners:
         records = {}
         for name in names:
@@ -189,7 +189,7 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     return model
 
 
-def _pack_flat(shards: dict[int, tuple[nn.Parameter, ShardedParam]], mesh_size: int,
+def _pack_flat(shards: dict[int, tuple[nn.Parameter, ShardedParam]],
                scope: _GatherScope) -> None:
     """Move the eligible shards of each bucket into one buffer (in ``shards``' module order):
     a block's parameters, those before the first block ("pre") and after it ("post"); one
@@ -199,11 +199,11 @@ def _pack_flat(shards: dict[int, tuple[nn.Parameter, ShardedParam]], mesh_size: 
     seen_block = False
     for key, (shard, record) in shards.items():
         seen_block = seen_block or record.block is not None
-        if not flat_eligible(shard, mesh_size, record.mp_layout, record.spec):
+        if not flat_eligible(shard, record.mp_layout, record.spec):
             continue
         bucket = record.block if record.block is not None else ("post" if seen_block else "pre")
-        groups.setdefault((bucket, shard.dtype, shard.device), []).append(key)
-    for (bucket, dtype, _), keys in groups.items():
+        groups.setdefault((bucket, shard.dtype, shard.device, shard.placements), []).append(key)
+    for (bucket, dtype, *_), keys in groups.items():
         spec = shards[keys[0]][1].spec
         # "avg" scales the gradient on the leaf, once for the bucket (gather.py scales a
         # float16 reduction before it instead, per parameter)

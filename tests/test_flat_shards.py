@@ -144,3 +144,24 @@ def test_meta_init_writes_through_to_the_buffers_forward_reads():
         for (n, a), (_, b) in zip(ref.named_parameters(), model.named_parameters()):
             assert torch.equal(a.to_local(), b.to_local()), n
         assert torch.equal(out, ref_out)
+
+
+def test_accumulation_without_sync_is_bitwise_and_leaves_grads_alone():
+    """no_gradient_sync (FSDP2's set_requires_gradient_sync): a no-sync backward does not
+    touch the buffer's leaf, so .grad stays None until the sync backward hands out the sum."""
+    with _world_of_one() as mesh:
+        def accumulated(flat):
+            model = ss.data_parallel(toy_blocks.make_model(), mesh, flat_buckets=flat)
+            batches = [toy_blocks.batch(0, i) for i in range(3)]
+            with ss.no_gradient_sync(model):
+                for tokens, targets in batches[:2]:
+                    toy_blocks.loss_fn(model(tokens), targets, targets.numel()).backward()
+            untouched = all(p.grad is None for p in model.parameters())
+            tokens, targets = batches[2]
+            toy_blocks.loss_fn(model(tokens), targets, targets.numel()).backward()
+            return untouched, {n: p.grad.to_local() for n, p in model.named_parameters()}
+
+        (ref_untouched, ref), (untouched, got) = accumulated(False), accumulated(True)
+        assert ref_untouched and untouched
+        assert got.keys() == ref.keys()
+        assert all(torch.equal(got[n], ref[n]) for n in ref)

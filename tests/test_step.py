@@ -463,15 +463,17 @@ def _trainer_job(rank, world):
 
     config = str(Path(__file__).resolve().parents[1] / "configs" / "llama3_debug.toml")
     out = {}
-    for scope in ("model", "step"):
+    # "flat": scope model with flat_buckets (simplesharded/flat_shards.py): the same training
+    for run, extra in (("model", []), ("step", ["--compile.scope", "step"]),
+                       ("flat", ["--parallelism.flat_buckets"])):
         torch._dynamo.reset()
         cfg = check_static(load_config(None, ["--job.config_file", config, *TRAINER_ARGS,
-                                              "--compile.scope", scope]), world)
+                                              *extra]), world)
         trainer = Trainer(cfg, "cpu")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             records = [trainer.train_step() for _ in range(TRAINER_STEPS)]
-        out[scope] = {"loss": [r["loss"] for r in records],
+        out[run] = {"loss": [r["loss"] for r in records],
                       "grad_norm": [r["grad_norm"] for r in records],
                       "scheduler_warnings": sum("lr_scheduler.step()" in str(w.message)
                                                 for w in caught)}
@@ -484,16 +486,20 @@ def _trainer_results():
 
 
 @pytest.mark.slow
-def test_trainer_step_scope_trains_as_model_scope():
+def test_trainer_step_scope_and_flat_buckets_train_as_model_scope():
     """compile.scope=step against scope=model on llama3 debug, 10 steps (warmup and cosine
     schedule, max_norm 1.0): the same losses and gradient norms up to the clipping's rounding
-    (the norm is summed in another order; measured ≤ 1.2e-7 relative, asserted ≤ 1e-6)."""
+    (the norm is summed in another order; measured ≤ 1.2e-7 relative, asserted ≤ 1e-6).
+    parallelism.flat_buckets with scope=model: bitwise the same."""
     for rank, res in enumerate(_trainer_results()):
         for key in ("loss", "grad_norm"):
             a, b = res["step"][key], res["model"][key]
             assert all(abs(x - y) <= 1e-6 * abs(y) for x, y in zip(a, b)), (rank, key, a, b)
         # the graph takes the optimizer's step: torch's scheduler must not warn that it saw none
         assert res["step"]["scheduler_warnings"] == 0, rank
+        # the trainer's flat_buckets: bitwise the same losses and norms
+        assert res["flat"]["loss"] == res["model"]["loss"], rank
+        assert res["flat"]["grad_norm"] == res["model"]["grad_norm"], rank
 
 
 def test_step_scope_refuses_what_it_does_not_do():
@@ -503,6 +509,7 @@ def test_step_scope_refuses_what_it_does_not_do():
     for extra, key in ((["--training.gradient_sync", "last_microbatch"],
                         "training.gradient_sync"),
                        (["--optimizer.name", "SGD"], "optimizer.name"),
+                       (["--parallelism.flat_buckets"], "parallelism.flat_buckets"),
                        (["--compile.backend", "inductor"], "compile.backend")):
         with pytest.raises(ValueError, match=key):
             load_config("configs/llama3_debug.toml",
