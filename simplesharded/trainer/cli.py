@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"mode={cfg.parallelism.mode} mesh={_mesh_text(trainer.mesh)} "
                   f"compile={cfg.compile.backend if cfg.compile.enable else 'off'}"
                   f"{' scope=step' if trainer.whole_step is not None else ''}"
+                  f"{' flat_buckets' if cfg.parallelism.flat_buckets else ''}"
                   f"{_pipeline_text(cfg, trainer.pipeline)}", flush=True)
         trainer.run()
     except ValueError as e:
