@@ -94,8 +94,7 @@ def _kind(placements: tuple) -> tuple | None:
 def _land(shard: DTensor, param: ShardedParam, local: torch.Tensor) -> None:
     """Add ``local`` (this rank's reduced chunk) to the shard's ``.grad``."""
     spec = param.spec
-    pre_scale = (spec.reduce_dtype or spec.param_dtype or shard.dtype) == torch.float16
-    if spec.grad_scale != 1.0 and not pre_scale:
+    if spec.grad_scale != 1.0 and not spec.scales_before_reduction(shard.dtype):
         local = local * spec.grad_scale
     local = local.to(shard.dtype).contiguous()
     grad = DTensor.from_local(local, shard.device_mesh, shard.placements, run_check=False,
@@ -105,7 +104,7 @@ def _land(shard: DTensor, param: ShardedParam, local: torch.Tensor) -> None:
 
 def _prepared(param: ShardedParam, grad: torch.Tensor, rdt: torch.dtype) -> torch.Tensor:
     spec = param.spec
-    pre_scale = (spec.reduce_dtype or spec.param_dtype or grad.dtype) == torch.float16
+    pre_scale = spec.scales_before_reduction(grad.dtype)
     grad = grad.to(rdt)
     return grad * spec.grad_scale if spec.grad_scale != 1.0 and pre_scale else grad
 

@@ -67,7 +67,7 @@ class FlatShards:
         self.params: list[nn.Parameter] = []
         self.slots: list[FlatSlot] = []
         offset = 0
-        for i, ((fqn, p), local) in enumerate(zip(params, locals_)):
+        for i, ((_, p), local) in enumerate(zip(params, locals_)):
             view = buffer.narrow(0, offset, local.numel()).view(local.shape)
             view.copy_(local)
             shard = DTensor.from_local(view, p.device_mesh, p.placements, run_check=False,
@@ -129,6 +129,5 @@ def flat_eligible(shard: DTensor, mp_layout, spec) -> bool:
         return False  # _StridedShard and the like
     if any(isinstance(p, Shard) and p.dim != 0 for p in placements):
         return False
-    ranks = math.prod(mesh.size(i) for i, p in enumerate(placements) if isinstance(p, Shard))
-    return ranks > 0 and shard.ndim > 0 and shard.shape[0] % ranks == 0 and any(
-        isinstance(p, Shard) for p in placements)
+    sharded = [i for i, p in enumerate(placements) if isinstance(p, Shard)]
+    return bool(sharded) and shard.shape[0] % math.prod(mesh.size(i) for i in sharded) == 0

@@ -105,7 +105,7 @@ def _gathered(shard: DTensor, param: ShardedParam) -> torch.Tensor:
                                        run_check=False, shape=shape, stride=stride)
         # "avg" scales the gradient once it is reduced, on the shard (1/dp of the elements),
         # except when it is reduced in float16, whose sum over ranks could overflow first.
-        pre_scale = (spec.reduce_dtype or spec.param_dtype or shard.dtype) == torch.float16
+        pre_scale = spec.scales_before_reduction(shard.dtype)
         if spec.grad_scale != 1.0 and not pre_scale and param.flat is None:  # flat: on the leaf
             shard = DTensor.from_local(_ScaleGrad.apply(shard.to_local(), spec.grad_scale),
                                        shard.device_mesh, shard.placements, run_check=False,

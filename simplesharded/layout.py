@@ -49,6 +49,12 @@ class _GatherSpec:
     dp_groups: tuple[str, ...] = ()  # process-group names of the dp dims (see DP_GROUPS_KEY)
     grad_sync: _GradSync | None = None  # the model's set_requires_gradient_sync state
 
+    def scales_before_reduction(self, dtype: torch.dtype) -> bool:
+        """Whether "avg" scales a gradient of a ``dtype`` parameter before its reduction:
+        only when it is reduced in float16, whose sum over ranks could overflow first;
+        otherwise once it is reduced, on the shard (1/dp of the elements)."""
+        return (self.reduce_dtype or self.param_dtype or dtype) == torch.float16
+
 
 @dataclass(frozen=True)
 class _MPLayout:

@@ -207,10 +207,9 @@ def _pack_flat(shards: dict[int, tuple[nn.Parameter, ShardedParam]],
         spec = shards[keys[0]][1].spec
         # "avg" scales the gradient on the leaf, once for the bucket (gather.py scales a
         # float16 reduction before it instead, per parameter)
-        pre_scale = (spec.reduce_dtype or spec.param_dtype or dtype) == torch.float16
         flat = FlatShards(f"{bucket}/{str(dtype).removeprefix('torch.')}",
                           [(shards[k][1].fqn, shards[k][0]) for k in keys], scope,
-                          1.0 if pre_scale else spec.grad_scale)
+                          1.0 if spec.scales_before_reduction(dtype) else spec.grad_scale)
         for k, param, slot in zip(keys, flat.params, flat.slots):
             shards[k] = (param, dataclasses.replace(shards[k][1], flat=slot))
 
