@@ -5,7 +5,14 @@ cd "$(dirname "$0")"
 source scripts/bootstrap.sh
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 set +e
-"$PY" -m pytest -q -ra --durations=40 "$@"  # the slowest tests: the suite has a time budget
+# Test files run on parallel workers (pytest-xdist, one file per worker so that a file's shared
+# spawn runs once): most tests compile on one core. SIMPLESHARDED_TEST_WORKERS=0 runs them in
+# this process; a Python without xdist (SIMPLESHARDED_PYTHON) runs them serially too.
+WORKERS=()
+if [ "${SIMPLESHARDED_TEST_WORKERS:-auto}" != 0 ] && "$PY" -c "import xdist" 2>/dev/null; then
+    WORKERS=(-n "${SIMPLESHARDED_TEST_WORKERS:-auto}" --dist loadfile)
+fi
+"$PY" -m pytest -q -ra --durations=40 "${WORKERS[@]}" "$@"  # the slowest: the suite has a time budget
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
