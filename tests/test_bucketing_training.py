@@ -16,7 +16,9 @@ from the same initial shards, in one spawned job per compiler.
   ≤ 4.6e-7 and parameter rel. diff ≤ 2.3e-7, and for 4 blocks with AdamW loss rel. diff ≤ 2e-6
   and parameter abs. diff ≤ 2.5e-5 (Adam turns tiny gradient differences into lr-sized updates,
   see test_parity.py). INDUCTOR_TOL = 1e-4 (relative, as in test_parity.py) covers these with margin,
-  while any bucketing bug (wrong rows, wrong reduction) is an O(1) error.
+  while any bucketing bug (wrong rows, wrong reduction) is an O(1) error. The same holds for
+  ``inductor_blockbucketing`` over flat buffers (``flat_buckets=True``), whose graphs also
+  have the copies counted fewer.
   The generated code is checked to contain the bucketed collective counts, so the post-grad pass
   really ran (no cache bypass: dist_utils.BASE_ENV turns inductor's FX-graph and AOT caches
   off; only compiled kernels are shared, between the two ranks), and to
@@ -53,7 +55,9 @@ AOT = ("aot_eager", "aot_eager_blockbucketing", "aot_eager_autobucketing")
 FLAT = ("flat:aot_eager_blockbucketing", "flat:aot_eager_autobucketing")
 FLAT_PAIRS = (("eager", "flat:eager"),
               ("bf16:aot_eager_blockbucketing", "bf16+flat:aot_eager_blockbucketing"))
-INDUCTOR = ("inductor_blockbucketing", "inductor_autobucketing", "inductor")
+# the plain "inductor" (reference) runs last
+INDUCTOR = ("inductor_blockbucketing", "inductor_autobucketing", "flat:inductor_blockbucketing",
+            "inductor")
 
 _COLLECTIVE = {"all_gather": r"all_gather_into_tensor(_out)?\.default\(",
                # our bucketing backends lower gloo's reduce-scatter to all_to_all_single + sum
@@ -342,12 +346,25 @@ def test_inductor_bucketing_matches_inductor():
         assert [c["all_gather"] for c in auto["code_counts"]] == \
             [auto["graph_counts"]["fw"]["all_gather"], auto["graph_counts"]["bw"]["all_gather"]]
         assert auto["code_counts"][0]["all_gather"] < n
-        for be in INDUCTOR[:2]:
+        for be in INDUCTOR[:-1]:
             got = res[be]
             for s, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
                 assert abs(a - b) <= INDUCTOR_TOL * abs(b), (rank, be, s, a, b)
             for name, p in ref["params"].items():
                 assert max_rel_diff(got["params"][name], p) <= INDUCTOR_TOL, (rank, be, name)
+
+
+def test_flat_buckets_under_inductor():
+    """flat_buckets=True under inductor_blockbucketing: inductor's code has the same bucketed
+    collectives as without flat buffers, and the graph handed to inductor the fewer copies
+    (the aot_eager test's counts: forward n+1 cats -> 1, backward n fewer; n = blocks)."""
+    n = INDUCTOR_LAYERS
+    for rank, res in enumerate(_run("inductor_job")):
+        plain, flat = res["inductor_blockbucketing"], res["flat:inductor_blockbucketing"]
+        assert flat["code_counts"] == plain["code_counts"], rank
+        got, want = flat["graph_counts"], plain["graph_counts"]
+        assert (want["fw"]["cat"], got["fw"]["cat"]) == (n + 1, 1), rank
+        assert want["bw"]["cat"] - got["bw"]["cat"] == n, rank
 
 
 def test_inductor_keeps_our_collective_order():
@@ -356,7 +373,7 @@ def test_inductor_keeps_our_collective_order():
     Both graphs overlap something (a start with a matmul before its wait), so an order that
     sank every start down to its wait would fail here."""
     for rank, res in enumerate(_run("inductor_job")):
-        for be in INDUCTOR[:2]:
+        for be in INDUCTOR[:-1]:
             got = res[be]
             for kind, code in zip(("fw", "bw"), got["code_orders"]):
                 ours = got["graph_orders"][kind]
