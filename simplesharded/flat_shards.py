@@ -19,8 +19,10 @@ The all-gather's copy-out stays: a parameter sharded on dim 0 is interleaved acr
 ranks' chunks of the gathered buffer (docs/zero_copy.md says why its placement stays).
 
 Invariant: a buffer's members, order and offsets depend only on the module tree and the
-parameters' shapes, so they are the same on every rank; a buffer holds one dtype, one mesh and
-parameters sharded evenly on dim 0 only (replicated over HSDP's other dim).
+parameters' shapes, so they are the same on every rank; a buffer holds one dtype and
+parameters gathered over one dp mesh with the same placements there, sharded evenly on dim 0
+only (replicated over HSDP's other dim). Under TP and EP that is dim 0 of the rank's
+model-parallel shard, which is what the dp gather rebuilds.
 """
 from __future__ import annotations
 
@@ -119,15 +121,26 @@ class FlatShards:
                 p.grad.to_local().add_(local)
 
 
+def dp_view(shard: DTensor, mp_layout, spec) -> tuple:
+    """What the dp all-gather of a parameter sees (gather.py): its mesh, its placements there
+    and the shape it gathers back (the rank's model-parallel shard under TP or EP)."""
+    if mp_layout is not None:
+        return spec.dp_mesh, tuple(mp_layout.dp_placements), tuple(mp_layout.local_shape)
+    if spec.dp_mesh is not None:  # a plain parameter on a mesh with tp/ep dims after the dp ones
+        return spec.dp_mesh, tuple(shard.placements[:spec.dp_mesh.ndim]), tuple(shard.shape)
+    return shard.device_mesh, tuple(shard.placements), tuple(shard.shape)
+
+
 def flat_eligible(shard: DTensor, mp_layout, spec) -> bool:
-    """Whether a parameter can live in a flat buffer: plain (no TP/EP) on a mesh of dp dims
-    only, sharded evenly on dim 0 (FSDP; HSDP's replicated dim aside), trained."""
-    if mp_layout is not None or spec.dp_mesh is not None or not shard.requires_grad:
+    """Whether a parameter can live in a flat buffer: trained, and sharded evenly on dim 0 of
+    what its dp all-gather sees (FSDP; HSDP's replicated dim aside; under TP and EP the rank's
+    model-parallel shard, so its local shard is a dim-0 slice of that)."""
+    if not shard.requires_grad:
         return False
-    mesh, placements = shard.device_mesh, shard.placements
+    mesh, placements, shape = dp_view(shard, mp_layout, spec)
     if any(type(p) not in (Shard, Replicate) for p in placements):
         return False  # _StridedShard and the like
     if any(isinstance(p, Shard) and p.dim != 0 for p in placements):
         return False
     sharded = [i for i, p in enumerate(placements) if isinstance(p, Shard)]
-    return bool(sharded) and shard.shape[0] % math.prod(mesh.size(i) for i in sharded) == 0
+    return bool(sharded) and shape[0] % math.prod(mesh.size(i) for i in sharded) == 0

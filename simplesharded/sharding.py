@@ -28,7 +28,7 @@ from torch.distributed.tensor import Partial, Replicate
 
 from simplesharded.blocks import BlockSpec, block_of
 from simplesharded.eager_reshard import _EagerReshard
-from simplesharded.flat_shards import FlatShards, flat_eligible
+from simplesharded.flat_shards import FlatShards, dp_view, flat_eligible
 from simplesharded.gather import _GatherScope, _sharded_property
 from simplesharded.grad_sync import _GradSync
 from simplesharded.layout import _DPView, _GatherSpec, _mode_placements, _shard_param
@@ -100,8 +100,9 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     first block; those after the last) in one contiguous buffer, every shard a view of it, so
     the bucketed all-gather reads the buffer as it is and the gradient lands as the
     reduce-scatter's output (simplesharded/flat_shards.py). Parameters, ``state_dict()`` and
-    checkpoints are the same. Plain parameters sharded evenly on dim 0 over a mesh of dp dims
-    (FSDP, HSDP) only; the others stay on their own. Not with :func:`simplesharded.compile_step`.
+    checkpoints are the same. Parameters sharded evenly on dim 0 of what their dp gather
+    rebuilds (FSDP, HSDP; under TP/EP the rank's model-parallel shard); the others (uneven,
+    frozen) stay on their own. Not with :func:`simplesharded.compile_step`.
     A parameter read more than once in one forward of ``model`` (tied weights, a module called
     twice) is gathered once; its gradient is summed locally and reduced once (eager: tied
     weights only, so an uncompiled gather never outlives its block).
@@ -193,7 +194,7 @@ def _pack_flat(shards: dict[int, tuple[nn.Parameter, ShardedParam]],
                scope: _GatherScope) -> None:
     """Move the eligible shards of each bucket into one buffer (in ``shards``' module order):
     a block's parameters, those before the first block ("pre") and after it ("post"); one
-    buffer per dtype and device. The records gain their slot; the new parameters replace the
+    buffer per dtype, device and dp gather (EP's experts gather over dims of their own). The records gain their slot; the new parameters replace the
     old ones in ``shards``."""
     groups: dict[tuple, list[int]] = {}
     seen_block = False
@@ -202,13 +203,21 @@ def _pack_flat(shards: dict[int, tuple[nn.Parameter, ShardedParam]],
         if not flat_eligible(shard, record.mp_layout, record.spec):
             continue
         bucket = record.block if record.block is not None else ("post" if seen_block else "pre")
-        groups.setdefault((bucket, shard.dtype, shard.device, shard.placements), []).append(key)
-    for (bucket, dtype, *_), keys in groups.items():
+        mesh, placements, _ = dp_view(shard, record.mp_layout, record.spec)
+        # one dp gather per buffer: one group (the mesh's dims) and one grad scale
+        dp = (tuple(mesh.mesh_dim_names or ()), mesh.mesh.shape, placements,
+              record.spec.grad_scale)
+        groups.setdefault((bucket, shard.dtype, shard.device, dp), []).append(key)
+    names: set[str] = set()
+    for (bucket, dtype, _, (dims, *_)), keys in groups.items():
         spec = shards[keys[0]][1].spec
+        name = f"{bucket}/{str(dtype).removeprefix('torch.')}"
+        if name in names:  # a second dp group in the bucket (EP: the experts' own dims)
+            name = f"{name}/{'+'.join(dims) or len(names)}"
+        names.add(name)
         # "avg" scales the gradient on the leaf, once for the bucket (gather.py scales a
         # float16 reduction before it instead, per parameter)
-        flat = FlatShards(f"{bucket}/{str(dtype).removeprefix('torch.')}",
-                          [(shards[k][1].fqn, shards[k][0]) for k in keys], scope,
+        flat = FlatShards(name, [(shards[k][1].fqn, shards[k][0]) for k in keys], scope,
                           1.0 if spec.scales_before_reduction(dtype) else spec.grad_scale)
         for k, param, slot in zip(keys, flat.params, flat.slots):
             shards[k] = (param, dataclasses.replace(shards[k][1], flat=slot))

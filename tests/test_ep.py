@@ -26,6 +26,9 @@ The trainer runs in the same job (the debug config, eager): expert parallel degr
 none, its checkpoint resumed at degree 1, and pipeline stages with EP (pp 2 x ep 2, under
 reduce_once and gather_once) against none.
 
+With flat_buckets=True (TP 2 x EP 2) a block's dense and expert shards live in buffers of
+their own, and training is bitwise the run without them.
+
 One spawn of 4 gloo ranks runs every case (layouts x backends); the tests read its results.
 """
 from __future__ import annotations
@@ -39,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dist_utils import max_rel_diff, memo, spawn
+from dist_utils import flat_buffers, max_rel_diff, memo, spawn
 
 pytestmark = pytest.mark.slow
 
@@ -65,7 +68,9 @@ LAYOUTS = {
     # 2 experts per rank, efsdp 1
     (1, 1, 4, 8): (("eager", False), ("aot_eager_blockbucketing", True)),
     # TP 2 x EP 2 (dp_shard 2 = efsdp 1 x ep 2): the MoE runs on whole sequences per tp rank
-    (1, 2, 2, 8): (("eager", False), ("aot_eager_blockbucketing", False)),
+    # flat_buckets=True: the dense and the expert shards in buffers of their own per block
+    (1, 2, 2, 8): (("eager", False), ("aot_eager_blockbucketing", False),
+                   ("flat:aot_eager_blockbucketing", False)),
     # HSDP x EP: (dp_replicate 2, efsdp 1, ep 2); expert weights (Replicate, Shard) on
     # (dp_replicate, efsdp)
     (2, 1, 2, 8): (("eager", False),),
@@ -151,6 +156,7 @@ def _case(rank, world, rep, tp, ep, n_experts, backend, ac):
     from simplesharded.models.ep_dispatch import ep_compile_config
     from simplesharded.trainer.recipe import _ScopedCalls, apply_activation_checkpointing
 
+    flat, _, backend = backend.rpartition(":")
     torch._dynamo.reset()
     graphs: dict = {}
 
@@ -179,7 +185,8 @@ def _case(rank, world, rep, tp, ep, n_experts, backend, ac):
         apply_activation_checkpointing(model, "full", 1, compiled=backend != "eager",
                                        expert_parallel=True)
     mode = "hybrid_shard" if rep > 1 else "fully_shard"
-    ss.data_parallel(model, mesh, mode, grad_reduction="sum")  # train(): global token count
+    ss.data_parallel(model, mesh, mode, grad_reduction="sum",  # train(): global token count
+                     flat_buckets=flat == "flat")
     step_fn = model if backend == "eager" else _ScopedCalls(torch.compile(
         model, backend=ss.make_backend(backend, observer=observe), fullgraph=True),
         ep_compile_config)
@@ -189,7 +196,7 @@ def _case(rank, world, rep, tp, ep, n_experts, backend, ac):
     moe = model.layers[str(ARGS["n_layers"] - 1)].feed_forward
     w1 = moe.experts._parameters["w1"]  # the shard, not a gather
     return {"losses": losses, "params": params if rank == 0 else None, "graphs": graphs,
-            "backward_a2a": len(backward_a2a) // STEPS,
+            "backward_a2a": len(backward_a2a) // STEPS, "flat": flat_buffers(model),
             "w1": (tuple(repr(p) for p in w1.placements), tuple(w1.to_local().shape)),
             # "ep", or "world" where ep spans every rank (torch reuses the default group)
             "ep_label": group_label(mesh.get_group("ep").group_name)}
@@ -351,6 +358,22 @@ def test_all_to_alls_counted_never_recomputed_and_fingerprinted(key, case):
                        if e.startswith("all_to_all_single(") and e.endswith(f"group={ep})")]
             assert len(entries) == graphs[kind]["a2a_nodes_on_ep"] >= a2a[kind][ep], \
                 (rank, kind, graphs[kind]["fingerprint"])
+
+
+def test_flat_buckets_under_tp_and_ep_train_bitwise_as_without():
+    """flat_buckets=True on TP 2 x EP 2: the block's dense shards and its expert shards (dim 0
+    of each rank's experts, gathered over efsdp) live in two buffers, and training is bitwise
+    the run without them."""
+    key = (1, 2, 2, 8)
+    for rank, r in enumerate(run()):
+        plain = r[(key, ("aot_eager_blockbucketing", False))]
+        flat = r[(key, ("flat:aot_eager_blockbucketing", False))]
+        assert flat["flat"] == {"pre/float32": 1, "layers.0/float32": 10,
+                                "layers.0/float32/efsdp": 3, "post/float32": 2}, rank
+        assert flat["losses"] == plain["losses"], rank
+        if rank == 0:
+            for name, p in plain["params"].items():
+                assert torch.equal(flat["params"][name], p), name
 
 
 def test_eager_backward_exchanges_only_gradients():

@@ -13,6 +13,7 @@ doubled reduction, or a reduction over the wrong mesh dim is an O(1) error.
 With TP, bucketing must change nothing but the dp collectives: bucketed runs are bitwise
 equal to the unbucketed aot_eager run, the dp collectives drop to one per block bucket (as
 without TP), and the TP collectives are the same in number before and after our passes.
+So is a run with flat_buckets=True, where every shard lives in its block's buffer.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dist_utils import max_rel_diff, memo, spawn
+from dist_utils import flat_buffers, max_rel_diff, memo, spawn
 
 pytestmark = pytest.mark.slow
 
@@ -93,7 +94,9 @@ LAYOUTS = {
     (1, 2, 2, "fully_shard"): (("eager", True), ("eager", False), ("aot_eager", True),
                                ("aot_eager_blockbucketing", True),
                                ("aot_eager_autobucketing", True),
-                               ("inductor_blockbucketing", True)),
+                               ("inductor_blockbucketing", True),
+                               # flat_buckets=True: every shard in its block's buffer
+                               ("flat:aot_eager_blockbucketing", True)),
     (2, 1, 2, "hybrid_shard"): (("eager", True), ("aot_eager_blockbucketing", True)),
     # 8 processes on this machine's 2 cores: eager only (2x1x2 covers compiled HSDP x TP)
     (2, 2, 2, "hybrid_shard"): (("eager", True),),
@@ -112,7 +115,8 @@ def _layout(rank, world, rep, shard, tp, mode, cases):
     from simplesharded.passes.collectives import count_by_group, find_collectives, group_label
 
     out = {}
-    for backend, sp in cases:
+    for case, sp in cases:
+        flat, _, backend = case.rpartition(":")
         torch._dynamo.reset()
         counts: dict = {}
 
@@ -127,12 +131,14 @@ def _layout(rank, world, rep, shard, tp, mode, cases):
         mesh = ss.build_mesh(rep, shard, "cpu", tp)
         model = make_model()
         parallelize_module(model, mesh["tp"], model.tp_styles(sequence_parallel=sp))
-        ss.data_parallel(model, mesh, mode, grad_reduction="sum")  # loss_fn: global count
+        ss.data_parallel(model, mesh, mode, grad_reduction="sum",  # loss_fn: global count
+                         flat_buckets=flat == "flat")
+        counts["flat"] = flat_buffers(model)
         step_fn = model if backend == "eager" else torch.compile(
             model, backend=ss.make_backend(backend, observer=observe), fullgraph=True)
         dp_rank, dp_size = rank // tp, world // tp
         losses, grads0, params = train(model, step_fn, dp_rank, dp_size, tp)
-        out[(backend, sp)] = (losses, grads0 if rank == 0 else None,
+        out[(case, sp)] = (losses, grads0 if rank == 0 else None,
                               params if rank == 0 else None, counts)
     return out
 
@@ -177,9 +183,15 @@ def test_parity_with_single_process(key, case):
     assert not bad, f"final parameters beyond {TOL}: {bad}"
 
 
-@pytest.mark.parametrize("backend", ["aot_eager_blockbucketing", "aot_eager_autobucketing"])
+@pytest.mark.parametrize("backend", ["aot_eager_blockbucketing", "aot_eager_autobucketing",
+                                     "flat:aot_eager_blockbucketing"])
 def test_bucketed_tp_is_bitwise_unbucketed(backend):
     results = run_layout((1, 2, 2, "fully_shard"))[0]
+    if backend.startswith("flat:"):
+        # every parameter in a buffer (column- and row-parallel, the replicated norms): one
+        # per block and one each before and after the blocks
+        assert results[(backend, True)][3]["flat"] == {
+            "pre/float32": 1, "layers.0/float32": 9, "layers.1/float32": 9, "post/float32": 2}
     plain, bucketed = results[("aot_eager", True)], results[(backend, True)]
     assert plain[0] == bucketed[0]
     for i in (1, 2):  # step-0 gradients, final parameters
