@@ -110,7 +110,8 @@ def copied_bytes(events) -> tuple[int, int]:
             continue
         if e.name == "aten::copy_":
             shape = e.input_shapes[1] if len(e.input_shapes) > 1 else []
-            dtype = e.input_dtypes[1] if len(e.input_dtypes) > 1 else "float"
+            dtypes = getattr(e, "input_dtypes", None) or []  # not recorded before torch 2.13
+            dtype = dtypes[1] if len(dtypes) > 1 else "float"
             n = _ELEMENT_BYTES.get(dtype, 4) * math.prod(shape)
         else:
             n = max(0, e.cpu_memory_usage)
