@@ -102,7 +102,7 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     reduce-scatter's output (simplesharded/flat_shards.py). Parameters, ``state_dict()`` and
     checkpoints are the same. Parameters sharded evenly on dim 0 of what their dp gather
     rebuilds (FSDP, HSDP; under TP/EP the rank's model-parallel shard); the others (uneven,
-    frozen) stay on their own. Not with :func:`simplesharded.compile_step`.
+    frozen) stay on their own.
     A parameter read more than once in one forward of ``model`` (tied weights, a module called
     twice) is gathered once; its gradient is summed locally and reduced once (eager: tied
     weights only, so an uncompiled gather never outlives its block).

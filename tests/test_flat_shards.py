@@ -113,17 +113,36 @@ def test_eager_training_is_bitwise_and_gradients_are_views_of_one_tensor_per_buc
 
 
 def test_flat_buckets_need_nothing_else_from_the_user():
-    """A mesh built the FSDP2 way (no dim names) and a plain torch module."""
-    with _world_of_one() as mesh:
+    """A mesh built the FSDP2 way (no dim names) and a plain torch module, in the split step
+    and in compile_step (the whole step in one graph): bitwise the same as without flat
+    buffers, and the parameters the optimizer holds are what the next forward reads."""
+    def model(flat):
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
-        ss.data_parallel(model, mesh, flat_buckets=True)
-        assert _records(model)["0.weight"].flat is not None
-        model(torch.randn(3, 4)).sum().backward()
-        assert all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters())
-        with pytest.raises(ValueError, match="flat_buckets=True, which compile_step"):
-            ss.compile_step(model, torch.optim.AdamW(model.parameters()),
-                            lambda m, x: m(x).sum(), backend="aot_eager")
+        m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        return ss.data_parallel(m, mesh, flat_buckets=flat)
+
+    xs = [torch.randn(3, 4, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    with _world_of_one() as mesh:
+        flat = model(True)
+        assert _records(flat)["0.weight"].flat is not None
+        flat(xs[0]).sum().backward()
+        assert all(p.grad is not None and p.grad.shape == p.shape for p in flat.parameters())
+        flat.zero_grad()
+        losses, params, models = [], [], (model(False), flat)
+        for m in models:
+            torch._dynamo.reset()
+            opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+            step = ss.compile_step(m, opt, lambda m, x: m(x).square().mean(),
+                                   backend="aot_eager", max_norm=0.5)
+            losses.append([step(x).item() for x in xs])
+            params.append([p.to_local().clone() for p in m.parameters()])
+            assert all(p.grad is None for p in m.parameters())
+        torch._dynamo.reset()
+        assert losses[0] == losses[1]
+        assert all(torch.equal(a, b) for a, b in zip(*params))
+        assert losses[0][-1] < losses[0][0]
+        # the graph's updates reached the buffer the (eager) forward reads
+        assert torch.equal(models[0](xs[0]), models[1](xs[0]))
 
 
 def test_meta_init_writes_through_to_the_buffers_forward_reads():

@@ -22,15 +22,15 @@ from dist_utils import max_rel_diff, spawn
 STEPS = 10
 MAX_NORM = 0.3  # below every step's gradient norm here: clipping acts at each step
 # (name, model, backend, optimizer class, weight_decay, (max_norm, clip_norm) or None,
-#  micro-batches per step)
+#  micro-batches per step, the step graph's model with flat_buckets (the split step's never))
 CASES = [
-    ("tied_gpt_aot_eager_adamw_accumulation2", "gpt", "aot_eager", "AdamW", 0.1, None, 2),
+    ("tied_gpt_aot_eager_adamw_accumulation2", "gpt", "aot_eager", "AdamW", 0.1, None, 2, False),
     ("hf_llama_blockbucketing_adam_l2", "hf_llama", "aot_eager_blockbucketing", "Adam", 0.01,
-     None, 1),
-    ("blockbucketing_adamw_clip", "llama3", "aot_eager_blockbucketing", "AdamW", 0.1,
-     (MAX_NORM, "current"), 1),
+     None, 1, False),
+    ("flat_blockbucketing_adamw_clip_accumulation2", "llama3", "aot_eager_blockbucketing",
+     "AdamW", 0.1, (MAX_NORM, "current"), 2, True),
     ("blockbucketing_adamw_clip_previous", "llama3", "aot_eager_blockbucketing", "AdamW", 0.1,
-     (MAX_NORM, "previous"), 1),
+     (MAX_NORM, "previous"), 1, False),
 ]
 BITWISE = [c[0] for c in CASES if c[5] is None]
 CLIPPED = [c[0] for c in CASES if c[5] is not None]
@@ -47,10 +47,10 @@ def _plain_model(name="llama3"):
     return build_model(name, "debug", device="cpu", **SHAPES, **kv)
 
 
-def _model(mesh, name="llama3"):
+def _model(mesh, name="llama3", flat_buckets=False):
     import simplesharded as ss
 
-    return ss.data_parallel(_plain_model(name), mesh)
+    return ss.data_parallel(_plain_model(name), mesh, flat_buckets=flat_buckets)
 
 
 def _loss(model, tokens, labels):
@@ -73,7 +73,7 @@ def _lr(i):  # a schedule: the step graph takes it as an input, nothing recompil
     return 1e-2 * (0.9 ** i)
 
 
-def _case(rank, mesh, model_name, backend, opt_name, wd, clip, accumulation):
+def _case(rank, mesh, model_name, backend, opt_name, wd, clip, accumulation, flat):
     import simplesharded as ss
 
     opt_cls = getattr(torch.optim, opt_name)
@@ -105,7 +105,7 @@ def _case(rank, mesh, model_name, backend, opt_name, wd, clip, accumulation):
         ref_losses.append(loss.item())
     # The step graph.
     torch._dynamo.reset()
-    model = _model(mesh, model_name)
+    model = _model(mesh, model_name, flat)
     opt = opt_cls(model.parameters(), lr=_lr(0), weight_decay=wd)
     step = ss.compile_step(model, opt, _loss, backend=backend, max_norm=max_norm,
                            clip_norm=clip_norm or "current", accumulation_steps=accumulation)
@@ -463,9 +463,9 @@ def _trainer_job(rank, world):
 
     config = str(Path(__file__).resolve().parents[1] / "configs" / "llama3_debug.toml")
     out = {}
-    # "flat": scope model with flat_buckets (simplesharded/flat_shards.py): the same training
+    # "step_flat": scope step with flat_buckets (simplesharded/flat_shards.py)
     for run, extra in (("model", []), ("step", ["--compile.scope", "step"]),
-                       ("flat", ["--parallelism.flat_buckets"])):
+                       ("step_flat", ["--compile.scope", "step", "--parallelism.flat_buckets"])):
         torch._dynamo.reset()
         cfg = check_static(load_config(None, ["--job.config_file", config, *TRAINER_ARGS,
                                               *extra]), world)
@@ -490,7 +490,7 @@ def test_trainer_step_scope_and_flat_buckets_train_as_model_scope():
     """compile.scope=step against scope=model on llama3 debug, 10 steps (warmup and cosine
     schedule, max_norm 1.0): the same losses and gradient norms up to the clipping's rounding
     (the norm is summed in another order; measured ≤ 1.2e-7 relative, asserted ≤ 1e-6).
-    parallelism.flat_buckets with scope=model: bitwise the same."""
+    With parallelism.flat_buckets, scope=step is bitwise the run without."""
     for rank, res in enumerate(_trainer_results()):
         for key in ("loss", "grad_norm"):
             a, b = res["step"][key], res["model"][key]
@@ -498,8 +498,8 @@ def test_trainer_step_scope_and_flat_buckets_train_as_model_scope():
         # the graph takes the optimizer's step: torch's scheduler must not warn that it saw none
         assert res["step"]["scheduler_warnings"] == 0, rank
         # the trainer's flat_buckets: bitwise the same losses and norms
-        assert res["flat"]["loss"] == res["model"]["loss"], rank
-        assert res["flat"]["grad_norm"] == res["model"]["grad_norm"], rank
+        assert res["step_flat"]["loss"] == res["step"]["loss"], rank
+        assert res["step_flat"]["grad_norm"] == res["step"]["grad_norm"], rank
 
 
 def test_step_scope_refuses_what_it_does_not_do():
@@ -509,7 +509,6 @@ def test_step_scope_refuses_what_it_does_not_do():
     for extra, key in ((["--training.gradient_sync", "last_microbatch"],
                         "training.gradient_sync"),
                        (["--optimizer.name", "SGD"], "optimizer.name"),
-                       (["--parallelism.flat_buckets"], "parallelism.flat_buckets"),
                        (["--compile.backend", "inductor"], "compile.backend")):
         with pytest.raises(ValueError, match=key):
             load_config("configs/llama3_debug.toml",
