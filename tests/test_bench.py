@@ -78,6 +78,11 @@ def test_step_variants_name_our_aot_eager_backends():
     assert steps and all("aot_eager" in v for v in steps)
     assert set(bench_variants.STEP_DEFAULT) <= set(bench_variants.default_variants(1))
     assert not set(steps) & set(bench_variants.default_variants(2))
+    # both: the step graph over flat buffers
+    both = "ss_step_flat_aot_eager_blockbucketing"
+    assert both in bench_variants.all_variants()
+    assert bench_variants.is_step_variant(both) and bench_variants.is_flat_variant(both)
+    assert str(bench_variants.ss_backend(both)) == "aot_eager_blockbucketing"
 
 
 def test_copied_bytes_counts_each_copy_once():

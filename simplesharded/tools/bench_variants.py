@@ -49,15 +49,20 @@ STEP_PREFIX = "ss_step_"
 # buffer (simplesharded/flat_shards.py); for the backends that bucket (block, auto).
 FLAT_PREFIX = "ss_flat_"
 FLAT_DEFAULT = ("ss_flat_aot_eager_blockbucketing", "ss_flat_aot_eager_autobucketing")
+# ss_step_flat_<backend>: both, the whole step in one graph over flat buffers.
+STEP_FLAT_PREFIX = "ss_step_flat_"
 
 
 def ss_backend(variant: str):
-    """The backend (BackendName) of an ``ss_<backend>`` or ``ss_step_<backend>`` variant;
-    None for a baseline."""
+    """The backend (BackendName) of an ``ss_[step_][flat_]<backend>`` variant; None for a
+    baseline."""
     from simplesharded.backends import BACKENDS, BackendName
 
-    name = variant.removeprefix(STEP_PREFIX).removeprefix(FLAT_PREFIX).removeprefix("ss_")
-    return BackendName.parse(name) if variant != name and name in BACKENDS else None
+    for prefix in (STEP_FLAT_PREFIX, STEP_PREFIX, FLAT_PREFIX, "ss_"):  # longest first
+        if variant.startswith(prefix):
+            name = variant[len(prefix):]
+            return BackendName.parse(name) if name in BACKENDS else None
+    return None
 
 
 def is_step_variant(variant: str) -> bool:
@@ -65,14 +70,17 @@ def is_step_variant(variant: str) -> bool:
 
 
 def is_flat_variant(variant: str) -> bool:
-    return variant.startswith(FLAT_PREFIX) and ss_backend(variant) is not None
+    return (variant.startswith((FLAT_PREFIX, STEP_FLAT_PREFIX))
+            and ss_backend(variant) is not None)
 
 
 def all_variants() -> list[str]:
     from simplesharded.backends import BACKENDS, BackendName
     return (list(BASELINES) + [f"ss_{name}" for name in BACKENDS]
             + [f"{STEP_PREFIX}{name}" for name in BACKENDS if name.startswith("aot_eager")]
-            + [f"{FLAT_PREFIX}{name}" for name in BACKENDS if BackendName.parse(name).ours])
+            + [f"{FLAT_PREFIX}{name}" for name in BACKENDS if BackendName.parse(name).ours]
+            + [f"{STEP_FLAT_PREFIX}{name}" for name in BACKENDS
+               if name.startswith("aot_eager") and BackendName.parse(name).ours])
 
 
 def default_variants(tp: int, cp: int = 1) -> list[str]:
