@@ -17,6 +17,7 @@ buffer's leaf (:class:`_FlatRoutes`).
 """
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import torch
@@ -76,6 +77,10 @@ def compile_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                          f"positive integer")
     params = prepare(optimizer)
     flat = _FlatRoutes(model, params)
+    if flat.leaves:
+        warnings.warn("compile_step over flat buffers (flat_buckets=True) trains as without "
+                      "them but is slower for now: the step graph leaves their reduce-scatters "
+                      "unbucketed (docs/zero_copy.md)", stacklevel=2)
     groups = [[p for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
     decoupled = type(optimizer) is torch.optim.AdamW
     fqns = {id(p): n for n, p in model.named_parameters()}
@@ -156,10 +161,9 @@ class _FlatRoutes:
     has no two inputs that alias each other."""
 
     def __init__(self, model: nn.Module, params: list):
-        slots = {id(st_p): r.flat for m in model.modules()
+        slots = {id(m._parameters[name]): r.flat for m in model.modules()
                  if (st := sharded_state(m)) is not None
-                 for name, r in st.params.items() if r.flat is not None
-                 for st_p in (m._parameters[name],)}
+                 for name, r in st.params.items() if r.flat is not None}
         self.params = params
         self.slots = [slots.get(id(p)) for p in params]
         self.leaves = list(dict.fromkeys(s.flat for s in self.slots if s is not None))
