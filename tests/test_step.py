@@ -27,8 +27,8 @@ CASES = [
     ("tied_gpt_aot_eager_adamw_accumulation2", "gpt", "aot_eager", "AdamW", 0.1, None, 2, False),
     ("hf_llama_blockbucketing_adam_l2", "hf_llama", "aot_eager_blockbucketing", "Adam", 0.01,
      None, 1, False),
-    ("flat_blockbucketing_adamw_clip_accumulation2", "llama3", "aot_eager_blockbucketing",
-     "AdamW", 0.1, (MAX_NORM, "current"), 2, True),
+    ("flat_blockbucketing_adamw_clip", "llama3", "aot_eager_blockbucketing", "AdamW", 0.1,
+     (MAX_NORM, "current"), 1, True),
     ("blockbucketing_adamw_clip_previous", "llama3", "aot_eager_blockbucketing", "AdamW", 0.1,
      (MAX_NORM, "previous"), 1, False),
 ]
@@ -463,9 +463,9 @@ def _trainer_job(rank, world):
 
     config = str(Path(__file__).resolve().parents[1] / "configs" / "llama3_debug.toml")
     out = {}
-    # "step_flat": scope step with flat_buckets (simplesharded/flat_shards.py)
+    # "flat": scope model with flat_buckets (simplesharded/flat_shards.py): the same training
     for run, extra in (("model", []), ("step", ["--compile.scope", "step"]),
-                       ("step_flat", ["--compile.scope", "step", "--parallelism.flat_buckets"])):
+                       ("flat", ["--parallelism.flat_buckets"])):
         torch._dynamo.reset()
         cfg = check_static(load_config(None, ["--job.config_file", config, *TRAINER_ARGS,
                                               *extra]), world)
@@ -490,7 +490,7 @@ def test_trainer_step_scope_and_flat_buckets_train_as_model_scope():
     """compile.scope=step against scope=model on llama3 debug, 10 steps (warmup and cosine
     schedule, max_norm 1.0): the same losses and gradient norms up to the clipping's rounding
     (the norm is summed in another order; measured ≤ 1.2e-7 relative, asserted ≤ 1e-6).
-    With parallelism.flat_buckets, scope=step is bitwise the run without."""
+    parallelism.flat_buckets with scope=model: bitwise the same."""
     for rank, res in enumerate(_trainer_results()):
         for key in ("loss", "grad_norm"):
             a, b = res["step"][key], res["model"][key]
@@ -498,8 +498,19 @@ def test_trainer_step_scope_and_flat_buckets_train_as_model_scope():
         # the graph takes the optimizer's step: torch's scheduler must not warn that it saw none
         assert res["step"]["scheduler_warnings"] == 0, rank
         # the trainer's flat_buckets: bitwise the same losses and norms
-        assert res["step_flat"]["loss"] == res["step"]["loss"], rank
-        assert res["step_flat"]["grad_norm"] == res["step"]["grad_norm"], rank
+        assert res["flat"]["loss"] == res["model"]["loss"], rank
+        assert res["flat"]["grad_norm"] == res["model"]["grad_norm"], rank
+
+
+def test_step_scope_takes_flat_buckets():
+    """compile.scope=step with parallelism.flat_buckets is a valid config (compile_step over
+    flat buffers: tests/test_step.py's flat case and tests/test_flat_shards.py)."""
+    from simplesharded.trainer.config import load_config
+
+    cfg = load_config("configs/llama3_debug.toml",
+                      ["--compile.enable", "--compile.scope", "step", "--compile.backend",
+                       "aot_eager_blockbucketing", "--parallelism.flat_buckets"])
+    assert cfg.compile.scope == "step" and cfg.parallelism.flat_buckets
 
 
 def test_step_scope_refuses_what_it_does_not_do():
