@@ -51,6 +51,11 @@ class FlatSlot:
     offset: int
     numel: int
 
+    def view_of(self, t: torch.Tensor) -> torch.Tensor:
+        """This parameter's local shard in ``t``, a tensor laid out as the buffer (the
+        buffer, its leaf, or the leaf's gradient): a view."""
+        return t.narrow(0, self.offset, self.numel).view(self.flat.shapes[self.index])
+
 
 class FlatShards:
     """One bucket's local shards in one buffer, and the autograd leaf forward reads them by."""
@@ -111,8 +116,8 @@ class FlatShards:
         gradient already there; the leaf's own is dropped, so ``zero_grad`` on the
         parameters is all a training loop does."""
         grad, leaf.grad = leaf.grad, None
-        for p, slot, shape, spec in zip(self.params, self.slots, self.shapes, self.specs):
-            local = grad.narrow(0, slot.offset, slot.numel).view(shape)
+        for p, slot, spec in zip(self.params, self.slots, self.specs):
+            local = slot.view_of(grad)
             if p.grad is None:
                 # DTensor's own constructor with the parameter's spec: from_local costs ~8x
                 # more (a new spec and an autograd function per call), per parameter per step

@@ -194,8 +194,8 @@ def _pack_flat(shards: dict[int, tuple[nn.Parameter, ShardedParam]],
                scope: _GatherScope) -> None:
     """Move the eligible shards of each bucket into one buffer (in ``shards``' module order):
     a block's parameters, those before the first block ("pre") and after it ("post"); one
-    buffer per dtype, device and dp gather (EP's experts gather over dims of their own). The records gain their slot; the new parameters replace the
-    old ones in ``shards``."""
+    buffer per dtype, device and dp gather (EP's experts gather over dims of their own). The
+    records gain their slot; the new parameters replace the old ones in ``shards``."""
     groups: dict[tuple, list[int]] = {}
     seen_block = False
     for key, (shard, record) in shards.items():

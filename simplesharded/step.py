@@ -186,18 +186,15 @@ class _FlatRoutes:
                 out.append(next(plain))
                 continue
             g = by_leaf[id(slot.flat)]
-            out.append(None if g is None else self._dtensor(self._slice(g, slot), face))
+            out.append(None if g is None else self._dtensor(slot.view_of(g), face))
         return out
 
     def update_targets(self, groups: list[list]) -> list[list]:
         """``groups`` with each flat parameter replaced by its slice of the leaf."""
-        it = iter(self.slots)
-        return [[p if (slot := next(it)) is None else self._slice(slot.flat.leaf, slot)
-                 for p in g] for g in groups]
-
-    @staticmethod
-    def _slice(t: torch.Tensor, slot) -> torch.Tensor:
-        return t.narrow(0, slot.offset, slot.numel).view(slot.flat.shapes[slot.index])
+        targets = [p if slot is None else slot.view_of(slot.flat.leaf)
+                   for p, slot in zip(self.params, self.slots)]
+        it = iter(targets)
+        return [[next(it) for _ in g] for g in groups]
 
     @staticmethod
     def _dtensor(local: torch.Tensor, face) -> torch.Tensor:
