@@ -3,11 +3,16 @@ under ``torch._dynamo.config.trace_autograd_ops``, as simplesharded/step.py uses
 
 Our passes find the data-parallel collectives by the annotation ``data_parallel`` writes on
 the forward's nodes (``node.meta["custom"]``). For a joint graph aot_autograd copies it onto
-the backward's nodes (matching each to the forward op whose autograd node made it, by
-``seq_nr``); a traced ``autograd.grad`` ends up in aot_autograd's inference graph, where that
-copy does not run, so its reduce-scatters carry no annotation and no pass would bucket,
-reorder or lower them. :func:`annotate_traced_backward` does the same copy there. It reads
-two of torch's node-meta keys (``seq_nr``, ``autograd_backward``), the one place that does.
+the backward's nodes; a traced ``autograd.grad`` ends up in aot_autograd's inference graph,
+where that copy does not run, so its reductions carry no annotation and no pass would bucket,
+reorder or lower them. Matching a backward node to a forward one by torch's ``seq_nr`` is no
+help here: in such a graph it lands on a neighbouring parameter's node as soon as the forward
+holds one autograd function more or less. The annotation reaches the backward another way:
+the gradient of a gathered parameter enters its reduction through an op of simplesharded's
+own autograd function (simplesharded/gather.py), which dynamo traces with the annotation
+that was active in forward. :func:`annotate_traced_backward` gives each reduction the
+annotation of that op, found up the reduction's input. It reads one of torch's node-meta keys
+(``autograd_backward``), the one place that does.
 """
 from __future__ import annotations
 
@@ -15,28 +20,46 @@ import copy
 
 from torch import fx
 
+from .annotations import PARAM_KEY, annotations
+from .collectives import is_collective, wait_of
+
+# How far up a reduction's input the annotated entry op may be: the views DTensor's
+# redistribute adds between them.
+_MAX_HOPS = 4
+
 
 def annotate_traced_backward(gm: fx.GraphModule) -> fx.GraphModule:
-    """Give every traced-backward node (``autograd_backward`` meta) that has no annotation
-    the ``custom`` annotation of the first forward node with its ``seq_nr``, as aot_autograd
-    does for joint graphs. A graph without such nodes (every forward and backward graph
-    aot_autograd partitions) is unchanged; a second run changes nothing."""
-    forward: dict[int, fx.Node] = {}
-    backward: list[fx.Node] = []
+    """Give every collective of a traced backward (``autograd_backward`` meta) that has no
+    parameter annotation, and its wait, the annotation of the first annotated node up its
+    input chain (through nodes with one input, not through another collective's start: a
+    hybrid all-reduce after a reduce-scatter finds the reduce-scatter's wait, annotated just
+    before). A collective with none stays as it is: not ours (TP's, CP's). A graph without a
+    traced backward (every graph aot_autograd partitions) is unchanged; a second run changes
+    nothing."""
     for node in gm.graph.nodes:
-        seq_nr = node.meta.get("seq_nr")
-        if seq_nr is None:
+        if not (node.meta.get("autograd_backward") and is_collective(node)):
             continue
-        if node.meta.get("autograd_backward"):
-            backward.append(node)
-        else:
-            forward.setdefault(seq_nr, node)
-    for node in backward:
-        fwd = forward.get(node.meta["seq_nr"])
-        custom = fwd.meta.get("custom") if fwd is not None else None
-        if custom and not node.meta.get("custom"):
-            node.meta["custom"] = copy.deepcopy(custom)
+        if annotations(node).get(PARAM_KEY):
+            continue
+        source = _annotated_input(node)
+        if source is None:
+            continue
+        custom = annotations(source)
+        for n in (node, wait_of(node)):
+            if n is not None:
+                n.meta["custom"] = copy.deepcopy(custom)
     return gm
+
+
+def _annotated_input(node: fx.Node) -> fx.Node | None:
+    for _ in range(_MAX_HOPS):
+        inputs = node.all_input_nodes
+        if len(inputs) != 1 or is_collective(inputs[0]):
+            return None
+        node = inputs[0]
+        if annotations(node).get(PARAM_KEY):
+            return node
+    return None
 
 
 def traced_backward_nodes(gm: fx.GraphModule) -> set[fx.Node]:

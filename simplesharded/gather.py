@@ -39,7 +39,7 @@ class _ScaleGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad * ctx.scale, None
+        return (grad * ctx.scale if ctx.scale != 1.0 else grad.view_as(grad)), None
 
 
 def gather_param(shard: DTensor, param: ShardedParam) -> torch.Tensor:
@@ -119,8 +119,10 @@ def _gathered(shard: DTensor, param: ShardedParam) -> torch.Tensor:
         # happens on the shard (see _reduce_replicas_after_scatter), not on the full tensor.
         grad_placements = (Replicate(), Partial()) if hybrid else spec.grad_placements
         local = full.to_local(grad_placements=grad_placements)
-        if spec.grad_scale != 1.0 and pre_scale:
-            local = _ScaleGrad.apply(local, spec.grad_scale)
+        # Always applied (an identity at scale 1): its backward op is where the gradient
+        # enters the reduction, and carries this annotation into a backward traced by
+        # dynamo, where the reduction is found by it (passes/traced_backward.py).
+        local = _ScaleGrad.apply(local, spec.grad_scale if pre_scale else 1.0)
         if spec.grad_sync is not None:
             local = spec.grad_sync.route(local, param.fqn)
     return local

@@ -69,8 +69,13 @@ def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
 
 
-def scale_(grads: list, coef: torch.Tensor) -> None:
-    """Multiply ``grads`` (None entries skipped) in place, on their local shards, by ``coef``."""
-    for g in grads:
-        if g is not None:
-            _local(g).mul_(coef.to(g.dtype))
+def scaled(grad: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+    """``grad`` times ``coef``, a new tensor (a DTensor with ``grad``'s placements for a
+    DTensor). Not in place: in a step graph a gradient can be a view of its flat buffer's
+    gradient (simplesharded/step.py), and an in-place multiply of a view is functionalized
+    into a scatter of the whole buffer."""
+    local = _local(grad) * coef.to(grad.dtype)
+    if not isinstance(grad, DTensor):
+        return local
+    return DTensor.from_local(local, grad.device_mesh, grad.placements, run_check=False,
+                              shape=grad.shape, stride=grad.stride())

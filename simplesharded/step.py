@@ -17,7 +17,6 @@ buffer's leaf (:class:`_FlatRoutes`).
 """
 from __future__ import annotations
 
-import warnings
 from typing import Callable
 
 import torch
@@ -26,7 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from simplesharded.backends import make_backend
-from simplesharded.grad_clip import clip_coefficient, global_norm, scale_
+from simplesharded.grad_clip import clip_coefficient, global_norm, scaled
 from simplesharded.passes.annotations import UPDATE_KEY
 from simplesharded.passes.torch_compat import STEP_GRAPH, needs
 from simplesharded.sharded_state import sharded_state
@@ -77,10 +76,6 @@ def compile_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                          f"positive integer")
     params = prepare(optimizer)
     flat = _FlatRoutes(model, params)
-    if flat.leaves:
-        warnings.warn("compile_step over flat buffers (flat_buckets=True) trains as without "
-                      "them but is slower for now: the step graph leaves their reduce-scatters "
-                      "unbucketed (docs/zero_copy.md)", stacklevel=2)
     groups = [[p for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
     decoupled = type(optimizer) is torch.optim.AdamW
     fqns = {id(p): n for n, p in model.named_parameters()}
@@ -120,9 +115,11 @@ def compile_step(model: nn.Module, optimizer: torch.optim.Optimizer,
             if max_norm is not None:
                 if clip_norm == "current":
                     coef = clip_coefficient(norm, max_norm)
+                clipped = []
                 for g, name in zip(grads, flat_names):
                     with fx_traceback.annotate({UPDATE_KEY: name}):  # part of its update
-                        scale_([g], coef)
+                        clipped.append(None if g is None else scaled(g, coef))
+                grads = clipped
                 if clip_norm == "previous":
                     last_norm.copy_(norm)
             it = iter(grads)

@@ -47,10 +47,10 @@ def _plain_model(name="llama3"):
     return build_model(name, "debug", device="cpu", **SHAPES, **kv)
 
 
-def _model(mesh, name="llama3", flat_buckets=False):
+def _model(mesh, name="llama3", flat_buckets=False, **dp_options):
     import simplesharded as ss
 
-    return ss.data_parallel(_plain_model(name), mesh, flat_buckets=flat_buckets)
+    return ss.data_parallel(_plain_model(name), mesh, flat_buckets=flat_buckets, **dp_options)
 
 
 def _loss(model, tokens, labels):
@@ -237,7 +237,8 @@ def test_an_update_not_written_is_one_error_naming_the_optimizer(make, match):
                         backend="aot_eager")
 
 
-def _step_graphs(backend="aot_eager_blockbucketing", max_norm=None, clip_norm="current"):
+def _step_graphs(backend="aot_eager_blockbucketing", max_norm=None, clip_norm="current",
+                 **dp_options):
     """The step graph of the 2-block Llama on a fake world of 2, as our pipeline received it
     and after each pass; and the split step's forward and backward graphs (the same model
     compiled alone, resharding after forward as data_parallel does by default)."""
@@ -253,7 +254,7 @@ def _step_graphs(backend="aot_eager_blockbucketing", max_norm=None, clip_norm="c
 
     with pu.fake_world(2) as mesh:
         torch._dynamo.reset()
-        model = _model(mesh)
+        model = _model(mesh, **dp_options)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         step = ss.compile_step(model, opt, _summed_loss, backend=backend, max_norm=max_norm,
                                clip_norm=clip_norm, observer=observe)
@@ -317,6 +318,34 @@ def test_step_graph_holds_the_bucketed_collectives_and_the_update():
     assert pu.node_params(last) == ["tok_embeddings.weight"]
     assert sum(pos[n] < last_start for n in lerps) > 0
     assert sum(pos[n] > last_wait for n in lerps) == 1
+
+
+@pytest.mark.parametrize("grad_reduction,flat_buckets", [("sum", False), ("avg", True)])
+def test_each_traced_reduction_carries_its_own_parameter(grad_reduction, flat_buckets):
+    """passes/traced_backward.py: every reduce-scatter of the traced backward is annotated with
+    the parameter whose gradient it reduces (its output is that parameter's local shard, and
+    each parameter has one), whether or not the gradient is scaled (grad_reduction "sum" has
+    no scaling op to match by) and with flat buffers (scaled on the leaf instead)."""
+    import pass_utils as pu
+
+    seen, _ = _step_graphs(grad_reduction=grad_reduction, flat_buckets=flat_buckets)
+    first = seen["input"][0]
+    with pu.fake_world(2) as mesh:
+        shards = {n: tuple(p.to_local().shape)
+                  for n, p in _model(mesh, flat_buckets=flat_buckets).named_parameters()}
+    rs = pu.starts(first, pu.RS)
+    got = {}
+    for s in rs:
+        (fqn,) = pu.node_params(s)
+        got[fqn] = tuple(s.meta["val"].shape)
+    assert len(got) == len(rs)  # one reduce-scatter per parameter
+    assert got == shards
+    # and bucketing merges them; the update writes every parameter in place, a flat
+    # buffer's slice by slice (passes/update_inplace.py): nothing scattered or copied back
+    final = seen["agreement"][0]
+    assert len(pu.starts(final, pu.RS)) == 4  # pre, two blocks, post
+    assert not [n for n in final.graph.nodes if n.target in (
+        torch.ops.aten.copy_.default, torch.ops.aten.slice_scatter.default)]
 
 
 def _backward_reads_of_gathers(gm):
