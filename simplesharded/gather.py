@@ -30,7 +30,9 @@ if TYPE_CHECKING:
 
 
 class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; multiplies the gradient (gloo has no AVG op: "avg" is sum × 1/dp)."""
+    """Identity forward; multiplies the gradient (gloo has no AVG op: "avg" is sum × 1/dp).
+    At scale 1 its backward is a view: the annotated op where a gradient enters its
+    reduction, which a backward traced by dynamo is annotated from (passes/traced_backward.py)."""
 
     @staticmethod
     def forward(ctx, x, scale):
