@@ -48,7 +48,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from simplesharded.sharded_state import sharded_state
+from simplesharded.sharded_state import sharded_params, sharded_state
 
 
 class _DeferGrad(torch.autograd.Function):
@@ -106,14 +106,9 @@ class _GradSync:
     def sharded_params(self, model: nn.Module) -> Iterator[tuple]:
         """(param, shard) of every sharded parameter of ``model`` under this sync, in module
         order (a tied parameter once per module that holds it)."""
-        for module in model.modules():
-            state = sharded_state(module)
-            if state is None or state.grad_sync is not self:
-                continue
-            for name, param in state.params.items():
-                shard = module._parameters[name]
-                if shard is not None:
-                    yield param, shard
+        for param, shard in sharded_params(model):
+            if param.spec.grad_sync is self:
+                yield param, shard
 
     def make_accumulators(self, model: nn.Module) -> None:
         for param, shard in self.sharded_params(model):

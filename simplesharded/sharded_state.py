@@ -11,7 +11,7 @@ the state points to.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 from torch import nn
 
@@ -56,3 +56,16 @@ def sharded_state(module: nn.Module) -> ShardedModuleState | None:
 
 def attach_sharded_state(module: nn.Module, state: ShardedModuleState) -> None:
     setattr(module, _ATTR, state)
+
+
+def sharded_params(model: nn.Module) -> Iterator[tuple[ShardedParam, nn.Parameter]]:
+    """(record, shard) of every sharded parameter of ``model``, in module order (a tied
+    parameter once per module that holds it; a slot set to None skipped)."""
+    for module in model.modules():
+        state = sharded_state(module)
+        if state is None:
+            continue
+        for name, record in state.params.items():
+            shard = module._parameters[name]
+            if shard is not None:
+                yield record, shard

@@ -28,7 +28,7 @@ from simplesharded.backends import make_backend
 from simplesharded.grad_clip import clip_coefficient, global_norm, scaled
 from simplesharded.passes.annotations import UPDATE_KEY
 from simplesharded.passes.torch_compat import STEP_GRAPH, needs
-from simplesharded.sharded_state import sharded_state
+from simplesharded.sharded_state import sharded_params
 from simplesharded.optim_update import (apply_update, hyperparameters, prepare,
                                         step_inputs)
 
@@ -158,9 +158,7 @@ class _FlatRoutes:
     has no two inputs that alias each other."""
 
     def __init__(self, model: nn.Module, params: list):
-        slots = {id(m._parameters[name]): r.flat for m in model.modules()
-                 if (st := sharded_state(m)) is not None
-                 for name, r in st.params.items() if r.flat is not None}
+        slots = {id(shard): r.flat for r, shard in sharded_params(model) if r.flat is not None}
         self.params = params
         self.slots = [slots.get(id(p)) for p in params]
         self.leaves = list(dict.fromkeys(s.flat for s in self.slots if s is not None))

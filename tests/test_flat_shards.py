@@ -15,12 +15,11 @@ import toy_blocks
 from pass_utils import fake_world
 
 import simplesharded as ss
-from simplesharded.sharded_state import sharded_state
+from simplesharded.sharded_state import sharded_params
 
 
 def _records(model):
-    return {r.fqn: r for m in model.modules() if (s := sharded_state(m)) is not None
-            for r in s.params.values()}
+    return {r.fqn: r for r, _ in sharded_params(model)}
 
 
 def test_buckets_are_one_buffer_each_in_module_order():

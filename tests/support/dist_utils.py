@@ -173,12 +173,10 @@ def memo(fn: Callable) -> Callable:
 
 def flat_buffers(model) -> dict[str, int]:
     """Flat buffer name → how many parameters live in it (flat_buckets=True)."""
-    from simplesharded.sharded_state import sharded_state
+    from simplesharded.sharded_state import sharded_params
 
     out: dict[str, int] = {}
-    for m in model.modules():
-        state = sharded_state(m)
-        for record in (state.params.values() if state is not None else ()):
-            if record.flat is not None:
-                out[record.flat.flat.name] = out.get(record.flat.flat.name, 0) + 1
+    for record, _ in sharded_params(model):
+        if record.flat is not None:
+            out[record.flat.flat.name] = out.get(record.flat.flat.name, 0) + 1
     return out
