@@ -219,7 +219,7 @@ def find_collectives(graph: fx.Graph | fx.GraphModule) -> list[Collective]:
             nbytes //= size
         if isinstance(val, (list, tuple)):  # coalesced: its outputs share one dtype here
             val = val[0] if val else None
-        source = node if node_params(node) else _param_source(node)
+        source = node if node_params(node) else param_source(node)
         params = node_params(source) if source is not None else []
         dp_groups = annotations(source).get(DP_GROUPS_KEY) if params else None
         if dp_groups is not None and name not in dp_groups:
@@ -232,12 +232,14 @@ def find_collectives(graph: fx.Graph | fx.GraphModule) -> list[Collective]:
     return found
 
 
-def _param_source(node: fx.Node, depth: int = 4) -> fx.Node | None:
-    """The annotated node an unannotated collective reduces, up its view/cast chain.
+def param_source(node: fx.Node, depth: int = 4) -> fx.Node | None:
+    """The annotated node an unannotated collective reduces, up its view/cast chain (nodes
+    with one input, never through another collective).
 
     DTensor issues a replicate gradient's all-reduce outside the annotated region (when the
     Partial gradient meets the Replicate parameter), so the node itself carries no
-    ``ss_param``, but the gradient it reduces does."""
+    ``ss_param``, but the gradient it reduces does; in a backward dynamo traced, every
+    reduction is found this way (traced_backward.py)."""
     for _ in range(depth):
         inputs = node.all_input_nodes
         if len(inputs) != 1:

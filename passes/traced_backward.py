@@ -20,12 +20,9 @@ import copy
 
 from torch import fx
 
-from .annotations import PARAM_KEY, annotations
-from .collectives import is_collective, wait_of
-
-# How far up a reduction's input the annotated entry op may be: the views DTensor's
-# redistribute adds between them.
-_MAX_HOPS = 4
+from .annotations import annotations
+from .collectives import (ALL_REDUCE, REDUCE_SCATTER, is_collective, node_params,
+                          param_source, wait_of)
 
 
 def annotate_traced_backward(gm: fx.GraphModule) -> fx.GraphModule:
@@ -39,9 +36,9 @@ def annotate_traced_backward(gm: fx.GraphModule) -> fx.GraphModule:
     for node in gm.graph.nodes:
         if not (node.meta.get("autograd_backward") and is_collective(node)):
             continue
-        if annotations(node).get(PARAM_KEY):
+        if node_params(node):
             continue
-        source = _annotated_input(node)
+        source = param_source(node)
         if source is None:
             continue
         custom = annotations(source)
@@ -51,25 +48,12 @@ def annotate_traced_backward(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def _annotated_input(node: fx.Node) -> fx.Node | None:
-    for _ in range(_MAX_HOPS):
-        inputs = node.all_input_nodes
-        if len(inputs) != 1 or is_collective(inputs[0]):
-            return None
-        node = inputs[0]
-        if annotations(node).get(PARAM_KEY):
-            return node
-    return None
-
-
 def traced_backward_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     """A step graph's traced backward: the nodes a traced ``autograd.grad`` made, and every
     node computed from one (a gradient's collectives carry no mark of their own, and the
     update reads the gradients). Empty unless that includes a gradient reduction: a forward
     graph aot_autograd partitioned can hold a few backward ops the partitioner moved into it
     (the transposes of the weights it saves), which are no traced backward."""
-    from .collectives import ALL_REDUCE, REDUCE_SCATTER
-
     out: set[fx.Node] = set()
     for n in gm.graph.nodes:
         if n.meta.get("autograd_backward") or any(i in out for i in n.all_input_nodes):

@@ -5,7 +5,6 @@ with clipping nothing moves. Values: tests/test_step.py's bitwise parity runs th
 from __future__ import annotations
 
 import copy
-import functools
 
 import torch
 
@@ -17,9 +16,8 @@ _UPDATE_OPS = (torch.ops.aten.lerp.Scalar, torch.ops.aten.addcmul.default,
                torch.ops.aten.sqrt.default, torch.ops.aten.div.Tensor)
 
 
-@functools.lru_cache(maxsize=None)
 def _graphs(max_norm=None):
-    seen, _ = _step_graphs(max_norm=max_norm)
+    seen, _ = _step_graphs(max_norm=max_norm)  # memoized there
     return seen
 
 
