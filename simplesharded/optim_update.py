@@ -6,9 +6,10 @@ aot_autograd. So the update runs here, on each parameter's local shard (Adam and
 elementwise, so a shard's update needs only that shard), with the optimizer's own state
 tensors and hyperparameters. It reproduces, op for op, the for-loop (``foreach=False``)
 update torch runs eagerly on CPU, with two changes that leave every value bitwise the same:
-the learning rate is a float64 0-d tensor (a graph input, so a schedule never recompiles,
-and what torch itself turns a Python float into for these ops), and the few ops that take
-it as a Scalar argument are spelled with tensor ops in the kernel's own order.
+the learning rate is a float64 tensor (a graph input of one element, so a schedule never
+recompiles; its 0-d view in the graph is what torch itself turns a Python float into for
+these ops), and the few ops that take it as a Scalar argument are spelled with tensor ops in
+the kernel's own order.
 
 One job: :func:`prepare` checks an optimizer and fills its state as its first ``step`` would;
 :func:`apply_update` is the traced update of one step. SGD is not written yet: its eager
@@ -81,10 +82,12 @@ def hyperparameters(optimizer: torch.optim.Optimizer) -> list[tuple]:
 
 def step_inputs(optimizer: torch.optim.Optimizer) -> tuple[list, list]:
     """What one step reads from ``optimizer``, taken at call time (``load_state_dict``
-    replaces the state tensors): per group a float64 0-d learning rate, and per parameter
+    replaces the state tensors): per group a float64 learning rate of one element, and per parameter
     its (step, exp_avg, exp_avg_sq) state tensors, in :func:`prepare`'s order."""
-    lrs = [torch.as_tensor(g["lr"], dtype=torch.float64).detach().clone()
-           for g in optimizer.param_groups]
+    # One element, not 0-d: dynamo gives a 0-d float64 CPU input a symbolic ``.item()``
+    # value, which aot_autograd's scalar pass fails to turn back into a tensor and then
+    # restarts the whole trace to specialize (every compile traced twice).
+    lrs = [torch.tensor([g["lr"]], dtype=torch.float64) for g in optimizer.param_groups]
     states = [[(optimizer.state[p]["step"], optimizer.state[p]["exp_avg"],
                 optimizer.state[p]["exp_avg_sq"]) for p in g["params"] if p.requires_grad]
               for g in optimizer.param_groups]
@@ -114,7 +117,7 @@ def apply_update(decoupled: bool, groups: list[list], hypers: list[tuple], grads
         for p, g, st, name in reversed(list(zip(params, gs, sts, ns))):
             if g is not None:
                 with fx_traceback.annotate({UPDATE_KEY: name}):
-                    _adam(p, g, st, hyper, lr, decoupled)
+                    _adam(p, g, st, hyper, lr.view(()), decoupled)
 
 
 def _adam(p, g, state, hyper, lr, decoupled: bool) -> None:

@@ -260,6 +260,7 @@ def _step_graphs(backend="aot_eager_blockbucketing", max_norm=None, clip_norm="c
         tokens = torch.randint(0, 128, (2, 16))
         step(tokens, tokens)
         step(tokens, tokens)
+        seen["trace restarts"] = pu.dynamo_trace_restarts()
         torch._dynamo.reset()
         if split:
             split = pu.capture_graphs(_plain_model(), mesh, (tokens, tokens),
@@ -281,6 +282,8 @@ def test_step_graph_holds_the_bucketed_collectives_and_the_update():
 
     seen, split = _step_graphs()
     assert len(seen["input"]) == 1  # compiled once
+    # and traced once: a 0-d float64 learning rate made dynamo trace the whole step twice
+    assert seen["trace restarts"] == 0
     first, final = seen["input"][0], seen["agreement"][0]
     rs_in = pu.starts(first, pu.RS)
     assert rs_in and all(pu.node_params(s) for s in rs_in)  # annotated

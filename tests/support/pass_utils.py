@@ -83,6 +83,16 @@ def capture_backend():
     return aot_backend(pipeline), captured
 
 
+def dynamo_trace_restarts() -> int:
+    """How many times dynamo has restarted a frame's trace so far in this process (each
+    restart traces the whole frame again; the count is cleared by ``torch._dynamo.reset``).
+    Read from dynamo's own timing table, which keeps one entry per attempt."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return sum(len(v) for k, v in compilation_time_metrics.items()
+               if k.startswith("compile_attempt_") and k != "compile_attempt_0")
+
+
 def capture_graphs(model: torch.nn.Module, mesh, inputs: tuple, loss=None,
                    reshard_after_forward: bool = True, mp_policy=None,
                    backend: str = "aot_eager_blockbucketing") -> dict[str, dict[str, fx.GraphModule]]:
