@@ -1,11 +1,17 @@
 """Helpers for multi-process tests: spawn gloo ranks on CPU and collect one result per rank.
 
-``spawn(world_size, fn, *args)`` runs ``fn(rank, world_size, *args)`` in ``world_size`` fresh
-processes (``torch.multiprocessing`` spawn) after a gloo ``init_process_group`` on a free TCP
-port, and returns ``[result of rank 0, result of rank 1, ...]``. Results travel back as pickle
+``spawn(world_size, fn, *args)`` runs ``fn(rank, world_size, *args)`` in ``world_size`` new
+processes after a gloo ``init_process_group`` on a free TCP port, and returns ``[result of rank 0, result of rank 1, ...]``. Results travel back as pickle
 files; an exception in any rank is re-raised in the parent as ``RankError`` carrying that rank's
 traceback (the other ranks are terminated, so a rank stuck in a collective cannot hang the
 suite). ``fn`` must be importable (a module-level function of a test module or of this file).
+
+The ranks are forked from a forkserver that has imported torch and simplesharded once per
+test process: a fresh interpreter per rank spent ~2 s of CPU importing them, and the suite
+starts a few hundred ranks on two cores. A rank's environment is the parent's at the call,
+plus ``BASE_ENV`` (also the server's own environment, for what torch reads when imported);
+``spawn(..., env=...)`` starts fresh interpreters instead, for variables read when a process
+starts (glibc's malloc tunables) that a fork would not apply.
 """
 from __future__ import annotations
 
@@ -51,7 +57,10 @@ class RankError(RuntimeError):
 
 
 def _entry(rank: int, world_size: int, outdir: str, timeout_s: float,
-           fn: Callable, args: tuple) -> None:
+           fn: Callable, args: tuple, environ: dict[str, str] | None = None) -> None:
+    if environ is not None:  # forked from the server: the caller's environment, not its
+        os.environ.clear()
+        os.environ.update(environ)
     faulthandler.enable()  # a rank killed by a signal prints its Python stacks to stderr
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
@@ -92,12 +101,40 @@ def spawn(world_size: int, fn: Callable, *args, timeout_s: float = 300.0,
         return _spawn_once(world_size, fn, args, timeout_s, env)
 
 
+# What the forkserver imports before it forks any rank (a module it cannot import is skipped).
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo",
+            "simplesharded", "simplesharded.passes", "simplesharded.models", "dist_utils"]
+_SERVER: list[bool] = []
+
+
+def _forked(world_size, entry_args, env):
+    """Start the ranks from the forkserver (started on first use with ``BASE_ENV``)."""
+    import multiprocessing
+    from multiprocessing import forkserver
+    from unittest import mock
+
+    import torch.multiprocessing as mp
+
+    from simplesharded.mesh import free_port
+
+    if not _SERVER:
+        multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
+        with mock.patch.dict(os.environ, BASE_ENV):
+            forkserver.ensure_running()
+        _SERVER.append(True)
+    environ = {**os.environ, **env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    return mp.start_processes(_entry, args=(*entry_args, environ), nprocs=world_size,
+                              join=False, start_method="forkserver")
+
+
 def _spawn_once(world_size, fn, args, timeout_s, env):
+    fresh = env is not None
     env = {**BASE_ENV, **(env or {})}
     with tempfile.TemporaryDirectory(prefix="ss_spawn_") as outdir:
         env.setdefault("TORCHINDUCTOR_CACHE_DIR", _session_cache_dir())
-        ctx = spawn_local(_entry, world_size, (world_size, outdir, timeout_s, fn, args),
-                          join=False, env=env)
+        entry_args = (world_size, outdir, timeout_s, fn, args)
+        ctx = (spawn_local(_entry, world_size, entry_args, join=False, env=env) if fresh
+               else _forked(world_size, entry_args, env))
         deadline = time.monotonic() + timeout_s + 60
         failure = None
         try:
