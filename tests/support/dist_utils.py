@@ -1,10 +1,11 @@
 """Helpers for multi-process tests: spawn gloo ranks on CPU and collect one result per rank.
 
 ``spawn(world_size, fn, *args)`` runs ``fn(rank, world_size, *args)`` in ``world_size`` new
-processes after a gloo ``init_process_group`` on a free TCP port, and returns ``[result of rank 0, result of rank 1, ...]``. Results travel back as pickle
-files; an exception in any rank is re-raised in the parent as ``RankError`` carrying that rank's
-traceback (the other ranks are terminated, so a rank stuck in a collective cannot hang the
-suite). ``fn`` must be importable (a module-level function of a test module or of this file).
+processes after a gloo ``init_process_group`` on a free TCP port, and returns ``[result of
+rank 0, result of rank 1, ...]``. Results travel back as pickle files; an exception in any
+rank is re-raised in the parent as ``RankError`` carrying that rank's traceback (the other
+ranks are terminated, so a rank stuck in a collective cannot hang the suite). ``fn`` must be
+importable (a module-level function of a test module or of this file).
 
 The ranks are forked from a forkserver that has imported torch and simplesharded once per
 test process: a fresh interpreter per rank spent ~2 s of CPU importing them, and the suite
@@ -104,11 +105,11 @@ def spawn(world_size: int, fn: Callable, *args, timeout_s: float = 300.0,
 # What the forkserver imports before it forks any rank (a module it cannot import is skipped).
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo",
             "simplesharded", "simplesharded.passes", "simplesharded.models", "dist_utils"]
-_SERVER: list[bool] = []
 
 
 def _forked(world_size, entry_args, env):
-    """Start the ranks from the forkserver (started on first use with ``BASE_ENV``)."""
+    """Start the ranks from the forkserver (started on first use with ``BASE_ENV``; once it
+    runs, ``ensure_running`` only checks that it still does)."""
     import multiprocessing
     from multiprocessing import forkserver
     from unittest import mock
@@ -117,11 +118,9 @@ def _forked(world_size, entry_args, env):
 
     from simplesharded.mesh import free_port
 
-    if not _SERVER:
-        multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
-        with mock.patch.dict(os.environ, BASE_ENV):
-            forkserver.ensure_running()
-        _SERVER.append(True)
+    multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
+    with mock.patch.dict(os.environ, BASE_ENV):
+        forkserver.ensure_running()
     environ = {**os.environ, **env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     return mp.start_processes(_entry, args=(*entry_args, environ), nprocs=world_size,
                               join=False, start_method="forkserver")
