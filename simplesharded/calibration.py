@@ -349,7 +349,7 @@ def _hosts(group=None) -> list[str]:
     raw = socket.gethostname().encode()[:256]
     name[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
     out = torch.empty(dist.get_world_size(group) * 256, dtype=torch.uint8, device=device)
-    dist.all_gather_into_tensor(out, name.to(device), group=group)
+    _gather(out, name.to(device), group=group)
     return [bytes(row.tolist()).rstrip(b"\0").decode(errors="replace")
             for row in out.cpu().view(-1, 256)]
 
