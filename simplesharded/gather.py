@@ -135,6 +135,8 @@ def _reduce_replicas_after_scatter(shard: DTensor) -> DTensor:
     still partial over dp_replicate; re-labelling it (Partial, Shard(0)) makes autograd
     all-reduce it over the replicas at shard size: HSDP's reduce-scatter-then-all-reduce, which
     moves 1/dp_shard of the bytes of DTensor's default all-reduce-then-reduce-scatter."""
+    if not torch.is_grad_enabled():  # no backward (eager resharding's re-gather inside one)
+        return shard
     # The no-op redistribute is where the all-reduce lands: its backward brings the gradient
     # (labelled Partial over replicas by to_local below) back to (Replicate, Shard(0)).
     same = shard.redistribute(placements=shard.placements)
