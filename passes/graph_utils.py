@@ -94,14 +94,24 @@ class NodeOrder:
 
 
 def hoist_before(node: fx.Node, anchor: fx.Node, order: NodeOrder) -> None:
-    """Move ``node`` and any of its inputs that come after ``anchor`` to just before it.
+    """Move ``node`` and those of its inputs, direct or not, that stand at or after ``anchor``
+    to just before it, in their order; when ``anchor`` is one of them, it stays and they go
+    right after it (a node cannot be hoisted above what it reads).
 
     Only for pure nodes whose inputs can move (shard casts/pads feeding an all-gather)."""
-    if node.op == "placeholder" or node is anchor or order[node] < order[anchor]:
-        return
-    for inp in node.all_input_nodes:
-        hoist_before(inp, anchor, order)
-    order.move_before(node, anchor)
+    cone, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n not in cone and n.op != "placeholder" and order[n] >= order[anchor]:
+            cone.add(n)
+            stack.extend(n.all_input_nodes)
+    moved = sorted(cone, key=order.__getitem__)
+    if moved and moved[0] is anchor:
+        for prev, n in zip(moved, moved[1:]):
+            order.move_after(n, prev)
+    else:
+        for n in moved:
+            order.move_before(n, anchor)
 
 
 def forget_erased(graph: fx.Graph, nodes: list[fx.Node]) -> None:

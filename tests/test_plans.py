@@ -215,6 +215,60 @@ def test_auto_plan_trials_leave_the_graph_as_they_found_it(config):
         assert plan.assign(observed, bucketable(observed.graph)) == keys and not created
 
 
+def test_hoist_before_never_puts_a_node_above_what_it_reads():
+    """hoist_before moves a node and the inputs at or after the anchor to just before it; when
+    the anchor is itself one of those inputs (prefetch anchored on the node right after an
+    earlier start, which can be the next bucket's own shard view: seen in an inductor step
+    graph), they go right after it instead. Random DAGs and anchors: the graph stays
+    topologically ordered and the node ends up no later than it would right after its
+    inputs."""
+    import random
+
+    from torch import fx
+
+    from simplesharded.passes.graph_utils import NodeOrder, hoist_before
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    u, v1, v2 = (g.call_function(torch.neg, (x,)) for _ in range(3))
+    cat = g.call_function(torch.add, (v1, v2))
+    start = g.call_function(torch.neg, (cat,))
+    g.output((u, start))
+    hoist_before(start, u, NodeOrder(g))
+    assert list(g.nodes)[1:6] == [v1, v2, cat, start, u]
+    hoist_before(start, v1, NodeOrder(g))  # the anchor feeds the node: nothing passes it
+    g.lint()
+    assert list(g.nodes)[1:5] == [v1, v2, cat, start]
+
+    rng = random.Random(0)
+    for _ in range(200):
+        g = fx.Graph()
+        nodes = [g.placeholder("x")]
+        for _ in range(15):
+            nodes.append(g.call_function(torch.add, tuple(rng.sample(nodes, min(2, len(nodes))))))
+        g.output(tuple(nodes))
+        node, anchor = rng.choice(nodes[1:]), rng.choice(nodes[1:])
+        order = NodeOrder(g)
+        before = order[anchor] > order[node]
+        hoist_before(node, anchor, order)
+        g.lint()
+        pos = {n: i for i, n in enumerate(g.nodes)}
+        if before:  # already ahead: nothing moved
+            assert pos[node] < pos[anchor]
+        else:
+            assert pos[node] <= pos[anchor] or anchor in _inputs_of(node)
+
+
+def _inputs_of(node):
+    seen, stack = set(), list(node.all_input_nodes)
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
 def test_node_order_follows_moves_and_inserts():
     """NodeOrder answers like a fresh enumeration of the graph after any moves and inserts,
     also once a gap between two positions has no integer left."""
