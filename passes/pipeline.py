@@ -67,6 +67,10 @@ class PassPipeline:
     _seq: itertools.count = field(default_factory=itertools.count, repr=False)
 
     def run_joint(self, gm: fx.GraphModule) -> fx.GraphModule:
+        # Inductor runs this on a step graph too, before its own joint passes drop the views
+        # whose annotation a traced backward's reductions are found by: annotated here, the
+        # reductions keep it into the post-grad graph.
+        annotate_traced_backward(gm)
         return self._run(gm, self.joint, "joint")
 
     def run_graph(self, gm: fx.GraphModule) -> fx.GraphModule:

@@ -67,15 +67,16 @@ def test_step_peak_bytes_counts_state_gradients_and_activations():
     assert peak <= 3 * params + params + activations + 2 * params, (peak, params, activations)
 
 
-def test_step_variants_name_our_aot_eager_backends():
-    """ss_step_<backend>: compile_step with that backend (its update is traced for the
-    aot_eager backends only); the two bucketing ones are in the default set without TP."""
+def test_step_variants_name_our_compiled_backends():
+    """ss_step_<backend>: compile_step with that backend, aot_eager or inductor (eager compiles
+    nothing); the two aot_eager bucketing ones are in the default set without TP."""
     assert str(bench_variants.ss_backend("ss_step_aot_eager_blockbucketing")) == \
         "aot_eager_blockbucketing"
     assert bench_variants.is_step_variant("ss_step_aot_eager_autobucketing")
     assert not bench_variants.is_step_variant("ss_aot_eager_autobucketing")
     steps = [v for v in bench_variants.all_variants() if bench_variants.is_step_variant(v)]
-    assert steps and all("aot_eager" in v for v in steps)
+    assert steps and not [v for v in steps if bench_variants.ss_backend(v).compiler == "eager"]
+    assert "ss_step_flat_inductor_blockbucketing" in bench_variants.all_variants()
     assert set(bench_variants.STEP_DEFAULT) <= set(bench_variants.default_variants(1))
     assert not set(steps) & set(bench_variants.default_variants(2))
     # both: the step graph over flat buffers

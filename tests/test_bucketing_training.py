@@ -59,6 +59,11 @@ FLAT_PAIRS = (("eager", "flat:eager"),
 INDUCTOR = ("inductor_blockbucketing", "inductor_autobucketing", "flat:inductor_blockbucketing",
             "inductor")
 
+# compile_step under inductor against the same step graph under aot_eager (itself bitwise
+# the split step: tests/test_step.py)
+STEP_BACKENDS = ("aot_eager_blockbucketing", "inductor_blockbucketing")
+STEP_BLOCKS = 3
+
 _COLLECTIVE = {"all_gather": r"all_gather_into_tensor(_out)?\.default\(",
                # our bucketing backends lower gloo's reduce-scatter to all_to_all_single + sum
                "reduce_scatter": r"(reduce_scatter_tensor(_out)?|all_to_all_single)\.default\("}
@@ -197,6 +202,7 @@ def inductor_job(rank, world):
 
     PassPipeline.run_joint, PassPipeline.run_graph = counting_joint, counting_graph
     out = {"hooks_after": {}}
+    out["step"] = {be: _step_graph_train(rank, world, be) for be in STEP_BACKENDS}
     for be in INDUCTOR:
         if be == "inductor":  # our plain backend (reference) runs last
             out["calls_before_plain"] = dict(calls)
@@ -206,6 +212,47 @@ def inductor_job(rank, world):
         out["hooks_after"][be] = (inductor_config.post_grad_custom_post_pass,
                                   inductor_config.joint_custom_pre_pass)
     return out
+
+
+def _step_graph_train(rank, world, backend):
+    """STEPS steps of compile_step (the whole step in one graph: forward, backward, clipping,
+    AdamW) over flat buffers; losses, final local shards and, for the first step, the
+    collectives in the graph our passes left and, under inductor, in its code."""
+    import simplesharded as ss
+    from simplesharded.mesh import build_mesh
+    from simplesharded.passes.collectives import count_collectives
+
+    mesh = build_mesh(dp_replicate=1, dp_shard=world, device="cpu")
+    counts = {}
+
+    def observe(kind, stage, gm):
+        counts[kind] = count_collectives(gm)
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    # STEP_BLOCKS linears (the Sequential's blocks): few kernels to compile; a bias is 1-D, and
+    # inductor drops the no-op view over its gradient
+    model = ss.data_parallel(
+        torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(STEP_BLOCKS)]),
+        mesh, reshard_after_forward=True, flat_buckets=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    step = ss.compile_step(model, opt, lambda m, x: m(x).tanh().square().mean(),
+                           backend=backend, max_norm=0.5, observer=observe)
+    g = torch.Generator().manual_seed(rank)
+    losses, code = [], None
+    for i in range(STEPS):
+        batch = (torch.randn(4, 8, generator=g),)
+        if i == 0 and backend.startswith("inductor"):
+            from torch._inductor.utils import run_and_get_code
+
+            loss, codes = run_and_get_code(step, *batch)
+            code = [_code_counts(c) for c in codes]
+        else:
+            loss = step(*batch)
+        losses.append(loss.item())
+    params = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+    torch._dynamo.reset()
+    return dict(losses=losses, params=params, graph_counts=counts["fw"], code_counts=code)
 
 
 def _plain_torch_inductor(rank, world):
@@ -365,6 +412,27 @@ def test_flat_buckets_under_inductor():
         got, want = flat["graph_counts"], plain["graph_counts"]
         assert (want["fw"]["cat"], got["fw"]["cat"]) == (n + 1, 1), rank
         assert want["bw"]["cat"] - got["bw"]["cat"] == n, rank
+
+
+def test_step_graph_under_inductor_matches_aot_eager():
+    """compile_step with inductor_blockbucketing (flat buffers, clipping, AdamW): inductor's
+    code issues the bucketed collectives our passes left in the step graph (one gather per
+    block in forward, re-gathers in backward, one reduce-scatter per block), as the aot_eager
+    step graph holds them, and training matches the aot_eager step graph within
+    INDUCTOR_TOL."""
+    for rank, res in enumerate(_run("inductor_job")):
+        ref, got = (res["step"][be] for be in STEP_BACKENDS)
+        assert ref["graph_counts"]["reduce_scatter"] == STEP_BLOCKS, ref["graph_counts"]
+        assert STEP_BLOCKS < ref["graph_counts"]["all_gather"] < 2 * STEP_BLOCKS
+        # inductor's joint passes drop the views a traced backward's reductions are found by,
+        # unless these are annotated before them: then nothing would be bucketed
+        assert got["graph_counts"] == ref["graph_counts"], rank
+        (code,) = got["code_counts"]  # one graph: no separate backward
+        assert code == {k: got["graph_counts"][k] for k in code}, (rank, code)
+        for s, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
+            assert abs(a - b) <= INDUCTOR_TOL * abs(b), (rank, s, a, b)
+        for name, p in ref["params"].items():
+            assert max_rel_diff(got["params"][name], p) <= INDUCTOR_TOL, (rank, name)
 
 
 def test_inductor_keeps_our_collective_order():

@@ -43,7 +43,7 @@ STEP_DEFAULT = ("ss_step_aot_eager_blockbucketing", "ss_step_aot_eager_autobucke
 
 
 # ss_step_<backend>: the whole step (forward to optimizer update) as one graph,
-# simplesharded.compile_step; its update is traced for the aot_eager backends only.
+# simplesharded.compile_step, under any compiler (aot_eager or inductor).
 STEP_PREFIX = "ss_step_"
 # ss_flat_<backend>: data_parallel(..., flat_buckets=True), each bucket's shards in one
 # buffer (simplesharded/flat_shards.py); for the backends that bucket (block, auto).
@@ -77,10 +77,11 @@ def is_flat_variant(variant: str) -> bool:
 def all_variants() -> list[str]:
     from simplesharded.backends import BACKENDS, BackendName
     return (list(BASELINES) + [f"ss_{name}" for name in BACKENDS]
-            + [f"{STEP_PREFIX}{name}" for name in BACKENDS if name.startswith("aot_eager")]
+            + [f"{STEP_PREFIX}{name}" for name in BACKENDS
+               if BackendName.parse(name).compiler != "eager"]
             + [f"{FLAT_PREFIX}{name}" for name in BACKENDS if BackendName.parse(name).ours]
             + [f"{STEP_FLAT_PREFIX}{name}" for name in BACKENDS
-               if name.startswith("aot_eager") and BackendName.parse(name).ours])
+               if BackendName.parse(name).ours])
 
 
 def default_variants(tp: int, cp: int = 1) -> list[str]:

@@ -633,9 +633,9 @@ def _check_step_scope(cfg: Config) -> None:
     for key, value, ok in unsupported:
         if value != ok:
             raise ValueError(f"compile.scope='step' needs {key}={ok!r}, got {value!r}")
-    if not c.backend.startswith("aot_eager"):
-        raise ValueError(f"compile.scope='step' is tested on the aot_eager backends only, "
-                         f"got compile.backend={c.backend!r}")
+    if not c.backend.startswith(("aot_eager", "inductor")):
+        raise ValueError(f"compile.scope='step' needs an aot_eager* or inductor* backend "
+                         f"(its passes run there), got compile.backend={c.backend!r}")
     from simplesharded.passes.torch_compat import STEP_GRAPH, needs
     try:
         needs(STEP_GRAPH)
