@@ -12,7 +12,9 @@ the gradient of a gathered parameter enters its reduction through an op of simpl
 own autograd function (simplesharded/gather.py), which dynamo traces with the annotation
 that was active in forward. :func:`annotate_traced_backward` gives each reduction the
 annotation of that op, found up the reduction's input. It reads one of torch's node-meta keys
-(``autograd_backward``), the one place that does.
+(``autograd_backward``), the one place that does. Under inductor it runs on the graph its
+joint passes get (passes/pipeline.py), before they drop no-op views such as a 1-D gradient's
+``view(-1)``, which can be the op that carries the annotation.
 """
 from __future__ import annotations
 
