@@ -88,10 +88,9 @@ def test_ranks_per_host():
 def _two_hosts_job(rank, world, cache_dir):
     import os
     import socket
-
-    os.environ[calibrate.CACHE_ENV] = cache_dir
     import warnings
 
+    os.environ[calibrate.CACHE_ENV] = cache_dir
     socket.gethostname = lambda: f"host{rank // 2}"  # ranks 0, 1 and 2, 3 share a "host"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
