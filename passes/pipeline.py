@@ -62,6 +62,11 @@ class PassPipeline:
     # Run first on a step graph (a forward graph with a traced backward, compile_step): what
     # the joint passes do for a graph aot_autograd partitions.
     step: Sequence[tuple[str, GraphPass]] = ()
+    # Whether a step graph's functionalized update runs in place again (update_inplace.py).
+    # Op-by-op compilers (aot_eager) need it; inductor must not get it: it writes the
+    # mutated inputs in place itself, fusing the update into the copy-back, and it has no
+    # lowering for some in-place ops (addcmul_) that it decomposes only in functional form.
+    reinplace_updates: bool = True
     dump_dir: str | None = None
     observer: Callable[[str, str, fx.GraphModule], None] | None = None  # (kind, stage, gm)
     _seq: itertools.count = field(default_factory=itertools.count, repr=False)
@@ -85,10 +90,11 @@ class PassPipeline:
                 # After the graph passes, before the agreement check: a step graph's updates
                 # go next to their reductions once these are placed, and run in place last
                 # (whether an input is read after its update depends on the final order).
-                passes[len(self.graph):len(self.graph)] = [
-                    ("update_placement", place_updates),
-                    ("cross_step", explain_cross_step_prefetch),
-                    ("update_inplace", reinplace_updates)]
+                placed = [("update_placement", place_updates),
+                          ("cross_step", explain_cross_step_prefetch)]
+                if self.reinplace_updates:
+                    placed.append(("update_inplace", reinplace_updates))
+                passes[len(self.graph):len(self.graph)] = placed
             if traced_backward_nodes(gm):
                 passes = list(self.step) + passes
         return self._run(gm, passes, "bw" if backward else "fw")

@@ -160,8 +160,9 @@ def pass_pipeline(backend: str | BackendName, opts: BackendOptions = BackendOpti
                                                 hardware=_hardware(opts)))]
     joint = [("recompute", functools.partial(tag_gathers_for_recompute, plan=plan))]
     step = [("regather", functools.partial(regather_for_backward, plan=plan))]
-    return PassPipeline(joint=joint, graph=graph, step=step, dump_dir=opts.dump_graphs,
-                        observer=opts.observer)
+    return PassPipeline(joint=joint, graph=graph, step=step,
+                        reinplace_updates=backend.compiler == "aot_eager",
+                        dump_dir=opts.dump_graphs, observer=opts.observer)
 
 
 def make_backend(name: str, **options) -> Callable | str:
