@@ -27,7 +27,6 @@ from .annotations import NOTES_KEY
 from .cross_step import explain_cross_step_prefetch
 from .collectives import count_collectives, is_backward_graph
 from .traced_backward import annotate_traced_backward, traced_backward_nodes
-from .update_inplace import reinplace_updates
 from .update_placement import has_updates, place_updates
 
 # Returns the graph module ready to run: a pass that edits the graph regenerates its code.
@@ -62,11 +61,11 @@ class PassPipeline:
     # Run first on a step graph (a forward graph with a traced backward, compile_step): what
     # the joint passes do for a graph aot_autograd partitions.
     step: Sequence[tuple[str, GraphPass]] = ()
-    # Whether a step graph's functionalized update runs in place again (update_inplace.py).
-    # Op-by-op compilers (aot_eager) need it; inductor must not get it: it writes the
-    # mutated inputs in place itself, fusing the update into the copy-back, and it has no
-    # lowering for some in-place ops (addcmul_) that it decomposes only in functional form.
-    reinplace_updates: bool = True
+    # Run last on a graph with an optimizer update (compile_step), once it is placed: how
+    # the compiler wants the update written (update_inplace.py for aot_eager, which runs op
+    # by op; update_scalars.py for inductor, which writes mutated inputs in place itself and
+    # lowers some ops, such as addcmul, only in functional form).
+    update: Sequence[tuple[str, GraphPass]] = ()
     dump_dir: str | None = None
     observer: Callable[[str, str, fx.GraphModule], None] | None = None  # (kind, stage, gm)
     _seq: itertools.count = field(default_factory=itertools.count, repr=False)
@@ -90,11 +89,9 @@ class PassPipeline:
                 # After the graph passes, before the agreement check: a step graph's updates
                 # go next to their reductions once these are placed, and run in place last
                 # (whether an input is read after its update depends on the final order).
-                placed = [("update_placement", place_updates),
-                          ("cross_step", explain_cross_step_prefetch)]
-                if self.reinplace_updates:
-                    placed.append(("update_inplace", reinplace_updates))
-                passes[len(self.graph):len(self.graph)] = placed
+                passes[len(self.graph):len(self.graph)] = [
+                    ("update_placement", place_updates),
+                    ("cross_step", explain_cross_step_prefetch), *self.update]
             if traced_backward_nodes(gm):
                 passes = list(self.step) + passes
         return self._run(gm, passes, "bw" if backward else "fw")

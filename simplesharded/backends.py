@@ -33,6 +33,8 @@ from simplesharded.passes.recompute import tag_gathers_for_recompute
 from simplesharded.passes.step_regather import regather_for_backward
 from simplesharded.passes.reordering import reorder_for_overlap
 from simplesharded.passes.replica_padding import pad_replica_all_reduces
+from simplesharded.passes.update_inplace import reinplace_updates
+from simplesharded.passes.update_scalars import materialize_update_scalars
 from simplesharded.passes.upstream import upstream_overlap_bucketing
 from simplesharded.passes.view_cat import elide_view_cats
 
@@ -137,6 +139,11 @@ def backend_plan(backend: str | BackendName, opts: BackendOptions = BackendOptio
                      reshard_after_forward=opts.reshard_after_forward)
 
 
+# How each compiler wants a step graph's update written (PassPipeline.update).
+_UPDATE_PASSES = {"aot_eager": [("update_inplace", reinplace_updates)],
+                  "inductor": [("update_scalars", materialize_update_scalars)]}
+
+
 def pass_pipeline(backend: str | BackendName, opts: BackendOptions = BackendOptions(),
                   lower_on: tuple[str, ...] | None = LOWERED_BACKENDS) -> PassPipeline:
     """The passes ``backend`` runs, reading :func:`backend_plan`: the joint recompute pass,
@@ -161,7 +168,7 @@ def pass_pipeline(backend: str | BackendName, opts: BackendOptions = BackendOpti
     joint = [("recompute", functools.partial(tag_gathers_for_recompute, plan=plan))]
     step = [("regather", functools.partial(regather_for_backward, plan=plan))]
     return PassPipeline(joint=joint, graph=graph, step=step,
-                        reinplace_updates=backend.compiler == "aot_eager",
+                        update=_UPDATE_PASSES[backend.compiler],
                         dump_dir=opts.dump_graphs, observer=opts.observer)
 
 
