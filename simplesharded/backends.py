@@ -34,7 +34,6 @@ from simplesharded.passes.step_regather import regather_for_backward
 from simplesharded.passes.reordering import reorder_for_overlap
 from simplesharded.passes.replica_padding import pad_replica_all_reduces
 from simplesharded.passes.update_inplace import reinplace_updates
-from simplesharded.passes.update_scalars import materialize_update_scalars
 from simplesharded.passes.upstream import upstream_overlap_bucketing
 from simplesharded.passes.view_cat import elide_view_cats
 
@@ -139,9 +138,14 @@ def backend_plan(backend: str | BackendName, opts: BackendOptions = BackendOptio
                      reshard_after_forward=opts.reshard_after_forward)
 
 
-# How each compiler wants a step graph's update written (PassPipeline.update).
-_UPDATE_PASSES = {"aot_eager": [("update_inplace", reinplace_updates)],
-                  "inductor": [("update_scalars", materialize_update_scalars)]}
+def _update_passes(compiler: str) -> list:
+    """How ``compiler`` wants a step graph's update written (PassPipeline.update)."""
+    if compiler == "aot_eager":
+        return [("update_inplace", reinplace_updates)]
+    # imported here: its custom op is registered only by a process that compiles with inductor
+    from simplesharded.passes.update_scalars import materialize_update_scalars
+
+    return [("update_scalars", materialize_update_scalars)]
 
 
 def pass_pipeline(backend: str | BackendName, opts: BackendOptions = BackendOptions(),
@@ -168,7 +172,7 @@ def pass_pipeline(backend: str | BackendName, opts: BackendOptions = BackendOpti
     joint = [("recompute", functools.partial(tag_gathers_for_recompute, plan=plan))]
     step = [("regather", functools.partial(regather_for_backward, plan=plan))]
     return PassPipeline(joint=joint, graph=graph, step=step,
-                        update=_UPDATE_PASSES[backend.compiler],
+                        update=_update_passes(backend.compiler),
                         dump_dir=opts.dump_graphs, observer=opts.observer)
 
 
