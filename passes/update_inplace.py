@@ -6,7 +6,7 @@ mutation the graph keeps). So every step allocates a fresh buffer for each param
 and each state tensor and copies it back: three times the model's shard bytes per step, on
 the compute thread (aot_eager runs the graph op by op). Inductor must not get it: it writes a
 mutated input in place itself, fusing the update into the copy-back, and it lowers some ops
-(``addcmul``) only in functional form (PassPipeline.reinplace_updates).
+(``addcmul``) only in functional form (PassPipeline.update).
 :func:`reinplace_updates` undoes it where that is safe: for each ``copy_(x, y)`` into a graph
 input ``x`` whose value ``y`` is a chain of elementwise ops, the first reading ``x`` and each
 next one the previous result (read by nothing else), it runs the chain's ops in place on
