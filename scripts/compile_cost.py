@@ -18,6 +18,8 @@ import time
 import torch
 import torch.distributed as dist
 
+TORCH_BACKENDS = ("eager", "aot_eager", "inductor")  # torch's own: they compile a plain model too
+
 
 def _model(layers: int):
     from simplesharded.models import build_model
@@ -48,15 +50,14 @@ def main(argv=None) -> None:
     for backend in args.backends:
         row = []
         for sharded in (False, True):
-            if not sharded and backend not in ("eager", "aot_eager", "inductor"):
+            if not sharded and backend not in TORCH_BACKENDS:
                 row.append(None)  # our backends need a sharded model
                 continue
             torch._dynamo.reset()
             model = _model(args.layers)
             if sharded:
                 ss.data_parallel(model, ss.build_mesh(1, -1, "cpu"))
-            be = backend if backend in ("eager", "aot_eager", "inductor") else \
-                ss.make_backend(backend)
+            be = backend if backend in TORCH_BACKENDS else ss.make_backend(backend)
             compiled = torch.compile(model, backend=be, fullgraph=True)
             t = time.process_time()
             compiled(x).sum().backward()
