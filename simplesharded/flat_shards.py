@@ -107,7 +107,7 @@ class FlatShards:
         with fx_traceback.annotate({FLAT_KEY: self.name}):
             leaf = self.leaf
             if self.grad_scale != 1.0:
-                leaf = _ScaleGrad.apply(leaf, self.grad_scale)
+                leaf = _ScaleGrad.apply(leaf, self.grad_scale, {FLAT_KEY: self.name})
             pieces = torch.split(leaf, self.numels)
             return tuple(t.view(s) for t, s in zip(pieces, self.shapes))
 

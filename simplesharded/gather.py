@@ -9,7 +9,9 @@ Invariant: every dp op a read issues is annotated with the parameter's FQN, dp g
 reshard choice and block (passes/annotations.py), so the graph passes find the gathers and
 reductions by annotation, never by graph shape; the model-parallel re-wrap stays outside the
 annotation (TP's and EP's collectives are their modules' business). A parameter's gradient is
-reduced over its own dp dims only.
+reduced over its own dp dims only. Traced, a read is one op (``simplesharded::gather_read``)
+whose body is the eager read: the same aten ops in the graphs aot_autograd makes, at a fraction
+of dynamo's time.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from simplesharded.layout import _is_hybrid
 from simplesharded.passes.annotations import (BLOCK_KEY, DP_GROUPS_KEY, FLAT_KEY, PARAM_KEY,
                                              RESHARD_KEY)
-from simplesharded.sharded_state import ShardedParam, sharded_state
+from simplesharded.sharded_state import ShardedParam, read_record, sharded_state
 
 if TYPE_CHECKING:
     from simplesharded.eager_reshard import _EagerReshard
@@ -32,16 +34,19 @@ if TYPE_CHECKING:
 class _ScaleGrad(torch.autograd.Function):
     """Identity forward; multiplies the gradient (gloo has no AVG op: "avg" is sum × 1/dp).
     At scale 1 its backward is a view: the annotated op where a gradient enters its
-    reduction, which a backward traced by dynamo is annotated from (passes/traced_backward.py)."""
+    reduction, which a backward traced by dynamo is annotated from (passes/traced_backward.py).
+    The backward runs under the read's annotation itself: a traced read's body is one op
+    (_read_op), so its backward is traced by aot_autograd after the forward's annotation ended."""
 
     @staticmethod
-    def forward(ctx, x, scale):
-        ctx.scale = scale
+    def forward(ctx, x, scale, annotation):
+        ctx.scale, ctx.annotation = scale, annotation
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return (grad * ctx.scale if ctx.scale != 1.0 else grad.view_as(grad)), None
+        with fx_traceback.annotate(ctx.annotation):
+            return (grad * ctx.scale if ctx.scale != 1.0 else grad.view_as(grad)), None, None
 
 
 def gather_param(shard: DTensor, param: ShardedParam) -> torch.Tensor:
@@ -80,19 +85,40 @@ def _held(param: ShardedParam) -> torch.Tensor | None:
 
 def _gathered(shard: DTensor, param: ShardedParam) -> torch.Tensor:
     """The dp all-gather of gather_param, annotated, with its gradient's reduction."""
-    spec, mp = param.spec, param.mp_layout
+    annotation = _annotation(param)
+    if param.flat is not None:
+        # The shard read through its bucket's leaf (flat_shards.py), outside the annotation:
+        # the split belongs to the bucket, not to this parameter's gather.
+        slot = param.flat
+        shard = DTensor.from_local(slot.flat.piece(slot.index), shard.device_mesh,
+                                   shard.placements, run_check=False, shape=shard.shape,
+                                   stride=shard.stride())
+    # Traced, the read is one op (see _READ_LIB); eager, its body runs as it is.
+    local = (torch.ops.simplesharded.gather_read(shard, param.read_key)
+             if torch.compiler.is_compiling() else _read(shard, param, annotation))
+    if param.spec.grad_sync is not None:
+        # Outside the op: it reads and pops the model's pending gradients (Python state that
+        # an op, whose body runs once more per trace, must not touch).
+        with fx_traceback.annotate(annotation):
+            local = param.spec.grad_sync.route(local, param.fqn)
+    return local
+
+
+def _annotation(param: ShardedParam) -> dict:
+    spec = param.spec
     annotation = {PARAM_KEY: param.fqn, DP_GROUPS_KEY: spec.dp_groups,
                   RESHARD_KEY: spec.reshard_after_forward}
     if param.block is not None:
         annotation[BLOCK_KEY] = param.block
     if param.flat is not None:
-        # The shard read through its bucket's leaf (flat_shards.py), outside the annotation:
-        # the split belongs to the bucket, not to this parameter's gather.
-        slot = param.flat
-        annotation[FLAT_KEY] = (slot.flat.name, slot.offset)
-        shard = DTensor.from_local(slot.flat.piece(slot.index), shard.device_mesh,
-                                   shard.placements, run_check=False, shape=shard.shape,
-                                   stride=shard.stride())
+        annotation[FLAT_KEY] = (param.flat.flat.name, param.flat.offset)
+    return annotation
+
+
+def _read(shard: DTensor, param: ShardedParam, annotation: dict) -> torch.Tensor:
+    """The annotated gather of ``shard`` (the parameter's shard or its piece of a bucket's
+    buffer) over the dp dims, with the reduction of its gradient."""
+    spec, mp = param.spec, param.mp_layout
     with fx_traceback.annotate(annotation):
         if spec.dp_mesh is not None:
             # The dp part of the shard as a DTensor on the dp dims only: its global tensor is
@@ -109,8 +135,8 @@ def _gathered(shard: DTensor, param: ShardedParam) -> torch.Tensor:
         # except when it is reduced in float16, whose sum over ranks could overflow first.
         pre_scale = spec.scales_before_reduction(shard.dtype)
         if spec.grad_scale != 1.0 and not pre_scale and param.flat is None:  # flat: on the leaf
-            shard = DTensor.from_local(_ScaleGrad.apply(shard.to_local(), spec.grad_scale),
-                                       shard.device_mesh, shard.placements, run_check=False,
+            scaled = _ScaleGrad.apply(shard.to_local(), spec.grad_scale, annotation)
+            shard = DTensor.from_local(scaled, shard.device_mesh, shard.placements, run_check=False,
                                        shape=shard.shape, stride=shard.stride())
         hybrid = spec.hybrid and _is_hybrid(shard.placements)
         if hybrid:
@@ -124,10 +150,25 @@ def _gathered(shard: DTensor, param: ShardedParam) -> torch.Tensor:
         # Always applied (an identity at scale 1): its backward op is where the gradient
         # enters the reduction, and carries this annotation into a backward traced by
         # dynamo, where the reduction is found by it (passes/traced_backward.py).
-        local = _ScaleGrad.apply(local, spec.grad_scale if pre_scale else 1.0)
-        if spec.grad_sync is not None:
-            local = spec.grad_sync.route(local, param.fqn)
-    return local
+        return _ScaleGrad.apply(local, spec.grad_scale if pre_scale else 1.0, annotation)
+
+
+# A traced read is one op whose body (_read) runs at the autograd level
+# (CompositeImplicitAutograd): dynamo records one node and runs the body on fake tensors,
+# instead of interpreting DTensor's Python op by op (about half of dynamo's time in a first
+# compile of a sharded model: scripts/compile_cost.py), and aot_autograd traces the body into
+# the same aten ops, annotations and autograd as an eager read. The string names the
+# parameter's record (sharded_state.ShardedParam.read_key); records are registered when made.
+_READ_LIB = torch.library.Library("simplesharded", "DEF")
+_READ_LIB.define("gather_read(Tensor shard, str param) -> Tensor")
+
+
+def _read_op(shard: DTensor, key: str) -> torch.Tensor:
+    param = read_record(key)
+    return _read(shard, param, _annotation(param))
+
+
+_READ_LIB.impl("gather_read", _read_op, "CompositeImplicitAutograd")
 
 
 def _reduce_replicas_after_scatter(shard: DTensor) -> DTensor:

@@ -10,6 +10,7 @@ the state points to.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
@@ -34,6 +35,28 @@ class ShardedParam:
     mp_layout: _MPLayout | None  # set when it is a TP or EP DTensor to its module
     block: str | None  # its first owner's block (blocks.py), for the graph annotation
     flat: FlatSlot | None = None  # its place in a bucket's buffer (flat_buckets=True)
+
+    def __post_init__(self):
+        _RECORDS[self.read_key] = self
+
+    def __setstate__(self, state: dict) -> None:  # a copied or unpickled record registers too
+        for k, v in state.items():
+            object.__setattr__(self, k, v)
+        _RECORDS[self.read_key] = self
+
+    @property
+    def read_key(self) -> str:
+        """The name a traced read passes its op (gather.py) to find this record by."""
+        return f"{self.fqn}@{id(self):x}"
+
+
+# Every live record by read_key: a traced read's op takes a string, not the record. Registered
+# when a record is made (a registration during a trace would apply only after it).
+_RECORDS: weakref.WeakValueDictionary[str, ShardedParam] = weakref.WeakValueDictionary()
+
+
+def read_record(key: str) -> ShardedParam:
+    return _RECORDS[key]
 
 
 @dataclass(eq=False)
