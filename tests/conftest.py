@@ -35,5 +35,20 @@ def fake_world():
         dist.destroy_process_group()
 
 
+@pytest.fixture
+def fake_pg():
+    """A fake process group of 2 ranks for one test, dynamo's caches reset before and after:
+    an entry left by an earlier test would make the next compile of a new input shape a
+    dynamic-shape recompile."""
+    import torch
+
+    from simplesharded.tools.cluster_trace import fake_world as fake_world_of
+
+    torch._dynamo.reset()
+    with fake_world_of(2):
+        yield
+        torch._dynamo.reset()
+
+
 def pytest_unconfigure(config):
     shutil.rmtree(_CACHE, ignore_errors=True)

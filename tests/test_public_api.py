@@ -8,16 +8,6 @@ from simplesharded.tools.cluster_trace import fake_world
 from simplesharded.tools.report import main as report_main, trace_counts
 
 
-@pytest.fixture
-def fake_pg():
-    # reset before too: a cache entry left by a test without this fixture (the report CLI's)
-    # would make the next compile of a new input shape a dynamic-shape recompile
-    torch._dynamo.reset()
-    with fake_world(2):
-        yield
-        torch._dynamo.reset()
-
-
 def test_unknown_backend_lists_choices():
     with pytest.raises(ValueError, match=r"compile.backend='nope' is not one of \[.*"
                                          r"'aot_eager_autobucketing'.*'inductor_blockbucketing'"):

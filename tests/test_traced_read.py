@@ -5,23 +5,13 @@ annotated reduce-scatter per parameter in backward; a copied model's reads find 
 records (fake process group of 2)."""
 import copy
 
-import pytest
 import torch
 
 import simplesharded as ss
 from simplesharded.passes.annotations import PARAM_KEY, annotations
-from simplesharded.tools.cluster_trace import fake_world
 
 READ = torch.ops.simplesharded.gather_read  # dynamo records the overload packet
 C10D = torch.ops._c10d_functional
-
-
-@pytest.fixture
-def fake_pg():
-    torch._dynamo.reset()
-    with fake_world(2):
-        yield
-        torch._dynamo.reset()
 
 
 def _model():
