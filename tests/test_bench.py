@@ -325,14 +325,17 @@ def test_tiny_tp_bench_runs_end_to_end(tmp_path, capsys):
 @pytest.mark.slow
 def test_bench_collectives_forms_agree(capfd):
     # the worker raises if all-to-all + adds or the in-place all-reduce differ from gloo's RS,
-    # or the coalesced gather or the gather into a given buffer from the flat one
+    # or the coalesced gather or the gather into a given buffer from the flat one, or the
+    # ragged gather's views from the bucket they were cut from
     assert bench_collectives.main(["--reps", "2"]) == 0
     out = capfd.readouterr().out  # printed by the spawned rank 0
     for form in ("reduce_scatter", "all_to_all_add", "all_reduce_inplace", "all_gather_flat",
-                 "all_gather_out", "all_gather_coalesced"):
+                 "all_gather_out", "all_gather_coalesced", "all_gather_flat_buffer",
+                 "all_gather_ragged"):
         assert f"| {form} |" in out
     assert "all_gather_out / all_gather_flat CPU:" in out
     assert "all_gather_coalesced / all_gather_flat CPU:" in out
+    assert "all_gather_ragged / all_gather_flat_buffer CPU:" in out
 
 
 def test_bench_passes_times_every_pass_of_both_backends(capsys):

@@ -6,8 +6,12 @@ disguise), the all-to-all + local adds that passes/lowering.py emits, and an in-
 all-reduce. All-gather: one flat buffer plus a copy-out per parameter (passes/bucketing.py;
 torch's own kernel, gloo's coalesced gather of one tensor), the same into a buffer the caller
 allocates (gloo's plain all-gather: what simplesharded/shims/gloo_gather.py makes the first form
-run), and the coalesced gather straight into per-parameter outputs (which no pass emits:
-gloo's coalesced gather can corrupt the heap, docs/torch_internals.md).
+run), the coalesced gather straight into per-parameter outputs (which no pass emits:
+gloo's coalesced gather can corrupt the heap, docs/torch_internals.md), the flat form without
+its copy-in (``all_gather_flat_buffer``: the shards already are one buffer, what
+``flat_buckets=True`` pays), and the gather of a bucket in the ragged layout
+(simplesharded/ragged.py): without copy-in or copy-out, every parameter a view of the
+gathered buffer.
 The bucket is one llama3-small block's parameters (3.1M fp32 elements). Prints median wall ms
 and process CPU ms (all threads) per call; checks the forms of each kind agree.
 """
@@ -21,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from simplesharded.mesh import spawn_local
+from simplesharded.ragged import RaggedLayout
 
 
 
@@ -68,6 +73,12 @@ def _worker(rank: int, world: int, reps: int, numels: list[int]) -> None:
         return copy_out(c10d.wait_tensor(c10d.all_gather_into_tensor(buf, world, name))
                         .view(world, -1))
 
+    flat_buffer = torch.cat(shards)
+
+    def all_gather_flat_buffer():  # flat_buckets=True: the shards already are one buffer
+        return copy_out(c10d.wait_tensor(c10d.all_gather_into_tensor(flat_buffer, world, name))
+                        .view(world, -1))
+
     def all_gather_out():
         buf = torch.cat(shards)
         out = torch.empty(world * buf.numel())
@@ -79,18 +90,31 @@ def _worker(rank: int, world: int, reps: int, numels: list[int]) -> None:
         outs = c10d.all_gather_into_tensor_coalesced(shards, world, name)
         return [c10d.wait_tensor(o) for o in outs]
 
+    layout = RaggedLayout(tuple((k,) for k in numels), world)
+    bucket = torch.randn(layout.total, generator=torch.Generator().manual_seed(world))
+    ragged = bucket[rank * layout.shard_numel:(rank + 1) * layout.shard_numel].clone()
+    sizes, index = layout.split_sizes()
+
+    def all_gather_ragged():
+        pieces = c10d.wait_tensor(c10d.all_gather_into_tensor(ragged, world, name)).split(sizes)
+        return [pieces[j] for j in index]
+
     ref = reduce_scatter()
     for form in (all_to_all_add, all_reduce_inplace):
         got = form()
         if not torch.allclose(got, ref, rtol=1e-6, atol=1e-6):
             raise AssertionError(f"{form.__name__} differs from reduce_scatter_tensor")
-    for a, b, c in zip(all_gather_flat(), all_gather_coalesced(), all_gather_out()):
-        if not (torch.equal(a.flatten(), b) and torch.equal(a, c)):
+    for a, b, c, d in zip(all_gather_flat(), all_gather_coalesced(), all_gather_out(),
+                          all_gather_flat_buffer()):
+        if not (torch.equal(a.flatten(), b) and torch.equal(a, c) and torch.equal(a, d)):
             raise AssertionError("all_gather_coalesced or all_gather_out differs from "
                                  "all_gather_flat")
+    if not all(torch.equal(v, bucket[o:o + v.numel()])
+               for v, o in zip(all_gather_ragged(), layout.offsets)):
+        raise AssertionError("all_gather_ragged's views differ from the bucket")
     rows = []
     for form in (reduce_scatter, all_to_all_add, all_reduce_inplace, all_gather_flat,
-                 all_gather_out, all_gather_coalesced):
+                 all_gather_out, all_gather_coalesced, all_gather_flat_buffer, all_gather_ragged):
         form()
         dist.barrier()
         wall, cpu = [], []
@@ -108,6 +132,9 @@ def _worker(rank: int, world: int, reps: int, numels: list[int]) -> None:
         flat, out, coalesced = rows[3][2], rows[4][2], rows[5][2]
         print(f"all_gather_out / all_gather_flat CPU: {out / flat:.2f}")
         print(f"all_gather_coalesced / all_gather_flat CPU: {coalesced / flat:.2f}")
+        (_, fb_wall, fb_cpu), (_, rg_wall, rg_cpu) = rows[6], rows[7]
+        print(f"all_gather_ragged / all_gather_flat_buffer CPU: {rg_cpu / fb_cpu:.2f} "
+              f"(wall {rg_wall / fb_wall:.2f})")
     dist.barrier()  # no rank tears its connections down while a peer still sends
     dist.destroy_process_group()
 

@@ -1,0 +1,223 @@
+"""The ragged bucket layout: a bucket's parameters flattened end to end and cut into equal
+contiguous ranges, one per rank, so that each gathered parameter is a view of the gathered
+buffer (the layout YaFSDP uses; docs/zero_copy.md says why per-parameter ``Shard(0)`` cannot
+give this).
+
+One bucket of n parameters of one dtype, world w: parameter i is flattened and starts at
+offset ``o_i``, a multiple of ``align`` elements; the total is padded to ``w·L``; rank r
+holds elements ``[r·L, (r+1)·L)``. A parameter's local piece is the part of its range inside
+the rank's: contiguous in the parameter's flattened order, of any length, possibly empty.
+No DTensor placement describes it. Hence two kinds of operation:
+
+- the read (:meth:`RaggedLayout.gather`): all-gather the rank's ``[L]`` into ``[w·L]`` and
+  cut it with one split: every parameter is a view of the gathered buffer, so the gather's
+  copy-out is gone. The split's backward concatenates the gradients (zeros in the gaps) into
+  the reduce-scatter's input: that concatenation is the one copy left, which inductor can
+  write in place;
+- the boundary (:func:`to_ragged`, :func:`from_ragged`): move a bucket between the
+  per-parameter ``Shard(0)`` locals that ``state_dict()``, DCP and optimizers see and its
+  ragged range, with one all-to-all of exactly the elements that change rank.
+
+Invariant: a layout is a function of the shapes, the world size and the alignment only, so
+it is the same on every rank by construction, and so are the collectives built from it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+
+def shard0_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
+    """Rows [start, stop) of dim 0 that ``Shard(0)`` gives ``rank`` of ``world``: chunks of
+    ceil(rows / world), the last ranks short or empty (DTensor's uneven sharding)."""
+    chunk = -(-rows // world)
+    start = min(chunk * rank, rows)
+    return start, min(start + chunk, rows)
+
+
+@dataclass(frozen=True)
+class RaggedLayout:
+    """Where each parameter of one bucket lives in the flattened bucket and on each rank."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    world: int
+    align: int = 1  # elements; a parameter starts at a multiple of it
+    offsets: tuple[int, ...] = field(init=False)
+    shard_numel: int = field(init=False)  # L: the elements each rank holds
+
+    def __post_init__(self):
+        if not self.shapes:
+            raise ValueError("RaggedLayout: a bucket needs at least one parameter")
+        if self.world < 1 or self.align < 1:
+            raise ValueError(f"RaggedLayout: world={self.world} and align={self.align} "
+                             "must be >= 1")
+        if any(len(s) == 0 for s in self.shapes):
+            raise ValueError("RaggedLayout: a 0-d parameter has no dim 0 to shard; keep it "
+                             "out of ragged buckets")
+        shapes = tuple(tuple(int(d) for d in s) for s in self.shapes)
+        offsets, end = [], 0
+        for s in shapes:
+            end = -(-end // self.align) * self.align
+            offsets.append(end)
+            end += math.prod(s)
+        object.__setattr__(self, "shapes", shapes)
+        object.__setattr__(self, "offsets", tuple(offsets))
+        object.__setattr__(self, "shard_numel", max(1, -(-end // self.world)))
+
+    @property
+    def numels(self) -> tuple[int, ...]:
+        return tuple(math.prod(s) for s in self.shapes)
+
+    @property
+    def total(self) -> int:
+        """Elements of the gathered buffer, padding included: ``world · L``."""
+        return self.world * self.shard_numel
+
+    def rank_range(self, rank: int) -> tuple[int, int]:
+        """Elements [start, stop) of the flattened bucket that ``rank`` holds."""
+        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+    def piece(self, i: int, rank: int) -> tuple[int, int]:
+        """Parameter ``i``'s piece on ``rank``, as [start, stop) of its flattened elements
+        (start == stop: none)."""
+        lo, hi = self.rank_range(rank)
+        o, n = self.offsets[i], self.numels[i]
+        start, stop = min(max(lo - o, 0), n), min(max(hi - o, 0), n)
+        return start, max(start, stop)
+
+    def shard0_piece(self, i: int, rank: int) -> tuple[int, int]:
+        """Parameter ``i``'s ``Shard(0)`` local on ``rank``, as [start, stop) of its
+        flattened elements."""
+        shape = self.shapes[i]
+        row = math.prod(shape[1:])
+        start, stop = shard0_rows(shape[0], self.world, rank)
+        return start * row, stop * row
+
+    def split_sizes(self) -> tuple[list[int], list[int]]:
+        """(sizes, index): sizes cut the gathered buffer into gaps and parameters in order;
+        ``index[i]`` is parameter i's piece among them."""
+        sizes, index, end = [], [], 0
+        for o, n in zip(self.offsets, self.numels):
+            if o > end:
+                sizes.append(o - end)
+            index.append(len(sizes))
+            sizes.append(n)
+            end = o + n
+        if self.total > end:
+            sizes.append(self.total - end)
+        return sizes, index
+
+    def gather(self, local: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Tensor]:
+        """Every parameter of the bucket, full, as a view of one all-gather of ``local`` (this
+        rank's ``[L]``) over ``group``. Differentiable: the gradient of ``local`` is the
+        reduce-scatter (sum over ranks) of the parameters' gradients laid out as the bucket.
+        Traces under ``torch.compile`` as one all-gather, one split and views."""
+        if local.shape != (self.shard_numel,):
+            raise ValueError(f"RaggedLayout.gather: local has shape {tuple(local.shape)}, "
+                             f"expected ({self.shard_numel},)")
+        full = funcol.all_gather_tensor_autograd(local, 0, group)
+        sizes, index = self.split_sizes()
+        pieces = full.split(sizes)
+        return [pieces[j].view(s) for j, s in zip(index, self.shapes)]
+
+
+def to_ragged(locals_: list[torch.Tensor], layout: RaggedLayout,
+              group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's ragged range ``[L]`` from its ``Shard(0)`` local of every parameter (one
+    all-to-all over ``group``; gaps are zero)."""
+    me = dist.get_rank(group)
+    _check_locals(locals_, layout, me)
+    flats = [t.reshape(-1) for t in locals_]
+    send, send_sizes = [], []
+    for dst in range(layout.world):
+        n = 0
+        for i, f in enumerate(flats):
+            a, b = _overlap(layout.shard0_piece(i, me), layout.piece(i, dst))
+            s0 = layout.shard0_piece(i, me)[0]
+            send.append(f[a - s0:b - s0])
+            n += b - a
+        send_sizes.append(n)
+    recv_sizes, places = [], []
+    lo = layout.rank_range(me)[0]
+    for src in range(layout.world):
+        n = 0
+        for i in range(len(flats)):
+            a, b = _overlap(layout.shard0_piece(i, src), layout.piece(i, me))
+            places.append((layout.offsets[i] + a - lo, b - a))
+            n += b - a
+        recv_sizes.append(n)
+    received = _all_to_all(torch.cat(send), send_sizes, recv_sizes, group)
+    out = received.new_zeros(layout.shard_numel)
+    pos = 0
+    for at, n in places:
+        out[at:at + n] = received[pos:pos + n]
+        pos += n
+    return out
+
+
+def from_ragged(local: torch.Tensor, layout: RaggedLayout,
+                group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """This rank's ``Shard(0)`` local of every parameter (shaped as DTensor shapes it) from
+    its ragged range ``[L]`` (one all-to-all over ``group``): the inverse of :func:`to_ragged`."""
+    me = dist.get_rank(group)
+    if local.shape != (layout.shard_numel,):
+        raise ValueError(f"from_ragged: local has shape {tuple(local.shape)}, expected "
+                         f"({layout.shard_numel},)")
+    lo = layout.rank_range(me)[0]
+    send, send_sizes = [], []
+    for dst in range(layout.world):
+        n = 0
+        for i in range(len(layout.shapes)):
+            a, b = _overlap(layout.shard0_piece(i, dst), layout.piece(i, me))
+            at = layout.offsets[i] + a - lo
+            send.append(local[at:at + b - a])
+            n += b - a
+        send_sizes.append(n)
+    recv_sizes, places = [], []
+    for src in range(layout.world):
+        n = 0
+        for i in range(len(layout.shapes)):
+            a, b = _overlap(layout.shard0_piece(i, me), layout.piece(i, src))
+            places.append((i, a - layout.shard0_piece(i, me)[0], b - a))
+            n += b - a
+        recv_sizes.append(n)
+    received = _all_to_all(torch.cat(send), send_sizes, recv_sizes, group)
+    outs = []
+    for i, shape in enumerate(layout.shapes):
+        start, stop = layout.shard0_piece(i, me)
+        rows = shard0_rows(shape[0], layout.world, me)
+        outs.append(received.new_empty((rows[1] - rows[0], *shape[1:])))
+        assert outs[-1].numel() == stop - start
+    pos = 0
+    for i, at, n in places:
+        outs[i].view(-1)[at:at + n] = received[pos:pos + n]
+        pos += n
+    return outs
+
+
+def _overlap(x: tuple[int, int], y: tuple[int, int]) -> tuple[int, int]:
+    a, b = max(x[0], y[0]), min(x[1], y[1])
+    return a, max(a, b)
+
+
+def _check_locals(locals_: list[torch.Tensor], layout: RaggedLayout, rank: int) -> None:
+    if len(locals_) != len(layout.shapes):
+        raise ValueError(f"to_ragged: {len(locals_)} tensors for a layout of "
+                         f"{len(layout.shapes)} parameters")
+    for i, (t, shape) in enumerate(zip(locals_, layout.shapes)):
+        start, stop = shard0_rows(shape[0], layout.world, rank)
+        want = (stop - start, *shape[1:])
+        if tuple(t.shape) != want:
+            raise ValueError(f"to_ragged: parameter {i} has local shape {tuple(t.shape)}; "
+                             f"Shard(0) of {shape} on rank {rank} of {layout.world} is {want}")
+
+
+def _all_to_all(send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int],
+                group: dist.ProcessGroup) -> torch.Tensor:
+    out = send.new_empty(sum(recv_sizes))
+    dist.all_to_all_single(out, send.contiguous(), recv_sizes, send_sizes, group=group)
+    return out

@@ -1,0 +1,187 @@
+"""The ragged bucket layout (simplesharded/ragged.py).
+
+Single process: the geometry (every element of every parameter on exactly one rank, aligned
+offsets, the smallest equal ranges), the split that cuts a gathered buffer into parameters,
+and bad input. One spawn of 4 gloo ranks, run as a world of 4 and as two groups of 2 (the
+second dim of a 2 × 2 mesh): ``Shard(0)`` locals made by DTensor → ragged range → back,
+bitwise; the gather's views equal the full parameters; 3 compiled SGD steps on the ragged
+ranges match one process on the whole batch; and the compiled graphs hold one all-gather and
+no copy in forward, one reduce-scatter and one concatenation in backward.
+"""
+from __future__ import annotations
+
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from dist_utils import max_rel_diff, spawn
+
+from simplesharded.ragged import RaggedLayout, from_ragged, shard0_rows, to_ragged
+
+SHAPES = [(7, 5), (7,), (3, 7), (3,), (1, 4), (2,)]  # uneven rows, a parameter smaller than w
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("align", [1, 4, 16])
+def test_every_element_on_exactly_one_rank(world, align):
+    layout = RaggedLayout(tuple(SHAPES), world, align)
+    end = 0
+    for o, n in zip(layout.offsets, layout.numels):
+        assert o % align == 0 and o >= end  # aligned, in order, never overlapping
+        end = o + n
+    assert layout.shard_numel == -(-end // world)  # the smallest equal ranges
+    for i, n in enumerate(layout.numels):
+        pieces = [layout.piece(i, r) for r in range(world)]
+        assert pieces[0][0] == 0 and pieces[-1][1] == n
+        for (a, b), (c, _) in zip(pieces, pieces[1:]):
+            assert b == c  # consecutive ranks hold consecutive pieces
+        for r, (a, b) in enumerate(pieces):  # ... inside the rank's range
+            lo, hi = layout.rank_range(r)
+            assert a == b or lo <= layout.offsets[i] + a and layout.offsets[i] + b <= hi
+
+
+def test_split_cuts_the_bucket_into_its_parameters():
+    layout = RaggedLayout(tuple(SHAPES), 4, 4)
+    params = [torch.randn(s) for s in SHAPES]
+    full = torch.zeros(layout.total)
+    for p, o in zip(params, layout.offsets):
+        full[o:o + p.numel()] = p.reshape(-1)
+    sizes, index = layout.split_sizes()
+    assert sum(sizes) == layout.total
+    pieces = full.split(sizes)
+    for p, j in zip(params, index):
+        assert torch.equal(pieces[j].view(p.shape), p)
+        assert pieces[j].untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
+
+
+def test_shard0_rows_are_dtensors_uneven_split():
+    # torch.chunk is what DTensor's Shard(0) splits by; the spawned test checks DTensor itself
+    for rows in range(0, 10):
+        for world in (1, 2, 3, 4):
+            sizes = [c.shape[0] for c in torch.empty(rows).chunk(world)]
+            sizes += [0] * (world - len(sizes))
+            assert [b - a for a, b in (shard0_rows(rows, world, r) for r in range(world))] \
+                == sizes
+
+
+@pytest.mark.parametrize("shapes, world, align, message", [
+    ((), 2, 1, "at least one parameter"),
+    (((2, 2), ()), 2, 1, "0-d parameter"),
+    (((2, 2),), 0, 1, "world=0"),
+    (((2, 2),), 2, 0, "align=0"),
+])
+def test_bad_layouts_say_what_is_wrong(shapes, world, align, message):
+    with pytest.raises(ValueError, match=message):
+        RaggedLayout(shapes, world, align)
+
+
+# ------------------------------------------------------------------------- 4 gloo ranks
+
+def _full_params(seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g) for s in SHAPES]
+
+
+def _model(params: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    w1, b1, w2, b2, w3, b3 = params
+    h = torch.tanh(x @ w1.T + b1)
+    out = h @ w2.T + b2
+    return (out.sum(-1, keepdim=True) * w3.sum() + b3).sum(-1)
+
+
+def _batch(seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(16, 5, generator=g), torch.randn(16, generator=g)
+
+
+def _reference(steps: int, lr: float) -> list[torch.Tensor]:
+    params = [p.clone().requires_grad_() for p in _full_params()]
+    x, y = _batch()
+    opt = torch.optim.SGD(params, lr=lr)
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(_model(params, x), y).backward()
+        opt.step()
+    return [p.detach() for p in params]
+
+
+def _capture(graphs: dict):
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def keep(kind):
+        def compiler(gm, _inputs):
+            graphs[kind] = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+            return make_boxed_func(gm.forward)
+        return compiler
+    return aot_autograd(fw_compiler=keep("fw"), bw_compiler=keep("bw"))
+
+
+def _one_world(mesh, steps: int, lr: float) -> dict:
+    group, world, me = mesh.get_group(), mesh.size(), mesh.get_local_rank()
+    layout = RaggedLayout(tuple(SHAPES), world, align=4)
+    fulls = _full_params()
+    locals_ = [distribute_tensor(p, mesh, [Shard(0)]).to_local() for p in fulls]
+    assert [tuple(t.shape) for t in locals_] == [
+        (b - a, *s[1:]) for s, (a, b) in ((s, shard0_rows(s[0], world, me)) for s in SHAPES)]
+    bucket = torch.zeros(layout.total)
+    for p, o in zip(fulls, layout.offsets):
+        bucket[o:o + p.numel()] = p.reshape(-1)
+    lo, hi = layout.rank_range(me)
+
+    flat = to_ragged(locals_, layout, group)
+    assert torch.equal(flat, bucket[lo:hi])
+    assert all(torch.equal(a, b) for a, b in zip(from_ragged(flat, layout, group), locals_))
+    views = layout.gather(flat, group)
+    assert all(torch.equal(v, p) for v, p in zip(views, fulls))
+
+    # training: the optimizer steps the ragged range itself; a rank's loss is its share of
+    # the global mean, the gather's backward sums the ranks' gradients
+    x, y = _batch()
+    rows = slice(me * 16 // world, (me + 1) * 16 // world)
+    graphs: dict = {}
+
+    @torch.compile(backend=_capture(graphs), fullgraph=True)
+    def loss_of(local, x, y):
+        return torch.nn.functional.mse_loss(_model(layout.gather(local, group), x), y) / world
+
+    leaf = flat.clone().requires_grad_()
+    opt = torch.optim.SGD([leaf], lr=lr)
+    for _ in range(steps):
+        opt.zero_grad()
+        loss_of(leaf, x[rows], y[rows]).backward()
+        opt.step()
+    trained = [v.detach().clone() for v in layout.gather(leaf.detach(), group)]
+    return {"trained": trained, "graphs": graphs}
+
+
+def _ranks(rank, world, steps, lr):
+    results = {4: _one_world(init_device_mesh("cpu", (4,)), steps, lr)}
+    mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("row", "dp"))["dp"]
+    results[2] = _one_world(mesh2, steps, lr)
+    return results
+
+
+def test_round_trip_gather_and_training_match_one_process():
+    steps, lr = 3, 0.1
+    results = spawn(4, _ranks, steps, lr)
+    reference = _reference(steps, lr)
+    for world in (4, 2):
+        for rank, r in enumerate(results):
+            for got, want in zip(r[world]["trained"], reference):
+                assert max_rel_diff(got, want) <= 1e-5, (world, rank)
+        fw, bw = results[0][world]["graphs"]["fw"], results[0][world]["graphs"]["bw"]
+        # forward: one gather, parameters are views of it: no copy of any kind
+        assert fw.count(str(c10d.all_gather_into_tensor.default)) == 1
+        copies = {str(op) for op in (aten.clone.default, aten.cat.default, aten.copy.default,
+                                     aten._to_copy.default, aten.copy_.default,
+                                     aten.slice_scatter.default)}
+        assert not [t for t in fw if t in copies], fw
+        # backward: the gradients laid out as the bucket (one cat), one reduce-scatter
+        assert bw.count(str(c10d.reduce_scatter_tensor.default)) == 1
+        assert bw.count(str(aten.cat.default)) == 1, bw
