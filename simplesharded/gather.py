@@ -219,9 +219,11 @@ def _sharded_property(name: str) -> property:
     def get(self):
         shard = self._parameters[name]
         state = sharded_state(self)
+        param = state.params.get(name)
+        if param is not None and param.ragged is not None and state.gather_enabled:
+            return param.ragged.read()  # a view of its bucket's gather (ragged_shards.py)
         if shard is None or not state.gather_enabled:
             return shard
-        param = state.params[name]
         fqn = param.fqn
         scope = state.scope
         # Compiled, the graph decides what stays alive, so every read is cached. Eager, a

@@ -28,7 +28,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
+import torch.fx.traceback as fx_traceback
+
+_c10d = torch.ops._c10d_functional
 
 
 def shard0_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
@@ -111,18 +113,46 @@ class RaggedLayout:
             sizes.append(self.total - end)
         return sizes, index
 
-    def gather(self, local: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Tensor]:
+    def gather(self, local: torch.Tensor, group: dist.ProcessGroup, grad_scale: float = 1.0,
+               annotation: dict | None = None) -> list[torch.Tensor]:
         """Every parameter of the bucket, full, as a view of one all-gather of ``local`` (this
         rank's ``[L]``) over ``group``. Differentiable: the gradient of ``local`` is the
-        reduce-scatter (sum over ranks) of the parameters' gradients laid out as the bucket.
-        Traces under ``torch.compile`` as one all-gather, one split and views."""
+        reduce-scatter (sum over ranks) of the parameters' gradients laid out as the bucket,
+        times ``grad_scale``. Traces under ``torch.compile`` as one all-gather, one split and
+        views; the collectives (and the backward's scaling) carry ``annotation``, so the
+        graph passes find them as they find a parameter's (passes/annotations.py)."""
         if local.shape != (self.shard_numel,):
             raise ValueError(f"RaggedLayout.gather: local has shape {tuple(local.shape)}, "
                              f"expected ({self.shard_numel},)")
-        full = funcol.all_gather_tensor_autograd(local, 0, group)
+        annotation = annotation or {}
         sizes, index = self.split_sizes()
-        pieces = full.split(sizes)
-        return [pieces[j].view(s) for j, s in zip(index, self.shapes)]
+        # the split and views annotated too: they are the gather's chain, which the recompute
+        # pass redoes in backward with the gather (passes/recompute.py)
+        with fx_traceback.annotate(annotation):
+            full = _Gather.apply(local, self.world, group.group_name, grad_scale, annotation)
+            pieces = full.split(sizes)
+            return [pieces[j].view(s) for j, s in zip(index, self.shapes)]
+
+
+class _Gather(torch.autograd.Function):
+    """All-gather on dim 0 whose backward is the reduce-scatter (sum) times a scale, both
+    under the bucket's annotation (the backward is traced after the forward's annotation has
+    ended, so it sets its own)."""
+
+    @staticmethod
+    def forward(ctx, local, world, group_name, grad_scale, annotation):
+        ctx.world, ctx.group_name = world, group_name
+        ctx.grad_scale, ctx.annotation = grad_scale, annotation
+        return _c10d.wait_tensor(_c10d.all_gather_into_tensor(local, world, group_name))
+
+    @staticmethod
+    def backward(ctx, grad):
+        with fx_traceback.annotate(ctx.annotation):
+            out = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(
+                grad.contiguous(), "sum", ctx.world, ctx.group_name))
+            if ctx.grad_scale != 1.0:
+                out = out * ctx.grad_scale
+            return out, None, None, None, None
 
 
 def to_ragged(locals_: list[torch.Tensor], layout: RaggedLayout,

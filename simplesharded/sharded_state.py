@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from simplesharded.gather import _GatherScope
     from simplesharded.grad_sync import _GradSync
     from simplesharded.flat_shards import FlatSlot
+    from simplesharded.ragged_shards import RaggedSlot
     from simplesharded.layout import _GatherSpec, _MPLayout
 
 _ATTR = "_simplesharded_state"
@@ -35,6 +36,7 @@ class ShardedParam:
     mp_layout: _MPLayout | None  # set when it is a TP or EP DTensor to its module
     block: str | None  # its first owner's block (blocks.py), for the graph annotation
     flat: FlatSlot | None = None  # its place in a bucket's buffer (flat_buckets=True)
+    ragged: RaggedSlot | None = None  # its ragged bucket (flat_buckets="ragged")
 
     def __post_init__(self):
         _RECORDS[self.read_key] = self

@@ -24,13 +24,14 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from simplesharded.blocks import BlockSpec, block_of
 from simplesharded.eager_reshard import _EagerReshard
 from simplesharded.flat_shards import FlatShards, dp_view, flat_eligible
 from simplesharded.gather import _GatherScope, _sharded_property
 from simplesharded.grad_sync import _GradSync
+from simplesharded.ragged_shards import RaggedShards, RaggedSlot, attach_state_dict_hooks
 from simplesharded.layout import _DPView, _GatherSpec, _mode_placements, _shard_param
 from simplesharded.mesh import EP_DIM, dense_mesh, ep_dim, expert_dp_mesh, stage_mesh
 from simplesharded.mesh import dp_mesh as _dp_mesh
@@ -40,6 +41,7 @@ from simplesharded.shims import gloo_gather
 
 GRAD_REDUCTIONS = ("sum", "avg")
 RESHARD_CHOICES = (True, False, "auto")
+FLAT_BUCKETS = (False, True, "ragged")
 # Config/CLI spelling of reshard_after_forward (config.py, simplesharded/tools/report.py) → data_parallel's.
 RESHARD_BY_NAME = {"always": True, "never": False, "auto": "auto"}
 
@@ -71,7 +73,7 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
                   reshard_after_forward: bool | str = "auto",
                   grad_reduction: str = "avg",
                   blocks: Sequence[BlockSpec] | None = None,
-                  flat_buckets: bool = False) -> nn.Module:
+                  flat_buckets: bool | str = False) -> nn.Module:
     """Shard ``model`` in place over ``mesh`` and return it.
 
     mode: ``replicate`` (DDP-like), ``fully_shard`` (FSDP/ZeRO-3) or ``hybrid_shard``
@@ -102,7 +104,11 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     reduce-scatter's output (simplesharded/flat_shards.py). Parameters, ``state_dict()`` and
     checkpoints are the same. Parameters sharded evenly on dim 0 of what their dp gather
     rebuilds (FSDP, HSDP; under TP/EP the rank's model-parallel shard); the others (uneven,
-    frozen) stay on their own.
+    frozen) stay on their own. ``"ragged"``: each bucket in the ragged layout instead
+    (simplesharded/ragged_shards.py): parameters are views of the gathered buffer, so the
+    gather's copy-out goes too; a bucket is one parameter (``named_parameters()`` lists the
+    buckets), ``state_dict()`` lists the members as without. FSDP on a 1-D mesh, no mixed
+    precision yet; TP/EP, tied and frozen parameters stay on their own.
     A parameter read more than once in one forward of ``model`` (tied weights, a module called
     twice) is gathered once; its gradient is summed locally and reduced once (eager: tied
     weights only, so an uncompiled gather never outlives its block).
@@ -122,6 +128,8 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     if not (isinstance(reshard_after_forward, bool) or reshard_after_forward == "auto"):
         raise ValueError(f"reshard_after_forward={reshard_after_forward!r} is not one of "
                          f"{list(RESHARD_CHOICES)}")
+    if flat_buckets not in FLAT_BUCKETS:
+        raise ValueError(f"flat_buckets={flat_buckets!r} is not one of {list(FLAT_BUCKETS)}")
     if grad_reduction not in GRAD_REDUCTIONS:
         raise ValueError(f"grad_reduction={grad_reduction!r} is not one of {sorted(GRAD_REDUCTIONS)}")
     if any(sharded_state(m) is not None for m in model.modules()):
@@ -168,7 +176,9 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
                     ShardedParam(fqn, param_spec, layout, block_of_module.get(mod_name)))
             else:
                 scope.tied.add(shards[id(param)][1].fqn)
-    if flat_buckets:
+    if flat_buckets == "ragged":
+        _pack_ragged(model, shards, scope, block_of_module, mp_policy)
+    elif flat_buckets:
         _pack_flat(shards, scope)
     for mod_name, module, names in owners:
         records = {}
@@ -221,6 +231,53 @@ def _pack_flat(shards: dict[int, tuple[nn.Parameter, ShardedParam]],
                           1.0 if spec.scales_before_reduction(dtype) else spec.grad_scale)
         for k, param, slot in zip(keys, flat.params, flat.slots):
             shards[k] = (param, dataclasses.replace(shards[k][1], flat=slot))
+
+
+def _pack_ragged(model: nn.Module, shards: dict[int, tuple[nn.Parameter, ShardedParam]],
+                 scope: _GatherScope, block_of_module: dict[str, str],
+                 mp_policy: MixedPrecisionPolicy) -> None:
+    """Move the eligible shards of each bucket (as _pack_flat groups them) into one ragged
+    bucket registered on the bucket's owner (its block; the root for "pre" and "post");
+    their slots in ``shards`` become None and their records gain the bucket."""
+    if mp_policy.param_dtype is not None or mp_policy.reduce_dtype is not None:
+        raise ValueError("flat_buckets='ragged' does not take mixed precision yet "
+                         "(mp_policy with param_dtype or reduce_dtype); use flat_buckets=True")
+    groups: dict[tuple, list[int]] = {}
+    seen_block = False
+    for key, (shard, record) in shards.items():
+        seen_block = seen_block or record.block is not None
+        if not _ragged_eligible(shard, record, scope):
+            continue
+        bucket = record.block if record.block is not None else ("post" if seen_block else "pre")
+        groups.setdefault((bucket, shard.dtype), []).append(key)
+    by_owner: dict[str, list] = {}
+    for (bucket, dtype), keys in groups.items():
+        owner_fqn = bucket if bucket not in ("pre", "post") else ""
+        owner = model.get_submodule(owner_fqn)
+        attr = f"_ragged_{str(dtype).removeprefix('torch.')}" + (
+            f"_{bucket}" if bucket in ("pre", "post") else "")
+        first = shards[keys[0]]
+        spec = first[1].spec
+        prefix = f"{owner_fqn}." if owner_fqn else ""
+        members = [(shards[k][1].fqn, shards[k][1].fqn.removeprefix(prefix), shards[k][0])
+                   for k in keys]
+        order = by_owner.setdefault(owner_fqn, [owner, list(owner.state_dict(keep_vars=True)), []])
+        ragged = RaggedShards(f"{bucket}/{str(dtype).removeprefix('torch.')}", owner, attr,
+                              members, first[0].device_mesh, scope, spec.grad_scale,
+                              spec.reshard_after_forward, spec.dp_groups, first[1].block)
+        order[2].append(ragged)
+        for i, k in enumerate(keys):
+            shards[k] = (None, dataclasses.replace(shards[k][1], ragged=RaggedSlot(ragged, i)))
+    for owner, order, buckets in by_owner.values():
+        attach_state_dict_hooks(owner, buckets, order)
+
+
+def _ragged_eligible(shard: DTensor, record: ShardedParam, scope: _GatherScope) -> bool:
+    """Trained, at least 1-D, sharded on dim 0 over a 1-D dp mesh that is the whole mesh (no
+    TP or EP), and read by one module."""
+    return (shard.requires_grad and shard.ndim >= 1 and record.mp_layout is None
+            and record.spec.dp_mesh is None and shard.device_mesh.ndim == 1
+            and tuple(shard.placements) == (Shard(0),) and record.fqn not in scope.tied)
 
 
 def _input_caster(dtype: torch.dtype):

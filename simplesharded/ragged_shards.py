@@ -1,0 +1,160 @@
+"""Ragged bucket storage (``data_parallel(..., flat_buckets="ragged")``): each bucket's
+parameters live in the ragged layout (simplesharded/ragged.py), so every gathered parameter is
+a view of its bucket's gathered buffer: no copy-in, no copy-out.
+
+A bucket is one DTensor parameter, ``Shard(0)`` of the flattened bucket (``[w·L]``, this rank
+holding ``[L]``), registered on the module that owns the bucket (the block; the root for the
+parameters before the first block and after the last) under ``_ragged_<dtype>``. Optimizers
+step it as they step any shard; gradient clipping reads it as any DTensor. Its members' own
+slots hold None, so ``named_parameters()`` lists the buckets instead of the members (as
+FSDP1's flat parameters do): an optimizer that needs a member's matrix shape, or per-member
+parameter groups, does not take this storage.
+
+``state_dict()`` is what it is without: the members by FQN, each a ``Shard(0)`` DTensor,
+converted from the bucket by one all-to-all per bucket (every rank calls ``state_dict()``, as
+DCP requires anyway); ``load_state_dict`` converts them back (DTensors on the same mesh, or
+full tensors). The hooks sit on the owning module, so a block's own ``state_dict()`` converts
+too.
+
+A module's first read of a member in a forward gathers the whole bucket (one annotated
+all-gather, which passes/bucketing.py finds already bucketed) and caches the views in the
+gather scope for the forward's other reads; outside the forward each read gathers.
+
+Taken: trained parameters of at least one dim on a 1-D FSDP mesh, without TP or EP, read by
+one module (tied parameters keep today's path). Not taken yet (a clear error): mixed
+precision, ``compile_step``, gradient-sync control (``no_gradient_sync``), ``gather_once``,
+``init_sharded`` (initialise before ``data_parallel``). Eager, a gathered bucket stays alive
+until backward (no eager resharding).
+
+Invariant: a bucket's members, order and layout depend only on the module tree and the
+parameters' global shapes, so they are the same on every rank.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from simplesharded.passes.annotations import (BLOCK_KEY, BUCKET_PARAMS_KEY, DP_GROUPS_KEY,
+                                             PARAM_KEY, RESHARD_KEY)
+from simplesharded.ragged import RaggedLayout, from_ragged, shard0_rows, to_ragged
+
+if TYPE_CHECKING:
+    from simplesharded.gather import _GatherScope
+
+ALIGN_BYTES = 128  # every member starts 128-byte aligned in the gathered buffer
+
+
+@dataclass(frozen=True)
+class RaggedSlot:
+    """A member's place: its bucket and its index there."""
+
+    bucket: "RaggedShards"
+    index: int
+
+    def read(self) -> torch.Tensor:
+        return self.bucket.read(self.index)
+
+
+class RaggedShards:
+    """One bucket in the ragged layout: its parameter, its members and their reads."""
+
+    def __init__(self, name: str, owner: nn.Module, attr: str,
+                 members: list[tuple[str, str, DTensor]], mesh: DeviceMesh, scope: _GatherScope,
+                 grad_scale: float, reshard, dp_groups: tuple, block: str | None):
+        """``members``: (FQN, FQN relative to ``owner``, shard) in module order."""
+        self.name, self.attr, self.scope = name, attr, scope
+        self.fqns = [fqn for fqn, _, _ in members]
+        self.keys = [key for _, key, _ in members]
+        self.mesh, self.group = mesh, mesh.get_group()
+        self.grad_scale = grad_scale
+        shards = [s for _, _, s in members]
+        element = shards[0].element_size()
+        self.layout = RaggedLayout(tuple(tuple(s.shape) for s in shards), mesh.size(),
+                                   align=max(1, ALIGN_BYTES // element))
+        local = to_ragged([s.to_local() for s in shards], self.layout, self.group)
+        self.param = nn.Parameter(DTensor.from_local(
+            local, mesh, (Shard(0),), run_check=False, shape=(self.layout.total,), stride=(1,)))
+        self.annotation = {PARAM_KEY: self.fqns[0], BUCKET_PARAMS_KEY: list(self.fqns),
+                           DP_GROUPS_KEY: dp_groups, RESHARD_KEY: reshard}
+        if block is not None:
+            self.annotation[BLOCK_KEY] = block
+        owner.register_parameter(attr, self.param)
+
+    def read(self, index: int) -> torch.Tensor:
+        """Member ``index``, full: a view of the bucket's gather (one per forward)."""
+        scope = self.scope
+        views = scope.flat_pieces.get(self.name) if scope.active else None
+        if views is None:
+            views = self.layout.gather(self.param.to_local(), self.group, self.grad_scale,
+                                       self.annotation)
+            if scope.active:
+                scope.flat_pieces[self.name] = views
+        return views[index]
+
+    def member_shards(self) -> list[DTensor]:
+        """Each member's ``Shard(0)`` DTensor, converted from the bucket (a collective)."""
+        locals_ = from_ragged(self.param.detach().to_local(), self.layout, self.group)
+        return [DTensor.from_local(t, self.mesh, (Shard(0),), run_check=False, shape=shape,
+                                   stride=_contiguous(shape))
+                for t, shape in zip(locals_, self.layout.shapes)]
+
+    def bucket_from(self, values: list[torch.Tensor]) -> DTensor:
+        """The bucket's DTensor from its members' values: ``Shard(0)`` DTensors on this mesh,
+        other DTensors (redistributed) or full tensors (this rank's rows taken)."""
+        me, world = self.mesh.get_local_rank(), self.mesh.size()
+        locals_ = []
+        for fqn, v, shape in zip(self.fqns, values, self.layout.shapes):
+            if tuple(v.shape) != shape:
+                raise ValueError(f"load_state_dict: {fqn} has shape {tuple(v.shape)}, the "
+                                 f"model's is {shape}")
+            if isinstance(v, DTensor):
+                v = v.redistribute(self.mesh, (Shard(0),)).to_local()
+            else:
+                start, stop = shard0_rows(shape[0], world, me)
+                v = v[start:stop]
+            locals_.append(v.to(device=self.param.device, dtype=self.param.dtype))
+        local = to_ragged(locals_, self.layout, self.group)
+        return DTensor.from_local(local, self.mesh, (Shard(0),), run_check=False,
+                                  shape=(self.layout.total,), stride=(1,))
+
+
+def attach_state_dict_hooks(owner: nn.Module, buckets: list[RaggedShards],
+                            order: list[str]) -> None:
+    """``owner.state_dict()`` lists its buckets' members as ``Shard(0)`` DTensors in
+    ``order`` (the keys relative to ``owner`` as without ragged storage); its
+    ``load_state_dict`` takes them back into the buckets."""
+
+    def save(module, state_dict, prefix, local_metadata):
+        for b in buckets:
+            state_dict.pop(prefix + b.attr, None)
+            for key, shard in zip(b.keys, b.member_shards()):
+                state_dict[prefix + key] = shard
+        # the owner's entries are the last ones added: put them back in the order they have
+        # without ragged storage
+        mine = [prefix + k for k in order if prefix + k in state_dict]
+        for key in mine:
+            state_dict[key] = state_dict.pop(key)
+
+    def load(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        for b in buckets:
+            keys = [prefix + k for k in b.keys]
+            if not any(k in state_dict for k in keys):
+                continue  # missing keys are reported by the load itself (the bucket's)
+            absent = [k for k in keys if k not in state_dict]
+            if absent:
+                errors.append(f"ragged bucket {b.name}: missing {absent}")
+                continue
+            state_dict[prefix + b.attr] = b.bucket_from([state_dict.pop(k) for k in keys])
+
+    owner.register_state_dict_post_hook(save)
+    owner.register_load_state_dict_pre_hook(load)
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
