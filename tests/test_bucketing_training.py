@@ -55,6 +55,9 @@ AOT = ("aot_eager", "aot_eager_blockbucketing", "aot_eager_autobucketing")
 FLAT = ("flat:aot_eager_blockbucketing", "flat:aot_eager_autobucketing")
 FLAT_PAIRS = (("eager", "flat:eager"),
               ("bf16:aot_eager_blockbucketing", "bf16+flat:aot_eager_blockbucketing"))
+# data_parallel(..., flat_buckets="ragged") (simplesharded/ragged_shards.py): bitwise the same
+# training as without, every parameter a view of its bucket's gather (no copy-out)
+RAGGED = ("ragged:aot_eager_blockbucketing", "ragged:aot_eager_autobucketing", "ragged:eager")
 # the plain "inductor" (reference) runs last
 INDUCTOR = ("inductor_blockbucketing", "inductor_autobucketing", "flat:inductor_blockbucketing",
             "inductor")
@@ -77,7 +80,9 @@ def _train(rank, world, backend, n_layers, opt_name, get_code=False, mode="fully
     """STEPS steps of one backend; returns losses, final local shards, the collective counts
     and the order of collectives among matmuls (tests/support/inductor_code.py) of the graphs our
     pipeline produced (kind → ...) and, optionally, the same of inductor's code. ``backend``
-    may carry options before a colon: ``flat`` (flat_buckets=True), ``bf16`` (param_dtype)."""
+    may carry options before a colon: ``flat`` (flat_buckets=True), ``ragged``
+    (flat_buckets="ragged"), ``bf16`` (param_dtype). Parameters are read from ``state_dict()``,
+    which lists a ragged bucket's members."""
     options, _, backend = backend.rpartition(":")
     options = set(options.split("+")) - {""}
     import simplesharded as ss
@@ -99,13 +104,15 @@ def _train(rank, world, backend, n_layers, opt_name, get_code=False, mode="fully
             for n in gm.graph.nodes)
         graph_counts[kind]["cat"] = sum(n.target is torch.ops.aten.cat.default
                                         for n in gm.graph.nodes)
+        graph_counts[kind]["clone"] = sum(n.target is torch.ops.aten.clone.default
+                                          for n in gm.graph.nodes)
 
     torch._dynamo.reset()
     # ZeRO-3 (every block re-gathered in backward): the counts below assume it
     mp = ss.MixedPrecisionPolicy(param_dtype=torch.bfloat16) if "bf16" in options else None
     model = ss.data_parallel(toy_blocks.make_model(n_layers=n_layers), mesh, mode,
                              reshard_after_forward=True, mp_policy=mp,
-                             flat_buckets="flat" in options)
+                             flat_buckets="ragged" if "ragged" in options else "flat" in options)
     opt = (torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
            if opt_name == "adamw" else torch.optim.SGD(model.parameters(), lr=0.1))
     compiled = model if backend == "eager" else torch.compile(
@@ -131,7 +138,7 @@ def _train(rank, world, backend, n_layers, opt_name, get_code=False, mode="fully
             loss = fwd_bwd()
         opt.step()
         losses.append(loss.item())
-    params = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+    params = {n: p.to_local().detach().clone() for n, p in model.state_dict().items()}
     torch._dynamo.reset()
     return dict(losses=losses, params=params, graph_counts=graph_counts, code_counts=code_counts,
                 graph_orders=graph_orders, code_orders=code_orders)
@@ -139,14 +146,17 @@ def _train(rank, world, backend, n_layers, opt_name, get_code=False, mode="fully
 
 def aot_job(rank, world, tmp):
     out = {be: _train(rank, world, be, toy_blocks.N_LAYERS, "adamw")
-           for be in AOT + FLAT + tuple(b for pair in FLAT_PAIRS for b in pair)}
+           for be in AOT + FLAT + RAGGED + tuple(b for pair in FLAT_PAIRS for b in pair)}
     out["dcp"] = _dcp_round_trip(rank, world, tmp)
+    out["dcp_ragged"] = _dcp_round_trip(rank, world, tmp, "ragged")
     return out
 
 
-def _dcp_round_trip(rank, world, tmp):
+def _dcp_round_trip(rank, world, tmp, flat_buckets=True):
     """A DCP checkpoint saved without flat buffers loads into a model with them (and back):
-    the values land in the buffers, which forward then reads."""
+    the values land in the buffers, which forward then reads. Ragged buckets' state_dict()
+    holds converted members, so their load ends with load_state_dict (as set_state_dict
+    does)."""
     import torch.distributed.checkpoint as dcp
 
     import simplesharded as ss
@@ -159,24 +169,29 @@ def _dcp_round_trip(rank, world, tmp):
         return ss.data_parallel(toy_blocks.make_model(seed), mesh, flat_buckets=flat)
 
     def full(m):
-        return {n: p.full_tensor() for n, p in m.named_parameters()}
+        return {n: p.full_tensor() for n, p in m.state_dict().items()}
+
+    def load(m, path):
+        state = m.state_dict()
+        dcp.load(state, checkpoint_id=path)
+        m.load_state_dict(state)
 
     saved = model(False, 1)
     dcp.save(saved.state_dict(), checkpoint_id=f"{tmp}/plain")
-    flat = model(True, 2)
-    dcp.load(flat.state_dict(), checkpoint_id=f"{tmp}/plain")
-    dcp.save(flat.state_dict(), checkpoint_id=f"{tmp}/flat")
+    flat = model(flat_buckets, 2)
+    load(flat, f"{tmp}/plain")
+    dcp.save(flat.state_dict(), checkpoint_id=f"{tmp}/{flat_buckets}")
     back = model(False, 3)
-    dcp.load(back.state_dict(), checkpoint_id=f"{tmp}/flat")
+    load(back, f"{tmp}/{flat_buckets}")
     with torch.no_grad():
         outputs = [m(tokens) for m in (saved, flat, back)]
     want = full(saved)
-    assert not any(torch.equal(v, want[n]) for n, v in full(model(True, 2)).items())
+    assert not any(torch.equal(v, want[n]) for n, v in full(model(flat_buckets, 2)).items())
     return dict(loaded_flat=all(torch.equal(v, want[n]) for n, v in full(flat).items()),
                 loaded_back=all(torch.equal(v, want[n]) for n, v in full(back).items()),
                 same_output=all(torch.equal(o, outputs[0]) for o in outputs[1:]),
-                placements=[(n, p.placements, p.shape) for n, p in flat.named_parameters()]
-                == [(n, p.placements, p.shape) for n, p in saved.named_parameters()])
+                placements=[(n, p.placements, p.shape) for n, p in flat.state_dict().items()]
+                == [(n, p.placements, p.shape) for n, p in saved.state_dict().items()])
 
 
 def aot_replicate_job(rank, world):
@@ -359,6 +374,33 @@ def test_flat_buckets_train_bitwise_as_without_and_copy_less():
         bf16 = res["bf16+flat:aot_eager_blockbucketing"]["graph_counts"]
         assert bf16["fw"]["cat"] == 1
         dcp = res["dcp"]
+        assert dcp == dict(loaded_flat=True, loaded_back=True, same_output=True,
+                           placements=True), (rank, dcp)
+
+
+def test_ragged_buckets_train_bitwise_as_without_and_copy_out_nothing():
+    """flat_buckets="ragged": the same losses and parameters, bit for bit, under both
+    bucketing backends and eager (AdamW, every bucket stepped as one tensor); the forward
+    graph copies nothing out of its gathers (as many clones as unbucketed aot_eager, whose
+    gathers are whole parameters) and concatenates nothing; a DCP checkpoint moves between
+    the layouts. Every toy parameter is in a bucket (ragged takes uneven rows)."""
+    n = toy_blocks.N_LAYERS
+    for rank, res in enumerate(_run("aot_job")):
+        for be in RAGGED:
+            _same_training(res[be], res["aot_eager" if be != "ragged:eager" else "eager"],
+                           (rank, be))
+        plain = res["aot_eager"]["graph_counts"]
+        ragged = res["ragged:aot_eager_blockbucketing"]["graph_counts"]
+        assert ragged["fw"]["all_gather"] == n + 2 and ragged["bw"]["all_gather"] == n + 1
+        assert ragged["bw"]["reduce_scatter"] == ragged["bw"]["all_to_all"] == n + 2
+        assert ragged["fw"]["cat"] == 0
+        assert ragged["fw"]["clone"] == plain["fw"]["clone"], (ragged["fw"], plain["fw"])
+        block = res["aot_eager_blockbucketing"]["graph_counts"]
+        assert block["fw"]["clone"] - ragged["fw"]["clone"] >= _n_params(n) - 1
+        # backward: one cat per bucket at most (the gradients laid out as the bucket; a
+        # bucket of one parameter without padding has none), no re-gather copy-in
+        assert ragged["bw"]["cat"] <= n + 2 < block["bw"]["cat"]
+        dcp = res["dcp_ragged"]
         assert dcp == dict(loaded_flat=True, loaded_back=True, same_output=True,
                            placements=True), (rank, dcp)
 
