@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from simplesharded.deferred_reduce import _dp_view, _kind
+from simplesharded.ragged_shards import reject_ragged
 from simplesharded.sharded_state import sharded_state
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -48,6 +49,7 @@ def _sync_of(model: nn.Module):
 def gather_held(model: nn.Module) -> int:
     """Gather every sharded parameter of ``model`` (a ``data_parallel`` root or its compiled
     wrapper) into its held tensors (module doc). Returns how many collectives it issued."""
+    reject_ragged(model, "gather_held")
     model, sync = _sync_of(model)
     buckets: dict[tuple, list] = defaultdict(list)
     for param, shard in sync.sharded_params(model):

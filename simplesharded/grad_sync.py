@@ -48,6 +48,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from simplesharded.ragged_shards import reject_ragged
 from simplesharded.sharded_state import sharded_params, sharded_state
 
 
@@ -153,6 +154,7 @@ def set_requires_gradient_sync(model: nn.Module, requires_sync: bool) -> None:
     """
     state = _grad_sync_of(model)
     if not requires_sync:
+        reject_ragged(model, "set_requires_gradient_sync(model, False)")
         state.make_accumulators(getattr(model, "_orig_mod", model))
     elif not state.sync:
         state.take_accumulated()

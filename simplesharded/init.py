@@ -178,8 +178,10 @@ def init_sharded(model: nn.Module, init_fn: Callable[[nn.Module], None] | None =
     its shard's contents. Nothing is communicated: every rank computes every group in full
     and keeps its region.
     """
+    from simplesharded.ragged_shards import reject_ragged
     from simplesharded.sharding import disable_gather
 
+    reject_ragged(model, "init_sharded (initialise the model before data_parallel)")
     tensors, under = _collect(model, blocks)
     _check_materialised(tensors)
     targets = list(modules) if modules is not None else [model]

@@ -43,6 +43,7 @@ from torch.distributed.tensor import DTensor, Shard
 from simplesharded.passes.annotations import (BLOCK_KEY, BUCKET_PARAMS_KEY, DP_GROUPS_KEY,
                                              PARAM_KEY, RESHARD_KEY)
 from simplesharded.ragged import RaggedLayout, from_ragged, shard0_rows, to_ragged
+from simplesharded.sharded_state import sharded_state
 
 if TYPE_CHECKING:
     from simplesharded.gather import _GatherScope
@@ -154,6 +155,17 @@ def attach_state_dict_hooks(owner: nn.Module, buckets: list[RaggedShards],
 
     owner.register_state_dict_post_hook(save)
     owner.register_load_state_dict_pre_hook(load)
+
+
+def reject_ragged(model: nn.Module, what: str) -> None:
+    """Raise for ``what``, a feature that does not take ragged buckets yet, if ``model`` (a
+    ``data_parallel`` root or its compiled wrapper) has any."""
+    model = getattr(model, "_orig_mod", model)
+    for module in model.modules():
+        state = sharded_state(module)
+        if state is not None and any(r.ragged is not None for r in state.params.values()):
+            raise ValueError(f"{what} does not take data_parallel(..., "
+                             "flat_buckets='ragged') yet; use flat_buckets=True")
 
 
 def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -28,6 +28,7 @@ from simplesharded.backends import make_backend
 from simplesharded.grad_clip import clip_coefficient, global_norm, scaled
 from simplesharded.passes.annotations import UPDATE_KEY
 from simplesharded.passes.torch_compat import STEP_GRAPH, needs
+from simplesharded.ragged_shards import reject_ragged
 from simplesharded.sharded_state import sharded_params
 from simplesharded.optim_update import (apply_update, hyperparameters, prepare,
                                         step_inputs)
@@ -69,6 +70,7 @@ def compile_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     backward: compiling takes about N times as long.
     """
     needs(STEP_GRAPH)
+    reject_ragged(model, "compile_step")
     if clip_norm not in CLIP_NORMS:
         raise ValueError(f"compile_step: clip_norm={clip_norm!r} is not one of {CLIP_NORMS}")
     if not (isinstance(accumulation_steps, int) and accumulation_steps >= 1):

@@ -80,6 +80,62 @@ def test_bad_layouts_say_what_is_wrong(shapes, world, align, message):
         RaggedLayout(shapes, world, align)
 
 
+# ------------------------------------------- data_parallel(flat_buckets="ragged"), fake world
+
+def test_ragged_model_lists_buckets_and_state_dict_lists_members():
+    import toy_blocks
+    from pass_utils import fake_world
+
+    import simplesharded as ss
+
+    with fake_world(2) as mesh:
+        plain = ss.data_parallel(toy_blocks.make_model(), mesh)
+        model = ss.data_parallel(toy_blocks.make_model(), mesh, flat_buckets="ragged")
+        buckets = [f"layers.{i}._ragged_float32" for i in range(toy_blocks.N_LAYERS)]
+        assert [n for n, _ in model.named_parameters()] == \
+            ["_ragged_float32_pre", "_ragged_float32_post"] + buckets
+        for _, p in model.named_parameters():
+            assert p.placements == (Shard(0),) and p.ndim == 1
+        # as without: the members by FQN, in the same order, Shard(0) DTensors of their shape
+        assert [(k, v.placements, v.shape) for k, v in model.state_dict().items()] == \
+            [(k, v.placements, v.shape) for k, v in plain.state_dict().items()]
+        block = model.layers[0]
+        assert list(block.state_dict()) == list(plain.layers[0].state_dict())
+
+
+@pytest.mark.parametrize("call", ["init_sharded", "compile_step", "no_sync", "gather_held",
+                                  "mixed_precision", "bad_value"])
+def test_what_ragged_does_not_take_yet_says_so(call):
+    import toy_blocks
+    from pass_utils import fake_world
+
+    import simplesharded as ss
+
+    with fake_world(2) as mesh:
+        if call == "bad_value":
+            with pytest.raises(ValueError, match=r"flat_buckets='raged' is not one of "
+                                                 r"\[False, True, 'ragged'\]"):
+                ss.data_parallel(toy_blocks.make_model(), mesh, flat_buckets="raged")
+            return
+        if call == "mixed_precision":
+            with pytest.raises(ValueError, match="does not take mixed precision yet"):
+                ss.data_parallel(toy_blocks.make_model(), mesh, flat_buckets="ragged",
+                                 mp_policy=ss.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+            return
+        model = ss.data_parallel(toy_blocks.make_model(), mesh, flat_buckets="ragged")
+        with pytest.raises(ValueError, match="flat_buckets='ragged'"):
+            if call == "init_sharded":
+                ss.init_sharded(model, init_fn=lambda m: None)
+            elif call == "compile_step":
+                opt = torch.optim.AdamW(model.parameters())
+                ss.compile_step(model, opt, lambda m, x: m(x).sum(), backend="aot_eager")
+            elif call == "no_sync":
+                ss.set_requires_gradient_sync(model, False)
+            else:
+                from simplesharded.gather_once import gather_held
+                gather_held(model)
+
+
 # ------------------------------------------------------------------------- 4 gloo ranks
 
 def _full_params(seed: int = 0) -> list[torch.Tensor]:
