@@ -51,6 +51,10 @@ FLAT_PREFIX = "ss_flat_"
 FLAT_DEFAULT = ("ss_flat_aot_eager_blockbucketing", "ss_flat_aot_eager_autobucketing")
 # ss_step_flat_<backend>: both, the whole step in one graph over flat buffers.
 STEP_FLAT_PREFIX = "ss_step_flat_"
+# ss_ragged_<backend>: data_parallel(..., flat_buckets="ragged"), each bucket in the ragged
+# layout (simplesharded/ragged_shards.py); for the backends that bucket. Named with
+# --variants, not in the default set.
+RAGGED_PREFIX = "ss_ragged_"
 
 
 def ss_backend(variant: str):
@@ -58,7 +62,8 @@ def ss_backend(variant: str):
     baseline."""
     from simplesharded.backends import BACKENDS, BackendName
 
-    for prefix in (STEP_FLAT_PREFIX, STEP_PREFIX, FLAT_PREFIX, "ss_"):  # longest first
+    for prefix in (STEP_FLAT_PREFIX, STEP_PREFIX, RAGGED_PREFIX, FLAT_PREFIX,
+                   "ss_"):  # longest first
         if variant.startswith(prefix):
             name = variant[len(prefix):]
             return BackendName.parse(name) if name in BACKENDS else None
@@ -74,6 +79,13 @@ def is_flat_variant(variant: str) -> bool:
             and ss_backend(variant) is not None)
 
 
+def flat_buckets_of(variant: str) -> bool | str:
+    """What a variant passes data_parallel as ``flat_buckets``."""
+    if variant.startswith(RAGGED_PREFIX) and ss_backend(variant) is not None:
+        return "ragged"
+    return is_flat_variant(variant)
+
+
 def all_variants() -> list[str]:
     from simplesharded.backends import BACKENDS, BackendName
     return (list(BASELINES) + [f"ss_{name}" for name in BACKENDS]
@@ -81,7 +93,8 @@ def all_variants() -> list[str]:
                if BackendName.parse(name).compiler != "eager"]
             + [f"{FLAT_PREFIX}{name}" for name in BACKENDS if BackendName.parse(name).ours]
             + [f"{STEP_FLAT_PREFIX}{name}" for name in BACKENDS
-               if BackendName.parse(name).ours])
+               if BackendName.parse(name).ours]
+            + [f"{RAGGED_PREFIX}{name}" for name in BACKENDS if BackendName.parse(name).ours])
 
 
 def default_variants(tp: int, cp: int = 1) -> list[str]:
@@ -94,7 +107,8 @@ def default_variants(tp: int, cp: int = 1) -> list[str]:
         return list(TP_DEFAULT)
     return [v for v in all_variants() if v != "compute_floor_concurrent_compiled"
             and (not is_step_variant(v) or v in STEP_DEFAULT)
-            and (not is_flat_variant(v) or v in FLAT_DEFAULT)]
+            and (not is_flat_variant(v) or v in FLAT_DEFAULT)
+            and not v.startswith(RAGGED_PREFIX)]
 
 
 @dataclass
@@ -172,7 +186,7 @@ def prepare(variant: str, args: BenchArgs, mesh, loss_fn):
     else:
         from simplesharded import data_parallel, make_backend
         backend = ss_backend(variant)
-        data_parallel(model, mesh, "fully_shard", flat_buckets=is_flat_variant(variant))
+        data_parallel(model, mesh, "fully_shard", flat_buckets=flat_buckets_of(variant))
         if is_step_variant(variant):
             from simplesharded import compile_step
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
