@@ -176,12 +176,19 @@ def init_sharded(model: nn.Module, init_fn: Callable[[nn.Module], None] | None =
     Parameters are DTensor shards (``data_parallel``, after TP / EP or not) or plain tensors
     with storage; buffers stay plain tensors where they are. A parameter no init wrote keeps
     its shard's contents. Nothing is communicated: every rank computes every group in full
-    and keeps its region.
+    and keeps its region (ragged buckets aside: their members are converted to per-parameter
+    shards for the init and back, one all-to-all each way per bucket).
     """
-    from simplesharded.ragged_shards import reject_ragged
+    from simplesharded.ragged_shards import members_as_shards
+
+    # ragged buckets: their members as per-parameter shards for the init's length
+    with members_as_shards(model):
+        _init_shards(model, init_fn, seed, modules, device, blocks)
+
+
+def _init_shards(model, init_fn, seed, modules, device, blocks) -> None:
     from simplesharded.sharding import disable_gather
 
-    reject_ragged(model, "init_sharded (initialise the model before data_parallel)")
     tensors, under = _collect(model, blocks)
     _check_materialised(tensors)
     targets = list(modules) if modules is not None else [model]

@@ -21,19 +21,21 @@ all-gather, which passes/bucketing.py finds already bucketed) and caches the vie
 gather scope for the forward's other reads; outside the forward each read gathers.
 
 Taken: trained parameters of at least one dim on a 1-D FSDP mesh, without TP or EP, read by
-one module (tied parameters keep today's path). Not taken yet (a clear error): mixed
-precision, ``compile_step``, gradient-sync control (``no_gradient_sync``), ``gather_once``,
-``init_sharded`` (initialise before ``data_parallel``). Eager, a gathered bucket stays alive
-until backward (no eager resharding).
+one module (tied parameters keep today's path). ``init_sharded`` runs on the members as
+per-parameter shards (:func:`members_as_shards`), so a model built on the meta device takes
+ragged buckets too. Not taken yet (a clear error): mixed precision, ``compile_step``,
+gradient-sync control (``no_gradient_sync``), ``gather_once``. Eager, a gathered bucket stays
+alive until backward (no eager resharding).
 
 Invariant: a bucket's members, order and layout depend only on the module tree and the
 parameters' global shapes, so they are the same on every rank.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 from torch import nn
@@ -69,7 +71,7 @@ class RaggedShards:
                  members: list[tuple[str, str, DTensor]], mesh: DeviceMesh, scope: _GatherScope,
                  grad_scale: float, reshard, dp_groups: tuple, block: str | None):
         """``members``: (FQN, FQN relative to ``owner``, shard) in module order."""
-        self.name, self.attr, self.scope = name, attr, scope
+        self.name, self.owner, self.attr, self.scope = name, owner, attr, scope
         self.fqns = [fqn for fqn, _, _ in members]
         self.keys = [key for _, key, _ in members]
         self.mesh, self.group = mesh, mesh.get_group()
@@ -155,6 +157,42 @@ def attach_state_dict_hooks(owner: nn.Module, buckets: list[RaggedShards],
 
     owner.register_state_dict_post_hook(save)
     owner.register_load_state_dict_pre_hook(load)
+
+
+def _members(model: nn.Module) -> dict[RaggedShards, list[tuple[nn.Module, str]]]:
+    """Every ragged bucket of ``model`` and its members' (module, attribute), in order."""
+    out: dict[RaggedShards, list] = {}
+    for module in getattr(model, "_orig_mod", model).modules():
+        state = sharded_state(module)
+        for name, record in (state.params.items() if state is not None else ()):
+            if record.ragged is not None:
+                slots = out.setdefault(record.ragged.bucket, [])
+                slots.append((record.ragged.index, module, name))
+    return {b: [(m, n) for _, m, n in sorted(s, key=lambda e: e[0])] for b, s in out.items()}
+
+
+@contextlib.contextmanager
+def members_as_shards(model: nn.Module) -> Iterator[None]:
+    """Within: each ragged member is a ``Shard(0)`` DTensor parameter in its own module's
+    slot (converted from its bucket) and the buckets are out of their owners' slots, so code
+    written for per-parameter shards (``init_sharded``) runs as without; after: the members'
+    values go back into their buckets. Collective: every rank enters it."""
+    members = _members(model)
+    owners = {}
+    for bucket, slots in members.items():
+        for (module, name), shard in zip(slots, bucket.member_shards()):
+            module._parameters[name] = nn.Parameter(shard, requires_grad=False)
+        owners[bucket] = bucket.owner._parameters.pop(bucket.attr)
+    try:
+        yield
+    finally:
+        for bucket, slots in members.items():
+            values = [module._parameters[name] for module, name in slots]
+            with torch.no_grad():
+                bucket.param.to_local().copy_(bucket.bucket_from(values).to_local())
+            for module, name in slots:
+                module._parameters[name] = None
+            bucket.owner._parameters[bucket.attr] = owners[bucket]
 
 
 def reject_ragged(model: nn.Module, what: str) -> None:

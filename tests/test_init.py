@@ -6,6 +6,8 @@ Slow: one spawned job per world size (1, 2, 4 gloo ranks) builds every case of t
 deepseek_v3 debug MoE with its experts split over ep 2, at 4 ranks over efsdp 2 too, and
 with tp 2 as well), initialises it with the same seed and gathers every parameter
 (``full_tensor``): all of them must equal the 1-rank values bit for bit, buffers included.
+At 2 and 4 ranks llama3 is also built with ragged buckets (``flat_buckets="ragged"``, its
+members read from ``state_dict()``): the init writes through to the buckets.
 Fast: at one rank the shards equal a plain, unsharded model given the same init, and the
 init never holds more than one group's parameters at once.
 """
@@ -18,15 +20,17 @@ from torch import nn
 from dist_utils import memo, spawn
 
 SEED = 7
-# world size → cases: (model, tp, ep)
+# world size → cases: (model, tp, ep[, flat_buckets])
 CASES = {
     1: (("llama3", 1, 1), ("deepseek_v3", 1, 1)),
-    2: (("llama3", 1, 1), ("deepseek_v3", 1, 2)),
-    4: (("llama3", 1, 1), ("llama3", 2, 1), ("deepseek_v3", 1, 2), ("deepseek_v3", 2, 2)),
+    2: (("llama3", 1, 1), ("deepseek_v3", 1, 2), ("llama3", 1, 1, "ragged")),
+    4: (("llama3", 1, 1), ("llama3", 2, 1), ("deepseek_v3", 1, 2), ("deepseek_v3", 2, 2),
+        ("llama3", 1, 1, "ragged")),
 }
 
 
-def _sharded(name: str, world: int, tp: int, ep: int, **overrides) -> nn.Module:
+def _sharded(name: str, world: int, tp: int, ep: int, flat_buckets=False,
+             **overrides) -> nn.Module:
     """The model on the meta device, parallelised as the trainer does (TP → EP →
     data_parallel fully_shard) on a CPU mesh of ``world`` ranks, not yet initialised."""
     import simplesharded as ss
@@ -37,7 +41,7 @@ def _sharded(name: str, world: int, tp: int, ep: int, **overrides) -> nn.Module:
     model = build_model(name, "debug", device="meta", **overrides)
     apply_tensor_parallel(model, mesh, sequence_parallel=True)
     apply_expert_parallel(model, mesh)
-    return ss.data_parallel(model, mesh, "fully_shard")
+    return ss.data_parallel(model, mesh, "fully_shard", flat_buckets=flat_buckets)
 
 
 def _job(rank: int, world: int) -> dict | None:
@@ -46,12 +50,14 @@ def _job(rank: int, world: int) -> dict | None:
     from simplesharded.init import init_sharded
 
     out = {}
-    for name, tp, ep in CASES[world]:
-        model = _sharded(name, world, tp, ep)
+    for case in CASES[world]:
+        model = _sharded(*case[:1], world, *case[1:])
         init_sharded(model, seed=SEED)
+        params = (dict(model.named_parameters()) if len(case) == 3 else
+                  {k: v for k, v in model.state_dict().items() if isinstance(v, DTensor)})
         full = {k: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
-                for k, p in model.named_parameters()}
-        out[name, tp, ep] = {**full, **{k: b.clone() for k, b in model.named_buffers()}}
+                for k, p in params.items()}
+        out[case] = {**full, **{k: b.clone() for k, b in model.named_buffers()}}
     return out if rank == 0 else None
 
 
@@ -64,11 +70,11 @@ def _full(world: int) -> dict:
 @pytest.mark.parametrize("world", [2, 4])
 def test_same_full_parameters_at_any_world_size_and_layout(world):
     ref = _full(1)
-    for (name, tp, ep), got in _full(world).items():
+    for (name, tp, ep, *flat), got in _full(world).items():
         want = ref[name, 1, 1]
-        assert sorted(got) == sorted(want), (name, tp, ep)
+        assert sorted(got) == sorted(want), (name, tp, ep, flat)
         bad = [k for k in want if got[k].dtype != want[k].dtype or not torch.equal(got[k], want[k])]
-        assert not bad, f"{name} world={world} tp={tp} ep={ep}: differ from 1 rank: {bad}"
+        assert not bad, f"{name} world={world} tp={tp} ep={ep} {flat}: differ from 1 rank: {bad}"
     # the init ran: not torch.empty's leftovers
     assert ref["llama3", 1, 1]["norm.weight"].eq(1).all()
     assert 0.01 < float(ref["llama3", 1, 1]["layers.0.attention.wq.weight"].std()) < 0.03

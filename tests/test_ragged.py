@@ -103,8 +103,8 @@ def test_ragged_model_lists_buckets_and_state_dict_lists_members():
         assert list(block.state_dict()) == list(plain.layers[0].state_dict())
 
 
-@pytest.mark.parametrize("call", ["init_sharded", "compile_step", "no_sync", "gather_held",
-                                  "mixed_precision", "bad_value"])
+@pytest.mark.parametrize("call", ["compile_step", "no_sync", "gather_held", "mixed_precision",
+                                  "bad_value"])
 def test_what_ragged_does_not_take_yet_says_so(call):
     import toy_blocks
     from pass_utils import fake_world
@@ -124,9 +124,7 @@ def test_what_ragged_does_not_take_yet_says_so(call):
             return
         model = ss.data_parallel(toy_blocks.make_model(), mesh, flat_buckets="ragged")
         with pytest.raises(ValueError, match="flat_buckets='ragged'"):
-            if call == "init_sharded":
-                ss.init_sharded(model, init_fn=lambda m: None)
-            elif call == "compile_step":
+            if call == "compile_step":
                 opt = torch.optim.AdamW(model.parameters())
                 ss.compile_step(model, opt, lambda m, x: m(x).sum(), backend="aot_eager")
             elif call == "no_sync":
