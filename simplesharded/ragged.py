@@ -114,13 +114,15 @@ class RaggedLayout:
         return sizes, index
 
     def gather(self, local: torch.Tensor, group: dist.ProcessGroup, grad_scale: float = 1.0,
-               annotation: dict | None = None) -> list[torch.Tensor]:
+               annotation: dict | None = None, precision: Precision | None = None
+               ) -> list[torch.Tensor]:
         """Every parameter of the bucket, full, as a view of one all-gather of ``local`` (this
         rank's ``[L]``) over ``group``. Differentiable: the gradient of ``local`` is the
         reduce-scatter (sum over ranks) of the parameters' gradients laid out as the bucket,
         times ``grad_scale``. Traces under ``torch.compile`` as one all-gather, one split and
         views; the collectives (and the backward's scaling) carry ``annotation``, so the
-        graph passes find them as they find a parameter's (passes/annotations.py)."""
+        graph passes find them as they find a parameter's (passes/annotations.py).
+        ``precision``: the dtypes of the gather and of the reduction (mixed precision)."""
         if local.shape != (self.shard_numel,):
             raise ValueError(f"RaggedLayout.gather: local has shape {tuple(local.shape)}, "
                              f"expected ({self.shard_numel},)")
@@ -129,30 +131,50 @@ class RaggedLayout:
         # the split and views annotated too: they are the gather's chain, which the recompute
         # pass redoes in backward with the gather (passes/recompute.py)
         with fx_traceback.annotate(annotation):
-            full = _Gather.apply(local, self.world, group.group_name, grad_scale, annotation)
+            full = _Gather.apply(local, self.world, group.group_name, grad_scale, annotation,
+                                 precision or Precision())
             pieces = full.split(sizes)
             return [pieces[j].view(s) for j, s in zip(index, self.shapes)]
 
 
+@dataclass(frozen=True)
+class Precision:
+    """A gather's dtypes, as DTensor's ``redistribute(forward_dtype=, backward_dtype=)``
+    takes them: the gather in ``gather_dtype`` (None: the shard's), the reduction in
+    ``reduce_dtype`` (None: the shard's), its result in the shard's dtype. ``scale_first``:
+    the gradient is scaled before its reduction (a float16 sum over ranks could overflow),
+    otherwise after it, on the shard."""
+
+    gather_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    scale_first: bool = False
+
+
 class _Gather(torch.autograd.Function):
-    """All-gather on dim 0 whose backward is the reduce-scatter (sum) times a scale, both
-    under the bucket's annotation (the backward is traced after the forward's annotation has
-    ended, so it sets its own)."""
+    """All-gather on dim 0 whose backward is the reduce-scatter (sum) scaled, both under the
+    bucket's annotation (the backward is traced after the forward's annotation has ended, so
+    it sets its own). The casts of mixed precision are the only copies."""
 
     @staticmethod
-    def forward(ctx, local, world, group_name, grad_scale, annotation):
-        ctx.world, ctx.group_name = world, group_name
-        ctx.grad_scale, ctx.annotation = grad_scale, annotation
+    def forward(ctx, local, world, group_name, grad_scale, annotation, precision):
+        ctx.world, ctx.group_name, ctx.dtype = world, group_name, local.dtype
+        ctx.grad_scale, ctx.annotation, ctx.precision = grad_scale, annotation, precision
+        if precision.gather_dtype is not None:
+            local = local.to(precision.gather_dtype)
         return _c10d.wait_tensor(_c10d.all_gather_into_tensor(local, world, group_name))
 
     @staticmethod
     def backward(ctx, grad):
+        precision, scale = ctx.precision, ctx.grad_scale
         with fx_traceback.annotate(ctx.annotation):
+            if precision.scale_first and scale != 1.0:
+                grad = grad * scale
+            grad = grad.to(precision.reduce_dtype or ctx.dtype).contiguous()
             out = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(
-                grad.contiguous(), "sum", ctx.world, ctx.group_name))
-            if ctx.grad_scale != 1.0:
-                out = out * ctx.grad_scale
-            return out, None, None, None, None
+                grad, "sum", ctx.world, ctx.group_name)).to(ctx.dtype)
+            if not precision.scale_first and scale != 1.0:
+                out = out * scale
+            return out, None, None, None, None, None
 
 
 def to_ragged(locals_: list[torch.Tensor], layout: RaggedLayout,

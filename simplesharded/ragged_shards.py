@@ -23,7 +23,8 @@ gather scope for the forward's other reads; outside the forward each read gather
 Taken: trained parameters of at least one dim on a 1-D FSDP mesh, without TP or EP, read by
 one module (tied parameters keep today's path). ``init_sharded`` runs on the members as
 per-parameter shards (:func:`members_as_shards`), so a model built on the meta device takes
-ragged buckets too. Not taken yet (a clear error): mixed precision, ``compile_step``,
+ragged buckets too. Mixed precision: the cast of a bucket's ``[L]`` to the gather's dtype is
+its only copy-in. Not taken yet (a clear error): ``compile_step``,
 gradient-sync control (``no_gradient_sync``), ``gather_once``. Eager, a gathered bucket stays
 alive until backward (no eager resharding).
 
@@ -44,7 +45,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from simplesharded.passes.annotations import (BLOCK_KEY, BUCKET_PARAMS_KEY, DP_GROUPS_KEY,
                                              PARAM_KEY, RESHARD_KEY)
-from simplesharded.ragged import RaggedLayout, from_ragged, shard0_rows, to_ragged
+from simplesharded.ragged import Precision, RaggedLayout, from_ragged, shard0_rows, to_ragged
 from simplesharded.sharded_state import sharded_state
 
 if TYPE_CHECKING:
@@ -69,8 +70,10 @@ class RaggedShards:
 
     def __init__(self, name: str, owner: nn.Module, attr: str,
                  members: list[tuple[str, str, DTensor]], mesh: DeviceMesh, scope: _GatherScope,
-                 grad_scale: float, reshard, dp_groups: tuple, block: str | None):
+                 grad_scale: float, reshard, dp_groups: tuple, block: str | None,
+                 precision: Precision):
         """``members``: (FQN, FQN relative to ``owner``, shard) in module order."""
+        self.precision = precision
         self.name, self.owner, self.attr, self.scope = name, owner, attr, scope
         self.fqns = [fqn for fqn, _, _ in members]
         self.keys = [key for _, key, _ in members]
@@ -95,7 +98,7 @@ class RaggedShards:
         views = scope.flat_pieces.get(self.name) if scope.active else None
         if views is None:
             views = self.layout.gather(self.param.to_local(), self.group, self.grad_scale,
-                                       self.annotation)
+                                       self.annotation, self.precision)
             if scope.active:
                 scope.flat_pieces[self.name] = views
         return views[index]

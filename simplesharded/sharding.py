@@ -31,6 +31,7 @@ from simplesharded.eager_reshard import _EagerReshard
 from simplesharded.flat_shards import FlatShards, dp_view, flat_eligible
 from simplesharded.gather import _GatherScope, _sharded_property
 from simplesharded.grad_sync import _GradSync
+from simplesharded.ragged import Precision
 from simplesharded.ragged_shards import RaggedShards, RaggedSlot, attach_state_dict_hooks
 from simplesharded.layout import _DPView, _GatherSpec, _mode_placements, _shard_param
 from simplesharded.mesh import EP_DIM, dense_mesh, ep_dim, expert_dp_mesh, stage_mesh
@@ -107,8 +108,8 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     frozen) stay on their own. ``"ragged"``: each bucket in the ragged layout instead
     (simplesharded/ragged_shards.py): parameters are views of the gathered buffer, so the
     gather's copy-out goes too; a bucket is one parameter (``named_parameters()`` lists the
-    buckets), ``state_dict()`` lists the members as without. FSDP on a 1-D mesh, no mixed
-    precision yet; TP/EP, tied and frozen parameters stay on their own.
+    buckets), ``state_dict()`` lists the members as without. FSDP on a 1-D mesh; TP/EP, tied
+    and frozen parameters stay on their own.
     A parameter read more than once in one forward of ``model`` (tied weights, a module called
     twice) is gathered once; its gradient is summed locally and reduced once (eager: tied
     weights only, so an uncompiled gather never outlives its block).
@@ -177,7 +178,7 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
             else:
                 scope.tied.add(shards[id(param)][1].fqn)
     if flat_buckets == "ragged":
-        _pack_ragged(model, shards, scope, block_of_module, mp_policy)
+        _pack_ragged(model, shards, scope)
     elif flat_buckets:
         _pack_flat(shards, scope)
     for mod_name, module, names in owners:
@@ -234,14 +235,10 @@ def _pack_flat(shards: dict[int, tuple[nn.Parameter, ShardedParam]],
 
 
 def _pack_ragged(model: nn.Module, shards: dict[int, tuple[nn.Parameter, ShardedParam]],
-                 scope: _GatherScope, block_of_module: dict[str, str],
-                 mp_policy: MixedPrecisionPolicy) -> None:
+                 scope: _GatherScope) -> None:
     """Move the eligible shards of each bucket (as _pack_flat groups them) into one ragged
     bucket registered on the bucket's owner (its block; the root for "pre" and "post");
     their slots in ``shards`` become None and their records gain the bucket."""
-    if mp_policy.param_dtype is not None or mp_policy.reduce_dtype is not None:
-        raise ValueError("flat_buckets='ragged' does not take mixed precision yet "
-                         "(mp_policy with param_dtype or reduce_dtype); use flat_buckets=True")
     groups: dict[tuple, list[int]] = {}
     seen_block = False
     for key, (shard, record) in shards.items():
@@ -262,9 +259,12 @@ def _pack_ragged(model: nn.Module, shards: dict[int, tuple[nn.Parameter, Sharded
         members = [(shards[k][1].fqn, shards[k][1].fqn.removeprefix(prefix), shards[k][0])
                    for k in keys]
         order = by_owner.setdefault(owner_fqn, [owner, list(owner.state_dict(keep_vars=True)), []])
+        precision = Precision(spec.param_dtype, spec.reduce_dtype,
+                              spec.scales_before_reduction(dtype))
         ragged = RaggedShards(f"{bucket}/{str(dtype).removeprefix('torch.')}", owner, attr,
                               members, first[0].device_mesh, scope, spec.grad_scale,
-                              spec.reshard_after_forward, spec.dp_groups, first[1].block)
+                              spec.reshard_after_forward, spec.dp_groups, first[1].block,
+                              precision)
         order[2].append(ragged)
         for i, k in enumerate(keys):
             shards[k] = (None, dataclasses.replace(shards[k][1], ragged=RaggedSlot(ragged, i)))

@@ -58,6 +58,8 @@ FLAT_PAIRS = (("eager", "flat:eager"),
 # data_parallel(..., flat_buckets="ragged") (simplesharded/ragged_shards.py): bitwise the same
 # training as without, every parameter a view of its bucket's gather (no copy-out)
 RAGGED = ("ragged:aot_eager_blockbucketing", "ragged:aot_eager_autobucketing", "ragged:eager")
+# ... and under bf16 mixed precision against the same backend without
+RAGGED_BF16 = "bf16+ragged:aot_eager_blockbucketing"
 # the plain "inductor" (reference) runs last
 INDUCTOR = ("inductor_blockbucketing", "inductor_autobucketing", "flat:inductor_blockbucketing",
             "inductor")
@@ -146,7 +148,8 @@ def _train(rank, world, backend, n_layers, opt_name, get_code=False, mode="fully
 
 def aot_job(rank, world, tmp):
     out = {be: _train(rank, world, be, toy_blocks.N_LAYERS, "adamw")
-           for be in AOT + FLAT + RAGGED + tuple(b for pair in FLAT_PAIRS for b in pair)}
+           for be in AOT + FLAT + RAGGED + (RAGGED_BF16,)
+           + tuple(b for pair in FLAT_PAIRS for b in pair)}
     out["dcp"] = _dcp_round_trip(rank, world, tmp)
     out["dcp_ragged"] = _dcp_round_trip(rank, world, tmp, "ragged")
     return out
@@ -380,7 +383,8 @@ def test_flat_buckets_train_bitwise_as_without_and_copy_less():
 
 def test_ragged_buckets_train_bitwise_as_without_and_copy_out_nothing():
     """flat_buckets="ragged": the same losses and parameters, bit for bit, under both
-    bucketing backends and eager (AdamW, every bucket stepped as one tensor); the forward
+    bucketing backends, eager and bf16 mixed precision (AdamW, every bucket stepped as one
+    tensor); the forward
     graph copies nothing out of its gathers (as many clones as unbucketed aot_eager, whose
     gathers are whole parameters) and concatenates nothing; a DCP checkpoint moves between
     the layouts. Every toy parameter is in a bucket (ragged takes uneven rows)."""
@@ -389,6 +393,8 @@ def test_ragged_buckets_train_bitwise_as_without_and_copy_out_nothing():
         for be in RAGGED:
             _same_training(res[be], res["aot_eager" if be != "ragged:eager" else "eager"],
                            (rank, be))
+        _same_training(res[RAGGED_BF16], res["bf16:aot_eager_blockbucketing"], (rank, "bf16"))
+        assert res[RAGGED_BF16]["graph_counts"]["fw"]["cat"] == 0
         plain = res["aot_eager"]["graph_counts"]
         ragged = res["ragged:aot_eager_blockbucketing"]["graph_counts"]
         assert ragged["fw"]["all_gather"] == n + 2 and ragged["bw"]["all_gather"] == n + 1

@@ -103,8 +103,7 @@ def test_ragged_model_lists_buckets_and_state_dict_lists_members():
         assert list(block.state_dict()) == list(plain.layers[0].state_dict())
 
 
-@pytest.mark.parametrize("call", ["compile_step", "no_sync", "gather_held", "mixed_precision",
-                                  "bad_value"])
+@pytest.mark.parametrize("call", ["compile_step", "no_sync", "gather_held", "bad_value"])
 def test_what_ragged_does_not_take_yet_says_so(call):
     import toy_blocks
     from pass_utils import fake_world
@@ -116,11 +115,6 @@ def test_what_ragged_does_not_take_yet_says_so(call):
             with pytest.raises(ValueError, match=r"flat_buckets='raged' is not one of "
                                                  r"\[False, True, 'ragged'\]"):
                 ss.data_parallel(toy_blocks.make_model(), mesh, flat_buckets="raged")
-            return
-        if call == "mixed_precision":
-            with pytest.raises(ValueError, match="does not take mixed precision yet"):
-                ss.data_parallel(toy_blocks.make_model(), mesh, flat_buckets="ragged",
-                                 mp_policy=ss.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
             return
         model = ss.data_parallel(toy_blocks.make_model(), mesh, flat_buckets="ragged")
         with pytest.raises(ValueError, match="flat_buckets='ragged'"):
