@@ -113,11 +113,11 @@ class RaggedLayout:
             sizes.append(self.total - end)
         return sizes, index
 
-    def gather(self, local: torch.Tensor, group: dist.ProcessGroup, grad_scale: float = 1.0,
+    def gather(self, local: torch.Tensor, group: dist.ProcessGroup | str, grad_scale: float = 1.0,
                annotation: dict | None = None, precision: Precision | None = None
                ) -> list[torch.Tensor]:
         """Every parameter of the bucket, full, as a view of one all-gather of ``local`` (this
-        rank's ``[L]``) over ``group``. Differentiable: the gradient of ``local`` is the
+        rank's ``[L]``) over ``group`` (or its name). Differentiable: the gradient of ``local`` is the
         reduce-scatter (sum over ranks) of the parameters' gradients laid out as the bucket,
         times ``grad_scale``. Traces under ``torch.compile`` as one all-gather, one split and
         views; the collectives (and the backward's scaling) carry ``annotation``, so the
@@ -131,7 +131,8 @@ class RaggedLayout:
         # the split and views annotated too: they are the gather's chain, which the recompute
         # pass redoes in backward with the gather (passes/recompute.py)
         with fx_traceback.annotate(annotation):
-            full = _Gather.apply(local, self.world, group.group_name, grad_scale, annotation,
+            name = group if isinstance(group, str) else group.group_name
+            full = _Gather.apply(local, self.world, name, grad_scale, annotation,
                                  precision or Precision())
             pieces = full.split(sizes)
             return [pieces[j].view(s) for j, s in zip(index, self.shapes)]

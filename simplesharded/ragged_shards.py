@@ -77,13 +77,14 @@ class RaggedShards:
         self.name, self.owner, self.attr, self.scope = name, owner, attr, scope
         self.fqns = [fqn for fqn, _, _ in members]
         self.keys = [key for _, key, _ in members]
-        self.mesh, self.group = mesh, mesh.get_group()
+        # the mesh, not its process group: a model is deep-copied with its buckets
+        self.mesh, self.group_name = mesh, mesh.get_group().group_name
         self.grad_scale = grad_scale
         shards = [s for _, _, s in members]
         element = shards[0].element_size()
         self.layout = RaggedLayout(tuple(tuple(s.shape) for s in shards), mesh.size(),
                                    align=max(1, ALIGN_BYTES // element))
-        local = to_ragged([s.to_local() for s in shards], self.layout, self.group)
+        local = to_ragged([s.to_local() for s in shards], self.layout, mesh.get_group())
         self.param = nn.Parameter(DTensor.from_local(
             local, mesh, (Shard(0),), run_check=False, shape=(self.layout.total,), stride=(1,)))
         self.annotation = {PARAM_KEY: self.fqns[0], BUCKET_PARAMS_KEY: list(self.fqns),
@@ -97,7 +98,7 @@ class RaggedShards:
         scope = self.scope
         views = scope.flat_pieces.get(self.name) if scope.active else None
         if views is None:
-            views = self.layout.gather(self.param.to_local(), self.group, self.grad_scale,
+            views = self.layout.gather(self.param.to_local(), self.group_name, self.grad_scale,
                                        self.annotation, self.precision)
             if scope.active:
                 scope.flat_pieces[self.name] = views
@@ -105,7 +106,7 @@ class RaggedShards:
 
     def member_shards(self) -> list[DTensor]:
         """Each member's ``Shard(0)`` DTensor, converted from the bucket (a collective)."""
-        locals_ = from_ragged(self.param.detach().to_local(), self.layout, self.group)
+        locals_ = from_ragged(self.param.detach().to_local(), self.layout, self.mesh.get_group())
         return [DTensor.from_local(t, self.mesh, (Shard(0),), run_check=False, shape=shape,
                                    stride=_contiguous(shape))
                 for t, shape in zip(locals_, self.layout.shapes)]
@@ -125,41 +126,54 @@ class RaggedShards:
                 start, stop = shard0_rows(shape[0], world, me)
                 v = v[start:stop]
             locals_.append(v.to(device=self.param.device, dtype=self.param.dtype))
-        local = to_ragged(locals_, self.layout, self.group)
+        local = to_ragged(locals_, self.layout, self.mesh.get_group())
         return DTensor.from_local(local, self.mesh, (Shard(0),), run_check=False,
                                   shape=(self.layout.total,), stride=(1,))
+
+
+_ATTR = "_simplesharded_ragged"  # on a bucket's owner: its buckets and its state_dict order
+
+
+@dataclass
+class _OwnedBuckets:
+    buckets: list[RaggedShards]
+    order: list[str]  # the owner's state_dict keys (relative) as without ragged storage
 
 
 def attach_state_dict_hooks(owner: nn.Module, buckets: list[RaggedShards],
                             order: list[str]) -> None:
     """``owner.state_dict()`` lists its buckets' members as ``Shard(0)`` DTensors in
     ``order`` (the keys relative to ``owner`` as without ragged storage); its
-    ``load_state_dict`` takes them back into the buckets."""
+    ``load_state_dict`` takes them back into the buckets. The hooks read the buckets from
+    the module they run on, so a deep copy of the model converts its own."""
+    setattr(owner, _ATTR, _OwnedBuckets(buckets, order))
+    owner.register_state_dict_post_hook(_save_members)
+    owner.register_load_state_dict_pre_hook(_load_members)
 
-    def save(module, state_dict, prefix, local_metadata):
-        for b in buckets:
-            state_dict.pop(prefix + b.attr, None)
-            for key, shard in zip(b.keys, b.member_shards()):
-                state_dict[prefix + key] = shard
-        # the owner's entries are the last ones added: put them back in the order they have
-        # without ragged storage
-        mine = [prefix + k for k in order if prefix + k in state_dict]
-        for key in mine:
-            state_dict[key] = state_dict.pop(key)
 
-    def load(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
-        for b in buckets:
-            keys = [prefix + k for k in b.keys]
-            if not any(k in state_dict for k in keys):
-                continue  # missing keys are reported by the load itself (the bucket's)
-            absent = [k for k in keys if k not in state_dict]
-            if absent:
-                errors.append(f"ragged bucket {b.name}: missing {absent}")
-                continue
-            state_dict[prefix + b.attr] = b.bucket_from([state_dict.pop(k) for k in keys])
+def _save_members(module, state_dict, prefix, local_metadata) -> None:
+    owned = getattr(module, _ATTR)
+    for b in owned.buckets:
+        state_dict.pop(prefix + b.attr, None)
+        for key, shard in zip(b.keys, b.member_shards()):
+            state_dict[prefix + key] = shard
+    # the owner's entries are the last ones added: put them back in the order they have
+    # without ragged storage
+    for key in [prefix + k for k in owned.order if prefix + k in state_dict]:
+        state_dict[key] = state_dict.pop(key)
 
-    owner.register_state_dict_post_hook(save)
-    owner.register_load_state_dict_pre_hook(load)
+
+def _load_members(module, state_dict, prefix, local_metadata, strict, missing, unexpected,
+                  errors) -> None:
+    for b in getattr(module, _ATTR).buckets:
+        keys = [prefix + k for k in b.keys]
+        if not any(k in state_dict for k in keys):
+            continue  # missing keys are reported by the load itself (the bucket's)
+        absent = [k for k in keys if k not in state_dict]
+        if absent:
+            errors.append(f"ragged bucket {b.name}: missing {absent}")
+            continue
+        state_dict[prefix + b.attr] = b.bucket_from([state_dict.pop(k) for k in keys])
 
 
 def _members(model: nn.Module) -> dict[RaggedShards, list[tuple[nn.Module, str]]]:

@@ -101,6 +101,19 @@ def test_ragged_model_lists_buckets_and_state_dict_lists_members():
             [(k, v.placements, v.shape) for k, v in plain.state_dict().items()]
         block = model.layers[0]
         assert list(block.state_dict()) == list(plain.layers[0].state_dict())
+        # a deep copy reads and converts its own buckets
+        import copy
+
+        from simplesharded.ragged_shards import _ATTR
+        from simplesharded.sharded_state import sharded_state
+
+        twin = copy.deepcopy(model)
+        record = sharded_state(twin.layers[0].attention.wq).params["weight"]
+        bucket = record.ragged.bucket
+        assert bucket is not sharded_state(model.layers[0].attention.wq).params["weight"] \
+            .ragged.bucket
+        assert bucket.param is twin.layers[0]._ragged_float32
+        assert getattr(twin.layers[0], _ATTR).buckets == [bucket]
 
 
 @pytest.mark.parametrize("call", ["compile_step", "no_sync", "gather_held", "bad_value"])
