@@ -20,8 +20,9 @@ A module's first read of a member in a forward gathers the whole bucket (one ann
 all-gather, which passes/bucketing.py finds already bucketed) and caches the views in the
 gather scope for the forward's other reads; outside the forward each read gathers.
 
-Taken: trained parameters of at least one dim on a 1-D FSDP mesh, without TP or EP, read by
-one module (tied parameters keep today's path). ``init_sharded`` runs on the members as
+Taken: trained parameters of at least one dim, read by one module, under ``fully_shard`` on a
+mesh of one data-parallel dim (data_parallel refuses another mode or mesh; tied and frozen
+parameters keep today's path). ``init_sharded`` runs on the members as
 per-parameter shards (:func:`members_as_shards`), so a model built on the meta device takes
 ragged buckets too. Mixed precision: the cast of a bucket's ``[L]`` to the gather's dtype is
 its only copy-in. Not taken yet (a clear error): ``compile_step``,

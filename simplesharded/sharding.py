@@ -131,6 +131,11 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
                          f"{list(RESHARD_CHOICES)}")
     if flat_buckets not in FLAT_BUCKETS:
         raise ValueError(f"flat_buckets={flat_buckets!r} is not one of {list(FLAT_BUCKETS)}")
+    if flat_buckets == "ragged" and (mode != "fully_shard" or dp.ndim != 1
+                                     or dp is not dense or ep_dim(mesh)):
+        raise ValueError(f"flat_buckets='ragged' takes mode='fully_shard' on a 1-D data-parallel "
+                         f"mesh only (yet: no HSDP, TP or EP dims); got mode={mode!r} on mesh "
+                         f"dims {dense.mesh_dim_names or dense.ndim}: use flat_buckets=True")
     if grad_reduction not in GRAD_REDUCTIONS:
         raise ValueError(f"grad_reduction={grad_reduction!r} is not one of {sorted(GRAD_REDUCTIONS)}")
     if any(sharded_state(m) is not None for m in model.modules()):

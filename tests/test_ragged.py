@@ -116,7 +116,8 @@ def test_ragged_model_lists_buckets_and_state_dict_lists_members():
         assert getattr(twin.layers[0], _ATTR).buckets == [bucket]
 
 
-@pytest.mark.parametrize("call", ["compile_step", "no_sync", "gather_held", "bad_value"])
+@pytest.mark.parametrize("call", ["compile_step", "no_sync", "gather_held", "bad_value",
+                                  "replicate", "tp"])
 def test_what_ragged_does_not_take_yet_says_so(call):
     import toy_blocks
     from pass_utils import fake_world
@@ -128,6 +129,19 @@ def test_what_ragged_does_not_take_yet_says_so(call):
             with pytest.raises(ValueError, match=r"flat_buckets='raged' is not one of "
                                                  r"\[False, True, 'ragged'\]"):
                 ss.data_parallel(toy_blocks.make_model(), mesh, flat_buckets="raged")
+            return
+        if call == "replicate":
+            with pytest.raises(ValueError, match="takes mode='fully_shard' on a 1-D"):
+                ss.data_parallel(toy_blocks.make_model(), mesh, "replicate",
+                                 flat_buckets="ragged")
+            return
+        if call == "tp":
+            dist.destroy_process_group()  # a world of 4 for a dp 2 x tp 2 mesh
+            from torch.testing._internal.distributed.fake_pg import FakeStore
+            dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+            with pytest.raises(ValueError, match="no HSDP, TP or EP dims"):
+                ss.data_parallel(toy_blocks.make_model(), ss.build_mesh(1, 2, "cpu", tp=2),
+                                 flat_buckets="ragged")
             return
         model = ss.data_parallel(toy_blocks.make_model(), mesh, flat_buckets="ragged")
         with pytest.raises(ValueError, match="flat_buckets='ragged'"):
