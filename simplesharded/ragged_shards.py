@@ -22,12 +22,12 @@ gather scope for the forward's other reads; outside the forward each read gather
 
 Taken: trained parameters of at least one dim, read by one module, under ``fully_shard`` on a
 mesh of one data-parallel dim (data_parallel refuses another mode or mesh; tied and frozen
-parameters keep today's path). ``init_sharded`` runs on the members as
-per-parameter shards (:func:`members_as_shards`), so a model built on the meta device takes
-ragged buckets too. Mixed precision: the cast of a bucket's ``[L]`` to the gather's dtype is
-its only copy-in. Not taken yet (a clear error): ``compile_step``,
-gradient-sync control (``no_gradient_sync``), ``gather_once``. Eager, a gathered bucket stays
-alive until backward (no eager resharding).
+parameters keep today's path). ``init_sharded`` runs on the members as per-parameter shards
+(:func:`members_as_shards`), so a model built on the meta device takes ragged buckets too.
+Mixed precision: the cast of a bucket's ``[L]`` to the gather's dtype is its only copy-in.
+Not taken yet (a clear error): ``compile_step``, gradient-sync control
+(``no_gradient_sync``), ``gather_once``. Eager, a gathered bucket stays alive until backward
+(no eager resharding).
 
 Invariant: a bucket's members, order and layout depend only on the module tree and the
 parameters' global shapes, so they are the same on every rank.
