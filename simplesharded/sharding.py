@@ -108,8 +108,9 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     frozen) stay on their own. ``"ragged"``: each bucket in the ragged layout instead
     (simplesharded/ragged_shards.py): parameters are views of the gathered buffer, so the
     gather's copy-out goes too; a bucket is one parameter (``named_parameters()`` lists the
-    buckets), ``state_dict()`` lists the members as without. FSDP on a 1-D mesh; TP/EP, tied
-    and frozen parameters stay on their own.
+    buckets), ``state_dict()`` lists the members as without. ``fully_shard`` on a mesh of one
+    dp dim only (another mode, HSDP, TP or EP dims: a ValueError); tied and frozen parameters
+    stay on their own.
     A parameter read more than once in one forward of ``model`` (tied weights, a module called
     twice) is gathered once; its gradient is summed locally and reduced once (eager: tied
     weights only, so an uncompiled gather never outlives its block).
@@ -252,7 +253,8 @@ def _pack_ragged(model: nn.Module, shards: dict[int, tuple[nn.Parameter, Sharded
             continue
         bucket = record.block if record.block is not None else ("post" if seen_block else "pre")
         groups.setdefault((bucket, shard.dtype), []).append(key)
-    by_owner: dict[str, list] = {}
+    # owner FQN → (owner, its state_dict keys as without ragged storage, its buckets)
+    owned: dict[str, tuple[nn.Module, list[str], list[RaggedShards]]] = {}
     for (bucket, dtype), keys in groups.items():
         owner_fqn = bucket if bucket not in ("pre", "post") else ""
         owner = model.get_submodule(owner_fqn)
@@ -263,17 +265,18 @@ def _pack_ragged(model: nn.Module, shards: dict[int, tuple[nn.Parameter, Sharded
         prefix = f"{owner_fqn}." if owner_fqn else ""
         members = [(shards[k][1].fqn, shards[k][1].fqn.removeprefix(prefix), shards[k][0])
                    for k in keys]
-        order = by_owner.setdefault(owner_fqn, [owner, list(owner.state_dict(keep_vars=True)), []])
+        if owner_fqn not in owned:  # its keys before a bucket of its own is registered
+            owned[owner_fqn] = (owner, list(owner.state_dict(keep_vars=True)), [])
         precision = Precision(spec.param_dtype, spec.reduce_dtype,
                               spec.scales_before_reduction(dtype))
         ragged = RaggedShards(f"{bucket}/{str(dtype).removeprefix('torch.')}", owner, attr,
                               members, first[0].device_mesh, scope, spec.grad_scale,
                               spec.reshard_after_forward, spec.dp_groups, first[1].block,
                               precision)
-        order[2].append(ragged)
+        owned[owner_fqn][2].append(ragged)
         for i, k in enumerate(keys):
             shards[k] = (None, dataclasses.replace(shards[k][1], ragged=RaggedSlot(ragged, i)))
-    for owner, order, buckets in by_owner.values():
+    for owner, order, buckets in owned.values():
         attach_state_dict_hooks(owner, buckets, order)
 
 
