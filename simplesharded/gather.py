@@ -208,7 +208,9 @@ class _GatherScope:
                  last_block: str | None = None):
         self.active = False
         self.gathered: dict = {}
-        self.flat_pieces: dict = {}  # bucket buffer name → its shards as views (flat_shards.py)
+        # bucket name → its views: a flat buffer's shards (flat_shards.py) or a ragged bucket's
+        # gathered members (ragged_shards.py)
+        self.flat_pieces: dict = {}
         self.tied: set[str] = set()  # FQNs of parameters held by more than one module
         self.reshard_after_forward = reshard_after_forward
         self.last_block = last_block  # the last block in module order (blocks.py), if any

@@ -185,30 +185,17 @@ def to_ragged(locals_: list[torch.Tensor], layout: RaggedLayout,
     me = dist.get_rank(group)
     _check_locals(locals_, layout, me)
     flats = [t.reshape(-1) for t in locals_]
-    send, send_sizes = [], []
-    for dst in range(layout.world):
-        n = 0
-        for i, f in enumerate(flats):
-            a, b = _overlap(layout.shard0_piece(i, me), layout.piece(i, dst))
-            s0 = layout.shard0_piece(i, me)[0]
-            send.append(f[a - s0:b - s0])
-            n += b - a
-        send_sizes.append(n)
-    recv_sizes, places = [], []
-    lo = layout.rank_range(me)[0]
-    for src in range(layout.world):
-        n = 0
-        for i in range(len(flats)):
-            a, b = _overlap(layout.shard0_piece(i, src), layout.piece(i, me))
-            places.append((layout.offsets[i] + a - lo, b - a))
-            n += b - a
-        recv_sizes.append(n)
-    received = _all_to_all(torch.cat(send), send_sizes, recv_sizes, group)
+    starts = [layout.shard0_piece(i, me)[0] for i in range(len(flats))]
+    outgoing = [_shared(layout, me, dst) for dst in range(layout.world)]
+    incoming = [_shared(layout, src, me) for src in range(layout.world)]
+    send = [flats[i][a - starts[i]:b - starts[i]] for pieces in outgoing for i, a, b in pieces]
+    received = _all_to_all(torch.cat(send), _sizes(outgoing), _sizes(incoming), group)
     out = received.new_zeros(layout.shard_numel)
-    pos = 0
-    for at, n in places:
-        out[at:at + n] = received[pos:pos + n]
-        pos += n
+    lo, pos = layout.rank_range(me)[0], 0
+    for i, a, b in (p for pieces in incoming for p in pieces):
+        at = layout.offsets[i] + a - lo
+        out[at:at + b - a] = received[pos:pos + b - a]
+        pos += b - a
     return out
 
 
@@ -221,35 +208,37 @@ def from_ragged(local: torch.Tensor, layout: RaggedLayout,
         raise ValueError(f"from_ragged: local has shape {tuple(local.shape)}, expected "
                          f"({layout.shard_numel},)")
     lo = layout.rank_range(me)[0]
-    send, send_sizes = [], []
-    for dst in range(layout.world):
-        n = 0
-        for i in range(len(layout.shapes)):
-            a, b = _overlap(layout.shard0_piece(i, dst), layout.piece(i, me))
-            at = layout.offsets[i] + a - lo
-            send.append(local[at:at + b - a])
-            n += b - a
-        send_sizes.append(n)
-    recv_sizes, places = [], []
-    for src in range(layout.world):
-        n = 0
-        for i in range(len(layout.shapes)):
-            a, b = _overlap(layout.shard0_piece(i, me), layout.piece(i, src))
-            places.append((i, a - layout.shard0_piece(i, me)[0], b - a))
-            n += b - a
-        recv_sizes.append(n)
-    received = _all_to_all(torch.cat(send), send_sizes, recv_sizes, group)
-    outs = []
+    outgoing = [_shared(layout, dst, me) for dst in range(layout.world)]
+    incoming = [_shared(layout, me, src) for src in range(layout.world)]
+    send = [local[layout.offsets[i] + a - lo:layout.offsets[i] + b - lo]
+            for pieces in outgoing for i, a, b in pieces]
+    received = _all_to_all(torch.cat(send), _sizes(outgoing), _sizes(incoming), group)
+    outs, starts = [], []
     for i, shape in enumerate(layout.shapes):
-        start, stop = layout.shard0_piece(i, me)
         rows = shard0_rows(shape[0], layout.world, me)
         outs.append(received.new_empty((rows[1] - rows[0], *shape[1:])))
+        start, stop = layout.shard0_piece(i, me)
         assert outs[-1].numel() == stop - start
+        starts.append(start)
     pos = 0
-    for i, at, n in places:
-        outs[i].view(-1)[at:at + n] = received[pos:pos + n]
-        pos += n
+    for i, a, b in (p for pieces in incoming for p in pieces):
+        outs[i].view(-1)[a - starts[i]:b - starts[i]] = received[pos:pos + b - a]
+        pos += b - a
     return outs
+
+
+def _shared(layout: RaggedLayout, shard0_rank: int, ragged_rank: int
+            ) -> list[tuple[int, int, int]]:
+    """(i, start, stop) for every parameter i: the elements that ``shard0_rank``'s
+    ``Shard(0)`` local and ``ragged_rank``'s ragged range both hold (start == stop: none), in
+    parameter order: what one rank sends another, in the order the other receives it."""
+    return [(i, *_overlap(layout.shard0_piece(i, shard0_rank), layout.piece(i, ragged_rank)))
+            for i in range(len(layout.shapes))]
+
+
+def _sizes(exchange: list[list[tuple[int, int, int]]]) -> list[int]:
+    """Elements per peer of an exchange built with :func:`_shared`."""
+    return [sum(b - a for _, a, b in pieces) for pieces in exchange]
 
 
 def _overlap(x: tuple[int, int], y: tuple[int, int]) -> tuple[int, int]:

@@ -35,7 +35,6 @@ parameters' global shapes, so they are the same on every rank.
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
@@ -44,6 +43,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from simplesharded.layout import _contiguous_stride
 from simplesharded.passes.annotations import (BLOCK_KEY, BUCKET_PARAMS_KEY, DP_GROUPS_KEY,
                                              PARAM_KEY, RESHARD_KEY)
 from simplesharded.ragged import Precision, RaggedLayout, from_ragged, shard0_rows, to_ragged
@@ -109,7 +109,7 @@ class RaggedShards:
         """Each member's ``Shard(0)`` DTensor, converted from the bucket (a collective)."""
         locals_ = from_ragged(self.param.detach().to_local(), self.layout, self.mesh.get_group())
         return [DTensor.from_local(t, self.mesh, (Shard(0),), run_check=False, shape=shape,
-                                   stride=_contiguous(shape))
+                                   stride=_contiguous_stride(shape))
                 for t, shape in zip(locals_, self.layout.shapes)]
 
     def bucket_from(self, values: list[torch.Tensor]) -> DTensor:
@@ -215,14 +215,7 @@ def members_as_shards(model: nn.Module) -> Iterator[None]:
 
 def reject_ragged(model: nn.Module, what: str) -> None:
     """Raise for ``what``, a feature that does not take ragged buckets yet, if ``model`` (a
-    ``data_parallel`` root or its compiled wrapper) has any."""
-    model = getattr(model, "_orig_mod", model)
-    for module in model.modules():
-        state = sharded_state(module)
-        if state is not None and any(r.ragged is not None for r in state.params.values()):
-            raise ValueError(f"{what} does not take data_parallel(..., "
-                             "flat_buckets='ragged') yet; use flat_buckets=True")
-
-
-def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    ``data_parallel`` root or its compiled wrapper) has any (a bucket's owner is marked)."""
+    if any(hasattr(m, _ATTR) for m in getattr(model, "_orig_mod", model).modules()):
+        raise ValueError(f"{what} does not take data_parallel(..., "
+                         "flat_buckets='ragged') yet; use flat_buckets=True")

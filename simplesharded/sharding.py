@@ -207,24 +207,36 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     return model
 
 
+def _bucket_groups(shards: dict[int, tuple[nn.Parameter, ShardedParam]], eligible, more
+                   ) -> dict[tuple, list[int]]:
+    """The keys of the ``eligible(shard, record)`` shards by (bucket, dtype,
+    *``more(shard, record)``), in ``shards``' module order. A bucket is a block's parameters,
+    or those before the first block ("pre") or after it ("post")."""
+    groups: dict[tuple, list[int]] = {}
+    seen_block = False
+    for key, (shard, record) in shards.items():
+        seen_block = seen_block or record.block is not None
+        if not eligible(shard, record):
+            continue
+        bucket = record.block if record.block is not None else ("post" if seen_block else "pre")
+        groups.setdefault((bucket, shard.dtype, *more(shard, record)), []).append(key)
+    return groups
+
+
 def _pack_flat(shards: dict[int, tuple[nn.Parameter, ShardedParam]],
                scope: _GatherScope) -> None:
     """Move the eligible shards of each bucket into one buffer (in ``shards``' module order):
     a block's parameters, those before the first block ("pre") and after it ("post"); one
     buffer per dtype, device and dp gather (EP's experts gather over dims of their own). The
     records gain their slot; the new parameters replace the old ones in ``shards``."""
-    groups: dict[tuple, list[int]] = {}
-    seen_block = False
-    for key, (shard, record) in shards.items():
-        seen_block = seen_block or record.block is not None
-        if not flat_eligible(shard, record.mp_layout, record.spec):
-            continue
-        bucket = record.block if record.block is not None else ("post" if seen_block else "pre")
-        mesh, placements, _ = dp_view(shard, record.mp_layout, record.spec)
+    def dp_gather(shard, record):
         # one dp gather per buffer: one group (the mesh's dims) and one grad scale
-        dp = (tuple(mesh.mesh_dim_names or ()), mesh.mesh.shape, placements,
-              record.spec.grad_scale)
-        groups.setdefault((bucket, shard.dtype, shard.device, dp), []).append(key)
+        mesh, placements, _ = dp_view(shard, record.mp_layout, record.spec)
+        return (shard.device, (tuple(mesh.mesh_dim_names or ()), mesh.mesh.shape, placements,
+                               record.spec.grad_scale))
+
+    groups = _bucket_groups(shards, lambda s, r: flat_eligible(s, r.mp_layout, r.spec),
+                            dp_gather)
     names: set[str] = set()
     for (bucket, dtype, _, (dims, *_)), keys in groups.items():
         spec = shards[keys[0]][1].spec
@@ -245,14 +257,8 @@ def _pack_ragged(model: nn.Module, shards: dict[int, tuple[nn.Parameter, Sharded
     """Move the eligible shards of each bucket (as _pack_flat groups them) into one ragged
     bucket registered on the bucket's owner (its block; the root for "pre" and "post");
     their slots in ``shards`` become None and their records gain the bucket."""
-    groups: dict[tuple, list[int]] = {}
-    seen_block = False
-    for key, (shard, record) in shards.items():
-        seen_block = seen_block or record.block is not None
-        if not _ragged_eligible(shard, record, scope):
-            continue
-        bucket = record.block if record.block is not None else ("post" if seen_block else "pre")
-        groups.setdefault((bucket, shard.dtype), []).append(key)
+    groups = _bucket_groups(shards, lambda s, r: _ragged_eligible(s, r, scope),
+                            lambda s, r: ())
     # owner FQN → (owner, its state_dict keys as without ragged storage, its buckets)
     owned: dict[str, tuple[nn.Module, list[str], list[RaggedShards]]] = {}
     for (bucket, dtype), keys in groups.items():
