@@ -15,12 +15,15 @@ from simplesharded.grad_sync import no_gradient_sync, set_requires_gradient_sync
 from simplesharded.init import init_sharded  # noqa: E402
 from simplesharded.mesh import (build_mesh, init_distributed, init_mesh,  # noqa: E402
                                 resolve_degrees)
+from simplesharded.ragged_shards import (optim_state_by_bucket,  # noqa: E402
+                                         optim_state_by_member)
 from simplesharded.sharding import (MixedPrecisionPolicy, data_parallel,  # noqa: E402
                                     disable_gather)
 
 __all__ = ["BACKENDS", "make_backend", "build_mesh", "init_distributed", "init_mesh",
            "resolve_degrees", "MixedPrecisionPolicy", "data_parallel", "disable_gather",
-           "compile_step", "init_sharded", "no_gradient_sync", "set_requires_gradient_sync"]
+           "compile_step", "init_sharded", "no_gradient_sync", "set_requires_gradient_sync",
+           "optim_state_by_member", "optim_state_by_bucket"]
 
 
 def __getattr__(name):

@@ -14,7 +14,9 @@ parameter groups, does not take this storage.
 converted from the bucket by one all-to-all per bucket (every rank calls ``state_dict()``, as
 DCP requires anyway); ``load_state_dict`` converts them back (DTensors on the same mesh, or
 full tensors). The hooks sit on the owning module, so a block's own ``state_dict()`` converts
-too.
+too. The optimizer's state is the bucket's; :func:`optim_state_by_member` and
+:func:`optim_state_by_bucket` convert a flattened optimizer state dict at the same boundary
+(the trainer's checkpoints do), so a checkpoint is keyed as without ragged buckets.
 
 A module's first read of a member in a forward gathers the whole bucket (one annotated
 all-gather, which passes/bucketing.py finds already bucketed) and caches the views in the
@@ -105,9 +107,11 @@ class RaggedShards:
                 scope.flat_pieces[self.name] = views
         return views[index]
 
-    def member_shards(self) -> list[DTensor]:
-        """Each member's ``Shard(0)`` DTensor, converted from the bucket (a collective)."""
-        locals_ = from_ragged(self.param.detach().to_local(), self.layout, self.mesh.get_group())
+    def member_shards(self, value: DTensor | None = None) -> list[DTensor]:
+        """Each member's ``Shard(0)`` DTensor, converted from the bucket, or from ``value``
+        laid out as the bucket (an optimizer state of it): a collective."""
+        value = self.param.detach() if value is None else value
+        locals_ = from_ragged(value.to_local(), self.layout, self.mesh.get_group())
         return [DTensor.from_local(t, self.mesh, (Shard(0),), run_check=False, shape=shape,
                                    stride=_contiguous_stride(shape))
                 for t, shape in zip(locals_, self.layout.shapes)]
@@ -211,6 +215,67 @@ def members_as_shards(model: nn.Module) -> Iterator[None]:
             for module, name in slots:
                 module._parameters[name] = None
             bucket.owner._parameters[bucket.attr] = owners[bucket]
+
+
+def optim_state_by_member(model: nn.Module, state: dict) -> dict:
+    """``state``, a flattened optimizer state dict of ``model`` (``get_state_dict`` with
+    ``flatten_optimizer_state_dict=True``), with each ragged bucket's entries replaced by its
+    members': a state laid out as the bucket becomes each member's ``Shard(0)`` DTensor; a
+    scalar (``step``) and the group's options are copied to every member. Keyed as without
+    ragged buckets, it loads at another world size or layout. Collective: every rank calls
+    it; :func:`optim_state_by_bucket` is its inverse."""
+    out = dict(state)
+    for bucket, fqn in _bucket_fqns(model):
+        for section, name in _entries(out, fqn):
+            value = out.pop(f"{section}.{fqn}.{name}")
+            if isinstance(value, DTensor) and tuple(value.shape) == (bucket.layout.total,):
+                values = bucket.member_shards(value)
+            else:
+                values = [value.clone() if isinstance(value, torch.Tensor) else value
+                          for _ in bucket.fqns]
+            for member, v in zip(bucket.fqns, values):
+                out[f"{section}.{member}.{name}"] = v
+    return out
+
+
+def optim_state_by_bucket(model: nn.Module, state: dict) -> dict:
+    """The inverse of :func:`optim_state_by_member`: each bucket's members' entries (their
+    ``Shard(0)`` DTensors, or full tensors) become the bucket's, as ``set_state_dict`` takes
+    them. A member's scalar (a copy: an optimizer steps it in place) or option is the first
+    member's. Collective."""
+    out = dict(state)
+    for bucket, fqn in _bucket_fqns(model):
+        for section, name in _entries(out, bucket.fqns[0]):
+            keys = [f"{section}.{member}.{name}" for member in bucket.fqns]
+            absent = [k for k in keys if k not in out]
+            if absent:
+                raise ValueError(f"optimizer state of ragged bucket {fqn}: missing {absent}")
+            values = [out.pop(k) for k in keys]
+            laid_out = (isinstance(values[0], torch.Tensor) and values[0].dim() > 0
+                        and tuple(values[0].shape) == bucket.layout.shapes[0])
+            first = values[0].clone() if isinstance(values[0], torch.Tensor) else values[0]
+            out[f"{section}.{fqn}.{name}"] = bucket.bucket_from(values) if laid_out else first
+    return out
+
+
+def _bucket_fqns(model: nn.Module) -> Iterator[tuple[RaggedShards, str]]:
+    """Every ragged bucket of ``model`` (or its compiled wrapper) with its parameter's FQN,
+    in module order (the same on every rank)."""
+    for prefix, module in getattr(model, "_orig_mod", model).named_modules():
+        for bucket in getattr(getattr(module, _ATTR, None), "buckets", ()):
+            yield bucket, f"{prefix}.{bucket.attr}" if prefix else bucket.attr
+
+
+def _entries(state: dict, fqn: str) -> list[tuple[str, str]]:
+    """(section, name) of each flattened optimizer-state key of parameter ``fqn``
+    (``state.<fqn>.<name>``, ``param_groups.<fqn>.<name>``), sorted so every rank converts
+    in one order."""
+    found = []
+    for section in ("state", "param_groups"):
+        head = f"{section}.{fqn}."
+        found += [(section, k[len(head):]) for k in state
+                  if k.startswith(head) and "." not in k[len(head):]]
+    return sorted(found)
 
 
 def reject_ragged(model: nn.Module, what: str) -> None:

@@ -152,7 +152,61 @@ def aot_job(rank, world, tmp):
            + tuple(b for pair in FLAT_PAIRS for b in pair)}
     out["dcp"] = _dcp_round_trip(rank, world, tmp)
     out["dcp_ragged"] = _dcp_round_trip(rank, world, tmp, "ragged")
+    out["optim_ragged"] = _optim_state_round_trip(rank, world)
     return out
+
+
+def _optim_state_round_trip(rank, world):
+    """The optimizer state of ragged buckets as a checkpoint holds it
+    (``optim_state_by_member``) is the state of the same training without them: the same
+    keys, values bit for bit. Loaded back into a fresh ragged model
+    (``optim_state_by_bucket``, ``set_state_dict``), the next step is the same step."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
+                                                         set_state_dict)
+
+    import simplesharded as ss
+    from simplesharded.mesh import build_mesh
+    from simplesharded.ragged_shards import optim_state_by_bucket, optim_state_by_member
+
+    mesh = build_mesh(dp_replicate=1, dp_shard=world, device="cpu")
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    numel = world * toy_blocks.BATCH_PER_RANK * toy_blocks.SEQ
+
+    def trained(flat, seed, steps):
+        model = ss.data_parallel(toy_blocks.make_model(seed), mesh, flat_buckets=flat)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        step(model, opt, range(steps))
+        return model, opt
+
+    def step(model, opt, steps):
+        for i in steps:
+            tokens, targets = toy_blocks.batch(rank, i)
+            opt.zero_grad(set_to_none=True)
+            toy_blocks.loss_fn(model(tokens), targets, numel).backward()
+            opt.step()
+
+    def full(state):
+        return {k: v.full_tensor() if hasattr(v, "full_tensor") else v
+                for k, v in state.items()}
+
+    plain, plain_opt = trained(False, 0, 2)
+    ragged, ragged_opt = trained("ragged", 0, 2)
+    want_model, want = get_state_dict(plain, plain_opt, options=options)
+    got = full(optim_state_by_member(ragged, get_state_dict(ragged, ragged_opt,
+                                                            options=options)[1]))
+    want = full(want)
+    same_state = sorted(got) == sorted(want) and all(
+        torch.equal(v, want[k]) if torch.is_tensor(v) else v == want[k] for k, v in got.items())
+    fresh, fresh_opt = trained("ragged", 1, 1)  # other weights and state: all are replaced
+    set_state_dict(fresh, fresh_opt, model_state_dict=want_model,
+                   optim_state_dict=optim_state_by_bucket(
+                       fresh, get_state_dict(plain, plain_opt, options=options)[1]),
+                   options=options)
+    step(plain, plain_opt, [2])
+    step(fresh, fresh_opt, [2])
+    after = full(plain.state_dict())
+    same_next = all(torch.equal(v, after[k]) for k, v in full(fresh.state_dict()).items())
+    return dict(same_state=same_state, same_next_step=same_next)
 
 
 def _dcp_round_trip(rank, world, tmp, flat_buckets=True):
@@ -387,7 +441,8 @@ def test_ragged_buckets_train_bitwise_as_without_and_copy_out_nothing():
     tensor); the forward
     graph copies nothing out of its gathers (as many clones as unbucketed aot_eager, whose
     gathers are whole parameters) and concatenates nothing; a DCP checkpoint moves between
-    the layouts. Every toy parameter is in a bucket (ragged takes uneven rows)."""
+    the layouts, and so does the optimizer state. Every toy parameter is in a bucket (ragged
+    takes uneven rows)."""
     n = toy_blocks.N_LAYERS
     for rank, res in enumerate(_run("aot_job")):
         for be in RAGGED:
@@ -409,6 +464,8 @@ def test_ragged_buckets_train_bitwise_as_without_and_copy_out_nothing():
         dcp = res["dcp_ragged"]
         assert dcp == dict(loaded_flat=True, loaded_back=True, same_output=True,
                            placements=True), (rank, dcp)
+        optim = res["optim_ragged"]
+        assert optim == dict(same_state=True, same_next_step=True), (rank, optim)
 
 
 def test_replicate_all_reduce_bucketing_bitwise():

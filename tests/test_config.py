@@ -346,6 +346,49 @@ def test_gradient_sync_choices():
                             "'last_microbatch']")
 
 
+def test_flat_buckets_takes_a_bool_or_ragged(tmp_path):
+    """parallelism.flat_buckets: false, true (a TOML boolean or a bare flag, as when it was a
+    bool) or ragged; data_parallel gets False, True or "ragged"."""
+    def storage(path=None, argv=None):
+        p = load(path, argv).parallelism
+        return p.flat_buckets, p.bucket_storage
+
+    assert storage() == ("false", False)
+    assert storage(write(tmp_path, "[parallelism]\nflat_buckets = true\n")) == ("true", True)
+    assert storage(write(tmp_path, "[parallelism]\nflat_buckets = 'ragged'\n")) == (
+        "ragged", "ragged")
+    assert storage(None, ["--parallelism.flat_buckets", "--training.steps", "2"]) == (
+        "true", True)
+    assert storage(None, ["--parallelism.flat_buckets", "ragged"]) == ("ragged", "ragged")
+    assert storage(None, ["--parallelism.flat_buckets=0"]) == ("false", False)
+    assert storage(write(tmp_path, "[parallelism]\nflat_buckets = true\n"),
+                   ["--no-parallelism.flat_buckets"]) == ("false", False)
+    with pytest.raises(ValueError) as e:
+        load(None, ["--parallelism.flat_buckets", "raged"])
+    assert str(e.value) == ("parallelism.flat_buckets='raged' is not one of ['false', "
+                            "'ragged', 'true']")
+    with pytest.raises(ValueError, match="flat_buckets expects str, got 1"):
+        load(write(tmp_path, "[parallelism]\nflat_buckets = 1\n"))
+
+
+@pytest.mark.parametrize("argv,key", [
+    (["--parallelism.mode", "replicate"], "parallelism.mode='fully_shard', got 'replicate'"),
+    (["--parallelism.data_parallel_replicate_degree", "2"],
+     "parallelism.data_parallel_replicate_degree=1, got 2"),
+    (["--parallelism.tensor_parallel_degree", "2"], "parallelism.tensor_parallel_degree=1"),
+    (["--parallelism.expert_parallel_degree", "2"], "parallelism.expert_parallel_degree=1"),
+    (["--parallelism.context_parallel_degree", "2"], "parallelism.context_parallel_degree=1"),
+    (["--compile.enable", "--compile.scope", "step"], "compile.scope='model', got 'step'"),
+    (["--training.gradient_accumulation_steps", "2", "--training.gradient_sync",
+      "last_microbatch"], "training.gradient_sync='every_microbatch', got 'last_microbatch'"),
+])
+def test_what_ragged_buckets_do_not_take_is_one_error(argv, key):
+    with pytest.raises(ValueError) as e:
+        load(None, ["--parallelism.flat_buckets", "ragged", *argv])
+    assert str(e.value).startswith(f"parallelism.flat_buckets='ragged' needs {key}"), e.value
+    load(None, ["--parallelism.flat_buckets", "true", *argv])  # flat buffers take it
+
+
 def test_gpu_counts_key():
     """job.gpu_counts / job.gpu_memory_gib: a list of increasing counts (TOML list, or
     "8,16" / "[8, 16]" on the command line) and the memory it assumes; bad values are one

@@ -331,6 +331,36 @@ def test_checkpoint_reshards_on_load(tmp_path, eager2, nproc):
     assert step_dirs(tmp_path / "checkpoint") == ["step-10", "step-12"]
 
 
+def test_ragged_buckets_resume_from_and_into_per_parameter_checkpoints(tmp_path, eager2):
+    """parallelism.flat_buckets=ragged: the 2-rank per-parameter checkpoint (step 10) resumes
+    into ragged buckets, whose steps 11-12 are the uninterrupted run's (the same sums: eager
+    ragged buckets train bit for bit as without); their step-12 checkpoint is keyed per
+    parameter, optimizer state included, and resumes on 1 rank without them (step 13)."""
+    import torch.distributed.checkpoint as dcp
+
+    ref_dump, ref = eager2
+    copy_checkpoint(ref_dump, 10, tmp_path / "ragged")
+    r = run_ok(train_cmd(2, *COMMON, "--parallelism.flat_buckets", "ragged", "--training.steps",
+                         "12", "--checkpoint.enable", "--checkpoint.interval", "100",
+                         "--job.dump_folder", str(tmp_path / "ragged")), tmp_path)
+    assert "flat_buckets=ragged" in r.stdout and "resumed from step 10" in r.stdout, r
+    got = read_losses(tmp_path / "ragged")
+    assert sorted(got) == [11, 12], r
+    assert_close(got, ref, [11, 12], 1e-6, "ragged resume vs per-parameter run")
+    saved = dcp.FileSystemReader(str(tmp_path / "ragged" / "checkpoint" / "step-12"))
+    keys = list(saved.read_metadata().state_dict_metadata)
+    assert not [k for k in keys if "_ragged" in k]
+    assert "optimizer.state.layers.0.attention.wq.weight.exp_avg" in keys
+    copy_checkpoint(tmp_path / "ragged", 12, tmp_path / "plain")
+    r = run_ok(train_cmd(None, *COMMON, "--training.steps", "13", "--checkpoint.enable",
+                         "--checkpoint.interval", "100", "--job.dump_folder",
+                         str(tmp_path / "plain")), tmp_path)
+    assert "resumed from step 12" in r.stdout, r
+    got = read_losses(tmp_path / "plain")
+    assert sorted(got) == [13], r
+    assert_close(got, ref, [13], 1e-4, "1-rank resume of the ragged checkpoint")
+
+
 # ---------------------------------------------------------------------------- config errors
 
 def _one_error_line(r: Result, *needles: str) -> str:

@@ -3,7 +3,9 @@
 Layout: ``<folder>/step-<N>/`` holds one DCP checkpoint of model + optimizer + train state
 (step, data-loader position, RNG). A save is written to ``step-<N>.tmp`` and renamed by rank 0
 after every rank finished, so an interrupted save never replaces a good checkpoint. Loading
-reshards: DTensor shards are read into whatever mesh/world size the new run uses. Each step
+reshards: DTensor shards are read into whatever mesh/world size the new run uses; parameters and
+optimizer state are keyed per parameter whatever the bucket storage (ragged buckets convert at
+this boundary), so a checkpoint also loads into another storage. Each step
 also holds ``model.json`` (:func:`model_meta`), which ``python -m simplesharded.trainer.export``
 (export.py) reads to write a Hugging Face model directory.
 """
@@ -21,6 +23,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
+
+from simplesharded.ragged_shards import optim_state_by_bucket, optim_state_by_member
 
 MODEL_JSON = "model.json"  # what export reads of the model, beside its tensors
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -50,7 +54,9 @@ _OPTIONS = StateDictOptions(ignore_frozen_params=False, flatten_optimizer_state_
 
 def _app_state(model, optimizer, extra: dict):
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
-    return {"model": model_sd, "optimizer": optim_sd, "train": extra}
+    # keyed per parameter as without ragged buckets, so it reloads at any world size/layout
+    return {"model": model_sd, "optimizer": optim_state_by_member(model, optim_sd),
+            "train": extra}
 
 
 def model_meta(model, name: str, flavor: str) -> dict:
@@ -134,7 +140,8 @@ def _load_one(folder, step, model, optimizer, loader_state_template) -> dict:
         raise CheckpointError(f"checkpoint {path!r} could not be loaded ({type(e).__name__}"
                               f"{': ' + msg[0] if msg else ''})") from e
     set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"], options=_OPTIONS)
+                   optim_state_dict=optim_state_by_bucket(model, state["optimizer"]),
+                   options=_OPTIONS)
     return state["train"]
 
 

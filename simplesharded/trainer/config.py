@@ -180,10 +180,12 @@ class Parallelism:
         "auto", "free gathered params after forward and re-gather in backward: always, never, "
         "or auto (the compile plan decides per block; see data_parallel)",
         ("auto", "always", "never"))
-    flat_buckets: bool = _opt(
-        False, "keep each bucket's parameter shards in one buffer: the bucketed all-gather "
-        "reads it as it is and gradients land in the reduce-scatter's output (fewer copies; "
-        "parameters and checkpoints unchanged; see docs/zero_copy.md)")
+    flat_buckets: str = _opt(
+        "false", "keep each bucket's parameter shards in one buffer: true = the bucketed "
+        "all-gather reads it as it is and gradients land in the reduce-scatter's output; "
+        "ragged = each gathered parameter is also a view of the gathered buffer (no copy-out; "
+        "fully_shard over data-parallel ranks only). Fewer copies; checkpoints unchanged "
+        "(see docs/zero_copy.md)", ("false", "true", "ragged"))
     pipeline_parallel_degree: int = _opt(
         1, "pipeline stages over this many rank groups (outermost mesh dim, pp); the other "
         "degrees fill world / pp ranks; 1 = no pipeline")
@@ -208,6 +210,11 @@ class Parallelism:
         "parameters fit compile.memory_cap_mb, else reduce_once; see "
         "simplesharded/pipelining.py: auto_policy)",
         ("auto", "every_microbatch", "reduce_once", "gather_once"))
+
+    @property
+    def bucket_storage(self) -> bool | str:
+        """The flat_buckets value data_parallel takes."""
+        return {"false": False, "true": True}.get(self.flat_buckets, self.flat_buckets)
 
     @property
     def reshard(self) -> bool | str:
@@ -404,11 +411,28 @@ def _type_name(typ) -> str:
 def _set(cfg: Config, key: str, value: Any, source: str, from_cli: bool) -> None:
     f = _field(key, source)
     section = getattr(cfg, key.partition(".")[0])
+    word = str(value).lower()
+    if _switch(f) and (isinstance(value, bool) or from_cli) and word in _TRUE + _FALSE:
+        value = "true" if word in _TRUE else "false"
     setattr(section, f.name, _coerce(key, f.type, value, from_cli))
 
 
-def _bool_field(key: str) -> bool:
-    return _field(key, "command line").type is bool
+def _switch(f: dataclasses.Field) -> bool:
+    """A str key whose choices include true and false (flat_buckets): it also takes a bool,
+    as a TOML boolean or a bare command-line flag."""
+    return f.type is str and {"true", "false"} <= set(f.metadata.get("choices") or ())
+
+
+def _flag(key: str, following: str | None) -> bool | None:
+    """None: ``--key`` is not a flag (it needs a value). Else whether it takes ``following``
+    (the next argument) as its value: a bool word (``--flag true``), or any value of a
+    switch (its choice, checked later); otherwise the bare flag means True."""
+    f = _field(key, "command line")
+    if f.type is not bool and not _switch(f):
+        return None
+    if following is None:
+        return False
+    return following.lower() in _TRUE + _FALSE or (_switch(f) and not following.startswith("--"))
 
 
 def parse_cli(argv: list[str]) -> list[tuple[str, Any]]:
@@ -425,16 +449,15 @@ def parse_cli(argv: list[str]) -> list[tuple[str, Any]]:
         body = arg[2:]
         if body.startswith("no-"):
             key = body[3:]
-            if "=" in key or not _bool_field(key):
+            if "=" in key or _flag(key, None) is None:
                 raise ValueError(f"{arg!r}: --no- applies only to a bool key without a value")
             out.append((key, False))
             continue
         key, eq, value = body.partition("=")
         if eq:
             out.append((key, value))
-        elif _bool_field(key):
-            # `--flag true` is accepted too; otherwise a bare flag means True.
-            if i < len(argv) and argv[i].lower() in _TRUE + _FALSE:
+        elif _flag(key, None) is not None:
+            if _flag(key, argv[i] if i < len(argv) else None):
                 out.append((key, argv[i]))
                 i += 1
             else:
@@ -584,6 +607,7 @@ def validate(cfg: Config, backends: Iterable[str] | None = None) -> None:
                          f"training.seq_len={t.seq_len}{where} (sequence parallelism splits the "
                          f"sequence; or --no-parallelism.enable_sequence_parallel)")
     _check_pipeline(cfg)
+    _check_ragged(cfg)
     if cfg.compile.scope == "step":
         _check_step_scope(cfg)
     elif t.clip_norm != "current":
@@ -604,11 +628,12 @@ def _check_pipeline(cfg: Config) -> None:
                          f"every stage at least one block")
     if pp == 1:
         return
-    if p.flat_buckets:
+    if p.flat_buckets != "false":
         # a stage's deferred reductions (pipeline_fsdp_policy) write .grad themselves,
         # untested with a flat bucket's leaf
-        raise ValueError(f"parallelism.flat_buckets=true with pipeline_parallel_degree={pp} "
-                         f"is not supported yet; set flat_buckets=false")
+        raise ValueError(f"parallelism.flat_buckets={p.flat_buckets!r} with "
+                         f"pipeline_parallel_degree={pp} is not supported yet; set "
+                         f"flat_buckets=false")
     stages = pipeline_stages(p)
     per_rank, fixed = PIPELINE_SCHEDULES[name]
     if stages % pp or (fixed and stages != per_rank * pp):
@@ -616,6 +641,27 @@ def _check_pipeline(cfg: Config) -> None:
         raise ValueError(f"parallelism.pipeline_parallel_layers_per_stage={split} gives "
                          f"{stages} stages; schedule {name} on pipeline_parallel_degree={pp} "
                          f"runs {want}")
+
+
+def _check_ragged(cfg: Config) -> None:
+    """flat_buckets=ragged (simplesharded/ragged_shards.py) takes fully_shard over
+    data-parallel ranks only: what it does not take yet is one error naming the setting."""
+    p, t = cfg.parallelism, cfg.training
+    if p.flat_buckets != "ragged":
+        return
+    # the degrees first: a replicate degree > 1 also changes the mode's natural default
+    needs = [("parallelism.data_parallel_replicate_degree", p.data_parallel_replicate_degree, 1),
+             ("parallelism.tensor_parallel_degree", p.tensor_parallel_degree, 1),
+             ("parallelism.expert_parallel_degree", p.expert_parallel_degree, 1),
+             ("parallelism.context_parallel_degree", p.context_parallel_degree, 1),
+             ("parallelism.mode", p.mode, "fully_shard"),
+             ("compile.scope", cfg.compile.scope, "model")]
+    if t.gradient_accumulation_steps > 1:
+        needs.append(("training.gradient_sync", t.gradient_sync, "every_microbatch"))
+    for key, value, ok in needs:
+        if value != ok:
+            raise ValueError(f"parallelism.flat_buckets='ragged' needs {key}={ok!r}, got "
+                             f"{value!r} (or set flat_buckets=true)")
 
 
 def _check_step_scope(cfg: Config) -> None:
