@@ -48,7 +48,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from simplesharded.ragged_shards import reject_ragged
+from simplesharded.ragged_shards import bucket_fqns
 from simplesharded.sharded_state import sharded_params, sharded_state
 
 
@@ -89,8 +89,9 @@ class _GradSync:
 
     def __init__(self):
         self.sync = True
-        self.acc: dict[str, torch.Tensor] = {}  # fqn → accumulator leaf (made when sync goes off)
-        self.pending: dict[str, torch.Tensor] = {}  # fqn → accumulated gradient to add once
+        # fqn (a ragged bucket: its name) → accumulator leaf (made when sync goes off)
+        self.acc: dict[str, torch.Tensor] = {}
+        self.pending: dict[str, torch.Tensor] = {}  # the same keys → gradient to add once
         # fqn → the full tensor gathered once for several forwards (simplesharded/gather_once.py)
         self.held: dict[str, torch.Tensor | None] = {}
 
@@ -119,6 +120,9 @@ class _GradSync:
             shape = mp.local_shape if mp is not None else shard.shape
             zero = torch.zeros((), dtype=shard.dtype, device=shard.device)
             self.acc[param.fqn] = zero.expand(shape).requires_grad_()
+        for bucket, _ in bucket_fqns(model):  # ragged buckets: one leaf per gathered buffer
+            if bucket.grad_sync is self and bucket.name not in self.acc:
+                self.acc[bucket.name] = bucket.accumulator()
 
     def take_accumulated(self) -> None:
         """Move each leaf's summed gradient to ``pending`` (added to an older pending one, if a
@@ -154,7 +158,6 @@ def set_requires_gradient_sync(model: nn.Module, requires_sync: bool) -> None:
     """
     state = _grad_sync_of(model)
     if not requires_sync:
-        reject_ragged(model, "set_requires_gradient_sync(model, False)")
         state.make_accumulators(getattr(model, "_orig_mod", model))
     elif not state.sync:
         state.take_accumulated()

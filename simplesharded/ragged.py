@@ -24,6 +24,7 @@ it is the same on every rank by construction, and so are the collectives built f
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -114,7 +115,9 @@ class RaggedLayout:
         return sizes, index
 
     def gather(self, local: torch.Tensor, group: dist.ProcessGroup | str, grad_scale: float = 1.0,
-               annotation: dict | None = None, precision: Precision | None = None
+               annotation: dict | None = None, precision: Precision | None = None,
+               replicas: str | None = None,
+               route: Callable[[torch.Tensor], torch.Tensor] | None = None
                ) -> list[torch.Tensor]:
         """Every parameter of the bucket, full, as a view of one all-gather of ``local`` (this
         rank's ``[L]``) over ``group`` (or its name). Differentiable: the gradient of ``local`` is the
@@ -122,7 +125,11 @@ class RaggedLayout:
         times ``grad_scale``. Traces under ``torch.compile`` as one all-gather, one split and
         views; the collectives (and the backward's scaling) carry ``annotation``, so the
         graph passes find them as they find a parameter's (passes/annotations.py).
-        ``precision``: the dtypes of the gather and of the reduction (mixed precision)."""
+        ``precision``: the dtypes of the gather and of the reduction (mixed precision).
+        ``replicas``: the name of a group holding replicas of this rank's range (HSDP): the
+        reduce-scatter's output is then summed over it too (one all-reduce). ``route``: what
+        the gathered buffer passes through before the split (gradient-sync control,
+        simplesharded/grad_sync.py, sends its gradient elsewhere)."""
         if local.shape != (self.shard_numel,):
             raise ValueError(f"RaggedLayout.gather: local has shape {tuple(local.shape)}, "
                              f"expected ({self.shard_numel},)")
@@ -133,7 +140,9 @@ class RaggedLayout:
         with fx_traceback.annotate(annotation):
             name = group if isinstance(group, str) else group.group_name
             full = _Gather.apply(local, self.world, name, grad_scale, annotation,
-                                 precision or Precision())
+                                 precision or Precision(), replicas)
+            if route is not None:
+                full = route(full)
             pieces = full.split(sizes)
             return [pieces[j].view(s) for j, s in zip(index, self.shapes)]
 
@@ -157,8 +166,9 @@ class _Gather(torch.autograd.Function):
     it sets its own). The casts of mixed precision are the only copies."""
 
     @staticmethod
-    def forward(ctx, local, world, group_name, grad_scale, annotation, precision):
+    def forward(ctx, local, world, group_name, grad_scale, annotation, precision, replicas):
         ctx.world, ctx.group_name, ctx.dtype = world, group_name, local.dtype
+        ctx.replicas = replicas
         ctx.grad_scale, ctx.annotation, ctx.precision = grad_scale, annotation, precision
         if precision.gather_dtype is not None:
             local = local.to(precision.gather_dtype)
@@ -172,10 +182,13 @@ class _Gather(torch.autograd.Function):
                 grad = grad * scale
             grad = grad.to(precision.reduce_dtype or ctx.dtype).contiguous()
             out = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(
-                grad, "sum", ctx.world, ctx.group_name)).to(ctx.dtype)
+                grad, "sum", ctx.world, ctx.group_name))
+            if ctx.replicas is not None:
+                out = _c10d.wait_tensor(_c10d.all_reduce(out, "sum", ctx.replicas))
+            out = out.to(ctx.dtype)
             if not precision.scale_first and scale != 1.0:
                 out = out * scale
-            return out, None, None, None, None, None
+            return out, None, None, None, None, None, None
 
 
 def to_ragged(locals_: list[torch.Tensor], layout: RaggedLayout,

@@ -23,12 +23,15 @@ all-gather, which passes/bucketing.py finds already bucketed) and caches the vie
 gather scope for the forward's other reads; outside the forward each read gathers.
 
 Taken: trained parameters of at least one dim, read by one module, under ``fully_shard`` on a
-mesh of one data-parallel dim (data_parallel refuses another mode or mesh; tied and frozen
-parameters keep today's path). ``init_sharded`` runs on the members as per-parameter shards
+mesh of one data-parallel dim or ``hybrid_shard`` on two (the bucket ``(Replicate(),
+Shard(0))`` as its members; the layout cuts it over the shard dim, and the gradient's
+reduce-scatter is followed by one all-reduce over the replicas). data_parallel refuses
+another mode or mesh; tied and frozen parameters keep today's path. ``init_sharded`` runs on the members as per-parameter shards
 (:func:`members_as_shards`), so a model built on the meta device takes ragged buckets too.
 Mixed precision: the cast of a bucket's ``[L]`` to the gather's dtype is its only copy-in.
-Not taken yet (a clear error): ``compile_step``, gradient-sync control
-(``no_gradient_sync``), ``gather_once``. Eager, a gathered bucket stays alive until backward
+Gradient-sync control (``no_gradient_sync``) runs per bucket: its gathered buffer's gradient
+is what is deferred and added back. Not taken yet (a clear error): ``compile_step``,
+``gather_once``. Eager, a gathered bucket stays alive until backward
 (no eager resharding).
 
 Invariant: a bucket's members, order and layout depend only on the module tree and the
@@ -53,6 +56,7 @@ from simplesharded.sharded_state import sharded_state
 
 if TYPE_CHECKING:
     from simplesharded.gather import _GatherScope
+    from simplesharded.grad_sync import _GradSync
 
 ALIGN_BYTES = 128  # every member starts 128-byte aligned in the gathered buffer
 
@@ -74,27 +78,37 @@ class RaggedShards:
     def __init__(self, name: str, owner: nn.Module, attr: str,
                  members: list[tuple[str, str, DTensor]], mesh: DeviceMesh, scope: _GatherScope,
                  grad_scale: float, reshard, dp_groups: tuple, block: str | None,
-                 precision: Precision):
+                 precision: Precision, grad_sync: _GradSync | None = None):
         """``members``: (FQN, FQN relative to ``owner``, shard) in module order."""
-        self.precision = precision
+        self.precision, self.grad_sync = precision, grad_sync
         self.name, self.owner, self.attr, self.scope = name, owner, attr, scope
         self.fqns = [fqn for fqn, _, _ in members]
         self.keys = [key for _, key, _ in members]
-        # the mesh, not its process group: a model is deep-copied with its buckets
-        self.mesh, self.group_name = mesh, mesh.get_group().group_name
-        self.grad_scale = grad_scale
         shards = [s for _, _, s in members]
+        # The mesh's last dim shards (FSDP); a first one of a 2-D mesh replicates (HSDP: the
+        # members are (Replicate(), Shard(0)), and so is the bucket). Group names, not
+        # groups: a model is deep-copied with its buckets.
+        self.mesh, self.placements, self.dim = mesh, tuple(shards[0].placements), mesh.ndim - 1
+        self.group_name = mesh.get_group(self.dim).group_name
+        self.replicas = mesh.get_group(0).group_name if mesh.ndim == 2 else None
+        self.grad_scale = grad_scale
         element = shards[0].element_size()
-        self.layout = RaggedLayout(tuple(tuple(s.shape) for s in shards), mesh.size(),
+        self.layout = RaggedLayout(tuple(tuple(s.shape) for s in shards), mesh.size(self.dim),
                                    align=max(1, ALIGN_BYTES // element))
-        local = to_ragged([s.to_local() for s in shards], self.layout, mesh.get_group())
-        self.param = nn.Parameter(DTensor.from_local(
-            local, mesh, (Shard(0),), run_check=False, shape=(self.layout.total,), stride=(1,)))
+        local = to_ragged([s.to_local() for s in shards], self.layout, self._group())
+        self.param = nn.Parameter(self._dtensor(local, (self.layout.total,)))
         self.annotation = {PARAM_KEY: self.fqns[0], BUCKET_PARAMS_KEY: list(self.fqns),
                            DP_GROUPS_KEY: dp_groups, RESHARD_KEY: reshard}
         if block is not None:
             self.annotation[BLOCK_KEY] = block
         owner.register_parameter(attr, self.param)
+
+    def _group(self):
+        return self.mesh.get_group(self.dim)
+
+    def _dtensor(self, local: torch.Tensor, shape: tuple[int, ...]) -> DTensor:
+        return DTensor.from_local(local, self.mesh, self.placements, run_check=False,
+                                  shape=shape, stride=_contiguous_stride(shape))
 
     def read(self, index: int) -> torch.Tensor:
         """Member ``index``, full: a view of the bucket's gather (one per forward)."""
@@ -102,38 +116,47 @@ class RaggedShards:
         views = scope.flat_pieces.get(self.name) if scope.active else None
         if views is None:
             views = self.layout.gather(self.param.to_local(), self.group_name, self.grad_scale,
-                                       self.annotation, self.precision)
+                                       self.annotation, self.precision, self.replicas,
+                                       self._route if self.grad_sync is not None else None)
             if scope.active:
                 scope.flat_pieces[self.name] = views
         return views[index]
 
+    def _route(self, full: torch.Tensor) -> torch.Tensor:
+        # gradient-sync control for the whole bucket, keyed by its name (not an FQN)
+        return self.grad_sync.route(full, self.name)
+
+    def accumulator(self) -> torch.Tensor:
+        """A no-sync accumulator leaf for the gathered buffer: an expanded zero scalar in the
+        bucket's dtype (simplesharded/grad_sync.py)."""
+        zero = torch.zeros((), dtype=self.param.dtype, device=self.param.device)
+        return zero.expand(self.layout.total).requires_grad_()
+
     def member_shards(self, value: DTensor | None = None) -> list[DTensor]:
-        """Each member's ``Shard(0)`` DTensor, converted from the bucket, or from ``value``
-        laid out as the bucket (an optimizer state of it): a collective."""
+        """Each member's DTensor (``Shard(0)`` on the sharding dim), converted from the
+        bucket, or from ``value`` laid out as the bucket (an optimizer state of it): a
+        collective."""
         value = self.param.detach() if value is None else value
-        locals_ = from_ragged(value.to_local(), self.layout, self.mesh.get_group())
-        return [DTensor.from_local(t, self.mesh, (Shard(0),), run_check=False, shape=shape,
-                                   stride=_contiguous_stride(shape))
-                for t, shape in zip(locals_, self.layout.shapes)]
+        locals_ = from_ragged(value.to_local(), self.layout, self._group())
+        return [self._dtensor(t, shape) for t, shape in zip(locals_, self.layout.shapes)]
 
     def bucket_from(self, values: list[torch.Tensor]) -> DTensor:
         """The bucket's DTensor from its members' values: ``Shard(0)`` DTensors on this mesh,
         other DTensors (redistributed) or full tensors (this rank's rows taken)."""
-        me, world = self.mesh.get_local_rank(), self.mesh.size()
+        me, world = self.mesh.get_local_rank(self.dim), self.mesh.size(self.dim)
         locals_ = []
         for fqn, v, shape in zip(self.fqns, values, self.layout.shapes):
             if tuple(v.shape) != shape:
                 raise ValueError(f"load_state_dict: {fqn} has shape {tuple(v.shape)}, the "
                                  f"model's is {shape}")
             if isinstance(v, DTensor):
-                v = v.redistribute(self.mesh, (Shard(0),)).to_local()
+                v = v.redistribute(self.mesh, self.placements).to_local()
             else:
                 start, stop = shard0_rows(shape[0], world, me)
                 v = v[start:stop]
             locals_.append(v.to(device=self.param.device, dtype=self.param.dtype))
-        local = to_ragged(locals_, self.layout, self.mesh.get_group())
-        return DTensor.from_local(local, self.mesh, (Shard(0),), run_check=False,
-                                  shape=(self.layout.total,), stride=(1,))
+        return self._dtensor(to_ragged(locals_, self.layout, self._group()),
+                             (self.layout.total,))
 
 
 _ATTR = "_simplesharded_ragged"  # on a bucket's owner: its buckets and its state_dict order
@@ -225,7 +248,7 @@ def optim_state_by_member(model: nn.Module, state: dict) -> dict:
     ragged buckets, it loads at another world size or layout. Collective: every rank calls
     it; :func:`optim_state_by_bucket` is its inverse."""
     out = dict(state)
-    for bucket, fqn in _bucket_fqns(model):
+    for bucket, fqn in bucket_fqns(model):
         for section, name in _entries(out, fqn):
             value = out.pop(f"{section}.{fqn}.{name}")
             if isinstance(value, DTensor) and tuple(value.shape) == (bucket.layout.total,):
@@ -244,7 +267,7 @@ def optim_state_by_bucket(model: nn.Module, state: dict) -> dict:
     them. A member's scalar (a copy: an optimizer steps it in place) or option is the first
     member's. Collective."""
     out = dict(state)
-    for bucket, fqn in _bucket_fqns(model):
+    for bucket, fqn in bucket_fqns(model):
         for section, name in _entries(out, bucket.fqns[0]):
             keys = [f"{section}.{member}.{name}" for member in bucket.fqns]
             absent = [k for k in keys if k not in out]
@@ -258,7 +281,7 @@ def optim_state_by_bucket(model: nn.Module, state: dict) -> dict:
     return out
 
 
-def _bucket_fqns(model: nn.Module) -> Iterator[tuple[RaggedShards, str]]:
+def bucket_fqns(model: nn.Module) -> Iterator[tuple[RaggedShards, str]]:
     """Every ragged bucket of ``model`` (or its compiled wrapper) with its parameter's FQN,
     in module order (the same on every rank)."""
     for prefix, module in getattr(model, "_orig_mod", model).named_modules():

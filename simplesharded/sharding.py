@@ -109,8 +109,9 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     (simplesharded/ragged_shards.py): parameters are views of the gathered buffer, so the
     gather's copy-out goes too; a bucket is one parameter (``named_parameters()`` lists the
     buckets), ``state_dict()`` lists the members as without. ``fully_shard`` on a mesh of one
-    dp dim only (another mode, HSDP, TP or EP dims: a ValueError); tied and frozen parameters
-    stay on their own.
+    dp dim or ``hybrid_shard`` on two (the gradient's all-reduce over the replicas follows the
+    bucket's reduce-scatter); another mode, TP or EP dims: a ValueError. Tied and frozen
+    parameters stay on their own.
     A parameter read more than once in one forward of ``model`` (tied weights, a module called
     twice) is gathered once; its gradient is summed locally and reduced once (eager: tied
     weights only, so an uncompiled gather never outlives its block).
@@ -132,11 +133,13 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
                          f"{list(RESHARD_CHOICES)}")
     if flat_buckets not in FLAT_BUCKETS:
         raise ValueError(f"flat_buckets={flat_buckets!r} is not one of {list(FLAT_BUCKETS)}")
-    if flat_buckets == "ragged" and (mode != "fully_shard" or dp.ndim != 1
+    if flat_buckets == "ragged" and (mode not in ("fully_shard", "hybrid_shard")
+                                     or (mode == "fully_shard" and dp.ndim != 1)
                                      or dp is not dense or ep_dim(mesh)):
-        raise ValueError(f"flat_buckets='ragged' takes mode='fully_shard' on a 1-D data-parallel "
-                         f"mesh only (yet: no HSDP, TP or EP dims); got mode={mode!r} on mesh "
-                         f"dims {dense.mesh_dim_names or dense.ndim}: use flat_buckets=True")
+        raise ValueError(f"flat_buckets='ragged' takes mode='fully_shard' on a 1-D or "
+                         f"'hybrid_shard' on a 2-D data-parallel mesh only (yet: no TP or EP "
+                         f"dims); got mode={mode!r} on mesh dims "
+                         f"{dense.mesh_dim_names or dense.ndim}: use flat_buckets=True")
     if grad_reduction not in GRAD_REDUCTIONS:
         raise ValueError(f"grad_reduction={grad_reduction!r} is not one of {sorted(GRAD_REDUCTIONS)}")
     if any(sharded_state(m) is not None for m in model.modules()):
@@ -278,7 +281,7 @@ def _pack_ragged(model: nn.Module, shards: dict[int, tuple[nn.Parameter, Sharded
         ragged = RaggedShards(f"{bucket}/{str(dtype).removeprefix('torch.')}", owner, attr,
                               members, first[0].device_mesh, scope, spec.grad_scale,
                               spec.reshard_after_forward, spec.dp_groups, first[1].block,
-                              precision)
+                              precision, spec.grad_sync)
         owned[owner_fqn][2].append(ragged)
         for i, k in enumerate(keys):
             shards[k] = (None, dataclasses.replace(shards[k][1], ragged=RaggedSlot(ragged, i)))
@@ -287,11 +290,13 @@ def _pack_ragged(model: nn.Module, shards: dict[int, tuple[nn.Parameter, Sharded
 
 
 def _ragged_eligible(shard: DTensor, record: ShardedParam, scope: _GatherScope) -> bool:
-    """Trained, at least 1-D, sharded on dim 0 over a 1-D dp mesh that is the whole mesh (no
-    TP or EP), and read by one module."""
+    """Trained, at least 1-D, sharded on dim 0 over the dp mesh that is the whole mesh (no TP
+    or EP): FSDP's ``(Shard(0),)`` or HSDP's ``(Replicate(), Shard(0))``; read by one
+    module."""
     return (shard.requires_grad and shard.ndim >= 1 and record.mp_layout is None
-            and record.spec.dp_mesh is None and shard.device_mesh.ndim == 1
-            and tuple(shard.placements) == (Shard(0),) and record.fqn not in scope.tied)
+            and record.spec.dp_mesh is None
+            and tuple(shard.placements) in ((Shard(0),), (Replicate(), Shard(0)))
+            and record.fqn not in scope.tied)
 
 
 def _input_caster(dtype: torch.dtype):

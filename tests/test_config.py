@@ -372,21 +372,26 @@ def test_flat_buckets_takes_a_bool_or_ragged(tmp_path):
 
 
 @pytest.mark.parametrize("argv,key", [
-    (["--parallelism.mode", "replicate"], "parallelism.mode='fully_shard', got 'replicate'"),
-    (["--parallelism.data_parallel_replicate_degree", "2"],
-     "parallelism.data_parallel_replicate_degree=1, got 2"),
+    (["--parallelism.mode", "replicate"],
+     "parallelism.mode 'fully_shard' or 'hybrid_shard', got 'replicate'"),
     (["--parallelism.tensor_parallel_degree", "2"], "parallelism.tensor_parallel_degree=1"),
     (["--parallelism.expert_parallel_degree", "2"], "parallelism.expert_parallel_degree=1"),
     (["--parallelism.context_parallel_degree", "2"], "parallelism.context_parallel_degree=1"),
     (["--compile.enable", "--compile.scope", "step"], "compile.scope='model', got 'step'"),
-    (["--training.gradient_accumulation_steps", "2", "--training.gradient_sync",
-      "last_microbatch"], "training.gradient_sync='every_microbatch', got 'last_microbatch'"),
 ])
 def test_what_ragged_buckets_do_not_take_is_one_error(argv, key):
     with pytest.raises(ValueError) as e:
         load(None, ["--parallelism.flat_buckets", "ragged", *argv])
     assert str(e.value).startswith(f"parallelism.flat_buckets='ragged' needs {key}"), e.value
     load(None, ["--parallelism.flat_buckets", "true", *argv])  # flat buffers take it
+
+
+def test_ragged_buckets_take_hsdp_and_last_microbatch_sync():
+    cfg = load(None, ["--parallelism.flat_buckets", "ragged",
+                      "--parallelism.data_parallel_replicate_degree", "2",
+                      "--training.gradient_accumulation_steps", "2",
+                      "--training.gradient_sync", "last_microbatch"])
+    assert cfg.parallelism.mode == "hybrid_shard" and cfg.parallelism.bucket_storage == "ragged"
 
 
 def test_gpu_counts_key():

@@ -10,6 +10,8 @@ no copy in forward, one reduce-scatter and one concatenation in backward.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 
 import pytest
 import torch
@@ -116,7 +118,7 @@ def test_ragged_model_lists_buckets_and_state_dict_lists_members():
         assert getattr(twin.layers[0], _ATTR).buckets == [bucket]
 
 
-@pytest.mark.parametrize("call", ["compile_step", "no_sync", "gather_held", "bad_value",
+@pytest.mark.parametrize("call", ["compile_step", "gather_held", "bad_value",
                                   "replicate", "tp"])
 def test_what_ragged_does_not_take_yet_says_so(call):
     import toy_blocks
@@ -139,7 +141,9 @@ def test_what_ragged_does_not_take_yet_says_so(call):
             dist.destroy_process_group()  # a world of 4 for a dp 2 x tp 2 mesh
             from torch.testing._internal.distributed.fake_pg import FakeStore
             dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-            with pytest.raises(ValueError, match="no HSDP, TP or EP dims"):
+            with pytest.raises(ValueError, match=r"\(yet: no TP or EP dims\); got "
+                                                 r"mode='fully_shard' on mesh dims \('dp_shard', "
+                                                 r"'tp'\)"):
                 ss.data_parallel(toy_blocks.make_model(), ss.build_mesh(1, 2, "cpu", tp=2),
                                  flat_buckets="ragged")
             return
@@ -148,8 +152,6 @@ def test_what_ragged_does_not_take_yet_says_so(call):
             if call == "compile_step":
                 opt = torch.optim.AdamW(model.parameters())
                 ss.compile_step(model, opt, lambda m, x: m(x).sum(), backend="aot_eager")
-            elif call == "no_sync":
-                ss.set_requires_gradient_sync(model, False)
             else:
                 from simplesharded.gather_once import gather_held
                 gather_held(model)
@@ -235,16 +237,79 @@ def _one_world(mesh, steps: int, lr: float) -> dict:
     return {"trained": trained, "graphs": graphs}
 
 
+def _hsdp(rank: int, world: int) -> dict:
+    """The toy model (2 blocks) under HSDP on an unnamed 2 × 2 mesh, with and without ragged
+    buckets: 2 AdamW steps of 2 micro-batches, the first under ``no_gradient_sync``, eager and
+    compiled; the optimizer state as a checkpoint holds it."""
+    import toy_blocks
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    import simplesharded as ss
+    from simplesharded.passes.collectives import count_collectives
+    from simplesharded.ragged_shards import optim_state_by_member
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    numel = 2 * world * toy_blocks.BATCH_PER_RANK * toy_blocks.SEQ
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    out = {}
+    for flat, backend in [(False, "eager"), ("ragged", "eager"),
+                          (False, "aot_eager_blockbucketing"),
+                          ("ragged", "aot_eager_blockbucketing")]:
+        torch._dynamo.reset()
+        model = ss.data_parallel(toy_blocks.make_model(n_layers=2), mesh, "hybrid_shard",
+                                 flat_buckets=flat)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        backwards: list = []  # each compiled backward's collectives: no-sync, then sync
+
+        def observe(kind, stage, gm, backwards=backwards):
+            if kind == "bw" and stage == "input":  # once per compiled backward
+                backwards.append(dict(count_collectives(gm)))
+        run = model if backend == "eager" else torch.compile(
+            model, fullgraph=True, backend=ss.make_backend(backend, observer=observe))
+        losses, unreduced = [], []
+        for step in range(2):
+            opt.zero_grad(set_to_none=True)
+            for micro in range(2):
+                tokens, targets = toy_blocks.batch(rank, 2 * step + micro)
+                with ss.no_gradient_sync(model) if micro == 0 else contextlib.nullcontext():
+                    loss = toy_blocks.loss_fn(run(tokens), targets, numel)
+                    loss.backward()
+                losses.append(loss.item())
+                if micro == 0:
+                    unreduced.append(all(p.grad is None for p in model.parameters()))
+            opt.step()
+        state = get_state_dict(model, opt, options=options)[1]
+        if flat:
+            state = optim_state_by_member(model, state)
+        full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
+                for k, v in {**model.state_dict(), **state}.items()}
+        out[(flat, backend)] = dict(
+            losses=losses, full=full, backwards=backwards, unreduced=all(unreduced),
+            placements=[(k, v.placements) for k, v in model.state_dict().items()],
+            buckets=[p.placements for p in model.parameters()])
+    return out
+
+
 def _ranks(rank, world, steps, lr):
     results = {4: _one_world(init_device_mesh("cpu", (4,)), steps, lr)}
     mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("row", "dp"))["dp"]
     results[2] = _one_world(mesh2, steps, lr)
+    results["hsdp"] = _hsdp(rank, world)
     return results
 
 
+STEPS, LR = 3, 0.1
+
+
+@functools.lru_cache(maxsize=1)
+def _spawned() -> list[dict]:
+    """The one spawn both tests below read."""
+    return spawn(4, _ranks, STEPS, LR)
+
+
 def test_round_trip_gather_and_training_match_one_process():
-    steps, lr = 3, 0.1
-    results = spawn(4, _ranks, steps, lr)
+    steps, lr = STEPS, LR
+    results = _spawned()
     reference = _reference(steps, lr)
     for world in (4, 2):
         for rank, r in enumerate(results):
@@ -260,3 +325,35 @@ def test_round_trip_gather_and_training_match_one_process():
         # backward: the gradients laid out as the bucket (one cat), one reduce-scatter
         assert bw.count(str(c10d.reduce_scatter_tensor.default)) == 1
         assert bw.count(str(aten.cat.default)) == 1, bw
+
+
+def test_hsdp_and_no_sync_ragged_buckets_train_bitwise_as_without():
+    """HSDP (hybrid_shard, 2 replicas × 2 shards, an unnamed mesh): ragged buckets are
+    ``(Replicate(), Shard(0))`` as their members; eager and block-bucketed aot_eager train 2
+    AdamW steps of 2 micro-batches, the first under ``no_gradient_sync``, bit for bit as
+    without, parameters and optimizer state (converted per member). The no-sync backward
+    reduces nothing (no gradient lands; its compiled graph has no collective); the sync
+    backward holds one reduce-scatter and one all-reduce per bucket."""
+    from torch.distributed.tensor import Replicate
+
+    results = _spawned()
+    for rank, r in enumerate(results):
+        res = r["hsdp"]
+        for backend in ("eager", "aot_eager_blockbucketing"):
+            plain, ragged = res[(False, backend)], res[("ragged", backend)]
+            assert ragged["losses"] == plain["losses"], (rank, backend)
+            assert ragged["placements"] == plain["placements"]
+            assert set(ragged["buckets"]) == {(Replicate(), Shard(0))}
+            assert sorted(ragged["full"]) == sorted(plain["full"])
+            diff = [k for k, v in ragged["full"].items()
+                    if not (torch.equal(v, plain["full"][k]) if torch.is_tensor(v)
+                            else v == plain["full"][k])]
+            assert not diff, (rank, backend, diff[:5])
+            assert ragged["unreduced"] and plain["unreduced"], (rank, backend)
+        backwards = res[("ragged", "aot_eager_blockbucketing")]["backwards"]
+        buckets = len(res[("ragged", "eager")]["buckets"])
+        # compiled once each: the no-sync backward (it may re-gather, it reduces nothing),
+        # the sync one
+        no_sync, sync = backwards
+        assert no_sync["reduce_scatter"] == no_sync["all_reduce"] == 0, no_sync
+        assert sync["reduce_scatter"] == sync["all_reduce"] == buckets, sync

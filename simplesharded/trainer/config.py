@@ -644,24 +644,24 @@ def _check_pipeline(cfg: Config) -> None:
 
 
 def _check_ragged(cfg: Config) -> None:
-    """flat_buckets=ragged (simplesharded/ragged_shards.py) takes fully_shard over
-    data-parallel ranks only: what it does not take yet is one error naming the setting."""
-    p, t = cfg.parallelism, cfg.training
+    """flat_buckets=ragged (simplesharded/ragged_shards.py) takes fully_shard and hybrid_shard
+    over data-parallel ranks only: what it does not take yet is one error naming the
+    setting."""
+    p = cfg.parallelism
     if p.flat_buckets != "ragged":
         return
-    # the degrees first: a replicate degree > 1 also changes the mode's natural default
-    needs = [("parallelism.data_parallel_replicate_degree", p.data_parallel_replicate_degree, 1),
-             ("parallelism.tensor_parallel_degree", p.tensor_parallel_degree, 1),
+    needs = [("parallelism.tensor_parallel_degree", p.tensor_parallel_degree, 1),
              ("parallelism.expert_parallel_degree", p.expert_parallel_degree, 1),
              ("parallelism.context_parallel_degree", p.context_parallel_degree, 1),
-             ("parallelism.mode", p.mode, "fully_shard"),
              ("compile.scope", cfg.compile.scope, "model")]
-    if t.gradient_accumulation_steps > 1:
-        needs.append(("training.gradient_sync", t.gradient_sync, "every_microbatch"))
     for key, value, ok in needs:
         if value != ok:
             raise ValueError(f"parallelism.flat_buckets='ragged' needs {key}={ok!r}, got "
                              f"{value!r} (or set flat_buckets=true)")
+    if p.mode == "replicate":
+        raise ValueError("parallelism.flat_buckets='ragged' needs parallelism.mode "
+                         "'fully_shard' or 'hybrid_shard', got 'replicate' (or set "
+                         "flat_buckets=true)")
 
 
 def _check_step_scope(cfg: Config) -> None:
