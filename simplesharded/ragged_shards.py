@@ -24,15 +24,15 @@ gather scope for the forward's other reads; outside the forward each read gather
 
 Taken: trained parameters of at least one dim, read by one module, under ``fully_shard`` on a
 mesh of one data-parallel dim or ``hybrid_shard`` on two (the bucket ``(Replicate(),
-Shard(0))`` as its members; the layout cuts it over the shard dim, and the gradient's
-reduce-scatter is followed by one all-reduce over the replicas). data_parallel refuses
-another mode or mesh; tied and frozen parameters keep today's path. ``init_sharded`` runs on the members as per-parameter shards
-(:func:`members_as_shards`), so a model built on the meta device takes ragged buckets too.
-Mixed precision: the cast of a bucket's ``[L]`` to the gather's dtype is its only copy-in.
-Gradient-sync control (``no_gradient_sync``) runs per bucket: its gathered buffer's gradient
-is what is deferred and added back. Not taken yet (a clear error): ``compile_step``,
-``gather_once``. Eager, a gathered bucket stays alive until backward
-(no eager resharding).
+Shard(0))`` as its members; the layout cuts it over the shard dim, and the gradient's reduce-
+scatter is followed by one all-reduce over the replicas). data_parallel refuses another mode or
+mesh; tied and frozen parameters keep today's path. ``init_sharded`` runs on the members as
+per-parameter shards (:func:`members_as_shards`), so a model built on the meta device takes
+ragged buckets too. Mixed precision: the cast of a bucket's ``[L]`` to the gather's dtype is
+its only copy-in. Gradient-sync control (``no_gradient_sync``) runs per bucket: its gathered
+buffer's gradient is what is deferred and added back; ``compile_step`` steps a bucket as any
+parameter. Not taken yet (a clear error): ``gather_once``. Eager, a gathered bucket stays alive
+until backward (no eager resharding).
 
 Invariant: a bucket's members, order and layout depend only on the module tree and the
 parameters' global shapes, so they are the same on every rank.

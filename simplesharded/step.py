@@ -13,7 +13,8 @@ tensors are the graph's inputs, updated in place, so ``optimizer.state_dict()`` 
 The learning rate of each param group is read from ``param_groups`` at every call and passed
 in as a tensor: a schedule that changes it does not recompile. Parameters in flat buffers
 (``data_parallel(..., flat_buckets=True)``) are differentiated and updated through their
-buffer's leaf (:class:`_FlatRoutes`).
+buffer's leaf (:class:`_FlatRoutes`). A ragged bucket (``flat_buckets="ragged"``) is itself
+the parameter the optimizer holds: it is differentiated and updated as any.
 """
 from __future__ import annotations
 
@@ -28,7 +29,6 @@ from simplesharded.backends import make_backend
 from simplesharded.grad_clip import clip_coefficient, global_norm, scaled
 from simplesharded.passes.annotations import UPDATE_KEY
 from simplesharded.passes.torch_compat import STEP_GRAPH, needs
-from simplesharded.ragged_shards import reject_ragged
 from simplesharded.sharded_state import sharded_params
 from simplesharded.optim_update import (apply_update, hyperparameters, prepare,
                                         step_inputs)
@@ -70,7 +70,6 @@ def compile_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     backward: compiling takes about N times as long.
     """
     needs(STEP_GRAPH)
-    reject_ragged(model, "compile_step")
     if clip_norm not in CLIP_NORMS:
         raise ValueError(f"compile_step: clip_norm={clip_norm!r} is not one of {CLIP_NORMS}")
     if not (isinstance(accumulation_steps, int) and accumulation_steps >= 1):

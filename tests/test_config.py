@@ -377,7 +377,6 @@ def test_flat_buckets_takes_a_bool_or_ragged(tmp_path):
     (["--parallelism.tensor_parallel_degree", "2"], "parallelism.tensor_parallel_degree=1"),
     (["--parallelism.expert_parallel_degree", "2"], "parallelism.expert_parallel_degree=1"),
     (["--parallelism.context_parallel_degree", "2"], "parallelism.context_parallel_degree=1"),
-    (["--compile.enable", "--compile.scope", "step"], "compile.scope='model', got 'step'"),
 ])
 def test_what_ragged_buckets_do_not_take_is_one_error(argv, key):
     with pytest.raises(ValueError) as e:
@@ -386,12 +385,15 @@ def test_what_ragged_buckets_do_not_take_is_one_error(argv, key):
     load(None, ["--parallelism.flat_buckets", "true", *argv])  # flat buffers take it
 
 
-def test_ragged_buckets_take_hsdp_and_last_microbatch_sync():
+def test_ragged_buckets_take_hsdp_last_microbatch_sync_and_the_step_scope():
     cfg = load(None, ["--parallelism.flat_buckets", "ragged",
                       "--parallelism.data_parallel_replicate_degree", "2",
                       "--training.gradient_accumulation_steps", "2",
                       "--training.gradient_sync", "last_microbatch"])
     assert cfg.parallelism.mode == "hybrid_shard" and cfg.parallelism.bucket_storage == "ragged"
+    cfg = load(None, ["--parallelism.flat_buckets", "ragged", "--compile.enable",
+                      "--compile.scope", "step"])
+    assert cfg.compile.scope == "step" and cfg.parallelism.bucket_storage == "ragged"
 
 
 def test_gpu_counts_key():

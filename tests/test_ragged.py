@@ -118,7 +118,7 @@ def test_ragged_model_lists_buckets_and_state_dict_lists_members():
         assert getattr(twin.layers[0], _ATTR).buckets == [bucket]
 
 
-@pytest.mark.parametrize("call", ["compile_step", "gather_held", "bad_value",
+@pytest.mark.parametrize("call", ["gather_held", "bad_value",
                                   "replicate", "tp"])
 def test_what_ragged_does_not_take_yet_says_so(call):
     import toy_blocks
@@ -149,12 +149,8 @@ def test_what_ragged_does_not_take_yet_says_so(call):
             return
         model = ss.data_parallel(toy_blocks.make_model(), mesh, flat_buckets="ragged")
         with pytest.raises(ValueError, match="flat_buckets='ragged'"):
-            if call == "compile_step":
-                opt = torch.optim.AdamW(model.parameters())
-                ss.compile_step(model, opt, lambda m, x: m(x).sum(), backend="aot_eager")
-            else:
-                from simplesharded.gather_once import gather_held
-                gather_held(model)
+            from simplesharded.gather_once import gather_held
+            gather_held(model)
 
 
 # ------------------------------------------------------------------------- 4 gloo ranks
@@ -252,6 +248,16 @@ def _hsdp(rank: int, world: int) -> dict:
     numel = 2 * world * toy_blocks.BATCH_PER_RANK * toy_blocks.SEQ
     options = StateDictOptions(flatten_optimizer_state_dict=True)
     out = {}
+    for flat in (False, "ragged"):  # compile_step: 2 steps
+        torch._dynamo.reset()
+        model = ss.data_parallel(toy_blocks.make_model(n_layers=2), mesh, "hybrid_shard",
+                                 flat_buckets=flat)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        step = ss.compile_step(model, opt, lambda m, x, y: toy_blocks.loss_fn(m(x), y, numel),
+                               backend="aot_eager_blockbucketing")
+        losses = [step(*toy_blocks.batch(rank, i)).item() for i in range(2)]
+        out[(flat, "step")] = dict(losses=losses, full={
+            k: v.full_tensor() for k, v in model.state_dict().items()})
     for flat, backend in [(False, "eager"), ("ragged", "eager"),
                           (False, "aot_eager_blockbucketing"),
                           ("ragged", "aot_eager_blockbucketing")]:
@@ -331,9 +337,10 @@ def test_hsdp_and_no_sync_ragged_buckets_train_bitwise_as_without():
     """HSDP (hybrid_shard, 2 replicas × 2 shards, an unnamed mesh): ragged buckets are
     ``(Replicate(), Shard(0))`` as their members; eager and block-bucketed aot_eager train 2
     AdamW steps of 2 micro-batches, the first under ``no_gradient_sync``, bit for bit as
-    without, parameters and optimizer state (converted per member). The no-sync backward
-    reduces nothing (no gradient lands; its compiled graph has no collective); the sync
-    backward holds one reduce-scatter and one all-reduce per bucket."""
+    without, parameters and optimizer state (converted per member); ``compile_step`` (2 steps)
+    too. The no-sync backward reduces nothing (no gradient lands; its
+    compiled graph has no reduction); the sync backward holds one reduce-scatter and one
+    all-reduce per bucket."""
     from torch.distributed.tensor import Replicate
 
     results = _spawned()
@@ -354,6 +361,9 @@ def test_hsdp_and_no_sync_ragged_buckets_train_bitwise_as_without():
         buckets = len(res[("ragged", "eager")]["buckets"])
         # compiled once each: the no-sync backward (it may re-gather, it reduces nothing),
         # the sync one
+        plain, ragged = res[(False, "step")], res[("ragged", "step")]  # compile_step
+        assert ragged["losses"] == plain["losses"], rank
+        assert all(torch.equal(v, plain["full"][k]) for k, v in ragged["full"].items()), rank
         no_sync, sync = backwards
         assert no_sync["reduce_scatter"] == no_sync["all_reduce"] == 0, no_sync
         assert sync["reduce_scatter"] == sync["all_reduce"] == buckets, sync

@@ -652,8 +652,7 @@ def _check_ragged(cfg: Config) -> None:
         return
     needs = [("parallelism.tensor_parallel_degree", p.tensor_parallel_degree, 1),
              ("parallelism.expert_parallel_degree", p.expert_parallel_degree, 1),
-             ("parallelism.context_parallel_degree", p.context_parallel_degree, 1),
-             ("compile.scope", cfg.compile.scope, "model")]
+             ("parallelism.context_parallel_degree", p.context_parallel_degree, 1)]
     for key, value, ok in needs:
         if value != ok:
             raise ValueError(f"parallelism.flat_buckets='ragged' needs {key}={ok!r}, got "
