@@ -184,7 +184,7 @@ class Parallelism:
         "false", "keep each bucket's parameter shards in one buffer: true = the bucketed "
         "all-gather reads it as it is and gradients land in the reduce-scatter's output; "
         "ragged = each gathered parameter is also a view of the gathered buffer (no copy-out; "
-        "fully_shard over data-parallel ranks only). Fewer copies; checkpoints unchanged "
+        "FSDP and HSDP only: no TP, EP, CP or PP yet). Fewer copies; checkpoints unchanged "
         "(see docs/zero_copy.md)", ("false", "true", "ragged"))
     pipeline_parallel_degree: int = _opt(
         1, "pipeline stages over this many rank groups (outermost mesh dim, pp); the other "
