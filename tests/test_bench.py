@@ -84,6 +84,14 @@ def test_step_variants_name_our_compiled_backends():
     assert both in bench_variants.all_variants()
     assert bench_variants.is_step_variant(both) and bench_variants.is_flat_variant(both)
     assert str(bench_variants.ss_backend(both)) == "aot_eager_blockbucketing"
+    # the step graph over ragged buckets: named, not in a default set
+    ragged = "ss_step_ragged_aot_eager_blockbucketing"
+    assert ragged in bench_variants.all_variants() and bench_variants.is_step_variant(ragged)
+    assert bench_variants.flat_buckets_of(ragged) == "ragged"
+    assert bench_variants.flat_buckets_of("ss_ragged_aot_eager_autobucketing") == "ragged"
+    assert bench_variants.flat_buckets_of("ss_step_flat_aot_eager_autobucketing") is True
+    assert not {v for v in bench_variants.all_variants() if bench_variants.is_ragged_variant(v)} \
+        & set(bench_variants.default_variants(1))
 
 
 def test_copied_bytes_counts_each_copy_once():

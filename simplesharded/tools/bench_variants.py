@@ -55,6 +55,8 @@ STEP_FLAT_PREFIX = "ss_step_flat_"
 # layout (simplesharded/ragged_shards.py); for the backends that bucket. Named with
 # --variants, not in the default set.
 RAGGED_PREFIX = "ss_ragged_"
+# ss_step_ragged_<backend>: the whole step in one graph over ragged buckets (not default).
+STEP_RAGGED_PREFIX = "ss_step_ragged_"
 
 
 def ss_backend(variant: str):
@@ -62,8 +64,8 @@ def ss_backend(variant: str):
     baseline."""
     from simplesharded.backends import BACKENDS, BackendName
 
-    for prefix in (STEP_FLAT_PREFIX, STEP_PREFIX, RAGGED_PREFIX, FLAT_PREFIX,
-                   "ss_"):  # longest first
+    for prefix in (STEP_RAGGED_PREFIX, STEP_FLAT_PREFIX, STEP_PREFIX, RAGGED_PREFIX,
+                   FLAT_PREFIX, "ss_"):  # longest first
         if variant.startswith(prefix):
             name = variant[len(prefix):]
             return BackendName.parse(name) if name in BACKENDS else None
@@ -79,9 +81,14 @@ def is_flat_variant(variant: str) -> bool:
             and ss_backend(variant) is not None)
 
 
+def is_ragged_variant(variant: str) -> bool:
+    return (variant.startswith((RAGGED_PREFIX, STEP_RAGGED_PREFIX))
+            and ss_backend(variant) is not None)
+
+
 def flat_buckets_of(variant: str) -> bool | str:
     """What a variant passes data_parallel as ``flat_buckets``."""
-    if variant.startswith(RAGGED_PREFIX) and ss_backend(variant) is not None:
+    if is_ragged_variant(variant):
         return "ragged"
     return is_flat_variant(variant)
 
@@ -94,7 +101,8 @@ def all_variants() -> list[str]:
             + [f"{FLAT_PREFIX}{name}" for name in BACKENDS if BackendName.parse(name).ours]
             + [f"{STEP_FLAT_PREFIX}{name}" for name in BACKENDS
                if BackendName.parse(name).ours]
-            + [f"{RAGGED_PREFIX}{name}" for name in BACKENDS if BackendName.parse(name).ours])
+            + [f"{prefix}{name}" for prefix in (RAGGED_PREFIX, STEP_RAGGED_PREFIX)
+               for name in BACKENDS if BackendName.parse(name).ours])
 
 
 def default_variants(tp: int, cp: int = 1) -> list[str]:
@@ -108,7 +116,7 @@ def default_variants(tp: int, cp: int = 1) -> list[str]:
     return [v for v in all_variants() if v != "compute_floor_concurrent_compiled"
             and (not is_step_variant(v) or v in STEP_DEFAULT)
             and (not is_flat_variant(v) or v in FLAT_DEFAULT)
-            and not v.startswith(RAGGED_PREFIX)]
+            and not is_ragged_variant(v)]
 
 
 @dataclass
