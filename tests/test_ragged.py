@@ -248,11 +248,15 @@ def _hsdp(rank: int, world: int) -> dict:
     numel = 2 * world * toy_blocks.BATCH_PER_RANK * toy_blocks.SEQ
     options = StateDictOptions(flatten_optimizer_state_dict=True)
     out = {}
-    for flat in (False, "ragged"):  # compile_step: 2 steps
+
+    def build(flat):
         torch._dynamo.reset()
         model = ss.data_parallel(toy_blocks.make_model(n_layers=2), mesh, "hybrid_shard",
                                  flat_buckets=flat)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+    for flat in (False, "ragged"):  # compile_step: 2 steps
+        model, opt = build(flat)
         step = ss.compile_step(model, opt, lambda m, x, y: toy_blocks.loss_fn(m(x), y, numel),
                                backend="aot_eager_blockbucketing")
         losses = [step(*toy_blocks.batch(rank, i)).item() for i in range(2)]
@@ -261,10 +265,7 @@ def _hsdp(rank: int, world: int) -> dict:
     for flat, backend in [(False, "eager"), ("ragged", "eager"),
                           (False, "aot_eager_blockbucketing"),
                           ("ragged", "aot_eager_blockbucketing")]:
-        torch._dynamo.reset()
-        model = ss.data_parallel(toy_blocks.make_model(n_layers=2), mesh, "hybrid_shard",
-                                 flat_buckets=flat)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        model, opt = build(flat)
         backwards: list = []  # each compiled backward's collectives: no-sync, then sync
 
         def observe(kind, stage, gm, backwards=backwards):
@@ -338,9 +339,8 @@ def test_hsdp_and_no_sync_ragged_buckets_train_bitwise_as_without():
     ``(Replicate(), Shard(0))`` as their members; eager and block-bucketed aot_eager train 2
     AdamW steps of 2 micro-batches, the first under ``no_gradient_sync``, bit for bit as
     without, parameters and optimizer state (converted per member); ``compile_step`` (2 steps)
-    too. The no-sync backward reduces nothing (no gradient lands; its
-    compiled graph has no reduction); the sync backward holds one reduce-scatter and one
-    all-reduce per bucket."""
+    too. The no-sync backward reduces nothing (no gradient lands; its compiled graph has no
+    reduction); the sync backward holds one reduce-scatter and one all-reduce per bucket."""
     from torch.distributed.tensor import Replicate
 
     results = _spawned()
@@ -357,13 +357,12 @@ def test_hsdp_and_no_sync_ragged_buckets_train_bitwise_as_without():
                             else v == plain["full"][k])]
             assert not diff, (rank, backend, diff[:5])
             assert ragged["unreduced"] and plain["unreduced"], (rank, backend)
-        backwards = res[("ragged", "aot_eager_blockbucketing")]["backwards"]
-        buckets = len(res[("ragged", "eager")]["buckets"])
-        # compiled once each: the no-sync backward (it may re-gather, it reduces nothing),
-        # the sync one
         plain, ragged = res[(False, "step")], res[("ragged", "step")]  # compile_step
         assert ragged["losses"] == plain["losses"], rank
         assert all(torch.equal(v, plain["full"][k]) for k, v in ragged["full"].items()), rank
-        no_sync, sync = backwards
+        buckets = len(res[("ragged", "eager")]["buckets"])
+        # compiled once each: the no-sync backward (it may re-gather, it reduces nothing),
+        # the sync one
+        no_sync, sync = res[("ragged", "aot_eager_blockbucketing")]["backwards"]
         assert no_sync["reduce_scatter"] == no_sync["all_reduce"] == 0, no_sync
         assert sync["reduce_scatter"] == sync["all_reduce"] == buckets, sync
