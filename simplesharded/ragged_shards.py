@@ -40,15 +40,16 @@ parameters' global shapes, so they are the same on every rank.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from simplesharded.layout import _contiguous_stride
+from simplesharded.layout import _contiguous_stride, _MPLayout
 from simplesharded.passes.annotations import (BLOCK_KEY, BUCKET_PARAMS_KEY, DP_GROUPS_KEY,
                                              PARAM_KEY, RESHARD_KEY)
 from simplesharded.ragged import Precision, RaggedLayout, from_ragged, shard0_rows, to_ragged
@@ -76,27 +77,45 @@ class RaggedShards:
     """One bucket in the ragged layout: its parameter, its members and their reads."""
 
     def __init__(self, name: str, owner: nn.Module, attr: str,
-                 members: list[tuple[str, str, DTensor]], mesh: DeviceMesh, scope: _GatherScope,
-                 grad_scale: float, reshard, dp_groups: tuple, block: str | None,
-                 precision: Precision, grad_sync: _GradSync | None = None):
-        """``members``: (FQN, FQN relative to ``owner``, shard) in module order."""
+                 members: list[tuple[str, str, DTensor, _MPLayout | None]], dp_dims: int,
+                 scope: _GatherScope, grad_scale: float, reshard, dp_groups: tuple,
+                 block: str | None, precision: Precision, grad_sync: _GradSync | None = None):
+        """``members``: (FQN, FQN relative to ``owner``, shard, model-parallel layout) in
+        module order, all on one mesh whose first ``dp_dims`` dims are data-parallel."""
         self.precision, self.grad_sync = precision, grad_sync
         self.name, self.owner, self.attr, self.scope = name, owner, attr, scope
-        self.fqns = [fqn for fqn, _, _ in members]
-        self.keys = [key for _, key, _ in members]
-        shards = [s for _, _, s in members]
-        # The mesh's last dim shards (FSDP); a first one of a 2-D mesh replicates (HSDP: the
-        # members are (Replicate(), Shard(0)), and so is the bucket). Group names, not
-        # groups: a model is deep-copied with its buckets.
-        self.mesh, self.placements, self.dim = mesh, tuple(shards[0].placements), mesh.ndim - 1
-        self.group_name = mesh.get_group(self.dim).group_name
-        self.replicas = mesh.get_group(0).group_name if mesh.ndim == 2 else None
+        self.fqns = [fqn for fqn, _, _, _ in members]
+        self.keys = [key for _, key, _, _ in members]
+        shards = [s for _, _, s, _ in members]
+        # Each member as without ragged storage: its placements and global shape, and what
+        # its dp gather rebuilds (its TP shard, re-wrapped for its module by ``mp``).
+        self.mp = [mp for _, _, _, mp in members]
+        self.member_placements = [tuple(s.placements) for s in shards]
+        self.member_shapes = [tuple(s.shape) for s in shards]
+        # The last dp dim shards (FSDP); a first one of two replicates (HSDP: the members are
+        # (Replicate(), Shard(0)) there, and so is the bucket). Group names, not groups: a
+        # model is deep-copied with its buckets.
+        self.mesh, self.dim = shards[0].device_mesh, dp_dims - 1
+        self.group_name = self.mesh.get_group(self.dim).group_name
+        self.replicas = self.mesh.get_group(0).group_name if dp_dims == 2 else None
+        # The dims after dp (tp): the bucket is sharded over them when its members are TP
+        # shards (one bucket holds TP shards or replicated parameters, never both, so its
+        # norm counts each element once), else replicated like its members.
+        tp_sharded = any(mp is not None and mp.placement.is_shard() for mp in self.mp)
+        rest = self.mesh.ndim - dp_dims
+        self.placements = ((Shard(0),) if dp_dims == 1 else (Replicate(), Shard(0))) + (
+            (Shard(0) if tp_sharded else Replicate(),) * rest)
         self.grad_scale = grad_scale
         element = shards[0].element_size()
-        self.layout = RaggedLayout(tuple(tuple(s.shape) for s in shards), mesh.size(self.dim),
-                                   align=max(1, ALIGN_BYTES // element))
+        self.layout = RaggedLayout(
+            tuple(tuple(mp.local_shape) if mp is not None else tuple(s.shape)
+                  for s, mp in zip(shards, self.mp)),
+            self.mesh.size(self.dim), align=max(1, ALIGN_BYTES // element))
+        copies = math.prod(self.mesh.size(d) for d in range(dp_dims, self.mesh.ndim)) \
+            if tp_sharded else 1
+        self.shape = (self.layout.total * copies,)  # the bucket's global shape
         local = to_ragged([s.to_local() for s in shards], self.layout, self._group())
-        self.param = nn.Parameter(self._dtensor(local, (self.layout.total,)))
+        self.param = nn.Parameter(self._dtensor(local))
         self.annotation = {PARAM_KEY: self.fqns[0], BUCKET_PARAMS_KEY: list(self.fqns),
                            DP_GROUPS_KEY: dp_groups, RESHARD_KEY: reshard}
         if block is not None:
@@ -106,12 +125,14 @@ class RaggedShards:
     def _group(self):
         return self.mesh.get_group(self.dim)
 
-    def _dtensor(self, local: torch.Tensor, shape: tuple[int, ...]) -> DTensor:
+    def _dtensor(self, local: torch.Tensor) -> DTensor:
+        """The bucket's DTensor from this rank's ``[L]``."""
         return DTensor.from_local(local, self.mesh, self.placements, run_check=False,
-                                  shape=shape, stride=_contiguous_stride(shape))
+                                  shape=self.shape, stride=(1,))
 
     def read(self, index: int) -> torch.Tensor:
-        """Member ``index``, full: a view of the bucket's gather (one per forward)."""
+        """Member ``index``, full: a view of the bucket's gather (one per forward); a TP
+        shard is re-wrapped as its module's DTensor, outside the bucket's annotation."""
         scope = self.scope
         views = scope.flat_pieces.get(self.name) if scope.active else None
         if views is None:
@@ -120,7 +141,11 @@ class RaggedShards:
                                        self._route if self.grad_sync is not None else None)
             if scope.active:
                 scope.flat_pieces[self.name] = views
-        return views[index]
+        mp = self.mp[index]
+        if mp is None:
+            return views[index]
+        return DTensor.from_local(views[index], mp.mesh, (mp.placement,), run_check=False,
+                                  shape=mp.shape, stride=mp.stride)
 
     def _route(self, full: torch.Tensor) -> torch.Tensor:
         # gradient-sync control for the whole bucket, keyed by its name (not an FQN)
@@ -133,30 +158,37 @@ class RaggedShards:
         return zero.expand(self.layout.total).requires_grad_()
 
     def member_shards(self, value: DTensor | None = None) -> list[DTensor]:
-        """Each member's DTensor (``Shard(0)`` on the sharding dim), converted from the
-        bucket, or from ``value`` laid out as the bucket (an optimizer state of it): a
-        collective."""
+        """Each member's DTensor as without ragged storage (its placements and shape),
+        converted from the bucket, or from ``value`` laid out as the bucket (an optimizer
+        state of it): a collective."""
         value = self.param.detach() if value is None else value
         locals_ = from_ragged(value.to_local(), self.layout, self._group())
-        return [self._dtensor(t, shape) for t, shape in zip(locals_, self.layout.shapes)]
+        return [DTensor.from_local(t, self.mesh, placements, run_check=False, shape=shape,
+                                   stride=_contiguous_stride(shape))
+                for t, placements, shape in zip(locals_, self.member_placements,
+                                                self.member_shapes)]
 
     def bucket_from(self, values: list[torch.Tensor]) -> DTensor:
-        """The bucket's DTensor from its members' values: ``Shard(0)`` DTensors on this mesh,
-        other DTensors (redistributed) or full tensors (this rank's rows taken)."""
+        """The bucket's DTensor from its members' values: DTensors on this mesh (any
+        placements: redistributed to the members') or full tensors (this rank's part
+        taken)."""
         me, world = self.mesh.get_local_rank(self.dim), self.mesh.size(self.dim)
         locals_ = []
-        for fqn, v, shape in zip(self.fqns, values, self.layout.shapes):
+        for i, (fqn, v) in enumerate(zip(self.fqns, values)):
+            shape, mp = self.member_shapes[i], self.mp[i]
             if tuple(v.shape) != shape:
                 raise ValueError(f"load_state_dict: {fqn} has shape {tuple(v.shape)}, the "
                                  f"model's is {shape}")
             if isinstance(v, DTensor):
-                v = v.redistribute(self.mesh, self.placements).to_local()
+                v = v.redistribute(self.mesh, self.member_placements[i]).to_local()
             else:
-                start, stop = shard0_rows(shape[0], world, me)
+                if mp is not None:  # this rank's TP shard, then its dp rows
+                    v = distribute_tensor(v, mp.mesh, (mp.placement,),
+                                          src_data_rank=None).to_local()
+                start, stop = shard0_rows(v.shape[0], world, me)
                 v = v[start:stop]
             locals_.append(v.to(device=self.param.device, dtype=self.param.dtype))
-        return self._dtensor(to_ragged(locals_, self.layout, self._group()),
-                             (self.layout.total,))
+        return self._dtensor(to_ragged(locals_, self.layout, self._group()))
 
 
 _ATTR = "_simplesharded_ragged"  # on a bucket's owner: its buckets and its state_dict order
@@ -251,7 +283,7 @@ def optim_state_by_member(model: nn.Module, state: dict) -> dict:
     for bucket, fqn in bucket_fqns(model):
         for section, name in _entries(out, fqn):
             value = out.pop(f"{section}.{fqn}.{name}")
-            if isinstance(value, DTensor) and tuple(value.shape) == (bucket.layout.total,):
+            if isinstance(value, DTensor) and tuple(value.shape) == bucket.shape:
                 values = bucket.member_shards(value)
             else:
                 values = [value.clone() if isinstance(value, torch.Tensor) else value
@@ -275,7 +307,7 @@ def optim_state_by_bucket(model: nn.Module, state: dict) -> dict:
                 raise ValueError(f"optimizer state of ragged bucket {fqn}: missing {absent}")
             values = [out.pop(k) for k in keys]
             laid_out = (isinstance(values[0], torch.Tensor) and values[0].dim() > 0
-                        and tuple(values[0].shape) == bucket.layout.shapes[0])
+                        and tuple(values[0].shape) == bucket.member_shapes[0])
             first = values[0].clone() if isinstance(values[0], torch.Tensor) else values[0]
             out[f"{section}.{fqn}.{name}"] = bucket.bucket_from(values) if laid_out else first
     return out

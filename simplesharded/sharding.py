@@ -135,11 +135,11 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
         raise ValueError(f"flat_buckets={flat_buckets!r} is not one of {list(FLAT_BUCKETS)}")
     if flat_buckets == "ragged" and (mode not in ("fully_shard", "hybrid_shard")
                                      or (mode == "fully_shard" and dp.ndim != 1)
-                                     or dp is not dense or ep_dim(mesh)):
+                                     or ep_dim(mesh)):
         raise ValueError(f"flat_buckets='ragged' takes mode='fully_shard' on a 1-D or "
-                         f"'hybrid_shard' on a 2-D data-parallel mesh only (yet: no TP or EP "
-                         f"dims); got mode={mode!r} on mesh dims "
-                         f"{dense.mesh_dim_names or dense.ndim}: use flat_buckets=True")
+                         f"'hybrid_shard' on a 2-D data-parallel mesh only, with or without "
+                         f"a tp dim (yet: no EP dim); got mode={mode!r} on mesh dims "
+                         f"{mesh.mesh_dim_names or mesh.ndim}: use flat_buckets=True")
     if grad_reduction not in GRAD_REDUCTIONS:
         raise ValueError(f"grad_reduction={grad_reduction!r} is not one of {sorted(GRAD_REDUCTIONS)}")
     if any(sharded_state(m) is not None for m in model.modules()):
@@ -260,26 +260,31 @@ def _pack_ragged(model: nn.Module, shards: dict[int, tuple[nn.Parameter, Sharded
     """Move the eligible shards of each bucket (as _pack_flat groups them) into one ragged
     bucket registered on the bucket's owner (its block; the root for "pre" and "post");
     their slots in ``shards`` become None and their records gain the bucket."""
-    groups = _bucket_groups(shards, lambda s, r: _ragged_eligible(s, r, scope),
-                            lambda s, r: ())
+    def tp_sharded(shard, record):
+        # TP shards and parameters replicated over tp go to separate buckets: a bucket's
+        # placements must say which it is for its norm and its checkpoint
+        mp = record.mp_layout
+        return (mp is not None and mp.placement.is_shard(),)
+
+    groups = _bucket_groups(shards, lambda s, r: _ragged_eligible(s, r, scope), tp_sharded)
     # owner FQN → (owner, its state_dict keys as without ragged storage, its buckets)
     owned: dict[str, tuple[nn.Module, list[str], list[RaggedShards]]] = {}
-    for (bucket, dtype), keys in groups.items():
+    for (bucket, dtype, sharded), keys in groups.items():
         owner_fqn = bucket if bucket not in ("pre", "post") else ""
         owner = model.get_submodule(owner_fqn)
-        attr = f"_ragged_{str(dtype).removeprefix('torch.')}" + (
-            f"_{bucket}" if bucket in ("pre", "post") else "")
+        kind = str(dtype).removeprefix('torch.') + ("_tp" if sharded else "")
+        attr = f"_ragged_{kind}" + (f"_{bucket}" if bucket in ("pre", "post") else "")
         first = shards[keys[0]]
         spec = first[1].spec
         prefix = f"{owner_fqn}." if owner_fqn else ""
-        members = [(shards[k][1].fqn, shards[k][1].fqn.removeprefix(prefix), shards[k][0])
-                   for k in keys]
+        members = [(shards[k][1].fqn, shards[k][1].fqn.removeprefix(prefix), shards[k][0],
+                    shards[k][1].mp_layout) for k in keys]
         if owner_fqn not in owned:  # its keys before a bucket of its own is registered
             owned[owner_fqn] = (owner, list(owner.state_dict(keep_vars=True)), [])
         precision = Precision(spec.param_dtype, spec.reduce_dtype,
                               spec.scales_before_reduction(dtype))
-        ragged = RaggedShards(f"{bucket}/{str(dtype).removeprefix('torch.')}", owner, attr,
-                              members, first[0].device_mesh, scope, spec.grad_scale,
+        ragged = RaggedShards(f"{bucket}/{kind}", owner, attr, members,
+                              len(spec.dp_groups), scope, spec.grad_scale,
                               spec.reshard_after_forward, spec.dp_groups, first[1].block,
                               precision, spec.grad_sync)
         owned[owner_fqn][2].append(ragged)
@@ -290,12 +295,13 @@ def _pack_ragged(model: nn.Module, shards: dict[int, tuple[nn.Parameter, Sharded
 
 
 def _ragged_eligible(shard: DTensor, record: ShardedParam, scope: _GatherScope) -> bool:
-    """Trained, at least 1-D, sharded on dim 0 over the dp mesh that is the whole mesh (no TP
-    or EP): FSDP's ``(Shard(0),)`` or HSDP's ``(Replicate(), Shard(0))``; read by one
-    module."""
-    return (shard.requires_grad and shard.ndim >= 1 and record.mp_layout is None
-            and record.spec.dp_mesh is None
-            and tuple(shard.placements) in ((Shard(0),), (Replicate(), Shard(0)))
+    """Trained, at least 1-D, sharded on dim 0 of what its dp gather rebuilds (the parameter,
+    or its TP shard) as FSDP's ``(Shard(0),)`` or HSDP's ``(Replicate(), Shard(0))`` on the
+    dp dims; read by one module."""
+    mp, dp_dims = record.mp_layout, len(record.spec.dp_groups)
+    dp_placements = mp.dp_placements if mp is not None else tuple(shard.placements[:dp_dims])
+    return (shard.requires_grad and shard.ndim >= 1
+            and dp_placements in ((Shard(0),), (Replicate(), Shard(0)))
             and record.fqn not in scope.tied)
 
 
