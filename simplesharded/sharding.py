@@ -110,8 +110,9 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     gather's copy-out goes too; a bucket is one parameter (``named_parameters()`` lists the
     buckets), ``state_dict()`` lists the members as without. ``fully_shard`` on a mesh of one
     dp dim or ``hybrid_shard`` on two (the gradient's all-reduce over the replicas follows the
-    bucket's reduce-scatter); another mode, TP or EP dims: a ValueError. Tied and frozen
-    parameters stay on their own.
+    bucket's reduce-scatter), with or without a tp dim (a block's TP shards and its
+    parameters replicated over tp are two buckets); another mode or an EP dim: a ValueError.
+    Tied and frozen parameters stay on their own.
     A parameter read more than once in one forward of ``model`` (tied weights, a module called
     twice) is gathered once; its gradient is summed locally and reduced once (eager: tied
     weights only, so an uncompiled gather never outlives its block).

@@ -119,7 +119,7 @@ def test_ragged_model_lists_buckets_and_state_dict_lists_members():
 
 
 @pytest.mark.parametrize("call", ["gather_held", "bad_value",
-                                  "replicate", "tp"])
+                                  "replicate", "ep"])
 def test_what_ragged_does_not_take_yet_says_so(call):
     import toy_blocks
     from pass_utils import fake_world
@@ -137,15 +137,14 @@ def test_what_ragged_does_not_take_yet_says_so(call):
                 ss.data_parallel(toy_blocks.make_model(), mesh, "replicate",
                                  flat_buckets="ragged")
             return
-        if call == "tp":
-            dist.destroy_process_group()  # a world of 4 for a dp 2 x tp 2 mesh
+        if call == "ep":
+            dist.destroy_process_group()  # a world of 4 for an efsdp 2 x ep 2 mesh
             from torch.testing._internal.distributed.fake_pg import FakeStore
             dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-            with pytest.raises(ValueError, match=r"\(yet: no TP or EP dims\); got "
-                                                 r"mode='fully_shard' on mesh dims \('dp_shard', "
-                                                 r"'tp'\)"):
-                ss.data_parallel(toy_blocks.make_model(), ss.build_mesh(1, 2, "cpu", tp=2),
-                                 flat_buckets="ragged")
+            mesh = ss.build_mesh(1, 4, "cpu", ep=2)
+            with pytest.raises(ValueError, match=r"\(yet: no EP dim\); got mode='fully_shard' "
+                                                 r"on mesh dims \(.*'ep'"):
+                ss.data_parallel(toy_blocks.make_model(), mesh, flat_buckets="ragged")
             return
         model = ss.data_parallel(toy_blocks.make_model(), mesh, flat_buckets="ragged")
         with pytest.raises(ValueError, match="flat_buckets='ragged'"):

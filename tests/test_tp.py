@@ -13,7 +13,9 @@ doubled reduction, or a reduction over the wrong mesh dim is an O(1) error.
 With TP, bucketing must change nothing but the dp collectives: bucketed runs are bitwise
 equal to the unbucketed aot_eager run, the dp collectives drop to one per block bucket (as
 without TP), and the TP collectives are the same in number before and after our passes.
-So is a run with flat_buckets=True, where every shard lives in its block's buffer.
+So is a run with flat_buckets=True, where every shard lives in its block's buffer, and one
+with flat_buckets="ragged", where every gathered parameter is a view of its bucket's gather
+(eager and compiled, FSDP and HSDP, uneven strided shards).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dist_utils import flat_buffers, max_rel_diff, memo, spawn
+from dist_utils import by_member, flat_buffers, max_rel_diff, memo, ragged_buckets, spawn
 
 pytestmark = pytest.mark.slow
 
@@ -67,19 +69,13 @@ def train(model, step_fn, dp_rank: int, dp_size: int, loss_group_scale: int):
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if step == 0:
-            grads0 = {n: _full(p.grad) for n, p in model.named_parameters()}
+            grads0 = by_member(model, grads=True)
         opt.step()
         total = loss.detach().clone()
         if dist.is_initialized():
             dist.all_reduce(total)  # every tp rank of a dp rank holds the same loss
         losses.append(total.item() / loss_group_scale)
-    return losses, grads0, {n: _full(p) for n, p in model.named_parameters()}
-
-
-def _full(t):
-    from torch.distributed.tensor import DTensor
-
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+    return losses, grads0, by_member(model)
 
 
 @memo
@@ -96,8 +92,12 @@ LAYOUTS = {
                                ("aot_eager_autobucketing", True),
                                ("inductor_blockbucketing", True),
                                # flat_buckets=True: every shard in its block's buffer
-                               ("flat:aot_eager_blockbucketing", True)),
-    (2, 1, 2, "hybrid_shard"): (("eager", True), ("aot_eager_blockbucketing", True)),
+                               ("flat:aot_eager_blockbucketing", True),
+                               # flat_buckets="ragged": every parameter a view of its
+                               # bucket's gather
+                               ("ragged:eager", True), ("ragged:aot_eager_blockbucketing", True)),
+    (2, 1, 2, "hybrid_shard"): (("eager", True), ("aot_eager_blockbucketing", True),
+                                ("ragged:eager", True)),
     # 8 processes on this machine's 2 cores: eager only (2x1x2 covers compiled HSDP x TP)
     (2, 2, 2, "hybrid_shard"): (("eager", True),),
 }
@@ -132,8 +132,9 @@ def _layout(rank, world, rep, shard, tp, mode, cases):
         model = make_model()
         parallelize_module(model, mesh["tp"], model.tp_styles(sequence_parallel=sp))
         ss.data_parallel(model, mesh, mode, grad_reduction="sum",  # loss_fn: global count
-                         flat_buckets=flat == "flat")
+                         flat_buckets={"": False, "flat": True, "ragged": "ragged"}[flat])
         counts["flat"] = flat_buffers(model)
+        counts["ragged"] = ragged_buckets(model)
         step_fn = model if backend == "eager" else torch.compile(
             model, backend=ss.make_backend(backend, observer=observe), fullgraph=True)
         dp_rank, dp_size = rank // tp, world // tp
@@ -184,7 +185,8 @@ def test_parity_with_single_process(key, case):
 
 
 @pytest.mark.parametrize("backend", ["aot_eager_blockbucketing", "aot_eager_autobucketing",
-                                     "flat:aot_eager_blockbucketing"])
+                                     "flat:aot_eager_blockbucketing", "ragged:eager",
+                                     "ragged:aot_eager_blockbucketing"])
 def test_bucketed_tp_is_bitwise_unbucketed(backend):
     results = run_layout((1, 2, 2, "fully_shard"))[0]
     if backend.startswith("flat:"):
@@ -192,7 +194,15 @@ def test_bucketed_tp_is_bitwise_unbucketed(backend):
         # per block and one each before and after the blocks
         assert results[(backend, True)][3]["flat"] == {
             "pre/float32": 1, "layers.0/float32": 9, "layers.1/float32": 9, "post/float32": 2}
-    plain, bucketed = results[("aot_eager", True)], results[(backend, True)]
+    if backend.startswith("ragged:"):
+        # every parameter in a ragged bucket: a block's TP shards (7 weights) apart from its
+        # two norms, replicated over tp, so each bucket's norm counts an element once
+        assert results[(backend, True)][3]["ragged"] == {
+            "pre/float32_tp": 1, "layers.0/float32_tp": 7, "layers.0/float32": 2,
+            "layers.1/float32_tp": 7, "layers.1/float32": 2, "post/float32": 1,
+            "post/float32_tp": 1}
+    reference = "eager" if backend == "ragged:eager" else "aot_eager"
+    plain, bucketed = results[(reference, True)], results[(backend, True)]
     assert plain[0] == bucketed[0]
     for i in (1, 2):  # step-0 gradients, final parameters
         diff = [n for n in plain[i] if not torch.equal(plain[i][n], bucketed[i][n])]
@@ -233,6 +243,14 @@ def test_tp_collectives_untouched_and_dp_one_per_block_bucket():
     assert _by(block, "fw", "before", "dp_shard") == {"all_gather": 9 * n_blocks + 3}
     plain = results[("aot_eager", True)][3]
     assert _by(plain, "fw", "after", "dp_shard") == {"all_gather": 9 * n_blocks + 3}
+    # ragged buckets: one all-gather and one reduce-scatter per bucket, never merged (a
+    # merge would concatenate, the copy-in ragged buckets exist to avoid): a block's TP
+    # shards and its norms, the embedding, the final norm and the output projection
+    ragged = results[("ragged:aot_eager_blockbucketing", True)][3]
+    assert _by(ragged, "fw", "after", "dp_shard") == {"all_gather": 2 * n_blocks + 3}
+    assert _by(ragged, "bw", "after", "dp_shard") == {"reduce_scatter": 2 * n_blocks + 3}
+    for kind in ("fw", "bw"):  # TP's collectives as with per-parameter shards
+        assert _by(ragged, kind, "after", "tp") == _by(block, kind, "after", "tp"), kind
 
 
 class UnevenMLP(torch.nn.Module):
@@ -249,7 +267,7 @@ class UnevenMLP(torch.nn.Module):
         return self.norm(self.down(torch.relu(self.up(x))))
 
 
-UNEVEN_BACKENDS = ("eager", "aot_eager_blockbucketing", "eager-bf16")
+UNEVEN_BACKENDS = ("eager", "aot_eager_blockbucketing", "eager-bf16", "ragged:eager")
 
 
 def _uneven_job(rank, world):
@@ -268,10 +286,10 @@ def _uneven_case(rank, backend):
     mesh = ss.build_mesh(1, 2, "cpu", tp=2)
     parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
     param_dtype = torch.bfloat16 if backend.endswith("bf16") else torch.float32
-    backend = backend.removesuffix("-bf16")
+    ragged, _, backend = backend.removesuffix("-bf16").rpartition(":")
     # each dp rank's loss is a sum over its rows: the reference's loss is their sum
     ss.data_parallel(model, mesh, mp_policy=ss.MixedPrecisionPolicy(param_dtype, torch.float32),
-                     grad_reduction="sum")
+                     grad_reduction="sum", flat_buckets=ragged or False)
     seen = []
     model.up.register_forward_hook(lambda m, i, o: seen.append(m.weight.dtype))
     step_fn = model if backend == "eager" else torch.compile(
@@ -280,11 +298,11 @@ def _uneven_case(rank, backend):
     dp = rank // 2
     loss = (step_fn(x[2 * dp:2 * dp + 2]) * _target()[2 * dp:2 * dp + 2]).sum()
     loss.backward()
-    shapes = {n: tuple(p.to_local().shape) for n, p in model.named_parameters()}
+    shapes = {n: tuple(v.to_local().shape) for n, v in model.state_dict().items()}
     if backend == "eager":  # mixed precision: gathered in param_dtype, reduced onto fp32
         assert seen == [param_dtype], seen
         assert all(p.grad.dtype == torch.float32 for p in model.parameters())
-    return {n: _full(p.grad) for n, p in model.named_parameters()}, shapes
+    return by_member(model, grads=True), shapes
 
 
 def _target():

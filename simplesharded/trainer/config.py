@@ -184,8 +184,8 @@ class Parallelism:
         "false", "keep each bucket's parameter shards in one buffer: true = the bucketed "
         "all-gather reads it as it is and gradients land in the reduce-scatter's output; "
         "ragged = each gathered parameter is also a view of the gathered buffer (no copy-out; "
-        "FSDP and HSDP only: no TP, EP, CP or PP yet). Fewer copies; checkpoints unchanged "
-        "(see docs/zero_copy.md)", ("false", "true", "ragged"))
+        "FSDP and HSDP, with or without TP: no EP, CP or PP yet). Fewer copies; checkpoints "
+        "unchanged (see docs/zero_copy.md)", ("false", "true", "ragged"))
     pipeline_parallel_degree: int = _opt(
         1, "pipeline stages over this many rank groups (outermost mesh dim, pp); the other "
         "degrees fill world / pp ranks; 1 = no pipeline")
@@ -644,14 +644,13 @@ def _check_pipeline(cfg: Config) -> None:
 
 
 def _check_ragged(cfg: Config) -> None:
-    """flat_buckets=ragged (simplesharded/ragged_shards.py) takes fully_shard and hybrid_shard
-    over data-parallel ranks only: what it does not take yet is one error naming the
+    """flat_buckets=ragged (simplesharded/ragged_shards.py) takes fully_shard and hybrid_shard,
+    with or without tensor parallelism: what it does not take yet is one error naming the
     setting."""
     p = cfg.parallelism
     if p.flat_buckets != "ragged":
         return
-    needs = [("parallelism.tensor_parallel_degree", p.tensor_parallel_degree, 1),
-             ("parallelism.expert_parallel_degree", p.expert_parallel_degree, 1),
+    needs = [("parallelism.expert_parallel_degree", p.expert_parallel_degree, 1),
              ("parallelism.context_parallel_degree", p.context_parallel_degree, 1)]
     for key, value, ok in needs:
         if value != ok:
