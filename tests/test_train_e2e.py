@@ -456,18 +456,21 @@ def test_tp_compiled_loss_curve_matches_dp_only(tp2_compiled, eager2):
 @pytest.mark.slow
 def test_tp_checkpoint_resumes_on_other_layouts(tmp_path, tp2_compiled):
     """The step-5 checkpoint of the dp 2 x tp 2 run above (its strided-shard DTensors)
-    resumes at dp 4 x tp 1 and at dp 1 x tp 2 on 2 ranks: DCP reshards by global offsets, so
-    the next loss (computed from the loaded parameters) equals the uninterrupted run's, and
-    the step after it (one Adam update from the loaded optimizer state) too."""
+    resumes at dp 4 x tp 1 and at dp 1 x tp 2 on 2 ranks, the latter into ragged buckets
+    (their members converted from the TP shards, optimizer state included): DCP reshards by
+    global offsets, so the next loss (computed from the loaded parameters) equals the
+    uninterrupted run's, and the step after it (one Adam update from the loaded optimizer
+    state) too."""
     ref, r = tp2_compiled
     assert r.returncode == 0, r
     want = read_losses(ref)
     assert sorted(want) == list(range(1, 11))
-    layouts = {"dp4tp1": (4, "1"), "dp1tp2": (2, "2")}
+    layouts = {"dp4tp1": (4, "1", "false"), "dp1tp2": (2, "2", "ragged")}
     cmds = []
-    for name, (nproc, tp) in layouts.items():
+    for name, (nproc, tp, flat) in layouts.items():
         copy_checkpoint(ref, 5, tmp_path / name)
         cmds.append(train_cmd(nproc, *COMMON, "--parallelism.tensor_parallel_degree", tp,
+                              "--parallelism.flat_buckets", flat,
                               "--training.steps", "7", "--checkpoint.enable",
                               "--checkpoint.interval", "100",
                               "--job.dump_folder", str(tmp_path / name)))
@@ -477,6 +480,13 @@ def test_tp_checkpoint_resumes_on_other_layouts(tmp_path, tp2_compiled):
         assert sorted(got) == [6, 7], (name, r)
         assert_close(got, want, [6], 1e-5, f"{name}: next loss after resume")
         assert_close(got, want, [7], 1e-4, f"{name}: one step later")
+    # the ragged run's own checkpoint is keyed per parameter, as the one it resumed from
+    import torch.distributed.checkpoint as dcp
+
+    keys = set(dcp.FileSystemReader(str(tmp_path / "dp1tp2" / "checkpoint" / "step-7"))
+               .read_metadata().state_dict_metadata)
+    assert keys == set(dcp.FileSystemReader(str(ref / "checkpoint" / "step-5"))
+                       .read_metadata().state_dict_metadata)
 
 
 # ---------------------------------------------------------------------------- run_train.sh
