@@ -82,11 +82,13 @@ class RaggedShards:
     """One bucket in the ragged layout: its parameter, its members and their reads."""
 
     def __init__(self, name: str, owner: nn.Module, attr: str,
-                 members: list[tuple[str, str, DTensor, _MPLayout | None]], dp_dims: int,
-                 scope: _GatherScope, grad_scale: float, reshard, dp_groups: tuple,
-                 block: str | None, precision: Precision, grad_sync: _GradSync | None = None):
+                 members: list[tuple[str, str, DTensor, _MPLayout | None]],
+                 dp_mesh: DeviceMesh, scope: _GatherScope, grad_scale: float, reshard,
+                 dp_groups: tuple, block: str | None, precision: Precision,
+                 grad_sync: _GradSync | None = None):
         """``members``: (FQN, FQN relative to ``owner``, shard, model-parallel layout) in
-        module order, all on one mesh whose first ``dp_dims`` dims are data-parallel."""
+        module order, all on one mesh whose leading dims are ``dp_mesh``'s, with the same
+        placement kind (sharded or replicated) on each dim after them."""
         self.precision, self.grad_sync = precision, grad_sync
         self.name, self.owner, self.attr, self.scope = name, owner, attr, scope
         self.fqns = [fqn for fqn, _, _, _ in members]
@@ -100,24 +102,24 @@ class RaggedShards:
         # The last dp dim shards (FSDP); a first one of two replicates (HSDP: the members are
         # (Replicate(), Shard(0)) there, and so is the bucket). Group names, not groups: a
         # model is deep-copied with its buckets.
-        self.mesh, self.dim = shards[0].device_mesh, dp_dims - 1
-        self.group_name = self.mesh.get_group(self.dim).group_name
-        self.replicas = self.mesh.get_group(0).group_name if dp_dims == 2 else None
-        # The dims after dp (tp): the bucket is sharded over them when its members are TP
-        # shards (one bucket holds TP shards or replicated parameters, never both, so its
-        # norm counts each element once), else replicated like its members.
-        tp_sharded = any(mp is not None and mp.placement.is_shard() for mp in self.mp)
-        rest = self.mesh.ndim - dp_dims
-        self.placements = ((Shard(0),) if dp_dims == 1 else (Replicate(), Shard(0))) + (
-            (Shard(0) if tp_sharded else Replicate(),) * rest)
+        self.mesh, self.dp_mesh, dp_dims = shards[0].device_mesh, dp_mesh, dp_mesh.ndim
+        self.dim = dp_dims - 1  # the shard dim, of dp_mesh and of the mesh alike
+        self.group_name = dp_mesh.get_group(self.dim).group_name
+        self.replicas = dp_mesh.get_group(0).group_name if dp_dims == 2 else None
+        # The dims after dp (tp, ep): the bucket is sharded over those its members are split
+        # over (TP shards, experts: each rank's bucket holds other elements), replicated over
+        # the others, so its norm counts each element once.
+        rest = tuple(Replicate() if p.is_replicate() else Shard(0)
+                     for p in shards[0].placements[dp_dims:])
+        self.placements = ((Shard(0),) if dp_dims == 1 else (Replicate(), Shard(0))) + rest
         self.grad_scale = grad_scale
         element = shards[0].element_size()
         self.layout = RaggedLayout(
             tuple(tuple(mp.local_shape) if mp is not None else tuple(s.shape)
                   for s, mp in zip(shards, self.mp)),
-            self.mesh.size(self.dim), align=max(1, ALIGN_BYTES // element))
-        copies = math.prod(self.mesh.size(d) for d in range(dp_dims, self.mesh.ndim)) \
-            if tp_sharded else 1
+            dp_mesh.size(self.dim), align=max(1, ALIGN_BYTES // element))
+        copies = math.prod(self.mesh.size(dp_dims + i) for i, p in enumerate(rest)
+                           if p.is_shard())
         self.shape = (self.layout.total * copies,)  # the bucket's global shape
         local = to_ragged([s.to_local() for s in shards], self.layout, self._group())
         self.param = nn.Parameter(self._dtensor(local))
@@ -128,7 +130,7 @@ class RaggedShards:
         owner.register_parameter(attr, self.param)
 
     def _group(self):
-        return self.mesh.get_group(self.dim)
+        return self.dp_mesh.get_group(self.dim)
 
     def _dtensor(self, local: torch.Tensor) -> DTensor:
         """The bucket's DTensor from this rank's ``[L]``."""
@@ -177,7 +179,7 @@ class RaggedShards:
         """The bucket's DTensor from its members' values: DTensors on this mesh (any
         placements: redistributed to the members') or full tensors (this rank's part
         taken)."""
-        me, world = self.mesh.get_local_rank(self.dim), self.mesh.size(self.dim)
+        me, world = self.dp_mesh.get_local_rank(self.dim), self.dp_mesh.size(self.dim)
         locals_ = []
         for i, (fqn, v) in enumerate(zip(self.fqns, values)):
             shape, mp = self.member_shapes[i], self.mp[i]

@@ -110,9 +110,9 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     gather's copy-out goes too; a bucket is one parameter (``named_parameters()`` lists the
     buckets), ``state_dict()`` lists the members as without. ``fully_shard`` on a mesh of one
     dp dim or ``hybrid_shard`` on two (the gradient's all-reduce over the replicas follows the
-    bucket's reduce-scatter), with or without a tp dim (a block's TP shards and its
-    parameters replicated over tp are two buckets); another mode or an EP dim: a ValueError.
-    Tied and frozen parameters stay on their own.
+    bucket's reduce-scatter), with or without tp and ep dims (a block's TP shards, its
+    parameters replicated over tp and its expert weights are separate buckets); another mode:
+    a ValueError. Tied and frozen parameters stay on their own.
     A parameter read more than once in one forward of ``model`` (tied weights, a module called
     twice) is gathered once; its gradient is summed locally and reduced once (eager: tied
     weights only, so an uncompiled gather never outlives its block).
@@ -135,12 +135,11 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     if flat_buckets not in FLAT_BUCKETS:
         raise ValueError(f"flat_buckets={flat_buckets!r} is not one of {list(FLAT_BUCKETS)}")
     if flat_buckets == "ragged" and (mode not in ("fully_shard", "hybrid_shard")
-                                     or (mode == "fully_shard" and dp.ndim != 1)
-                                     or ep_dim(mesh)):
-        raise ValueError(f"flat_buckets='ragged' takes mode='fully_shard' on a 1-D or "
-                         f"'hybrid_shard' on a 2-D data-parallel mesh only, with or without "
-                         f"a tp dim (yet: no EP dim); got mode={mode!r} on mesh dims "
-                         f"{mesh.mesh_dim_names or mesh.ndim}: use flat_buckets=True")
+                                     or (mode == "fully_shard" and dp.ndim != 1)):
+        raise ValueError(f"flat_buckets='ragged' takes mode='fully_shard' on one or "
+                         f"'hybrid_shard' on two data-parallel mesh dims; got mode={mode!r} "
+                         f"on mesh dims {mesh.mesh_dim_names or mesh.ndim}: use "
+                         f"flat_buckets=True")
     if grad_reduction not in GRAD_REDUCTIONS:
         raise ValueError(f"grad_reduction={grad_reduction!r} is not one of {sorted(GRAD_REDUCTIONS)}")
     if any(sharded_state(m) is not None for m in model.modules()):
@@ -261,19 +260,24 @@ def _pack_ragged(model: nn.Module, shards: dict[int, tuple[nn.Parameter, Sharded
     """Move the eligible shards of each bucket (as _pack_flat groups them) into one ragged
     bucket registered on the bucket's owner (its block; the root for "pre" and "post");
     their slots in ``shards`` become None and their records gain the bucket."""
-    def tp_sharded(shard, record):
-        # TP shards and parameters replicated over tp go to separate buckets: a bucket's
-        # placements must say which it is for its norm and its checkpoint
-        mp = record.mp_layout
-        return (mp is not None and mp.placement.is_shard(),)
+    def gather_and_split(shard, record):
+        # One bucket per dp gather (EP's expert weights gather over dims of their own) and
+        # per split over the dims after dp (tp, ep): a bucket's placements must say whether
+        # each rank of such a dim holds other elements (TP shards, experts) or copies (the
+        # norms), for its norm and its checkpoint.
+        dp_dims = len(record.spec.dp_groups)
+        names = shard.device_mesh.mesh_dim_names or ()
+        return (record.spec.dp_groups, tuple(names[dp_dims + i] for i, p in enumerate(
+            shard.placements[dp_dims:]) if not p.is_replicate()))
 
-    groups = _bucket_groups(shards, lambda s, r: _ragged_eligible(s, r, scope), tp_sharded)
+    groups = _bucket_groups(shards, lambda s, r: _ragged_eligible(s, r, scope),
+                            gather_and_split)
     # owner FQN → (owner, its state_dict keys as without ragged storage, its buckets)
     owned: dict[str, tuple[nn.Module, list[str], list[RaggedShards]]] = {}
-    for (bucket, dtype, sharded), keys in groups.items():
+    for (bucket, dtype, _, split), keys in groups.items():
         owner_fqn = bucket if bucket not in ("pre", "post") else ""
         owner = model.get_submodule(owner_fqn)
-        kind = str(dtype).removeprefix('torch.') + ("_tp" if sharded else "")
+        kind = "_".join((str(dtype).removeprefix('torch.'), *split))
         attr = f"_ragged_{kind}" + (f"_{bucket}" if bucket in ("pre", "post") else "")
         first = shards[keys[0]]
         spec = first[1].spec
@@ -285,7 +289,7 @@ def _pack_ragged(model: nn.Module, shards: dict[int, tuple[nn.Parameter, Sharded
         precision = Precision(spec.param_dtype, spec.reduce_dtype,
                               spec.scales_before_reduction(dtype))
         ragged = RaggedShards(f"{bucket}/{kind}", owner, attr, members,
-                              len(spec.dp_groups), scope, spec.grad_scale,
+                              spec.dp_mesh or first[0].device_mesh, scope, spec.grad_scale,
                               spec.reshard_after_forward, spec.dp_groups, first[1].block,
                               precision, spec.grad_sync)
         owned[owner_fqn][2].append(ragged)

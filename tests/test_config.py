@@ -374,7 +374,6 @@ def test_flat_buckets_takes_a_bool_or_ragged(tmp_path):
 @pytest.mark.parametrize("argv,key", [
     (["--parallelism.mode", "replicate"],
      "parallelism.mode 'fully_shard' or 'hybrid_shard', got 'replicate'"),
-    (["--parallelism.expert_parallel_degree", "2"], "parallelism.expert_parallel_degree=1"),
     (["--parallelism.context_parallel_degree", "2"], "parallelism.context_parallel_degree=1"),
 ])
 def test_what_ragged_buckets_do_not_take_is_one_error(argv, key):
@@ -384,10 +383,11 @@ def test_what_ragged_buckets_do_not_take_is_one_error(argv, key):
     load(None, ["--parallelism.flat_buckets", "true", *argv])  # flat buffers take it
 
 
-def test_ragged_buckets_take_hsdp_tp_last_microbatch_sync_and_the_step_scope():
+def test_ragged_buckets_take_hsdp_tp_ep_last_microbatch_sync_and_the_step_scope():
     cfg = load(None, ["--parallelism.flat_buckets", "ragged",
-                      "--parallelism.tensor_parallel_degree", "2"])
-    assert cfg.parallelism.tensor_parallel_degree == 2
+                      "--parallelism.tensor_parallel_degree", "2",
+                      "--parallelism.expert_parallel_degree", "2"])
+    assert cfg.parallelism.tensor_parallel_degree == cfg.parallelism.expert_parallel_degree == 2
     assert cfg.parallelism.bucket_storage == "ragged"
     cfg = load(None, ["--parallelism.flat_buckets", "ragged",
                       "--parallelism.data_parallel_replicate_degree", "2",

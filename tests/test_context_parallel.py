@@ -35,14 +35,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import Shard
 
 from simplesharded.models import context_parallel as cpm
 from simplesharded.passes.annotations import BUCKET_KEY, BUCKET_PARAMS_KEY, CP_KEY, annotations
 from simplesharded.passes.bucketing import bucketable
 from simplesharded.passes.collectives import find_collectives
 
-from dist_utils import max_rel_diff, memo, spawn
+from dist_utils import by_member, max_rel_diff, memo, spawn
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA = str(ROOT / "configs" / "llama3_debug.toml")
@@ -509,10 +509,6 @@ def batch(step: int):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _full(t):
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
-
-
 def _loss(step_fn, x, y, name: str):
     """The summed cross-entropy of ``x``'s tokens: our models compute it in their forward,
     transformers' return logits."""
@@ -541,7 +537,7 @@ def train(model, step_fn, dp_rank: int, dp_size: int, cp_rank: int, cp: int, tp:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if step == 0:
-            grads = {n: _full(p.grad) for n, p in model.named_parameters()}
+            grads = by_member(model, grads=True)
         opt.step()
         if hasattr(model, "update_expert_bias"):
             model.update_expert_bias()
@@ -549,7 +545,7 @@ def train(model, step_fn, dp_rank: int, dp_size: int, cp_rank: int, cp: int, tp:
         if dp_size * cp * tp > 1:  # a spawned rank: the others hold the rest of the sum
             dist.all_reduce(total)
         losses.append(total.item() / tp)
-    return losses, grads, {n: _full(p) for n, p in model.named_parameters()}
+    return losses, grads, by_member(model)
 
 
 @memo
@@ -562,6 +558,8 @@ def reference(name: str = "llama3"):
 LAYOUTS = {
     2: [(1, 1, "eager", False), (1, 1, "eager", True), (1, 1, "aot_eager_blockbucketing", False),
         (1, 1, "aot_eager_blockbucketing", True),
+        # flat_buckets="ragged": the parameters sharded over dp_shard x cp in ragged buckets
+        (1, 1, "ragged:aot_eager_blockbucketing", False),
         (1, 1, "aot_eager_blockbucketing", False, "deepseek_v3"),
         (1, 1, "eager", False, "hf_llama"), (1, 1, "aot_eager_blockbucketing", False, "hf_llama")],
     4: [(2, 1, "eager", False), (2, 1, "aot_eager_blockbucketing", False),
@@ -576,6 +574,7 @@ def _case(rank, world, dp, tp, backend, ac, name="llama3"):
 
     torch._dynamo.reset()
     counts: dict = {}
+    storage, _, backend = backend.rpartition(":")
 
     def observe(kind, stage, gm):
         if kind in ("fw", "bw") and stage == "agreement":
@@ -587,7 +586,7 @@ def _case(rank, world, dp, tp, backend, ac, name="llama3"):
     cpm.apply_context_parallel(model, mesh["cp"])
     if ac:
         apply_activation_checkpointing(model, "full", 1, compiled=backend != "eager")
-    ss.data_parallel(model, mesh, grad_reduction="sum")
+    ss.data_parallel(model, mesh, grad_reduction="sum", flat_buckets=storage or False)
     step_fn = model if backend == "eager" else torch.compile(
         model, backend=ss.make_backend(backend, observer=observe), fullgraph=True)
     losses, grads, params = train(model, step_fn, mesh["dp_shard"].get_local_rank(), dp,

@@ -27,7 +27,9 @@ none, its checkpoint resumed at degree 1, and pipeline stages with EP (pp 2 x ep
 reduce_once and gather_once) against none.
 
 With flat_buckets=True (TP 2 x EP 2) a block's dense and expert shards live in buffers of
-their own, and training is bitwise the run without them.
+their own, and training is bitwise the run without them; so it is with flat_buckets="ragged",
+whose expert weights are a bucket of their own (and at efsdp 2 x ep 2, eager, it matches one
+process).
 
 One spawn of 4 gloo ranks runs every case (layouts x backends); the tests read its results.
 """
@@ -42,7 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dist_utils import flat_buffers, max_rel_diff, memo, spawn
+from dist_utils import by_member, flat_buffers, max_rel_diff, memo, ragged_buckets, spawn
 
 pytestmark = pytest.mark.slow
 
@@ -62,7 +64,9 @@ TOL = 1e-5
 # aot_eager_blockbucketing with 6, ep 4 both, the latter with activation checkpointing.
 LAYOUTS = {
     # 4 experts per ep rank over efsdp 2: dim 0, a strided shard under ep's Shard(0)
-    (1, 1, 2, 8): (("eager", False), ("eager", True), ("aot_eager", False)),
+    # flat_buckets="ragged": the dense and the expert parameters views of their buckets' gathers
+    (1, 1, 2, 8): (("eager", False), ("eager", True), ("aot_eager", False),
+                   ("ragged:eager", False)),
     # 3 experts per rank over efsdp 2: sharded on dim 1 (dim 0 would pad a whole expert)
     (1, 1, 2, 6): (("eager", False), ("aot_eager_blockbucketing", False)),
     # 2 experts per rank, efsdp 1
@@ -70,7 +74,8 @@ LAYOUTS = {
     # TP 2 x EP 2 (dp_shard 2 = efsdp 1 x ep 2): the MoE runs on whole sequences per tp rank
     # flat_buckets=True: the dense and the expert shards in buffers of their own per block
     (1, 2, 2, 8): (("eager", False), ("aot_eager_blockbucketing", False),
-                   ("flat:aot_eager_blockbucketing", False)),
+                   ("flat:aot_eager_blockbucketing", False),
+                   ("ragged:aot_eager_blockbucketing", False)),
     # HSDP x EP: (dp_replicate 2, efsdp 1, ep 2); expert weights (Replicate, Shard) on
     # (dp_replicate, efsdp)
     (2, 1, 2, 8): (("eager", False),),
@@ -111,7 +116,7 @@ def train(model, step_fn, dp_rank: int, dp_size: int, tp: int, on_backward=None)
         if dist.is_initialized():
             dist.all_reduce(total)  # every tp rank of a dp rank holds the same loss
         losses.append(total.item() / tp)
-    return losses, {n: _full(p) for n, p in model.named_parameters()}
+    return losses, by_member(model)
 
 
 class _nothing:
@@ -120,12 +125,6 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
-
-
-def _full(t):
-    from torch.distributed.tensor import DTensor
-
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
 @memo
@@ -186,7 +185,7 @@ def _case(rank, world, rep, tp, ep, n_experts, backend, ac):
                                        expert_parallel=True)
     mode = "hybrid_shard" if rep > 1 else "fully_shard"
     ss.data_parallel(model, mesh, mode, grad_reduction="sum",  # train(): global token count
-                     flat_buckets=flat == "flat")
+                     flat_buckets={"": False, "flat": True, "ragged": "ragged"}[flat])
     step_fn = model if backend == "eager" else _ScopedCalls(torch.compile(
         model, backend=ss.make_backend(backend, observer=observe), fullgraph=True),
         ep_compile_config)
@@ -197,7 +196,9 @@ def _case(rank, world, rep, tp, ep, n_experts, backend, ac):
     w1 = moe.experts._parameters["w1"]  # the shard, not a gather
     return {"losses": losses, "params": params if rank == 0 else None, "graphs": graphs,
             "backward_a2a": len(backward_a2a) // STEPS, "flat": flat_buffers(model),
-            "w1": (tuple(repr(p) for p in w1.placements), tuple(w1.to_local().shape)),
+            "ragged": ragged_buckets(model),
+            "w1": w1 is not None and (tuple(repr(p) for p in w1.placements),
+                                      tuple(w1.to_local().shape)),
             # "ep", or "world" where ep spans every rank (torch reuses the default group)
             "ep_label": group_label(mesh.get_group("ep").group_name)}
 
@@ -336,7 +337,8 @@ def test_expert_shards_split_by_expert_then_dp():
     assert got[(2, 1, 2, 8)][0][0][0] == "Replicate()"  # HSDP: replicated over dp_replicate
 
 
-@pytest.mark.parametrize("key,case", [(k, c) for k, c in CASES if c[0] != "eager"],
+@pytest.mark.parametrize("key,case", [(k, c) for k, c in CASES
+                                      if c[0].rpartition(":")[2] != "eager"],
                          ids=lambda v: str(v))
 def test_all_to_alls_counted_never_recomputed_and_fingerprinted(key, case):
     for rank, r in enumerate(run()):
@@ -369,6 +371,26 @@ def test_flat_buckets_under_tp_and_ep_train_bitwise_as_without():
         if rank == 0:
             for name, p in plain["params"].items():
                 assert torch.equal(flat["params"][name], p), name
+
+
+def test_ragged_buckets_under_tp_and_ep_train_bitwise_as_without():
+    """flat_buckets="ragged" on TP 2 x EP 2 (dp_shard 2 = efsdp 1 x ep 2): a block's dense TP
+    shards, its parameters replicated over tp and its expert weights (sharded over ep,
+    gathered over efsdp) are three buckets, and training is bitwise the run without them. (At
+    efsdp 2 x ep 2 the parity test against one process holds it: a reduce-scatter over 4 ranks
+    sums an element in an order that depends on which rank it lands on, so a new layout
+    moves the last bit.)"""
+    key = (1, 2, 2, 8)
+    for rank, r in enumerate(run()):
+        plain = r[(key, ("aot_eager_blockbucketing", False))]
+        ragged = r[(key, ("ragged:aot_eager_blockbucketing", False))]
+        assert ragged["ragged"] == {
+            "pre/float32_tp": 1, "layers.0/float32": 6, "layers.0/float32_tp": 4,
+            "layers.0/float32_ep": 3, "post/float32": 1, "post/float32_tp": 1}, rank
+        assert ragged["losses"] == plain["losses"], rank
+        if rank == 0:
+            for name, p in plain["params"].items():
+                assert torch.equal(ragged["params"][name], p), name
 
 
 def test_eager_backward_exchanges_only_gradients():
