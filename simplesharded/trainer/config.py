@@ -184,7 +184,7 @@ class Parallelism:
         "false", "keep each bucket's parameter shards in one buffer: true = the bucketed "
         "all-gather reads it as it is and gradients land in the reduce-scatter's output; "
         "ragged = each gathered parameter is also a view of the gathered buffer (no copy-out; "
-        "FSDP and HSDP, with or without TP and EP: no CP or PP yet). Fewer copies; checkpoints "
+        "FSDP and HSDP, with or without TP, EP and CP: no PP yet). Fewer copies; checkpoints "
         "unchanged (see docs/zero_copy.md)", ("false", "true", "ragged"))
     pipeline_parallel_degree: int = _opt(
         1, "pipeline stages over this many rank groups (outermost mesh dim, pp); the other "
@@ -645,17 +645,10 @@ def _check_pipeline(cfg: Config) -> None:
 
 def _check_ragged(cfg: Config) -> None:
     """flat_buckets=ragged (simplesharded/ragged_shards.py) takes fully_shard and hybrid_shard,
-    with or without tensor and expert parallelism: what it does not take yet is one error
-    naming the setting."""
+    with or without tensor, expert and context parallelism (pipeline stages:
+    _check_pipeline): what it does not take is one error naming the setting."""
     p = cfg.parallelism
-    if p.flat_buckets != "ragged":
-        return
-    needs = [("parallelism.context_parallel_degree", p.context_parallel_degree, 1)]
-    for key, value, ok in needs:
-        if value != ok:
-            raise ValueError(f"parallelism.flat_buckets='ragged' needs {key}={ok!r}, got "
-                             f"{value!r} (or set flat_buckets=true)")
-    if p.mode == "replicate":
+    if p.flat_buckets == "ragged" and p.mode == "replicate":
         raise ValueError("parallelism.flat_buckets='ragged' needs parallelism.mode "
                          "'fully_shard' or 'hybrid_shard', got 'replicate' (or set "
                          "flat_buckets=true)")
