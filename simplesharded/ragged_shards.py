@@ -5,7 +5,7 @@ a view of its bucket's gathered buffer: no copy-in, no copy-out.
 A bucket is one DTensor parameter, ``Shard(0)`` of the flattened bucket over the dp shard
 dim (``[w·L]``, this rank holding ``[L]``), registered on the module that owns the bucket (the
 block; the root for the parameters before the first block and after the last) under
-``_ragged_<dtype>`` (``_ragged_<dtype>_tp`` for TP shards). Optimizers
+``_ragged_<dtype>`` (``_ragged_<dtype>_tp`` for TP shards, ``_ep`` for experts). Optimizers
 step it as they step any shard; gradient clipping reads it as any DTensor. Its members' own
 slots hold None, so ``named_parameters()`` lists the buckets instead of the members (as
 FSDP1's flat parameters do): an optimizer that needs a member's matrix shape, or per-member
@@ -26,12 +26,13 @@ gather scope for the forward's other reads; outside the forward each read gather
 Taken: trained parameters of at least one dim, read by one module, under ``fully_shard`` on a
 mesh of one data-parallel dim or ``hybrid_shard`` on two (the bucket ``(Replicate(),
 Shard(0))`` on them; the layout cuts it over the shard dim, and the gradient's reduce-scatter
-is followed by one all-reduce over the replicas), with or without a tp dim after them. Under
-TP a bucket lays out what each member's dp gather rebuilds, the rank's TP shard, and a read
-re-wraps it as the module's DTensor; a bucket holds TP shards (``Shard(0)`` over tp: each tp
-rank's bucket is different) or parameters replicated over tp (``Replicate()``), never both, so
-its norm counts every element once. data_parallel refuses another mode or an EP dim; tied and
-frozen parameters keep today's path. ``init_sharded`` runs on the members as
+is followed by one all-reduce over the replicas), with or without tp, ep and cp dims. Under
+TP or EP a bucket lays out what each member's dp gather rebuilds, the rank's model-parallel
+shard, and a read re-wraps it as the module's DTensor. One bucket per dp gather (experts
+gather over efsdp) and per split: it holds members split over a dim after dp (``Shard(0)``
+there: each rank's bucket is different) or replicated over it (``Replicate()``), never both,
+so its norm counts every element once. data_parallel refuses another mode; tied and frozen
+parameters, and experts sharded on dim 1, keep today's path. ``init_sharded`` runs on the members as
 per-parameter shards (:func:`members_as_shards`), so a model built on the meta device takes
 ragged buckets too. Mixed precision: the cast of a bucket's ``[L]`` to the gather's dtype is
 its only copy-in. Gradient-sync control (``no_gradient_sync``) runs per bucket: its gathered
