@@ -206,7 +206,7 @@ def test_bucketed_tp_is_bitwise_unbucketed(backend):
     assert plain[0] == bucketed[0]
     for i in (1, 2):  # step-0 gradients, final parameters
         diff = [n for n in plain[i] if not torch.equal(plain[i][n], bucketed[i][n])]
-        assert not diff, f"{backend}: not bitwise equal to aot_eager: {diff}"
+        assert not diff, f"{backend}: not bitwise equal to {reference}: {diff}"
 
 
 def test_every_rank_issues_the_same_collectives_in_the_same_order():
