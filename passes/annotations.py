@@ -35,6 +35,12 @@ Written by our passes:
   FLAT_KEY           (buffer name, offset) of a parameter whose shard lives in a bucket's
                      flat buffer (simplesharded/flat_shards.py): bucketing lays such a
                      bucket out in buffer order, so its input is one view (view_cat.py)
+Written by ragged buckets (simplesharded/ragged_shards.py):
+  RAGGED_KEY         the bucket's name, on its gather and (its split's backward) its
+                     reduce-scatter: every member is a view of the gathered buffer, and a
+                     merge with another collective would copy it out again, so the block
+                     plan leaves it alone (plans.py); the auto plan merges it only where its
+                     simulation, copies included, says the merge pays
 """
 from __future__ import annotations
 
@@ -54,6 +60,7 @@ GATHERED_KEY = "ss_gathered"
 REGATHER_KEY = "ss_regather"
 UPDATE_KEY = "ss_update"
 FLAT_KEY = "ss_flat"
+RAGGED_KEY = "ss_ragged"
 # Graph-level, in GraphModule.meta: lines a pass leaves about what it did not do and why; a
 # graph dump (pipeline.py) prints them at its top.
 NOTES_KEY = "ss_notes"

@@ -5,7 +5,8 @@ of reordering, and what reshard_after_forward="auto" keeps gathered.
   (simplesharded/blocks.py; names need no digits), or the text the first user pattern
   matches in the parameter FQN. No block at all in a large model is a warning.
   Parameters outside blocks go to ``pre`` (before the first block in the graph: embeddings)
-  or ``post`` (after it: final norm + output).
+  or ``post`` (after it: final norm + output). A ragged bucket's collectives (RAGGED_KEY)
+  already are a block's bucket and stay as they are: merged, its gather would be copied out.
 * ``AutoPlan``: tries bucket sizes on a ladder (and the block plan), runs the real passes'
   edits on the graph for each (undone after) and keeps the one whose simulation
   (simulate.py) is fastest (cost model in compute_cost.py / comm_cost.py, simulator in
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 from torch import fx
 
-from .annotations import BUCKET_KEY, FLAT_KEY, annotations
+from .annotations import BUCKET_KEY, FLAT_KEY, RAGGED_KEY, annotations
 from .collectives import Collective
 
 
@@ -64,7 +65,7 @@ class BlockPlan:
                 key = "post" if c.kind in seen_block else "pre"
             else:
                 seen_block.add(c.kind)
-            keys.append(key)
+            keys.append(None if annotations(c.start).get(RAGGED_KEY) else key)
         if not seen_block:
             _warn_no_blocks(collectives)
         return keys

@@ -57,7 +57,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from simplesharded.layout import _contiguous_stride, _MPLayout
 from simplesharded.passes.annotations import (BLOCK_KEY, BUCKET_PARAMS_KEY, DP_GROUPS_KEY,
-                                             PARAM_KEY, RESHARD_KEY)
+                                             PARAM_KEY, RAGGED_KEY, RESHARD_KEY)
 from simplesharded.ragged import Precision, RaggedLayout, from_ragged, shard0_rows, to_ragged
 from simplesharded.sharded_state import sharded_state
 
@@ -125,7 +125,7 @@ class RaggedShards:
         local = to_ragged([s.to_local() for s in shards], self.layout, self._group())
         self.param = nn.Parameter(self._dtensor(local))
         self.annotation = {PARAM_KEY: self.fqns[0], BUCKET_PARAMS_KEY: list(self.fqns),
-                           DP_GROUPS_KEY: dp_groups, RESHARD_KEY: reshard}
+                           DP_GROUPS_KEY: dp_groups, RESHARD_KEY: reshard, RAGGED_KEY: name}
         if block is not None:
             self.annotation[BLOCK_KEY] = block
         owner.register_parameter(attr, self.param)

@@ -42,7 +42,7 @@ from simplesharded.passes.annotations import BUCKET_KEY, BUCKET_PARAMS_KEY, CP_K
 from simplesharded.passes.bucketing import bucketable
 from simplesharded.passes.collectives import find_collectives
 
-from dist_utils import by_member, max_rel_diff, memo, spawn
+from dist_utils import by_member, max_rel_diff, memo, spawn, storage_and_backend
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA = str(ROOT / "configs" / "llama3_debug.toml")
@@ -574,7 +574,7 @@ def _case(rank, world, dp, tp, backend, ac, name="llama3"):
 
     torch._dynamo.reset()
     counts: dict = {}
-    storage, _, backend = backend.rpartition(":")
+    flat_buckets, backend = storage_and_backend(backend)
 
     def observe(kind, stage, gm):
         if kind in ("fw", "bw") and stage == "agreement":
@@ -586,7 +586,7 @@ def _case(rank, world, dp, tp, backend, ac, name="llama3"):
     cpm.apply_context_parallel(model, mesh["cp"])
     if ac:
         apply_activation_checkpointing(model, "full", 1, compiled=backend != "eager")
-    ss.data_parallel(model, mesh, grad_reduction="sum", flat_buckets=storage or False)
+    ss.data_parallel(model, mesh, grad_reduction="sum", flat_buckets=flat_buckets)
     step_fn = model if backend == "eager" else torch.compile(
         model, backend=ss.make_backend(backend, observer=observe), fullgraph=True)
     losses, grads, params = train(model, step_fn, mesh["dp_shard"].get_local_rank(), dp,

@@ -44,7 +44,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dist_utils import by_member, flat_buffers, max_rel_diff, memo, ragged_buckets, spawn
+from dist_utils import (by_member, flat_buffers, max_rel_diff, memo, ragged_buckets, spawn,
+                        storage_and_backend)
 
 pytestmark = pytest.mark.slow
 
@@ -155,7 +156,7 @@ def _case(rank, world, rep, tp, ep, n_experts, backend, ac):
     from simplesharded.models.ep_dispatch import ep_compile_config
     from simplesharded.trainer.recipe import _ScopedCalls, apply_activation_checkpointing
 
-    flat, _, backend = backend.rpartition(":")
+    flat_buckets, backend = storage_and_backend(backend)
     torch._dynamo.reset()
     graphs: dict = {}
 
@@ -185,7 +186,7 @@ def _case(rank, world, rep, tp, ep, n_experts, backend, ac):
                                        expert_parallel=True)
     mode = "hybrid_shard" if rep > 1 else "fully_shard"
     ss.data_parallel(model, mesh, mode, grad_reduction="sum",  # train(): global token count
-                     flat_buckets={"": False, "flat": True, "ragged": "ragged"}[flat])
+                     flat_buckets=flat_buckets)
     step_fn = model if backend == "eager" else _ScopedCalls(torch.compile(
         model, backend=ss.make_backend(backend, observer=observe), fullgraph=True),
         ep_compile_config)

@@ -17,8 +17,8 @@ from simplesharded.passes.plans import AutoPlan, BlockPlan
 from simplesharded.passes.reordering import reorder_for_overlap
 
 import pass_utils as pu
-from traced_graphs import (HYPO, N_LAYERS, auto_bucketed, block_bucketed, graph, graphs, served,
-                           sizes)
+from traced_graphs import (HYPO, N_LAYERS, assert_bitwise_same, auto_bucketed, block_bucketed,
+                           graph, graphs, served, sizes)
 
 # autouse, as in every pass test file: no test may leave a process group behind
 from traced_graphs import _no_leaked_process_group  # noqa: F401
@@ -50,6 +50,36 @@ def test_block_plan_user_patterns():
                     assert attn in buckets and rest in buckets, (config, which, target, i)
                 n_outside = 1 if (which == "bw" and target is pu.AG) else 2
                 assert len(rows) == 2 * N_LAYERS + n_outside, (config, which, target)
+
+
+def test_block_plan_leaves_ragged_buckets_alone():
+    """A collective marked as a ragged bucket's (RAGGED_KEY) keeps its own collective, since
+    merged, its gathered buffer would be copied out. The rest of its block still merges into
+    one bucket, and the graph computes bitwise what it did."""
+    from simplesharded.passes.annotations import PARAM_KEY, RAGGED_KEY
+
+    world, fw, bw = graphs("w2")
+    for which, g in (("fw", fw), ("bw", bw)):
+        gm = pu.fresh(g)
+        for target in (pu.AG, pu.RS):
+            for start in pu.starts(gm, target):
+                param = start.meta.get("custom", {}).get(PARAM_KEY, "")
+                if ".attention.wq." in param or ".feed_forward.w2." in param:
+                    start.meta["custom"] = {**start.meta["custom"], RAGGED_KEY: param}
+        gm = bucket_collectives(gm, BlockPlan())
+        for target in (pu.AG, pu.RS):
+            rows = served(gm, target)
+            if not rows:
+                continue
+            buckets = [sorted(ps) for ps, *_ in rows]
+            for i in range(N_LAYERS):
+                alone = [f"layers.{i}.attention.wq.weight", f"layers.{i}.feed_forward.w2.weight"]
+                for fqn in alone:
+                    assert [fqn] in buckets, (which, target, fqn, buckets)
+                rest = [b for b in buckets if any(p.startswith(f"layers.{i}.") for p in b)
+                        and b not in ([fqn] for fqn in alone)]
+                assert len(rest) == 1 and len(rest[0]) == 7, (which, target, i, rest)
+        assert_bitwise_same(g, gm, world)
 
 
 # ------------------------------------------------------------------------------- AutoPlan

@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dist_utils import by_member, flat_buffers, max_rel_diff, memo, ragged_buckets, spawn
+from dist_utils import (by_member, flat_buffers, max_rel_diff, memo, ragged_buckets, spawn,
+                        storage_and_backend)
 
 pytestmark = pytest.mark.slow
 
@@ -116,7 +117,7 @@ def _layout(rank, world, rep, shard, tp, mode, cases):
 
     out = {}
     for case, sp in cases:
-        flat, _, backend = case.rpartition(":")
+        flat_buckets, backend = storage_and_backend(case)
         torch._dynamo.reset()
         counts: dict = {}
 
@@ -132,7 +133,7 @@ def _layout(rank, world, rep, shard, tp, mode, cases):
         model = make_model()
         parallelize_module(model, mesh["tp"], model.tp_styles(sequence_parallel=sp))
         ss.data_parallel(model, mesh, mode, grad_reduction="sum",  # loss_fn: global count
-                         flat_buckets={"": False, "flat": True, "ragged": "ragged"}[flat])
+                         flat_buckets=flat_buckets)
         counts["flat"] = flat_buffers(model)
         counts["ragged"] = ragged_buckets(model)
         step_fn = model if backend == "eager" else torch.compile(
@@ -243,13 +244,13 @@ def test_tp_collectives_untouched_and_dp_one_per_block_bucket():
     assert _by(block, "fw", "before", "dp_shard") == {"all_gather": 9 * n_blocks + 3}
     plain = results[("aot_eager", True)][3]
     assert _by(plain, "fw", "after", "dp_shard") == {"all_gather": 9 * n_blocks + 3}
-    # ragged buckets: read as one all-gather per bucket (a block's TP shards and its norms,
-    # the embedding, the final norm and the output projection); block bucketing then merges
-    # a block's two into one gather and one reduce-scatter, as it does per-parameter shards
+    # ragged buckets: one all-gather and one reduce-scatter per bucket (a block's TP shards
+    # and its norms, the embedding, the final norm, the output projection), which block
+    # bucketing leaves apart: merged, a bucket's gather would be copied out of the merge's
     ragged = results[("ragged:aot_eager_blockbucketing", True)][3]
     assert _by(ragged, "fw", "before", "dp_shard") == {"all_gather": 2 * n_blocks + 3}
-    assert _by(ragged, "fw", "after", "dp_shard") == {"all_gather": n_blocks + 2}
-    assert _by(ragged, "bw", "after", "dp_shard")["reduce_scatter"] == n_blocks + 2
+    assert _by(ragged, "fw", "after", "dp_shard") == {"all_gather": 2 * n_blocks + 3}
+    assert _by(ragged, "bw", "after", "dp_shard")["reduce_scatter"] == 2 * n_blocks + 3
     for kind in ("fw", "bw"):  # TP's collectives as with per-parameter shards
         assert _by(ragged, kind, "after", "tp") == _by(block, kind, "after", "tp"), kind
 
@@ -287,10 +288,10 @@ def _uneven_case(rank, backend):
     mesh = ss.build_mesh(1, 2, "cpu", tp=2)
     parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
     param_dtype = torch.bfloat16 if backend.endswith("bf16") else torch.float32
-    ragged, _, backend = backend.removesuffix("-bf16").rpartition(":")
+    flat_buckets, backend = storage_and_backend(backend.removesuffix("-bf16"))
     # each dp rank's loss is a sum over its rows: the reference's loss is their sum
     ss.data_parallel(model, mesh, mp_policy=ss.MixedPrecisionPolicy(param_dtype, torch.float32),
-                     grad_reduction="sum", flat_buckets=ragged or False)
+                     grad_reduction="sum", flat_buckets=flat_buckets)
     seen = []
     model.up.register_forward_hook(lambda m, i, o: seen.append(m.weight.dtype))
     step_fn = model if backend == "eager" else torch.compile(

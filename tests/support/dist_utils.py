@@ -207,6 +207,13 @@ def memo(fn: Callable) -> Callable:
     return wrapper
 
 
+def storage_and_backend(case: str) -> tuple[bool | str, str]:
+    """A case's ``"storage:backend"`` → (``flat_buckets``, backend). The storage is empty
+    (per-parameter shards), ``flat`` (flat buffers) or ``ragged`` (ragged buckets)."""
+    storage, _, backend = case.rpartition(":")
+    return {"": False, "flat": True, "ragged": "ragged"}[storage], backend
+
+
 def ragged_buckets(model) -> dict[str, int]:
     """Ragged bucket name → how many parameters it holds (flat_buckets="ragged")."""
     from simplesharded.ragged_shards import bucket_fqns
