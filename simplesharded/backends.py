@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 
 from simplesharded.passes.bucketing import bucket_collectives
+from simplesharded.passes.grads_in_place import write_grads_in_place
 from simplesharded.passes.lowering import LOWERED_BACKENDS, lower_reduce_scatters
 from simplesharded.passes.pipeline import PassPipeline, aot_backend, inductor_backend
 from simplesharded.passes.plan_protocol import Plan
@@ -166,6 +167,10 @@ def pass_pipeline(backend: str | BackendName, opts: BackendOptions = BackendOpti
                  ("reordering", functools.partial(reorder_for_overlap, plan=plan)),
                  ("lowering", functools.partial(lower_reduce_scatters, transports=lower_on)),
                 ("view_cat", elide_view_cats)]
+        if backend.compiler == "aot_eager":
+            # after every pass that moves a gradient or its reduce-scatter: the writes reach
+            # the buffer by graph order (inductor plans its own buffers)
+            graph.append(("grads_in_place", write_grads_in_place))
     elif backend.bucketing == "upstream":
         graph = [("upstream", functools.partial(upstream_overlap_bucketing,
                                                 hardware=_hardware(opts)))]

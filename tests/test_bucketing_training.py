@@ -108,6 +108,8 @@ def _train(rank, world, backend, n_layers, opt_name, get_code=False, mode="fully
                                         for n in gm.graph.nodes)
         graph_counts[kind]["clone"] = sum(n.target is torch.ops.aten.clone.default
                                           for n in gm.graph.nodes)
+        graph_counts[kind]["copy_"] = sum(n.target is torch.ops.aten.copy_.default
+                                          for n in gm.graph.nodes)
 
     torch._dynamo.reset()
     # ZeRO-3 (every block re-gathered in backward): the counts below assume it
@@ -458,9 +460,10 @@ def test_ragged_buckets_train_bitwise_as_without_and_copy_out_nothing():
         assert ragged["fw"]["clone"] == plain["fw"]["clone"], (ragged["fw"], plain["fw"])
         block = res["aot_eager_blockbucketing"]["graph_counts"]
         assert block["fw"]["clone"] - ragged["fw"]["clone"] >= _n_params(n) - 1
-        # backward: one cat per bucket at most (the gradients laid out as the bucket; a
-        # bucket of one parameter without padding has none), no re-gather copy-in
-        assert ragged["bw"]["cat"] <= n + 2 < block["bw"]["cat"]
+        # backward: no cat at all; each gradient is written into its bucket's reduce-scatter
+        # input (passes/grads_in_place.py), and the re-gathers have no copy-in
+        assert ragged["bw"]["cat"] == ragged["bw"]["copy_"] == 0 < block["bw"]["cat"], ragged
+        assert ragged["fw"]["copy_"] == 0, ragged
         dcp = res["dcp_ragged"]
         assert dcp == dict(loaded_flat=True, loaded_back=True, same_output=True,
                            placements=True), (rank, dcp)
