@@ -20,8 +20,8 @@ piece exactly in the same element order, and reaches the cat through view ops ea
 nothing else. The writes reach the buffer's readers by graph order, not by a data edge, so
 this runs after every pass that moves a gradient's producer or the collective that reads the
 buffer (simplesharded/backends.py: after view_cat.py).
-Only cats annotated as a ragged bucket's (RAGGED_KEY) are touched; inductor does not get this
-pass (it plans its own buffers).
+Only a ragged bucket's cats (RAGGED_KEY on the cat or on its reduction) are touched;
+inductor does not get this pass (it plans its own buffers).
 """
 from __future__ import annotations
 
@@ -35,17 +35,34 @@ from .graph_utils import aten, call, fake_mode_of
 from .node_meta import alias_kind, aliased_inputs
 
 ZEROS = {aten.zeros.default, aten.new_zeros.default}
+# How far the reduce-scatter may stand from the cat: the backward's scaling and casts
+# (simplesharded/ragged.py, _Gather.backward).
+REDUCTION_HOPS = 3
 
 
 def write_grads_in_place(gm: fx.GraphModule) -> fx.GraphModule:
     """Rewrite every ragged bucket's gradient cat in ``gm`` (edited in place); return ``gm``."""
     changed = False
     for cat in list(gm.graph.find_nodes(op="call_function", target=aten.cat.default)):
-        if annotations(cat).get(RAGGED_KEY) and _is_flat_cat(cat):
+        if _feeds_ragged_reduction(cat) and _is_flat_cat(cat):
             changed |= _rewrite(gm.graph, cat)
     if changed:
         gm.recompile()
     return gm
+
+
+def _feeds_ragged_reduction(cat: fx.Node) -> bool:
+    """The cat is a ragged bucket's: annotated as one, or read (through a cast, say) by its
+    annotated reduction. A step graph's traced backward (simplesharded/step.py) annotates the
+    reduction but not the split's backward."""
+    node = cat
+    for _ in range(REDUCTION_HOPS + 1):
+        if annotations(node).get(RAGGED_KEY):
+            return True
+        if len(node.users) != 1:
+            return False
+        node = next(iter(node.users))
+    return False
 
 
 def _is_flat_cat(cat: fx.Node) -> bool:
@@ -119,9 +136,10 @@ def _writable_producer(piece: fx.Node, cat: fx.Node, dtype: torch.dtype) -> fx.N
         return None
     node = piece
     while alias_kind(node) == "view":
-        (node,) = aliased_inputs(node) or (None,)
-        if node is None or len(node.users) != 1:
+        inputs = aliased_inputs(node)
+        if len(inputs) != 1 or len(inputs[0].users) != 1:
             return None
+        node = inputs[0]
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return None
     base, flat = node.meta.get("val"), piece.meta.get("val")

@@ -246,10 +246,15 @@ def _hsdp(rank: int, world: int) -> dict:
 
     for flat in (False, "ragged"):  # compile_step: 2 steps
         model, opt = build(flat)
+        cats: list = []  # the step graph's concatenations, as it runs
+
+        def count_cats(kind, stage, gm, cats=cats):
+            if stage == "agreement":
+                cats.append(sum(n.target is torch.ops.aten.cat.default for n in gm.graph.nodes))
         step = ss.compile_step(model, opt, lambda m, x, y: toy_blocks.loss_fn(m(x), y, numel),
-                               backend="aot_eager_blockbucketing")
+                               backend="aot_eager_blockbucketing", observer=count_cats)
         losses = [step(*toy_blocks.batch(rank, i)).item() for i in range(2)]
-        out[(flat, "step")] = dict(losses=losses, full={
+        out[(flat, "step")] = dict(losses=losses, cats=cats, full={
             k: v.full_tensor() for k, v in model.state_dict().items()})
     for flat, backend in [(False, "eager"), ("ragged", "eager"),
                           (False, "aot_eager_blockbucketing"),
@@ -328,7 +333,7 @@ def test_hsdp_and_no_sync_ragged_buckets_train_bitwise_as_without():
     ``(Replicate(), Shard(0))`` as their members; eager and block-bucketed aot_eager train 2
     AdamW steps of 2 micro-batches, the first under ``no_gradient_sync``, bit for bit as
     without, parameters and optimizer state (converted per member); ``compile_step`` (2 steps)
-    too. The no-sync backward reduces nothing (no gradient lands; its compiled graph has no
+    too, its graph without a cat. The no-sync backward reduces nothing (no gradient lands; its compiled graph has no
     reduction); the sync backward holds one reduce-scatter and one all-reduce per bucket."""
     from torch.distributed.tensor import Replicate
 
@@ -349,6 +354,9 @@ def test_hsdp_and_no_sync_ragged_buckets_train_bitwise_as_without():
         plain, ragged = res[(False, "step")], res[("ragged", "step")]  # compile_step
         assert ragged["losses"] == plain["losses"], rank
         assert all(torch.equal(v, plain["full"][k]) for k, v in ragged["full"].items()), rank
+        # the step graph's traced backward writes each gradient into its bucket's
+        # reduce-scatter input (passes/grads_in_place.py): no cat left
+        assert ragged["cats"] and set(ragged["cats"]) == {0}, (rank, ragged["cats"])
         buckets = len(res[("ragged", "eager")]["buckets"])
         # compiled once each: the no-sync backward (it may re-gather, it reduces nothing),
         # the sync one
