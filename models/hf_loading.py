@@ -74,6 +74,7 @@ def materialize(model: nn.Module, seed: int = 0) -> str:
     """Fill a data_parallel-sharded (or plain) model built by ``hf_source.build_hf_model``: from
     the safetensors files of ``model.args.path`` if it has any, else by the model's own init,
     seeded. Returns "loaded" or "initialised"."""
+    from simplesharded.ragged_shards import members_as_shards
     from simplesharded.sharding import disable_gather
 
     where = safetensors_files(model.args.path)
@@ -82,7 +83,9 @@ def materialize(model: nn.Module, seed: int = 0) -> str:
             # Buffers first (RoPE frequencies: non-persistent, in no file), so that a buffer
             # the files do hold is read last and wins.
             _init_modules(model, seed, buffers_only=True)
-            _load(model, where)
+            # Ragged buckets' members load by their own names, as per-parameter shards.
+            with members_as_shards(model):
+                _load(model, where)
             return "loaded"
         _init_modules(model, seed, buffers_only=False)
         return "initialised"

@@ -178,15 +178,34 @@ def _count_reads(counted: list[int]):
     return real, Counting
 
 
-def _sharded(path: str, world: int):
+def _sharded(path: str, world: int, flat_buckets: bool | str = False):
     """The model of ``path`` on the meta device, sharded over ``world`` ranks, not yet filled."""
     from simplesharded.mesh import build_mesh
     from simplesharded.models import hf_source
     from simplesharded.sharding import data_parallel
 
     model = hf_source.build_hf_model(path)
-    data_parallel(model, build_mesh(dp_replicate=1, dp_shard=world, device="cpu"))
+    data_parallel(model, build_mesh(dp_replicate=1, dp_shard=world, device="cpu"),
+                  flat_buckets=flat_buckets)
     return model
+
+
+def _ragged_loaded(path: str, world: int) -> tuple[int, list[str]]:
+    """Loaded into ragged buckets: how many buckets the model has, and the FQNs whose value
+    (``state_dict()``, the members converted from their buckets) differs from what
+    transformers' own from_pretrained loads."""
+    from transformers import AutoModelForCausalLM
+
+    from simplesharded.models import hf_loading
+    from simplesharded.ragged_shards import bucket_fqns
+
+    model = _sharded(path, world, flat_buckets="ragged")
+    assert hf_loading.materialize(model) == "loaded"
+    buckets = len({id(b) for b, _ in bucket_fqns(model)})
+    ref = AutoModelForCausalLM.from_pretrained(path, local_files_only=True).state_dict()
+    state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
+             for k, v in model.state_dict().items()}
+    return buckets, [k for k, v in state.items() if k in ref and not torch.equal(v, ref[k])]
 
 
 def _read_slices(path: str, world: int) -> tuple[int, int, dict]:
@@ -279,6 +298,8 @@ def _job(rank: int, world: int, dirs: dict[str, Path], dump: str) -> dict:
         out["llama_cp2"] = [trainer.train_step()["loss"] for _ in range(STEPS)]
         torch._dynamo.reset()
         out["slices"] = {arch: _read_slices(str(dirs[arch]), world) for arch in SLICED}
+        out["ragged"] = {arch: _ragged_loaded(str(dirs[arch]), world)
+                         for arch in ("llama", "mixtral")}
     else:  # one process: the world-2 job has more to do
         out["graph_break"] = _graph_break(dirs, Path(dump) / "gb", world)
     return out
@@ -352,6 +373,15 @@ def test_each_rank_reads_only_its_slices(zoo, arch):
         # 1/world of every tensor, give or take one row of an uneven split (qwen2's 301)
         assert abs(read - total / 2) <= 0.01 * total, (rank, read, total)
     assert sum(r for r, _, _ in results) == results[0][1]  # every byte read exactly once
+
+
+@pytest.mark.slow
+def test_ragged_buckets_load_the_files_as_transformers_does(zoo):
+    """flat_buckets="ragged": the weights load into the buckets' members by name (llama; and
+    mixtral, whose experts are merged from the files' per-expert tensors)."""
+    for rank, r in enumerate(_results(2, tuple(sorted(zoo.items())))):
+        for arch, (buckets, bad) in r["ragged"].items():
+            assert buckets > 0 and not bad, (rank, arch, buckets, bad)
 
 
 @pytest.mark.slow
