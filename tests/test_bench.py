@@ -57,7 +57,7 @@ def test_step_peak_bytes_counts_state_gradients_and_activations():
     step()  # the optimizer state exists from here on
     params = sum(p.numel() * 4 for p in model.parameters())
     assert bench_run._resident_bytes(model, opt) == 3 * params + 8 * 4  # + 8 AdamW step counters
-    peak, held, _, _ = bench_run._step_peak_bytes(step, model, opt, "cpu")
+    peak, held, _, _, _ = bench_run._step_peak_bytes(step, model, opt, "cpu")
     assert held == 3 * params + 8 * 4
     activations = 4 * x.numel() * 4  # the outputs of the first three layers, kept for backward
     # at least: state, all gradients, and the saved activations at the end of forward
@@ -96,7 +96,10 @@ def test_step_variants_name_our_compiled_backends():
 
 def test_copied_bytes_counts_each_copy_once():
     """The outermost copy ops of a profiled region, each once (clone's inner copy_ and
-    split_with_sizes_copy's inner clones are not counted again), casts apart."""
+    split_with_sizes_copy's inner clones are not counted again), casts apart, and the copies
+    of another thread apart (gloo's worker threads copy too)."""
+    import types
+
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -111,10 +114,18 @@ def test_copied_bytes_counts_each_copy_once():
         c.t().contiguous()  # a copy made by contiguous()'s clone
         c + 1  # not a copy
     one = 96 * 64 * 4
-    copied, cast = bench_run.copied_bytes(prof.events())
+    events = list(prof.events())
+    copied, cast, other = bench_run.copied_bytes(events)
     # an op's allocations as the profiler records them: the output, give or take a few bytes
     assert abs(cast - one // 2) <= 64 and abs(copied - (5 * one + one // 2)) <= 64, \
         (copied, cast)
+    assert other == 0
+    # a copy_ of another thread, as gloo's worker runs it: apart (the profiler records
+    # torch's own threads, not a Python thread started inside it, hence made up here)
+    worker = types.SimpleNamespace(name="aten::copy_", cpu_parent=None, thread=-1,
+                                   input_shapes=[[96, 64], [96, 64]], input_dtypes=[],
+                                   cpu_memory_usage=0)
+    assert bench_run.copied_bytes(events + [worker]) == (copied + one, cast, one)
 
 
 def test_inductor_floor_ratio_only_for_inductor_variants():
@@ -230,7 +241,7 @@ def test_parity_names_the_variant_that_computed_something_else():
     # a reference that did not run has no column (not a ratio of 0)
     table = bench_table.format_table(rows, bench_variants.BenchArgs())
     assert "| step ms | × fsdp2_eager | × compute_floor | collectives/step |" in table
-    assert ("| fsdp2_eager | 1000 | 1.00 | 1.00 | 0 | 0.0 | 0 | 0 | – | 0 + 0 | 0 | 0 (0) | 6.000300 | "
+    assert ("| fsdp2_eager | 1000 | 1.00 | 1.00 | 0 | 0.0 | 0 | 0 | – | 0 + 0 | 0 | 0 + 0 (0) | 6.000300 | "
             "5.900000 |"
             in table)
 

@@ -62,7 +62,8 @@ def _fwd_bwd_peak(trainer) -> int:
     def step():
         trainer.forward_loss(trainer.step_fn, inputs, labels).backward()
 
-    return min(_step_peak_bytes(step, trainer.model, trainer.optimizer, "cpu") for _ in range(2))
+    return min(_step_peak_bytes(step, trainer.model, trainer.optimizer, "cpu")[0]
+               for _ in range(2))
 
 
 def job(rank: int, world: int, parts=("ac", "reduction", "bf16")) -> dict:

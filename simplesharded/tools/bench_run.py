@@ -5,6 +5,7 @@ step from the process groups' sequence numbers, CPU time per thread, page faults
 memory, rank 0's first losses, or the error that stopped it."""
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import math
@@ -41,9 +42,12 @@ class RunResult:
     step_mem_mb: float = 0.0
     # Bytes one step copies in the ops that only move data (cat, clone, copy_, split copies,
     # casts: COPY_OPS), all threads, from the profiled step (CPU only, 0 elsewhere); of it,
-    # the casts (_to_copy), which a zero-copy layout still pays under mixed precision.
+    # the casts (_to_copy), which a zero-copy layout still pays under mixed precision, and
+    # what threads other than the compute thread copy (gloo's all-gather copies each rank's
+    # chunk out of its own flat buffer on its worker thread).
     copied_mb: float = 0.0
     cast_mb: float = 0.0
+    copied_other_mb: float = 0.0
     main_cpu_s: float = 0.0  # CPU time per timed step: the main (compute) thread
     other_cpu_s: float = 0.0  # ... every other thread (gloo's workers, autograd, ...)
     page_faults: float = 0.0  # minor page faults per timed step, all threads (fresh pages)
@@ -94,12 +98,16 @@ _ELEMENT_BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "
                   "int": 4, "short int": 2, "signed char": 1, "unsigned char": 1, "bool": 1}
 
 
-def copied_bytes(events) -> tuple[int, int]:
-    """(copied, cast): bytes written by the outermost COPY_OPS of a profile recorded with
-    ``profile_memory`` and ``record_shapes`` (an op's own inner copies are not counted again):
-    what an op allocates for its output, or for ``copy_`` into an existing tensor its
-    source's bytes; ``cast``: of it, ``_to_copy``'s."""
-    copied = cast = 0
+def copied_bytes(events) -> tuple[int, int, int]:
+    """(copied, cast, other): bytes written by the outermost COPY_OPS of a profile recorded
+    with ``profile_memory`` and ``record_shapes`` (an op's own inner copies are not counted
+    again): what an op allocates for its output, or for ``copy_`` into an existing tensor its
+    source's bytes; ``cast``: of it, ``_to_copy``'s; ``other``: of it, what threads other
+    than the compute thread (the one that ran the most ops) copied."""
+    events = list(events)
+    threads = collections.Counter(e.thread for e in events)
+    compute = threads.most_common(1)[0][0] if threads else None
+    copied = cast = other = 0
     for e in events:
         if e.name not in COPY_OPS:
             continue
@@ -117,43 +125,44 @@ def copied_bytes(events) -> tuple[int, int]:
             n = max(0, e.cpu_memory_usage)
         copied += n
         cast += n if e.name == "aten::_to_copy" else 0
-    return copied, cast
+        other += n if e.thread != compute else 0
+    return copied, cast, other
 
 
-def _step_peak_bytes(step, model, opt, device: str) -> tuple[int, int, int, int]:
-    """(peak, held, copied, cast): peak bytes of live tensors on this rank during one step
+def _step_peak_bytes(step, model, opt, device: str) -> tuple[int, int, int, int, int]:
+    """(peak, held, copied, cast, other): peak bytes of live tensors on this rank during one step
     (gradients zeroed before it, parameter shards and optimizer state included; allocator
     caches and compile-time memory not). On an accelerator its allocator's peak. On CPU,
     which keeps no such count: what the rank holds between steps plus the highest running
     total of bytes allocated and not yet freed during the step, from torch.profiler's memory
     events (every allocation and free of a tensor made while it records); held: the bytes
-    alive before the step; copied and cast: :func:`copied_bytes` of the same step (CPU only,
-    0 on an accelerator)."""
+    alive before the step; copied, cast and other: :func:`copied_bytes` of the same step (CPU
+    only, 0 on an accelerator)."""
     opt.zero_grad(set_to_none=True)
     if device != "cpu":
         held = torch.accelerator.memory_allocated()
         torch.accelerator.reset_peak_memory_stats()
         step()
         _sync(device)
-        return torch.accelerator.max_memory_allocated(), held, 0, 0
+        return torch.accelerator.max_memory_allocated(), held, 0, 0, 0
     from torch.profiler import ProfilerActivity, profile
     resident = _resident_bytes(model, opt)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True,
                  record_shapes=True) as prof:
         step()
-    copied, cast = copied_bytes(prof.events())
+    copied, cast, other = copied_bytes(prof.events())
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as f:
             events = [e["args"] for e in json.load(f)["traceEvents"] if e.get("name") == "[memory]"]
     if not events:
-        return resident, resident, copied, cast
+        return resident, resident, copied, cast, other
     # "Total Allocated": the allocator's running total, kept while memory is profiled; a free
     # of a tensor made before the step is not in it (nor was its allocation)
     start = events[0]["Total Allocated"] - events[0]["Bytes"]
     peak = resident + max(0, max(e["Total Allocated"] for e in events) - start)
-    return peak, resident, copied, cast
+    return peak, resident, copied, cast, other
 
 
 def _thread_cpu_s() -> tuple[float, float]:
@@ -259,9 +268,10 @@ def _worker(rank: int, variant: str, args: BenchArgs, out_dir: str) -> None:
         if args.profile_dir:
             dist.barrier()
             _profile_step(step, variant, rank, args.profile_dir)
-        peak, held, copied, cast = _step_peak_bytes(step, model, opt, args.device)
+        peak, held, copied, cast, other = _step_peak_bytes(step, model, opt, args.device)
         result.peak_mem_mb, result.step_mem_mb = peak / 2**20, (peak - held) / 2**20
         result.copied_mb, result.cast_mb = copied / 2**20, cast / 2**20
+        result.copied_other_mb = other / 2**20
         dist.barrier()  # no collective is in flight on any rank
     except Exception as e:  # reported in the table, the other variants still run
         # the first non-empty line: some of torch's messages start with a newline
@@ -303,5 +313,6 @@ def run_variant(variant: str, args: BenchArgs) -> RunResult:
     res.step_mem_mb = max(r.step_mem_mb for r in ranks)
     res.copied_mb = max(r.copied_mb for r in ranks)
     res.cast_mb = max(r.cast_mb for r in ranks)
+    res.copied_other_mb = max(r.copied_other_mb for r in ranks)
     res.error = next((r.error for r in ranks if r.error), "")
     return res
