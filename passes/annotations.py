@@ -38,9 +38,8 @@ Written by our passes:
 Written by ragged buckets (simplesharded/ragged_shards.py):
   RAGGED_KEY         the bucket's name, on its gather and (its split's backward) its
                      reduce-scatter: every member is a view of the gathered buffer, and a
-                     merge with another collective would copy it out again, so the block
-                     plan leaves it alone (plans.py); the auto plan merges it only where its
-                     simulation, copies included, says the merge pays
+                     merge with another collective would copy it out again, so no plan
+                     merges it (plans.py); grads_in_place.py finds the split's backward by it
 """
 from __future__ import annotations
 

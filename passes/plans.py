@@ -5,12 +5,15 @@ of reordering, and what reshard_after_forward="auto" keeps gathered.
   (simplesharded/blocks.py; names need no digits), or the text the first user pattern
   matches in the parameter FQN. No block at all in a large model is a warning.
   Parameters outside blocks go to ``pre`` (before the first block in the graph: embeddings)
-  or ``post`` (after it: final norm + output). A ragged bucket's collectives (RAGGED_KEY)
-  already are a block's bucket and stay as they are: merged, its gather would be copied out.
+  or ``post`` (after it: final norm + output).
 * ``AutoPlan``: tries bucket sizes on a ladder (and the block plan), runs the real passes'
   edits on the graph for each (undone after) and keeps the one whose simulation
   (simulate.py) is fastest (cost model in compute_cost.py / comm_cost.py, simulator in
   simulate.py).
+
+Neither merges a ragged bucket's collectives (RAGGED_KEY): a ragged bucket already is one
+bucket, and merged with another its gather would be copied out of the merge's buffer again,
+the copy that layout exists to remove.
 """
 from __future__ import annotations
 
@@ -95,7 +98,8 @@ class AutoPlan:
     than a sixth is a bucket of its own, and may leave no room to prefetch).
 
     Candidates: per-module units (a module is never split) merged in execution order up to a
-    byte size, for a ladder of sizes, plus the block plan when the model has blocks. Each
+    byte size, for a ladder of sizes, plus the block plan when the model has blocks; a ragged
+    bucket's collectives are in none (module doc). Each
     candidate is applied to the graph by the real bucketing and reordering edits, simulated
     (simulate.py: compute + a comm lane per link) and undone; the shortest makespan wins
     (ties: fewer collectives). So the plan accounts for latency per collective, the copy-in/copy-out the
@@ -156,7 +160,8 @@ class AutoPlan:
 
         per_kind = {}
         for kind in ("all_gather", "reduce_scatter", "all_reduce"):
-            idx = sorted((i for i, c in enumerate(collectives) if c.kind == kind and c.params),
+            idx = sorted((i for i, c in enumerate(collectives) if c.kind == kind and c.params
+                          and not annotations(c.start).get(RAGGED_KEY)),
                          key=lambda i: anchor(collectives[i]))
             units = _units(idx, collectives)
             sizes = [sum(_full_bytes(collectives[i]) for i in u) for u in units]

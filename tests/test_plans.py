@@ -52,10 +52,12 @@ def test_block_plan_user_patterns():
                 assert len(rows) == 2 * N_LAYERS + n_outside, (config, which, target)
 
 
-def test_block_plan_leaves_ragged_buckets_alone():
+@pytest.mark.parametrize("plan", ["block", "auto"])
+def test_plans_leave_ragged_buckets_alone(plan):
     """A collective marked as a ragged bucket's (RAGGED_KEY) keeps its own collective, since
-    merged, its gathered buffer would be copied out. The rest of its block still merges into
-    one bucket, and the graph computes bitwise what it did."""
+    merged, its gathered buffer would be copied out. Under the block plan the rest of its
+    block still merges into one bucket; under either, the graph computes bitwise what it
+    did."""
     from simplesharded.passes.annotations import PARAM_KEY, RAGGED_KEY
 
     world, fw, bw = graphs("w2")
@@ -66,19 +68,21 @@ def test_block_plan_leaves_ragged_buckets_alone():
                 param = start.meta.get("custom", {}).get(PARAM_KEY, "")
                 if ".attention.wq." in param or ".feed_forward.w2." in param:
                     start.meta["custom"] = {**start.meta["custom"], RAGGED_KEY: param}
-        gm = bucket_collectives(gm, BlockPlan())
+        gm = bucket_collectives(gm, BlockPlan() if plan == "block" else AutoPlan())
         for target in (pu.AG, pu.RS):
             rows = served(gm, target)
             if not rows:
                 continue
             buckets = [sorted(ps) for ps, *_ in rows]
+            assert len(buckets) < len(pu.starts(g, target)), (which, target)  # others merged
             for i in range(N_LAYERS):
                 alone = [f"layers.{i}.attention.wq.weight", f"layers.{i}.feed_forward.w2.weight"]
                 for fqn in alone:
                     assert [fqn] in buckets, (which, target, fqn, buckets)
                 rest = [b for b in buckets if any(p.startswith(f"layers.{i}.") for p in b)
                         and b not in ([fqn] for fqn in alone)]
-                assert len(rest) == 1 and len(rest[0]) == 7, (which, target, i, rest)
+                if plan == "block":
+                    assert len(rest) == 1 and len(rest[0]) == 7, (which, target, i, rest)
         assert_bitwise_same(g, gm, world)
 
 
