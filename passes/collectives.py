@@ -12,7 +12,7 @@ import torch
 from torch import fx
 
 from .annotations import (BLOCK_KEY, BUCKET_PARAMS_KEY, DP_GROUPS_KEY, LOWERED_KEY, PARAM_KEY,
-                          annotations)
+                          RAGGED_KEY, annotations)
 
 _c10d = torch.ops._c10d_functional
 ALL_GATHER = _c10d.all_gather_into_tensor.default
@@ -55,6 +55,12 @@ class Collective:
     def ours(self) -> bool:
         """A data-parallel collective of a parameter: the only kind our passes rewrite/move."""
         return bool(self.params)
+
+    @property
+    def ragged(self) -> bool:
+        """A ragged bucket's gather or reduce-scatter (RAGGED_KEY): already one bucket, which
+        no plan merges with another (plans.py)."""
+        return bool(annotations(self.start).get(RAGGED_KEY))
 
     @property
     def module(self) -> str:
