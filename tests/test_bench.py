@@ -126,6 +126,13 @@ def test_copied_bytes_counts_each_copy_once():
                                    input_shapes=[[96, 64], [96, 64]], input_dtypes=[],
                                    cpu_memory_usage=0)
     assert bench_run.copied_bytes(events + [worker]) == (copied + one, cast, one)
+    # a gloo worker's 12 MB buffer charged to a 4-element cast the compute thread had open
+    # (seen with two gloo ranks): the cast counts what it can write, not the buffer
+    small_cast = types.SimpleNamespace(name="aten::_to_copy", cpu_parent=None,
+                                       thread=events[0].thread, input_shapes=[[4], [], []],
+                                       input_dtypes=["double", "Scalar", ""],
+                                       cpu_memory_usage=12587024)
+    assert bench_run.copied_bytes(events + [small_cast]) == (copied + 64, cast + 64, 0)
 
 
 def test_inductor_floor_ratio_only_for_inductor_variants():

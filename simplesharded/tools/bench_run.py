@@ -98,12 +98,27 @@ _ELEMENT_BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "
                   "int": 4, "short int": 2, "signed char": 1, "unsigned char": 1, "bool": 1}
 
 
+def _input_bytes(e) -> int | None:
+    """Bytes of a profiled op's tensor inputs by their recorded shapes and dtypes; None where
+    the profiler records no size (a tensor list: ``cat``'s and ``stack``'s inputs)."""
+    dtypes = getattr(e, "input_dtypes", None) or []  # not recorded before torch 2.13
+    if len(dtypes) != len(e.input_shapes) or "TensorList" in dtypes:
+        return None
+    return sum(_ELEMENT_BYTES[d] * math.prod(shape)
+               for shape, d in zip(e.input_shapes, dtypes) if d in _ELEMENT_BYTES)
+
+
 def copied_bytes(events) -> tuple[int, int, int]:
     """(copied, cast, other): bytes written by the outermost COPY_OPS of a profile recorded
     with ``profile_memory`` and ``record_shapes`` (an op's own inner copies are not counted
     again): what an op allocates for its output, or for ``copy_`` into an existing tensor its
     source's bytes; ``cast``: of it, ``_to_copy``'s; ``other``: of it, what threads other
-    than the compute thread (the one that ran the most ops) copied."""
+    than the compute thread (the one that ran the most ops) copied.
+
+    An op's allocations are capped by what it can write where its inputs' sizes are recorded
+    (their bytes, twice that for a cast, which may widen): a collective's worker thread runs
+    under the caller's profiler state, so its buffer (gloo's flat all-gather output) can be
+    charged to whichever op the compute thread has open, a 16-byte cast say."""
     events = list(events)
     threads = collections.Counter(e.thread for e in events)
     compute = threads.most_common(1)[0][0] if threads else None
@@ -118,11 +133,14 @@ def copied_bytes(events) -> tuple[int, int, int]:
             continue
         if e.name == "aten::copy_":
             shape = e.input_shapes[1] if len(e.input_shapes) > 1 else []
-            dtypes = getattr(e, "input_dtypes", None) or []  # not recorded before torch 2.13
+            dtypes = getattr(e, "input_dtypes", None) or []
             dtype = dtypes[1] if len(dtypes) > 1 else "float"
             n = _ELEMENT_BYTES.get(dtype, 4) * math.prod(shape)
         else:
             n = max(0, e.cpu_memory_usage)
+            bound = _input_bytes(e)
+            if bound is not None:
+                n = min(n, bound * (2 if e.name == "aten::_to_copy" else 1))
         copied += n
         cast += n if e.name == "aten::_to_copy" else 0
         other += n if e.thread != compute else 0
