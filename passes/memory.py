@@ -120,9 +120,12 @@ def peak_memory(graph, include_inputs: bool = True) -> tuple[int, fx.Node | None
     return timeline[i], list(g.nodes)[i]
 
 
-def distinct_bytes(graph, nodes) -> int:
+def distinct_bytes(graph, nodes, include_inputs: bool = True) -> int:
     """Bytes of the distinct buffers the values of ``nodes`` (nodes of ``graph``) live in: a
     value and its aliases count once. What a forward graph hands to backward is such a set:
-    the partitioner may save a collective's result and its ``wait_tensor`` both, one buffer."""
-    *_, size, _, refs = _liveness(_graph(graph))
-    return sum(size[k] for k in set().union(*(refs.get(n, set()) for n in nodes)))
+    the partitioner may save a collective's result and its ``wait_tensor`` both, one buffer.
+    Without ``include_inputs``, the graph's inputs (placeholders, and views of them) are left
+    out: their owner holds them whether or not backward reads them."""
+    *_, size, is_input, refs = _liveness(_graph(graph))
+    keys = set().union(*(refs.get(n, set()) for n in nodes))
+    return sum(size[k] for k in keys if include_inputs or not is_input[k])

@@ -202,7 +202,7 @@ def test_tiny_bench_runs_end_to_end(tmp_path, capsys):
     out = tmp_path / "r.json"
     assert bench.main(["--flavor", "debug", "--seq-len", "32", "--warmup", "1", "--steps", "2",
                        "--reps", "1", "--json", str(out), "--variants", "compute_floor",
-                       "ss_aot_eager_blockbucketing"]) == 0
+                       "ss_aot_eager_blockbucketing", "ss_ragged_aot_eager_blockbucketing"]) == 0
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
     assert not any("error" in r for r in rows.values()), rows
     assert rows["compute_floor"]["collectives_per_step"] == 0
@@ -221,6 +221,13 @@ def test_tiny_bench_runs_end_to_end(tmp_path, capsys):
     block = rows["ss_aot_eager_blockbucketing"]
     assert 30 < block["peak_mem_mb"] < 200 and rows["compute_floor"]["peak_mem_mb"] > 30
     assert 0.75 < block["planned_mb"] / block["peak_mem_mb"] < 1.33, block
+    # the same for ragged buckets (the planner traces the step at that storage): same
+    # collectives, no bucket copies on the compute thread
+    ragged = rows["ss_ragged_aot_eager_blockbucketing"]
+    assert ragged["collectives_per_step"] == 8 + 5 + 8
+    assert ragged["copied_mb"] - ragged["copied_other_mb"] == pytest.approx(
+        rows["compute_floor"]["copied_mb"], abs=0.05)
+    assert 0.75 < ragged["planned_mb"] / ragged["peak_mem_mb"] < 1.33, ragged
     assert "planned_mb" not in rows["compute_floor"]
     assert "| ss_aot_eager_blockbucketing |" in capsys.readouterr().out
 

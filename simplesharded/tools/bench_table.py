@@ -131,31 +131,42 @@ def targets(rows: list[dict]) -> list[str]:
 
 
 # The variants whose step the planner (simplesharded/tools/forecast.py) models without
-# calibration. The autobucketing plan's buckets follow the ranks' calibrated cost model, which
-# the bench's parent process does not hold, so it has no prediction here (`python -m
-# simplesharded.tools.forecast --hardware <calibration file>` gives one).
-FORECAST = ("ss_aot_eager", "ss_aot_eager_blockbucketing")
+# calibration, at either bucket storage. The autobucketing plan's buckets follow the ranks'
+# calibrated cost model, which the bench's parent process does not hold, so it has no
+# prediction here (`python -m simplesharded.tools.forecast --hardware <calibration file>`
+# gives one).
+FORECAST = ("ss_aot_eager", "ss_aot_eager_blockbucketing", "ss_flat_aot_eager_blockbucketing",
+            "ss_ragged_aot_eager_blockbucketing")
 
 
 def forecast_peaks(args: BenchArgs, variants: list[str]) -> dict[str, float]:
     """{variant: per-rank peak MB the planner predicts for it}, for the variants of FORECAST on
-    a CPU mesh without tp, when the trainer knows the model (its config describes the step)."""
-    names = {v: str(ss_backend(v)) for v in variants if v in FORECAST}
-    if not names or args.tp > 1 or args.device != "cpu":
+    a CPU mesh without tp, when the trainer knows the model (its config describes the step):
+    one trace per bucket storage (``--parallelism.flat_buckets``) the variants use."""
+    from simplesharded.tools.bench_variants import flat_buckets_of
+
+    wanted = [v for v in variants if v in FORECAST]
+    if not wanted or args.tp > 1 or args.device != "cpu":
         return {}
     from simplesharded.trainer.config import load_config
     from simplesharded.tools.forecast import predicted_peak_bytes
     from simplesharded.trainer import check_static
-    try:
-        cfg = load_config(None, ["--model.name", args.model, "--model.flavor", args.flavor,
-                                 "--training.global_batch_size", str(args.global_batch),
-                                 "--training.seq_len", str(args.seq_len),
-                                 "--training.dataset_path", "",
-                                 "--activation_checkpoint.mode", "none",
-                                 "--parallelism.context_parallel_degree", str(args.cp)])
-        cfg = check_static(cfg, args.world_size)
-    except ValueError:  # a model the trainer does not build (hf_llama)
-        return {}
-    peaks = predicted_peak_bytes(cfg, args.world_size, sorted(set(names.values())), "local",
-                                 args.n_layers)
-    return {v: peaks[name] / 2**20 for v, name in names.items()}
+    out = {}
+    for storage in sorted({str(flat_buckets_of(v)).lower() for v in wanted}):
+        names = {v: str(ss_backend(v)) for v in wanted
+                 if str(flat_buckets_of(v)).lower() == storage}
+        try:
+            cfg = load_config(None, ["--model.name", args.model, "--model.flavor", args.flavor,
+                                     "--training.global_batch_size", str(args.global_batch),
+                                     "--training.seq_len", str(args.seq_len),
+                                     "--training.dataset_path", "",
+                                     "--activation_checkpoint.mode", "none",
+                                     "--parallelism.context_parallel_degree", str(args.cp),
+                                     "--parallelism.flat_buckets", storage])
+            cfg = check_static(cfg, args.world_size)
+        except ValueError:  # a model the trainer does not build (hf_llama)
+            return {}
+        peaks = predicted_peak_bytes(cfg, args.world_size, sorted(set(names.values())),
+                                     "local", args.n_layers)
+        out.update({v: peaks[name] / 2**20 for v, name in names.items()})
+    return out

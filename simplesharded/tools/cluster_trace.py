@@ -169,7 +169,9 @@ def static_memory(local_numel: int, optimizer: str) -> tuple[int, int, int]:
 def saved_bytes(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule) -> int:
     """Bytes forward hands to backward (backward's placeholders other than primals and
     tangents), each buffer once: the partitioner may save a collective's result and its
-    ``wait_tensor`` both (expert parallelism's all-to-alls), or a tensor and a view of it."""
+    ``wait_tensor`` both (expert parallelism's all-to-alls), or a tensor and a view of it.
+    Forward's own inputs are not counted: a parameter shard saved for backward's re-gather
+    (a ragged bucket's) is in static_memory already."""
     from simplesharded.passes.collectives import tensor_nbytes
     from simplesharded.passes.memory import distinct_bytes
 
@@ -177,7 +179,8 @@ def saved_bytes(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule) -> int:
     forward = {n.name: n for n in fw.graph.nodes}
     saved = [n for n in bw.graph.nodes if n.op == "placeholder"
              and not n.name.startswith(("primals", "tangents"))]
-    return distinct_bytes(fw, [forward[n.name] for n in saved if n.name in forward]) + \
+    return distinct_bytes(fw, [forward[n.name] for n in saved if n.name in forward],
+                          include_inputs=False) + \
         sum(tensor_nbytes(n) for n in saved if n.name not in forward)
 
 
