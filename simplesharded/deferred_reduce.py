@@ -19,7 +19,9 @@ Per parameter the result is the reduction the sync backward would run: the same 
 (``reduce_dtype``, else the gathered dtype), the same scaling (``grad_reduction="avg"``),
 added to a ``.grad`` already there.
 Placements the flat layout does not cover (a parameter sharded over two dp dims) are reduced
-one by one through DTensor.
+one by one through DTensor. A ragged bucket (simplesharded/ragged_shards.py) accumulates its
+gathered buffer's gradient in one leaf, reduced as its sync backward would reduce it: one
+reduce-scatter per bucket (and one all-reduce over the replicas under HSDP).
 
 Every rank of a stage must call it at the same point (it runs collectives on the dp groups).
 """
@@ -33,6 +35,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from simplesharded.ragged_shards import bucket_fqns
 from simplesharded.sharded_state import ShardedParam, sharded_state
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -59,6 +62,11 @@ def reduce_accumulated(model: nn.Module) -> int:
         kind = _kind(placements)
         groups[(id(mesh), kind, rdt)].append((mesh, placements, shard, param, leaf))
     issued = 0
+    for bucket, _ in bucket_fqns(model):  # a ragged bucket: one leaf for its gathered buffer
+        leaf = sync.acc.get(bucket.name)
+        if bucket.grad_sync is sync and leaf is not None and leaf.grad is not None:
+            issued += bucket.reduce_accumulated(leaf.grad)
+            leaf.grad = None
     for (_, kind, rdt), members in groups.items():
         if kind is None:
             for mesh, placements, shard, param, leaf in members:

@@ -76,11 +76,7 @@ def _held(param: ShardedParam) -> torch.Tensor | None:
     """The full tensor gathered once for several forwards (simplesharded/gather_once.py), if
     any: its gradient reaches the accumulators only, so sync must be off."""
     sync = param.spec.grad_sync
-    held = sync.held.get(param.fqn) if sync is not None else None
-    if held is not None and sync.sync and torch.is_grad_enabled():
-        raise RuntimeError(f"{param.fqn} is held gathered (gather_once) while gradient sync "
-                           f"is on: its gradient would never be reduced")
-    return held
+    return sync.held_for(param.fqn) if sync is not None else None
 
 
 def _gathered(shard: DTensor, param: ShardedParam) -> torch.Tensor:

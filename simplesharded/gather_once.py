@@ -16,7 +16,9 @@ mesh, a plain shard on its innermost dim, replicated on the others; the same dty
 rank's chunks, padded to the largest chunk as DTensor pads an uneven shard, are laid out in one
 flat buffer and all-gathered over the shard dim; a replicated dim needs no communication (every
 replica holds the same chunk). Placements the flat layout does not cover (a parameter sharded
-over two dp dims) are gathered one by one through DTensor.
+over two dp dims) are gathered one by one through DTensor. A ragged bucket
+(simplesharded/ragged_shards.py) is its own collective: its ``[L]`` gathered into the ``[w·L]``
+its members are views of, held under the bucket's name.
 
 Memory: the held parameters, unsharded, from the first forward to the release, on top of the
 unsharded gradients that reducing once costs. Every rank of the dp groups must call both at the
@@ -32,7 +34,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from simplesharded.deferred_reduce import _dp_view, _kind
-from simplesharded.ragged_shards import reject_ragged
+from simplesharded.ragged_shards import bucket_fqns
 from simplesharded.sharded_state import sharded_state
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -49,8 +51,12 @@ def _sync_of(model: nn.Module):
 def gather_held(model: nn.Module) -> int:
     """Gather every sharded parameter of ``model`` (a ``data_parallel`` root or its compiled
     wrapper) into its held tensors (module doc). Returns how many collectives it issued."""
-    reject_ragged(model, "gather_held")
     model, sync = _sync_of(model)
+    issued = 0
+    for bucket, _ in bucket_fqns(model):  # a ragged bucket: its gathered buffer, held whole
+        if bucket.grad_sync is sync and bucket.name not in sync.held:
+            sync.held[bucket.name] = _gather_bucket(bucket)
+            issued += 1
     buckets: dict[tuple, list] = defaultdict(list)
     for param, shard in sync.sharded_params(model):
         if param.fqn in sync.held:
@@ -59,7 +65,6 @@ def gather_held(model: nn.Module) -> int:
         mesh, placements = _dp_view(shard, param)
         dtype = param.spec.param_dtype or shard.dtype
         buckets[(id(mesh), _kind(placements), dtype)].append((mesh, placements, shard, param))
-    issued = 0
     with torch.no_grad():
         for (_, kind, dtype), members in buckets.items():
             if kind is not None and kind[0] == "shard":
@@ -72,6 +77,17 @@ def gather_held(model: nn.Module) -> int:
                     full = full.redistribute(mesh, (Replicate(),) * mesh.ndim)
                 sync.held[param.fqn] = full.to_local().contiguous()
     return issued
+
+
+def _gather_bucket(bucket) -> torch.Tensor:
+    """A ragged bucket gathered, ``[w·L]`` in its gather dtype: one all-gather over its shard
+    dim (replicas hold the same range)."""
+    with torch.no_grad():
+        local = bucket.param.to_local()
+        local = local.to(bucket.precision.gather_dtype or local.dtype)
+        full = local.new_empty(bucket.layout.total)
+        _all_gather(full, local, group=bucket.dp_mesh.get_group(bucket.dim))
+    return full
 
 
 def release_held(model: nn.Module) -> None:

@@ -105,6 +105,16 @@ class _GradSync:
         pending = self.pending.pop(fqn, None)
         return local if pending is None else _AddGrad.apply(local, pending)
 
+    def held_for(self, key: str) -> torch.Tensor | None:
+        """The full tensor gathered once for several forwards under ``key`` (an FQN, or a
+        ragged bucket's name; simplesharded/gather_once.py), if any: its gradient reaches the
+        accumulators only, so sync must be off."""
+        held = self.held.get(key)
+        if held is not None and self.sync and torch.is_grad_enabled():
+            raise RuntimeError(f"{key} is held gathered (gather_once) while gradient sync "
+                               f"is on: its gradient would never be reduced")
+        return held
+
     def sharded_params(self, model: nn.Module) -> Iterator[tuple]:
         """(param, shard) of every sharded parameter of ``model`` under this sync, in module
         order (a tied parameter once per module that holds it)."""

@@ -134,7 +134,6 @@ class RaggedLayout:
             raise ValueError(f"RaggedLayout.gather: local has shape {tuple(local.shape)}, "
                              f"expected ({self.shard_numel},)")
         annotation = annotation or {}
-        sizes, index = self.split_sizes()
         # the split and views annotated too: they are the gather's chain, which the recompute
         # pass redoes in backward with the gather (passes/recompute.py)
         with fx_traceback.annotate(annotation):
@@ -143,8 +142,13 @@ class RaggedLayout:
                                  precision or Precision(), replicas)
             if route is not None:
                 full = route(full)
-            pieces = full.split(sizes)
-            return [pieces[j].view(s) for j, s in zip(index, self.shapes)]
+            return self.views(full)
+
+    def views(self, full: torch.Tensor) -> list[torch.Tensor]:
+        """Every parameter of the bucket as a view of ``full``, a gathered ``[w·L]``."""
+        sizes, index = self.split_sizes()
+        pieces = full.split(sizes)
+        return [pieces[j].view(s) for j, s in zip(index, self.shapes)]
 
 
 @dataclass(frozen=True)
@@ -176,19 +180,29 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        precision, scale = ctx.precision, ctx.grad_scale
         with fx_traceback.annotate(ctx.annotation):
-            if precision.scale_first and scale != 1.0:
-                grad = grad * scale
-            grad = grad.to(precision.reduce_dtype or ctx.dtype).contiguous()
-            out = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(
-                grad, "sum", ctx.world, ctx.group_name))
-            if ctx.replicas is not None:
-                out = _c10d.wait_tensor(_c10d.all_reduce(out, "sum", ctx.replicas))
-            out = out.to(ctx.dtype)
-            if not precision.scale_first and scale != 1.0:
-                out = out * scale
+            out = reduce_gathered(grad, ctx.world, ctx.group_name, ctx.dtype, ctx.grad_scale,
+                                  ctx.precision, ctx.replicas)
             return out, None, None, None, None, None, None
+
+
+def reduce_gathered(grad: torch.Tensor, world: int, group_name: str, dtype: torch.dtype,
+                    grad_scale: float, precision: Precision, replicas: str | None
+                    ) -> torch.Tensor:
+    """This rank's ``[L]`` of the gradient of a gathered ``[w·L]`` buffer: the reduce-scatter
+    (sum) over ``group_name``, all-reduced over ``replicas`` (HSDP), in ``dtype``, scaled by
+    ``grad_scale`` before or after the sum as ``precision`` says. The gather's backward, and a
+    pipeline stage's deferred reduction of a bucket's accumulated gradient."""
+    if precision.scale_first and grad_scale != 1.0:
+        grad = grad * grad_scale
+    grad = grad.to(precision.reduce_dtype or dtype).contiguous()
+    out = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(grad, "sum", world, group_name))
+    if replicas is not None:
+        out = _c10d.wait_tensor(_c10d.all_reduce(out, "sum", replicas))
+    out = out.to(dtype)
+    if not precision.scale_first and grad_scale != 1.0:
+        out = out * grad_scale
+    return out
 
 
 def to_ragged(locals_: list[torch.Tensor], layout: RaggedLayout,

@@ -36,9 +36,10 @@ parameters, and experts sharded on dim 1, keep today's path. ``init_sharded`` ru
 per-parameter shards (:func:`members_as_shards`), so a model built on the meta device takes
 ragged buckets too. Mixed precision: the cast of a bucket's ``[L]`` to the gather's dtype is
 its only copy-in. Gradient-sync control (``no_gradient_sync``) runs per bucket: its gathered
-buffer's gradient is what is deferred and added back; ``compile_step`` steps a bucket as any
-parameter. Not taken yet (a clear error): ``gather_once``. Eager, a gathered bucket stays alive
-until backward (no eager resharding).
+buffer's gradient is what is deferred and added back, or reduced once by a pipeline stage
+(simplesharded/deferred_reduce.py); ``gather_once`` holds the gathered buffer itself;
+``compile_step`` steps a bucket as any parameter. Eager, a gathered bucket stays alive until
+backward (no eager resharding).
 
 Invariant: a bucket's members, order and layout depend only on the module tree and the
 parameters' global shapes, so they are the same on every rank.
@@ -58,7 +59,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from simplesharded.layout import _contiguous_stride, _MPLayout
 from simplesharded.passes.annotations import (BLOCK_KEY, BUCKET_PARAMS_KEY, DP_GROUPS_KEY,
                                              PARAM_KEY, RAGGED_KEY, RESHARD_KEY)
-from simplesharded.ragged import Precision, RaggedLayout, from_ragged, shard0_rows, to_ragged
+from simplesharded.ragged import (Precision, RaggedLayout, from_ragged, reduce_gathered,
+                                  shard0_rows, to_ragged)
 from simplesharded.sharded_state import sharded_state
 
 if TYPE_CHECKING:
@@ -143,7 +145,12 @@ class RaggedShards:
         shard is re-wrapped as its module's DTensor, outside the bucket's annotation."""
         scope = self.scope
         views = scope.flat_pieces.get(self.name) if scope.active else None
-        if views is None:
+        held = self.grad_sync.held_for(self.name) if self.grad_sync is not None else None
+        if views is None and held is not None:  # gathered once for several forwards
+            views = self.layout.views(self._route(held))
+            if scope.active:
+                scope.flat_pieces[self.name] = views
+        elif views is None:
             views = self.layout.gather(self.param.to_local(), self.group_name, self.grad_scale,
                                        self.annotation, self.precision, self.replicas,
                                        self._route if self.grad_sync is not None else None)
@@ -164,6 +171,15 @@ class RaggedShards:
         bucket's dtype (simplesharded/grad_sync.py)."""
         zero = torch.zeros((), dtype=self.param.dtype, device=self.param.device)
         return zero.expand(self.layout.total).requires_grad_()
+
+    def reduce_accumulated(self, full: torch.Tensor) -> int:
+        """Reduce ``full`` (a no-sync accumulator's gradient of the gathered buffer) as a sync
+        backward would and add it to the bucket's ``.grad``; returns the collectives issued."""
+        out = reduce_gathered(full, self.layout.world, self.group_name, self.param.dtype,
+                              self.grad_scale, self.precision, self.replicas)
+        grad = self._dtensor(out)
+        self.param.grad = grad if self.param.grad is None else self.param.grad + grad
+        return 1 + (self.replicas is not None)
 
     def member_shards(self, value: DTensor | None = None) -> list[DTensor]:
         """Each member's DTensor as without ragged storage (its placements and shape),
@@ -217,6 +233,21 @@ def attach_state_dict_hooks(owner: nn.Module, buckets: list[RaggedShards],
     setattr(owner, _ATTR, _OwnedBuckets(buckets, order))
     owner.register_state_dict_post_hook(_save_members)
     owner.register_load_state_dict_pre_hook(_load_members)
+
+
+def share_owned_buckets(dst: nn.Module, src: nn.Module) -> None:
+    """Make ``dst``, a module holding ``src``'s parameters under the same names (a pipeline
+    rank's merged view of its stages, simplesharded/stage_split.py), convert the buckets
+    ``src`` owns in its own ``state_dict`` and ``load_state_dict`` too."""
+    owned = getattr(src, _ATTR, None)
+    if owned is None:
+        return
+    mine = getattr(dst, _ATTR, None)
+    if mine is None:
+        attach_state_dict_hooks(dst, list(owned.buckets), list(owned.order))
+        return
+    mine.buckets += [b for b in owned.buckets if b not in mine.buckets]
+    mine.order += [k for k in owned.order if k not in mine.order]
 
 
 def _save_members(module, state_dict, prefix, local_metadata) -> None:
@@ -339,11 +370,3 @@ def _entries(state: dict, fqn: str) -> list[tuple[str, str]]:
         found += [(section, k[len(head):]) for k in state
                   if k.startswith(head) and "." not in k[len(head):]]
     return sorted(found)
-
-
-def reject_ragged(model: nn.Module, what: str) -> None:
-    """Raise for ``what``, a feature that does not take ragged buckets yet, if ``model`` (a
-    ``data_parallel`` root or its compiled wrapper) has any (a bucket's owner is marked)."""
-    if any(hasattr(m, _ATTR) for m in getattr(model, "_orig_mod", model).modules()):
-        raise ValueError(f"{what} does not take data_parallel(..., "
-                         "flat_buckets='ragged') yet; use flat_buckets=True")

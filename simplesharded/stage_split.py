@@ -30,6 +30,7 @@ from typing import Sequence
 from torch import nn
 
 from simplesharded.blocks import BlockSpec, find_blocks
+from simplesharded.ragged_shards import share_owned_buckets
 
 
 @dataclass(frozen=True)
@@ -192,9 +193,14 @@ def merged_view(stages: Sequence[nn.Module]) -> nn.Module:
 
 
 def _merge(dst: nn.Module, src: nn.Module) -> None:
+    share_owned_buckets(dst, src)  # a stage root's ragged buckets convert in the view too
     for name, p in src._parameters.items():
-        if p is not None:
-            dst._parameters.setdefault(name, p)
+        if p is None:
+            continue
+        if dst._parameters.setdefault(name, p) is not p:
+            # two stages' own parameters under one name: the view would drop one of them
+            raise ValueError(f"pipeline stages on one rank both hold a parameter named "
+                             f"{name!r}; they cannot share a merged view")
     for name, b in src._buffers.items():
         if b is not None and name not in src._non_persistent_buffers_set:
             dst._buffers.setdefault(name, b)

@@ -184,7 +184,7 @@ class Parallelism:
         "false", "keep each bucket's parameter shards in one buffer: true = the bucketed "
         "all-gather reads it as it is and gradients land in the reduce-scatter's output; "
         "ragged = each gathered parameter is also a view of the gathered buffer (no copy-out; "
-        "FSDP and HSDP, with or without TP, EP and CP: no PP yet). Fewer copies; checkpoints "
+        "FSDP and HSDP, with or without TP, EP, CP and PP). Fewer copies; checkpoints "
         "unchanged (see docs/zero_copy.md)", ("false", "true", "ragged"))
     pipeline_parallel_degree: int = _opt(
         1, "pipeline stages over this many rank groups (outermost mesh dim, pp); the other "
@@ -628,12 +628,12 @@ def _check_pipeline(cfg: Config) -> None:
                          f"every stage at least one block")
     if pp == 1:
         return
-    if p.flat_buckets != "false":
+    if p.flat_buckets == "true":
         # a stage's deferred reductions (pipeline_fsdp_policy) write .grad themselves,
-        # untested with a flat bucket's leaf
+        # untested with a flat bucket's leaf (ragged buckets reduce their own)
         raise ValueError(f"parallelism.flat_buckets={p.flat_buckets!r} with "
                          f"pipeline_parallel_degree={pp} is not supported yet; set "
-                         f"flat_buckets=false")
+                         f"flat_buckets=false or ragged")
     stages = pipeline_stages(p)
     per_rank, fixed = PIPELINE_SCHEDULES[name]
     if stages % pp or (fixed and stages != per_rank * pp):
@@ -645,8 +645,8 @@ def _check_pipeline(cfg: Config) -> None:
 
 def _check_ragged(cfg: Config) -> None:
     """flat_buckets=ragged (simplesharded/ragged_shards.py) takes fully_shard and hybrid_shard,
-    with or without tensor, expert and context parallelism (pipeline stages:
-    _check_pipeline): what it does not take is one error naming the setting."""
+    with or without tensor, expert, context and pipeline parallelism: what it does not take is
+    one error naming the setting."""
     p = cfg.parallelism
     if p.flat_buckets == "ragged" and p.mode == "replicate":
         raise ValueError("parallelism.flat_buckets='ragged' needs parallelism.mode "
