@@ -86,7 +86,7 @@ def _gather_bucket(bucket) -> torch.Tensor:
         local = bucket.param.to_local()
         local = local.to(bucket.precision.gather_dtype or local.dtype)
         full = local.new_empty(bucket.layout.total)
-        _all_gather(full, local, group=bucket.dp_mesh.get_group(bucket.dim))
+        _all_gather(full, local, group=bucket.shard_group())
     return full
 
 

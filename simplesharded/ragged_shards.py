@@ -124,7 +124,7 @@ class RaggedShards:
         copies = math.prod(self.mesh.size(dp_dims + i) for i, p in enumerate(rest)
                            if p.is_shard())
         self.shape = (self.layout.total * copies,)  # the bucket's global shape
-        local = to_ragged([s.to_local() for s in shards], self.layout, self._group())
+        local = to_ragged([s.to_local() for s in shards], self.layout, self.shard_group())
         self.param = nn.Parameter(self._dtensor(local))
         self.annotation = {PARAM_KEY: self.fqns[0], BUCKET_PARAMS_KEY: list(self.fqns),
                            DP_GROUPS_KEY: dp_groups, RESHARD_KEY: reshard, RAGGED_KEY: name}
@@ -132,7 +132,8 @@ class RaggedShards:
             self.annotation[BLOCK_KEY] = block
         owner.register_parameter(attr, self.param)
 
-    def _group(self):
+    def shard_group(self):
+        """The process group of the dp dim the bucket is cut over."""
         return self.dp_mesh.get_group(self.dim)
 
     def _dtensor(self, local: torch.Tensor) -> DTensor:
@@ -186,7 +187,7 @@ class RaggedShards:
         converted from the bucket, or from ``value`` laid out as the bucket (an optimizer
         state of it): a collective."""
         value = self.param.detach() if value is None else value
-        locals_ = from_ragged(value.to_local(), self.layout, self._group())
+        locals_ = from_ragged(value.to_local(), self.layout, self.shard_group())
         return [DTensor.from_local(t, self.mesh, placements, run_check=False, shape=shape,
                                    stride=_contiguous_stride(shape))
                 for t, placements, shape in zip(locals_, self.member_placements,
@@ -212,7 +213,7 @@ class RaggedShards:
                 start, stop = shard0_rows(v.shape[0], world, me)
                 v = v[start:stop]
             locals_.append(v.to(device=self.param.device, dtype=self.param.dtype))
-        return self._dtensor(to_ragged(locals_, self.layout, self._group()))
+        return self._dtensor(to_ragged(locals_, self.layout, self.shard_group()))
 
 
 _ATTR = "_simplesharded_ragged"  # on a bucket's owner: its buckets and its state_dict order
