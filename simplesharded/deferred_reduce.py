@@ -35,7 +35,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from simplesharded.ragged_shards import bucket_fqns
 from simplesharded.sharded_state import ShardedParam, sharded_state
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -62,9 +61,9 @@ def reduce_accumulated(model: nn.Module) -> int:
         kind = _kind(placements)
         groups[(id(mesh), kind, rdt)].append((mesh, placements, shard, param, leaf))
     issued = 0
-    for bucket, _ in bucket_fqns(model):  # a ragged bucket: one leaf for its gathered buffer
+    for bucket in sync.ragged_buckets(model):  # one leaf for its gathered buffer
         leaf = sync.acc.get(bucket.name)
-        if bucket.grad_sync is sync and leaf is not None and leaf.grad is not None:
+        if leaf is not None and leaf.grad is not None:
             issued += bucket.reduce_accumulated(leaf.grad)
             leaf.grad = None
     for (_, kind, rdt), members in groups.items():

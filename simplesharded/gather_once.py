@@ -34,7 +34,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from simplesharded.deferred_reduce import _dp_view, _kind
-from simplesharded.ragged_shards import bucket_fqns
 from simplesharded.sharded_state import sharded_state
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -53,8 +52,8 @@ def gather_held(model: nn.Module) -> int:
     wrapper) into its held tensors (module doc). Returns how many collectives it issued."""
     model, sync = _sync_of(model)
     issued = 0
-    for bucket, _ in bucket_fqns(model):  # a ragged bucket: its gathered buffer, held whole
-        if bucket.grad_sync is sync and bucket.name not in sync.held:
+    for bucket in sync.ragged_buckets(model):  # its gathered buffer, held whole
+        if bucket.name not in sync.held:
             sync.held[bucket.name] = _gather_bucket(bucket)
             issued += 1
     buckets: dict[tuple, list] = defaultdict(list)

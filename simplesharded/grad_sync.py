@@ -122,6 +122,13 @@ class _GradSync:
             if param.spec.grad_sync is self:
                 yield param, shard
 
+    def ragged_buckets(self, model: nn.Module) -> Iterator:
+        """Every ragged bucket of ``model`` under this sync (simplesharded/ragged_shards.py),
+        in module order."""
+        for bucket, _ in bucket_fqns(model):
+            if bucket.grad_sync is self:
+                yield bucket
+
     def make_accumulators(self, model: nn.Module) -> None:
         for param, shard in self.sharded_params(model):
             if param.fqn in self.acc or not shard.requires_grad:
@@ -130,8 +137,8 @@ class _GradSync:
             shape = mp.local_shape if mp is not None else shard.shape
             zero = torch.zeros((), dtype=shard.dtype, device=shard.device)
             self.acc[param.fqn] = zero.expand(shape).requires_grad_()
-        for bucket, _ in bucket_fqns(model):  # ragged buckets: one leaf per gathered buffer
-            if bucket.grad_sync is self and bucket.name not in self.acc:
+        for bucket in self.ragged_buckets(model):  # one leaf per gathered buffer
+            if bucket.name not in self.acc:
                 self.acc[bucket.name] = bucket.accumulator()
 
     def take_accumulated(self) -> None:

@@ -146,15 +146,15 @@ class RaggedShards:
         shard is re-wrapped as its module's DTensor, outside the bucket's annotation."""
         scope = self.scope
         views = scope.flat_pieces.get(self.name) if scope.active else None
-        held = self.grad_sync.held_for(self.name) if self.grad_sync is not None else None
-        if views is None and held is not None:  # gathered once for several forwards
-            views = self.layout.views(self._route(held))
-            if scope.active:
-                scope.flat_pieces[self.name] = views
-        elif views is None:
-            views = self.layout.gather(self.param.to_local(), self.group_name, self.grad_scale,
-                                       self.annotation, self.precision, self.replicas,
-                                       self._route if self.grad_sync is not None else None)
+        if views is None:
+            held = self.grad_sync.held_for(self.name) if self.grad_sync is not None else None
+            if held is not None:  # gathered once for several forwards
+                views = self.layout.views(self._route(held))
+            else:
+                views = self.layout.gather(self.param.to_local(), self.group_name,
+                                           self.grad_scale, self.annotation, self.precision,
+                                           self.replicas,
+                                           self._route if self.grad_sync is not None else None)
             if scope.active:
                 scope.flat_pieces[self.name] = views
         mp = self.mp[index]

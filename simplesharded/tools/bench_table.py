@@ -151,10 +151,11 @@ def forecast_peaks(args: BenchArgs, variants: list[str]) -> dict[str, float]:
     from simplesharded.trainer.config import load_config
     from simplesharded.tools.forecast import predicted_peak_bytes
     from simplesharded.trainer import check_static
+    by_storage: dict[str, dict[str, str]] = {}  # the trainer's flat_buckets value → variants
+    for v in wanted:
+        by_storage.setdefault(str(flat_buckets_of(v)).lower(), {})[v] = str(ss_backend(v))
     out = {}
-    for storage in sorted({str(flat_buckets_of(v)).lower() for v in wanted}):
-        names = {v: str(ss_backend(v)) for v in wanted
-                 if str(flat_buckets_of(v)).lower() == storage}
+    for storage, names in sorted(by_storage.items()):
         try:
             cfg = load_config(None, ["--model.name", args.model, "--model.flavor", args.flavor,
                                      "--training.global_batch_size", str(args.global_batch),
