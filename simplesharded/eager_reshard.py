@@ -14,12 +14,19 @@ autograd engine runs the node that saved the tensor, and the engine orders nodes
 alone (dependencies, then creation order); every rank built the same graph by running the
 same forward, and the reduce-scatters of the gradients are issued from those same nodes.
 
+A ragged bucket (simplesharded/ragged_shards.py) is one gather whose members are views of
+it: its tensors saved in forward are packed as views of the bucket, and backward gathers the
+bucket once, at the first unpack of one of them, and drops it at the last (FSDP2's unit:
+a block's parameters are gathered for the block's backward).
+
 ``keep`` (``reshard_after_forward="auto"``) saves the tensor itself: the compiled plans'
 rule (passes/recompute.py), read per module: a parameter read in the last block, or outside
 every block after a block has run, stays gathered for backward, which needs it first. A tied
 parameter is decided by its latest read (the compiled plan's "last use").
 """
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
@@ -29,21 +36,40 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from simplesharded.gather import _GatherScope, regather
 from simplesharded.sharded_state import sharded_state
 
+if TYPE_CHECKING:
+    from simplesharded.ragged_shards import RaggedShards
+
 
 class _Gathered:
-    """One eager gather whose full tensor autograd may save: how to gather it again."""
+    """One eager gather whose full tensor autograd may save: how to gather it again.
+    ``shared`` (a ragged bucket, whose members are saved separately): backward's re-gather
+    is held from the first unpack of a tensor saved from it to the last."""
 
-    __slots__ = ("module", "name", "storage", "nbytes", "dtype", "keep")
+    __slots__ = ("again", "label", "storage", "nbytes", "dtype", "keep", "shared", "packs",
+                 "left", "held")
 
-    def __init__(self, module: nn.Module, name: str, local: torch.Tensor, keep: bool):
-        self.module, self.name, self.keep = module, name, keep
+    def __init__(self, again: Callable[[], torch.Tensor], label: str, local: torch.Tensor,
+                 keep: bool, shared: bool):
+        self.again, self.label, self.keep, self.shared = again, label, keep, shared
         self.storage = StorageWeakRef(local.untyped_storage())
         self.nbytes = local.untyped_storage().nbytes()
         self.dtype = local.dtype
+        self.packs = self.left = 0  # tensors packed as views of it; of those, not unpacked
+        self.held: torch.Tensor | None = None
 
     def gather(self) -> torch.Tensor:
-        with torch.no_grad():
-            return regather(self.module, self.name)
+        if not self.shared:
+            with torch.no_grad():
+                return self.again()
+        if self.held is None:
+            with torch.no_grad():
+                self.held = self.again()
+            self.left = self.packs
+        full = self.held
+        self.left -= 1
+        if self.left <= 0:  # the last saved view unpacked (each is unpacked once per backward)
+            self.held = None
+        return full
 
 
 class _Packed:
@@ -80,7 +106,16 @@ class _EagerReshard:
         local = _local(full)
         if local is None or local.numel() == 0:
             return  # nothing to free (or a layout we do not rebuild): autograd keeps it
-        block = sharded_state(module).read_block
+        state = sharded_state(module)
+        self._note(local, state.read_block, state.params[name].fqn,
+                   lambda: regather(module, name), shared=False)
+
+    def note_bucket(self, bucket: RaggedShards, member: torch.Tensor) -> None:
+        """Ragged ``bucket`` was gathered; ``member`` is one of its views (the storage of all)."""
+        self._note(member, bucket.block, bucket.name, bucket.regather, shared=True)
+
+    def _note(self, local: torch.Tensor, block: str | None, label: str,
+              again: Callable[[], torch.Tensor], shared: bool) -> None:
         self.seen_block = self.seen_block or block is not None
         keep = False
         if self.scope.reshard_after_forward == "auto" and self.scope.last_block is not None:
@@ -90,7 +125,7 @@ class _EagerReshard:
         if known is not None and not known.storage.expired():
             known.keep = keep  # the same gathered tensor read again: its latest read decides
         else:
-            self.by_storage[ptr] = _Gathered(module, name, local, keep)
+            self.by_storage[ptr] = _Gathered(again, label, local, keep, shared)
 
     def pack(self, t: torch.Tensor):
         source, local = None, _local(t)
@@ -110,6 +145,7 @@ class _EagerReshard:
             return t.detach(), t._version
         dtensor = (t.device_mesh, t.placements, t.shape, t.stride()) if type(t) is DTensor \
             else None
+        source.packs += 1
         return _Packed(source, local, dtensor)
 
     @staticmethod
@@ -125,9 +161,8 @@ class _EagerReshard:
         full = packed.source.gather()
         local = _local(full)
         if local is None or local.untyped_storage().nbytes() != packed.source.nbytes:
-            fqn = sharded_state(packed.source.module).params[packed.source.name].fqn
-            raise RuntimeError(
-                f"re-gathering {fqn} for backward gave a different layout than in forward")
+            raise RuntimeError(f"re-gathering {packed.source.label} for backward gave a "
+                               f"different layout than in forward")
         with torch.no_grad():
             view = local.as_strided(packed.size, packed.stride, packed.offset)
             if packed.dtensor is None:

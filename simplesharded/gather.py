@@ -207,10 +207,17 @@ class _GatherScope:
         # bucket name → its views: a flat buffer's shards (flat_shards.py) or a ragged bucket's
         # gathered members (ragged_shards.py)
         self.flat_pieces: dict = {}
+        self.eager_bucket: str | None = None  # uncompiled: the ragged bucket cached there
+        # uncompiled, in a backward outside the forward (activation checkpointing's recompute):
+        # (name, shard version, views) of the ragged bucket gathered last (ragged_shards.py)
+        self.backward_views: tuple | None = None
         self.tied: set[str] = set()  # FQNs of parameters held by more than one module
         self.reshard_after_forward = reshard_after_forward
         self.last_block = last_block  # the last block in module order (blocks.py), if any
         self.eager: _EagerReshard | None = None  # set during an uncompiled forward with grad
+
+    def drop_backward_views(self) -> None:
+        self.backward_views = None
 
 
 def _sharded_property(name: str) -> property:

@@ -38,8 +38,8 @@ ragged buckets too. Mixed precision: the cast of a bucket's ``[L]`` to the gathe
 its only copy-in. Gradient-sync control (``no_gradient_sync``) runs per bucket: its gathered
 buffer's gradient is what is deferred and added back, or reduced once by a pipeline stage
 (simplesharded/deferred_reduce.py); ``gather_once`` holds the gathered buffer itself;
-``compile_step`` steps a bucket as any parameter. Eager, a gathered bucket stays alive until
-backward (no eager resharding).
+``compile_step`` steps a bucket as any parameter. Eager, a bucket reshards after forward as a
+parameter does (simplesharded/eager_reshard.py): backward gathers it again, once.
 
 Invariant: a bucket's members, order and layout depend only on the module tree and the
 parameters' global shapes, so they are the same on every rank.
@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Iterator
 
 import torch
 from torch import nn
+from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -126,6 +127,7 @@ class RaggedShards:
         self.shape = (self.layout.total * copies,)  # the bucket's global shape
         local = to_ragged([s.to_local() for s in shards], self.layout, self.shard_group())
         self.param = nn.Parameter(self._dtensor(local))
+        self.block = block
         self.annotation = {PARAM_KEY: self.fqns[0], BUCKET_PARAMS_KEY: list(self.fqns),
                            DP_GROUPS_KEY: dp_groups, RESHARD_KEY: reshard, RAGGED_KEY: name}
         if block is not None:
@@ -147,21 +149,56 @@ class RaggedShards:
         scope = self.scope
         views = scope.flat_pieces.get(self.name) if scope.active else None
         if views is None:
-            held = self.grad_sync.held_for(self.name) if self.grad_sync is not None else None
-            if held is not None:  # gathered once for several forwards
-                views = self.layout.views(self._route(held))
-            else:
-                views = self.layout.gather(self.param.to_local(), self.group_name,
-                                           self.grad_scale, self.annotation, self.precision,
-                                           self.replicas,
-                                           self._route if self.grad_sync is not None else None)
-            if scope.active:
-                scope.flat_pieces[self.name] = views
+            views = self._gather(scope)
         mp = self.mp[index]
         if mp is None:
             return views[index]
         return DTensor.from_local(views[index], mp.mesh, (mp.placement,), run_check=False,
                                   shape=mp.shape, stride=mp.stride)
+
+    def _gather(self, scope: _GatherScope) -> list[torch.Tensor]:
+        """The members' views of a new gather (or of the held buffer, or, eager outside the
+        forward, of a gather still alive), cached as ``read`` needs them."""
+        eager = not torch.compiler.is_compiling()
+        if scope.active and eager:
+            # One bucket's views cached at a time, dropped before the next gather: a block's
+            # gather dies when its modules are done with it, as a parameter's does (compiled,
+            # the graph decides what stays alive)
+            scope.flat_pieces.pop(scope.eager_bucket, None)
+            scope.eager_bucket = self.name
+        elif eager and _in_backward():
+            # Outside the forward, inside a backward: torch.utils.checkpoint's recompute reads
+            # each member in turn, so the bucket's last gather there serves them all
+            cached = scope.backward_views
+            if (cached is not None and cached[0] == self.name
+                    and cached[1] == self.param.to_local()._version):
+                return cached[2]
+        held = self.grad_sync.held_for(self.name) if self.grad_sync is not None else None
+        if held is not None:  # gathered once for several forwards
+            views = self.layout.views(self._route(held))
+        else:
+            views = self.layout.gather(self.param.to_local(), self.group_name,
+                                       self.grad_scale, self.annotation, self.precision,
+                                       self.replicas,
+                                       self._route if self.grad_sync is not None else None)
+            if scope.eager is not None and scope.active and eager:
+                scope.eager.note_bucket(self, views[0])  # freed after forward
+            elif eager and not scope.active and _in_backward():
+                # one bucket at a time, dropped at the end of this backward: every rank
+                # drops it at the same point of its program
+                if scope.backward_views is None:
+                    Variable._execution_engine.queue_callback(scope.drop_backward_views)
+                scope.backward_views = (self.name, self.param.to_local()._version, views)
+        if scope.active:
+            scope.flat_pieces[self.name] = views
+        return views
+
+    def regather(self) -> torch.Tensor:
+        """The bucket gathered again, without autograd (eager resharding's re-gather in
+        backward, simplesharded/eager_reshard.py): its first member, whose storage is the
+        whole gathered buffer."""
+        return self.layout.gather(self.param.to_local(), self.group_name,
+                                  annotation=self.annotation, precision=self.precision)[0]
 
     def _route(self, full: torch.Tensor) -> torch.Tensor:
         # gradient-sync control for the whole bucket, keyed by its name (not an FQN)
@@ -214,6 +251,12 @@ class RaggedShards:
                 v = v[start:stop]
             locals_.append(v.to(device=self.param.device, dtype=self.param.dtype))
         return self._dtensor(to_ragged(locals_, self.layout, self.shard_group()))
+
+
+def _in_backward() -> bool:
+    """Whether this thread runs an autograd backward (a torch internal: the engine's
+    current graph task, -1 outside one)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 _ATTR = "_simplesharded_ragged"  # on a bucket's owner: its buckets and its state_dict order

@@ -337,6 +337,7 @@ def _scope_root_forward(model: nn.Module, scope: _GatherScope,
     def forward(self, *args, **kwargs):
         scope.gathered.clear()
         scope.flat_pieces.clear()
+        scope.drop_backward_views()  # left by a backward that raised before its end
         scope.active = True
         hooks = contextlib.nullcontext()
         # Uncompiled with grad: free gathered parameters after forward (_EagerReshard).

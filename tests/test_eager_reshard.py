@@ -10,6 +10,7 @@ layouts a 2-rank run cannot show: hybrid (2-D mesh), TP-composed parameters, bf1
 """
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 
@@ -27,13 +28,16 @@ TIGHT = 1e-6  # eager vs the 1-process reference: only the order of the gradient
 
 
 class GatherRecorder:
-    """Wraps simplesharded.gather.gather_param: counts gathers, tracks the bytes of the
-    gathered storages still alive (now and at their peak)."""
+    """Wraps simplesharded.gather.gather_param and a ragged bucket's gather
+    (``RaggedLayout.gather``): counts gathers, tracks the bytes of the gathered storages still
+    alive (now and at their peak)."""
 
     def __init__(self):
         import simplesharded.gather as gather
+        from simplesharded.ragged import RaggedLayout
 
         self.gather_module, self.inner = gather, gather.gather_param
+        self.layout_cls, self.inner_ragged = RaggedLayout, RaggedLayout.gather
         self.live: list[tuple[StorageWeakRef, int]] = []
         self.calls, self.peak = 0, 0
 
@@ -44,11 +48,19 @@ class GatherRecorder:
 
     def gather(self, *args, **kwargs):
         full = self.inner(*args, **kwargs)
-        storage = self._local(full).untyped_storage()
+        self._record(self._local(full))
+        return full
+
+    def gather_ragged(self, layout, *args, **kwargs):
+        views = self.inner_ragged(layout, *args, **kwargs)
+        self._record(views[0])  # every member is a view of the one gathered buffer
+        return views
+
+    def _record(self, local):
+        storage = local.untyped_storage()
         self.live.append((StorageWeakRef(storage), storage.nbytes()))
         self.calls += 1
         self.peak = max(self.peak, self.live_bytes())
-        return full
 
     def live_bytes(self) -> int:
         return sum(n for ref, n in self.live if not ref.expired())
@@ -69,10 +81,13 @@ class GatherRecorder:
 
     def __enter__(self):
         self.gather_module.gather_param = self.gather
+        recorder = self
+        self.layout_cls.gather = lambda layout, *a, **k: recorder.gather_ragged(layout, *a, **k)
         return self
 
     def __exit__(self, *exc):
         self.gather_module.gather_param = self.inner
+        self.layout_cls.gather = self.inner_ragged
 
 
 def _block_bytes(model) -> list[int]:
@@ -90,9 +105,31 @@ def _step(model, rank):
         held, fw_gathers = rec.settled_bytes(), rec.calls
         loss.backward()
         bw_gathers = rec.calls - fw_gathers
-    grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+    grads = _member_grads(model)
     return dict(held=held, peak=rec.peak, fw=fw_gathers, bw=bw_gathers, grads=grads,
                 loss=loss.item())
+
+
+def _member_grads(model) -> dict:
+    """Every parameter's full gradient by FQN, a ragged bucket's per member (its
+    ``.grad`` converted as ``state_dict()`` converts the bucket)."""
+    from simplesharded.ragged_shards import bucket_fqns
+
+    grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+    for bucket, fqn in bucket_fqns(model):
+        grads.pop(fqn)
+        for member, g in zip(bucket.fqns, bucket.member_shards(bucket.param.grad)):
+            grads[member] = g.full_tensor()
+    return grads
+
+
+def _bucket_bytes(model) -> dict[str, int]:
+    """Gathered bytes of each ragged bucket (fp32), by its unit: a block's FQN, or the root's
+    "pre" and "post" (the parameters before the first block and after the last)."""
+    from simplesharded.ragged_shards import bucket_fqns
+
+    return {bucket.name.split("/")[0]: bucket.layout.total * 4
+            for bucket, _ in bucket_fqns(model)}
 
 
 def eager_job(rank, world):
@@ -107,6 +144,23 @@ def eager_job(rank, world):
             model(toy_blocks.batch(rank)[0])
             out[reshard]["nograd_held"] = rec.settled_bytes()
         out[reshard]["block_bytes"] = _block_bytes(model)
+    # ragged buckets: one gather per block, re-gathered once for the block's backward
+    for reshard in (True, False, "auto"):
+        model = ss.data_parallel(toy_blocks.make_model(), mesh, reshard_after_forward=reshard,
+                                 flat_buckets="ragged")
+        out[("ragged", reshard)] = _step(model, rank)
+        with torch.no_grad(), GatherRecorder() as rec:
+            model(toy_blocks.batch(rank)[0])
+            out[("ragged", reshard)]["nograd_held"] = rec.settled_bytes()
+            out[("ragged", reshard)]["nograd_peak"] = rec.peak
+        out[("ragged", reshard)]["bucket_bytes"] = _bucket_bytes(model)
+    # ragged buckets under torch.utils.checkpoint: the recompute reads each member in turn
+    model = ss.data_parallel(toy_blocks.make_model(), mesh, flat_buckets="ragged")
+    for layer in model.layers:
+        layer.forward = functools.partial(torch.utils.checkpoint.checkpoint,
+                                          type(layer).forward.__get__(layer),
+                                          use_reentrant=False)
+    out["ragged_ac"] = _step(model, rank)
     # bf16 gathers (mixed precision) and a tied parameter (read by two modules, saved twice)
     for name, make, mp in (
             ("bf16", toy_blocks.make_model, ss.MixedPrecisionPolicy(torch.bfloat16)),
@@ -167,6 +221,47 @@ def test_eager_reshard_frees_gathered_params_for_backward():
 
 
 @pytest.mark.slow
+def test_eager_reshard_ragged_buckets():
+    """Ragged buckets reshard as parameters do: True holds no gathered bucket from forward
+    to backward and gathers each block's bucket once more for its backward (not once per
+    saved member); False holds them all; "auto" the last block's and the root's post bucket
+    (final norm, output). In forward, with or without grad, one block's bucket is alive at a
+    time. Under activation checkpointing a block's recompute gathers its bucket once.
+    Gradients: bitwise equal across all, and the one process's."""
+    ref = _reference(2)
+    for r in _run():
+        on, off, auto = (r[("ragged", x)] for x in (True, False, "auto"))
+        units = on["bucket_bytes"]
+        blocks = [u for u in units if u not in ("pre", "post")]
+        assert len(blocks) == toy_blocks.N_LAYERS and "pre" in units, units
+        # the pre bucket is the embedding alone, which backward does not need
+        assert on["held"] == 0, on["held"]
+        assert off["held"] == sum(units[b] for b in blocks) + units["post"], (off["held"], units)
+        assert auto["held"] == units[blocks[-1]] + units["post"], (auto["held"], units)
+        # one bucket per block and the post bucket re-gathered (N + 1), not their members
+        n = toy_blocks.N_LAYERS
+        assert (on["bw"], off["bw"], auto["bw"]) == (n + 1, 0, n - 1)
+        assert on["fw"] == off["fw"] == auto["fw"] == n + 2
+        # at most the bucket being gathered and the one before it: gloo's worker thread
+        # drops its reference to a gather's output a moment after the wait returns (seen:
+        # 1 run in ~5); without the forward's one-bucket cache, all five would be alive
+        biggest = max(units.values())
+        for res in (on, off, auto):
+            assert res["nograd_held"] == 0
+            assert res["nograd_peak"] <= 2 * biggest, (res["nograd_peak"], units)
+        assert on["peak"] <= 2 * biggest, (on["peak"], units)
+        # activation checkpointing: each block's recompute gathers its bucket once (the
+        # members' reads share it, 9 per block); "auto", the default, keeps the post bucket
+        ac = r["ragged_ac"]
+        assert (ac["fw"], ac["bw"]) == (n + 2, n), (ac["fw"], ac["bw"])
+        for name in ref:
+            assert torch.equal(ac["grads"][name], off["grads"][name]), name
+            assert torch.equal(on["grads"][name], off["grads"][name]), name
+            assert torch.equal(auto["grads"][name], off["grads"][name]), name
+            assert max_rel_diff(on["grads"][name], ref[name]) <= TIGHT, name
+
+
+@pytest.mark.slow
 def test_eager_reshard_gradients_bitwise_equal():
     """The re-gathered parameter is the same bits as the forward's gather (a copy of the same
     shards, the same cast), and backward runs the same graph: fp32, bf16 and a tied
@@ -213,19 +308,23 @@ def _fake_case(case: str, reshard):
         parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
         x = torch.randn(4, 8, requires_grad=True)
     else:
-        mesh = build_mesh_for(FAKE_WORLD, case.removesuffix("+flat"))
+        mesh = build_mesh_for(FAKE_WORLD, case.split("+")[0])
         model, x = toy_blocks.make_model(), toy_blocks.batch(0)[0]
-    mode = {"tp": "fully_shard"}.get(case, case.removesuffix("+flat"))
+    mode, _, storage = case.partition("+")
+    mode = {"tp": "fully_shard"}.get(mode, mode)
+    flat = {"": False, "flat": True, "ragged": "ragged"}[storage]
     return ss.data_parallel(model, mesh, mode, mp_policy=mp, reshard_after_forward=reshard,
-                            flat_buckets=case.endswith("+flat")), x
+                            flat_buckets=flat), x
 
 
-@pytest.mark.parametrize("case", ["fully_shard", "hybrid_shard", "hybrid_shard+flat", "tp"])
+@pytest.mark.parametrize("case", ["fully_shard", "hybrid_shard", "hybrid_shard+flat", "tp",
+                                  "hybrid_shard+ragged"])
 def test_eager_reshard_layouts(fake_world, case):
     """Hybrid (2-D dp mesh; also with flat buffers, whose shards are views of an autograd
-    leaf), TP-composed DTensor parameters and bf16 gathers: with reshard
-    no gathered storage outlives forward and every saved one is re-gathered with the same
-    layout (the unpack checks it); without, nothing is re-gathered."""
+    leaf, and with ragged buckets, whose members are views of the bucket's gather),
+    TP-composed DTensor parameters and bf16 gathers: with reshard no gathered storage
+    outlives forward and every saved one is re-gathered with the same layout (the unpack
+    checks it); without, nothing is re-gathered."""
     counts = {}
     for reshard in (True, False):
         model, x = _fake_case(case, reshard)
@@ -243,7 +342,9 @@ def test_eager_reshard_layouts(fake_world, case):
     assert held_on == 0 and held_off > 0 and bw_off == 0, counts
     # toy_blocks: 9 saved weights per block + norm + output; tp: both Linear weights (x
     # requires grad) and the LayerNorm's weight and bias (its autograd node saves both)
-    assert bw_on == {"tp": 4}.get(case, 9 * toy_blocks.N_LAYERS + 2), counts
+    # ragged: one re-gather per block's bucket and the post bucket (norm and output)
+    assert bw_on == {"tp": 4, "hybrid_shard+ragged": toy_blocks.N_LAYERS + 1}.get(
+        case, 9 * toy_blocks.N_LAYERS + 2), counts
 
 
 def test_eager_reshard_hooks_keep_autograd_guarantees(fake_world):

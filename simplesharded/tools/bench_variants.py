@@ -52,8 +52,9 @@ FLAT_DEFAULT = ("ss_flat_aot_eager_blockbucketing", "ss_flat_aot_eager_autobucke
 # ss_step_flat_<backend>: both, the whole step in one graph over flat buffers.
 STEP_FLAT_PREFIX = "ss_step_flat_"
 # ss_ragged_<backend>: data_parallel(..., flat_buckets="ragged"), each bucket in the ragged
-# layout (simplesharded/ragged_shards.py); for the backends that bucket. Named with
-# --variants, not in the default set.
+# layout (simplesharded/ragged_shards.py); for the backends that bucket, and uncompiled
+# (ss_ragged_eager: a bucket is one gather without any pass). Named with --variants, not in
+# the default set.
 RAGGED_PREFIX = "ss_ragged_"
 # ss_step_ragged_<backend>: the whole step in one graph over ragged buckets (not default).
 STEP_RAGGED_PREFIX = "ss_step_ragged_"
@@ -102,7 +103,8 @@ def all_variants() -> list[str]:
             + [f"{STEP_FLAT_PREFIX}{name}" for name in BACKENDS
                if BackendName.parse(name).ours]
             + [f"{prefix}{name}" for prefix in (RAGGED_PREFIX, STEP_RAGGED_PREFIX)
-               for name in BACKENDS if BackendName.parse(name).ours])
+               for name in BACKENDS if BackendName.parse(name).ours]
+            + [f"{RAGGED_PREFIX}eager"])  # uncompiled, each bucket one gather
 
 
 def default_variants(tp: int, cp: int = 1) -> list[str]:
