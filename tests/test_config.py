@@ -348,12 +348,19 @@ def test_gradient_sync_choices():
 
 def test_flat_buckets_takes_a_bool_or_ragged(tmp_path):
     """parallelism.flat_buckets: false, true (a TOML boolean or a bare flag, as when it was a
-    bool) or ragged; data_parallel gets False, True or "ragged"."""
+    bool), ragged, or auto (the default): data_parallel gets False, True or "ragged"; auto
+    is ragged, or False where the mode is replicate (given, or resolved from the degrees)."""
     def storage(path=None, argv=None):
         p = load(path, argv).parallelism
         return p.flat_buckets, p.bucket_storage
 
-    assert storage() == ("false", False)
+    assert storage() == ("auto", "ragged")
+    assert storage(None, ["--parallelism.mode", "hybrid_shard",
+                          "--parallelism.data_parallel_replicate_degree", "2"]) == (
+        "auto", "ragged")
+    assert storage(None, ["--parallelism.mode", "replicate"]) == ("auto", False)
+    assert storage(None, ["--parallelism.data_parallel_replicate_degree", "2",
+                          "--parallelism.data_parallel_shard_degree", "1"]) == ("auto", False)
     assert storage(write(tmp_path, "[parallelism]\nflat_buckets = true\n")) == ("true", True)
     assert storage(write(tmp_path, "[parallelism]\nflat_buckets = 'ragged'\n")) == (
         "ragged", "ragged")
@@ -365,8 +372,8 @@ def test_flat_buckets_takes_a_bool_or_ragged(tmp_path):
                    ["--no-parallelism.flat_buckets"]) == ("false", False)
     with pytest.raises(ValueError) as e:
         load(None, ["--parallelism.flat_buckets", "raged"])
-    assert str(e.value) == ("parallelism.flat_buckets='raged' is not one of ['false', "
-                            "'ragged', 'true']")
+    assert str(e.value) == ("parallelism.flat_buckets='raged' is not one of ['auto', "
+                            "'false', 'ragged', 'true']")
     with pytest.raises(ValueError, match="flat_buckets expects str, got 1"):
         load(write(tmp_path, "[parallelism]\nflat_buckets = 1\n"))
 

@@ -181,11 +181,12 @@ class Parallelism:
         "or auto (the compile plan decides per block; see data_parallel)",
         ("auto", "always", "never"))
     flat_buckets: str = _opt(
-        "false", "keep each bucket's parameter shards in one buffer: true = the bucketed "
+        "auto", "keep each bucket's parameter shards in one buffer: true = the bucketed "
         "all-gather reads it as it is and gradients land in the reduce-scatter's output; "
         "ragged = each gathered parameter is also a view of the gathered buffer (no copy-out; "
-        "FSDP and HSDP, with or without TP, EP, CP and PP). Fewer copies; checkpoints "
-        "unchanged (see docs/zero_copy.md)", ("false", "true", "ragged"))
+        "FSDP and HSDP, with or without TP, EP, CP and PP); false = one shard per parameter; "
+        "auto = ragged, or false under mode replicate. Fewer copies; checkpoints unchanged "
+        "(see docs/zero_copy.md)", ("auto", "false", "true", "ragged"))
     pipeline_parallel_degree: int = _opt(
         1, "pipeline stages over this many rank groups (outermost mesh dim, pp); the other "
         "degrees fill world / pp ranks; 1 = no pipeline")
@@ -213,7 +214,10 @@ class Parallelism:
 
     @property
     def bucket_storage(self) -> bool | str:
-        """The flat_buckets value data_parallel takes."""
+        """The flat_buckets value data_parallel takes; auto: ragged buckets (the fewest
+        copies, docs/zero_copy.md) wherever the mode takes them."""
+        if self.flat_buckets == "auto":
+            return False if self.mode == "replicate" else "ragged"
         return {"false": False, "true": True}.get(self.flat_buckets, self.flat_buckets)
 
     @property
