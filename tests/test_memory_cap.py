@@ -25,7 +25,8 @@ def test_gathered_bytes_stay_within_the_cap_with_kept_blocks(backend, blocks):
     gathered bytes alive in the forward and backward graphs never exceed the cap. Without
     counting the kept parameters and copy-outs, reordering reached 1.25x this cap here.
     At 2.5 blocks' bytes the block plan's "last block and what follows" no longer fits beside
-    one block copied out (2 blocks): only the head is kept."""
+    one block copied out (2 blocks): only the head is kept. One shard per parameter (the
+    storage whose buckets copy out)."""
     from simplesharded.tools import cluster_trace as dry_run
     from simplesharded.trainer.config import load_config
     from simplesharded.models import build_model
@@ -35,7 +36,7 @@ def test_gathered_bytes_stay_within_the_cap_with_kept_blocks(backend, blocks):
     block = sum(v for k, v in sizes.items() if k.startswith("layers.3."))
     cap = int(blocks * block)
     keep = cap // 4 if "auto" in backend else None  # the plan's own budget (AutoPlan: 1/4)
-    cfg = load_config(DEBUG_CONFIG, [])
+    cfg = load_config(DEBUG_CONFIG, ["--parallelism.flat_buckets", "false"])  # copy-outs
     with dry_run.fake_world(2):
         traced = dry_run.trace(cfg, 2, n_layers=4, keep_gathered_bytes=keep,
                                memory_cap_bytes=cap)

@@ -95,9 +95,12 @@ def _traced_counts(world: int, tp: int, hw) -> tuple[dict, dict, int, int]:
     from simplesharded.passes.simulate import simulate
     from simplesharded.trainer import check_static, parallelize
 
+    # one shard per parameter: a block is one bucket with or without TP (ragged buckets keep
+    # a TP block's shards and its replicated norms apart)
     cfg = check_static(load_config(DEBUG_CONFIG, [
         "--activation_checkpoint.mode", "none", "--parallelism.tensor_parallel_degree",
-        str(tp), "--training.global_batch_size", str(world // tp)]), world)
+        str(tp), "--training.global_batch_size", str(world // tp),
+        "--parallelism.flat_buckets", "false"]), world)
     with dry_run.fake_world(world):
         traced = dry_run.trace(cfg, cfg.training.local_batch_size, n_layers=2)
         fw, bw = dry_run.apply_backend_passes(traced, "aot_eager_blockbucketing", "h100-ib400",

@@ -509,7 +509,7 @@ def _trainer_job(rank, world):
     # "step": scope step over flat buffers (simplesharded/flat_shards.py): both flags through
     # the trainer in one compile (flat buffers alone train bitwise as without them:
     # tests/test_bucketing_training.py, tests/test_tp.py)
-    for run, extra in (("model", []),
+    for run, extra in (("model", ["--parallelism.flat_buckets", "false"]),
                        ("step", ["--compile.scope", "step", "--parallelism.flat_buckets"])):
         torch._dynamo.reset()
         cfg = check_static(load_config(None, ["--job.config_file", config, *TRAINER_ARGS,
