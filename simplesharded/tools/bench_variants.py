@@ -53,11 +53,14 @@ FLAT_DEFAULT = ("ss_flat_aot_eager_blockbucketing", "ss_flat_aot_eager_autobucke
 STEP_FLAT_PREFIX = "ss_step_flat_"
 # ss_ragged_<backend>: data_parallel(..., flat_buckets="ragged"), each bucket in the ragged
 # layout (simplesharded/ragged_shards.py); for the backends that bucket, and uncompiled
-# (ss_ragged_eager: a bucket is one gather without any pass). Named with --variants, not in
-# the default set.
+# (ss_ragged_eager: a bucket is one gather without any pass). RAGGED_DEFAULT in the default
+# set, the others named with --variants.
 RAGGED_PREFIX = "ss_ragged_"
 # ss_step_ragged_<backend>: the whole step in one graph over ragged buckets (not default).
 STEP_RAGGED_PREFIX = "ss_step_ragged_"
+# In the default set: what the trainer runs by default (ragged buckets), uncompiled and under
+# its default backend.
+RAGGED_DEFAULT = ("ss_ragged_eager", "ss_ragged_aot_eager_autobucketing")
 
 
 def ss_backend(variant: str):
@@ -118,7 +121,7 @@ def default_variants(tp: int, cp: int = 1) -> list[str]:
     return [v for v in all_variants() if v != "compute_floor_concurrent_compiled"
             and (not is_step_variant(v) or v in STEP_DEFAULT)
             and (not is_flat_variant(v) or v in FLAT_DEFAULT)
-            and not is_ragged_variant(v)]
+            and (not is_ragged_variant(v) or v in RAGGED_DEFAULT)]
 
 
 @dataclass
