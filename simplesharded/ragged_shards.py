@@ -144,7 +144,8 @@ class RaggedShards:
                                   shape=self.shape, stride=(1,))
 
     def read(self, index: int) -> torch.Tensor:
-        """Member ``index``, full: a view of the bucket's gather (one per forward); a TP
+        """Member ``index``, full: a view of the bucket's gather (one per forward; uncompiled,
+        one per run of reads of the bucket, as only the last bucket's views are cached); a TP
         shard is re-wrapped as its module's DTensor, outside the bucket's annotation."""
         scope = self.scope
         views = scope.flat_pieces.get(self.name) if scope.active else None
@@ -157,8 +158,9 @@ class RaggedShards:
                                   shape=mp.shape, stride=mp.stride)
 
     def _gather(self, scope: _GatherScope) -> list[torch.Tensor]:
-        """The members' views of a new gather (or of the held buffer, or, eager outside the
-        forward, of a gather still alive), cached as ``read`` needs them."""
+        """The members' views of a new gather (or of the held buffer; or, uncompiled in a
+        backward outside the forward, of the bucket's gather there), cached as ``read``
+        needs them."""
         eager = not torch.compiler.is_compiling()
         if scope.active and eager:
             # One bucket's views cached at a time, dropped before the next gather: a block's
