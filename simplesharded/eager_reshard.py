@@ -112,7 +112,7 @@ class _EagerReshard:
 
     def note_bucket(self, bucket: RaggedShards, member: torch.Tensor) -> None:
         """Ragged ``bucket`` was gathered; ``member`` is one of its views (the storage of all)."""
-        self._note(member, bucket.block, bucket.name, bucket.regather, shared=True)
+        self._note(member, bucket.block, bucket.name, bucket.gather_whole, shared=True)
 
     def _note(self, local: torch.Tensor, block: str | None, label: str,
               again: Callable[[], torch.Tensor], shared: bool) -> None:

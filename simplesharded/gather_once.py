@@ -54,7 +54,7 @@ def gather_held(model: nn.Module) -> int:
     issued = 0
     for bucket in sync.ragged_buckets(model):  # its gathered buffer, held whole
         if bucket.name not in sync.held:
-            sync.held[bucket.name] = _gather_bucket(bucket)
+            sync.held[bucket.name] = bucket.gather_whole()
             issued += 1
     buckets: dict[tuple, list] = defaultdict(list)
     for param, shard in sync.sharded_params(model):
@@ -76,17 +76,6 @@ def gather_held(model: nn.Module) -> int:
                     full = full.redistribute(mesh, (Replicate(),) * mesh.ndim)
                 sync.held[param.fqn] = full.to_local().contiguous()
     return issued
-
-
-def _gather_bucket(bucket) -> torch.Tensor:
-    """A ragged bucket gathered, ``[w·L]`` in its gather dtype: one all-gather over its shard
-    dim (replicas hold the same range)."""
-    with torch.no_grad():
-        local = bucket.param.to_local()
-        local = local.to(bucket.precision.gather_dtype or local.dtype)
-        full = local.new_empty(bucket.layout.total)
-        _all_gather(full, local, group=bucket.shard_group())
-    return full
 
 
 def release_held(model: nn.Module) -> None:

@@ -174,9 +174,7 @@ class _Gather(torch.autograd.Function):
         ctx.world, ctx.group_name, ctx.dtype = world, group_name, local.dtype
         ctx.replicas = replicas
         ctx.grad_scale, ctx.annotation, ctx.precision = grad_scale, annotation, precision
-        if precision.gather_dtype is not None:
-            local = local.to(precision.gather_dtype)
-        return _c10d.wait_tensor(_c10d.all_gather_into_tensor(local, world, group_name))
+        return gather_buffer(local, world, group_name, precision)
 
     @staticmethod
     def backward(ctx, grad):
@@ -184,6 +182,16 @@ class _Gather(torch.autograd.Function):
             out = reduce_gathered(grad, ctx.world, ctx.group_name, ctx.dtype, ctx.grad_scale,
                                   ctx.precision, ctx.replicas)
             return out, None, None, None, None, None, None
+
+
+def gather_buffer(local: torch.Tensor, world: int, group_name: str,
+                  precision: Precision) -> torch.Tensor:
+    """A bucket's gathered ``[w·L]`` from this rank's ``[L]``: cast to the gather's dtype (the
+    only copy), then one all-gather over ``group_name``. The gather's forward; without
+    autograd, ``gather_once``'s held buffer and eager resharding's re-gather in backward."""
+    if precision.gather_dtype is not None:
+        local = local.to(precision.gather_dtype)
+    return _c10d.wait_tensor(_c10d.all_gather_into_tensor(local, world, group_name))
 
 
 def reduce_gathered(grad: torch.Tensor, world: int, group_name: str, dtype: torch.dtype,

@@ -60,8 +60,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from simplesharded.layout import _contiguous_stride, _MPLayout
 from simplesharded.passes.annotations import (BLOCK_KEY, BUCKET_PARAMS_KEY, DP_GROUPS_KEY,
                                              PARAM_KEY, RAGGED_KEY, RESHARD_KEY)
-from simplesharded.ragged import (Precision, RaggedLayout, from_ragged, reduce_gathered,
-                                  shard0_rows, to_ragged)
+from simplesharded.ragged import (Precision, RaggedLayout, from_ragged, gather_buffer,
+                                  reduce_gathered, shard0_rows, to_ragged)
 from simplesharded.sharded_state import sharded_state
 
 if TYPE_CHECKING:
@@ -195,12 +195,14 @@ class RaggedShards:
             scope.flat_pieces[self.name] = views
         return views
 
-    def regather(self) -> torch.Tensor:
-        """The bucket gathered again, without autograd (eager resharding's re-gather in
-        backward, simplesharded/eager_reshard.py): its first member, whose storage is the
-        whole gathered buffer."""
-        return self.layout.gather(self.param.to_local(), self.group_name,
-                                  annotation=self.annotation, precision=self.precision)[0]
+    def gather_whole(self) -> torch.Tensor:
+        """The bucket's gathered ``[w·L]`` in its gather dtype, without autograd: what
+        ``gather_once`` holds (simplesharded/gather_once.py) and eager resharding re-gathers
+        in backward (simplesharded/eager_reshard.py). One all-gather over the shard dim
+        (replicas hold the same range)."""
+        with torch.no_grad():
+            return gather_buffer(self.param.to_local(), self.layout.world, self.group_name,
+                                 self.precision)
 
     def _route(self, full: torch.Tensor) -> torch.Tensor:
         # gradient-sync control for the whole bucket, keyed by its name (not an FQN)

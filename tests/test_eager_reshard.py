@@ -28,16 +28,19 @@ TIGHT = 1e-6  # eager vs the 1-process reference: only the order of the gradient
 
 
 class GatherRecorder:
-    """Wraps simplesharded.gather.gather_param and a ragged bucket's gather
-    (``RaggedLayout.gather``): counts gathers, tracks the bytes of the gathered storages still
-    alive (now and at their peak)."""
+    """Wraps simplesharded.gather.gather_param and a ragged bucket's gathers
+    (``RaggedLayout.gather`` in forward, ``RaggedShards.gather_whole`` in backward): counts
+    gathers, tracks the bytes of the gathered storages still alive (now and at their
+    peak)."""
 
     def __init__(self):
         import simplesharded.gather as gather
         from simplesharded.ragged import RaggedLayout
+        from simplesharded.ragged_shards import RaggedShards
 
         self.gather_module, self.inner = gather, gather.gather_param
         self.layout_cls, self.inner_ragged = RaggedLayout, RaggedLayout.gather
+        self.bucket_cls, self.inner_whole = RaggedShards, RaggedShards.gather_whole
         self.live: list[tuple[StorageWeakRef, int]] = []
         self.calls, self.peak = 0, 0
 
@@ -55,6 +58,11 @@ class GatherRecorder:
         views = self.inner_ragged(layout, *args, **kwargs)
         self._record(views[0])  # every member is a view of the one gathered buffer
         return views
+
+    def gather_whole(self, bucket):
+        full = self.inner_whole(bucket)
+        self._record(full)
+        return full
 
     def _record(self, local):
         storage = local.untyped_storage()
@@ -83,11 +91,13 @@ class GatherRecorder:
         self.gather_module.gather_param = self.gather
         recorder = self
         self.layout_cls.gather = lambda layout, *a, **k: recorder.gather_ragged(layout, *a, **k)
+        self.bucket_cls.gather_whole = lambda bucket: recorder.gather_whole(bucket)
         return self
 
     def __exit__(self, *exc):
         self.gather_module.gather_param = self.inner
         self.layout_cls.gather = self.inner_ragged
+        self.bucket_cls.gather_whole = self.inner_whole
 
 
 def _block_bytes(model) -> list[int]:
