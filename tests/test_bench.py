@@ -141,13 +141,17 @@ def test_copied_bytes_counts_each_copy_once():
 
 def test_inductor_floor_ratio_only_for_inductor_variants():
     """× floor inductor: for variants whose compute inductor compiles (ss_inductor_*, FSDP2's
-    per-block compile, the floor itself); "–" elsewhere, where the other columns still hold."""
+    per-block compile, compiled DDP, the floor itself); "–" elsewhere, where the other columns
+    still hold."""
     results = {v: [_run(v, ms)] for v, ms in [
         ("compute_floor", 1000), ("compute_floor_inductor", 800), ("fsdp2_compiled", 1200),
+        ("ddp", 1080), ("ddp_inductor", 880),
         ("ss_inductor_blockbucketing", 1000), ("ss_aot_eager_blockbucketing", 1100)]}
     rows = {r["variant"]: r for r in bench_table.summarize(results, bench_variants.BenchArgs())}
     assert rows["ss_inductor_blockbucketing"]["x_compute_floor_inductor"] == pytest.approx(1.25)
     assert rows["fsdp2_compiled"]["x_compute_floor_inductor"] == pytest.approx(1.5)
+    assert rows["ddp_inductor"]["x_compute_floor_inductor"] == pytest.approx(1.1)
+    assert "x_compute_floor_inductor" not in rows["ddp"]
     assert rows["compute_floor_inductor"]["x_compute_floor_inductor"] == pytest.approx(1.0)
     assert "x_compute_floor_inductor" not in rows["ss_aot_eager_blockbucketing"]
     assert "x_compute_floor_inductor" not in rows["compute_floor"]
@@ -160,6 +164,7 @@ def test_inductor_floor_ratio_only_for_inductor_variants():
     # in the default set without TP (the inductor variants' floor), not in the 2-D one
     assert "compute_floor_inductor" in bench_variants.default_variants(1)
     assert "compute_floor_inductor" not in bench_variants.default_variants(2)
+    assert "ddp_inductor" in bench_variants.default_variants(1)  # the inductor rows' yardstick
 
 
 def test_thread_cpu_accounting_sees_other_threads():

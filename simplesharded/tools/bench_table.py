@@ -19,7 +19,7 @@ RATIO_REFS = {"fsdp2_eager": "fsdp2_eager", "compute_floor": "compute_floor",
 # The inductor floor's ratio only means something for variants that inductor compiles; the
 # others show "–" in that column (an inductor floor under an eager or aot_eager variant would
 # mix kernel fusion into the comparison of communication).
-INDUCTOR_VARIANTS = ("fsdp2_compiled", "compute_floor_inductor")  # and ss_inductor*
+INDUCTOR_VARIANTS = ("fsdp2_compiled", "ddp_inductor", "compute_floor_inductor")  # and ss_inductor*
 
 
 def ratio_applies(ref: str, variant: str) -> bool:

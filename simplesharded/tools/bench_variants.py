@@ -9,8 +9,13 @@ from dataclasses import dataclass
 
 import torch
 
-BASELINES = ("fsdp2_eager", "fsdp2_compiled", "ddp", "compute_floor", "compute_floor_inductor",
-             "compute_floor_concurrent", "compute_floor_concurrent_compiled")
+BASELINES = ("fsdp2_eager", "fsdp2_compiled", "ddp", "ddp_inductor", "compute_floor",
+             "compute_floor_inductor", "compute_floor_concurrent",
+             "compute_floor_concurrent_compiled")
+# ddp_inductor: DDP compiled by inductor the way torch documents it, torch.compile over the
+# DDP module (dynamo splits the graph at DDP's buckets so each bucket's all-reduce overlaps the
+# rest of backward). The yardstick of the inductor variants, as ddp is of the others: what the
+# simplest data parallelism with the same kernels costs on the machine.
 # compute_floor: one process alone on the machine (the issue's definition); with --tp, one tp
 # group alone (tp ranks on one dp rank's batch): compute plus TP's own collectives, no dp.
 # compute_floor_concurrent: every rank runs the floor's step at the same time, with no
@@ -25,7 +30,7 @@ BASELINES = ("fsdp2_eager", "fsdp2_compiled", "ddp", "compute_floor", "compute_f
 # kernels that eager runs one by one, so an inductor variant can beat the eager floor without
 # communicating any faster: ss_inductor_* and fsdp2_compiled (inductor per block) are also
 # measured against this floor (bench_table.py: ratio_applies). In the default set without TP.
-NO_TP_FORM = ("ddp",)  # DDP does not take TP DTensor parameters
+NO_TP_FORM = ("ddp", "ddp_inductor")  # DDP does not take TP DTensor parameters
 # With --tp the default set is the 2-D recipe's peers only: 4 ranks on 2 cores compiling a
 # TP graph take ~2 min per compiled variant (debug llama3), so the unbucketed ss_aot_eager,
 # compiled FSDP2 and the inductor backends are left for --variants to name.
@@ -35,7 +40,7 @@ TP_DEFAULT = ("compute_floor", "compute_floor_concurrent", "compute_floor_concur
 # variant does. FSDP2 and DDP are left out: neither knows the cp ranks are data parallel for
 # the parameters (they would need their own dp_shard x cp mesh), and the inductor floor's CP
 # graph is not tested.
-NO_CP_FORM = ("ddp", "fsdp2_eager", "fsdp2_compiled", "compute_floor_inductor")
+NO_CP_FORM = ("ddp", "ddp_inductor", "fsdp2_eager", "fsdp2_compiled", "compute_floor_inductor")
 CP_DEFAULT = ("compute_floor", "ss_aot_eager_blockbucketing", "ss_aot_eager_autobucketing")
 # The step-graph variants in the default set (without TP or CP, which compile_step does not
 # take yet): our two bucketing backends.
@@ -185,9 +190,11 @@ def prepare(variant: str, args: BenchArgs, mesh, loss_fn):
             model = torch.compile(model, backend="aot_eager", fullgraph=True)
         elif variant.endswith("_inductor"):
             model = torch.compile(model, backend="inductor", fullgraph=True)
-    elif variant == "ddp":
+    elif variant in ("ddp", "ddp_inductor"):
         from torch.nn.parallel import DistributedDataParallel
         model = DistributedDataParallel(model)
+        if variant == "ddp_inductor":
+            model = torch.compile(model, backend="inductor")
     elif variant.startswith("fsdp2"):
         from torch.distributed.fsdp import fully_shard
         from simplesharded.blocks import find_blocks
