@@ -7,7 +7,10 @@ Checks (``--checks``, default all), each printed as PASS / FAIL / SKIP with its 
                 ``data_parallel`` + each backend (``--backends``) trains STEPS SGD steps of a
                 small llama3; losses and final shards must match the uncompiled run (relative
                 TOL: inductor's kernels reassociate fp32 sums). At one rank DTensor issues no
-                collective: this checks compile, kernels and NCCL's start-up.
+                collective: this checks compile, kernels and NCCL's start-up. Rows named
+                ``ragged:<backend>`` train the same with ragged buckets (the trainer's default
+                storage), uncompiled and under each bucketing backend, against the same
+                reference.
   fake8         (``--cases``) the trainer itself (simplesharded.trainer.Trainer: meta-device init, TP, EP,
                 activation checkpointing, data_parallel, our backends) on a fake process group
                 of 8 ranks on this one device: collectives do nothing, but the bucketed and
@@ -83,15 +86,23 @@ MEMORY_TOL = 0.35  # |measured / predicted - 1|
 FUSED_ATTENTION = ("_flash_attention", "_cudnn_attention", "_efficient_attention")
 
 
+RAGGED = "ragged:"  # a parity row's prefix: the run used ragged buckets
+
+
 def _tol(backend: str) -> float:
     from simplesharded.backends import BackendName
 
+    backend = backend.removeprefix(RAGGED)
+    if backend == "uncompiled":
+        return TOL["other"]
     return TOL["inductor" if BackendName.parse(backend).compiler == "inductor" else "other"]
 
 
 # ---------------------------------------------------------------------------------- parity
-def _train(backend: str, mesh, device: str, rank: int) -> dict:
-    """STEPS steps of ``backend`` ("uncompiled": no torch.compile); losses and local shards."""
+def _train(backend: str, mesh, device: str, rank: int, storage: bool | str = False) -> dict:
+    """STEPS steps of ``backend`` ("uncompiled": no torch.compile) with ``storage`` as
+    ``data_parallel``'s ``flat_buckets``; losses and the local shards of ``state_dict()``
+    (per parameter whatever the storage)."""
     import simplesharded as ss
     from simplesharded.models import build_model, logits_of
 
@@ -99,7 +110,7 @@ def _train(backend: str, mesh, device: str, rank: int) -> dict:
     torch.manual_seed(0)
     model = build_model(MODEL["name"], MODEL["flavor"], device="cpu",
                         n_layers=MODEL["n_layers"]).to(device)  # same init on every device
-    ss.data_parallel(model, mesh, "fully_shard")
+    ss.data_parallel(model, mesh, "fully_shard", flat_buckets=storage)
     run = model if backend == "uncompiled" else torch.compile(
         model, backend=ss.make_backend(backend), fullgraph=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -115,7 +126,8 @@ def _train(backend: str, mesh, device: str, rank: int) -> dict:
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    shards = {n: p.to_local().detach().cpu().clone() for n, p in model.named_parameters()}
+    shards = {n: (p.to_local() if hasattr(p, "to_local") else p).detach().cpu().clone()
+              for n, p in model.state_dict().items()}
     torch._dynamo.reset()
     return dict(losses=losses, shards=shards, seconds=time.perf_counter() - t0)
 
@@ -149,12 +161,19 @@ def _first_line(e: BaseException) -> str:
 
 
 def _run_backends(mesh, device: str, rank: int, backends) -> dict:
+    """Each of ``backends`` with one shard per parameter, then uncompiled and each bucketing
+    backend with ragged buckets: {row name: _train's result}."""
+    from simplesharded.backends import BackendName
+
     results = {"uncompiled": _train("uncompiled", mesh, device, rank)}
-    for be in backends:
+    runs = [(be, be, False) for be in backends]
+    runs += [(RAGGED + be, be, "ragged") for be in ("uncompiled", *backends)
+             if be == "uncompiled" or BackendName.parse(be).ours]
+    for name, be, storage in runs:
         try:
-            results[be] = _train(be, mesh, device, rank)
+            results[name] = _train(be, mesh, device, rank, storage)
         except Exception as e:  # reported as this backend's failure; the others still run
-            results[be] = {"error": _first_line(e)}
+            results[name] = {"error": _first_line(e)}
     return results
 
 

@@ -43,20 +43,23 @@ def test_hidden_install_is_hidden(tmp_path):
 
 @pytest.mark.slow
 def test_cpu_dry_run_uninstalled(tmp_path):
-    # one bucketing backend: real collectives through our passes, one aot_eager compile;
+    # one bucketing backend: real collectives through our passes, one aot_eager compile, with
+    # each storage;
     # calibrate: a tool started with -m from the checkout's root; fake8: the trainer's step
     # lowered by inductor with our collective order checked in its code
     p = _smoke(tmp_path, "--checks", "parity_gloo2", "calibrate", "fake8",
                "--backends", "aot_eager_blockbucketing", "--cases", "fp32_block")
     assert p.returncode == 0, p.stdout + p.stderr
-    for rank in (0, 1):
-        assert (f"PASS parity[2 ranks, gloo on cpu] aot_eager_blockbucketing: rank {rank}: "
-                "loss rel diff") in p.stdout, p.stdout
+    for rank in (0, 1):  # one shard per parameter, then ragged buckets (the trainer's default)
+        for row in ("aot_eager_blockbucketing", "ragged:uncompiled",
+                    "ragged:aot_eager_blockbucketing"):
+            assert (f"PASS parity[2 ranks, gloo on cpu] {row}: rank {rank}: "
+                    "loss rel diff") in p.stdout, p.stdout
     assert "PASS calibrate" in p.stdout, p.stdout
     for kind in ("fw", "bw"):
         assert (f"PASS fake8[fp32_block, inductor_blockbucketing] {kind} collective order"
                 in p.stdout), p.stdout
-    assert "6 of 6 checks passed or skipped" in p.stdout, p.stdout
+    assert "10 of 10 checks passed or skipped" in p.stdout, p.stdout
 
 
 def _load_smoke():
