@@ -3,6 +3,7 @@ runs of `python -m simplesharded.tools.bench`, `python -m simplesharded.tools.be
 `python -m simplesharded.tools.bench_passes`."""
 import json
 import re
+import statistics
 import sys
 
 import pytest
@@ -38,6 +39,24 @@ def test_summarize_ratios_and_targets():
     table = bench_table.format_table(list(rows.values()), bench_variants.BenchArgs())
     assert ("| ss_aot_eager_autobucketing | 1150 | 0.77 | 1.15 | 1.05 | 4 | 1.0 | 100 | 60 | – | "
             "1035 + 50 |") in table
+
+
+def test_ratios_pair_each_repetition_with_its_own_reference():
+    """A × column is the median of each repetition's ratio when both variants ran every
+    repetition: the floor's drift between repetitions cancels. A ratio of the overall medians
+    would read 1200 / 1200 here."""
+    floor = [_run("compute_floor", ms) for ms in (1000, 1300, 1200)]
+    ddp = [_run("ddp", ms) for ms in (1100, 1430, 1200)]  # 1.10, 1.10, 1.00
+    rows = {r["variant"]: r for r in bench_table.summarize(
+        {"compute_floor": floor, "ddp": ddp}, bench_variants.BenchArgs())}
+    assert rows["ddp"]["step_ms"] == pytest.approx(1200)
+    assert rows["ddp"]["x_compute_floor"] == pytest.approx(1.10)
+    # a repetition that failed leaves nothing to pair: the ratio of the medians
+    ddp[1] = bench_run.RunResult("ddp", error="rank 1 died")
+    rows = {r["variant"]: r for r in bench_table.summarize(
+        {"compute_floor": floor, "ddp": ddp}, bench_variants.BenchArgs())}
+    assert rows["ddp"]["x_compute_floor"] == pytest.approx(statistics.median([1100, 1200])
+                                                           / 1200)
 
 
 def test_step_peak_bytes_counts_state_gradients_and_activations():

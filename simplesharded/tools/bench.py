@@ -190,7 +190,8 @@ def main(argv=None) -> int:
     print(f"\n{args.model}/{args.flavor}{depth}, {args.world_size} ranks{mesh} "
           f"({backend_for(args.device)}, {args.device}), "
           f"global batch {args.global_batch} × seq {args.seq_len}, fp32, AdamW "
-          f"{args.optimizer_impl}, {args.steps} timed steps × {ns.reps} reps (median)"
+          f"{args.optimizer_impl}, {args.steps} timed steps × {ns.reps} reps (median; a × column "
+          f"is the median of each rep's ratio)"
           + (f", {args.host_malloc} malloc" if args.device == "cpu" else ""))
     if tp > 1:
         sp = ((", sequence parallel" if args.sequence_parallel else "")

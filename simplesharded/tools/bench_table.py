@@ -56,8 +56,20 @@ def summarize(results: dict[str, list[RunResult]], args: BenchArgs) -> list[dict
         if "step_ms" in r:
             for ref in RATIO_REFS:
                 if base.get(ref) and ratio_applies(ref, r["variant"]):
-                    r[f"x_{ref}"] = r["step_ms"] / base[ref]
+                    r[f"x_{ref}"] = (_paired_ratio(results[r["variant"]], results[ref])
+                                     or r["step_ms"] / base[ref])
     return rows
+
+
+def _paired_ratio(runs: list[RunResult], ref_runs: list[RunResult]) -> float | None:
+    """The median over repetitions of a variant's median step over the reference's in the same
+    repetition; None unless both ran every repetition. A repetition runs every variant back
+    to back, so pairing cancels what drifts between repetitions (the machine's speed moves the
+    floor by up to 5 % between them), which a ratio of the two overall medians does not."""
+    if len(runs) != len(ref_runs) or any(r.error or not r.step_s for r in runs + ref_runs):
+        return None
+    return statistics.median(statistics.median(a.step_s) / statistics.median(b.step_s)
+                             for a, b in zip(runs, ref_runs))
 
 
 def format_table(rows: list[dict], args: BenchArgs) -> str:
