@@ -162,15 +162,16 @@ class RaggedShards:
         backward outside the forward, of the bucket's gather there), cached as ``read``
         needs them."""
         eager = not torch.compiler.is_compiling()
+        # Outside the forward, inside a backward: torch.utils.checkpoint's recompute reads
+        # each member in turn, so the bucket's last gather there serves them all
+        recompute = eager and not scope.active and _in_backward()
         if scope.active and eager:
             # One bucket's views cached at a time, dropped before the next gather: a block's
             # gather dies when its modules are done with it, as a parameter's does (compiled,
             # the graph decides what stays alive)
             scope.flat_pieces.pop(scope.eager_bucket, None)
             scope.eager_bucket = self.name
-        elif eager and _in_backward():
-            # Outside the forward, inside a backward: torch.utils.checkpoint's recompute reads
-            # each member in turn, so the bucket's last gather there serves them all
+        elif recompute:
             cached = scope.backward_views
             if (cached is not None and cached[0] == self.name
                     and cached[1] == self.param.to_local()._version):
@@ -185,7 +186,7 @@ class RaggedShards:
                                        self._route if self.grad_sync is not None else None)
             if scope.eager is not None and scope.active and eager:
                 scope.eager.note_bucket(self, views[0])  # freed after forward
-            elif eager and not scope.active and _in_backward():
+            elif recompute:
                 # one bucket at a time, dropped at the end of this backward: every rank
                 # drops it at the same point of its program
                 if scope.backward_views is None:
