@@ -19,6 +19,7 @@ all build their pipeline with it.
 from __future__ import annotations
 
 import functools
+import types
 from dataclasses import dataclass, fields
 from typing import Callable
 
@@ -206,3 +207,30 @@ def make_backend(name: str, **options) -> Callable | str:
         return "eager"
     pipeline = pass_pipeline(backend, opts)
     return aot_backend(pipeline) if backend.compiler == "aot_eager" else inductor_backend(pipeline)
+
+
+class _Named:
+    """What ``torch.compile(model, backend="<name>")`` calls for one of our names: the
+    backend ``make_backend(name)`` builds with its default options. Built at the process's
+    first compile with it (after ``init_process_group``, as the calibrated hardware needs;
+    every rank compiles the same graphs, so every rank builds it) and reused by the later
+    ones. Options other than the defaults: ``make_backend``."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._backend: Callable | None = None
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        if self._backend is None:
+            self._backend = make_backend(self.name)
+        return self._backend(gm, example_inputs)
+
+    def __repr__(self) -> str:
+        return f"simplesharded backend {self.name!r}"
+
+
+# Our names that torch does not register itself, for torch.compile's backend strings: the
+# entry points of the torch_dynamo_backends group in pyproject.toml point here, so dynamo
+# finds them in an installed package without importing it first.
+NAMED = types.SimpleNamespace(**{name: _Named(name) for name, b in _BY_NAME.items()
+                                 if b.bucketing != "none"})

@@ -69,24 +69,55 @@ class FlatShards:
         locals_ = [p.to_local() for _, p in params]
         self.numels = [t.numel() for t in locals_]
         self.shapes = [tuple(t.shape) for t in locals_]
-        first = locals_[0]
-        buffer = torch.empty(sum(self.numels), dtype=first.dtype, device=first.device)
-        self.params: list[nn.Parameter] = []
         self.slots: list[FlatSlot] = []
         offset = 0
-        for i, ((_, p), local) in enumerate(zip(params, locals_)):
-            view = buffer.narrow(0, offset, local.numel()).view(local.shape)
-            view.copy_(local)
-            shard = DTensor.from_local(view, p.device_mesh, p.placements, run_check=False,
-                                       shape=p.shape, stride=p.stride())
-            self.params.append(nn.Parameter(shard, requires_grad=p.requires_grad))
-            self.slots.append(FlatSlot(self, i, offset, local.numel()))
-            offset += local.numel()
+        for i, numel in enumerate(self.numels):
+            self.slots.append(FlatSlot(self, i, offset, numel))
+            offset += numel
+        buffer = self._buffer_of(locals_)
+        self.params: list[nn.Parameter] = [
+            nn.Parameter(self._shard_in(buffer, i, p), requires_grad=p.requires_grad)
+            for i, (_, p) in enumerate(params)]
+        self._lead(buffer)
+
+    def _buffer_of(self, locals_: list[torch.Tensor]) -> torch.Tensor:
+        """A new buffer holding ``locals_`` (one per member) at the members' offsets."""
+        first = locals_[0]
+        buffer = torch.empty(sum(self.numels), dtype=first.dtype, device=first.device)
+        for slot, local in zip(self.slots, locals_):
+            slot.view_of(buffer).copy_(local)
+        return buffer
+
+    def _shard_in(self, buffer: torch.Tensor, index: int, like: DTensor) -> DTensor:
+        """Member ``index``'s shard (placements and shape of ``like``) as a view of ``buffer``."""
+        return DTensor.from_local(self.slots[index].view_of(buffer), like.device_mesh,
+                                  like.placements, run_check=False, shape=like.shape,
+                                  stride=like.stride())
+
+    def _lead(self, buffer: torch.Tensor) -> None:
         self.specs = [p._spec for p in self.params]  # the gradients' too (hand_out_grad)
         # The leaf shares the buffer's storage: what the optimizer writes through the shards
         # is what the next forward reads.
         self.leaf = buffer.detach().requires_grad_(True)
         self.leaf.register_post_accumulate_grad_hook(self.hand_out_grad)
+
+    def rebind(self) -> None:
+        """After ``nn.Module._apply`` (``to_empty``, ``to``) gave the members storage of their
+        own (it swaps each parameter's contents, keeping the object): one buffer holding their
+        values again, the members views of it, and a leaf over it. Otherwise forward would read
+        the old buffer while the optimizer, ``init_sharded`` and checkpoints write the new
+        storage. The parameter objects stay, so an optimizer built on them keeps working."""
+        locals_ = [p.to_local() for p in self.params]
+        leaf = self.leaf.detach()
+        if all(t.dtype == leaf.dtype and t.device == leaf.device
+               and (t.numel() == 0 or t.data_ptr() == slot.view_of(leaf).data_ptr())
+               for t, slot in zip(locals_, self.slots)):
+            return
+        buffer = self._buffer_of(locals_)
+        for i, p in enumerate(self.params):
+            torch.utils.swap_tensors(p, nn.Parameter(self._shard_in(buffer, i, p),
+                                                     requires_grad=p.requires_grad))
+        self._lead(buffer)
 
     def piece(self, index: int) -> torch.Tensor:
         """Member ``index``'s local shard, a view of the leaf. Inside the model's forward the

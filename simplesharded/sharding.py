@@ -186,10 +186,11 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
                     ShardedParam(fqn, param_spec, layout, block_of_module.get(mod_name)))
             else:
                 scope.tied.add(shards[id(param)][1].fqn)
+    flats = []
     if flat_buckets == "ragged":
         _pack_ragged(model, shards, scope)
     elif flat_buckets:
-        _pack_flat(shards, scope)
+        flats = _pack_flat(shards, scope)
     for mod_name, module, names in owners:
         records = {}
         for name in names:
@@ -201,6 +202,8 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
         if names:
             _swap_class(module, names)
     _scope_root_forward(model, scope, mp_policy.output_dtype)
+    if flats:
+        _rebind_after_apply(model, flats)
     for module in model.modules():  # buffers are replicated plain tensors on the mesh device
         for name, buf in list(module._buffers.items()):
             if buf is not None and buf.device.type != mesh.device_type:
@@ -227,11 +230,12 @@ def _bucket_groups(shards: dict[int, tuple[nn.Parameter, ShardedParam]], eligibl
 
 
 def _pack_flat(shards: dict[int, tuple[nn.Parameter, ShardedParam]],
-               scope: _GatherScope) -> None:
+               scope: _GatherScope) -> list[FlatShards]:
     """Move the eligible shards of each bucket into one buffer (in ``shards``' module order):
     a block's parameters, those before the first block ("pre") and after it ("post"); one
     buffer per dtype, device and dp gather (EP's experts gather over dims of their own). The
-    records gain their slot; the new parameters replace the old ones in ``shards``."""
+    records gain their slot; the new parameters replace the old ones in ``shards``. Returns
+    the buffers."""
     def dp_gather(shard, record):
         # one dp gather per buffer: one group (the mesh's dims) and one grad scale
         mesh, placements, _ = dp_view(shard, record.mp_layout, record.spec)
@@ -241,6 +245,7 @@ def _pack_flat(shards: dict[int, tuple[nn.Parameter, ShardedParam]],
     groups = _bucket_groups(shards, lambda s, r: flat_eligible(s, r.mp_layout, r.spec),
                             dp_gather)
     names: set[str] = set()
+    flats = []
     for (bucket, dtype, _, (dims, *_)), keys in groups.items():
         spec = shards[keys[0]][1].spec
         name = f"{bucket}/{str(dtype).removeprefix('torch.')}"
@@ -253,6 +258,8 @@ def _pack_flat(shards: dict[int, tuple[nn.Parameter, ShardedParam]],
                           1.0 if spec.scales_before_reduction(dtype) else spec.grad_scale)
         for k, param, slot in zip(keys, flat.params, flat.slots):
             shards[k] = (param, dataclasses.replace(shards[k][1], flat=slot))
+        flats.append(flat)
+    return flats
 
 
 def _pack_ragged(model: nn.Module, shards: dict[int, tuple[nn.Parameter, ShardedParam]],
@@ -362,6 +369,20 @@ def _scope_root_forward(model: nn.Module, scope: _GatherScope,
                         and t.is_floating_point() else t, out)
 
     model.__class__ = type(cls.__name__, (cls,), {"forward": forward})
+
+
+def _rebind_after_apply(model: nn.Module, flats: list[FlatShards]) -> None:
+    """``model.to_empty(...)``, ``model.to(...)`` and the like (``nn.Module._apply``) give each
+    parameter new storage: the flat buffers are rebuilt around it (FlatShards.rebind)."""
+    cls = model.__class__
+
+    def _apply(self, fn, recurse=True):
+        out = cls._apply(self, fn, recurse)
+        for flat in flats:
+            flat.rebind()
+        return out
+
+    model.__class__ = type(cls.__name__, (cls,), {"_apply": _apply})
 
 
 @contextlib.contextmanager

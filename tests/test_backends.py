@@ -60,3 +60,69 @@ def test_pipeline_options_reach_the_passes():
         "lowering"].keywords["transports"] == ("gloo",)
     with pytest.raises(ValueError, match="'eager' compiles nothing"):
         pass_pipeline("eager")
+
+
+def _registered_names():
+    return [n for n, b in ((n, BackendName.parse(n)) for n in BACKENDS) if b.bucketing != "none"]
+
+
+def test_our_names_are_entry_points_of_dynamos_backend_group():
+    """pyproject.toml lists each of our names (torch's own excepted) in torch_dynamo_backends,
+    pointing at its NAMED entry; the installed package exposes that to dynamo."""
+    import importlib.metadata
+    import pathlib
+    import tomllib
+
+    import torch
+
+    from simplesharded.backends import NAMED
+
+    project = tomllib.loads((pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text())
+    declared = project["project"]["entry-points"]["torch_dynamo_backends"]
+    assert declared == {n: f"simplesharded.backends:NAMED.{n}" for n in _registered_names()}
+    assert sorted(vars(NAMED)) == sorted(declared)
+    try:
+        importlib.metadata.distribution("simplesharded")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("simplesharded is not installed (SIMPLESHARDED_PYTHON): no entry points")
+    for name in declared:
+        assert torch._dynamo.lookup_backend(name) is getattr(NAMED, name)
+
+
+def test_a_backend_string_compiles_with_our_passes(monkeypatch):
+    """torch.compile(model, backend="aot_eager_blockbucketing"): our backend, built at the
+    first compile with make_backend's defaults, and the same numbers as eager."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import simplesharded as ss
+    import toy_blocks
+    from simplesharded.backends import NAMED
+
+    named = NAMED.aot_eager_blockbucketing
+    monkeypatch.setattr(named, "_backend", None)
+    built = []
+    real = ss.make_backend
+
+    def counting(name, **options):
+        built.append(name)
+        return real(name, **options)
+
+    monkeypatch.setattr("simplesharded.backends.make_backend", counting)
+    torch._dynamo.reset()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = ss.data_parallel(toy_blocks.make_model(), init_device_mesh("cpu", (1,)))
+        x = torch.randint(0, toy_blocks.VOCAB, (2, toy_blocks.SEQ),
+                          generator=torch.Generator().manual_seed(0))
+        eager = model(x)
+        compiled = torch.compile(model, backend="aot_eager_blockbucketing", fullgraph=True)
+        out = compiled(x)
+        out.sum().backward()
+        compiled(x)  # a second call: no new compile, no new backend
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()
+    assert built == ["aot_eager_blockbucketing"]
+    torch.testing.assert_close(out, eager)

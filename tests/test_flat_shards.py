@@ -163,6 +163,39 @@ def test_meta_init_writes_through_to_the_buffers_forward_reads():
         assert torch.equal(out, ref_out)
 
 
+def test_to_empty_rebuilds_the_buffers_forward_reads():
+    """FSDP2's habit: model.to_empty(device) before the init. It gives every parameter new
+    storage; the buckets are rebuilt around it, so the init and the optimizer (built before,
+    on the same parameter objects) reach what forward reads."""
+    from simplesharded.models import build_model
+
+    shapes = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128)
+    tokens = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    with _world_of_one() as mesh:
+        def trained(flat, to_empty):
+            model = ss.data_parallel(build_model("llama3", "debug", device="meta", **shapes),
+                                     mesh, flat_buckets=flat)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            if to_empty:
+                model.to_empty(device="cpu")
+            ss.init_sharded(model, seed=3)
+            model(tokens).sum().backward()
+            opt.step()
+            with torch.no_grad():
+                return model, model(tokens)
+
+        (ref, ref_out), (model, out) = trained(False, False), trained(True, True)
+        assert all(r.flat is not None for r in _records(model).values())
+        buffers = {id(r.flat.flat): r.flat.flat for r in _records(model).values()}
+        for flat in buffers.values():  # every member a view of its bucket's leaf
+            leaf = flat.leaf.detach()
+            for p, slot in zip(flat.params, flat.slots):
+                assert p.to_local().data_ptr() == slot.view_of(leaf).data_ptr()
+        for (n, a), (_, b) in zip(ref.named_parameters(), model.named_parameters()):
+            assert torch.equal(a.to_local(), b.to_local()), n
+        assert torch.equal(out, ref_out)
+
+
 def test_accumulation_without_sync_is_bitwise_and_leaves_grads_alone():
     """no_gradient_sync (FSDP2's set_requires_gradient_sync): a no-sync backward does not
     touch the buffer's leaf, so .grad stays None until the sync backward hands out the sum."""
