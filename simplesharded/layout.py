@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from simplesharded.uninitialised import uninitialised_like
 from simplesharded.mesh import (EFSDP_DIM, EP_DIM, NAMED_LAYOUTS, dim_size, ep_dim,
                                 mesh_roles, tp_dim)
 
@@ -148,10 +149,11 @@ def _contiguous_stride(shape) -> tuple:
 
 def _to_shard(t: torch.Tensor, mesh: DeviceMesh, placements: tuple) -> DTensor:
     """Each rank keeps only its own chunk (no communication: every rank holds the same full
-    tensor by construction, or the tensor is on meta and is materialised empty here)."""
+    tensor by construction, or the tensor is on meta and is materialised uninitialised here:
+    simplesharded/uninitialised.py)."""
     if t.is_meta:
         meta_dt = distribute_tensor(t, mesh, placements, src_data_rank=None)
-        local = torch.empty_like(meta_dt.to_local(), device=mesh.device_type)
+        local = uninitialised_like(meta_dt.to_local(), mesh.device_type)
         return DTensor.from_local(local, mesh, placements, run_check=False,
                                   shape=t.shape, stride=t.stride())
     return distribute_tensor(t.detach(), mesh, placements, src_data_rank=None)
@@ -193,7 +195,7 @@ def _shard_param(param: torch.Tensor, mesh: DeviceMesh, views: dict[str | None, 
                                   view.rest, name)
     dp_local = distribute_tensor(local, view.dp, dp_placements, src_data_rank=None).to_local()
     if local.is_meta:
-        dp_local = torch.empty_like(dp_local, device=mesh.device_type)
+        dp_local = uninitialised_like(dp_local, mesh.device_type)
     shard = DTensor.from_local(dp_local, view.home, placements, run_check=False,
                                shape=param.shape, stride=param.stride())
     return shard, _MPLayout(param.device_mesh, placement, dp_placements, local.shape,

@@ -341,8 +341,10 @@ def members_as_shards(model: nn.Module) -> Iterator[None]:
     """Within: each ragged member is a ``Shard(0)`` DTensor parameter in its own module's
     slot (converted from its bucket) and the buckets are out of their owners' slots, so code
     written for per-parameter shards (``init_sharded``) runs as without; after: the members'
-    values go back into their buckets. Collective: every rank enters it."""
-    members = _members(model)
+    values go back into their buckets. Collective: every rank enters it. Nested, the inner
+    one finds the buckets out already and does nothing."""
+    members = {bucket: slots for bucket, slots in _members(model).items()
+               if bucket.attr in bucket.owner._parameters}
     owners = {}
     for bucket, slots in members.items():
         for (module, name), shard in zip(slots, bucket.member_shards()):

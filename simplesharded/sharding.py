@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -29,10 +30,12 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from simplesharded.blocks import BlockSpec, block_of
 from simplesharded.eager_reshard import _EagerReshard
 from simplesharded.flat_shards import FlatShards, dp_view, flat_eligible
+from simplesharded.uninitialised import InitCheck, uninitialised_like
 from simplesharded.gather import _GatherScope, _sharded_property
 from simplesharded.grad_sync import _GradSync
 from simplesharded.ragged import Precision
-from simplesharded.ragged_shards import RaggedShards, RaggedSlot, attach_state_dict_hooks
+from simplesharded.ragged_shards import (RaggedShards, RaggedSlot, attach_state_dict_hooks,
+                                         members_as_shards)
 from simplesharded.layout import _DPView, _GatherSpec, _mode_placements, _shard_param
 from simplesharded.mesh import EP_DIM, dense_mesh, ep_dim, expert_dp_mesh, stage_mesh
 from simplesharded.mesh import dp_mesh as _dp_mesh
@@ -145,6 +148,7 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     if any(sharded_state(m) is not None for m in model.modules()):
         raise ValueError("model is already wrapped by data_parallel; wrap it once")
     _check_device(model, mesh)
+    from_meta = any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
     gloo_gather.install()  # CPU gathers: gloo's plain all-gather, not its racy coalesced one
     mp_policy = mp_policy or MixedPrecisionPolicy()
     spec = _GatherSpec(
@@ -201,13 +205,14 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
             root=module is model))
         if names:
             _swap_class(module, names)
-    _scope_root_forward(model, scope, mp_policy.output_dtype)
+    _scope_root_forward(model, scope, mp_policy.output_dtype,
+                        InitCheck(mesh) if from_meta else None)
     if flats:
         _rebind_after_apply(model, flats)
     for module in model.modules():  # buffers are replicated plain tensors on the mesh device
         for name, buf in list(module._buffers.items()):
             if buf is not None and buf.device.type != mesh.device_type:
-                module._buffers[name] = torch.empty_like(buf, device=mesh.device_type)
+                module._buffers[name] = uninitialised_like(buf, mesh.device_type)
     if mp_policy.param_dtype is not None and mp_policy.cast_forward_inputs:
         model.register_forward_pre_hook(_input_caster(mp_policy.param_dtype), with_kwargs=True)
     return model
@@ -333,15 +338,19 @@ def _swap_class(module: nn.Module, names: list[str]) -> None:
 
 
 def _scope_root_forward(model: nn.Module, scope: _GatherScope,
-                        output_dtype: torch.dtype | None = None) -> None:
+                        output_dtype: torch.dtype | None = None,
+                        init_check: InitCheck | None = None) -> None:
     """Open ``scope`` for the duration of ``model.forward`` and cast its floating-point
-    outputs to ``output_dtype`` (if set). Inside forward, not in hooks: torch.compile runs a
+    outputs to ``output_dtype`` (if set); uncompiled, run ``init_check`` first (a meta-built
+    model's shards are initialised, simplesharded/uninitialised.py). Inside forward, not in hooks: torch.compile runs a
     compiled module's hooks outside the traced frame, where the dict's contents would become
     graph outputs and a cast would be a graph of its own."""
     cls = model.__class__
     inner = cls.forward
 
     def forward(self, *args, **kwargs):
+        if init_check is not None and not torch.compiler.is_compiling():
+            init_check(self)
         scope.gathered.clear()
         scope.flat_pieces.clear()
         scope.drop_backward_views()  # left by a backward that raised before its end
@@ -388,13 +397,16 @@ def _rebind_after_apply(model: nn.Module, flats: list[FlatShards]) -> None:
 @contextlib.contextmanager
 def disable_gather(model: nn.Module) -> Iterator[nn.Module]:
     """Within this context, reading a parameter of ``model`` returns its local DTensor shard
-    (for init, in-place updates, inspection) instead of gathering it."""
+    (for init, in-place updates, inspection) instead of gathering it. A ragged bucket's
+    members are per-parameter ``Shard(0)`` DTensors within, written back into the bucket at the
+    end (ragged_shards.members_as_shards: every rank enters it together)."""
     states = [s for s in map(sharded_state, model.modules()) if s is not None]
     previous = [s.gather_enabled for s in states]
     for s in states:
         s.gather_enabled = False
     try:
-        yield model
+        with members_as_shards(model):
+            yield model
     finally:
         for s, prev in zip(states, previous):
             s.gather_enabled = prev

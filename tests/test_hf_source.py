@@ -402,16 +402,17 @@ def test_init_from_config_is_world_size_independent(zoo, arch):
 @pytest.mark.slow
 def test_loading_peak_memory_is_below_the_model(zoo):
     """Each of 2 ranks loading ``big`` (~40 MB in one file, tensors of at most 2 MB) as the
-    first thing its process does: its resident memory grows by at least its shards (the
-    measure sees the writes: fresh pages) and by less than 3/4 of the model: its shards (1/2)
-    plus the file's pages of the one parameter it is reading (models/hf_loading.py
-    _OneFile), never the whole model nor its whole half of the file."""
+    first thing its process does. Sharding already wrote its shards (NaN until initialised:
+    simplesharded/uninitialised.py), so while it loads, its resident memory grows by the
+    file's pages of the one parameter it is reading (models/hf_loading.py _OneFile): more
+    than nothing (the measure sees them) and less than half its shards, never its whole half
+    of the file nor the whole model."""
     for rank, r in enumerate(_results(2, tuple(sorted(zoo.items())))):
         peak, total, shard = r["peak"]
         if peak is None:
             pytest.skip("/proc/self/clear_refs cannot reset the resident high-water mark")
         assert abs(shard - total / 2) <= 4096, (rank, shard, total)
-        assert shard <= peak < 0.75 * total, (rank, peak, shard, total)
+        assert 0 < peak < shard / 2, (rank, peak, shard, total)
 
 
 @pytest.mark.slow

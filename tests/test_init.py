@@ -7,7 +7,10 @@ deepseek_v3 debug MoE with its experts split over ep 2, at 4 ranks over efsdp 2 
 with tp 2 as well), initialises it with the same seed and gathers every parameter
 (``full_tensor``): all of them must equal the 1-rank values bit for bit, buffers included.
 At 2 and 4 ranks llama3 is also built with ragged buckets (``flat_buckets="ragged"``, its
-members read from ``state_dict()``): the init writes through to the buckets.
+members read from ``state_dict()``): the init writes through to the buckets. At 2 ranks,
+the user's own ways too: a first forward before any init raises on every rank (the shards
+hold NaN, simplesharded/uninitialised.py), and ``model.init_weights()`` inside
+``disable_gather`` writes the shards, per-parameter and ragged alike.
 Fast: at one rank the shards equal a plain, unsharded model given the same init, and the
 init never holds more than one group's parameters at once.
 """
@@ -58,7 +61,26 @@ def _job(rank: int, world: int) -> dict | None:
         full = {k: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
                 for k, p in params.items()}
         out[case] = {**full, **{k: b.clone() for k, b in model.named_buffers()}}
-    return out if rank == 0 else None
+    users = {flat: _users_own_init(world, flat) for flat in (False, "ragged")} if world == 2 else {}
+    return (out, users) if rank == 0 else None
+
+
+def _users_own_init(world: int, flat_buckets) -> dict:
+    """A first forward before the init raises (here: every rank gets past it or none would,
+    so the spawn would hang instead of fail); then FSDP2's habit, ``model.init_weights()``,
+    inside ``disable_gather``; the full parameters after it."""
+    import simplesharded as ss
+
+    model = _sharded("llama3", world, 1, 1, flat_buckets)
+    tokens = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="holds NaN at the model's first forward: the model "
+                                         "was built on the meta device"):
+        model(tokens)
+    torch.manual_seed(SEED)  # DTensor's random ops draw from it: the same for both layouts
+    with ss.disable_gather(model):
+        model.init_weights(buffer_device="cpu")
+    assert torch.isfinite(model(tokens)).all()
+    return {k: v.full_tensor() for k, v in model.state_dict().items()}
 
 
 @memo
@@ -69,8 +91,8 @@ def _full(world: int) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_same_full_parameters_at_any_world_size_and_layout(world):
-    ref = _full(1)
-    for (name, tp, ep, *flat), got in _full(world).items():
+    ref = _full(1)[0]
+    for (name, tp, ep, *flat), got in _full(world)[0].items():
         want = ref[name, 1, 1]
         assert sorted(got) == sorted(want), (name, tp, ep, flat)
         bad = [k for k in want if got[k].dtype != want[k].dtype or not torch.equal(got[k], want[k])]
@@ -78,6 +100,17 @@ def test_same_full_parameters_at_any_world_size_and_layout(world):
     # the init ran: not torch.empty's leftovers
     assert ref["llama3", 1, 1]["norm.weight"].eq(1).all()
     assert 0.01 < float(ref["llama3", 1, 1]["layers.0.attention.wq.weight"].std()) < 0.03
+
+
+@pytest.mark.slow
+def test_users_own_init_inside_disable_gather_reaches_every_layout():
+    users = _full(2)[1]
+    plain, ragged = users[False], users["ragged"]
+    assert sorted(plain) == sorted(ragged)
+    bad = [k for k in plain if not torch.equal(plain[k], ragged[k])]
+    assert not bad, bad
+    assert plain["norm.weight"].eq(1).all()
+    assert 0.01 < float(plain["layers.0.attention.wq.weight"].std()) < 0.03
 
 
 # ---------------------------------------------------------------------------- one rank
@@ -145,3 +178,21 @@ def test_errors_are_one_line(one_rank):
         init_sharded(build_model("llama3", "debug", device="meta"))
     with pytest.raises(ValueError, match="Linear has no init_weights\\(\\); pass init_fn"):
         init_sharded(nn.Linear(2, 2))
+
+
+def test_a_forward_before_the_init_names_what_holds_nan(one_rank):
+    """Uncompiled, until one forward passes: the first parameter nobody initialised is named
+    (here the init wrote the embedding only); once all are written, forward runs."""
+    from simplesharded.init import init_sharded
+
+    model = _sharded("llama3", 1, 1, 1, n_layers=2)
+    tokens = torch.randint(0, 256, (1, 8))
+    with pytest.raises(ValueError, match=r"^'tok_embeddings.weight' holds NaN at the model's "
+                                         r"first forward[^\n]*ss.init_sharded\(model, seed=0\)"):
+        model(tokens)
+    init_sharded(model, lambda m: nn.init.normal_(m.weight), seed=SEED,
+                 modules=[model.tok_embeddings])
+    with pytest.raises(ValueError, match=r"^'layers\.0\.attention_norm\.weight' holds NaN"):
+        model(tokens)
+    init_sharded(model, seed=SEED)
+    assert torch.isfinite(model(tokens)).all()
