@@ -57,6 +57,7 @@ from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from simplesharded.ac_wrappers import unwrapped_key
 from simplesharded.layout import _contiguous_stride, _MPLayout
 from simplesharded.passes.annotations import (BLOCK_KEY, BUCKET_PARAMS_KEY, DP_GROUPS_KEY,
                                              PARAM_KEY, RAGGED_KEY, RESHARD_KEY)
@@ -304,17 +305,20 @@ def _save_members(module, state_dict, prefix, local_metadata) -> None:
     for b in owned.buckets:
         state_dict.pop(prefix + b.attr, None)
         for key, shard in zip(b.keys, b.member_shards()):
-            state_dict[prefix + key] = shard
+            state_dict[prefix + unwrapped_key(key)] = shard
     # the owner's entries are the last ones added: put them back in the order they have
     # without ragged storage
-    for key in [prefix + k for k in owned.order if prefix + k in state_dict]:
+    order = [prefix + unwrapped_key(k) for k in owned.order]
+    for key in [k for k in order if k in state_dict]:
         state_dict[key] = state_dict.pop(key)
 
 
 def _load_members(module, state_dict, prefix, local_metadata, strict, missing, unexpected,
                   errors) -> None:
     for b in getattr(module, _ATTR).buckets:
-        keys = [prefix + k for k in b.keys]
+        # A checkpoint wrapper's load hook puts its module's name back into the keys when it
+        # is the owner (it runs first); an inner wrapper's runs after this one (ac_wrappers.py)
+        keys = [prefix + (k if prefix + k in state_dict else unwrapped_key(k)) for k in b.keys]
         if not any(k in state_dict for k in keys):
             continue  # missing keys are reported by the load itself (the bucket's)
         absent = [k for k in keys if k not in state_dict]

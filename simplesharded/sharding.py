@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_map
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from simplesharded.ac_wrappers import compile_checkpoint_wrappers
 from simplesharded.blocks import BlockSpec, block_of
 from simplesharded.eager_reshard import _EagerReshard
 from simplesharded.flat_shards import FlatShards, dp_view, flat_eligible
@@ -209,6 +210,7 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
                         InitCheck(mesh) if from_meta else None)
     if flats:
         _rebind_after_apply(model, flats)
+    compile_checkpoint_wrappers(model)
     for module in model.modules():  # buffers are replicated plain tensors on the mesh device
         for name, buf in list(module._buffers.items()):
             if buf is not None and buf.device.type != mesh.device_type:

@@ -315,9 +315,10 @@ def test_passes_import_only_torch_and_the_standard_library():
 # pipeline, shims and shims.gloo_gather); 34 once the step graph's passes came (regather,
 # in-place update, cross-step note); 36 with room for a module split; 38 with the ragged
 # layout and its bucket storage; 39 with the pass that writes gradients into their buckets;
-# 40 with the check that a meta-built model was initialised.
+# 40 with the check that a meta-built model was initialised; 41 with torch's checkpoint
+# wrapper compiled as our recompute regions.
 # The models (7 modules) or the trainer (11) loaded as well would break it.
-MAX_LIBRARY_MODULES = 40
+MAX_LIBRARY_MODULES = 41
 
 
 def test_import_simplesharded_loads_no_trainer_or_tool(record_property):
