@@ -6,30 +6,16 @@ tensors for backward (its blocks are recomputed); uncompiled it runs torch's che
 across."""
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     apply_activation_checkpointing, checkpoint_wrapper)
 
 import simplesharded as ss
+from dist_utils import world_of_one
 from simplesharded.models import build_model, logits_of
-
-
-@contextlib.contextmanager
-def _world_of_one():
-    from torch.distributed.device_mesh import init_device_mesh
-
-    assert not dist.is_initialized(), "another test left a process group initialised"
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
-        torch._dynamo.reset()
 
 
 def _train(base, mesh, wrapped: bool, flat_buckets, compiled: bool):
@@ -66,7 +52,7 @@ def _train(base, mesh, wrapped: bool, flat_buckets, compiled: bool):
 def test_checkpoint_wrapper_trains_as_without_and_keeps_the_keys(flat_buckets, compiled):
     torch.manual_seed(0)
     base = build_model("llama3", "debug", device="cpu", n_layers=2)
-    with _world_of_one() as mesh:
+    with world_of_one() as mesh:
         plain, want, plain_saved = _train(base, mesh, False, flat_buckets, compiled)
         wrapped, got, wrapped_saved = _train(base, mesh, True, flat_buckets, compiled)
         assert any("_checkpoint_wrapped_module" in n for n, _ in wrapped.named_modules())

@@ -93,11 +93,10 @@ def test_a_backend_string_compiles_with_our_passes(monkeypatch):
     """torch.compile(model, backend="aot_eager_blockbucketing"): our backend, built at the
     first compile with make_backend's defaults, and the same numbers as eager."""
     import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
     import simplesharded as ss
     import toy_blocks
+    from dist_utils import world_of_one
     from simplesharded.backends import NAMED
 
     named = NAMED.aot_eager_blockbucketing
@@ -111,9 +110,8 @@ def test_a_backend_string_compiles_with_our_passes(monkeypatch):
 
     monkeypatch.setattr("simplesharded.backends.make_backend", counting)
     torch._dynamo.reset()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        model = ss.data_parallel(toy_blocks.make_model(), init_device_mesh("cpu", (1,)))
+    with world_of_one() as mesh:
+        model = ss.data_parallel(toy_blocks.make_model(), mesh)
         x = torch.randint(0, toy_blocks.VOCAB, (2, toy_blocks.SEQ),
                           generator=torch.Generator().manual_seed(0))
         eager = model(x)
@@ -121,8 +119,5 @@ def test_a_backend_string_compiles_with_our_passes(monkeypatch):
         out = compiled(x)
         out.sum().backward()
         compiled(x)  # a second call: no new compile, no new backend
-    finally:
-        dist.destroy_process_group()
-        torch._dynamo.reset()
     assert built == ["aot_eager_blockbucketing"]
     torch.testing.assert_close(out, eager)

@@ -6,12 +6,11 @@ backward passes, zero_grad and optimizer steps through the views, all bitwise as
 Multi-rank training, compiled graphs' copies and DCP: tests/test_bucketing_training.py."""
 from __future__ import annotations
 
-import contextlib
 
 import torch
-import torch.distributed as dist
 
 import toy_blocks
+from dist_utils import world_of_one
 from pass_utils import fake_world
 
 import simplesharded as ss
@@ -60,18 +59,6 @@ def test_frozen_parameters_stay_alone():
         assert records["layers.0.attention.wk.weight"].flat is not None
 
 
-@contextlib.contextmanager
-def _world_of_one():
-    from torch.distributed.device_mesh import init_device_mesh
-
-    assert not dist.is_initialized(), "another test left a process group initialised"
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
-
-
 def _train(mesh, flat):
     """Two steps of two accumulated backward passes each; the grads after each backward."""
     model = ss.data_parallel(toy_blocks.make_model(), mesh, flat_buckets=flat)
@@ -91,7 +78,7 @@ def _train(mesh, flat):
 
 
 def test_eager_training_is_bitwise_and_gradients_are_views_of_one_tensor_per_bucket():
-    with _world_of_one() as mesh:
+    with world_of_one() as mesh:
         _, ref_grads, ref_out = _train(mesh, flat=False)
         model, grads, out = _train(mesh, flat=True)
         assert len(grads) == len(ref_grads) == 4
@@ -120,7 +107,7 @@ def test_flat_buckets_need_nothing_else_from_the_user():
         return ss.data_parallel(m, mesh, flat_buckets=flat)
 
     xs = [torch.randn(3, 4, generator=torch.Generator().manual_seed(i)) for i in range(3)]
-    with _world_of_one() as mesh:
+    with world_of_one() as mesh:
         flat = model(True)
         assert _records(flat)["0.weight"].flat is not None
         flat(xs[0]).sum().backward()
@@ -148,7 +135,7 @@ def test_meta_init_writes_through_to_the_buffers_forward_reads():
 
     shapes = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128)
     tokens = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
-    with _world_of_one() as mesh:
+    with world_of_one() as mesh:
         def built(flat):
             model = ss.data_parallel(build_model("llama3", "debug", **shapes), mesh,
                                      flat_buckets=flat)
@@ -171,7 +158,7 @@ def test_to_empty_rebuilds_the_buffers_forward_reads():
 
     shapes = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128)
     tokens = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
-    with _world_of_one() as mesh:
+    with world_of_one() as mesh:
         def trained(flat, to_empty):
             model = ss.data_parallel(build_model("llama3", "debug", device="meta", **shapes),
                                      mesh, flat_buckets=flat)
@@ -199,7 +186,7 @@ def test_to_empty_rebuilds_the_buffers_forward_reads():
 def test_accumulation_without_sync_is_bitwise_and_leaves_grads_alone():
     """no_gradient_sync (FSDP2's set_requires_gradient_sync): a no-sync backward does not
     touch the buffer's leaf, so .grad stays None until the sync backward hands out the sum."""
-    with _world_of_one() as mesh:
+    with world_of_one() as mesh:
         def accumulated(flat):
             model = ss.data_parallel(toy_blocks.make_model(), mesh, flat_buckets=flat)
             batches = [toy_blocks.batch(0, i) for i in range(3)]

@@ -17,6 +17,7 @@ starts (glibc's malloc tunables) that a fork would not apply.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import faulthandler
 import os
@@ -250,3 +251,19 @@ def flat_buffers(model) -> dict[str, int]:
         if record.flat is not None:
             out[record.flat.flat.name] = out.get(record.flat.flat.name, 0) + 1
     return out
+
+
+@contextlib.contextmanager
+def world_of_one():
+    """This process as a gloo world of one rank (an in-memory store), its 1-D CPU mesh; the
+    group is destroyed and dynamo reset on the way out."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    assert not dist.is_initialized(), "another test left a process group initialised"
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()
