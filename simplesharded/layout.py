@@ -24,9 +24,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from simplesharded.uninitialised import uninitialised_like
 from simplesharded.mesh import (EFSDP_DIM, EP_DIM, NAMED_LAYOUTS, dim_size, ep_dim,
                                 mesh_roles, tp_dim)
+from simplesharded.uninitialised import uninitialised_like
 
 if TYPE_CHECKING:
     from simplesharded.grad_sync import _GradSync

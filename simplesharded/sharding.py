@@ -31,7 +31,6 @@ from simplesharded.ac_wrappers import compile_checkpoint_wrappers
 from simplesharded.blocks import BlockSpec, block_of
 from simplesharded.eager_reshard import _EagerReshard
 from simplesharded.flat_shards import FlatShards, dp_view, flat_eligible
-from simplesharded.uninitialised import InitCheck, uninitialised_like
 from simplesharded.gather import _GatherScope, _sharded_property
 from simplesharded.grad_sync import _GradSync
 from simplesharded.ragged import Precision
@@ -43,6 +42,7 @@ from simplesharded.mesh import dp_mesh as _dp_mesh
 from simplesharded.sharded_state import (ShardedModuleState, ShardedParam,
                                          attach_sharded_state, sharded_state)
 from simplesharded.shims import gloo_gather
+from simplesharded.uninitialised import InitCheck, uninitialised_like
 
 GRAD_REDUCTIONS = ("sum", "avg")
 RESHARD_CHOICES = (True, False, "auto")
@@ -344,9 +344,9 @@ def _scope_root_forward(model: nn.Module, scope: _GatherScope,
                         init_check: InitCheck | None = None) -> None:
     """Open ``scope`` for the duration of ``model.forward`` and cast its floating-point
     outputs to ``output_dtype`` (if set); uncompiled, run ``init_check`` first (a meta-built
-    model's shards are initialised, simplesharded/uninitialised.py). Inside forward, not in hooks: torch.compile runs a
-    compiled module's hooks outside the traced frame, where the dict's contents would become
-    graph outputs and a cast would be a graph of its own."""
+    model's shards are initialised, simplesharded/uninitialised.py). Inside forward, not in
+    hooks: torch.compile runs a compiled module's hooks outside the traced frame, where the
+    dict's contents would become graph outputs and a cast would be a graph of its own."""
     cls = model.__class__
     inner = cls.forward
 
