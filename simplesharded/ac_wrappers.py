@@ -30,13 +30,11 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from simplesharded.passes.annotations import AC_KEY
 
 
-def compile_checkpoint_wrappers(model: nn.Module) -> int:
-    """Give each ``CheckpointWrapper`` in ``model`` the compiled form above; returns how many
-    there are."""
+def compile_checkpoint_wrappers(model: nn.Module) -> None:
+    """Give each ``CheckpointWrapper`` in ``model`` the compiled form above."""
     wrappers = [m for m in model.modules() if isinstance(m, CheckpointWrapper)]
     for region, wrapper in enumerate(wrappers):
         wrapper.forward = functools.partial(_forward, wrapper, wrapper.forward, region)
-    return len(wrappers)
 
 
 def _forward(wrapper: CheckpointWrapper, checkpointed, region: int, *args, **kwargs):

@@ -154,8 +154,8 @@ def _step_peak_bytes(step, model, opt, device: str) -> tuple[int, int, int, int,
     which keeps no such count: what the rank holds between steps plus the highest running
     total of bytes allocated and not yet freed during the step, from torch.profiler's memory
     events (every allocation and free of a tensor made while it records); held: the bytes
-    alive before the step; copied, cast and other: :func:`copied_bytes` of the same step (CPU
-    only, 0 on an accelerator)."""
+    alive before the step; copied, cast and other: :func:`copied_bytes` of the same step or of
+    one more (see below; CPU only, 0 on an accelerator)."""
     opt.zero_grad(set_to_none=True)
     if device != "cpu":
         held = torch.accelerator.memory_allocated()
@@ -165,7 +165,11 @@ def _step_peak_bytes(step, model, opt, device: str) -> tuple[int, int, int, int,
         return torch.accelerator.max_memory_allocated(), held, 0, 0, 0
     resident = _resident_bytes(model, opt)
     prof = _profiled(step)
-    copied, cast, other = copied_bytes(prof.events())
+    # A charge of a collective's buffer to an op whose input sizes the profiler does not
+    # record (cat, stack: copied_bytes caps the others) depends on timing, the step's own
+    # copies do not: the copies of whichever of two steps copied less.
+    copied, cast, other = min(copied_bytes(prof.events()), copied_bytes(_profiled(step).events()),
+                              key=lambda c: c[0])
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "trace.json")
         prof.export_chrome_trace(path)
@@ -188,11 +192,6 @@ def _profiled(step):
                  record_shapes=True) as prof:
         step()
     return prof
-
-
-def _step_copies(step) -> tuple[int, int, int]:
-    """:func:`copied_bytes` of one more step."""
-    return copied_bytes(_profiled(step).events())
 
 
 def _thread_cpu_s() -> tuple[float, float]:
@@ -299,11 +298,6 @@ def _worker(rank: int, variant: str, args: BenchArgs, out_dir: str) -> None:
             dist.barrier()
             _profile_step(step, variant, rank, args.profile_dir)
         peak, held, copied, cast, other = _step_peak_bytes(step, model, opt, args.device)
-        if args.device == "cpu":
-            # A charge of a collective's buffer to an op whose input sizes the profiler does
-            # not record (cat, stack: copied_bytes caps the others) depends on timing, the
-            # step's own copies do not: the step of the two that copied less.
-            copied, cast, other = min((copied, cast, other), _step_copies(step), key=lambda c: c[0])
         result.peak_mem_mb, result.step_mem_mb = peak / 2**20, (peak - held) / 2**20
         result.copied_mb, result.cast_mb = copied / 2**20, cast / 2**20
         result.copied_other_mb = other / 2**20
