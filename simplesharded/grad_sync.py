@@ -48,7 +48,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from simplesharded.ragged_shards import bucket_fqns
+from simplesharded.ragged_shards import model_buckets
 from simplesharded.sharded_state import sharded_params, sharded_state
 
 
@@ -125,7 +125,7 @@ class _GradSync:
     def ragged_buckets(self, model: nn.Module) -> Iterator:
         """Every ragged bucket of ``model`` under this sync (simplesharded/ragged_shards.py),
         in module order."""
-        for bucket, _ in bucket_fqns(model):
+        for bucket in model_buckets(model):
             if bucket.grad_sync is self:
                 yield bucket
 

@@ -35,7 +35,7 @@ from simplesharded.gather import _GatherScope, _sharded_property
 from simplesharded.grad_sync import _GradSync
 from simplesharded.ragged import Precision
 from simplesharded.ragged_shards import (RaggedShards, RaggedSlot, attach_state_dict_hooks,
-                                         members_as_shards)
+                                         keep_buckets_whole, members_as_shards)
 from simplesharded.layout import _DPView, _GatherSpec, _mode_placements, _shard_param
 from simplesharded.mesh import EP_DIM, dense_mesh, ep_dim, expert_dp_mesh, stage_mesh
 from simplesharded.mesh import dp_mesh as _dp_mesh
@@ -78,7 +78,7 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
                   reshard_after_forward: bool | str = "auto",
                   grad_reduction: str = "avg",
                   blocks: Sequence[BlockSpec] | None = None,
-                  flat_buckets: bool | str = False) -> nn.Module:
+                  flat_buckets: bool | str = False, storage: str | None = None) -> nn.Module:
     """Shard ``model`` in place over ``mesh`` and return it.
 
     mode: ``replicate`` (DDP-like), ``fully_shard`` (FSDP/ZeRO-3) or ``hybrid_shard``
@@ -129,6 +129,8 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     A mesh with a pp dim (``init_mesh(pp=N)``): ``model`` is this rank's pipeline stage, sharded
     over this rank's dp dims only, on the mesh without pp (mesh.stage_mesh).
     """
+    if storage is not None:  # TEMP until merged with the storage knob
+        flat_buckets = {"param": False, "ragged": "ragged"}[storage]
     mesh = stage_mesh(mesh)
     dense = dense_mesh(mesh)
     dp = _dp_mesh(dense)
@@ -286,31 +288,32 @@ def _pack_ragged(model: nn.Module, shards: dict[int, tuple[nn.Parameter, Sharded
 
     groups = _bucket_groups(shards, lambda s, r: _ragged_eligible(s, r, scope),
                             gather_and_split)
-    # owner FQN → (owner, its state_dict keys as without ragged storage, its buckets)
-    owned: dict[str, tuple[nn.Module, list[str], list[RaggedShards]]] = {}
+    # owner FQN → (owner, its buckets)
+    owned: dict[str, tuple[nn.Module, list[RaggedShards]]] = {}
     for (bucket, dtype, _, split), keys in groups.items():
         owner_fqn = bucket if bucket not in ("pre", "post") else ""
         owner = model.get_submodule(owner_fqn)
         kind = "_".join((str(dtype).removeprefix('torch.'), *split))
-        attr = f"_ragged_{kind}" + (f"_{bucket}" if bucket in ("pre", "post") else "")
         first = shards[keys[0]]
         spec = first[1].spec
         prefix = f"{owner_fqn}." if owner_fqn else ""
         members = [(shards[k][1].fqn, shards[k][1].fqn.removeprefix(prefix), shards[k][0],
                     shards[k][1].mp_layout) for k in keys]
-        if owner_fqn not in owned:  # its keys before a bucket of its own is registered
-            owned[owner_fqn] = (owner, list(owner.state_dict(keep_vars=True)), [])
+        owned.setdefault(owner_fqn, (owner, []))
         precision = Precision(spec.param_dtype, spec.reduce_dtype,
                               spec.scales_before_reduction(dtype))
-        ragged = RaggedShards(f"{bucket}/{kind}", owner, attr, members,
+        ragged = RaggedShards(f"{bucket}/{kind}", owner, members,
                               spec.dp_mesh or first[0].device_mesh, scope, spec.grad_scale,
                               spec.reshard_after_forward, spec.dp_groups, first[1].block,
                               precision, spec.grad_sync)
-        owned[owner_fqn][2].append(ragged)
+        owned[owner_fqn][1].append(ragged)
         for i, k in enumerate(keys):
-            shards[k] = (None, dataclasses.replace(shards[k][1], ragged=RaggedSlot(ragged, i)))
-    for owner, order, buckets in owned.values():
-        attach_state_dict_hooks(owner, buckets, order)
+            shards[k] = (ragged.members[i],
+                         dataclasses.replace(shards[k][1], ragged=RaggedSlot(ragged, i)))
+    for owner, buckets in owned.values():
+        attach_state_dict_hooks(owner, buckets)
+    if owned:
+        keep_buckets_whole(model)
 
 
 def _ragged_eligible(shard: DTensor, record: ShardedParam, scope: _GatherScope) -> bool:

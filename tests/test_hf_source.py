@@ -197,11 +197,11 @@ def _ragged_loaded(path: str, world: int) -> tuple[int, list[str]]:
     from transformers import AutoModelForCausalLM
 
     from simplesharded.models import hf_loading
-    from simplesharded.ragged_shards import bucket_fqns
+    from simplesharded.ragged_shards import model_buckets
 
     model = _sharded(path, world, flat_buckets="ragged")
     assert hf_loading.materialize(model) == "loaded"
-    buckets = len({id(b) for b, _ in bucket_fqns(model)})
+    buckets = len({id(b) for b in model_buckets(model)})
     ref = AutoModelForCausalLM.from_pretrained(path, local_files_only=True).state_dict()
     state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
              for k, v in model.state_dict().items()}

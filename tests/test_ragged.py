@@ -84,20 +84,25 @@ def test_bad_layouts_say_what_is_wrong(shapes, world, align, message):
 
 # ------------------------------------------- data_parallel(flat_buckets="ragged"), fake world
 
-def test_ragged_model_lists_buckets_and_state_dict_lists_members():
+def test_ragged_model_lists_its_parameters_and_state_dict_converts_them():
     import toy_blocks
     from pass_utils import fake_world
 
     import simplesharded as ss
+    from simplesharded.ragged_placement import RaggedShard
 
     with fake_world(2) as mesh:
         plain = ss.data_parallel(toy_blocks.make_model(), mesh)
         model = ss.data_parallel(toy_blocks.make_model(), mesh, flat_buckets="ragged")
-        buckets = [f"layers.{i}._ragged_float32" for i in range(toy_blocks.N_LAYERS)]
-        assert [n for n, _ in model.named_parameters()] == \
-            ["_ragged_float32_pre", "_ragged_float32_post"] + buckets
-        for _, p in model.named_parameters():
-            assert p.placements == (Shard(0),) and p.ndim == 1
+        # FSDP2's contract: the model's own parameters, by name, of their global shape
+        assert [(n, p.shape) for n, p in model.named_parameters()] == \
+            [(n, p.shape) for n, p in plain.named_parameters()]
+        ragged = [p for _, p in model.named_parameters()
+                  if any(isinstance(q, RaggedShard) for q in p.placements)]
+        assert len(ragged) >= 4 * toy_blocks.N_LAYERS  # every block weight is bucketed
+        for p in ragged:  # this rank's run of the flattened parameter: a 1-D view
+            sizes = p.placements[0].sizes
+            assert p.to_local().shape == (sizes[0],) and sum(sizes) == p.numel()
         # as without: the members by FQN, in the same order, Shard(0) DTensors of their shape
         assert [(k, v.placements, v.shape) for k, v in model.state_dict().items()] == \
             [(k, v.placements, v.shape) for k, v in plain.state_dict().items()]
@@ -114,8 +119,14 @@ def test_ragged_model_lists_buckets_and_state_dict_lists_members():
         bucket = record.ragged.bucket
         assert bucket is not sharded_state(model.layers[0].attention.wq).params["weight"] \
             .ragged.bucket
-        assert bucket.param is twin.layers[0]._ragged_float32
-        assert getattr(twin.layers[0], _ATTR).buckets == [bucket]
+        assert bucket.members[record.ragged.index] is twin.layers[0].attention.wq._parameters[
+            "weight"]
+        assert getattr(twin.layers[0], _ATTR).buckets[0] is bucket
+        # the twin's members are views of the twin's bucket
+        local = bucket.param.to_local()
+        start, stop = bucket.runs[record.ragged.index]
+        member = twin.layers[0].attention.wq._parameters["weight"].to_local()
+        assert member.numel() == 0 or member.data_ptr() == local[start:stop].data_ptr()
 
 
 @pytest.mark.parametrize("call", ["bad_value", "replicate"])
@@ -337,7 +348,10 @@ def test_hsdp_and_no_sync_ragged_buckets_train_bitwise_as_without():
             plain, ragged = res[(False, backend)], res[("ragged", backend)]
             assert ragged["losses"] == plain["losses"], (rank, backend)
             assert ragged["placements"] == plain["placements"]
-            assert set(ragged["buckets"]) == {(Replicate(), Shard(0))}
+            # the parameters are the members: replicated over the replicas, a ragged run of
+            # the bucket's cut over the shard dim
+            assert {(a, type(b).__name__) for a, b in ragged["buckets"]} == \
+                {(Replicate(), "RaggedShard")}
             assert sorted(ragged["full"]) == sorted(plain["full"])
             diff = [k for k, v in ragged["full"].items()
                     if not (torch.equal(v, plain["full"][k]) if torch.is_tensor(v)

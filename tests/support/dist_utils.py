@@ -217,29 +217,20 @@ def storage_and_backend(case: str) -> tuple[bool | str, str]:
 
 def ragged_buckets(model) -> dict[str, int]:
     """Ragged bucket name → how many parameters it holds (flat_buckets="ragged")."""
-    from simplesharded.ragged_shards import bucket_fqns
+    from simplesharded.ragged_shards import model_buckets
 
-    return {bucket.name: len(bucket.fqns) for bucket, _ in bucket_fqns(model)}
+    return {bucket.name: len(bucket.fqns) for bucket in model_buckets(model)}
 
 
 def by_member(model, grads: bool = False) -> dict:
-    """Each parameter (or its gradient) by FQN as a full tensor, ragged buckets' members
-    converted from their bucket (a collective: every rank calls it)."""
+    """Each parameter (or its gradient) by FQN as a full tensor (a collective: every rank
+    calls it)."""
     from torch.distributed.tensor import DTensor
-
-    from simplesharded.ragged_shards import bucket_fqns
 
     def full(t):
         return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
-    buckets = list(bucket_fqns(model))
-    names = {fqn for _, fqn in buckets}
-    out = {n: full(p.grad if grads else p) for n, p in model.named_parameters()
-           if n not in names}
-    for bucket, _ in buckets:
-        values = bucket.member_shards(bucket.param.grad if grads else None)
-        out.update({fqn: full(v) for fqn, v in zip(bucket.fqns, values)})
-    return out
+    return {n: full(p.grad if grads else p) for n, p in model.named_parameters()}
 
 
 def flat_buffers(model) -> dict[str, int]:

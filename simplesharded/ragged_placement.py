@@ -1,0 +1,89 @@
+"""The DTensor placement of a ragged bucket member's local piece: :class:`RaggedShard`.
+
+A parameter in a ragged bucket (simplesharded/ragged.py) is, on each rank of the dim the bucket
+is cut over, a contiguous run of its flattened elements, of any length (possibly none). The
+parameter users see (``named_parameters()``, the optimizer) is a DTensor with the parameter's
+global shape whose local tensor is that run: a 1-D view of the bucket's local range. Its
+placement on the cut dim is ``RaggedShard(sizes)``, a ``Shard(0)`` that records each rank's
+run length, so that:
+
+- elementwise ops (every torch optimizer's update, ``zeros_like`` for its state) run on the
+  local runs as on any shard;
+- reductions (``torch.nn.utils.clip_grad_norm_``, ``vector_norm``, ``sum``) are reduced over
+  the dim as for ``Shard(0)``: a sum of the runs' partial results, whatever their lengths;
+- ``full_tensor()`` and a redistribution to ``Replicate()`` gather the runs in rank order
+  (:meth:`RaggedShard._to_replicate_tensor`);
+- any other redistribution, and DCP's chunk metadata, raise one line on every rank (the same
+  placement everywhere, so no rank enters a collective alone): the checkpoint boundary is
+  ``state_dict()``, which converts to per-parameter ``Shard(0)`` (ragged_shards.py).
+
+It compares equal to ``Shard(0)`` because DTensor's sharding rules build ``Shard(0)`` for
+their outputs and check them against the inputs' (an in-place update must keep its
+placement). Its hash differs, so DTensor's caches never hand a ``RaggedShard`` input a
+result computed for a true ``Shard(0)`` one. A tensor computed out of place from a member
+(``p * 2``, ``p.clone()``) is labelled ``Shard(0)`` by those rules while holding a ragged run:
+gather such a tensor through its member (docs/zero_copy.md).
+
+Invariant: a ``RaggedShard``'s sizes are the layout's, a function of global shapes and the
+world size, so every rank holds the same placement.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.tensor.placement_types import Shard
+
+
+class RaggedShard(Shard):
+    """``Shard(0)`` with this rank's run of the flattened tensor as its local tensor; rank r
+    of the mesh dim holds ``sizes[r]`` elements, in rank order."""
+
+    def __init__(self, sizes: Sequence[int]):
+        super().__init__(0)
+        self.sizes = tuple(int(s) for s in sizes)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Shard) and other.dim == 0
+
+    def __hash__(self) -> int:
+        return hash((RaggedShard, self.sizes))
+
+    def __reduce__(self):
+        return RaggedShard, (self.sizes,)
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __repr__(self) -> str:
+        return f"RaggedShard(sizes={self.sizes})"
+
+    def __str__(self) -> str:
+        return f"R{list(self.sizes)}"
+
+    def _to_replicate_tensor(self, local_tensor: torch.Tensor, mesh, mesh_dim: int,
+                             current_logical_shape) -> torch.Tensor:
+        """Every rank's run, padded to the longest (one all-gather of equal sizes on every
+        rank), cut back and laid end to end as the tensor's flattened elements."""
+        longest = max(self.sizes)
+        run = local_tensor.reshape(-1)
+        # pad (or, for a mislabelled input, cut) to one length on every rank: no rank waits
+        # on a gather of another size
+        run = torch.nn.functional.pad(run, (0, longest - run.numel()))
+        gathered = funcol.all_gather_single(run, gather_dim=0, group=(mesh, mesh_dim))
+        pieces = [gathered[r * longest:r * longest + s] for r, s in enumerate(self.sizes)]
+        return torch.cat(pieces).view(tuple(current_logical_shape))
+
+    def _refuse(self, *args, **kwargs):
+        raise ValueError(
+            "a parameter in a ragged bucket holds a ragged run of its elements (RaggedShard): "
+            "it gathers with full_tensor() or redistribute(placements=[Replicate()]) only; "
+            "state_dict() gives it as a per-parameter Shard(0) DTensor")
+
+    _local_shard_size_and_offset = _refuse
+    _split_tensor = _refuse
+    _shard_tensor = _refuse
+    _reduce_shard_tensor = _refuse
+    _replicate_to_shard = _refuse
+    _to_new_shard_dim = _refuse
