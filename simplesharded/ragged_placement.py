@@ -13,9 +13,11 @@ run length, so that:
   the dim as for ``Shard(0)``: a sum of the runs' partial results, whatever their lengths;
 - ``full_tensor()`` and a redistribution to ``Replicate()`` gather the runs in rank order
   (:meth:`RaggedShard._to_replicate_tensor`);
-- any other redistribution, and DCP's chunk metadata, raise one line on every rank (the same
-  placement everywhere, so no rank enters a collective alone): the checkpoint boundary is
-  ``state_dict()``, which converts to per-parameter ``Shard(0)`` (ragged_shards.py).
+- any other redistribution raises one line on every rank (the same placement everywhere, so
+  no rank enters a collective alone). The checkpoint boundary is ``state_dict()``, which
+  converts to per-parameter ``Shard(0)``, and for the optimizer's state
+  ``optim_state_by_member`` (ragged_shards.py): DCP given a member or its optimizer state
+  directly would describe a ragged run as a ``Shard(0)`` chunk.
 
 It compares equal to ``Shard(0)`` because DTensor's sharding rules build ``Shard(0)`` for
 their outputs and check them against the inputs' (an in-place update must keep its
@@ -81,7 +83,9 @@ class RaggedShard(Shard):
             "it gathers with full_tensor() or redistribute(placements=[Replicate()]) only; "
             "state_dict() gives it as a per-parameter Shard(0) DTensor")
 
-    _local_shard_size_and_offset = _refuse
+    # Not refused: DTensor's sharding rules ask it for a shard's size under TP (a dim split
+    # over dp and tp), and take Shard(0)'s answer as metadata only. So DCP, which reads it too,
+    # must not see a member directly: state_dict() and optim_state_by_member convert.
     _split_tensor = _refuse
     _shard_tensor = _refuse
     _reduce_shard_tensor = _refuse
