@@ -91,3 +91,38 @@ class RaggedShard(Shard):
     _reduce_shard_tensor = _refuse
     _replicate_to_shard = _refuse
     _to_new_shard_dim = _refuse
+
+
+class ShardBesideRagged(Shard):
+    """``Shard(dim)`` of a ragged member on a dim after the one its bucket is cut over (TP's or
+    EP's split): reductions and elementwise ops as ``Shard(dim)``; a gather refused on every
+    rank alike (each rank holds a ragged run of its model-parallel shard, which no gather over
+    this dim alone can rebuild): ``state_dict()`` converts."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Shard) and other.dim == self.dim
+
+    def __hash__(self) -> int:
+        return hash((ShardBesideRagged, self.dim))
+
+    def __reduce__(self):
+        return ShardBesideRagged, (self.dim,)
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __repr__(self) -> str:
+        return f"ShardBesideRagged(dim={self.dim})"
+
+    def _refuse(self, *args, **kwargs):
+        raise ValueError(
+            "a tensor- or expert-parallel parameter in a ragged bucket holds a ragged run of "
+            "its shard: full_tensor() cannot rebuild it; state_dict() gives it as a "
+            "per-parameter DTensor")
+
+    _to_replicate_tensor = _refuse
+    _split_tensor = _refuse
+    _shard_tensor = _refuse
+    _reduce_shard_tensor = _refuse
+    _replicate_to_shard = _refuse
+    _to_new_shard_dim = _refuse

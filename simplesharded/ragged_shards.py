@@ -71,7 +71,7 @@ from simplesharded.passes.annotations import (BLOCK_KEY, BUCKET_PARAMS_KEY, DP_G
                                              PARAM_KEY, RAGGED_KEY, RESHARD_KEY)
 from simplesharded.ragged import (Precision, RaggedLayout, from_ragged, gather_buffer,
                                   reduce_gathered, shard0_rows, to_ragged)
-from simplesharded.ragged_placement import RaggedShard
+from simplesharded.ragged_placement import RaggedShard, ShardBesideRagged
 from simplesharded.sharded_state import sharded_state
 
 if TYPE_CHECKING:
@@ -170,7 +170,8 @@ class RaggedShards:
         ``RaggedShard`` on the dim the bucket is cut over (simplesharded/ragged_placement.py)."""
         world = self.layout.world
         sizes = [self._run(i, r)[1] - self._run(i, r)[0] for r in range(world)]
-        placements = list(self.member_placements[i])
+        placements = [ShardBesideRagged(q.dim) if j > self.dim and isinstance(q, Shard) else q
+                      for j, q in enumerate(self.member_placements[i])]
         placements[self.dim] = RaggedShard(sizes)
         shape = self.member_shapes[i]
         meta = TensorMeta(torch.Size(shape), _contiguous_stride(shape), self.param.dtype)
@@ -322,6 +323,19 @@ class RaggedShards:
                               self.grad_scale, self.precision, self.replicas)
         self.add_grad(out)
         return 1 + (self.replicas is not None)
+
+    def shards_of_runs(self, runs: list[torch.Tensor | None]) -> list[DTensor]:
+        """Each member's ``Shard(0)`` DTensor (as :meth:`member_shards`) of a tensor given
+        as the members' runs (a member's gradient or optimizer state; None: zeros). A
+        collective."""
+        local = torch.zeros(self.layout.shard_numel, dtype=self.param.dtype,
+                            device=self.param.device)
+        for i, run in enumerate(runs):
+            if run is not None:
+                start, stop = self.runs[i]
+                local[start:stop] = (run.to_local() if isinstance(run, DTensor) else run
+                                     ).reshape(-1)
+        return self.member_shards(self._dtensor(local))
 
     def member_shards(self, value: DTensor | None = None) -> list[DTensor]:
         """Each member's DTensor as without ragged storage (its placements and shape),
@@ -503,13 +517,8 @@ def optim_state_by_member(model: nn.Module, state: dict) -> dict:
     for bucket in model_buckets(model):
         for name in _state_names(out, bucket):
             keys = [f"state.{fqn}.{name}" for fqn in bucket.fqns]
-            local = torch.zeros(bucket.layout.shard_numel, dtype=bucket.param.dtype,
-                                device=bucket.param.device)
-            for i, k in enumerate(keys):
-                if k in out:  # a frozen member has no state
-                    start, stop = bucket.runs[i]
-                    local[start:stop] = out[k].to_local().reshape(-1)
-            shards = bucket.member_shards(bucket._dtensor(local))
+            # a frozen member has no state
+            shards = bucket.shards_of_runs([out.get(k) for k in keys])
             for k, shard in zip(keys, shards):
                 if k in out:
                     out[k] = shard

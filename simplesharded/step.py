@@ -28,7 +28,6 @@ from simplesharded.backends import make_backend
 from simplesharded.grad_clip import clip_coefficient, global_norm, scaled
 from simplesharded.passes.annotations import UPDATE_KEY
 from simplesharded.passes.torch_compat import STEP_GRAPH, needs
-from simplesharded.ragged_placement import RaggedShard
 from simplesharded.sharded_state import sharded_params
 from simplesharded.optim_update import (apply_update, hyperparameters, prepare,
                                         step_inputs)
@@ -165,9 +164,9 @@ class _BucketRoutes:
         self.slots = [slots.get(id(p)) for p in params]
         self.buckets = list(dict.fromkeys(s.bucket for s in self.slots if s is not None))
         # each member's DTensor face for the norm, read as constants while tracing: its
-        # placements with Shard(0) for the bucket's cut (the norm reads which dims shard it)
+        # placements as torch's own (the norm reads which dims shard it)
         self.faces = [None if s is None else (
-            p.device_mesh, tuple(Shard(0) if isinstance(q, RaggedShard) else q
+            p.device_mesh, tuple(Shard(q.dim) if isinstance(q, Shard) else q
                                  for q in p.placements), p.shape, p.stride())
             for p, s in zip(params, self.slots)]
 

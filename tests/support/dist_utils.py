@@ -223,14 +223,23 @@ def ragged_buckets(model) -> dict[str, int]:
 
 
 def by_member(model, grads: bool = False) -> dict:
-    """Each parameter (or its gradient) by FQN as a full tensor (a collective: every rank
-    calls it)."""
+    """Each parameter (or its gradient) by FQN as a full tensor, ragged buckets' members
+    through their per-parameter shards (a collective: every rank calls it)."""
     from torch.distributed.tensor import DTensor
+
+    from simplesharded.ragged_shards import model_buckets
 
     def full(t):
         return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
-    return {n: full(p.grad if grads else p) for n, p in model.named_parameters()}
+    buckets = list(model_buckets(model))
+    members = {fqn for b in buckets for fqn in b.fqns}
+    out = {n: full(p.grad if grads else p) for n, p in model.named_parameters()
+           if n not in members}
+    for b in buckets:
+        values = b.shards_of_runs([m.grad for m in b.members]) if grads else b.member_shards()
+        out.update({fqn: full(v) for fqn, v in zip(b.fqns, values)})
+    return out
 
 
 def flat_buffers(model) -> dict[str, int]:
