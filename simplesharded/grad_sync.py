@@ -117,9 +117,10 @@ class _GradSync:
 
     def sharded_params(self, model: nn.Module) -> Iterator[tuple]:
         """(param, shard) of every sharded parameter of ``model`` under this sync, in module
-        order (a tied parameter once per module that holds it)."""
+        order (a tied parameter once per module that holds it), ragged buckets' members
+        aside: their bucket is what is gathered and reduced (:meth:`ragged_buckets`)."""
         for param, shard in sharded_params(model):
-            if param.spec.grad_sync is self:
+            if param.spec.grad_sync is self and param.ragged is None:
                 yield param, shard
 
     def ragged_buckets(self, model: nn.Module) -> Iterator:
