@@ -226,7 +226,8 @@ class RaggedShards:
         for i, t in enumerate(locals_):
             start, stop = self.runs[i]
             local[start:stop] = t.detach().reshape(-1)
-        torch.utils.swap_tensors(self.param, nn.Parameter(self._dtensor(local)))
+        self.param = nn.Parameter(self._dtensor(local))
+        self.param.register_post_accumulate_grad_hook(self._hand_out_grad)
         for i, (member, spec) in enumerate(zip(self.members, self.member_specs)):
             spec = self.member_specs[i] = DTensorSpec(
                 spec.mesh, spec.placements, tensor_meta=TensorMeta(
