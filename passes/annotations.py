@@ -16,8 +16,9 @@ Written by the MoE layer (models/moe.py; its token dispatch: models/ep_dispatch.
                      from them): recompute.py saves them for backward, never recomputes them
 Written by context parallelism (models/context_parallel.py):
   CP_KEY             on the all-gather of K and V over the cp group (its value: the group's
-                     name): a collective of the model, not of a parameter; no pass moves or
-                     merges it, and backward reads its saved result (recompute.py)
+                     name): a collective of the model, not of a parameter; no pass merges
+                     it, only cp_overlap.py moves it, and backward reads its saved result
+                     (recompute.py)
 Written by compile_step's traced update (simplesharded/optim_update.py):
   UPDATE_KEY         on every op of a parameter's optimizer update: that parameter's FQN
                      (its index in the optimizer when it is not the model's); how
@@ -31,7 +32,7 @@ Written by our passes:
                      gathers (bucketing.py)
   GATHERED_KEY       FQN of the gathered parameter a forward view of it holds (recompute.py):
                      a saved view reaches the backward graph as a placeholder carrying it, so
-                     the memory cap counts it (reordering.py, memory.py)
+                     the memory cap counts it (gathered_spans.py, memory.py)
   FLAT_KEY           (buffer name, offset) of a parameter whose shard lives in a bucket's
                      flat buffer (simplesharded/flat_shards.py): bucketing lays such a
                      bucket out in buffer order, so its input is one view (view_cat.py)
