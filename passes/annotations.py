@@ -33,9 +33,6 @@ Written by our passes:
   GATHERED_KEY       FQN of the gathered parameter a forward view of it holds (recompute.py):
                      a saved view reaches the backward graph as a placeholder carrying it, so
                      the memory cap counts it (gathered_spans.py, memory.py)
-  FLAT_KEY           (buffer name, offset) of a parameter whose shard lives in a bucket's
-                     flat buffer (simplesharded/flat_shards.py): bucketing lays such a
-                     bucket out in buffer order, so its input is one view (view_cat.py)
 Written by ragged buckets (simplesharded/ragged_shards.py):
   RAGGED_KEY         the bucket's name, on its gather and (its split's backward) its
                      reduce-scatter: every member is a view of the gathered buffer, and a
@@ -59,7 +56,6 @@ LOWERED_KEY = "ss_lowered"
 GATHERED_KEY = "ss_gathered"
 REGATHER_KEY = "ss_regather"
 UPDATE_KEY = "ss_update"
-FLAT_KEY = "ss_flat"
 RAGGED_KEY = "ss_ragged"
 # Graph-level, in GraphModule.meta: lines a pass leaves about what it did not do and why; a
 # graph dump (pipeline.py) prints them at its top.

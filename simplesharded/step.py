@@ -11,10 +11,9 @@ Gradients never land on ``.grad``: they live inside the graph, and after the ste
 parameter's ``.grad`` is None, as after ``optimizer.zero_grad()``. The optimizer's state
 tensors are the graph's inputs, updated in place, so ``optimizer.state_dict()`` holds them.
 The learning rate of each param group is read from ``param_groups`` at every call and passed
-in as a tensor: a schedule that changes it does not recompile. Parameters in flat buffers
-(``data_parallel(..., flat_buckets=True)``) are differentiated and updated through their
-buffer's leaf (:class:`_FlatRoutes`). A ragged bucket (``flat_buckets="ragged"``) is itself
-the parameter the optimizer holds: it is differentiated and updated as any.
+in as a tensor: a schedule that changes it does not recompile. A ragged bucket
+(``data_parallel(..., storage="ragged")``) is itself the parameter the optimizer holds: it is
+differentiated and updated as any.
 """
 from __future__ import annotations
 
@@ -23,13 +22,11 @@ from typing import Callable
 import torch
 import torch.fx.traceback as fx_traceback
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from simplesharded.backends import make_backend
 from simplesharded.grad_clip import clip_coefficient, global_norm, scaled
 from simplesharded.passes.annotations import UPDATE_KEY
 from simplesharded.passes.torch_compat import STEP_GRAPH, needs
-from simplesharded.sharded_state import sharded_params
 from simplesharded.optim_update import (apply_update, hyperparameters, prepare,
                                         step_inputs)
 
@@ -76,7 +73,6 @@ def compile_step(model: nn.Module, optimizer: torch.optim.Optimizer,
         raise ValueError(f"compile_step: accumulation_steps={accumulation_steps!r} is not a "
                          f"positive integer")
     params = prepare(optimizer)
-    flat = _FlatRoutes(model, params)
     groups = [[p for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
     decoupled = type(optimizer) is torch.optim.AdamW
     fqns = {id(p): n for n, p in model.named_parameters()}
@@ -102,7 +98,7 @@ def compile_step(model: nn.Module, optimizer: torch.optim.Optimizer,
         loss, grads = None, None
         for micro in _micro_batches(batch, accumulation_steps):
             part = loss_fn(model, *micro)
-            part_grads = flat.grads(torch.autograd.grad(part, flat.inputs(), allow_unused=True))
+            part_grads = list(torch.autograd.grad(part, params, allow_unused=True))
             with torch.no_grad():
                 loss = part.detach() if loss is None else loss + part.detach()
                 grads = part_grads if grads is None else [
@@ -125,8 +121,7 @@ def compile_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                     last_norm.copy_(norm)
             it = iter(grads)
             nested = [[next(it) for _ in g] for g in groups]
-            apply_update(decoupled, flat.update_targets(groups), hypers, nested, lrs, states,
-                         names)
+            apply_update(decoupled, groups, hypers, nested, lrs, states, names)
         return (loss, norm) if with_grad_norm else loss
 
     compiled = torch.compile(step_graph, backend=make_backend(backend, **backend_options),
@@ -147,56 +142,6 @@ def compile_step(model: nn.Module, optimizer: torch.optim.Optimizer,
             return compiled(lrs, states, last_norm, *batch)
 
     return step
-
-
-class _FlatRoutes:
-    """Where the step graph differentiates and updates a parameter that lives in a flat
-    buffer (simplesharded/flat_shards.py): forward reads the buffer's leaf, not the
-    parameter, so the gradient is taken with respect to the leaf and each parameter's is its
-    slice (a DTensor with the parameter's placements, for the norm); the update writes the
-    same slice of the leaf, the storage the parameter's shard is a view of. The parameters
-    themselves never enter the graph: only the leaf holds their storage there, so the graph
-    has no two inputs that alias each other."""
-
-    def __init__(self, model: nn.Module, params: list):
-        slots = {id(shard): r.flat for r, shard in sharded_params(model) if r.flat is not None}
-        self.params = params
-        self.slots = [slots.get(id(p)) for p in params]
-        self.leaves = list(dict.fromkeys(s.flat for s in self.slots if s is not None))
-        # each flat parameter's DTensor face, read as constants while tracing
-        self.faces = [None if s is None else (p.device_mesh, p.placements, p.shape, p.stride())
-                      for p, s in zip(params, self.slots)]
-
-    def inputs(self) -> list[torch.Tensor]:
-        """What autograd.grad differentiates: the plain parameters, then the leaves."""
-        return ([p for p, s in zip(self.params, self.slots) if s is None]
-                + [f.leaf for f in self.leaves])
-
-    def grads(self, got: tuple) -> list:
-        """autograd.grad's results as one gradient per parameter, in ``params``' order."""
-        plain = iter(got[:len(got) - len(self.leaves)])
-        by_leaf = dict(zip(map(id, self.leaves), got[len(got) - len(self.leaves):]))
-        out = []
-        for slot, face in zip(self.slots, self.faces):
-            if slot is None:
-                out.append(next(plain))
-                continue
-            g = by_leaf[id(slot.flat)]
-            out.append(None if g is None else self._dtensor(slot.view_of(g), face))
-        return out
-
-    def update_targets(self, groups: list[list]) -> list[list]:
-        """``groups`` with each flat parameter replaced by its slice of the leaf."""
-        targets = [p if slot is None else slot.view_of(slot.flat.leaf)
-                   for p, slot in zip(self.params, self.slots)]
-        it = iter(targets)
-        return [[next(it) for _ in g] for g in groups]
-
-    @staticmethod
-    def _dtensor(local: torch.Tensor, face) -> torch.Tensor:
-        mesh, placements, shape, stride = face
-        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
-                                  stride=stride)
 
 
 def _micro_batches(batch: tuple, n: int) -> list[tuple]:
