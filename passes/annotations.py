@@ -16,8 +16,9 @@ Written by the MoE layer (models/moe.py; its token dispatch: models/ep_dispatch.
                      from them): recompute.py saves them for backward, never recomputes them
 Written by context parallelism (models/context_parallel.py):
   CP_KEY             on the all-gather of K and V over the cp group (its value: the group's
-                     name): a collective of the model, not of a parameter; no pass moves or
-                     merges it, and backward reads its saved result (recompute.py)
+                     name): a collective of the model, not of a parameter; no pass merges
+                     it, only cp_overlap.py moves it, and backward reads its saved result
+                     (recompute.py)
 Written by compile_step's traced update (simplesharded/optim_update.py):
   UPDATE_KEY         on every op of a parameter's optimizer update: that parameter's FQN
                      (its index in the optimizer when it is not the model's); how
@@ -31,10 +32,7 @@ Written by our passes:
                      gathers (bucketing.py)
   GATHERED_KEY       FQN of the gathered parameter a forward view of it holds (recompute.py):
                      a saved view reaches the backward graph as a placeholder carrying it, so
-                     the memory cap counts it (reordering.py, memory.py)
-  FLAT_KEY           (buffer name, offset) of a parameter whose shard lives in a bucket's
-                     flat buffer (simplesharded/flat_shards.py): bucketing lays such a
-                     bucket out in buffer order, so its input is one view (view_cat.py)
+                     the memory cap counts it (gathered_spans.py, memory.py)
 Written by ragged buckets (simplesharded/ragged_shards.py):
   RAGGED_KEY         the bucket's name, on its gather and (its split's backward) its
                      reduce-scatter: every member is a view of the gathered buffer, and a
@@ -58,7 +56,6 @@ LOWERED_KEY = "ss_lowered"
 GATHERED_KEY = "ss_gathered"
 REGATHER_KEY = "ss_regather"
 UPDATE_KEY = "ss_update"
-FLAT_KEY = "ss_flat"
 RAGGED_KEY = "ss_ragged"
 # Graph-level, in GraphModule.meta: lines a pass leaves about what it did not do and why; a
 # graph dump (pipeline.py) prints them at its top.

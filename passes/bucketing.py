@@ -17,8 +17,8 @@ from collections import defaultdict
 import torch
 from torch import fx
 
-from .annotations import (BLOCK_KEY, BUCKET_KEY, BUCKET_PARAMS_KEY, FLAT_KEY, PARAM_KEY,
-                          REGATHER_KEY, annotations)
+from .annotations import (BLOCK_KEY, BUCKET_KEY, BUCKET_PARAMS_KEY, PARAM_KEY, REGATHER_KEY,
+                          annotations)
 from .collectives import (ALL_GATHER, ALL_REDUCE, PLAIN, REDUCE_SCATTER, WAIT, Collective,
                           find_collectives)
 from .graph_utils import (NodeOrder, aten, call, fake_mode_of, flat, hoist_before,
@@ -70,7 +70,7 @@ def merge_buckets(graph: fx.Graph, collectives: list[Collective], keys: list,
     merged: list[Collective] = []
     for (key, kind, *_), members in groups.items():
         if len(members) > 1:
-            members = _layout_order(members, order)
+            members = sorted(members, key=lambda c: order[c.start])
             _replace(members, merge[kind](graph, members, fake_mode, str(key), order), graph,
                      detach)
             merged += members
@@ -80,17 +80,6 @@ def merge_buckets(graph: fx.Graph, collectives: list[Collective], keys: list,
     if any(c.kind != "all_gather" for c in merged):
         stable_topological_sort(graph)
     return merged
-
-
-def _layout_order(members: list[Collective], order: NodeOrder) -> list[Collective]:
-    """The order of a bucket's members in its buffer: graph order, or, when every member's
-    shard lives in the same flat buffer (FLAT_KEY), that buffer's order, so the copy-in and
-    the gradient's copy-out become views (view_cat.py)."""
-    members = sorted(members, key=lambda c: order[c.start])
-    slots = [annotations(c.start).get(FLAT_KEY) for c in members]
-    if all(slots) and len({s[0] for s in slots}) == 1:
-        return sorted(members, key=lambda c: annotations(c.start)[FLAT_KEY][1])
-    return members
 
 
 def _reduce_op(c: Collective) -> str | None:

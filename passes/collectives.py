@@ -117,6 +117,10 @@ def is_wait(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is WAIT
 
 
+def is_collective_or_wait(node: fx.Node) -> bool:
+    return is_collective(node) or is_wait(node)
+
+
 def group_label(group_name: str) -> str:
     """The mesh dim a process group was made for ("dp_shard", "tp", ...), from the
     description DeviceMesh gives its groups; the group name when there is none."""

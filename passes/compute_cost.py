@@ -103,7 +103,7 @@ def node_time(node: fx.Node, hw: Hardware) -> float:
     if node.target in _NO_TRAFFIC or alias_kind(node) == "view":
         return 0.0
     if node.target is aten.cat.default and adjacent_run(node) is not None:
-        return 0.0  # a view once view_cat.py has run (a flat bucket's copy-in)
+        return 0.0  # a view once view_cat.py has run
     if not has_value(node):
         return 0.0  # no tensor output (sym_size, scalar arithmetic, ...)
     moved = node_bytes(node) + sum(node_bytes(a) for a in node.all_input_nodes)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from torch import fx
 
-from .annotations import BUCKET_KEY, FLAT_KEY, annotations
+from .annotations import BUCKET_KEY, annotations
 from .collectives import Collective
 
 
@@ -350,16 +350,10 @@ def _full_bytes(c: Collective) -> int:
 
 
 def _units(idx: list[int], collectives: list[Collective]) -> list[list[int]]:
-    """Consecutive collectives of one module stay together (a module is never split), and so
-    do those of one flat shard buffer (FLAT_KEY): a bucket that is one buffer needs no
-    copy-in (view_cat.py), one that splits it does."""
-    def unit_of(c: Collective):
-        flat = annotations(c.start).get(FLAT_KEY)
-        return ("flat", flat[0]) if flat else ("module", c.module)
-
+    """Consecutive collectives of one module stay together: a module is never split."""
     units: list[list[int]] = []
     for i in idx:
-        if units and unit_of(collectives[units[-1][-1]]) == unit_of(collectives[i]):
+        if units and collectives[units[-1][-1]].module == collectives[i].module:
             units[-1].append(i)
         else:
             units.append([i])

@@ -19,9 +19,6 @@ largest unit: the cap counts every gathered byte alive (docs/memory_cap.md), and
 largest unit is gathered and copied out of its bucket it holds twice its bytes next to what
 stays gathered for backward.
 
-The views of a flat shard buffer's leaf (``ss_flat`` without ``ss_param``) are always
-MUST_RECOMPUTE: free to redo, and backward then reads the one buffer.
-
 Forward views of a gathered parameter (the transposes a matmul saves) are annotated
 ``ss_gathered`` with its FQN: the backward graph receives whichever of them the partitioner
 saves as placeholders, and the memory cap counts those too.
@@ -44,8 +41,7 @@ from __future__ import annotations
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .annotations import (AC_KEY, FLAT_KEY, GATHERED_KEY, PARAM_KEY, RESHARD_KEY, ROUTING_KEY,
-                          annotations)
+from .annotations import AC_KEY, GATHERED_KEY, PARAM_KEY, RESHARD_KEY, ROUTING_KEY, annotations
 from .collectives import find_collectives, node_block, tangent_dependent, tensor_nbytes
 from .plan_protocol import Plan
 
@@ -79,12 +75,6 @@ def tag_gathers_for_recompute(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         # One region id per checkpointed block (0 = none): the partitioner saves the boundary
         # between two regions and recomputes inside each.
         region = custom[AC_KEY] + 1 if AC_KEY in custom else 0
-        if PARAM_KEY not in custom and FLAT_KEY in custom:
-            # the views of a flat buffer's leaf (simplesharded/flat_shards.py): free to redo,
-            # so backward reads the one leaf instead of a saved view per parameter
-            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-            node.meta["ac_graph_id"] = region
-            continue
         if PARAM_KEY not in custom:
             if region and _seeded(node):
                 _save_outputs(node)

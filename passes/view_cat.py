@@ -4,11 +4,10 @@
     cat([cast(x[a:b]), ..., cast(x[y:z])])          ⇒  cast(x[a:z])  (one cast, no copy-in)
 
 Each piece is reached from ``x`` through view ops only (view, reshape, split, slice, alias),
-is contiguous, and the pieces follow each other in ``x``'s elements in cat order. Where a
-bucket's shards live in one flat buffer (simplesharded/flat_shards.py) and bucketing lays the
-bucket out in buffer order, this removes the all-gather's copy-in (its input is the buffer)
-and the gradient's copy-out (the split's backward concatenates views of the reduce-scatter's
-output in the same order: the leaf's gradient is that output).
+is contiguous, and the pieces follow each other in ``x``'s elements in cat order. Bucketing
+makes such cats: HSDP's all-reduce over the replicas of a bucket that follows its
+reduce-scatter concatenates the views it cut from that reduce-scatter's output, so the
+all-reduce reads the output itself.
 
 Invariant: values bitwise unchanged: the replacement holds the elements the cat would have
 copied, in the same order (a cast commutes with moving elements). A cat is left alone when

@@ -99,9 +99,9 @@ def _tol(backend: str) -> float:
 
 
 # ---------------------------------------------------------------------------------- parity
-def _train(backend: str, mesh, device: str, rank: int, storage: bool | str = False) -> dict:
-    """STEPS steps of ``backend`` ("uncompiled": no torch.compile) with ``storage`` as
-    ``data_parallel``'s ``flat_buckets``; losses and the local shards of ``state_dict()``
+def _train(backend: str, mesh, device: str, rank: int, storage: str = "param") -> dict:
+    """STEPS steps of ``backend`` ("uncompiled": no torch.compile) with ``data_parallel``'s
+    ``storage``; losses and the local shards of ``state_dict()``
     (per parameter whatever the storage)."""
     import simplesharded as ss
     from simplesharded.models import build_model, logits_of
@@ -110,7 +110,7 @@ def _train(backend: str, mesh, device: str, rank: int, storage: bool | str = Fal
     torch.manual_seed(0)
     model = build_model(MODEL["name"], MODEL["flavor"], device="cpu",
                         n_layers=MODEL["n_layers"]).to(device)  # same init on every device
-    ss.data_parallel(model, mesh, "fully_shard", flat_buckets=storage)
+    ss.data_parallel(model, mesh, "fully_shard", storage=storage)
     run = model if backend == "uncompiled" else torch.compile(
         model, backend=ss.make_backend(backend), fullgraph=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -166,7 +166,7 @@ def _run_backends(mesh, device: str, rank: int, backends) -> dict:
     from simplesharded.backends import BackendName
 
     results = {"uncompiled": _train("uncompiled", mesh, device, rank)}
-    runs = [(be, be, False) for be in backends]
+    runs = [(be, be, "param") for be in backends]
     runs += [(RAGGED + be, be, "ragged") for be in ("uncompiled", *backends)
              if be == "uncompiled" or BackendName.parse(be).ours]
     for name, be, storage in runs:

@@ -23,8 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from simplesharded.layout import _is_hybrid
-from simplesharded.passes.annotations import (BLOCK_KEY, DP_GROUPS_KEY, FLAT_KEY, PARAM_KEY,
-                                             RESHARD_KEY)
+from simplesharded.passes.annotations import BLOCK_KEY, DP_GROUPS_KEY, PARAM_KEY, RESHARD_KEY
 from simplesharded.sharded_state import ShardedParam, read_record, sharded_state
 
 if TYPE_CHECKING:
@@ -82,13 +81,6 @@ def _held(param: ShardedParam) -> torch.Tensor | None:
 def _gathered(shard: DTensor, param: ShardedParam) -> torch.Tensor:
     """The dp all-gather of gather_param, annotated, with its gradient's reduction."""
     annotation = _annotation(param)
-    if param.flat is not None:
-        # The shard read through its bucket's leaf (flat_shards.py), outside the annotation:
-        # the split belongs to the bucket, not to this parameter's gather.
-        slot = param.flat
-        shard = DTensor.from_local(slot.flat.piece(slot.index), shard.device_mesh,
-                                   shard.placements, run_check=False, shape=shard.shape,
-                                   stride=shard.stride())
     # Traced, the read is one op (see _READ_LIB); eager, its body runs as it is.
     local = (torch.ops.simplesharded.gather_read(shard, param.read_key)
              if torch.compiler.is_compiling() else _read(shard, param, annotation))
@@ -106,14 +98,12 @@ def _annotation(param: ShardedParam) -> dict:
                   RESHARD_KEY: spec.reshard_after_forward}
     if param.block is not None:
         annotation[BLOCK_KEY] = param.block
-    if param.flat is not None:
-        annotation[FLAT_KEY] = (param.flat.flat.name, param.flat.offset)
     return annotation
 
 
 def _read(shard: DTensor, param: ShardedParam, annotation: dict) -> torch.Tensor:
-    """The annotated gather of ``shard`` (the parameter's shard or its piece of a bucket's
-    buffer) over the dp dims, with the reduction of its gradient."""
+    """The annotated gather of the parameter's ``shard`` over the dp dims, with the reduction
+    of its gradient."""
     spec, mp = param.spec, param.mp_layout
     with fx_traceback.annotate(annotation):
         if spec.dp_mesh is not None:
@@ -130,7 +120,7 @@ def _read(shard: DTensor, param: ShardedParam, annotation: dict) -> torch.Tensor
         # "avg" scales the gradient once it is reduced, on the shard (1/dp of the elements),
         # except when it is reduced in float16, whose sum over ranks could overflow first.
         pre_scale = spec.scales_before_reduction(shard.dtype)
-        if spec.grad_scale != 1.0 and not pre_scale and param.flat is None:  # flat: on the leaf
+        if spec.grad_scale != 1.0 and not pre_scale:
             scaled = _ScaleGrad.apply(shard.to_local(), spec.grad_scale, annotation)
             shard = DTensor.from_local(scaled, shard.device_mesh, shard.placements, run_check=False,
                                        shape=shard.shape, stride=shard.stride())
@@ -204,9 +194,8 @@ class _GatherScope:
                  last_block: str | None = None):
         self.active = False
         self.gathered: dict = {}
-        # bucket name → its views: a flat buffer's shards (flat_shards.py) or a ragged bucket's
-        # gathered members (ragged_shards.py)
-        self.flat_pieces: dict = {}
+        # ragged bucket name → its gathered members' views (ragged_shards.py)
+        self.bucket_views: dict = {}
         self.eager_bucket: str | None = None  # uncompiled: the ragged bucket cached there
         # uncompiled, in a backward outside the forward (activation checkpointing's recompute):
         # (name, shard version, views) of the ragged bucket gathered last (ragged_shards.py)

@@ -71,9 +71,7 @@ def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
 
 def scaled(grad: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
     """``grad`` times ``coef``, a new tensor (a DTensor with ``grad``'s placements for a
-    DTensor). Not in place: in a step graph a gradient can be a view of its flat buffer's
-    gradient (simplesharded/step.py), and an in-place multiply of a view is functionalized
-    into a scatter of the whole buffer."""
+    DTensor)."""
     local = _local(grad) * coef.to(grad.dtype)
     if not isinstance(grad, DTensor):
         return local

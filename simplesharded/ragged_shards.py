@@ -250,7 +250,7 @@ class RaggedShards:
         one per run of reads of the bucket, as only the last bucket's views are cached); a TP
         shard is re-wrapped as its module's DTensor, outside the bucket's annotation."""
         scope = self.scope
-        views = scope.flat_pieces.get(self.name) if scope.active else None
+        views = scope.bucket_views.get(self.name) if scope.active else None
         if views is None:
             views = self._gather(scope)
         mp = self.mp[index]
@@ -271,7 +271,7 @@ class RaggedShards:
             # One bucket's views cached at a time, dropped before the next gather: a block's
             # gather dies when its modules are done with it, as a parameter's does (compiled,
             # the graph decides what stays alive)
-            scope.flat_pieces.pop(scope.eager_bucket, None)
+            scope.bucket_views.pop(scope.eager_bucket, None)
             scope.eager_bucket = self.name
         elif recompute:
             cached = scope.backward_views
@@ -295,7 +295,7 @@ class RaggedShards:
                     Variable._execution_engine.queue_callback(scope.drop_backward_views)
                 scope.backward_views = (self.name, self.param.to_local()._version, views)
         if scope.active:
-            scope.flat_pieces[self.name] = views
+            scope.bucket_views[self.name] = views
         return views
 
     def gather_whole(self) -> torch.Tensor:

@@ -19,7 +19,6 @@ from torch import nn
 if TYPE_CHECKING:
     from simplesharded.gather import _GatherScope
     from simplesharded.grad_sync import _GradSync
-    from simplesharded.flat_shards import FlatSlot
     from simplesharded.ragged_shards import RaggedSlot
     from simplesharded.layout import _GatherSpec, _MPLayout
 
@@ -35,8 +34,7 @@ class ShardedParam:
     spec: _GatherSpec  # its dp dims, dtypes, gradient scaling and reshard choice
     mp_layout: _MPLayout | None  # set when it is a TP or EP DTensor to its module
     block: str | None  # its first owner's block (blocks.py), for the graph annotation
-    flat: FlatSlot | None = None  # its place in a bucket's buffer (flat_buckets=True)
-    ragged: RaggedSlot | None = None  # its ragged bucket (flat_buckets="ragged")
+    ragged: RaggedSlot | None = None  # its ragged bucket (storage="ragged")
 
     def __post_init__(self):
         _RECORDS[self.read_key] = self

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import warnings
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -30,7 +31,6 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from simplesharded.ac_wrappers import compile_checkpoint_wrappers
 from simplesharded.blocks import BlockSpec, block_of
 from simplesharded.eager_reshard import _EagerReshard
-from simplesharded.flat_shards import FlatShards, dp_view, flat_eligible
 from simplesharded.gather import _GatherScope, _sharded_property
 from simplesharded.grad_sync import _GradSync
 from simplesharded.ragged import Precision
@@ -46,7 +46,10 @@ from simplesharded.uninitialised import InitCheck, uninitialised_like
 
 GRAD_REDUCTIONS = ("sum", "avg")
 RESHARD_CHOICES = (True, False, "auto")
-FLAT_BUCKETS = (False, True, "ragged")
+# Where a parameter's shard lives: "param", one DTensor shard per parameter; "ragged", its
+# bucket in the ragged layout (simplesharded/ragged_shards.py).
+STORAGES = ("param", "ragged")
+_NOT_GIVEN = object()  # flat_buckets, storage's deprecated name, left out
 # Config/CLI spelling of reshard_after_forward (config.py, simplesharded/tools/report.py) → data_parallel's.
 RESHARD_BY_NAME = {"always": True, "never": False, "auto": "auto"}
 
@@ -73,12 +76,34 @@ def _check_device(model: nn.Module, mesh: DeviceMesh) -> None:
                 f"move the model to {mesh.device_type!r} or build it on 'meta'")
 
 
+def _chosen_storage(storage: str | None, flat_buckets) -> str:
+    """``storage`` checked, or what ``flat_buckets``, its deprecated name, meant."""
+    if flat_buckets is not _NOT_GIVEN:
+        if storage is not None:
+            raise ValueError("data_parallel takes storage= or flat_buckets= (its deprecated "
+                             "name), not both")
+        if flat_buckets is True:
+            raise ValueError("flat_buckets=True: flat storage is retired; use "
+                             "storage='ragged' (zero-copy buckets, docs/zero_copy.md)")
+        if not (flat_buckets is False or flat_buckets == "ragged"):
+            raise ValueError(f"flat_buckets={flat_buckets!r} is not one of [False, 'ragged'] "
+                             f"(deprecated: use storage=, one of {list(STORAGES)})")
+        storage = "ragged" if flat_buckets == "ragged" else "param"
+        # stacklevel 3: the line that called data_parallel
+        warnings.warn(f"data_parallel(flat_buckets={flat_buckets!r}) is deprecated: use "
+                      f"storage={storage!r}", DeprecationWarning, stacklevel=3)
+    storage = "param" if storage is None else storage
+    if storage not in STORAGES:
+        raise ValueError(f"storage={storage!r} is not one of {list(STORAGES)}")
+    return storage
+
+
 def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
                   mp_policy: MixedPrecisionPolicy | None = None,
                   reshard_after_forward: bool | str = "auto",
                   grad_reduction: str = "avg",
                   blocks: Sequence[BlockSpec] | None = None,
-                  flat_buckets: bool | str = False, storage: str | None = None) -> nn.Module:
+                  storage: str | None = None, *, flat_buckets=_NOT_GIVEN) -> nn.Module:
     """Shard ``model`` in place over ``mesh`` and return it.
 
     mode: ``replicate`` (DDP-like), ``fully_shard`` (FSDP/ZeRO-3) or ``hybrid_shard``
@@ -103,20 +128,18 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     blocks: which modules are the model's blocks (one bucket each under
     ``*_blockbucketing``, the units of ``"auto"``): None finds them in the module tree
     (simplesharded/blocks.py); or module classes, class names or module-FQN regexes.
-    flat_buckets: keep each bucket's local shards (a block's parameters; those before the
-    first block; those after the last) in one contiguous buffer, every shard a view of it, so
-    the bucketed all-gather reads the buffer as it is and the gradient lands as the
-    reduce-scatter's output (simplesharded/flat_shards.py). Parameters, ``state_dict()`` and
-    checkpoints are the same. Parameters sharded evenly on dim 0 of what their dp gather
-    rebuilds (FSDP, HSDP; under TP/EP the rank's model-parallel shard); the others (uneven,
-    frozen) stay on their own. ``"ragged"``: each bucket in the ragged layout instead
-    (simplesharded/ragged_shards.py): parameters are views of the gathered buffer, so the
-    gather's copy-out goes too; a bucket is one parameter (``named_parameters()`` lists the
-    buckets), ``state_dict()`` lists the members as without. ``fully_shard`` on a mesh of one
-    dp dim or ``hybrid_shard`` on two (the gradient's all-reduce over the replicas follows the
-    bucket's reduce-scatter), with or without tp and ep dims (a block's TP shards, its
-    parameters replicated over tp and its expert weights are separate buckets); another mode:
-    a ValueError. Tied and frozen parameters stay on their own.
+    storage: one of ``STORAGES``. ``"param"`` (None: the default): one DTensor shard per
+    parameter. ``"ragged"``: each bucket (a block's parameters; those before the first block;
+    those after the last) in the ragged layout (simplesharded/ragged_shards.py,
+    docs/zero_copy.md): every gathered parameter is a view of its bucket's gathered buffer, so
+    a gather copies nothing in or out; a bucket is one parameter (``named_parameters()`` lists
+    the buckets), ``state_dict()`` lists the members as ``"param"`` does. It takes
+    ``fully_shard`` on a mesh of one dp dim or ``hybrid_shard`` on two (the gradient's
+    all-reduce over the replicas follows the bucket's reduce-scatter), with or without tp and
+    ep dims (a block's TP shards, its parameters replicated over tp and its expert weights are
+    separate buckets); another mode: a ValueError. Tied and frozen parameters stay on their
+    own. ``flat_buckets``: storage's former name, deprecated: ``False`` is ``"param"``,
+    ``"ragged"`` is ``"ragged"``; ``True`` (flat buffers) is retired, a ValueError.
     A parameter read more than once in one forward of ``model`` (tied weights, a module called
     twice) is gathered once; its gradient is summed locally and reduced once (eager: tied
     weights only, so an uncompiled gather never outlives its block).
@@ -129,8 +152,6 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     A mesh with a pp dim (``init_mesh(pp=N)``): ``model`` is this rank's pipeline stage, sharded
     over this rank's dp dims only, on the mesh without pp (mesh.stage_mesh).
     """
-    if storage is not None:  # TEMP until merged with the storage knob
-        flat_buckets = {"param": False, "ragged": "ragged"}[storage]
     mesh = stage_mesh(mesh)
     dense = dense_mesh(mesh)
     dp = _dp_mesh(dense)
@@ -138,14 +159,13 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     if not (isinstance(reshard_after_forward, bool) or reshard_after_forward == "auto"):
         raise ValueError(f"reshard_after_forward={reshard_after_forward!r} is not one of "
                          f"{list(RESHARD_CHOICES)}")
-    if flat_buckets not in FLAT_BUCKETS:
-        raise ValueError(f"flat_buckets={flat_buckets!r} is not one of {list(FLAT_BUCKETS)}")
-    if flat_buckets == "ragged" and (mode not in ("fully_shard", "hybrid_shard")
-                                     or (mode == "fully_shard" and dp.ndim != 1)):
-        raise ValueError(f"flat_buckets='ragged' takes mode='fully_shard' on one or "
+    storage = _chosen_storage(storage, flat_buckets)
+    if storage == "ragged" and (mode not in ("fully_shard", "hybrid_shard")
+                                or (mode == "fully_shard" and dp.ndim != 1)):
+        raise ValueError(f"storage='ragged' takes mode='fully_shard' on one or "
                          f"'hybrid_shard' on two data-parallel mesh dims; got mode={mode!r} "
                          f"on mesh dims {mesh.mesh_dim_names or mesh.ndim}: use "
-                         f"flat_buckets=True")
+                         f"storage='param'")
     if grad_reduction not in GRAD_REDUCTIONS:
         raise ValueError(f"grad_reduction={grad_reduction!r} is not one of {sorted(GRAD_REDUCTIONS)}")
     if any(sharded_state(m) is not None for m in model.modules()):
@@ -193,11 +213,8 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
                     ShardedParam(fqn, param_spec, layout, block_of_module.get(mod_name)))
             else:
                 scope.tied.add(shards[id(param)][1].fqn)
-    flats = []
-    if flat_buckets == "ragged":
+    if storage == "ragged":
         _pack_ragged(model, shards, scope)
-    elif flat_buckets:
-        flats = _pack_flat(shards, scope)
     for mod_name, module, names in owners:
         records = {}
         for name in names:
@@ -210,8 +227,6 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
             _swap_class(module, names)
     _scope_root_forward(model, scope, mp_policy.output_dtype,
                         InitCheck(mesh) if from_meta else None)
-    if flats:
-        _rebind_after_apply(model, flats)
     compile_checkpoint_wrappers(model)
     for module in model.modules():  # buffers are replicated plain tensors on the mesh device
         for name, buf in list(module._buffers.items()):
@@ -238,44 +253,11 @@ def _bucket_groups(shards: dict[int, tuple[nn.Parameter, ShardedParam]], eligibl
     return groups
 
 
-def _pack_flat(shards: dict[int, tuple[nn.Parameter, ShardedParam]],
-               scope: _GatherScope) -> list[FlatShards]:
-    """Move the eligible shards of each bucket into one buffer (in ``shards``' module order):
-    a block's parameters, those before the first block ("pre") and after it ("post"); one
-    buffer per dtype, device and dp gather (EP's experts gather over dims of their own). The
-    records gain their slot; the new parameters replace the old ones in ``shards``. Returns
-    the buffers."""
-    def dp_gather(shard, record):
-        # one dp gather per buffer: one group (the mesh's dims) and one grad scale
-        mesh, placements, _ = dp_view(shard, record.mp_layout, record.spec)
-        return (shard.device, (tuple(mesh.mesh_dim_names or ()), mesh.mesh.shape, placements,
-                               record.spec.grad_scale))
-
-    groups = _bucket_groups(shards, lambda s, r: flat_eligible(s, r.mp_layout, r.spec),
-                            dp_gather)
-    names: set[str] = set()
-    flats = []
-    for (bucket, dtype, _, (dims, *_)), keys in groups.items():
-        spec = shards[keys[0]][1].spec
-        name = f"{bucket}/{str(dtype).removeprefix('torch.')}"
-        if name in names:  # a second dp group in the bucket (EP: the experts' own dims)
-            name = f"{name}/{'+'.join(dims) or len(names)}"
-        names.add(name)
-        # "avg" scales the gradient on the leaf, once for the bucket (gather.py scales a
-        # float16 reduction before it instead, per parameter)
-        flat = FlatShards(name, [(shards[k][1].fqn, shards[k][0]) for k in keys], scope,
-                          1.0 if spec.scales_before_reduction(dtype) else spec.grad_scale)
-        for k, param, slot in zip(keys, flat.params, flat.slots):
-            shards[k] = (param, dataclasses.replace(shards[k][1], flat=slot))
-        flats.append(flat)
-    return flats
-
-
 def _pack_ragged(model: nn.Module, shards: dict[int, tuple[nn.Parameter, ShardedParam]],
                  scope: _GatherScope) -> None:
-    """Move the eligible shards of each bucket (as _pack_flat groups them) into one ragged
-    bucket registered on the bucket's owner (its block; the root for "pre" and "post");
-    their slots in ``shards`` become None and their records gain the bucket."""
+    """Move the eligible shards of each bucket (_bucket_groups) into one ragged bucket
+    registered on the bucket's owner (its block; the root for "pre" and "post"); their slots
+    in ``shards`` become None and their records gain the bucket."""
     def gather_and_split(shard, record):
         # One bucket per dp gather (EP's expert weights gather over dims of their own) and
         # per split over the dims after dp (tp, ep): a bucket's placements must say whether
@@ -357,7 +339,7 @@ def _scope_root_forward(model: nn.Module, scope: _GatherScope,
         if init_check is not None and not torch.compiler.is_compiling():
             init_check(self)
         scope.gathered.clear()
-        scope.flat_pieces.clear()
+        scope.bucket_views.clear()
         scope.drop_backward_views()  # left by a backward that raised before its end
         scope.active = True
         hooks = contextlib.nullcontext()
@@ -374,7 +356,7 @@ def _scope_root_forward(model: nn.Module, scope: _GatherScope,
                 out = inner(self, *args, **kwargs)
         finally:
             scope.gathered.clear()
-            scope.flat_pieces.clear()
+            scope.bucket_views.clear()
             scope.active = False
             scope.eager = None
         if output_dtype is None:
@@ -383,20 +365,6 @@ def _scope_root_forward(model: nn.Module, scope: _GatherScope,
                         and t.is_floating_point() else t, out)
 
     model.__class__ = type(cls.__name__, (cls,), {"forward": forward})
-
-
-def _rebind_after_apply(model: nn.Module, flats: list[FlatShards]) -> None:
-    """``model.to_empty(...)``, ``model.to(...)`` and the like (``nn.Module._apply``) give each
-    parameter new storage: the flat buffers are rebuilt around it (FlatShards.rebind)."""
-    cls = model.__class__
-
-    def _apply(self, fn, recurse=True):
-        out = cls._apply(self, fn, recurse)
-        for flat in flats:
-            flat.rebind()
-        return out
-
-    model.__class__ = type(cls.__name__, (cls,), {"_apply": _apply})
 
 
 @contextlib.contextmanager

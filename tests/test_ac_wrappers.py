@@ -18,13 +18,13 @@ from dist_utils import world_of_one
 from simplesharded.models import build_model, logits_of
 
 
-def _train(base, mesh, wrapped: bool, flat_buckets, compiled: bool):
+def _train(base, mesh, wrapped: bool, storage, compiled: bool):
     model = copy.deepcopy(base)
     if wrapped:
         apply_activation_checkpointing(
             model, checkpoint_wrapper_fn=checkpoint_wrapper,
             check_fn=lambda m: type(m).__name__ == "TransformerBlock")
-    model = ss.data_parallel(model, mesh, flat_buckets=flat_buckets)
+    model = ss.data_parallel(model, mesh, storage=storage)
     saved = []
 
     def observe(kind, stage, gm):
@@ -47,14 +47,14 @@ def _train(base, mesh, wrapped: bool, flat_buckets, compiled: bool):
     return model, losses, saved[-1] if saved else None
 
 
-@pytest.mark.parametrize("flat_buckets", [False, "ragged"])
+@pytest.mark.parametrize("storage", ["param", "ragged"])
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
-def test_checkpoint_wrapper_trains_as_without_and_keeps_the_keys(flat_buckets, compiled):
+def test_checkpoint_wrapper_trains_as_without_and_keeps_the_keys(storage, compiled):
     torch.manual_seed(0)
     base = build_model("llama3", "debug", device="cpu", n_layers=2)
     with world_of_one() as mesh:
-        plain, want, plain_saved = _train(base, mesh, False, flat_buckets, compiled)
-        wrapped, got, wrapped_saved = _train(base, mesh, True, flat_buckets, compiled)
+        plain, want, plain_saved = _train(base, mesh, False, storage, compiled)
+        wrapped, got, wrapped_saved = _train(base, mesh, True, storage, compiled)
         assert any("_checkpoint_wrapped_module" in n for n, _ in wrapped.named_modules())
         assert got == want
         if compiled:
@@ -63,7 +63,7 @@ def test_checkpoint_wrapper_trains_as_without_and_keeps_the_keys(flat_buckets, c
         assert keys == list(plain.state_dict())
         assert not [k for k in keys if "_checkpoint_wrapped_module" in k]
         # the wrapped model loads the unwrapped one's checkpoint (here: untrained) and back
-        fresh = ss.data_parallel(copy.deepcopy(base), mesh, flat_buckets=flat_buckets)
+        fresh = ss.data_parallel(copy.deepcopy(base), mesh, storage=storage)
         wrapped.load_state_dict(fresh.state_dict())
         plain.load_state_dict(wrapped.state_dict())
         for model in (wrapped, plain):

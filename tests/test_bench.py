@@ -95,20 +95,17 @@ def test_step_variants_name_our_compiled_backends():
     assert not bench_variants.is_step_variant("ss_aot_eager_autobucketing")
     steps = [v for v in bench_variants.all_variants() if bench_variants.is_step_variant(v)]
     assert steps and not [v for v in steps if bench_variants.ss_backend(v).compiler == "eager"]
-    assert "ss_step_flat_inductor_blockbucketing" in bench_variants.all_variants()
     assert set(bench_variants.STEP_DEFAULT) <= set(bench_variants.default_variants(1))
     assert not set(steps) & set(bench_variants.default_variants(2))
-    # both: the step graph over flat buffers
-    both = "ss_step_flat_aot_eager_blockbucketing"
-    assert both in bench_variants.all_variants()
-    assert bench_variants.is_step_variant(both) and bench_variants.is_flat_variant(both)
-    assert str(bench_variants.ss_backend(both)) == "aot_eager_blockbucketing"
     # the step graph over ragged buckets: named, not in a default set
     ragged = "ss_step_ragged_aot_eager_blockbucketing"
     assert ragged in bench_variants.all_variants() and bench_variants.is_step_variant(ragged)
-    assert bench_variants.flat_buckets_of(ragged) == "ragged"
-    assert bench_variants.flat_buckets_of("ss_ragged_aot_eager_autobucketing") == "ragged"
-    assert bench_variants.flat_buckets_of("ss_step_flat_aot_eager_autobucketing") is True
+    assert str(bench_variants.ss_backend(ragged)) == "aot_eager_blockbucketing"
+    assert bench_variants.storage_of(ragged) == "ragged"
+    assert bench_variants.storage_of("ss_ragged_aot_eager_autobucketing") == "ragged"
+    assert bench_variants.storage_of("ss_step_aot_eager_autobucketing") == "param"
+    # flat storage is retired: no variant names it
+    assert not [v for v in bench_variants.all_variants() if "flat" in v]
     # the trainer's defaults (ragged buckets, uncompiled and autobucketing) are in the default
     # set; the other ragged variants are named
     ragged_in = {v for v in bench_variants.all_variants() if bench_variants.is_ragged_variant(v)}
@@ -391,12 +388,11 @@ def test_bench_collectives_forms_agree(capfd):
     assert bench_collectives.main(["--reps", "2"]) == 0
     out = capfd.readouterr().out  # printed by the spawned rank 0
     for form in ("reduce_scatter", "all_to_all_add", "all_reduce_inplace", "all_gather_flat",
-                 "all_gather_out", "all_gather_coalesced", "all_gather_flat_buffer",
-                 "all_gather_ragged"):
+                 "all_gather_out", "all_gather_coalesced", "all_gather_ragged"):
         assert f"| {form} |" in out
     assert "all_gather_out / all_gather_flat CPU:" in out
     assert "all_gather_coalesced / all_gather_flat CPU:" in out
-    assert "all_gather_ragged / all_gather_flat_buffer CPU:" in out
+    assert "all_gather_ragged / all_gather_flat CPU:" in out
 
 
 def test_bench_passes_times_every_pass_of_both_backends(capsys):

@@ -17,8 +17,8 @@ from the same initial shards, in one spawned job per compiler.
   and parameter abs. diff ≤ 2.5e-5 (Adam turns tiny gradient differences into lr-sized updates,
   see test_parity.py). INDUCTOR_TOL = 1e-4 (relative, as in test_parity.py) covers these with margin,
   while any bucketing bug (wrong rows, wrong reduction) is an O(1) error. The same holds for
-  ``inductor_blockbucketing`` over flat buffers (``flat_buckets=True``), whose graphs also
-  have the copies counted fewer.
+  ``inductor_blockbucketing`` over ragged buckets (``storage="ragged"``), whose code has the
+  same collectives and whose forward graph concatenates nothing.
   The generated code is checked to contain the bucketed collective counts, so the post-grad pass
   really ran (no cache bypass: dist_utils.BASE_ENV turns inductor's FX-graph and AOT caches
   off; only compiled kernels are shared, between the two ranks), and to
@@ -49,20 +49,15 @@ STEPS = 10
 INDUCTOR_LAYERS = 1  # C++ compile time grows with kernels (~1 s each here); buckets: 3
 INDUCTOR_TOL = 1e-4
 AOT = ("aot_eager", "aot_eager_blockbucketing", "aot_eager_autobucketing")
-# data_parallel(..., flat_buckets=True) (simplesharded/flat_shards.py) under the same backends:
-# bitwise the same training, with fewer copies (counted below); "flat:eager" against "eager";
-# and under bf16 mixed precision against the same backend without flat buffers.
-FLAT = ("flat:aot_eager_blockbucketing", "flat:aot_eager_autobucketing")
-FLAT_PAIRS = (("eager", "flat:eager"),
-              ("bf16:aot_eager_blockbucketing", "bf16+flat:aot_eager_blockbucketing"))
-# data_parallel(..., flat_buckets="ragged") (simplesharded/ragged_shards.py): bitwise the same
-# training as without, every parameter a view of its bucket's gather (no copy-out)
+# data_parallel(..., storage="ragged") (simplesharded/ragged_shards.py): bitwise the same
+# training as without, every parameter a view of its bucket's gather (no copy-out);
+# "ragged:eager" against "eager"
 RAGGED = ("ragged:aot_eager_blockbucketing", "ragged:aot_eager_autobucketing", "ragged:eager")
 # ... and under bf16 mixed precision against the same backend without
-RAGGED_BF16 = "bf16+ragged:aot_eager_blockbucketing"
+RAGGED_BF16 = ("bf16:aot_eager_blockbucketing", "bf16+ragged:aot_eager_blockbucketing")
 # the plain "inductor" (reference) runs last
-INDUCTOR = ("inductor_blockbucketing", "inductor_autobucketing", "flat:inductor_blockbucketing",
-            "inductor")
+INDUCTOR = ("inductor_blockbucketing", "inductor_autobucketing",
+            "ragged:inductor_blockbucketing", "inductor")
 
 # compile_step under inductor against the same step graph under aot_eager (itself bitwise
 # the split step: tests/test_step.py)
@@ -82,8 +77,8 @@ def _train(rank, world, backend, n_layers, opt_name, get_code=False, mode="fully
     """STEPS steps of one backend; returns losses, final local shards, the collective counts
     and the order of collectives among matmuls (tests/support/inductor_code.py) of the graphs our
     pipeline produced (kind → ...) and, optionally, the same of inductor's code. ``backend``
-    may carry options before a colon: ``flat`` (flat_buckets=True), ``ragged``
-    (flat_buckets="ragged"), ``bf16`` (param_dtype). Parameters are read from ``state_dict()``,
+    may carry options before a colon: ``ragged`` (storage="ragged"), ``bf16``
+    (param_dtype). Parameters are read from ``state_dict()``,
     which lists a ragged bucket's members."""
     options, _, backend = backend.rpartition(":")
     options = set(options.split("+")) - {""}
@@ -116,7 +111,7 @@ def _train(rank, world, backend, n_layers, opt_name, get_code=False, mode="fully
     mp = ss.MixedPrecisionPolicy(param_dtype=torch.bfloat16) if "bf16" in options else None
     model = ss.data_parallel(toy_blocks.make_model(n_layers=n_layers), mesh, mode,
                              reshard_after_forward=True, mp_policy=mp,
-                             flat_buckets="ragged" if "ragged" in options else "flat" in options)
+                             storage="ragged" if "ragged" in options else "param")
     opt = (torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
            if opt_name == "adamw" else torch.optim.SGD(model.parameters(), lr=0.1))
     compiled = model if backend == "eager" else torch.compile(
@@ -150,10 +145,8 @@ def _train(rank, world, backend, n_layers, opt_name, get_code=False, mode="fully
 
 def aot_job(rank, world, tmp):
     out = {be: _train(rank, world, be, toy_blocks.N_LAYERS, "adamw")
-           for be in AOT + FLAT + RAGGED + (RAGGED_BF16,)
-           + tuple(b for pair in FLAT_PAIRS for b in pair)}
-    out["dcp"] = _dcp_round_trip(rank, world, tmp)
-    out["dcp_ragged"] = _dcp_round_trip(rank, world, tmp, "ragged")
+           for be in AOT + ("eager",) + RAGGED + RAGGED_BF16}
+    out["dcp_ragged"] = _dcp_round_trip(rank, world, tmp)
     out["optim_ragged"] = _optim_state_round_trip(rank, world)
     return out
 
@@ -174,8 +167,8 @@ def _optim_state_round_trip(rank, world):
     options = StateDictOptions(flatten_optimizer_state_dict=True)
     numel = world * toy_blocks.BATCH_PER_RANK * toy_blocks.SEQ
 
-    def trained(flat, seed, steps):
-        model = ss.data_parallel(toy_blocks.make_model(seed), mesh, flat_buckets=flat)
+    def trained(storage, seed, steps):
+        model = ss.data_parallel(toy_blocks.make_model(seed), mesh, storage=storage)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
         step(model, opt, range(steps))
         return model, opt
@@ -191,7 +184,7 @@ def _optim_state_round_trip(rank, world):
         return {k: v.full_tensor() if hasattr(v, "full_tensor") else v
                 for k, v in state.items()}
 
-    plain, plain_opt = trained(False, 0, 2)
+    plain, plain_opt = trained("param", 0, 2)
     ragged, ragged_opt = trained("ragged", 0, 2)
     want_model, want = get_state_dict(plain, plain_opt, options=options)
     got = full(optim_state_by_member(ragged, get_state_dict(ragged, ragged_opt,
@@ -211,9 +204,9 @@ def _optim_state_round_trip(rank, world):
     return dict(same_state=same_state, same_next_step=same_next)
 
 
-def _dcp_round_trip(rank, world, tmp, flat_buckets=True):
-    """A DCP checkpoint saved without flat buffers loads into a model with them (and back):
-    the values land in the buffers, which forward then reads. Ragged buckets' state_dict()
+def _dcp_round_trip(rank, world, tmp):
+    """A DCP checkpoint saved with per-parameter shards loads into ragged buckets (and back):
+    the values land in the buckets, which forward then reads. Ragged buckets' state_dict()
     holds converted members, so their load ends with load_state_dict (as set_state_dict
     does)."""
     import torch.distributed.checkpoint as dcp
@@ -224,8 +217,8 @@ def _dcp_round_trip(rank, world, tmp, flat_buckets=True):
     mesh = build_mesh(dp_replicate=1, dp_shard=world, device="cpu")
     tokens, _ = toy_blocks.batch(rank, 0)
 
-    def model(flat, seed):  # each its own weights: a load must change every one
-        return ss.data_parallel(toy_blocks.make_model(seed), mesh, flat_buckets=flat)
+    def model(storage, seed):  # each its own weights: a load must change every one
+        return ss.data_parallel(toy_blocks.make_model(seed), mesh, storage=storage)
 
     def full(m):
         return {n: p.full_tensor() for n, p in m.state_dict().items()}
@@ -235,21 +228,21 @@ def _dcp_round_trip(rank, world, tmp, flat_buckets=True):
         dcp.load(state, checkpoint_id=path)
         m.load_state_dict(state)
 
-    saved = model(False, 1)
-    dcp.save(saved.state_dict(), checkpoint_id=f"{tmp}/plain")
-    flat = model(flat_buckets, 2)
-    load(flat, f"{tmp}/plain")
-    dcp.save(flat.state_dict(), checkpoint_id=f"{tmp}/{flat_buckets}")
-    back = model(False, 3)
-    load(back, f"{tmp}/{flat_buckets}")
+    saved = model("param", 1)
+    dcp.save(saved.state_dict(), checkpoint_id=f"{tmp}/param")
+    ragged = model("ragged", 2)
+    load(ragged, f"{tmp}/param")
+    dcp.save(ragged.state_dict(), checkpoint_id=f"{tmp}/ragged")
+    back = model("param", 3)
+    load(back, f"{tmp}/ragged")
     with torch.no_grad():
-        outputs = [m(tokens) for m in (saved, flat, back)]
+        outputs = [m(tokens) for m in (saved, ragged, back)]
     want = full(saved)
-    assert not any(torch.equal(v, want[n]) for n, v in full(model(flat_buckets, 2)).items())
-    return dict(loaded_flat=all(torch.equal(v, want[n]) for n, v in full(flat).items()),
+    assert not any(torch.equal(v, want[n]) for n, v in full(model("ragged", 2)).items())
+    return dict(loaded=all(torch.equal(v, want[n]) for n, v in full(ragged).items()),
                 loaded_back=all(torch.equal(v, want[n]) for n, v in full(back).items()),
                 same_output=all(torch.equal(o, outputs[0]) for o in outputs[1:]),
-                placements=[(n, p.placements, p.shape) for n, p in flat.state_dict().items()]
+                placements=[(n, p.placements, p.shape) for n, p in ragged.state_dict().items()]
                 == [(n, p.placements, p.shape) for n, p in saved.state_dict().items()])
 
 
@@ -290,7 +283,7 @@ def inductor_job(rank, world):
 
 def _step_graph_train(rank, world, backend):
     """STEPS steps of compile_step (the whole step in one graph: forward, backward, clipping,
-    AdamW) over flat buffers; losses, final local shards and, for the first step, the
+    AdamW) over ragged buckets; losses, final local shards and, for the first step, the
     collectives in the graph our passes left and, under inductor, in its code."""
     import simplesharded as ss
     from simplesharded.mesh import build_mesh
@@ -308,7 +301,7 @@ def _step_graph_train(rank, world, backend):
     # inductor drops the no-op view over its gradient
     model = ss.data_parallel(
         torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(STEP_BLOCKS)]),
-        mesh, reshard_after_forward=True, flat_buckets=True)
+        mesh, reshard_after_forward=True, storage="ragged")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     step = ss.compile_step(model, opt, lambda m, x: m(x).tanh().square().mean(),
                            backend=backend, max_norm=0.5, observer=observe)
@@ -407,38 +400,8 @@ def _same_training(got, ref, what):
         assert torch.equal(got["params"][name], p), (what, name)
 
 
-def test_flat_buckets_train_bitwise_as_without_and_copy_less():
-    """flat_buckets=True: the same losses and shards, bit for bit, under both bucketing
-    backends (against plain aot_eager), eager, and bf16 mixed precision; and the copies it
-    removes are gone from the graphs. The toy's block buckets are all even (flat); its head
-    bucket mixes norm.weight (flat) with the 7-row output.weight (not: uneven), its embedding
-    is alone and uneven."""
-    n = toy_blocks.N_LAYERS
-    for rank, res in enumerate(_run("aot_job")):
-        for be in FLAT:
-            _same_training(res[be], res["aot_eager"], (rank, be))
-        for plain, flat in FLAT_PAIRS:
-            _same_training(res[flat], res[plain], (rank, flat))
-        plain = res["aot_eager_blockbucketing"]["graph_counts"]
-        flat = res["flat:aot_eager_blockbucketing"]["graph_counts"]
-        assert plain["fw"]["all_gather"] == flat["fw"]["all_gather"] == n + 2
-        assert plain["bw"]["reduce_scatter"] == flat["bw"]["reduce_scatter"] == n + 2
-        # forward: a cat per bucketed gather (blocks, head), flat: the head's only (its
-        # uneven output.weight is not in the buffer)
-        assert (plain["fw"]["cat"], flat["fw"]["cat"]) == (n + 1, 1)
-        # backward, plain: each bucket's re-gather copy-in and reduce-scatter copy-in, and
-        # the uneven parameters' padding; flat: no block re-gather copy-in, and no cat of a
-        # buffer's gradient pieces either (the split's backward, one per buffer, is a view)
-        assert plain["bw"]["cat"] - flat["bw"]["cat"] == n
-        bf16 = res["bf16+flat:aot_eager_blockbucketing"]["graph_counts"]
-        assert bf16["fw"]["cat"] == 1
-        dcp = res["dcp"]
-        assert dcp == dict(loaded_flat=True, loaded_back=True, same_output=True,
-                           placements=True), (rank, dcp)
-
-
 def test_ragged_buckets_train_bitwise_as_without_and_copy_out_nothing():
-    """flat_buckets="ragged": the same losses and parameters, bit for bit, under both
+    """storage="ragged": the same losses and parameters, bit for bit, under both
     bucketing backends, eager and bf16 mixed precision (AdamW, every bucket stepped as one
     tensor); the forward
     graph copies nothing out of its gathers (as many clones as unbucketed aot_eager, whose
@@ -450,8 +413,8 @@ def test_ragged_buckets_train_bitwise_as_without_and_copy_out_nothing():
         for be in RAGGED:
             _same_training(res[be], res["aot_eager" if be != "ragged:eager" else "eager"],
                            (rank, be))
-        _same_training(res[RAGGED_BF16], res["bf16:aot_eager_blockbucketing"], (rank, "bf16"))
-        assert res[RAGGED_BF16]["graph_counts"]["fw"]["cat"] == 0
+        _same_training(res[RAGGED_BF16[1]], res[RAGGED_BF16[0]], (rank, "bf16"))
+        assert res[RAGGED_BF16[1]]["graph_counts"]["fw"]["cat"] == 0
         plain = res["aot_eager"]["graph_counts"]
         ragged = res["ragged:aot_eager_blockbucketing"]["graph_counts"]
         assert ragged["fw"]["all_gather"] == n + 2 and ragged["bw"]["all_gather"] == n + 1
@@ -465,7 +428,7 @@ def test_ragged_buckets_train_bitwise_as_without_and_copy_out_nothing():
         assert ragged["bw"]["cat"] == ragged["bw"]["copy_"] == 0 < block["bw"]["cat"], ragged
         assert ragged["fw"]["copy_"] == 0, ragged
         dcp = res["dcp_ragged"]
-        assert dcp == dict(loaded_flat=True, loaded_back=True, same_output=True,
+        assert dcp == dict(loaded=True, loaded_back=True, same_output=True,
                            placements=True), (rank, dcp)
         optim = res["optim_ragged"]
         assert optim == dict(same_state=True, same_next_step=True), (rank, optim)
@@ -509,21 +472,20 @@ def test_inductor_bucketing_matches_inductor():
                 assert max_rel_diff(got["params"][name], p) <= INDUCTOR_TOL, (rank, be, name)
 
 
-def test_flat_buckets_under_inductor():
-    """flat_buckets=True under inductor_blockbucketing: inductor's code has the same bucketed
-    collectives as without flat buffers, and the graph handed to inductor the fewer copies
-    (the aot_eager test's counts: forward n+1 cats -> 1, backward n fewer; n = blocks)."""
+def test_ragged_buckets_under_inductor():
+    """storage="ragged" under inductor_blockbucketing: inductor's code has the same bucketed
+    collectives as per-parameter shards, and the forward graph handed to inductor
+    concatenates nothing (per-parameter shards: a cat per bucketed gather)."""
     n = INDUCTOR_LAYERS
     for rank, res in enumerate(_run("inductor_job")):
-        plain, flat = res["inductor_blockbucketing"], res["flat:inductor_blockbucketing"]
-        assert flat["code_counts"] == plain["code_counts"], rank
-        got, want = flat["graph_counts"], plain["graph_counts"]
-        assert (want["fw"]["cat"], got["fw"]["cat"]) == (n + 1, 1), rank
-        assert want["bw"]["cat"] - got["bw"]["cat"] == n, rank
+        plain, ragged = res["inductor_blockbucketing"], res["ragged:inductor_blockbucketing"]
+        assert ragged["code_counts"] == plain["code_counts"], rank
+        got, want = ragged["graph_counts"], plain["graph_counts"]
+        assert (want["fw"]["cat"], got["fw"]["cat"]) == (n + 1, 0), rank
 
 
 def test_step_graph_under_inductor_matches_aot_eager():
-    """compile_step with inductor_blockbucketing (flat buffers, clipping, AdamW): inductor's
+    """compile_step with inductor_blockbucketing (ragged buckets, clipping, AdamW): inductor's
     code issues the bucketed collectives our passes left in the step graph (one gather per
     block in forward, re-gathers in backward, one reduce-scatter per block), as the aot_eager
     step graph holds them, and training matches the aot_eager step graph within

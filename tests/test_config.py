@@ -346,74 +346,112 @@ def test_gradient_sync_choices():
                             "'last_microbatch']")
 
 
-def test_flat_buckets_takes_a_bool_or_ragged(tmp_path):
-    """parallelism.flat_buckets: false, true (a TOML boolean or a bare flag, as when it was a
-    bool), ragged, or auto (the default): data_parallel gets False, True or "ragged"; auto
-    is ragged, or False where the mode is replicate (given, or resolved from the degrees)."""
+def test_storage_key(tmp_path):
+    """parallelism.storage: param, ragged, or auto (the default): data_parallel gets its
+    storage; auto is ragged, or param where the mode is replicate (given, or resolved from the
+    degrees). A bad value is one line listing the choices."""
     def storage(path=None, argv=None):
         p = load(path, argv).parallelism
-        return p.flat_buckets, p.bucket_storage
+        return p.storage, p.dp_storage
 
     assert storage() == ("auto", "ragged")
     assert storage(None, ["--parallelism.mode", "hybrid_shard",
                           "--parallelism.data_parallel_replicate_degree", "2"]) == (
         "auto", "ragged")
-    assert storage(None, ["--parallelism.mode", "replicate"]) == ("auto", False)
+    assert storage(None, ["--parallelism.mode", "replicate"]) == ("auto", "param")
     assert storage(None, ["--parallelism.data_parallel_replicate_degree", "2",
-                          "--parallelism.data_parallel_shard_degree", "1"]) == ("auto", False)
-    assert storage(write(tmp_path, "[parallelism]\nflat_buckets = true\n")) == ("true", True)
-    assert storage(write(tmp_path, "[parallelism]\nflat_buckets = 'ragged'\n")) == (
-        "ragged", "ragged")
-    assert storage(None, ["--parallelism.flat_buckets", "--training.steps", "2"]) == (
-        "true", True)
-    assert storage(None, ["--parallelism.flat_buckets", "ragged"]) == ("ragged", "ragged")
-    assert storage(None, ["--parallelism.flat_buckets=0"]) == ("false", False)
-    assert storage(write(tmp_path, "[parallelism]\nflat_buckets = true\n"),
-                   ["--no-parallelism.flat_buckets"]) == ("false", False)
+                          "--parallelism.data_parallel_shard_degree", "1"]) == ("auto", "param")
+    assert storage(None, ["--parallelism.storage", "param"]) == ("param", "param")
+    assert storage(None, ["--parallelism.storage=ragged"]) == ("ragged", "ragged")
+    assert storage(write(tmp_path, "[parallelism]\nstorage = 'param'\n")) == ("param", "param")
+    with pytest.raises(ValueError) as e:
+        load(None, ["--parallelism.storage", "flat"])
+    assert str(e.value) == ("parallelism.storage='flat' is not one of ['auto', 'param', "
+                            "'ragged']")
+    with pytest.raises(ValueError, match="storage expects str, got True"):
+        load(write(tmp_path, "[parallelism]\nstorage = true\n"))
+
+
+DEPRECATED = "[simplesharded] parallelism.flat_buckets is deprecated: use --parallelism.storage"
+
+
+def test_flat_buckets_is_storage_deprecated(tmp_path, capsys):
+    """The old key still works for one release, in TOML and on the command line (a TOML
+    boolean or a bare flag as before): false is param, ragged and auto are themselves, each
+    with one printed line naming the new key. true, flat storage, is retired: one line."""
+    def storage(path=None, argv=None):
+        p = load(path, argv).parallelism
+        return p.storage, capsys.readouterr().err
+
+    for path, argv, want in [
+            (write(tmp_path, "[parallelism]\nflat_buckets = false\n", "f.toml"), None, "param"),
+            (write(tmp_path, "[parallelism]\nflat_buckets = 'ragged'\n", "r.toml"), None,
+             "ragged"),
+            (None, ["--parallelism.flat_buckets", "ragged"], "ragged"),
+            (None, ["--parallelism.flat_buckets", "auto"], "auto"),
+            (None, ["--parallelism.flat_buckets=0"], "param"),
+            (None, ["--no-parallelism.flat_buckets", "--training.steps", "2"], "param")]:
+        assert storage(path, argv) == (want, f"{DEPRECATED} {want}\n"), (path, argv)
+    assert "flat_buckets" not in load(None, ["--parallelism.flat_buckets", "false"]).to_toml()
+    retired = ("parallelism.flat_buckets=true: flat storage is retired; use "
+               "--parallelism.storage ragged (zero-copy buckets, docs/zero_copy.md)")
+    for path, argv in [(write(tmp_path, "[parallelism]\nflat_buckets = true\n"), None),
+                       (None, ["--parallelism.flat_buckets"]),
+                       (None, ["--parallelism.flat_buckets", "--training.steps", "2"]),
+                       (None, ["--parallelism.flat_buckets", "true"])]:
+        with pytest.raises(ValueError) as e:
+            load(path, argv)
+        assert str(e.value) == retired, (path, argv)
     with pytest.raises(ValueError) as e:
         load(None, ["--parallelism.flat_buckets", "raged"])
-    assert str(e.value) == ("parallelism.flat_buckets='raged' is not one of ['auto', "
-                            "'false', 'ragged', 'true']")
-    with pytest.raises(ValueError, match="flat_buckets expects str, got 1"):
+    assert str(e.value) == ("parallelism.flat_buckets='raged' is not one of ['auto', 'false', "
+                            "'ragged'] (deprecated: use parallelism.storage)")
+    with pytest.raises(ValueError, match=r"^parallelism.flat_buckets=1 is not one of"):
         load(write(tmp_path, "[parallelism]\nflat_buckets = 1\n"))
+
+
+def test_storage_and_flat_buckets_together_are_one_error(tmp_path):
+    both = ("parallelism.flat_buckets and parallelism.storage are both set: flat_buckets is "
+            "storage's deprecated name, keep storage only")
+    for path, argv in [
+            (None, ["--parallelism.storage", "ragged", "--parallelism.flat_buckets", "ragged"]),
+            (write(tmp_path, "[parallelism]\nflat_buckets = 'ragged'\n"),
+             ["--parallelism.storage", "param"])]:
+        with pytest.raises(ValueError) as e:
+            load(path, argv)
+        assert str(e.value) == both
 
 
 def test_ragged_buckets_refuse_replicate_in_one_error():
     argv = ["--parallelism.mode", "replicate"]
     with pytest.raises(ValueError) as e:
-        load(None, ["--parallelism.flat_buckets", "ragged", *argv])
-    assert str(e.value).startswith(
-        "parallelism.flat_buckets='ragged' needs parallelism.mode 'fully_shard' or "
-        "'hybrid_shard', got 'replicate'"), e.value
-    load(None, ["--parallelism.flat_buckets", "true", *argv])  # flat buffers take it
+        load(None, ["--parallelism.storage", "ragged", *argv])
+    assert str(e.value) == (
+        "parallelism.storage='ragged' needs parallelism.mode 'fully_shard' or "
+        "'hybrid_shard', got 'replicate' (or set storage=param)")
+    load(None, ["--parallelism.storage", "param", *argv])
 
 
 def test_ragged_buckets_take_hsdp_tp_ep_cp_pp_last_microbatch_sync_and_the_step_scope():
-    cfg = load(None, ["--parallelism.flat_buckets", "ragged",
+    cfg = load(None, ["--parallelism.storage", "ragged",
                       "--parallelism.tensor_parallel_degree", "2",
                       "--parallelism.expert_parallel_degree", "2"])
     assert cfg.parallelism.tensor_parallel_degree == cfg.parallelism.expert_parallel_degree == 2
-    cfg = load(None, ["--parallelism.flat_buckets", "ragged",
+    cfg = load(None, ["--parallelism.storage", "ragged",
                       "--parallelism.context_parallel_degree", "2"])
     assert cfg.parallelism.context_parallel_degree == 2
-    assert cfg.parallelism.bucket_storage == "ragged"
-    cfg = load(None, ["--parallelism.flat_buckets", "ragged",
+    assert cfg.parallelism.dp_storage == "ragged"
+    cfg = load(None, ["--parallelism.storage", "ragged",
                       "--parallelism.data_parallel_replicate_degree", "2",
                       "--training.gradient_accumulation_steps", "2",
                       "--training.gradient_sync", "last_microbatch"])
-    assert cfg.parallelism.mode == "hybrid_shard" and cfg.parallelism.bucket_storage == "ragged"
-    cfg = load(None, ["--parallelism.flat_buckets", "ragged", "--compile.enable",
+    assert cfg.parallelism.mode == "hybrid_shard" and cfg.parallelism.dp_storage == "ragged"
+    cfg = load(None, ["--parallelism.storage", "ragged", "--compile.enable",
                       "--compile.scope", "step"])
-    assert cfg.compile.scope == "step" and cfg.parallelism.bucket_storage == "ragged"
-    cfg = load(None, ["--parallelism.flat_buckets", "ragged",
+    assert cfg.compile.scope == "step" and cfg.parallelism.dp_storage == "ragged"
+    cfg = load(None, ["--parallelism.storage", "ragged",
                       "--parallelism.pipeline_parallel_degree", "2"])
     assert cfg.parallelism.pipeline_parallel_degree == 2
-    # flat buffers (true) in pipeline stages: not yet, one line
-    with pytest.raises(ValueError, match=r"^parallelism.flat_buckets='true' with "
-                                         r"pipeline_parallel_degree=2 is not supported yet; "
-                                         r"set flat_buckets=false or ragged$"):
-        load(None, ["--parallelism.flat_buckets", "true",
-                    "--parallelism.pipeline_parallel_degree", "2"])
 
 
 def test_gpu_counts_key():

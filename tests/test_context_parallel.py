@@ -558,7 +558,7 @@ def reference(name: str = "llama3"):
 LAYOUTS = {
     2: [(1, 1, "eager", False), (1, 1, "eager", True), (1, 1, "aot_eager_blockbucketing", False),
         (1, 1, "aot_eager_blockbucketing", True),
-        # flat_buckets="ragged": the parameters sharded over dp_shard x cp in ragged buckets
+        # storage="ragged": the parameters sharded over dp_shard x cp in ragged buckets
         (1, 1, "ragged:aot_eager_blockbucketing", False),
         (1, 1, "aot_eager_blockbucketing", False, "deepseek_v3"),
         (1, 1, "eager", False, "hf_llama"), (1, 1, "aot_eager_blockbucketing", False, "hf_llama")],
@@ -574,7 +574,7 @@ def _case(rank, world, dp, tp, backend, ac, name="llama3"):
 
     torch._dynamo.reset()
     counts: dict = {}
-    flat_buckets, backend = storage_and_backend(backend)
+    storage, backend = storage_and_backend(backend)
 
     def observe(kind, stage, gm):
         if kind in ("fw", "bw") and stage == "agreement":
@@ -586,7 +586,7 @@ def _case(rank, world, dp, tp, backend, ac, name="llama3"):
     cpm.apply_context_parallel(model, mesh["cp"])
     if ac:
         apply_activation_checkpointing(model, "full", 1, compiled=backend != "eager")
-    ss.data_parallel(model, mesh, grad_reduction="sum", flat_buckets=flat_buckets)
+    ss.data_parallel(model, mesh, grad_reduction="sum", storage=storage)
     step_fn = model if backend == "eager" else torch.compile(
         model, backend=ss.make_backend(backend, observer=observe), fullgraph=True)
     losses, grads, params = train(model, step_fn, mesh["dp_shard"].get_local_rank(), dp,

@@ -149,7 +149,7 @@ def eager_job(rank, world):
     # ragged buckets: one gather per block, re-gathered once for the block's backward
     for reshard in (True, False, "auto"):
         model = ss.data_parallel(toy_blocks.make_model(), mesh, reshard_after_forward=reshard,
-                                 flat_buckets="ragged")
+                                 storage="ragged")
         out[("ragged", reshard)] = _step(model, rank)
         with torch.no_grad(), GatherRecorder() as rec:
             model(toy_blocks.batch(rank)[0])
@@ -157,7 +157,7 @@ def eager_job(rank, world):
             out[("ragged", reshard)]["nograd_peak"] = rec.peak
         out[("ragged", reshard)]["bucket_bytes"] = _bucket_bytes(model)
     # ragged buckets under torch.utils.checkpoint: the recompute reads each member in turn
-    model = ss.data_parallel(toy_blocks.make_model(), mesh, flat_buckets="ragged")
+    model = ss.data_parallel(toy_blocks.make_model(), mesh, storage="ragged")
     for layer in model.layers:
         layer.forward = functools.partial(torch.utils.checkpoint.checkpoint,
                                           type(layer).forward.__get__(layer),
@@ -314,16 +314,14 @@ def _fake_case(case: str, reshard):
         model, x = toy_blocks.make_model(), toy_blocks.batch(0)[0]
     mode, _, storage = case.partition("+")
     mode = {"tp": "fully_shard"}.get(mode, mode)
-    flat = {"": False, "flat": True, "ragged": "ragged"}[storage]
     return ss.data_parallel(model, mesh, mode, mp_policy=mp, reshard_after_forward=reshard,
-                            flat_buckets=flat), x
+                            storage=storage or "param"), x
 
 
-@pytest.mark.parametrize("case", ["fully_shard", "hybrid_shard", "hybrid_shard+flat", "tp",
-                                  "hybrid_shard+ragged"])
+@pytest.mark.parametrize("case", ["fully_shard", "hybrid_shard", "tp", "hybrid_shard+ragged"])
 def test_eager_reshard_layouts(fake_world, case):
-    """Hybrid (2-D dp mesh; also with flat buffers, whose shards are views of an autograd
-    leaf, and with ragged buckets, whose members are views of the bucket's gather),
+    """Hybrid (2-D dp mesh; also with ragged buckets, whose members are views of the bucket's
+    gather),
     TP-composed DTensor parameters and bf16 gathers: with reshard no gathered storage
     outlives forward and every saved one is re-gathered with the same layout (the unpack
     checks it); without, nothing is re-gathered."""

@@ -26,10 +26,9 @@ The trainer runs in the same job (the debug config, eager): expert parallel degr
 none, its checkpoint resumed at degree 1, and pipeline stages with EP (pp 2 x ep 2, under
 reduce_once and gather_once) against none.
 
-With flat_buckets=True (TP 2 x EP 2) a block's dense and expert shards live in buffers of
-their own, and training is bitwise the run without them; so it is with flat_buckets="ragged",
-whose expert weights are a bucket of their own (and at efsdp 2 x ep 2, eager, it matches one
-process).
+With storage="ragged" (TP 2 x EP 2) a block's expert weights are a bucket of their own, and
+training is bitwise the run without ragged buckets (and at efsdp 2 x ep 2, eager, it matches
+one process).
 
 One spawn of 4 gloo ranks runs every case (layouts x backends); the tests read its results.
 """
@@ -44,8 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dist_utils import (by_member, flat_buffers, max_rel_diff, memo, ragged_buckets, spawn,
-                        storage_and_backend)
+from dist_utils import by_member, max_rel_diff, memo, ragged_buckets, spawn, storage_and_backend
 
 pytestmark = pytest.mark.slow
 
@@ -65,7 +63,7 @@ TOL = 1e-5
 # aot_eager_blockbucketing with 6, ep 4 both, the latter with activation checkpointing.
 LAYOUTS = {
     # 4 experts per ep rank over efsdp 2: dim 0, a strided shard under ep's Shard(0)
-    # flat_buckets="ragged": the dense and the expert parameters views of their buckets' gathers
+    # storage="ragged": the dense and the expert parameters views of their buckets' gathers
     (1, 1, 2, 8): (("eager", False), ("eager", True), ("aot_eager", False),
                    ("ragged:eager", False)),
     # 3 experts per rank over efsdp 2: sharded on dim 1 (dim 0 would pad a whole expert)
@@ -73,9 +71,7 @@ LAYOUTS = {
     # 2 experts per rank, efsdp 1
     (1, 1, 4, 8): (("eager", False), ("aot_eager_blockbucketing", True)),
     # TP 2 x EP 2 (dp_shard 2 = efsdp 1 x ep 2): the MoE runs on whole sequences per tp rank
-    # flat_buckets=True: the dense and the expert shards in buffers of their own per block
     (1, 2, 2, 8): (("eager", False), ("aot_eager_blockbucketing", False),
-                   ("flat:aot_eager_blockbucketing", False),
                    ("ragged:aot_eager_blockbucketing", False)),
     # HSDP x EP: (dp_replicate 2, efsdp 1, ep 2); expert weights (Replicate, Shard) on
     # (dp_replicate, efsdp)
@@ -156,7 +152,7 @@ def _case(rank, world, rep, tp, ep, n_experts, backend, ac):
     from simplesharded.models.ep_dispatch import ep_compile_config
     from simplesharded.trainer.recipe import _ScopedCalls, apply_activation_checkpointing
 
-    flat_buckets, backend = storage_and_backend(backend)
+    storage, backend = storage_and_backend(backend)
     torch._dynamo.reset()
     graphs: dict = {}
 
@@ -186,7 +182,7 @@ def _case(rank, world, rep, tp, ep, n_experts, backend, ac):
                                        expert_parallel=True)
     mode = "hybrid_shard" if rep > 1 else "fully_shard"
     ss.data_parallel(model, mesh, mode, grad_reduction="sum",  # train(): global token count
-                     flat_buckets=flat_buckets)
+                     storage=storage)
     step_fn = model if backend == "eager" else _ScopedCalls(torch.compile(
         model, backend=ss.make_backend(backend, observer=observe), fullgraph=True),
         ep_compile_config)
@@ -196,8 +192,7 @@ def _case(rank, world, rep, tp, ep, n_experts, backend, ac):
     moe = model.layers[str(ARGS["n_layers"] - 1)].feed_forward
     w1 = moe.experts._parameters["w1"]  # the shard, not a gather
     return {"losses": losses, "params": params if rank == 0 else None, "graphs": graphs,
-            "backward_a2a": len(backward_a2a) // STEPS, "flat": flat_buffers(model),
-            "ragged": ragged_buckets(model),
+            "backward_a2a": len(backward_a2a) // STEPS, "ragged": ragged_buckets(model),
             "w1": w1 is not None and (tuple(repr(p) for p in w1.placements),
                                       tuple(w1.to_local().shape)),
             # "ep", or "world" where ep spans every rank (torch reuses the default group)
@@ -358,24 +353,8 @@ def test_all_to_alls_counted_never_recomputed_and_fingerprinted(key, case):
                 (rank, kind, graphs[kind]["fingerprint"])
 
 
-def test_flat_buckets_under_tp_and_ep_train_bitwise_as_without():
-    """flat_buckets=True on TP 2 x EP 2: the block's dense shards and its expert shards (dim 0
-    of each rank's experts, gathered over efsdp) live in two buffers, and training is bitwise
-    the run without them."""
-    key = (1, 2, 2, 8)
-    for rank, r in enumerate(run()):
-        plain = r[(key, ("aot_eager_blockbucketing", False))]
-        flat = r[(key, ("flat:aot_eager_blockbucketing", False))]
-        assert flat["flat"] == {"pre/float32": 1, "layers.0/float32": 10,
-                                "layers.0/float32/efsdp": 3, "post/float32": 2}, rank
-        assert flat["losses"] == plain["losses"], rank
-        if rank == 0:
-            for name, p in plain["params"].items():
-                assert torch.equal(flat["params"][name], p), name
-
-
 def test_ragged_buckets_under_tp_and_ep_train_bitwise_as_without():
-    """flat_buckets="ragged" on TP 2 x EP 2 (dp_shard 2 = efsdp 1 x ep 2): a block's dense TP
+    """storage="ragged" on TP 2 x EP 2 (dp_shard 2 = efsdp 1 x ep 2): a block's dense TP
     shards, its parameters replicated over tp and its expert weights (sharded over ep,
     gathered over efsdp) are three buckets, and training is bitwise the run without them. (At
     efsdp 2 x ep 2 the parity test against one process holds it: a reduce-scatter over 4 ranks

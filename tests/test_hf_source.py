@@ -178,7 +178,7 @@ def _count_reads(counted: list[int]):
     return real, Counting
 
 
-def _sharded(path: str, world: int, flat_buckets: bool | str = False):
+def _sharded(path: str, world: int, storage: str = "param"):
     """The model of ``path`` on the meta device, sharded over ``world`` ranks, not yet filled."""
     from simplesharded.mesh import build_mesh
     from simplesharded.models import hf_source
@@ -186,7 +186,7 @@ def _sharded(path: str, world: int, flat_buckets: bool | str = False):
 
     model = hf_source.build_hf_model(path)
     data_parallel(model, build_mesh(dp_replicate=1, dp_shard=world, device="cpu"),
-                  flat_buckets=flat_buckets)
+                  storage=storage)
     return model
 
 
@@ -199,7 +199,7 @@ def _ragged_loaded(path: str, world: int) -> tuple[int, list[str]]:
     from simplesharded.models import hf_loading
     from simplesharded.ragged_shards import model_buckets
 
-    model = _sharded(path, world, flat_buckets="ragged")
+    model = _sharded(path, world, storage="ragged")
     assert hf_loading.materialize(model) == "loaded"
     buckets = len({id(b) for b in model_buckets(model)})
     ref = AutoModelForCausalLM.from_pretrained(path, local_files_only=True).state_dict()
@@ -377,7 +377,7 @@ def test_each_rank_reads_only_its_slices(zoo, arch):
 
 @pytest.mark.slow
 def test_ragged_buckets_load_the_files_as_transformers_does(zoo):
-    """flat_buckets="ragged": the weights load into the buckets' members by name (llama; and
+    """storage="ragged": the weights load into the buckets' members by name (llama; and
     mixtral, whose experts are merged from the files' per-expert tensors)."""
     for rank, r in enumerate(_results(2, tuple(sorted(zoo.items())))):
         for arch, (buckets, bad) in r["ragged"].items():

@@ -6,7 +6,7 @@ Slow: one spawned job per world size (1, 2, 4 gloo ranks) builds every case of t
 deepseek_v3 debug MoE with its experts split over ep 2, at 4 ranks over efsdp 2 too, and
 with tp 2 as well), initialises it with the same seed and gathers every parameter
 (``full_tensor``): all of them must equal the 1-rank values bit for bit, buffers included.
-At 2 and 4 ranks llama3 is also built with ragged buckets (``flat_buckets="ragged"``, its
+At 2 and 4 ranks llama3 is also built with ragged buckets (``storage="ragged"``, its
 members read from ``state_dict()``): the init writes through to the buckets. At 2 ranks,
 the user's own ways too: a first forward before any init raises on every rank (the shards
 hold NaN, simplesharded/uninitialised.py), and ``model.init_weights()`` inside
@@ -23,7 +23,7 @@ from torch import nn
 from dist_utils import memo, spawn
 
 SEED = 7
-# world size → cases: (model, tp, ep[, flat_buckets])
+# world size → cases: (model, tp, ep[, storage])
 CASES = {
     1: (("llama3", 1, 1), ("deepseek_v3", 1, 1)),
     2: (("llama3", 1, 1), ("deepseek_v3", 1, 2), ("llama3", 1, 1, "ragged")),
@@ -32,7 +32,7 @@ CASES = {
 }
 
 
-def _sharded(name: str, world: int, tp: int, ep: int, flat_buckets=False,
+def _sharded(name: str, world: int, tp: int, ep: int, storage="param",
              **overrides) -> nn.Module:
     """The model on the meta device, parallelised as the trainer does (TP → EP →
     data_parallel fully_shard) on a CPU mesh of ``world`` ranks, not yet initialised."""
@@ -44,7 +44,7 @@ def _sharded(name: str, world: int, tp: int, ep: int, flat_buckets=False,
     model = build_model(name, "debug", device="meta", **overrides)
     apply_tensor_parallel(model, mesh, sequence_parallel=True)
     apply_expert_parallel(model, mesh)
-    return ss.data_parallel(model, mesh, "fully_shard", flat_buckets=flat_buckets)
+    return ss.data_parallel(model, mesh, "fully_shard", storage=storage)
 
 
 def _job(rank: int, world: int) -> dict | None:
@@ -61,17 +61,18 @@ def _job(rank: int, world: int) -> dict | None:
         full = {k: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
                 for k, p in params.items()}
         out[case] = {**full, **{k: b.clone() for k, b in model.named_buffers()}}
-    users = {flat: _users_own_init(world, flat) for flat in (False, "ragged")} if world == 2 else {}
+    users = ({storage: _users_own_init(world, storage) for storage in ("param", "ragged")}
+             if world == 2 else {})
     return (out, users) if rank == 0 else None
 
 
-def _users_own_init(world: int, flat_buckets) -> dict:
+def _users_own_init(world: int, storage) -> dict:
     """A first forward before the init raises (here: every rank gets past it or none would,
     so the spawn would hang instead of fail); then FSDP2's habit, ``model.init_weights()``,
     inside ``disable_gather``; the full parameters after it."""
     import simplesharded as ss
 
-    model = _sharded("llama3", world, 1, 1, flat_buckets)
+    model = _sharded("llama3", world, 1, 1, storage)
     tokens = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="holds NaN at the model's first forward: the model "
                                          "was built on the meta device"):
@@ -92,11 +93,11 @@ def _full(world: int) -> dict:
 @pytest.mark.parametrize("world", [2, 4])
 def test_same_full_parameters_at_any_world_size_and_layout(world):
     ref = _full(1)[0]
-    for (name, tp, ep, *flat), got in _full(world)[0].items():
+    for (name, tp, ep, *storage), got in _full(world)[0].items():
         want = ref[name, 1, 1]
-        assert sorted(got) == sorted(want), (name, tp, ep, flat)
+        assert sorted(got) == sorted(want), (name, tp, ep, storage)
         bad = [k for k in want if got[k].dtype != want[k].dtype or not torch.equal(got[k], want[k])]
-        assert not bad, f"{name} world={world} tp={tp} ep={ep} {flat}: differ from 1 rank: {bad}"
+        assert not bad, f"{name} world={world} tp={tp} ep={ep} {storage}: differ from 1 rank: {bad}"
     # the init ran: not torch.empty's leftovers
     assert ref["llama3", 1, 1]["norm.weight"].eq(1).all()
     assert 0.01 < float(ref["llama3", 1, 1]["layers.0.attention.wq.weight"].std()) < 0.03
@@ -105,7 +106,7 @@ def test_same_full_parameters_at_any_world_size_and_layout(world):
 @pytest.mark.slow
 def test_users_own_init_inside_disable_gather_reaches_every_layout():
     users = _full(2)[1]
-    plain, ragged = users[False], users["ragged"]
+    plain, ragged = users["param"], users["ragged"]
     assert sorted(plain) == sorted(ragged)
     bad = [k for k in plain if not torch.equal(plain[k], ragged[k])]
     assert not bad, bad

@@ -16,7 +16,7 @@ from simplesharded.passes.reordering import reorder_for_overlap
 DEBUG_CONFIG = "configs/llama3_debug.toml"
 
 
-@pytest.mark.parametrize("storage", ["false", "ragged"])
+@pytest.mark.parametrize("storage", ["param", "ragged"])
 @pytest.mark.parametrize("backend,blocks", [("aot_eager_blockbucketing", 4),
                                             ("aot_eager_blockbucketing", 2.5),
                                             ("aot_eager_autobucketing", 6)])
@@ -39,20 +39,20 @@ def test_gathered_bytes_stay_within_the_cap_with_kept_blocks(backend, blocks, st
     block = sum(v for k, v in sizes.items() if k.startswith("layers.3."))
     cap = int(blocks * block)
     keep = cap // 4 if "auto" in backend else None  # the plan's own budget (AutoPlan: 1/4)
-    cfg = load_config(DEBUG_CONFIG, ["--parallelism.flat_buckets", storage])
+    cfg = load_config(DEBUG_CONFIG, ["--parallelism.storage", storage])
     with dry_run.fake_world(2):
         traced = dry_run.trace(cfg, 2, n_layers=4, keep_gathered_bytes=keep,
                                memory_cap_bytes=cap)
         fw, bw = dry_run.apply_backend_passes(traced, backend, "h100-ib400", cap)
     kept = [n for n in bw.graph.nodes if n.op == "placeholder" and gathered_param(n)]
     kept = {gathered_param(n) for n in kept}
-    head, last = (("output.weight", "layers.3.attention.wq.weight") if storage == "false"
+    head, last = (("output.weight", "layers.3.attention.wq.weight") if storage == "param"
                   else ("norm.weight", "layers.3.attention_norm.weight"))
     assert head in kept, kept
     assert (last in kept) == (blocks != 2.5), kept
     copy_outs = [n for n in fw.graph.nodes
                  if n.target is torch.ops.aten.clone.default and gathered_param(n)]
-    assert bool(copy_outs) == (storage == "false"), copy_outs
+    assert bool(copy_outs) == (storage == "param"), copy_outs
     assert pu.prefetch_depth(fw) >= 1
     if blocks != 2.5:  # there the backward's floor (a block copied out) leaves no room
         assert pu.prefetch_depth(bw) >= 1

@@ -36,13 +36,12 @@ SGD = dict(lr=0.1)
 CONFIGS = {
     ("replicate", 2): ("eager", "aot_eager", "inductor"),
     ("fully_shard", 2): ("eager", "aot_eager", "inductor"),
-    # inductor and plain aot_eager at 4 ranks: hybrid_shard covers them. "flat:":
-    # data_parallel(flat_buckets=True) (simplesharded/flat_shards.py): each block's evenly
-    # split fc2 in one buffer, its uneven fc1 (7 rows over 4 ranks) alone in the same bucket
-    ("fully_shard", 4): ("eager", "flat:aot_eager_blockbucketing"),
+    # inductor and plain aot_eager at 4 ranks: hybrid_shard covers them. Block bucketing: each
+    # block's evenly split fc2 and uneven fc1 (7 rows over 4 ranks, one rank's shard 1 row) in
+    # one bucket
+    ("fully_shard", 4): ("eager", "aot_eager_blockbucketing"),
     # bucketing merges the replica all-reduces too (one per block); same numbers as unbucketed
-    ("hybrid_shard", 4): ("eager", "aot_eager", "inductor", "aot_eager_blockbucketing",
-                          "flat:aot_eager_blockbucketing"),
+    ("hybrid_shard", 4): ("eager", "aot_eager", "inductor", "aot_eager_blockbucketing"),
 }
 CASES = [(mode, world, be) for (mode, world), bes in CONFIGS.items() for be in bes]
 
@@ -55,8 +54,7 @@ CASES = [(mode, world, be) for (mode, world), bes in CONFIGS.items() for be in b
 # ISA differs between machines); observed ≤ 3.6e-7 here, but allow 1e-4 so another CPU's
 # codegen cannot flake the test. Any reduction bug (missing, doubled or averaged gradient)
 # is an O(1) error, far above either tolerance.
-TOL = {"eager": 1e-6, "aot_eager": 1e-6, "inductor": 1e-4, "aot_eager_blockbucketing": 1e-6,
-       "flat:aot_eager_blockbucketing": 1e-6}
+TOL = {"eager": 1e-6, "aot_eager": 1e-6, "inductor": 1e-4, "aot_eager_blockbucketing": 1e-6}
 # AdamW parameters: the first Adam steps move a parameter by ~lr·sign(grad), so a gradient
 # whose true value is ~0 (e.g. a bias with a structurally zero gradient) turns rounding noise
 # into an lr-sized update and parameter parity can miss by far more than rounding.
@@ -88,9 +86,7 @@ def parity_case(rank, world, mesh, mode, backend):
     import simplesharded as ss
 
     # the loss is normalised by the global element count: gradients are summed over ranks
-    options, _, backend = backend.rpartition(":")
-    model = ss.data_parallel(toy.make_model(), mesh, mode, grad_reduction="sum",
-                             flat_buckets=options == "flat")
+    model = ss.data_parallel(toy.make_model(), mesh, mode, grad_reduction="sum")
     init = {n: p.to_local().clone() for n, p in model.named_parameters()}
     dump = tempfile.mkdtemp(prefix=f"ss_dump_{backend}_")
     try:

@@ -100,7 +100,7 @@ def _traced_counts(world: int, tp: int, hw) -> tuple[dict, dict, int, int]:
     cfg = check_static(load_config(DEBUG_CONFIG, [
         "--activation_checkpoint.mode", "none", "--parallelism.tensor_parallel_degree",
         str(tp), "--training.global_batch_size", str(world // tp),
-        "--parallelism.flat_buckets", "false"]), world)
+        "--parallelism.storage", "param"]), world)
     with dry_run.fake_world(world):
         traced = dry_run.trace(cfg, cfg.training.local_batch_size, n_layers=2)
         fw, bw = dry_run.apply_backend_passes(traced, "aot_eager_blockbucketing", "h100-ib400",

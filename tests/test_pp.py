@@ -69,7 +69,7 @@ CASES = [("1F1B", b, p) for b in BACKENDS for p in POLICIES] + [
 # gather_once with 2 micro-batches a step (of two sequences): its gathers must not change
 # (held parameters are the pipeline's business, not the compiler's: eager shows it)
 FEWER = [("1F1B", "eager", "gather_once", 2)]
-# Ragged buckets (flat_buckets="ragged") in the stages: a stage's deferred reduction and
+# Ragged buckets (storage="ragged") in the stages: a stage's deferred reduction and
 # gather_once act per bucket (eager 1F1B holding, compiled ZBV's split backward reducing once)
 RAGGED = [("1F1B", "eager", "gather_once", MICROBATCHES, "ragged"),
           ("ZBVZeroBubble", "aot_eager_blockbucketing", "reduce_once", MICROBATCHES, "ragged")]
@@ -126,7 +126,7 @@ def reference():
 
 
 def _case(mesh, schedule: str, backend: str, policy: str, microbatches: int = MICROBATCHES,
-          storage: str = "per_parameter", *, evaluate: bool) -> dict:
+          storage: str = "param", *, evaluate: bool) -> dict:
     import simplesharded as ss
     from simplesharded.passes import agreement
     from simplesharded.pipelining import pipeline, pipeline_peers
@@ -139,7 +139,7 @@ def _case(mesh, schedule: str, backend: str, policy: str, microbatches: int = MI
 
     def prepare(stage):
         ss.data_parallel(stage, mesh, grad_reduction="sum",  # loss_fn: global token count
-                         flat_buckets="ragged" if storage == "ragged" else False)
+                         storage=storage)
         if backend == "eager":
             return stage
         return torch.compile(stage, backend=ss.make_backend(backend), fullgraph=True)
@@ -209,7 +209,7 @@ TRAINER_RUNS = {  # name → (steps, arguments); the folder is per test session
                     "--parallelism.pipeline_fsdp_policy", "gather_once"]),
     # ragged buckets in the stages, the pipeline FSDP policy the trainer picks by default
     "pp2_ragged": (3, ["--parallelism.pipeline_parallel_degree", "2",
-                       "--parallelism.flat_buckets", "ragged"]),
+                       "--parallelism.storage", "ragged"]),
     # pp2's step-2 checkpoint at pp 2 x tp 2: the stages' shards resharded over tp too
     "resumed_pp2_tp2": (3, ["--parallelism.pipeline_parallel_degree", "2",
                             "--parallelism.tensor_parallel_degree", "2",
@@ -340,7 +340,7 @@ def test_trainer_pp2_matches_no_pp():
 
 
 def test_trainer_pp2_with_ragged_buckets_matches_no_pp():
-    """--parallelism.flat_buckets ragged in pipeline stages: the losses and validation loss of
+    """--parallelism.storage ragged in pipeline stages: the losses and validation loss of
     the run on dp 4 without them (<= 1e-5 rel), on every rank."""
     for r in run():
         (got, val), (pp1, val1) = r["pp2_ragged"], r["pp1"]

@@ -82,7 +82,7 @@ def test_bad_layouts_say_what_is_wrong(shapes, world, align, message):
         RaggedLayout(shapes, world, align)
 
 
-# ------------------------------------------- data_parallel(flat_buckets="ragged"), fake world
+# ----------------------------------------------- data_parallel(storage="ragged"), fake world
 
 def test_ragged_model_lists_its_parameters_and_state_dict_converts_them():
     import toy_blocks
@@ -93,7 +93,7 @@ def test_ragged_model_lists_its_parameters_and_state_dict_converts_them():
 
     with fake_world(2) as mesh:
         plain = ss.data_parallel(toy_blocks.make_model(), mesh)
-        model = ss.data_parallel(toy_blocks.make_model(), mesh, flat_buckets="ragged")
+        model = ss.data_parallel(toy_blocks.make_model(), mesh, storage="ragged")
         # FSDP2's contract: the model's own parameters, by name, of their global shape
         assert [(n, p.shape) for n, p in model.named_parameters()] == \
             [(n, p.shape) for n, p in plain.named_parameters()]
@@ -129,21 +129,117 @@ def test_ragged_model_lists_its_parameters_and_state_dict_converts_them():
         assert member.numel() == 0 or member.data_ptr() == local[start:stop].data_ptr()
 
 
-@pytest.mark.parametrize("call", ["bad_value", "replicate"])
-def test_what_ragged_does_not_take_says_so(call):
+def test_what_ragged_does_not_take_says_so():
     import toy_blocks
     from pass_utils import fake_world
 
     import simplesharded as ss
 
     with fake_world(2) as mesh:
-        if call == "bad_value":
-            with pytest.raises(ValueError, match=r"flat_buckets='raged' is not one of "
-                                                 r"\[False, True, 'ragged'\]"):
-                ss.data_parallel(toy_blocks.make_model(), mesh, flat_buckets="raged")
-            return
-        with pytest.raises(ValueError, match="takes mode='fully_shard' on one"):
-            ss.data_parallel(toy_blocks.make_model(), mesh, "replicate", flat_buckets="ragged")
+        with pytest.raises(ValueError, match=r"^storage='ragged' takes mode='fully_shard' on "
+                                             r"one .*: use storage='param'$"):
+            ss.data_parallel(toy_blocks.make_model(), mesh, "replicate", storage="ragged")
+
+
+def test_unknown_storage_is_one_line_listing_the_choices():
+    import toy_blocks
+    from dist_utils import world_of_one
+
+    import simplesharded as ss
+
+    with world_of_one() as mesh, pytest.raises(ValueError) as e:
+        ss.data_parallel(toy_blocks.make_model(), mesh, storage="nope")
+    assert str(e.value) == "storage='nope' is not one of ['param', 'ragged']"
+    assert ss.sharding.STORAGES == ("param", "ragged")
+
+
+def test_flat_buckets_true_says_flat_storage_is_retired():
+    import toy_blocks
+    from dist_utils import world_of_one
+
+    import simplesharded as ss
+
+    with world_of_one() as mesh, pytest.raises(ValueError) as e:
+        ss.data_parallel(toy_blocks.make_model(), mesh, flat_buckets=True)
+    assert str(e.value) == ("flat_buckets=True: flat storage is retired; use storage='ragged' "
+                            "(zero-copy buckets, docs/zero_copy.md)")
+
+
+@pytest.mark.parametrize("old, new", [(False, "param"), ("ragged", "ragged")])
+def test_flat_buckets_is_storage_deprecated(old, new):
+    """flat_buckets=False and "ragged" still work for one release: one DeprecationWarning,
+    at the caller's line, naming the replacement; the model is the one storage= makes."""
+    import toy_blocks
+    from dist_utils import world_of_one
+
+    import simplesharded as ss
+
+    with world_of_one() as mesh:
+        with pytest.warns(DeprecationWarning) as caught:
+            model = ss.data_parallel(toy_blocks.make_model(), mesh, flat_buckets=old)
+        ours = [w for w in caught if "flat_buckets" in str(w.message)]
+        assert [str(w.message) for w in ours] == [
+            f"data_parallel(flat_buckets={old!r}) is deprecated: use storage={new!r}"]
+        assert ours[0].filename == __file__
+        want = ss.data_parallel(toy_blocks.make_model(), mesh, storage=new)
+        assert [n for n, _ in model.named_parameters()] == \
+            [n for n, _ in want.named_parameters()]
+        assert any("_ragged_" in n for n, _ in model.named_parameters()) is (new == "ragged")
+        tokens, targets = toy_blocks.batch(0, 0)  # it trains as the storage= model does
+        losses = []
+        for m in (model, want):
+            loss = toy_blocks.loss_fn(m(tokens), targets, targets.numel())
+            loss.backward()
+            losses.append(loss)
+        assert torch.equal(*losses)
+        assert all(p.grad is not None for p in model.parameters())
+
+
+def test_storage_and_flat_buckets_together_are_refused():
+    import toy_blocks
+    from dist_utils import world_of_one
+
+    import simplesharded as ss
+
+    with world_of_one() as mesh, pytest.raises(ValueError) as e:
+        ss.data_parallel(toy_blocks.make_model(), mesh, storage="ragged", flat_buckets="ragged")
+    assert str(e.value) == ("data_parallel takes storage= or flat_buckets= (its deprecated "
+                            "name), not both")
+
+
+def test_to_empty_keeps_the_buckets_forward_reads():
+    """FSDP2's habit: model.to_empty(device) before the init. It gives every parameter new
+    storage (nn.Module._apply swaps a DTensor parameter's contents, keeping the object); a
+    bucket reads its parameter at each gather, so the init and an optimizer built before
+    reach what forward reads: the same training as per-parameter shards without to_empty."""
+    from dist_utils import world_of_one
+
+    import simplesharded as ss
+    from simplesharded.models import build_model
+
+    shapes = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128)
+    tokens = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    with world_of_one() as mesh:
+        def trained(storage, to_empty):
+            model = ss.data_parallel(build_model("llama3", "debug", device="meta", **shapes),
+                                     mesh, storage=storage)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            if to_empty:
+                model.to_empty(device="cpu")
+            ss.init_sharded(model, seed=3)
+            model(tokens).sum().backward()
+            opt.step()
+            with torch.no_grad():
+                return model, model(tokens)
+
+        (ref, ref_out), (model, out) = trained("param", False), trained("ragged", True)
+        assert all("_ragged_" in n for n, _ in model.named_parameters())
+        want = ref.state_dict()
+        got = model.state_dict()
+        assert list(got) == list(want)
+        for k, v in got.items():
+            assert torch.equal(v.to_local(), want[k].to_local()), k
+        assert torch.equal(out, ref_out)
 
 
 # ------------------------------------------------------------------------- 4 gloo ranks
@@ -242,14 +338,14 @@ def _hsdp(rank: int, world: int) -> dict:
     options = StateDictOptions(flatten_optimizer_state_dict=True)
     out = {}
 
-    def build(flat):
+    def build(storage):
         torch._dynamo.reset()
         model = ss.data_parallel(toy_blocks.make_model(n_layers=2), mesh, "hybrid_shard",
-                                 flat_buckets=flat)
+                                 storage=storage)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
-    for flat in (False, "ragged"):  # compile_step: 2 steps
-        model, opt = build(flat)
+    for storage in ("param", "ragged"):  # compile_step: 2 steps
+        model, opt = build(storage)
         cats: list = []  # the step graph's concatenations, as it runs
 
         def count_cats(kind, stage, gm, cats=cats):
@@ -258,12 +354,12 @@ def _hsdp(rank: int, world: int) -> dict:
         step = ss.compile_step(model, opt, lambda m, x, y: toy_blocks.loss_fn(m(x), y, numel),
                                backend="aot_eager_blockbucketing", observer=count_cats)
         losses = [step(*toy_blocks.batch(rank, i)).item() for i in range(2)]
-        out[(flat, "step")] = dict(losses=losses, cats=cats, full={
+        out[(storage, "step")] = dict(losses=losses, cats=cats, full={
             k: v.full_tensor() for k, v in model.state_dict().items()})
-    for flat, backend in [(False, "eager"), ("ragged", "eager"),
-                          (False, "aot_eager_blockbucketing"),
-                          ("ragged", "aot_eager_blockbucketing")]:
-        model, opt = build(flat)
+    for storage, backend in [("param", "eager"), ("ragged", "eager"),
+                             ("param", "aot_eager_blockbucketing"),
+                             ("ragged", "aot_eager_blockbucketing")]:
+        model, opt = build(storage)
         backwards: list = []  # each compiled backward's collectives: no-sync, then sync
 
         def observe(kind, stage, gm, backwards=backwards):
@@ -284,11 +380,11 @@ def _hsdp(rank: int, world: int) -> dict:
                     unreduced.append(all(p.grad is None for p in model.parameters()))
             opt.step()
         state = get_state_dict(model, opt, options=options)[1]
-        if flat:
+        if storage == "ragged":
             state = optim_state_by_member(model, state)
         full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
                 for k, v in {**model.state_dict(), **state}.items()}
-        out[(flat, backend)] = dict(
+        out[(storage, backend)] = dict(
             losses=losses, full=full, backwards=backwards, unreduced=all(unreduced),
             placements=[(k, v.placements) for k, v in model.state_dict().items()],
             buckets=[p.placements for p in model.parameters()])
@@ -345,7 +441,7 @@ def test_hsdp_and_no_sync_ragged_buckets_train_bitwise_as_without():
     for rank, r in enumerate(results):
         res = r["hsdp"]
         for backend in ("eager", "aot_eager_blockbucketing"):
-            plain, ragged = res[(False, backend)], res[("ragged", backend)]
+            plain, ragged = res[("param", backend)], res[("ragged", backend)]
             assert ragged["losses"] == plain["losses"], (rank, backend)
             assert ragged["placements"] == plain["placements"]
             # the parameters are the members: replicated over the replicas, a ragged run of
@@ -358,7 +454,7 @@ def test_hsdp_and_no_sync_ragged_buckets_train_bitwise_as_without():
                             else v == plain["full"][k])]
             assert not diff, (rank, backend, diff[:5])
             assert ragged["unreduced"] and plain["unreduced"], (rank, backend)
-        plain, ragged = res[(False, "step")], res[("ragged", "step")]  # compile_step
+        plain, ragged = res[("param", "step")], res[("ragged", "step")]  # compile_step
         assert ragged["losses"] == plain["losses"], rank
         assert all(torch.equal(v, plain["full"][k]) for k, v in ragged["full"].items()), rank
         # the step graph's traced backward writes each gradient into its bucket's

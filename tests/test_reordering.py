@@ -195,10 +195,10 @@ def test_handbuilt_chain_reordering_idempotent():
 @settings(max_examples=50, deadline=None)
 @given(data=st.data())
 def test_span_index_finds_what_a_scan_finds(data):
-    """Prefetch's fit tests ask reordering._SpanIndex for the spans overlapping a range; it
+    """Prefetch's fit tests ask gathered_spans.SpanIndex for the spans overlapping a range; it
     must answer what a scan of every span does, also after spans' first positions move
     (hoisted gathers), with repeated positions and empty answers."""
-    from simplesharded.passes.reordering import _SpanIndex
+    from simplesharded.passes.gathered_spans import SpanIndex
 
     pos = st.integers(0, 40)
     n = data.draw(st.integers(0, 12))
@@ -206,7 +206,7 @@ def test_span_index_finds_what_a_scan_finds(data):
     for key in range(n):
         first, length = data.draw(pos), data.draw(st.integers(0, 15))
         spans.append((first, first + length, data.draw(st.integers(1, 9)), key))
-    index = _SpanIndex(spans + [(3, 5, 7, None)])  # a fixed span: no key, never moves
+    index = SpanIndex(spans + [(3, 5, 7, None)])  # a fixed span: no key, never moves
     live = {key: span for *span, key in spans}
     for _ in range(data.draw(st.integers(1, 6))):
         if live and data.draw(st.booleans()):  # a hoist: the span begins earlier

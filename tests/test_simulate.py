@@ -195,7 +195,7 @@ def test_plan_extrapolation_from_4_and_6_blocks_equals_a_full_trace_of_8():
     cfg = load_config(config, ["--training.gradient_accumulation_steps", "1",
                                "--activation_checkpoint.mode", "selective",
                                "--activation_checkpoint.selective_every", "2",
-                               "--parallelism.flat_buckets", "false"])
+                               "--parallelism.storage", "param"])
     cfg = check_static(cfg, 64)  # resolves the batch as `plan` does
     ns = argparse.Namespace(world_size=64, hardware="h100-ib400")
     names = ["aot_eager", "aot_eager_blockbucketing", "aot_eager_autobucketing"]

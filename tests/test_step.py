@@ -22,13 +22,13 @@ from dist_utils import max_rel_diff, spawn
 STEPS = 10
 MAX_NORM = 0.3  # below every step's gradient norm here: clipping acts at each step
 # (name, model, backend, optimizer class, weight_decay, (max_norm, clip_norm) or None,
-#  micro-batches per step, the step graph's model with flat_buckets (the split step's never))
+#  micro-batches per step)
 CASES = [
-    ("tied_gpt_aot_eager_adamw_accumulation2", "gpt", "aot_eager", "AdamW", 0.1, None, 2, False),
+    ("tied_gpt_aot_eager_adamw_accumulation2", "gpt", "aot_eager", "AdamW", 0.1, None, 2),
     ("hf_llama_blockbucketing_adam_l2_clip_previous", "hf_llama", "aot_eager_blockbucketing",
-     "Adam", 0.01, (MAX_NORM, "previous"), 1, False),
-    ("flat_blockbucketing_adamw_clip", "llama3", "aot_eager_blockbucketing", "AdamW", 0.1,
-     (MAX_NORM, "current"), 1, True),
+     "Adam", 0.01, (MAX_NORM, "previous"), 1),
+    ("llama3_blockbucketing_adamw_clip", "llama3", "aot_eager_blockbucketing", "AdamW", 0.1,
+     (MAX_NORM, "current"), 1),
 ]
 BITWISE = [c[0] for c in CASES if c[5] is None]
 CLIPPED = [c[0] for c in CASES if c[5] is not None]
@@ -45,10 +45,10 @@ def _plain_model(name="llama3"):
     return build_model(name, "debug", device="cpu", **SHAPES, **kv)
 
 
-def _model(mesh, name="llama3", flat_buckets=False, **dp_options):
+def _model(mesh, name="llama3", **dp_options):
     import simplesharded as ss
 
-    return ss.data_parallel(_plain_model(name), mesh, flat_buckets=flat_buckets, **dp_options)
+    return ss.data_parallel(_plain_model(name), mesh, **dp_options)
 
 
 def _loss(model, tokens, labels):
@@ -71,7 +71,7 @@ def _lr(i):  # a schedule: the step graph takes it as an input, nothing recompil
     return 1e-2 * (0.9 ** i)
 
 
-def _case(rank, mesh, model_name, backend, opt_name, wd, clip, accumulation, flat):
+def _case(rank, mesh, model_name, backend, opt_name, wd, clip, accumulation):
     import simplesharded as ss
 
     opt_cls = getattr(torch.optim, opt_name)
@@ -103,7 +103,7 @@ def _case(rank, mesh, model_name, backend, opt_name, wd, clip, accumulation, fla
         ref_losses.append(loss.item())
     # The step graph.
     torch._dynamo.reset()
-    model = _model(mesh, model_name, flat)
+    model = _model(mesh, model_name)
     opt = opt_cls(model.parameters(), lr=_lr(0), weight_decay=wd)
     step = ss.compile_step(model, opt, _loss, backend=backend, max_norm=max_norm,
                            clip_norm=clip_norm or "current", accumulation_steps=accumulation)
@@ -333,20 +333,18 @@ def test_step_graph_holds_the_bucketed_collectives_and_the_update():
     assert sum(pos[n] > last_wait for n in lerps) == 1
 
 
-@pytest.mark.parametrize("grad_reduction,flat_buckets", [("sum", False), ("avg", True)])
-def test_each_traced_reduction_carries_its_own_parameter(grad_reduction, flat_buckets):
+@pytest.mark.parametrize("grad_reduction", ["sum", "avg"])
+def test_each_traced_reduction_carries_its_own_parameter(grad_reduction):
     """passes/traced_backward.py: every reduce-scatter of the traced backward is annotated with
     the parameter whose gradient it reduces (its output is that parameter's local shard, and
     each parameter has one), whether or not the gradient is scaled (grad_reduction "sum" has
-    no scaling op to match by) and with flat buffers (scaled on the leaf instead)."""
+    no scaling op to match by)."""
     import pass_utils as pu
 
-    seen, _ = _step_graphs(split=False, grad_reduction=grad_reduction,
-                           flat_buckets=flat_buckets)
+    seen, _ = _step_graphs(split=False, grad_reduction=grad_reduction)
     first = seen["input"][0]
     with pu.fake_world(2) as mesh:
-        shards = {n: tuple(p.to_local().shape)
-                  for n, p in _model(mesh, flat_buckets=flat_buckets).named_parameters()}
+        shards = {n: tuple(p.to_local().shape) for n, p in _model(mesh).named_parameters()}
     rs = pu.starts(first, pu.RS)
     got = {}
     for s in rs:
@@ -354,12 +352,11 @@ def test_each_traced_reduction_carries_its_own_parameter(grad_reduction, flat_bu
         got[fqn] = tuple(s.meta["val"].shape)
     assert len(got) == len(rs)  # one reduce-scatter per parameter
     assert got == shards
-    # and bucketing merges them; the update writes every parameter in place, a flat
-    # buffer's slice by slice (passes/update_inplace.py): nothing scattered or copied back
+    # and bucketing merges them; the update writes every parameter in place
+    # (passes/update_inplace.py): nothing copied back
     final = seen["agreement"][0]
     assert len(pu.starts(final, pu.RS)) == 4  # pre, two blocks, post
-    assert not [n for n in final.graph.nodes if n.target in (
-        torch.ops.aten.copy_.default, torch.ops.aten.slice_scatter.default)]
+    assert not [n for n in final.graph.nodes if n.target is torch.ops.aten.copy_.default]
 
 
 def _backward_reads_of_gathers(gm):
@@ -506,11 +503,10 @@ def _trainer_job(rank, world):
 
     config = str(Path(__file__).resolve().parents[1] / "configs" / "llama3_debug.toml")
     out = {}
-    # "step": scope step over flat buffers (simplesharded/flat_shards.py): both flags through
-    # the trainer in one compile (flat buffers alone train bitwise as without them:
-    # tests/test_bucketing_training.py, tests/test_tp.py)
-    for run, extra in (("model", ["--parallelism.flat_buckets", "false"]),
-                       ("step", ["--compile.scope", "step", "--parallelism.flat_buckets"])):
+    # both over ragged buckets, the trainer's default storage (which trains bitwise as
+    # per-parameter shards: tests/test_bucketing_training.py)
+    for run, extra in (("model", ["--parallelism.storage", "ragged"]),
+                       ("step", ["--compile.scope", "step", "--parallelism.storage", "ragged"])):
         torch._dynamo.reset()
         cfg = check_static(load_config(None, ["--job.config_file", config, *TRAINER_ARGS,
                                               *extra]), world)
@@ -531,28 +527,17 @@ def _trainer_results():
 
 
 @pytest.mark.slow
-def test_trainer_step_scope_and_flat_buckets_train_as_model_scope():
-    """compile.scope=step with parallelism.flat_buckets against scope=model on llama3 debug, 10
+def test_trainer_step_scope_trains_as_model_scope():
+    """compile.scope=step against scope=model, both over ragged buckets, on llama3 debug, 10
     steps (warmup and cosine schedule, max_norm 1.0): the same losses and gradient norms up to
-    the clipping's rounding (the norm is summed in another order; measured ≤ 1.2e-7 relative,
-    asserted ≤ 1e-6)."""
+    the clipping's rounding (measured: bit for bit, both sum the norm bucket by bucket;
+    asserted ≤ 1e-6 relative, as another order of that sum moves the last bits)."""
     for rank, res in enumerate(_trainer_results()):
         for key in ("loss", "grad_norm"):
             a, b = res["step"][key], res["model"][key]
             assert all(abs(x - y) <= 1e-6 * abs(y) for x, y in zip(a, b)), (rank, key, a, b)
         # the graph takes the optimizer's step: torch's scheduler must not warn that it saw none
         assert res["step"]["scheduler_warnings"] == 0, rank
-
-
-def test_step_scope_takes_flat_buckets():
-    """compile.scope=step with parallelism.flat_buckets is a valid config (compile_step over
-    flat buffers: tests/test_step.py's flat case and tests/test_flat_shards.py)."""
-    from simplesharded.trainer.config import load_config
-
-    cfg = load_config("configs/llama3_debug.toml",
-                      ["--compile.enable", "--compile.scope", "step", "--compile.backend",
-                       "aot_eager_blockbucketing", "--parallelism.flat_buckets"])
-    assert cfg.compile.scope == "step" and cfg.parallelism.flat_buckets
 
 
 def test_step_scope_refuses_what_it_does_not_do():

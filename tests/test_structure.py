@@ -316,9 +316,11 @@ def test_passes_import_only_torch_and_the_standard_library():
 # in-place update, cross-step note); 36 with room for a module split; 38 with the ragged
 # layout and its bucket storage; 39 with the pass that writes gradients into their buckets;
 # 40 with the check that a meta-built model was initialised; 41 with torch's checkpoint
-# wrapper compiled as our recompute regions.
+# wrapper compiled as our recompute regions; 44 with reordering's jobs in files of their own
+# (the gathered-byte spans, context parallelism's overlap, what moves with a wait); 43 once
+# flat bucket storage was retired.
 # The models (7 modules) or the trainer (11) loaded as well would break it.
-MAX_LIBRARY_MODULES = 41
+MAX_LIBRARY_MODULES = 43
 
 
 def test_import_simplesharded_loads_no_trainer_or_tool(record_property):

@@ -13,9 +13,8 @@ doubled reduction, or a reduction over the wrong mesh dim is an O(1) error.
 With TP, bucketing must change nothing but the dp collectives: bucketed runs are bitwise
 equal to the unbucketed aot_eager run, the dp collectives drop to one per block bucket (as
 without TP), and the TP collectives are the same in number before and after our passes.
-So is a run with flat_buckets=True, where every shard lives in its block's buffer, and one
-with flat_buckets="ragged", where every gathered parameter is a view of its bucket's gather
-(eager and compiled, FSDP and HSDP, uneven strided shards).
+So is a run with storage="ragged", where every gathered parameter is a view of its bucket's
+gather (eager and compiled, FSDP and HSDP, uneven strided shards).
 """
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dist_utils import (by_member, flat_buffers, max_rel_diff, memo, ragged_buckets, spawn,
-                        storage_and_backend)
+from dist_utils import by_member, max_rel_diff, memo, ragged_buckets, spawn, storage_and_backend
 
 pytestmark = pytest.mark.slow
 
@@ -92,9 +90,7 @@ LAYOUTS = {
                                ("aot_eager_blockbucketing", True),
                                ("aot_eager_autobucketing", True),
                                ("inductor_blockbucketing", True),
-                               # flat_buckets=True: every shard in its block's buffer
-                               ("flat:aot_eager_blockbucketing", True),
-                               # flat_buckets="ragged": every parameter a view of its
+                               # storage="ragged": every parameter a view of its
                                # bucket's gather
                                ("ragged:eager", True), ("ragged:aot_eager_blockbucketing", True)),
     (2, 1, 2, "hybrid_shard"): (("eager", True), ("aot_eager_blockbucketing", True),
@@ -117,7 +113,7 @@ def _layout(rank, world, rep, shard, tp, mode, cases):
 
     out = {}
     for case, sp in cases:
-        flat_buckets, backend = storage_and_backend(case)
+        storage, backend = storage_and_backend(case)
         torch._dynamo.reset()
         counts: dict = {}
 
@@ -133,8 +129,7 @@ def _layout(rank, world, rep, shard, tp, mode, cases):
         model = make_model()
         parallelize_module(model, mesh["tp"], model.tp_styles(sequence_parallel=sp))
         ss.data_parallel(model, mesh, mode, grad_reduction="sum",  # loss_fn: global count
-                         flat_buckets=flat_buckets)
-        counts["flat"] = flat_buffers(model)
+                         storage=storage)
         counts["ragged"] = ragged_buckets(model)
         step_fn = model if backend == "eager" else torch.compile(
             model, backend=ss.make_backend(backend, observer=observe), fullgraph=True)
@@ -186,15 +181,10 @@ def test_parity_with_single_process(key, case):
 
 
 @pytest.mark.parametrize("backend", ["aot_eager_blockbucketing", "aot_eager_autobucketing",
-                                     "flat:aot_eager_blockbucketing", "ragged:eager",
+                                     "ragged:eager",
                                      "ragged:aot_eager_blockbucketing"])
 def test_bucketed_tp_is_bitwise_unbucketed(backend):
     results = run_layout((1, 2, 2, "fully_shard"))[0]
-    if backend.startswith("flat:"):
-        # every parameter in a buffer (column- and row-parallel, the replicated norms): one
-        # per block and one each before and after the blocks
-        assert results[(backend, True)][3]["flat"] == {
-            "pre/float32": 1, "layers.0/float32": 9, "layers.1/float32": 9, "post/float32": 2}
     if backend.startswith("ragged:"):
         # every parameter in a ragged bucket: a block's TP shards (7 weights) apart from its
         # two norms, replicated over tp, so each bucket's norm counts an element once
@@ -288,10 +278,10 @@ def _uneven_case(rank, backend):
     mesh = ss.build_mesh(1, 2, "cpu", tp=2)
     parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
     param_dtype = torch.bfloat16 if backend.endswith("bf16") else torch.float32
-    flat_buckets, backend = storage_and_backend(backend.removesuffix("-bf16"))
+    storage, backend = storage_and_backend(backend.removesuffix("-bf16"))
     # each dp rank's loss is a sum over its rows: the reference's loss is their sum
     ss.data_parallel(model, mesh, mp_policy=ss.MixedPrecisionPolicy(param_dtype, torch.float32),
-                     grad_reduction="sum", flat_buckets=flat_buckets)
+                     grad_reduction="sum", storage=storage)
     seen = []
     model.up.register_forward_hook(lambda m, i, o: seen.append(m.weight.dtype))
     step_fn = model if backend == "eager" else torch.compile(

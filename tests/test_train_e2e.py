@@ -332,7 +332,7 @@ def test_checkpoint_reshards_on_load(tmp_path, eager2, nproc):
 
 
 def test_ragged_buckets_resume_from_and_into_per_parameter_checkpoints(tmp_path, eager2):
-    """parallelism.flat_buckets=ragged: the 2-rank per-parameter checkpoint (step 10) resumes
+    """parallelism.storage=ragged: the 2-rank per-parameter checkpoint (step 10) resumes
     into ragged buckets, whose steps 11-12 are the uninterrupted run's (the same sums: eager
     ragged buckets train bit for bit as without); their step-12 checkpoint is keyed per
     parameter, optimizer state included, and resumes on 1 rank without them (step 13)."""
@@ -340,10 +340,10 @@ def test_ragged_buckets_resume_from_and_into_per_parameter_checkpoints(tmp_path,
 
     ref_dump, ref = eager2
     copy_checkpoint(ref_dump, 10, tmp_path / "ragged")
-    r = run_ok(train_cmd(2, *COMMON, "--parallelism.flat_buckets", "ragged", "--training.steps",
+    r = run_ok(train_cmd(2, *COMMON, "--parallelism.storage", "ragged", "--training.steps",
                          "12", "--checkpoint.enable", "--checkpoint.interval", "100",
                          "--job.dump_folder", str(tmp_path / "ragged")), tmp_path)
-    assert "flat_buckets=ragged" in r.stdout and "resumed from step 10" in r.stdout, r
+    assert "storage=ragged" in r.stdout and "resumed from step 10" in r.stdout, r
     got = read_losses(tmp_path / "ragged")
     assert sorted(got) == [11, 12], r
     assert_close(got, ref, [11, 12], 1e-6, "ragged resume vs per-parameter run")
@@ -465,12 +465,12 @@ def test_tp_checkpoint_resumes_on_other_layouts(tmp_path, tp2_compiled):
     assert r.returncode == 0, r
     want = read_losses(ref)
     assert sorted(want) == list(range(1, 11))
-    layouts = {"dp4tp1": (4, "1", "false"), "dp1tp2": (2, "2", "ragged")}
+    layouts = {"dp4tp1": (4, "1", "param"), "dp1tp2": (2, "2", "ragged")}
     cmds = []
-    for name, (nproc, tp, flat) in layouts.items():
+    for name, (nproc, tp, storage) in layouts.items():
         copy_checkpoint(ref, 5, tmp_path / name)
         cmds.append(train_cmd(nproc, *COMMON, "--parallelism.tensor_parallel_degree", tp,
-                              "--parallelism.flat_buckets", flat,
+                              "--parallelism.storage", storage,
                               "--training.steps", "7", "--checkpoint.enable",
                               "--checkpoint.interval", "100",
                               "--job.dump_folder", str(tmp_path / name)))

@@ -81,9 +81,9 @@ SIZES = ((4, 5), (7,), (3, 2))
 
 
 def _flat_update(flat, *state_and_grads):
-    """The update of three parameters whose shards are slices of one buffer (flat_shards.py),
-    each written in place through its slice, with their own state and gradients, as
-    compile_step's update writes them."""
+    """The update of three parameters whose local tensors are slices of one buffer (a ragged
+    bucket's members), each written in place through its slice, with their own state and
+    gradients, as compile_step's update writes them."""
     n = len(SIZES)
     offset = 0
     for shape, m, g in zip(SIZES, state_and_grads[:n], state_and_grads[n:]):

@@ -38,7 +38,7 @@ def _buffer():
 
 
 def _split_views(flat):
-    # the shapes a flat shard buffer's pieces take (flat_shards.py), flattened again for a cat
+    # pieces of one buffer, reshaped and flattened again for a cat
     pieces = torch.split(flat, SIZES)
     return [p.view(1, -1).view(-1) for p in pieces]
 

@@ -7,11 +7,9 @@ all-reduce. All-gather: one flat buffer plus a copy-out per parameter (passes/bu
 torch's own kernel, gloo's coalesced gather of one tensor), the same into a buffer the caller
 allocates (gloo's plain all-gather: what simplesharded/shims/gloo_gather.py makes the first form
 run), the coalesced gather straight into per-parameter outputs (which no pass emits:
-gloo's coalesced gather can corrupt the heap, docs/torch_internals.md), the flat form without
-its copy-in (``all_gather_flat_buffer``: the shards already are one buffer, what
-``flat_buckets=True`` pays), and the gather of a bucket in the ragged layout
-(simplesharded/ragged.py): without copy-in or copy-out, every parameter a view of the
-gathered buffer.
+gloo's coalesced gather can corrupt the heap, docs/torch_internals.md), and the gather of a
+bucket in the ragged layout (simplesharded/ragged.py): without copy-in or copy-out, every
+parameter a view of the gathered buffer.
 The bucket is one llama3-small block's parameters (3.1M fp32 elements). Prints median wall ms
 and process CPU ms (all threads) per call; checks the forms of each kind agree.
 """
@@ -73,12 +71,6 @@ def _worker(rank: int, world: int, reps: int, numels: list[int]) -> None:
         return copy_out(c10d.wait_tensor(c10d.all_gather_into_tensor(buf, world, name))
                         .view(world, -1))
 
-    flat_buffer = torch.cat(shards)
-
-    def all_gather_flat_buffer():  # flat_buckets=True: the shards already are one buffer
-        return copy_out(c10d.wait_tensor(c10d.all_gather_into_tensor(flat_buffer, world, name))
-                        .view(world, -1))
-
     def all_gather_out():
         buf = torch.cat(shards)
         out = torch.empty(world * buf.numel())
@@ -104,9 +96,8 @@ def _worker(rank: int, world: int, reps: int, numels: list[int]) -> None:
         got = form()
         if not torch.allclose(got, ref, rtol=1e-6, atol=1e-6):
             raise AssertionError(f"{form.__name__} differs from reduce_scatter_tensor")
-    for a, b, c, d in zip(all_gather_flat(), all_gather_coalesced(), all_gather_out(),
-                          all_gather_flat_buffer()):
-        if not (torch.equal(a.flatten(), b) and torch.equal(a, c) and torch.equal(a, d)):
+    for a, b, c in zip(all_gather_flat(), all_gather_coalesced(), all_gather_out()):
+        if not (torch.equal(a.flatten(), b) and torch.equal(a, c)):
             raise AssertionError("all_gather_coalesced or all_gather_out differs from "
                                  "all_gather_flat")
     if not all(torch.equal(v, bucket[o:o + v.numel()])
@@ -114,7 +105,7 @@ def _worker(rank: int, world: int, reps: int, numels: list[int]) -> None:
         raise AssertionError("all_gather_ragged's views differ from the bucket")
     rows = []
     for form in (reduce_scatter, all_to_all_add, all_reduce_inplace, all_gather_flat,
-                 all_gather_out, all_gather_coalesced, all_gather_flat_buffer, all_gather_ragged):
+                 all_gather_out, all_gather_coalesced, all_gather_ragged):
         form()
         dist.barrier()
         wall, cpu = [], []
@@ -132,9 +123,9 @@ def _worker(rank: int, world: int, reps: int, numels: list[int]) -> None:
         flat, out, coalesced = rows[3][2], rows[4][2], rows[5][2]
         print(f"all_gather_out / all_gather_flat CPU: {out / flat:.2f}")
         print(f"all_gather_coalesced / all_gather_flat CPU: {coalesced / flat:.2f}")
-        (_, fb_wall, fb_cpu), (_, rg_wall, rg_cpu) = rows[6], rows[7]
-        print(f"all_gather_ragged / all_gather_flat_buffer CPU: {rg_cpu / fb_cpu:.2f} "
-              f"(wall {rg_wall / fb_wall:.2f})")
+        (_, fl_wall, _), (_, rg_wall, rg_cpu) = rows[3], rows[6]
+        print(f"all_gather_ragged / all_gather_flat CPU: {rg_cpu / flat:.2f} "
+              f"(wall {rg_wall / fl_wall:.2f})")
     dist.barrier()  # no rank tears its connections down while a peer still sends
     dist.destroy_process_group()
 

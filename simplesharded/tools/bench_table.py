@@ -147,15 +147,14 @@ def targets(rows: list[dict]) -> list[str]:
 # calibrated cost model, which the bench's parent process does not hold, so it has no
 # prediction here (`python -m simplesharded.tools.forecast --hardware <calibration file>`
 # gives one).
-FORECAST = ("ss_aot_eager", "ss_aot_eager_blockbucketing", "ss_flat_aot_eager_blockbucketing",
-            "ss_ragged_aot_eager_blockbucketing")
+FORECAST = ("ss_aot_eager", "ss_aot_eager_blockbucketing", "ss_ragged_aot_eager_blockbucketing")
 
 
 def forecast_peaks(args: BenchArgs, variants: list[str]) -> dict[str, float]:
     """{variant: per-rank peak MB the planner predicts for it}, for the variants of FORECAST on
     a CPU mesh without tp, when the trainer knows the model (its config describes the step):
-    one trace per bucket storage (``--parallelism.flat_buckets``) the variants use."""
-    from simplesharded.tools.bench_variants import flat_buckets_of
+    one trace per storage (``--parallelism.storage``) the variants use."""
+    from simplesharded.tools.bench_variants import storage_of
 
     wanted = [v for v in variants if v in FORECAST]
     if not wanted or args.tp > 1 or args.device != "cpu":
@@ -163,9 +162,9 @@ def forecast_peaks(args: BenchArgs, variants: list[str]) -> dict[str, float]:
     from simplesharded.trainer.config import load_config
     from simplesharded.tools.forecast import predicted_peak_bytes
     from simplesharded.trainer import check_static
-    by_storage: dict[str, dict[str, str]] = {}  # the trainer's flat_buckets value → variants
+    by_storage: dict[str, dict[str, str]] = {}  # storage → variants
     for v in wanted:
-        by_storage.setdefault(str(flat_buckets_of(v)).lower(), {})[v] = str(ss_backend(v))
+        by_storage.setdefault(storage_of(v), {})[v] = str(ss_backend(v))
     out = {}
     for storage, names in sorted(by_storage.items()):
         try:
@@ -175,7 +174,7 @@ def forecast_peaks(args: BenchArgs, variants: list[str]) -> dict[str, float]:
                                      "--training.dataset_path", "",
                                      "--activation_checkpoint.mode", "none",
                                      "--parallelism.context_parallel_degree", str(args.cp),
-                                     "--parallelism.flat_buckets", storage])
+                                     "--parallelism.storage", storage])
             cfg = check_static(cfg, args.world_size)
         except ValueError:  # a model the trainer does not build (hf_llama)
             return {}

@@ -50,13 +50,7 @@ STEP_DEFAULT = ("ss_step_aot_eager_blockbucketing", "ss_step_aot_eager_autobucke
 # ss_step_<backend>: the whole step (forward to optimizer update) as one graph,
 # simplesharded.compile_step, under any compiler (aot_eager or inductor).
 STEP_PREFIX = "ss_step_"
-# ss_flat_<backend>: data_parallel(..., flat_buckets=True), each bucket's shards in one
-# buffer (simplesharded/flat_shards.py); for the backends that bucket (block, auto).
-FLAT_PREFIX = "ss_flat_"
-FLAT_DEFAULT = ("ss_flat_aot_eager_blockbucketing", "ss_flat_aot_eager_autobucketing")
-# ss_step_flat_<backend>: both, the whole step in one graph over flat buffers.
-STEP_FLAT_PREFIX = "ss_step_flat_"
-# ss_ragged_<backend>: data_parallel(..., flat_buckets="ragged"), each bucket in the ragged
+# ss_ragged_<backend>: data_parallel(..., storage="ragged"), each bucket in the ragged
 # layout (simplesharded/ragged_shards.py); for the backends that bucket, and uncompiled
 # (ss_ragged_eager: a bucket is one gather without any pass). RAGGED_DEFAULT in the default
 # set, the others named with --variants.
@@ -69,12 +63,11 @@ RAGGED_DEFAULT = ("ss_ragged_eager", "ss_ragged_aot_eager_autobucketing")
 
 
 def ss_backend(variant: str):
-    """The backend (BackendName) of an ``ss_[step_][flat_]<backend>`` variant; None for a
+    """The backend (BackendName) of an ``ss_[step_][ragged_]<backend>`` variant; None for a
     baseline."""
     from simplesharded.backends import BACKENDS, BackendName
 
-    for prefix in (STEP_RAGGED_PREFIX, STEP_FLAT_PREFIX, STEP_PREFIX, RAGGED_PREFIX,
-                   FLAT_PREFIX, "ss_"):  # longest first
+    for prefix in (STEP_RAGGED_PREFIX, STEP_PREFIX, RAGGED_PREFIX, "ss_"):  # longest first
         if variant.startswith(prefix):
             name = variant[len(prefix):]
             return BackendName.parse(name) if name in BACKENDS else None
@@ -85,21 +78,14 @@ def is_step_variant(variant: str) -> bool:
     return variant.startswith(STEP_PREFIX) and ss_backend(variant) is not None
 
 
-def is_flat_variant(variant: str) -> bool:
-    return (variant.startswith((FLAT_PREFIX, STEP_FLAT_PREFIX))
-            and ss_backend(variant) is not None)
-
-
 def is_ragged_variant(variant: str) -> bool:
     return (variant.startswith((RAGGED_PREFIX, STEP_RAGGED_PREFIX))
             and ss_backend(variant) is not None)
 
 
-def flat_buckets_of(variant: str) -> bool | str:
-    """What a variant passes data_parallel as ``flat_buckets``."""
-    if is_ragged_variant(variant):
-        return "ragged"
-    return is_flat_variant(variant)
+def storage_of(variant: str) -> str:
+    """What a variant passes data_parallel as ``storage``."""
+    return "ragged" if is_ragged_variant(variant) else "param"
 
 
 def all_variants() -> list[str]:
@@ -107,9 +93,6 @@ def all_variants() -> list[str]:
     return (list(BASELINES) + [f"ss_{name}" for name in BACKENDS]
             + [f"{STEP_PREFIX}{name}" for name in BACKENDS
                if BackendName.parse(name).compiler != "eager"]
-            + [f"{FLAT_PREFIX}{name}" for name in BACKENDS if BackendName.parse(name).ours]
-            + [f"{STEP_FLAT_PREFIX}{name}" for name in BACKENDS
-               if BackendName.parse(name).ours]
             + [f"{prefix}{name}" for prefix in (RAGGED_PREFIX, STEP_RAGGED_PREFIX)
                for name in BACKENDS if BackendName.parse(name).ours]
             + [f"{RAGGED_PREFIX}eager"])  # uncompiled, each bucket one gather
@@ -125,7 +108,6 @@ def default_variants(tp: int, cp: int = 1) -> list[str]:
         return list(TP_DEFAULT)
     return [v for v in all_variants() if v != "compute_floor_concurrent_compiled"
             and (not is_step_variant(v) or v in STEP_DEFAULT)
-            and (not is_flat_variant(v) or v in FLAT_DEFAULT)
             and (not is_ragged_variant(v) or v in RAGGED_DEFAULT)]
 
 
@@ -206,7 +188,7 @@ def prepare(variant: str, args: BenchArgs, mesh, loss_fn):
     else:
         from simplesharded import data_parallel, make_backend
         backend = ss_backend(variant)
-        data_parallel(model, mesh, "fully_shard", flat_buckets=flat_buckets_of(variant))
+        data_parallel(model, mesh, "fully_shard", storage=storage_of(variant))
         if is_step_variant(variant):
             from simplesharded import compile_step
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)

@@ -75,13 +75,11 @@ def main(argv: list[str] | None = None) -> int:
         if trainer.rank == 0:
             model = (f"hf:{cfg.model.path}" if cfg.model.name == HF
                      else f"{cfg.model.name}/{cfg.model.flavor}")
-            flat = cfg.parallelism.bucket_storage
-            buckets = f" flat_buckets={str(flat).lower()}" if flat else ""
             print(f"[simplesharded] {model} world={trainer.world} "
                   f"mode={cfg.parallelism.mode} mesh={_mesh_text(trainer.mesh)} "
                   f"compile={cfg.compile.backend if cfg.compile.enable else 'off'}"
                   f"{' scope=step' if trainer.whole_step is not None else ''}"
-                  f"{buckets}"
+                  f" storage={cfg.parallelism.dp_storage}"
                   f"{_pipeline_text(cfg, trainer.pipeline)}", flush=True)
         trainer.run()
     except ValueError as e:

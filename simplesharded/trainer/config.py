@@ -15,6 +15,7 @@ import copy
 import dataclasses
 import difflib
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -180,13 +181,12 @@ class Parallelism:
         "auto", "free gathered params after forward and re-gather in backward: always, never, "
         "or auto (the compile plan decides per block; see data_parallel)",
         ("auto", "always", "never"))
-    flat_buckets: str = _opt(
-        "auto", "keep each bucket's parameter shards in one buffer: true = the bucketed "
-        "all-gather reads it as it is and gradients land in the reduce-scatter's output; "
-        "ragged = each gathered parameter is also a view of the gathered buffer (no copy-out; "
-        "FSDP and HSDP, with or without TP, EP, CP and PP); false = one shard per parameter; "
-        "auto = ragged, or false under mode replicate. Fewer copies; checkpoints unchanged "
-        "(see docs/zero_copy.md)", ("auto", "false", "true", "ragged"))
+    storage: str = _opt(
+        "auto", "where the parameters' shards live: ragged = each bucket in the ragged layout, "
+        "every gathered parameter a view of its bucket's gather (no copy-in or copy-out; FSDP "
+        "and HSDP, with or without TP, EP, CP and PP); param = one DTensor shard per "
+        "parameter; auto = ragged, or param under mode replicate. Checkpoints are the same "
+        "either way (see docs/zero_copy.md)", ("auto", "param", "ragged"))
     pipeline_parallel_degree: int = _opt(
         1, "pipeline stages over this many rank groups (outermost mesh dim, pp); the other "
         "degrees fill world / pp ranks; 1 = no pipeline")
@@ -213,12 +213,12 @@ class Parallelism:
         ("auto", "every_microbatch", "reduce_once", "gather_once"))
 
     @property
-    def bucket_storage(self) -> bool | str:
-        """The flat_buckets value data_parallel takes; auto: ragged buckets (the fewest
-        copies, docs/zero_copy.md) wherever the mode takes them."""
-        if self.flat_buckets == "auto":
-            return False if self.mode == "replicate" else "ragged"
-        return {"false": False, "true": True}.get(self.flat_buckets, self.flat_buckets)
+    def dp_storage(self) -> str:
+        """The storage data_parallel takes; auto: ragged buckets (the fewest copies,
+        docs/zero_copy.md) wherever the mode takes them."""
+        if self.storage == "auto":
+            return "param" if self.mode == "replicate" else "ragged"
+        return self.storage
 
     @property
     def reshard(self) -> bool | str:
@@ -413,30 +413,48 @@ def _type_name(typ) -> str:
 
 
 def _set(cfg: Config, key: str, value: Any, source: str, from_cli: bool) -> None:
+    if key == FLAT_BUCKETS_KEY:
+        key, value = "parallelism.storage", _storage_of_flat_buckets(value, from_cli)
     f = _field(key, source)
     section = getattr(cfg, key.partition(".")[0])
-    word = str(value).lower()
-    if _switch(f) and (isinstance(value, bool) or from_cli) and word in _TRUE + _FALSE:
-        value = "true" if word in _TRUE else "false"
     setattr(section, f.name, _coerce(key, f.type, value, from_cli))
 
 
-def _switch(f: dataclasses.Field) -> bool:
-    """A str key whose choices include true and false (flat_buckets): it also takes a bool,
-    as a TOML boolean or a bare command-line flag."""
-    return f.type is str and {"true", "false"} <= set(f.metadata.get("choices") or ())
+# parallelism.storage's name until flat storage was retired: still read, with one line
+# naming the new key. A TOML boolean or a bare command-line flag as before.
+FLAT_BUCKETS_KEY = "parallelism.flat_buckets"
+_STORAGE_OF_FLAT_BUCKETS = {"false": "param", "ragged": "ragged", "auto": "auto"}
+
+
+def _storage_of_flat_buckets(value: Any, from_cli: bool) -> str:
+    """parallelism.storage's value for a value of the deprecated parallelism.flat_buckets."""
+    word = str(value).lower()
+    if isinstance(value, bool) or (from_cli and word in _TRUE + _FALSE):
+        word = "true" if word in _TRUE else "false"
+    if word == "true":
+        raise ValueError("parallelism.flat_buckets=true: flat storage is retired; use "
+                         "--parallelism.storage ragged (zero-copy buckets, docs/zero_copy.md)")
+    if not isinstance(value, (bool, str)) or word not in _STORAGE_OF_FLAT_BUCKETS:
+        raise ValueError(f"parallelism.flat_buckets={value!r} is not one of "
+                         f"{sorted(_STORAGE_OF_FLAT_BUCKETS)} (deprecated: use "
+                         f"parallelism.storage)")
+    storage = _STORAGE_OF_FLAT_BUCKETS[word]
+    if os.environ.get("RANK", "0") == "0":  # once per job, not once per rank
+        print(f"[simplesharded] parallelism.flat_buckets is deprecated: use "
+              f"--parallelism.storage {storage}", file=sys.stderr, flush=True)
+    return storage
 
 
 def _flag(key: str, following: str | None) -> bool | None:
     """None: ``--key`` is not a flag (it needs a value). Else whether it takes ``following``
     (the next argument) as its value: a bool word (``--flag true``), or any value of a
     switch (its choice, checked later); otherwise the bare flag means True."""
-    f = _field(key, "command line")
-    if f.type is not bool and not _switch(f):
+    switch = key == FLAT_BUCKETS_KEY  # a choice of words, or a bare flag (true)
+    if not switch and _field(key, "command line").type is not bool:
         return None
     if following is None:
         return False
-    return following.lower() in _TRUE + _FALSE or (_switch(f) and not following.startswith("--"))
+    return following.lower() in _TRUE + _FALSE or (switch and not following.startswith("--"))
 
 
 def parse_cli(argv: list[str]) -> list[tuple[str, Any]]:
@@ -501,6 +519,9 @@ def load_config(path: str | None = None, argv: list[str] | None = None, *,
     for key, value in overrides:
         _set(cfg, key, value, "on the command line", from_cli=True)
         explicit.add(key)
+    if {FLAT_BUCKETS_KEY, "parallelism.storage"} <= explicit:
+        raise ValueError("parallelism.flat_buckets and parallelism.storage are both set: "
+                         "flat_buckets is storage's deprecated name, keep storage only")
     cfg.job.config_file = path or ""
     if cfg.compile.model_backend_override:
         cfg.compile.backend = cfg.compile.model_backend_override
@@ -632,12 +653,6 @@ def _check_pipeline(cfg: Config) -> None:
                          f"every stage at least one block")
     if pp == 1:
         return
-    if p.flat_buckets == "true":
-        # a stage's deferred reductions (pipeline_fsdp_policy) write .grad themselves,
-        # untested with a flat bucket's leaf (ragged buckets reduce their own)
-        raise ValueError(f"parallelism.flat_buckets={p.flat_buckets!r} with "
-                         f"pipeline_parallel_degree={pp} is not supported yet; set "
-                         f"flat_buckets=false or ragged")
     stages = pipeline_stages(p)
     per_rank, fixed = PIPELINE_SCHEDULES[name]
     if stages % pp or (fixed and stages != per_rank * pp):
@@ -648,14 +663,13 @@ def _check_pipeline(cfg: Config) -> None:
 
 
 def _check_ragged(cfg: Config) -> None:
-    """flat_buckets=ragged (simplesharded/ragged_shards.py) takes fully_shard and hybrid_shard,
+    """storage=ragged (simplesharded/ragged_shards.py) takes fully_shard and hybrid_shard,
     with or without tensor, expert, context and pipeline parallelism: what it does not take is
     one error naming the setting."""
     p = cfg.parallelism
-    if p.flat_buckets == "ragged" and p.mode == "replicate":
-        raise ValueError("parallelism.flat_buckets='ragged' needs parallelism.mode "
-                         "'fully_shard' or 'hybrid_shard', got 'replicate' (or set "
-                         "flat_buckets=true)")
+    if p.storage == "ragged" and p.mode == "replicate":
+        raise ValueError("parallelism.storage='ragged' needs parallelism.mode 'fully_shard' "
+                         "or 'hybrid_shard', got 'replicate' (or set storage=param)")
 
 
 def _check_step_scope(cfg: Config) -> None:

@@ -208,15 +208,15 @@ def memo(fn: Callable) -> Callable:
     return wrapper
 
 
-def storage_and_backend(case: str) -> tuple[bool | str, str]:
-    """A case's ``"storage:backend"`` → (``flat_buckets``, backend). The storage is empty
-    (per-parameter shards), ``flat`` (flat buffers) or ``ragged`` (ragged buckets)."""
+def storage_and_backend(case: str) -> tuple[str, str]:
+    """A case's ``"storage:backend"`` → (``storage``, backend). The storage is empty
+    (per-parameter shards: ``"param"``) or ``ragged`` (ragged buckets)."""
     storage, _, backend = case.rpartition(":")
-    return {"": False, "flat": True, "ragged": "ragged"}[storage], backend
+    return {"": "param", "ragged": "ragged"}[storage], backend
 
 
 def ragged_buckets(model) -> dict[str, int]:
-    """Ragged bucket name → how many parameters it holds (flat_buckets="ragged")."""
+    """Ragged bucket name → how many parameters it holds (storage="ragged")."""
     from simplesharded.ragged_shards import model_buckets
 
     return {bucket.name: len(bucket.fqns) for bucket in model_buckets(model)}
@@ -239,17 +239,6 @@ def by_member(model, grads: bool = False) -> dict:
     for b in buckets:
         values = b.shards_of_runs([m.grad for m in b.members]) if grads else b.member_shards()
         out.update({fqn: full(v) for fqn, v in zip(b.fqns, values)})
-    return out
-
-
-def flat_buffers(model) -> dict[str, int]:
-    """Flat buffer name → how many parameters live in it (flat_buckets=True)."""
-    from simplesharded.sharded_state import sharded_params
-
-    out: dict[str, int] = {}
-    for record, _ in sharded_params(model):
-        if record.flat is not None:
-            out[record.flat.flat.name] = out.get(record.flat.flat.name, 0) + 1
     return out
 
 

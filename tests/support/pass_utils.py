@@ -263,7 +263,7 @@ def check_waits_before_use(gm: fx.GraphModule) -> None:
             assert pos[w] < pos[u], f"{u} uses {w} before the wait"
 
 
-# Ops that only reshape/copy a gathered buffer into parameter form (reordering.py's documented
+# Ops that only reshape/copy a gathered buffer into parameter form (wait_chains.py's documented
 # "copy-out/view chain"); matched here by op overload packet rather than by name.
 _CHAIN_PACKETS = {aten.view, aten._unsafe_view, aten.slice, aten.clone, aten.alias, aten.reshape,
                   aten.t, aten.permute, aten.transpose, aten.expand, aten.as_strided,

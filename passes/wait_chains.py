@@ -1,0 +1,80 @@
+"""What travels with a collective's wait when the reorderer moves it.
+
+* ``gather_chain``: an all-gather's wait and the copy-out/view nodes computed from it alone
+  (the per-parameter copies a bucket makes, and their reshapes into parameter form).
+* ``reduction_epilogue``: a chain plus the pure ops computed from it alone whose results only
+  the graph's output or compute outside them reads (the 1/N averaging of a reduced gradient).
+* ``chain_uses`` / ``first_use``: the nodes outside a chain that read it, and the first of
+  them: where the chain goes.
+
+Invariant: every node of a chain reads only the wait and other nodes of the chain, so the
+chain, moved as one in its own order to anywhere after the collective's start and before its
+first use, keeps every definition before its uses. Nothing here edits the graph.
+"""
+from __future__ import annotations
+
+from torch import fx
+
+from .collectives import is_collective_or_wait
+from .graph_utils import NodeOrder
+
+# Ops that only reshape/copy a gathered buffer into parameter form: they travel with the wait.
+_CHAIN_OPS = {"view", "_unsafe_view", "slice", "clone", "alias", "reshape", "t", "permute",
+              "transpose", "expand", "as_strided", "contiguous", "getitem"}
+
+
+def _op_name(node: fx.Node) -> str:
+    target = node.target
+    name = getattr(target, "__name__", None)
+    if name is None:
+        name = str(target)
+    return name.split(".")[0]
+
+
+def gather_chain(wait: fx.Node, order: NodeOrder) -> list[fx.Node]:
+    """The wait plus the copy-out/view nodes that only depend on it, in graph order."""
+    chain, frontier = [wait], [wait]
+    members = {wait}
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if (user.op == "call_function" and _op_name(user) in _CHAIN_OPS
+                    and user not in members
+                    and all(a in members for a in user.all_input_nodes)):
+                members.add(user)
+                chain.append(user)
+                frontier.append(user)
+    return sorted(chain, key=order.__getitem__)
+
+
+def reduction_epilogue(chain: list[fx.Node], order: NodeOrder) -> list[fx.Node]:
+    """``chain`` plus the pure ops computed from it alone whose results only the graph's
+    output or compute outside them reads (the 1/N averaging of a reduced gradient, read by
+    the output, or by the optimizer's update in a step graph): they sink with the wait, or
+    the first of them would pin the wait right after its start. One that feeds a collective
+    (HSDP's replica all-reduce) stays where it is. Graph order."""
+    members, candidates, frontier = set(chain), [], list(chain)  # computed from the chain alone
+    while frontier:
+        for user in frontier.pop().users:
+            if (user.op == "call_function" and user not in members
+                    and not is_collective_or_wait(user) and not user.is_impure()
+                    and all(a in members for a in user.all_input_nodes)):
+                members.add(user)
+                candidates.append(user)
+                frontier.append(user)
+    kept, pending = set(chain), set(candidates)
+    for node in sorted(candidates, key=order.__getitem__, reverse=True):
+        if all(u in kept or u.op == "output"
+               or (u not in pending and not is_collective_or_wait(u)) for u in node.users):
+            kept.add(node)
+    return sorted(kept, key=order.__getitem__)
+
+
+def chain_uses(chain: list[fx.Node]) -> list[fx.Node]:
+    """Nodes outside the chain that read it."""
+    members = set(chain)
+    return [u for n in chain for u in n.users if u not in members]
+
+
+def first_use(chain: list[fx.Node], order: NodeOrder) -> fx.Node | None:
+    return min(chain_uses(chain), key=order.__getitem__, default=None)
