@@ -132,13 +132,16 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     parameter. ``"ragged"``: each bucket (a block's parameters; those before the first block;
     those after the last) in the ragged layout (simplesharded/ragged_shards.py,
     docs/zero_copy.md): every gathered parameter is a view of its bucket's gathered buffer, so
-    a gather copies nothing in or out; a bucket is one parameter (``named_parameters()`` lists
-    the buckets), ``state_dict()`` lists the members as ``"param"`` does. It takes
+    a gather copies nothing in or out. The parameters are still the model's own, under their
+    names and global shapes (FSDP2's contract: param groups, per-parameter learning rates,
+    freezing after wrapping, torch's ``clip_grad_norm_``): each a DTensor whose local tensor
+    is this rank's run of it, a view of its bucket (simplesharded/ragged_placement.py);
+    ``state_dict()`` gives them as ``"param"`` does. It takes
     ``fully_shard`` on a mesh of one dp dim or ``hybrid_shard`` on two (the gradient's
     all-reduce over the replicas follows the bucket's reduce-scatter), with or without tp and
     ep dims (a block's TP shards, its parameters replicated over tp and its expert weights are
-    separate buckets); another mode: a ValueError. Tied and frozen parameters stay on their
-    own. ``flat_buckets``: storage's former name, deprecated: ``False`` is ``"param"``,
+    separate buckets); another mode: a ValueError. Tied parameters, and those frozen before
+    wrapping, stay on their own. ``flat_buckets``: storage's former name, deprecated: ``False`` is ``"param"``,
     ``"ragged"`` is ``"ragged"``; ``True`` (flat buffers) is retired, a ValueError.
     A parameter read more than once in one forward of ``model`` (tied weights, a module called
     twice) is gathered once; its gradient is summed locally and reduced once (eager: tied
