@@ -212,8 +212,8 @@ def test_storage_and_flat_buckets_together_are_refused():
 def test_to_empty_keeps_the_buckets_forward_reads():
     """FSDP2's habit: model.to_empty(device) before the init. It gives every parameter new
     storage (nn.Module._apply swaps a DTensor parameter's contents, keeping the object); a
-    bucket reads its parameter at each gather, so the init and an optimizer built before
-    reach what forward reads: the same training as per-parameter shards without to_empty."""
+    bucket is rebuilt around its members' new storage (ragged_shards.keep_buckets_whole), so
+    the init and an optimizer built before reach what forward reads: the same training as per-parameter shards without to_empty."""
     from dist_utils import world_of_one
 
     import simplesharded as ss
@@ -235,7 +235,10 @@ def test_to_empty_keeps_the_buckets_forward_reads():
                 return model, model(tokens)
 
         (ref, ref_out), (model, out) = trained("param", False), trained("ragged", True)
-        assert all("_ragged_" in n for n, _ in model.named_parameters())
+        # every parameter is a ragged member, and the names are the model's
+        assert all(type(p.placements[0]).__name__ == "RaggedShard"
+                   for _, p in model.named_parameters())
+        assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
         want = ref.state_dict()
         got = model.state_dict()
         assert list(got) == list(want)
