@@ -102,7 +102,8 @@ def test_ragged_model_lists_its_parameters_and_state_dict_converts_them():
         assert len(ragged) >= 4 * toy_blocks.N_LAYERS  # every block weight is bucketed
         for p in ragged:  # this rank's run of the flattened parameter: a 1-D view
             sizes = p.placements[0].sizes
-            assert p.to_local().shape == (sizes[0],) and sum(sizes) == p.numel()
+            me = mesh.get_local_rank()
+            assert p.to_local().shape == (sizes[me],) and sum(sizes) == p.numel()
         # as without: the members by FQN, in the same order, Shard(0) DTensors of their shape
         assert [(k, v.placements, v.shape) for k, v in model.state_dict().items()] == \
             [(k, v.placements, v.shape) for k, v in plain.state_dict().items()]
@@ -213,7 +214,8 @@ def test_to_empty_keeps_the_buckets_forward_reads():
     """FSDP2's habit: model.to_empty(device) before the init. It gives every parameter new
     storage (nn.Module._apply swaps a DTensor parameter's contents, keeping the object); a
     bucket is rebuilt around its members' new storage (ragged_shards.keep_buckets_whole), so
-    the init and an optimizer built before reach what forward reads: the same training as per-parameter shards without to_empty."""
+    the init and an optimizer built before reach what forward reads: the same training as
+    per-parameter shards without to_empty."""
     from dist_utils import world_of_one
 
     import simplesharded as ss
