@@ -38,25 +38,57 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor.placement_types import Shard
 
 
-class RaggedShard(Shard):
+class _ShardAlike(Shard):
+    """A ``Shard(dim)`` for DTensor's rules (equal to it), with a hash of its own (DTensor's
+    caches keep it apart) and the redistributions that would move its ragged data refused on
+    every rank alike. Subclasses name their constructor arguments (``_args``)."""
+
+    refusal = ""
+
+    def _args(self) -> tuple:
+        raise NotImplementedError
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Shard) and other.dim == self.dim
+
+    def __hash__(self) -> int:
+        return hash((type(self), self._args()))
+
+    def __reduce__(self):
+        return type(self), self._args()
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def _refuse(self, *args, **kwargs):
+        raise ValueError(self.refusal)
+
+    # Not refused: _local_shard_size_and_offset. DTensor's sharding rules ask for a shard's
+    # size under TP (a dim split over dp and tp) and take Shard's answer as metadata only. So
+    # DCP, which reads it too, must not see a member directly: state_dict() and
+    # optim_state_by_member convert.
+    _split_tensor = _refuse
+    _shard_tensor = _refuse
+    _reduce_shard_tensor = _refuse
+    _replicate_to_shard = _refuse
+    _to_new_shard_dim = _refuse
+
+
+class RaggedShard(_ShardAlike):
     """``Shard(0)`` with this rank's run of the flattened tensor as its local tensor; rank r
     of the mesh dim holds ``sizes[r]`` elements, in rank order."""
+
+    refusal = ("a parameter in a ragged bucket holds a ragged run of its elements "
+               "(RaggedShard): it gathers with full_tensor() or "
+               "redistribute(placements=[Replicate()]) only; state_dict() gives it as a "
+               "per-parameter Shard(0) DTensor")
 
     def __init__(self, sizes: Sequence[int]):
         super().__init__(0)
         self.sizes = tuple(int(s) for s in sizes)
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Shard) and other.dim == 0
-
-    def __hash__(self) -> int:
-        return hash((RaggedShard, self.sizes))
-
-    def __reduce__(self):
-        return RaggedShard, (self.sizes,)
-
-    def __deepcopy__(self, memo):
-        return self
+    def _args(self) -> tuple:
+        return (self.sizes,)
 
     def __repr__(self) -> str:
         return f"RaggedShard(sizes={self.sizes})"
@@ -77,52 +109,21 @@ class RaggedShard(Shard):
         pieces = [gathered[r * longest:r * longest + s] for r, s in enumerate(self.sizes)]
         return torch.cat(pieces).view(tuple(current_logical_shape))
 
-    def _refuse(self, *args, **kwargs):
-        raise ValueError(
-            "a parameter in a ragged bucket holds a ragged run of its elements (RaggedShard): "
-            "it gathers with full_tensor() or redistribute(placements=[Replicate()]) only; "
-            "state_dict() gives it as a per-parameter Shard(0) DTensor")
 
-    # Not refused: DTensor's sharding rules ask it for a shard's size under TP (a dim split
-    # over dp and tp), and take Shard(0)'s answer as metadata only. So DCP, which reads it too,
-    # must not see a member directly: state_dict() and optim_state_by_member convert.
-    _split_tensor = _refuse
-    _shard_tensor = _refuse
-    _reduce_shard_tensor = _refuse
-    _replicate_to_shard = _refuse
-    _to_new_shard_dim = _refuse
-
-
-class ShardBesideRagged(Shard):
+class ShardBesideRagged(_ShardAlike):
     """``Shard(dim)`` of a ragged member on a dim after the one its bucket is cut over (TP's or
     EP's split): reductions and elementwise ops as ``Shard(dim)``; a gather refused on every
     rank alike (each rank holds a ragged run of its model-parallel shard, which no gather over
     this dim alone can rebuild): ``state_dict()`` converts."""
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Shard) and other.dim == self.dim
+    refusal = ("a tensor- or expert-parallel parameter in a ragged bucket holds a ragged run "
+               "of its shard: full_tensor() cannot rebuild it; state_dict() gives it as a "
+               "per-parameter DTensor")
 
-    def __hash__(self) -> int:
-        return hash((ShardBesideRagged, self.dim))
-
-    def __reduce__(self):
-        return ShardBesideRagged, (self.dim,)
-
-    def __deepcopy__(self, memo):
-        return self
+    def _args(self) -> tuple:
+        return (self.dim,)
 
     def __repr__(self) -> str:
         return f"ShardBesideRagged(dim={self.dim})"
 
-    def _refuse(self, *args, **kwargs):
-        raise ValueError(
-            "a tensor- or expert-parallel parameter in a ragged bucket holds a ragged run of "
-            "its shard: full_tensor() cannot rebuild it; state_dict() gives it as a "
-            "per-parameter DTensor")
-
-    _to_replicate_tensor = _refuse
-    _split_tensor = _refuse
-    _shard_tensor = _refuse
-    _reduce_shard_tensor = _refuse
-    _replicate_to_shard = _refuse
-    _to_new_shard_dim = _refuse
+    _to_replicate_tensor = _ShardAlike._refuse
