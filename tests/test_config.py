@@ -4,9 +4,10 @@ import os
 
 import pytest
 
-from simplesharded.trainer.config import (Config, help_text, load_config, main, parse_cli, resolve,
-                                  validate)
-from simplesharded.trainer.config import tomllib  # tomli before Python 3.11
+from simplesharded.trainer.config import Config, help_text, load_config, main
+from simplesharded.trainer.config_checks import resolve, validate
+from simplesharded.trainer.config_parse import parse_cli
+from simplesharded.trainer.config_parse import tomllib  # tomli before Python 3.11
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.toml")))
@@ -88,7 +89,8 @@ def test_cli_bool_forms():
 
 
 def test_parse_cli_keeps_order():
-    assert parse_cli(["--training.steps", "3", "--training.steps=4", "--compile.enable"]) == [
+    argv = ["--training.steps", "3", "--training.steps=4", "--compile.enable"]
+    assert parse_cli(argv, Config) == [
         ("training.steps", "3"), ("training.steps", "4"), ("compile.enable", True)]
 
 

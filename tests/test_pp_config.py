@@ -85,7 +85,8 @@ def test_degrees_with_pp():
 
 
 def test_config_keys_and_defaults():
-    from simplesharded.trainer.config import Config, load_config, pipeline_stages, resolve
+    from simplesharded.trainer.config import Config, load_config
+    from simplesharded.trainer.config_checks import pipeline_stages, resolve
 
     p = Config().parallelism
     assert (p.pipeline_parallel_degree, p.pipeline_parallel_schedule,

@@ -168,7 +168,7 @@ def run(cfg, ns, hw, cap, t0, traced_numbers) -> int:
     from simplesharded.models import get_model_spec
     from simplesharded.stage_split import even_split
     from simplesharded.trainer import check_static
-    from simplesharded.trainer.config import PIPELINE_SCHEDULES
+    from simplesharded.trainer.config_checks import PIPELINE_SCHEDULES
 
     p, t = cfg.parallelism, cfg.training
     pp, tp, world = p.pipeline_parallel_degree, p.tensor_parallel_degree, ns.world_size

@@ -401,7 +401,7 @@ class Data(NamedTuple):
 def build_data(cfg: Any, dp_rank: int, dp_world: int, cp_rank: int = 0) -> Data:
     """Tokenizer, corpus and loaders from a Config (validation loader only if val_every > 0).
 
-    A local_batch_size of -1 is derived as in config.resolve(). ``cp_rank``: this rank's
+    A local_batch_size of -1 is derived as in config_checks.resolve(). ``cp_rank``: this rank's
     place in its cp group, whose ranks read the same samples (parallelism.
     context_parallel_degree > 1: each keeps its head-tail chunks of every sequence).
     """

@@ -2,14 +2,15 @@
 model it names, the degrees and the sequence length against the model's sizes, the dataset
 file. ``python -m simplesharded.trainer --check-only`` (run_train.sh's preflight) runs them
 once before torchrun starts any rank; every rank runs them again for direct torchrun users.
-Rules about the config alone live in config.py's ``validate``."""
+Rules about the config alone live in config_checks.py's ``validate``."""
 from __future__ import annotations
 
 import os
 
 from simplesharded.models import get_model_spec, hf_source
 from simplesharded.models.context_parallel import supports_context_parallel
-from simplesharded.trainer.config import Config, resolve
+from simplesharded.trainer.config import Config
+from simplesharded.trainer.config_checks import resolve
 from simplesharded.trainer.data import load_tokenizer
 
 HF = "hf"  # model.name of a Hugging Face model read from model.path (models/hf_source.py)
@@ -68,7 +69,7 @@ def _check_pipeline(cfg: Config) -> None:
     cuts the model the trainer builds, on the meta device here)."""
     from simplesharded.models import build_model
     from simplesharded.stage_split import plan_stages
-    from simplesharded.trainer.config import pipeline_stages
+    from simplesharded.trainer.config_checks import pipeline_stages
 
     p = cfg.parallelism
     key = f"parallelism.pipeline_parallel_degree={p.pipeline_parallel_degree}"

@@ -18,7 +18,8 @@ from simplesharded.models.context_parallel import apply_context_parallel
 from simplesharded.passes.agreement import set_agreement_peers
 from simplesharded.passes.annotations import AC_KEY
 from simplesharded.sharding import MixedPrecisionPolicy, data_parallel
-from simplesharded.trainer.config import Config, pipeline_stages
+from simplesharded.trainer.config import Config
+from simplesharded.trainer.config_checks import pipeline_stages
 
 
 def apply_activation_checkpointing(model: torch.nn.Module, mode: str, every: int,
