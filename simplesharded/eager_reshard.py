@@ -26,7 +26,7 @@ parameter is decided by its latest read (the compiled plan's "last use").
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 from torch import nn
@@ -34,10 +34,7 @@ from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from simplesharded.gather import _GatherScope, regather
-from simplesharded.sharded_state import sharded_state
-
-if TYPE_CHECKING:
-    from simplesharded.ragged_shards import RaggedShards
+from simplesharded.sharded_state import RaggedBucketProtocol, sharded_state
 
 
 class _Gathered:
@@ -110,7 +107,7 @@ class _EagerReshard:
         self._note(local, state.read_block, state.params[name].fqn,
                    lambda: regather(module, name), shared=False)
 
-    def note_bucket(self, bucket: RaggedShards, member: torch.Tensor) -> None:
+    def note_bucket(self, bucket: RaggedBucketProtocol, member: torch.Tensor) -> None:
         """Ragged ``bucket`` was gathered; ``member`` is one of its views (the storage of all)."""
         self._note(member, bucket.block, bucket.name, bucket.gather_whole, shared=True)
 

@@ -15,8 +15,6 @@ of dynamo's time.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.fx.traceback as fx_traceback
 from torch import nn
@@ -24,10 +22,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from simplesharded.layout import _is_hybrid
 from simplesharded.passes.annotations import BLOCK_KEY, DP_GROUPS_KEY, PARAM_KEY, RESHARD_KEY
-from simplesharded.sharded_state import ShardedParam, read_record, sharded_state
-
-if TYPE_CHECKING:
-    from simplesharded.eager_reshard import _EagerReshard
+from simplesharded.sharded_state import (EagerReshardProtocol, ShardedParam, read_record,
+                                         sharded_state)
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -203,7 +199,8 @@ class _GatherScope:
         self.tied: set[str] = set()  # FQNs of parameters held by more than one module
         self.reshard_after_forward = reshard_after_forward
         self.last_block = last_block  # the last block in module order (blocks.py), if any
-        self.eager: _EagerReshard | None = None  # set during an uncompiled forward with grad
+        # eager_reshard.py's _EagerReshard, set during an uncompiled forward with grad
+        self.eager: EagerReshardProtocol | None = None
 
     def drop_backward_views(self) -> None:
         self.backward_views = None

@@ -17,7 +17,6 @@ parameter that is not an expert weight never sees the ep dim: ep is part of its 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -26,49 +25,10 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from simplesharded.mesh import (EFSDP_DIM, EP_DIM, NAMED_LAYOUTS, dim_size, ep_dim,
                                 mesh_roles, tp_dim)
+from simplesharded.sharded_state import _GatherSpec, _MPLayout
 from simplesharded.uninitialised import uninitialised_like
 
-if TYPE_CHECKING:
-    from simplesharded.grad_sync import _GradSync
-
 MODES = ("replicate", "fully_shard", "hybrid_shard")
-
-
-@dataclass(frozen=True)
-class _GatherSpec:
-    """What one parameter needs to turn its shard into a full parameter: one per set of dp
-    dims (the dense parameters', and the expert weights' when the mesh has an ep dim)."""
-
-    replicate: tuple  # target placements: Replicate() on every dp dim
-    grad_placements: tuple  # Partial() on every dp dim
-    param_dtype: torch.dtype | None
-    reduce_dtype: torch.dtype | None
-    grad_scale: float  # 1/dp for grad_reduction="avg", else 1.0
-    reshard_after_forward: bool | str  # True, False or "auto" (the compile plan decides)
-    hybrid: bool = False  # (Replicate, Shard(0)) on a 2-D mesh
-    dp_mesh: DeviceMesh | None = None  # set when the mesh has other dims than dp (tp, ep)
-    dp_groups: tuple[str, ...] = ()  # process-group names of the dp dims (see DP_GROUPS_KEY)
-    grad_sync: _GradSync | None = None  # the model's set_requires_gradient_sync state
-
-    def scales_before_reduction(self, dtype: torch.dtype) -> bool:
-        """Whether "avg" scales a gradient of a ``dtype`` parameter before its reduction:
-        only when it is reduced in float16, whose sum over ranks could overflow first;
-        otherwise once it is reduced, on the shard (1/dp of the elements)."""
-        return (self.reduce_dtype or self.param_dtype or dtype) == torch.float16
-
-
-@dataclass(frozen=True)
-class _MPLayout:
-    """A parameter that is a model-parallel DTensor to its module (TP's on mesh["tp"], or an
-    expert weight on mesh["ep"]): how the gather rebuilds it."""
-
-    mesh: DeviceMesh  # mesh["tp"] or mesh["ep"]
-    placement: object  # e.g. TP's Shard(0) colwise, Shard(1) rowwise, Replicate; EP's Shard(0)
-    dp_placements: tuple  # this parameter's placements on its dp dims (for the dp view)
-    local_shape: torch.Size  # this rank's model-parallel shard (what dp gathers back)
-    local_stride: tuple  # its contiguous stride
-    shape: torch.Size  # the global parameter
-    stride: tuple
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,7 @@ import contextlib
 import copy
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -66,17 +66,14 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from simplesharded.ac_wrappers import unwrapped_key
-from simplesharded.layout import _contiguous_stride, _MPLayout
+from simplesharded.layout import _contiguous_stride
 from simplesharded.passes.annotations import (BLOCK_KEY, BUCKET_PARAMS_KEY, DP_GROUPS_KEY,
                                              PARAM_KEY, RAGGED_KEY, RESHARD_KEY)
 from simplesharded.ragged import (Precision, RaggedLayout, from_ragged, gather_buffer,
                                   reduce_gathered, shard0_rows, to_ragged)
 from simplesharded.ragged_placement import RaggedShard, ShardBesideRagged
-from simplesharded.sharded_state import sharded_state
-
-if TYPE_CHECKING:
-    from simplesharded.gather import _GatherScope
-    from simplesharded.grad_sync import _GradSync
+from simplesharded.sharded_state import (GatherScopeProtocol, GradSyncProtocol, _MPLayout,
+                                         sharded_state)
 
 ALIGN_BYTES = 128  # every member starts 128-byte aligned in the gathered buffer
 
@@ -97,9 +94,9 @@ class RaggedShards:
 
     def __init__(self, name: str, owner: nn.Module,
                  members: list[tuple[str, str, DTensor, _MPLayout | None]],
-                 dp_mesh: DeviceMesh, scope: _GatherScope, grad_scale: float, reshard,
+                 dp_mesh: DeviceMesh, scope: GatherScopeProtocol, grad_scale: float, reshard,
                  dp_groups: tuple, block: str | None, precision: Precision,
-                 grad_sync: _GradSync | None = None):
+                 grad_sync: GradSyncProtocol | None = None):
         """``members``: (FQN, FQN relative to ``owner``, shard, model-parallel layout) in
         module order, all on one mesh whose leading dims are ``dp_mesh``'s, with the same
         placement kind (sharded or replicated) on each dim after them."""
@@ -259,7 +256,7 @@ class RaggedShards:
         return DTensor.from_local(views[index], mp.mesh, (mp.placement,), run_check=False,
                                   shape=mp.shape, stride=mp.stride)
 
-    def _gather(self, scope: _GatherScope) -> list[torch.Tensor]:
+    def _gather(self, scope: GatherScopeProtocol) -> list[torch.Tensor]:
         """The members' views of a new gather (or of the held buffer; or, uncompiled in a
         backward outside the forward, of the bucket's gather there), cached as ``read``
         needs them."""

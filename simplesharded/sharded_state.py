@@ -7,22 +7,129 @@ or the root); the per-parameter records never change after wrapping, and the onl
 per-module setting is ``gather_enabled`` (``disable_gather``). Everything else that changes
 (the gathers of one forward, gradient sync) lives in objects shared by the whole model, which
 the state points to.
+
+It is the bottom of the storage modules (layout, gather, ragged_shards, eager_reshard,
+grad_sync all read it) and imports none of them, not even for type checking: the frozen
+parts of a record (:class:`_GatherSpec`, :class:`_MPLayout`) are defined here, and the
+model-wide objects a record points to, defined in the modules above, are typed by the
+``Protocol``s below, which say what is used of them through a record or from a module below
+theirs.
 """
 from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator, Protocol
 
+import torch
 from torch import nn
-
-if TYPE_CHECKING:
-    from simplesharded.gather import _GatherScope
-    from simplesharded.grad_sync import _GradSync
-    from simplesharded.ragged_shards import RaggedSlot
-    from simplesharded.layout import _GatherSpec, _MPLayout
+from torch.distributed.device_mesh import DeviceMesh
 
 _ATTR = "_simplesharded_state"
+
+
+# ---------------------------------------------------- the model-wide objects, as used here
+
+
+class GradSyncProtocol(Protocol):
+    """The model's ``set_requires_gradient_sync`` state (grad_sync.py's ``_GradSync``), as
+    a read of a parameter or a ragged bucket uses it."""
+
+    sync: bool
+
+    def route(self, local: torch.Tensor, fqn: str) -> torch.Tensor: ...
+
+    def held_for(self, key: str) -> torch.Tensor | None: ...
+
+
+class RaggedBucketProtocol(Protocol):
+    """A ragged bucket (ragged_shards.py's ``RaggedShards``), as eager resharding re-gathers
+    it."""
+
+    name: str
+    block: str | None
+
+    def gather_whole(self) -> torch.Tensor: ...
+
+
+class RaggedMemberProtocol(Protocol):
+    """A parameter's place in its ragged bucket (ragged_shards.py's ``RaggedSlot``)."""
+
+    @property
+    def bucket(self) -> RaggedBucketProtocol: ...
+
+    @property
+    def index(self) -> int: ...
+
+    def read(self) -> torch.Tensor: ...
+
+
+class EagerReshardProtocol(Protocol):
+    """One uncompiled forward's record of its gathers (eager_reshard.py's ``_EagerReshard``),
+    as the reads report to it."""
+
+    def note(self, module: nn.Module, name: str, full: torch.Tensor) -> None: ...
+
+    def note_bucket(self, bucket: RaggedBucketProtocol, member: torch.Tensor) -> None: ...
+
+
+class GatherScopeProtocol(Protocol):
+    """The model's gathers of one forward (gather.py's ``_GatherScope``), as the reads of
+    parameters and of ragged buckets use it."""
+
+    active: bool
+    gathered: dict  # FQN → its gather in this forward
+    tied: set[str]
+    bucket_views: dict  # ragged bucket name → its gathered members' views
+    eager_bucket: str | None
+    backward_views: tuple | None
+    eager: EagerReshardProtocol | None
+
+    def drop_backward_views(self) -> None: ...
+
+
+# ------------------------------------------------------------------- the record's parts
+
+
+@dataclass(frozen=True)
+class _GatherSpec:
+    """What one parameter needs to turn its shard into a full parameter: one per set of dp
+    dims (the dense parameters', and the expert weights' when the mesh has an ep dim;
+    layout.py)."""
+
+    replicate: tuple  # target placements: Replicate() on every dp dim
+    grad_placements: tuple  # Partial() on every dp dim
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+    grad_scale: float  # 1/dp for grad_reduction="avg", else 1.0
+    reshard_after_forward: bool | str  # True, False or "auto" (the compile plan decides)
+    hybrid: bool = False  # (Replicate, Shard(0)) on a 2-D mesh
+    dp_mesh: DeviceMesh | None = None  # set when the mesh has other dims than dp (tp, ep)
+    dp_groups: tuple[str, ...] = ()  # process-group names of the dp dims (see DP_GROUPS_KEY)
+    grad_sync: GradSyncProtocol | None = None  # the model's set_requires_gradient_sync state
+
+    def scales_before_reduction(self, dtype: torch.dtype) -> bool:
+        """Whether "avg" scales a gradient of a ``dtype`` parameter before its reduction:
+        only when it is reduced in float16, whose sum over ranks could overflow first;
+        otherwise once it is reduced, on the shard (1/dp of the elements)."""
+        return (self.reduce_dtype or self.param_dtype or dtype) == torch.float16
+
+
+@dataclass(frozen=True)
+class _MPLayout:
+    """A parameter that is a model-parallel DTensor to its module (TP's on mesh["tp"], or an
+    expert weight on mesh["ep"]): how the gather rebuilds it (layout.py)."""
+
+    mesh: DeviceMesh  # mesh["tp"] or mesh["ep"]
+    placement: object  # e.g. TP's Shard(0) colwise, Shard(1) rowwise, Replicate; EP's Shard(0)
+    dp_placements: tuple  # this parameter's placements on its dp dims (for the dp view)
+    local_shape: torch.Size  # this rank's model-parallel shard (what dp gathers back)
+    local_stride: tuple  # its contiguous stride
+    shape: torch.Size  # the global parameter
+    stride: tuple
+
+
+# ------------------------------------------------------------------------- the record
 
 
 @dataclass(frozen=True)
@@ -34,7 +141,7 @@ class ShardedParam:
     spec: _GatherSpec  # its dp dims, dtypes, gradient scaling and reshard choice
     mp_layout: _MPLayout | None  # set when it is a TP or EP DTensor to its module
     block: str | None  # its first owner's block (blocks.py), for the graph annotation
-    ragged: RaggedSlot | None = None  # its ragged bucket (storage="ragged")
+    ragged: RaggedMemberProtocol | None = None  # its ragged bucket (storage="ragged")
 
     def __post_init__(self):
         _RECORDS[self.read_key] = self
@@ -64,8 +171,8 @@ class ShardedModuleState:
     """One wrapped module's sharding: its parameters' records and the model-wide objects."""
 
     params: dict[str, ShardedParam]  # this module's own parameters by attribute name
-    scope: _GatherScope  # the model's gathers of one forward, shared by all its modules
-    grad_sync: _GradSync  # the model's set_requires_gradient_sync state, shared
+    scope: GatherScopeProtocol  # the model's gathers of one forward, shared by all its modules
+    grad_sync: GradSyncProtocol  # the model's set_requires_gradient_sync state, shared
     original_class: type  # the class before data_parallel subclassed it (blocks.py)
     read_block: str | None  # the block this module is in (eager "auto": _EagerReshard)
     root: bool = False  # the model data_parallel was called on

@@ -36,10 +36,10 @@ from simplesharded.grad_sync import _GradSync
 from simplesharded.ragged import Precision
 from simplesharded.ragged_shards import (RaggedShards, RaggedSlot, attach_state_dict_hooks,
                                          keep_buckets_whole, members_as_shards)
-from simplesharded.layout import _DPView, _GatherSpec, _mode_placements, _shard_param
+from simplesharded.layout import _DPView, _mode_placements, _shard_param
 from simplesharded.mesh import EP_DIM, dense_mesh, ep_dim, expert_dp_mesh, stage_mesh
 from simplesharded.mesh import dp_mesh as _dp_mesh
-from simplesharded.sharded_state import (ShardedModuleState, ShardedParam,
+from simplesharded.sharded_state import (ShardedModuleState, ShardedParam, _GatherSpec,
                                          attach_sharded_state, sharded_state)
 from simplesharded.shims import gloo_gather
 from simplesharded.uninitialised import InitCheck, uninitialised_like

@@ -6,13 +6,16 @@
   mapping gives the module names: passes/ is simplesharded.passes, models/ simplesharded.models),
   nothing imported. Every import counts, at module level or inside a function (a lazy import
   still ties the two modules together), ``importlib.import_module("<name>")`` too;
-  ``from X import Y`` where Y is a submodule is an edge to X.Y. The graph has no cycle (imports
-  under ``if TYPE_CHECKING:`` never run, so they close none), and:
+  ``from X import Y`` where Y is a submodule is an edge to X.Y. The graph has no cycle, counting
+  imports under ``if TYPE_CHECKING:`` (they never run, but the importer's code still names
+  the imported module's), and:
   - passes/ imports only passes/ (it is usable in any compiler pipeline), torch and the
     standard library;
   - models/ imports only the library, passes/ and models/, never the trainer or the tools;
   - the library (simplesharded/*.py) and its platform shims (simplesharded/shims/) import
     neither the trainer nor the tools.
+  - the per-parameter record (simplesharded/sharded_state.py), which every storage module
+    reads, imports no project module: it is the bottom of the library.
 A rule the code breaks today is an ``xfail(strict=True)`` case naming the edge, so the fix
 turns it into a failure that asks to drop the mark.
 """
@@ -191,7 +194,8 @@ def test_reader_finds_every_kind_of_import(tmp_path):
     """On a small tree with the project's package-dir mapping: relative and absolute imports,
     a submodule named by ``from X import Y``, a name from a package's __init__, an import
     inside a function and one by ``importlib.import_module`` are all edges; the standard
-    library and torch are not project modules."""
+    library and torch are not project modules. An import under ``if TYPE_CHECKING:`` is an
+    edge too, told apart from a run-time one, and closes a cycle of its own."""
     (tmp_path / "pyproject.toml").write_text(textwrap.dedent("""
         [tool.setuptools]
         packages = ["pkg", "pkg.sub", "pkg.ext"]
@@ -204,7 +208,7 @@ def test_reader_finds_every_kind_of_import(tmp_path):
         "pkg/a.py": "import os\nfrom . import b\nfrom pkg.sub import thing\n",
         "pkg/b.py": "def g():\n    from pkg.ext import c\n",
         "pkg/sub/__init__.py": "thing = 1\n",
-        "pkg/sub/d.py": "from ..a import f\nimport pkg.ext.c\n",
+        "pkg/sub/d.py": "from ..a import f\nimport pkg.ext.c\nfrom . import e\n",
         "ext/__init__.py": "",
         "ext/c.py": ("import importlib\nimport torch.fx\n"
                      "def h():\n    return importlib.import_module('pkg.a')\n"),
@@ -217,12 +221,15 @@ def test_reader_finds_every_kind_of_import(tmp_path):
     graph = import_graph(tmp_path)
     assert graph.edges == {"pkg": {"pkg.a"}, "pkg.a": {"pkg.b", "pkg.sub"},
                            "pkg.b": {"pkg.ext.c"}, "pkg.sub": set(),
-                           "pkg.sub.d": {"pkg.a", "pkg.ext.c"}, "pkg.sub.e": {"pkg.b", "pkg.sub.d"},
+                           "pkg.sub.d": {"pkg.a", "pkg.ext.c", "pkg.sub.e"},
+                           "pkg.sub.e": {"pkg.b", "pkg.sub.d"},
                            "pkg.ext": set(), "pkg.ext.c": {"pkg.a"}}
     # pkg.b is imported at run time as well
     assert graph.runtime == {**graph.edges, "pkg.sub.e": {"pkg.b"}}
     assert graph.other["pkg.a"] == {"os"} and graph.other["pkg.ext.c"] == {"importlib", "torch"}
+    # e -> d is type only: it closes the cycle with d only when type-only imports count
     assert cycles(graph.runtime) == [["pkg.a", "pkg.b", "pkg.ext.c"]]
+    assert cycles(graph.edges) == [["pkg.a", "pkg.b", "pkg.ext.c"], ["pkg.sub.d", "pkg.sub.e"]]
 
 
 def test_the_graph_covers_every_layer():
@@ -251,11 +258,25 @@ def test_every_package_folder_is_installed():
 
 
 def test_no_import_cycle():
-    edges = project_graph().runtime
+    """Type-only imports count: a module named by one below it could not be understood, or
+    split, without the one that names it."""
+    graph = project_graph()
+    edges = graph.edges
     found = cycles(edges)
-    detail = ["; ".join(f"{a} -> {b}" for a in c for b in sorted(edges[a]) if b in c)
+    detail = ["; ".join(f"{a} -> {b}" + ("" if b in graph.runtime[a] else " (type only)")
+                        for a in c for b in sorted(edges[a]) if b in c)
               for c in found]
     assert not found, "import cycles:\n" + "\n".join(detail)
+
+
+def test_the_record_is_the_bottom():
+    """The per-parameter record imports no project module, type-only imports included: the
+    model-wide objects it points to are typed by Protocols beside it (sharded_state.py)."""
+    graph = project_graph()
+    record = f"{PKG}.sharded_state"
+    assert graph.edges[record] == set(), sorted(
+        f"{b}" + ("" if b in graph.runtime[record] else " (type only)")
+        for b in graph.edges[record])
 
 
 # (name, which modules, the layers they may import, the layers they must not): exactly one of
