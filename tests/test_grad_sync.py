@@ -181,9 +181,9 @@ def test_compiled_modes_are_separate_graphs_compiled_once():
 def test_trainer_last_microbatch_reduces_once_per_step():
     """llama3 debug, global batch 8 on 2 ranks, 5 steps: 4 micro-batches with last_microbatch
     give the losses of 1 micro-batch within 1e-5 relative, and a step (the last, profiled)
-    runs the same reductions: one per ragged bucket or other parameter, plus the trainer's 2 scalar all-reduces (grad
-    norm, loss), where every_microbatch (the default) would run one per parameter per
-    micro-batch."""
+    runs the same reductions: one per ragged bucket or other parameter, plus the trainer's 2
+    scalar all-reduces (grad norm, loss), where every_microbatch (the default) would run
+    them once per micro-batch."""
     for rank, res in enumerate(_results()):
         runs = res["trainer"]
         ref, last = runs["acc1"], runs["acc4_last"]
