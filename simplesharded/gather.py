@@ -208,11 +208,11 @@ class _GatherScope:
 
 def _sharded_property(name: str) -> property:
     def get(self):
-        shard = self._parameters[name]
         state = sharded_state(self)
         param = state.params.get(name)
         if param is not None and param.ragged is not None and state.gather_enabled:
             return param.ragged.read()  # a view of its bucket's gather (ragged_shards.py)
+        shard = self._parameters[name]
         if shard is None or not state.gather_enabled:
             return shard
         fqn = param.fqn

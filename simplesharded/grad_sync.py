@@ -48,7 +48,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from simplesharded.ragged_shards import bucket_fqns
+from simplesharded.ragged_shards import model_buckets
 from simplesharded.sharded_state import sharded_params, sharded_state
 
 
@@ -117,15 +117,16 @@ class _GradSync:
 
     def sharded_params(self, model: nn.Module) -> Iterator[tuple]:
         """(param, shard) of every sharded parameter of ``model`` under this sync, in module
-        order (a tied parameter once per module that holds it)."""
+        order (a tied parameter once per module that holds it), ragged buckets' members
+        aside: their bucket is what is gathered and reduced (:meth:`ragged_buckets`)."""
         for param, shard in sharded_params(model):
-            if param.spec.grad_sync is self:
+            if param.spec.grad_sync is self and param.ragged is None:
                 yield param, shard
 
     def ragged_buckets(self, model: nn.Module) -> Iterator:
         """Every ragged bucket of ``model`` under this sync (simplesharded/ragged_shards.py),
         in module order."""
-        for bucket, _ in bucket_fqns(model):
+        for bucket in model_buckets(model):
             if bucket.grad_sync is self:
                 yield bucket
 

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch import nn
 
 from simplesharded.passes.annotations import UPDATE_KEY
+from simplesharded.ragged_member import RaggedMember
 
 # The optimizers whose update is written here (exact classes: a subclass may change step).
 SUPPORTED = (torch.optim.AdamW, torch.optim.Adam)
@@ -88,10 +89,16 @@ def step_inputs(optimizer: torch.optim.Optimizer) -> tuple[list, list]:
     # value, which aot_autograd's scalar pass fails to turn back into a tensor and then
     # restarts the whole trace to specialize (every compile traced twice).
     lrs = [torch.tensor([g["lr"]], dtype=torch.float64) for g in optimizer.param_groups]
-    states = [[(optimizer.state[p]["step"], optimizer.state[p]["exp_avg"],
-                optimizer.state[p]["exp_avg_sq"]) for p in g["params"] if p.requires_grad]
+    # A ragged member's state enters as the plain DTensor it is a view of
+    # (simplesharded/ragged_member.py): the graph updates its local run in place.
+    states = [[tuple(_plain(optimizer.state[p][k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+               for p in g["params"] if p.requires_grad]
               for g in optimizer.param_groups]
     return lrs, states
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    return t.as_dtensor() if isinstance(t, RaggedMember) else t
 
 
 def apply_update(decoupled: bool, groups: list[list], hypers: list[tuple], grads: list,

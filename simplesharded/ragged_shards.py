@@ -2,22 +2,27 @@
 parameters live in the ragged layout (simplesharded/ragged.py), so every gathered parameter is
 a view of its bucket's gathered buffer: no copy-in, no copy-out.
 
-A bucket is one DTensor parameter, ``Shard(0)`` of the flattened bucket over the dp shard
-dim (``[w·L]``, this rank holding ``[L]``), registered on the module that owns the bucket (the
-block; the root for the parameters before the first block and after the last) under
-``_ragged_<dtype>`` (``_ragged_<dtype>_tp`` for TP shards, ``_ep`` for experts). Optimizers
-step it as they step any shard; gradient clipping reads it as any DTensor. Its members' own
-slots hold None, so ``named_parameters()`` lists the buckets instead of the members (as
-FSDP1's flat parameters do): an optimizer that needs a member's matrix shape, or per-member
-parameter groups, does not take this storage.
+A bucket is one DTensor, ``Shard(0)`` of the flattened bucket over the dp shard dim (``[w·L]``,
+this rank holding ``[L]``): what forward gathers and backward differentiates. It is no
+module's parameter. The parameters users see are its members, each in its own module's slot
+under its own name (FSDP2's contract, as FSDP1's ``use_orig_params`` kept it over flat
+parameters): a DTensor of the member's global shape whose local tensor is this rank's run
+of it, a view of the bucket's ``[L]`` (``RaggedMember``, simplesharded/ragged_member.py).
+Optimizers step the members, so parameter groups by name, per-parameter learning rates and
+freezing a member after wrapping (``requires_grad_(False)``: it gets no gradient) work as on
+per-parameter shards; torch's ``clip_grad_norm_`` reduces their norms over the ranks. After
+backward the bucket's gradient is handed to the members as views of it
+(:meth:`RaggedShards.add_grad`), so ``zero_grad`` on the members is all a loop does.
 
-``state_dict()`` is what it is without: the members by FQN, each the DTensor it would be,
-converted from the bucket by one all-to-all per bucket (every rank calls ``state_dict()``, as
-DCP requires anyway); ``load_state_dict`` converts them back (DTensors on the same mesh, or
-full tensors). The hooks sit on the owning module, so a block's own ``state_dict()`` converts
-too. The optimizer's state is the bucket's; :func:`optim_state_by_member` and
-:func:`optim_state_by_bucket` convert a flattened optimizer state dict at the same boundary
-(the trainer's checkpoints do), so a checkpoint is keyed as without ragged buckets.
+``state_dict()`` is what it is without: the members by FQN, each the ``Shard(0)`` DTensor it
+would be, converted from the bucket by one all-to-all per bucket (every rank calls
+``state_dict()``, as DCP requires anyway); ``load_state_dict`` converts them back (DTensors on
+the same mesh, or full tensors). The hooks sit on the bucket's owner (its block; the root for
+the parameters before the first block and after the last), so a block's own ``state_dict()``
+converts too. The optimizer's state of a member is laid out as the member (a ragged run);
+:func:`optim_state_by_member` and :func:`optim_state_by_bucket` convert a flattened optimizer
+state dict to per-parameter ``Shard(0)`` and back (the trainer's checkpoints do), so a
+checkpoint is keyed and laid out as without ragged buckets.
 
 A module's first read of a member in a forward gathers the whole bucket (one annotated
 all-gather, which passes/bucketing.py finds already bucketed) and caches the views in the
@@ -38,7 +43,8 @@ ragged buckets too. Mixed precision: the cast of a bucket's ``[L]`` to the gathe
 its only copy-in. Gradient-sync control (``no_gradient_sync``) runs per bucket: its gathered
 buffer's gradient is what is deferred and added back, or reduced once by a pipeline stage
 (simplesharded/deferred_reduce.py); ``gather_once`` holds the gathered buffer itself;
-``compile_step`` steps a bucket as any parameter. Eager, a bucket reshards after forward as a
+``compile_step`` differentiates and updates a member through its bucket
+(simplesharded/step.py). Eager, a bucket reshards after forward as a
 parameter does (simplesharded/eager_reshard.py): backward gathers it again, once.
 
 Invariant: a bucket's members, order and layout depend only on the module tree and the
@@ -47,6 +53,7 @@ parameters' global shapes, so they are the same on every rank.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from dataclasses import dataclass
 from typing import Iterator
@@ -56,6 +63,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from simplesharded.ac_wrappers import unwrapped_key
 from simplesharded.layout import _contiguous_stride
@@ -63,6 +71,7 @@ from simplesharded.passes.annotations import (BLOCK_KEY, BUCKET_PARAMS_KEY, DP_G
                                              PARAM_KEY, RAGGED_KEY, RESHARD_KEY)
 from simplesharded.ragged import (Precision, RaggedLayout, from_ragged, gather_buffer,
                                   reduce_gathered, shard0_rows, to_ragged)
+from simplesharded.ragged_member import RaggedMember
 from simplesharded.sharded_state import (GatherScopeProtocol, GradSyncProtocol, _MPLayout,
                                          sharded_state)
 
@@ -83,7 +92,7 @@ class RaggedSlot:
 class RaggedShards:
     """One bucket in the ragged layout: its parameter, its members and their reads."""
 
-    def __init__(self, name: str, owner: nn.Module, attr: str,
+    def __init__(self, name: str, owner: nn.Module,
                  members: list[tuple[str, str, DTensor, _MPLayout | None]],
                  dp_mesh: DeviceMesh, scope: GatherScopeProtocol, grad_scale: float, reshard,
                  dp_groups: tuple, block: str | None, precision: Precision,
@@ -92,7 +101,7 @@ class RaggedShards:
         module order, all on one mesh whose leading dims are ``dp_mesh``'s, with the same
         placement kind (sharded or replicated) on each dim after them."""
         self.precision, self.grad_sync = precision, grad_sync
-        self.name, self.owner, self.attr, self.scope = name, owner, attr, scope
+        self.name, self.owner, self.scope = name, owner, scope
         self.fqns = [fqn for fqn, _, _, _ in members]
         self.keys = [key for _, key, _, _ in members]
         shards = [s for _, _, s, _ in members]
@@ -124,13 +133,104 @@ class RaggedShards:
                            if p.is_shard())
         self.shape = (self.layout.total * copies,)  # the bucket's global shape
         local = to_ragged([s.to_local() for s in shards], self.layout, self.shard_group())
+        # The bucket: what forward gathers and backward differentiates. Not registered on
+        # any module: the members below are the parameters users and optimizers see.
         self.param = nn.Parameter(self._dtensor(local))
+        self.param.register_post_accumulate_grad_hook(self._hand_out_grad)
+        me = dp_mesh.get_local_rank(self.dim)
+        # member i's run of this rank's [L]: [start, stop)
+        self.runs = [self._run(i, me) for i in range(len(shards))]
+        self.member_runs = [tuple(self._run(i, r)[1] - self._run(i, r)[0]
+                                  for r in range(self.layout.world)) for i in range(len(shards))]
+        self.member_specs = [self._member_spec(i) for i in range(len(shards))]
+        self.members = [nn.Parameter(self.member(self.run_of(self.param.detach().to_local(), i), i))
+                        for i in range(len(shards))]
         self.block = block
         self.annotation = {PARAM_KEY: self.fqns[0], BUCKET_PARAMS_KEY: list(self.fqns),
                            DP_GROUPS_KEY: dp_groups, RESHARD_KEY: reshard, RAGGED_KEY: name}
         if block is not None:
             self.annotation[BLOCK_KEY] = block
-        owner.register_parameter(attr, self.param)
+
+    def _run(self, i: int, rank: int) -> tuple[int, int]:
+        """Member ``i``'s run of ``rank``'s ``[L]``, as [start, stop) there."""
+        start, stop = self.layout.piece(i, rank)
+        at = self.layout.offsets[i] - self.layout.rank_range(rank)[0]
+        return at + start, at + stop
+
+    def run_of(self, local: torch.Tensor, i: int) -> torch.Tensor:
+        """Member ``i``'s run of ``local`` (a tensor laid out as this rank's ``[L]``): a
+        view."""
+        start, stop = self.runs[i]
+        return local[start:stop]
+
+    def _member_spec(self, i: int):
+        """Member ``i``'s DTensor spec: its global shape and placements as on per-parameter
+        storage; its runs are on the tensor (:meth:`member`)."""
+        shape = self.member_shapes[i]
+        meta = TensorMeta(torch.Size(shape), _contiguous_stride(shape), self.param.dtype)
+        return DTensorSpec(self.mesh, self.member_placements[i], tensor_meta=meta)
+
+    def member(self, run: torch.Tensor, i: int) -> RaggedMember:
+        """``run``, laid out as member ``i``'s run on this rank, as its DTensor
+        (simplesharded/ragged_member.py)."""
+        return RaggedMember.make(run, self.member_specs[i], self.member_runs[i], self.dim)
+
+    def _hand_out_grad(self, bucket: torch.Tensor) -> None:
+        """The bucket's gradient as its members' ``.grad`` (views: no copy), added to a
+        gradient already there; a frozen member (``requires_grad_(False)``) gets none. The
+        bucket's own is dropped, so ``zero_grad`` on the members is all a loop does."""
+        grad, bucket.grad = bucket.grad, None
+        if grad is not None:  # None: a no-sync backward, whose gradient went to its accumulator
+            self.add_grad(grad.to_local())
+
+    def add_grad(self, local: torch.Tensor) -> None:
+        """Add ``local``, a gradient laid out as this rank's ``[L]``, to the members'."""
+        for i, p in enumerate(self.members):
+            if not p.requires_grad:
+                continue
+            run = self.run_of(local, i)
+            if p.grad is None:
+                # DTensor's own constructor with the member's spec: from_local costs a new
+                # spec and an autograd function per call, per member per step
+                p.grad = self.member(run, i)
+            else:
+                p.grad.to_local().add_(run)
+
+    def copy_into(self, memo: dict) -> None:
+        """For ``copy.deepcopy`` of the model: the bucket copied, and each member's copy a
+        view of it with the member's spec, entered in ``memo`` before the modules holding
+        the members are copied. (A member's own deep copy would copy its run alone.)"""
+        param = copy.deepcopy(self.param, memo)
+        local = param.to_local()
+        for i, member in enumerate(self.members):
+            memo[id(member)] = nn.Parameter(self.member(self.run_of(local, i), i),
+                                            requires_grad=member.requires_grad)
+
+    def rebind(self) -> None:
+        """After ``nn.Module._apply`` (``to_empty``, ``to``) gave the members storage of
+        their own (it swaps each parameter's contents, keeping the object): one bucket holding
+        their values again, and the members views of it, so that forward reads what the
+        optimizer, ``init_sharded`` and checkpoints write. The parameter objects stay, so an
+        optimizer built on them keeps working."""
+        locals_ = [m.to_local() for m in self.members]
+        bucket = self.param.to_local()
+        if all(t.dtype == bucket.dtype and t.device == bucket.device
+               and (t.numel() == 0 or t.data_ptr() == self.run_of(bucket, i).data_ptr())
+               for i, t in enumerate(locals_)):
+            return
+        first = locals_[0]
+        local = torch.zeros(self.layout.shard_numel, dtype=first.dtype, device=first.device)
+        for i, t in enumerate(locals_):
+            start, stop = self.runs[i]
+            local[start:stop] = t.detach().reshape(-1)
+        self.param = nn.Parameter(self._dtensor(local))
+        self.param.register_post_accumulate_grad_hook(self._hand_out_grad)
+        for i, (member, spec) in enumerate(zip(self.members, self.member_specs)):
+            spec = self.member_specs[i] = DTensorSpec(
+                spec.mesh, spec.placements, tensor_meta=TensorMeta(
+                    spec.tensor_meta.shape, spec.tensor_meta.stride, first.dtype))
+            torch.utils.swap_tensors(member, nn.Parameter(
+                self.member(self.run_of(local, i), i), requires_grad=member.requires_grad))
 
     def shard_group(self):
         """The process group of the dp dim the bucket is cut over."""
@@ -218,9 +318,21 @@ class RaggedShards:
         backward would and add it to the bucket's ``.grad``; returns the collectives issued."""
         out = reduce_gathered(full, self.layout.world, self.group_name, self.param.dtype,
                               self.grad_scale, self.precision, self.replicas)
-        grad = self._dtensor(out)
-        self.param.grad = grad if self.param.grad is None else self.param.grad + grad
+        self.add_grad(out)
         return 1 + (self.replicas is not None)
+
+    def shards_of_runs(self, runs: list[torch.Tensor | None]) -> list[DTensor]:
+        """Each member's ``Shard(0)`` DTensor (as :meth:`member_shards`) of a tensor given
+        as the members' runs (a member's gradient or optimizer state; None: zeros). A
+        collective."""
+        local = torch.zeros(self.layout.shard_numel, dtype=self.param.dtype,
+                            device=self.param.device)
+        for i, run in enumerate(runs):
+            if run is not None:
+                start, stop = self.runs[i]
+                local[start:stop] = (run.to_local() if isinstance(run, DTensor) else run
+                                     ).reshape(-1)
+        return self.member_shards(self._dtensor(local))
 
     def member_shards(self, value: DTensor | None = None) -> list[DTensor]:
         """Each member's DTensor as without ragged storage (its placements and shape),
@@ -262,22 +374,20 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-_ATTR = "_simplesharded_ragged"  # on a bucket's owner: its buckets and its state_dict order
+_ATTR = "_simplesharded_ragged"  # on a bucket's owner: the buckets its state_dict converts
 
 
 @dataclass
 class _OwnedBuckets:
     buckets: list[RaggedShards]
-    order: list[str]  # the owner's state_dict keys (relative) as without ragged storage
 
 
-def attach_state_dict_hooks(owner: nn.Module, buckets: list[RaggedShards],
-                            order: list[str]) -> None:
-    """``owner.state_dict()`` lists its buckets' members as ``Shard(0)`` DTensors in
-    ``order`` (the keys relative to ``owner`` as without ragged storage); its
-    ``load_state_dict`` takes them back into the buckets. The hooks read the buckets from
-    the module they run on, so a deep copy of the model converts its own."""
-    setattr(owner, _ATTR, _OwnedBuckets(buckets, order))
+def attach_state_dict_hooks(owner: nn.Module, buckets: list[RaggedShards]) -> None:
+    """``owner.state_dict()`` gives its buckets' members as ``Shard(0)`` DTensors (their
+    parameters hold ragged runs); its ``load_state_dict`` takes them back into the buckets.
+    The hooks read the buckets from the module they run on, so a deep copy of the model
+    converts its own."""
+    setattr(owner, _ATTR, _OwnedBuckets(buckets))
     owner.register_state_dict_post_hook(_save_members)
     owner.register_load_state_dict_pre_hook(_load_members)
 
@@ -291,38 +401,70 @@ def share_owned_buckets(dst: nn.Module, src: nn.Module) -> None:
         return
     mine = getattr(dst, _ATTR, None)
     if mine is None:
-        attach_state_dict_hooks(dst, list(owned.buckets), list(owned.order))
+        attach_state_dict_hooks(dst, list(owned.buckets))
         return
     mine.buckets += [b for b in owned.buckets if b not in mine.buckets]
-    mine.order += [k for k in owned.order if k not in mine.order]
+
+
+def _key_in(state_dict: dict, prefix: str, key: str) -> str:
+    """Member ``key``'s entry: as registered, or without a checkpoint wrapper's name (its
+    own hooks take it out on save and put it back on load, before or after ours:
+    ac_wrappers.py)."""
+    return prefix + (key if prefix + key in state_dict else unwrapped_key(key))
 
 
 def _save_members(module, state_dict, prefix, local_metadata) -> None:
-    owned = getattr(module, _ATTR)
-    for b in owned.buckets:
-        state_dict.pop(prefix + b.attr, None)
-        for key, shard in zip(b.keys, b.member_shards()):
-            state_dict[prefix + unwrapped_key(key)] = shard
-    # the owner's entries are the last ones added: put them back in the order they have
-    # without ragged storage
-    order = [prefix + unwrapped_key(k) for k in owned.order]
-    for key in [k for k in order if k in state_dict]:
-        state_dict[key] = state_dict.pop(key)
+    for b in getattr(module, _ATTR).buckets:
+        keys = [_key_in(state_dict, prefix, k) for k in b.keys]
+        if not all(k in state_dict for k in keys):
+            continue  # the members are not this state_dict's (a submodule's own call)
+        for key, shard in zip(keys, b.member_shards()):
+            state_dict[key] = shard
 
 
 def _load_members(module, state_dict, prefix, local_metadata, strict, missing, unexpected,
                   errors) -> None:
     for b in getattr(module, _ATTR).buckets:
-        # A checkpoint wrapper's load hook puts its module's name back into the keys when it
-        # is the owner (it runs first); an inner wrapper's runs after this one (ac_wrappers.py)
-        keys = [prefix + (k if prefix + k in state_dict else unwrapped_key(k)) for k in b.keys]
+        keys = [_key_in(state_dict, prefix, k) for k in b.keys]
         if not any(k in state_dict for k in keys):
-            continue  # missing keys are reported by the load itself (the bucket's)
+            continue  # missing keys are reported by the load itself
         absent = [k for k in keys if k not in state_dict]
         if absent:
             errors.append(f"ragged bucket {b.name}: missing {absent}")
             continue
-        state_dict[prefix + b.attr] = b.bucket_from([state_dict.pop(k) for k in keys])
+        value = b.bucket_from([state_dict[k] for k in keys])
+        with torch.no_grad():
+            b.param.to_local().copy_(value.to_local())
+        # the load then copies each member into itself: its values are in the bucket already
+        for k, member in zip(keys, b.members):
+            state_dict[k] = member.detach()
+
+
+def keep_buckets_whole(model: nn.Module) -> None:
+    """``model`` (the root ``data_parallel`` wrapped) keeps its ragged buckets whole where
+    ``nn.Module`` would take their members apart: ``model.to_empty(...)``, ``model.to(...)``
+    (``_apply``) rebuild each bucket around its members' new storage
+    (:meth:`RaggedShards.rebind`), and ``copy.deepcopy(model)`` copies each bucket once with
+    its members views of the copy (:meth:`RaggedShards.copy_into`)."""
+    cls = model.__class__
+
+    def _apply(self, fn, recurse=True):
+        out = cls._apply(self, fn, recurse)
+        for bucket in model_buckets(self):
+            bucket.rebind()
+        return out
+
+    def __deepcopy__(self, memo):
+        for bucket in model_buckets(self):
+            bucket.copy_into(memo)
+        twin = cls.__new__(type(self))
+        memo[id(self)] = twin
+        for key, value in self.__dict__.items():
+            object.__setattr__(twin, key, copy.deepcopy(value, memo))
+        return twin
+
+    model.__class__ = type(cls.__name__, (cls,), {"_apply": _apply,
+                                                  "__deepcopy__": __deepcopy__})
 
 
 def _members(model: nn.Module) -> dict[RaggedShards, list[tuple[nn.Module, str]]]:
@@ -340,17 +482,16 @@ def _members(model: nn.Module) -> dict[RaggedShards, list[tuple[nn.Module, str]]
 @contextlib.contextmanager
 def members_as_shards(model: nn.Module) -> Iterator[None]:
     """Within: each ragged member is a ``Shard(0)`` DTensor parameter in its own module's
-    slot (converted from its bucket) and the buckets are out of their owners' slots, so code
-    written for per-parameter shards (``init_sharded``) runs as without; after: the members'
-    values go back into their buckets. Collective: every rank enters it. Nested, the inner
-    one finds the buckets out already and does nothing."""
+    slot (converted from its bucket), so code written for per-parameter shards
+    (``init_sharded``, a Hugging Face load) runs as without; after: the members' values go
+    back into their buckets and the members' own parameters into their slots. Collective:
+    every rank enters it. Nested, the inner one finds the members out already and does
+    nothing."""
     members = {bucket: slots for bucket, slots in _members(model).items()
-               if bucket.attr in bucket.owner._parameters}
-    owners = {}
+               if slots[0][0]._parameters[slots[0][1]] is bucket.members[0]}
     for bucket, slots in members.items():
         for (module, name), shard in zip(slots, bucket.member_shards()):
             module._parameters[name] = nn.Parameter(shard, requires_grad=False)
-        owners[bucket] = bucket.owner._parameters.pop(bucket.attr)
     try:
         yield
     finally:
@@ -358,67 +499,68 @@ def members_as_shards(model: nn.Module) -> Iterator[None]:
             values = [module._parameters[name] for module, name in slots]
             with torch.no_grad():
                 bucket.param.to_local().copy_(bucket.bucket_from(values).to_local())
-            for module, name in slots:
-                module._parameters[name] = None
-            bucket.owner._parameters[bucket.attr] = owners[bucket]
+            for (module, name), member in zip(slots, bucket.members):
+                module._parameters[name] = member
 
 
 def optim_state_by_member(model: nn.Module, state: dict) -> dict:
     """``state``, a flattened optimizer state dict of ``model`` (``get_state_dict`` with
-    ``flatten_optimizer_state_dict=True``), with each ragged bucket's entries replaced by its
-    members': a state laid out as the bucket becomes each member's ``Shard(0)`` DTensor; a
-    scalar (``step``) and the group's options are copied to every member. Keyed as without
-    ragged buckets, it loads at another world size or layout. Collective: every rank calls
-    it; :func:`optim_state_by_bucket` is its inverse."""
+    ``flatten_optimizer_state_dict=True``), with each ragged member's state laid out as its
+    parameter (a ragged run) made the member's ``Shard(0)`` DTensor, as without ragged
+    buckets: it loads at another world size or layout. Scalars (``step``) and options stay.
+    Collective (one all-to-all per bucket and state): every rank calls it;
+    :func:`optim_state_by_bucket` is its inverse."""
     out = dict(state)
-    for bucket, fqn in bucket_fqns(model):
-        for section, name in _entries(out, fqn):
-            value = out.pop(f"{section}.{fqn}.{name}")
-            if isinstance(value, DTensor) and tuple(value.shape) == bucket.shape:
-                values = bucket.member_shards(value)
-            else:
-                values = [value.clone() if isinstance(value, torch.Tensor) else value
-                          for _ in bucket.fqns]
-            for member, v in zip(bucket.fqns, values):
-                out[f"{section}.{member}.{name}"] = v
+    for bucket in model_buckets(model):
+        for name in _state_names(out, bucket):
+            keys = [f"state.{fqn}.{name}" for fqn in bucket.fqns]
+            # a frozen member has no state
+            shards = bucket.shards_of_runs([out.get(k) for k in keys])
+            for k, shard in zip(keys, shards):
+                if k in out:
+                    out[k] = shard
     return out
 
 
 def optim_state_by_bucket(model: nn.Module, state: dict) -> dict:
-    """The inverse of :func:`optim_state_by_member`: each bucket's members' entries (their
-    ``Shard(0)`` DTensors, or full tensors) become the bucket's, as ``set_state_dict`` takes
-    them. A member's scalar (a copy: an optimizer steps it in place) or option is the first
-    member's. Collective."""
+    """The inverse of :func:`optim_state_by_member`: each member's ``Shard(0)`` DTensor (or
+    full tensor) of a state laid out as its parameter becomes its ragged run, as the
+    optimizer holds it (``set_state_dict`` takes it). A member's other tensors (``step``)
+    are copies: an optimizer steps them in place. Collective."""
     out = dict(state)
-    for bucket, fqn in bucket_fqns(model):
-        for section, name in _entries(out, bucket.fqns[0]):
-            keys = [f"{section}.{member}.{name}" for member in bucket.fqns]
-            absent = [k for k in keys if k not in out]
-            if absent:
-                raise ValueError(f"optimizer state of ragged bucket {fqn}: missing {absent}")
-            values = [out.pop(k) for k in keys]
-            laid_out = (isinstance(values[0], torch.Tensor) and values[0].dim() > 0
-                        and tuple(values[0].shape) == bucket.member_shapes[0])
-            first = values[0].clone() if isinstance(values[0], torch.Tensor) else values[0]
-            out[f"{section}.{fqn}.{name}"] = bucket.bucket_from(values) if laid_out else first
+    for bucket in model_buckets(model):
+        for fqn in bucket.fqns:
+            head = f"state.{fqn}."
+            for k, v in out.items():
+                if k.startswith(head) and isinstance(v, torch.Tensor):
+                    out[k] = v.clone()
+        for name in _state_names(out, bucket):
+            keys = [f"state.{fqn}.{name}" for fqn in bucket.fqns]
+            present = [k in out for k in keys]
+            values = [out[k] if k in out else torch.zeros(shape) for k, shape
+                      in zip(keys, bucket.member_shapes)]
+            local = bucket.bucket_from(values).to_local()
+            for i, k in enumerate(keys):
+                if present[i]:
+                    out[k] = bucket.member(bucket.run_of(local, i).clone(), i)
     return out
 
 
-def bucket_fqns(model: nn.Module) -> Iterator[tuple[RaggedShards, str]]:
-    """Every ragged bucket of ``model`` (or its compiled wrapper) with its parameter's FQN,
-    in module order (the same on every rank)."""
-    for prefix, module in getattr(model, "_orig_mod", model).named_modules():
-        for bucket in getattr(getattr(module, _ATTR, None), "buckets", ()):
-            yield bucket, f"{prefix}.{bucket.attr}" if prefix else bucket.attr
+def model_buckets(model: nn.Module) -> Iterator[RaggedShards]:
+    """Every ragged bucket of ``model`` (or its compiled wrapper), in module order (the same
+    on every rank)."""
+    for module in getattr(model, "_orig_mod", model).modules():
+        yield from getattr(getattr(module, _ATTR, None), "buckets", ())
 
 
-def _entries(state: dict, fqn: str) -> list[tuple[str, str]]:
-    """(section, name) of each flattened optimizer-state key of parameter ``fqn``
-    (``state.<fqn>.<name>``, ``param_groups.<fqn>.<name>``), sorted so every rank converts
-    in one order."""
-    found = []
-    for section in ("state", "param_groups"):
-        head = f"{section}.{fqn}."
-        found += [(section, k[len(head):]) for k in state
-                  if k.startswith(head) and "." not in k[len(head):]]
-    return sorted(found)
+def _state_names(state: dict, bucket: RaggedShards) -> list[str]:
+    """The names of the states laid out as parameters that ``bucket``'s members hold in
+    ``state`` (``exp_avg``, ``exp_avg_sq``, ...), sorted so every rank converts in one order:
+    a state whose shape is its member's."""
+    names = set()
+    for fqn, shape in zip(bucket.fqns, bucket.member_shapes):
+        head = f"state.{fqn}."
+        names |= {k[len(head):] for k, v in state.items()
+                  if k.startswith(head) and "." not in k[len(head):]
+                  and isinstance(v, torch.Tensor) and tuple(v.shape) == shape and v.dim() > 0}
+    return sorted(names)

@@ -35,7 +35,7 @@ from simplesharded.gather import _GatherScope, _sharded_property
 from simplesharded.grad_sync import _GradSync
 from simplesharded.ragged import Precision
 from simplesharded.ragged_shards import (RaggedShards, RaggedSlot, attach_state_dict_hooks,
-                                         members_as_shards)
+                                         keep_buckets_whole, members_as_shards)
 from simplesharded.layout import _DPView, _mode_placements, _shard_param
 from simplesharded.mesh import EP_DIM, dense_mesh, ep_dim, expert_dp_mesh, stage_mesh
 from simplesharded.mesh import dp_mesh as _dp_mesh
@@ -132,13 +132,16 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     parameter. ``"ragged"``: each bucket (a block's parameters; those before the first block;
     those after the last) in the ragged layout (simplesharded/ragged_shards.py,
     docs/zero_copy.md): every gathered parameter is a view of its bucket's gathered buffer, so
-    a gather copies nothing in or out; a bucket is one parameter (``named_parameters()`` lists
-    the buckets), ``state_dict()`` lists the members as ``"param"`` does. It takes
+    a gather copies nothing in or out. The parameters are still the model's own, under their
+    names and global shapes (FSDP2's contract: param groups, per-parameter learning rates,
+    freezing after wrapping, torch's ``clip_grad_norm_``): each a DTensor whose local tensor
+    is this rank's run of it, a view of its bucket (simplesharded/ragged_member.py);
+    ``state_dict()`` gives them as ``"param"`` does. It takes
     ``fully_shard`` on a mesh of one dp dim or ``hybrid_shard`` on two (the gradient's
     all-reduce over the replicas follows the bucket's reduce-scatter), with or without tp and
     ep dims (a block's TP shards, its parameters replicated over tp and its expert weights are
-    separate buckets); another mode: a ValueError. Tied and frozen parameters stay on their
-    own. ``flat_buckets``: storage's former name, deprecated: ``False`` is ``"param"``,
+    separate buckets); another mode: a ValueError. Tied parameters, and those frozen before
+    wrapping, stay on their own. ``flat_buckets``: storage's former name, deprecated: ``False`` is ``"param"``,
     ``"ragged"`` is ``"ragged"``; ``True`` (flat buffers) is retired, a ValueError.
     A parameter read more than once in one forward of ``model`` (tied weights, a module called
     twice) is gathered once; its gradient is summed locally and reduced once (eager: tied
@@ -270,31 +273,32 @@ def _pack_ragged(model: nn.Module, shards: dict[int, tuple[nn.Parameter, Sharded
 
     groups = _bucket_groups(shards, lambda s, r: _ragged_eligible(s, r, scope),
                             gather_and_split)
-    # owner FQN → (owner, its state_dict keys as without ragged storage, its buckets)
-    owned: dict[str, tuple[nn.Module, list[str], list[RaggedShards]]] = {}
+    # owner FQN → (owner, its buckets)
+    owned: dict[str, tuple[nn.Module, list[RaggedShards]]] = {}
     for (bucket, dtype, _, split), keys in groups.items():
         owner_fqn = bucket if bucket not in ("pre", "post") else ""
         owner = model.get_submodule(owner_fqn)
         kind = "_".join((str(dtype).removeprefix('torch.'), *split))
-        attr = f"_ragged_{kind}" + (f"_{bucket}" if bucket in ("pre", "post") else "")
         first = shards[keys[0]]
         spec = first[1].spec
         prefix = f"{owner_fqn}." if owner_fqn else ""
         members = [(shards[k][1].fqn, shards[k][1].fqn.removeprefix(prefix), shards[k][0],
                     shards[k][1].mp_layout) for k in keys]
-        if owner_fqn not in owned:  # its keys before a bucket of its own is registered
-            owned[owner_fqn] = (owner, list(owner.state_dict(keep_vars=True)), [])
+        owned.setdefault(owner_fqn, (owner, []))
         precision = Precision(spec.param_dtype, spec.reduce_dtype,
                               spec.scales_before_reduction(dtype))
-        ragged = RaggedShards(f"{bucket}/{kind}", owner, attr, members,
+        ragged = RaggedShards(f"{bucket}/{kind}", owner, members,
                               spec.dp_mesh or first[0].device_mesh, scope, spec.grad_scale,
                               spec.reshard_after_forward, spec.dp_groups, first[1].block,
                               precision, spec.grad_sync)
-        owned[owner_fqn][2].append(ragged)
+        owned[owner_fqn][1].append(ragged)
         for i, k in enumerate(keys):
-            shards[k] = (None, dataclasses.replace(shards[k][1], ragged=RaggedSlot(ragged, i)))
-    for owner, order, buckets in owned.values():
-        attach_state_dict_hooks(owner, buckets, order)
+            shards[k] = (ragged.members[i],
+                         dataclasses.replace(shards[k][1], ragged=RaggedSlot(ragged, i)))
+    for owner, buckets in owned.values():
+        attach_state_dict_hooks(owner, buckets)
+    if owned:
+        keep_buckets_whole(model)
 
 
 def _ragged_eligible(shard: DTensor, record: ShardedParam, scope: _GatherScope) -> bool:

@@ -24,7 +24,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from simplesharded.sharded_state import sharded_state
 
 
 def uninitialised_like(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
@@ -36,21 +35,12 @@ def uninitialised_like(t: torch.Tensor, device: torch.device | str) -> torch.Ten
 
 
 def _first_nan(model: nn.Module) -> str | None:
-    """The first parameter, then buffer, of which this rank holds a NaN, named; a ragged
-    bucket by its members' names (read in place: converting buckets to their members would
-    hold a copy of every shard)."""
-    buckets = {id(r.ragged.bucket.param): r.ragged.bucket for m in model.modules()
-               if (state := sharded_state(m)) is not None
-               for r in state.params.values() if r.ragged is not None}
+    """The first parameter, then buffer, of which this rank holds a NaN, named (a ragged
+    bucket's member is read in place: its local tensor is a view of the bucket)."""
     for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
         local = t.to_local() if isinstance(t, DTensor) else t
         if (local.is_floating_point() or local.is_complex()) and bool(torch.isnan(local).any()):
-            bucket = buckets.get(id(t))
-            if bucket is None:
-                return repr(name)
-            first, last = bucket.fqns[0], bucket.fqns[-1]
-            return (f"the ragged bucket of {first!r}" if first == last
-                    else f"the ragged bucket of {first!r} to {last!r}")
+            return repr(name)
     return None
 
 

@@ -121,25 +121,17 @@ def _step(model, rank):
 
 
 def _member_grads(model) -> dict:
-    """Every parameter's full gradient by FQN, a ragged bucket's per member (its
-    ``.grad`` converted as ``state_dict()`` converts the bucket)."""
-    from simplesharded.ragged_shards import bucket_fqns
-
-    grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
-    for bucket, fqn in bucket_fqns(model):
-        grads.pop(fqn)
-        for member, g in zip(bucket.fqns, bucket.member_shards(bucket.param.grad)):
-            grads[member] = g.full_tensor()
-    return grads
+    """Every parameter's full gradient by FQN (a ragged bucket's members hold theirs)."""
+    return {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
 
 
 def _bucket_bytes(model) -> dict[str, int]:
     """Gathered bytes of each ragged bucket (fp32), by its unit: a block's FQN, or the root's
     "pre" and "post" (the parameters before the first block and after the last)."""
-    from simplesharded.ragged_shards import bucket_fqns
+    from simplesharded.ragged_shards import model_buckets
 
     return {bucket.name.split("/")[0]: bucket.layout.total * 4
-            for bucket, _ in bucket_fqns(model)}
+            for bucket in model_buckets(model)}
 
 
 def eager_job(rank, world):

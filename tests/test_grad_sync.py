@@ -108,8 +108,9 @@ def _toy_case(rank, world, mesh, backend, reduction, mp, tied):
 def _trainer_run(world, accumulation, sync):
     """STEPS steps of the trainer (eager) on llama3 debug: losses and the last step's gloo
     events."""
-    from simplesharded.trainer.config import load_config
+    from simplesharded.ragged_shards import model_buckets
     from simplesharded.trainer import Trainer, check_static
+    from simplesharded.trainer.config import load_config
 
     args = ["--training.seq_len", "32", "--training.global_batch_size", "8",
             "--training.steps", str(STEPS), "--training.val_every", "0",
@@ -118,7 +119,10 @@ def _trainer_run(world, accumulation, sync):
     cfg = check_static(load_config(os.path.join(ROOT, "configs", "llama3_debug.toml"), args),
                        world)
     trainer = Trainer(cfg, "cpu")
-    out = {"losses": [], "n_params": len(trainer.params)}
+    # one reduction per ragged bucket (the trainer's default storage), and per other parameter
+    buckets = list(model_buckets(trainer.model))
+    members = sum(len(b.fqns) for b in buckets)
+    out = {"losses": [], "reduced": len(trainer.params) - members + len(buckets)}
     for step in range(STEPS):
         if step == STEPS - 1:  # the profiler costs more than the eager step: one step
             out["events"] = _gloo_events(lambda: out["losses"].append(
@@ -177,14 +181,14 @@ def test_compiled_modes_are_separate_graphs_compiled_once():
 def test_trainer_last_microbatch_reduces_once_per_step():
     """llama3 debug, global batch 8 on 2 ranks, 5 steps: 4 micro-batches with last_microbatch
     give the losses of 1 micro-batch within 1e-5 relative, and a step (the last, profiled)
-    runs the same reductions: one per parameter plus the trainer's 2 scalar all-reduces (grad
-    norm, loss), where every_microbatch (the default) would run one per parameter per
-    micro-batch."""
+    runs the same reductions: one per ragged bucket or other parameter, plus the trainer's 2
+    scalar all-reduces (grad norm, loss), where every_microbatch (the default) would run
+    them once per micro-batch."""
     for rank, res in enumerate(_results()):
         runs = res["trainer"]
         ref, last = runs["acc1"], runs["acc4_last"]
         errs = [abs(a - b) / abs(b) for a, b in zip(last["losses"], ref["losses"])]
         assert len(errs) == STEPS and max(errs) <= 1e-5, (rank, last["losses"], ref["losses"])
-        n = ref["n_params"]
+        n = ref["reduced"]
         assert _reductions(ref["events"]) == n + 2, (rank, ref["events"])
         assert _reductions(last["events"]) == n + 2, (rank, last["events"])

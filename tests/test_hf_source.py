@@ -197,11 +197,11 @@ def _ragged_loaded(path: str, world: int) -> tuple[int, list[str]]:
     from transformers import AutoModelForCausalLM
 
     from simplesharded.models import hf_loading
-    from simplesharded.ragged_shards import bucket_fqns
+    from simplesharded.ragged_shards import model_buckets
 
     model = _sharded(path, world, storage="ragged")
     assert hf_loading.materialize(model) == "loaded"
-    buckets = len({id(b) for b, _ in bucket_fqns(model)})
+    buckets = len({id(b) for b in model_buckets(model)})
     ref = AutoModelForCausalLM.from_pretrained(path, local_files_only=True).state_dict()
     state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
              for k, v in model.state_dict().items()}
@@ -393,7 +393,7 @@ def test_init_from_config_is_world_size_independent(zoo, arch):
     want, got = _results(1, dirs)[0]["init"][arch], _results(2, dirs)[0]["init"][arch]
     assert sorted(got) == sorted(want)
     bad = [k for k in want if not torch.equal(got[k], want[k])]
-    assert not bad, bad
+    assert not bad, [(k, got[k].flatten()[:6], want[k].flatten()[:6]) for k in bad[:2]]
     # the model's own init ran (not torch.empty's leftovers): norms are ones, matrices random
     assert got["model.norm.weight" if arch != "gpt2" else "transformer.ln_f.weight"].eq(1).all()
     assert all(0 < v.std() < 1 for v in got.values() if v.dim() == 2), arch

@@ -130,7 +130,7 @@ def _case(mesh, schedule: str, backend: str, policy: str, microbatches: int = MI
     import simplesharded as ss
     from simplesharded.passes import agreement
     from simplesharded.pipelining import pipeline, pipeline_peers
-    from simplesharded.ragged_shards import bucket_fqns
+    from simplesharded.ragged_shards import model_buckets
 
     torch._dynamo.reset()
     dp, dp_rank = mesh.size(1), mesh.get_local_rank(1)
@@ -187,7 +187,7 @@ def _case(mesh, schedule: str, backend: str, policy: str, microbatches: int = MI
             # gather_once's buckets: the stage's parameters sharded alike (placements, dtype),
             # or its ragged buckets (one collective each)
             "buckets": [len({(p.placements, p.dtype) for p in s.root.parameters()})
-                        if storage != "ragged" else len(list(bucket_fqns(s.root)))
+                        if storage != "ragged" else len(list(model_buckets(s.root)))
                         for s in pipe.stages],
             "peers": (agreement._PEERS[0], tuple(pipeline_peers(mesh)))}
 

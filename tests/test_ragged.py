@@ -84,20 +84,26 @@ def test_bad_layouts_say_what_is_wrong(shapes, world, align, message):
 
 # ----------------------------------------------- data_parallel(storage="ragged"), fake world
 
-def test_ragged_model_lists_buckets_and_state_dict_lists_members():
+def test_ragged_model_lists_its_parameters_and_state_dict_converts_them():
     import toy_blocks
     from pass_utils import fake_world
 
     import simplesharded as ss
+    from simplesharded.ragged_member import RaggedMember
 
     with fake_world(2) as mesh:
         plain = ss.data_parallel(toy_blocks.make_model(), mesh)
         model = ss.data_parallel(toy_blocks.make_model(), mesh, storage="ragged")
-        buckets = [f"layers.{i}._ragged_float32" for i in range(toy_blocks.N_LAYERS)]
-        assert [n for n, _ in model.named_parameters()] == \
-            ["_ragged_float32_pre", "_ragged_float32_post"] + buckets
-        for _, p in model.named_parameters():
-            assert p.placements == (Shard(0),) and p.ndim == 1
+        # FSDP2's contract: the model's own parameters, by name, of their global shape
+        assert [(n, p.shape) for n, p in model.named_parameters()] == \
+            [(n, p.shape) for n, p in plain.named_parameters()]
+        ragged = [p for _, p in model.named_parameters()
+                  if isinstance(p, RaggedMember)]
+        assert len(ragged) >= 4 * toy_blocks.N_LAYERS  # every block weight is bucketed
+        for p in ragged:  # this rank's run of the flattened parameter: a 1-D view
+            sizes = p.runs
+            me = mesh.get_local_rank()
+            assert p.to_local().shape == (sizes[me],) and sum(sizes) == p.numel()
         # as without: the members by FQN, in the same order, Shard(0) DTensors of their shape
         assert [(k, v.placements, v.shape) for k, v in model.state_dict().items()] == \
             [(k, v.placements, v.shape) for k, v in plain.state_dict().items()]
@@ -114,8 +120,14 @@ def test_ragged_model_lists_buckets_and_state_dict_lists_members():
         bucket = record.ragged.bucket
         assert bucket is not sharded_state(model.layers[0].attention.wq).params["weight"] \
             .ragged.bucket
-        assert bucket.param is twin.layers[0]._ragged_float32
-        assert getattr(twin.layers[0], _ATTR).buckets == [bucket]
+        assert bucket.members[record.ragged.index] is twin.layers[0].attention.wq._parameters[
+            "weight"]
+        assert getattr(twin.layers[0], _ATTR).buckets[0] is bucket
+        # the twin's members are views of the twin's bucket
+        local = bucket.param.to_local()
+        start, stop = bucket.runs[record.ragged.index]
+        member = twin.layers[0].attention.wq._parameters["weight"].to_local()
+        assert member.numel() == 0 or member.data_ptr() == local[start:stop].data_ptr()
 
 
 def test_what_ragged_does_not_take_says_so():
@@ -173,7 +185,9 @@ def test_flat_buckets_is_storage_deprecated(old, new):
         want = ss.data_parallel(toy_blocks.make_model(), mesh, storage=new)
         assert [n for n, _ in model.named_parameters()] == \
             [n for n, _ in want.named_parameters()]
-        assert any("_ragged_" in n for n, _ in model.named_parameters()) is (new == "ragged")
+        ragged = [p for _, p in model.named_parameters()
+                  if type(p).__name__ == "RaggedMember"]
+        assert bool(ragged) is (new == "ragged")
         tokens, targets = toy_blocks.batch(0, 0)  # it trains as the storage= model does
         losses = []
         for m in (model, want):
@@ -199,8 +213,9 @@ def test_storage_and_flat_buckets_together_are_refused():
 def test_to_empty_keeps_the_buckets_forward_reads():
     """FSDP2's habit: model.to_empty(device) before the init. It gives every parameter new
     storage (nn.Module._apply swaps a DTensor parameter's contents, keeping the object); a
-    bucket reads its parameter at each gather, so the init and an optimizer built before
-    reach what forward reads: the same training as per-parameter shards without to_empty."""
+    bucket is rebuilt around its members' new storage (ragged_shards.keep_buckets_whole), so
+    the init and an optimizer built before reach what forward reads: the same training as
+    per-parameter shards without to_empty."""
     from dist_utils import world_of_one
 
     import simplesharded as ss
@@ -222,7 +237,9 @@ def test_to_empty_keeps_the_buckets_forward_reads():
                 return model, model(tokens)
 
         (ref, ref_out), (model, out) = trained("param", False), trained("ragged", True)
-        assert all("_ragged_" in n for n, _ in model.named_parameters())
+        # every parameter is a ragged member, and the names are the model's
+        assert all(type(p).__name__ == "RaggedMember" for _, p in model.named_parameters())
+        assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
         want = ref.state_dict()
         got = model.state_dict()
         assert list(got) == list(want)
@@ -320,7 +337,7 @@ def _hsdp(rank: int, world: int) -> dict:
 
     import simplesharded as ss
     from simplesharded.passes.collectives import count_collectives
-    from simplesharded.ragged_shards import optim_state_by_member
+    from simplesharded.ragged_shards import model_buckets, optim_state_by_member
 
     mesh = init_device_mesh("cpu", (2, 2))
     numel = 2 * world * toy_blocks.BATCH_PER_RANK * toy_blocks.SEQ
@@ -376,7 +393,8 @@ def _hsdp(rank: int, world: int) -> dict:
         out[(storage, backend)] = dict(
             losses=losses, full=full, backwards=backwards, unreduced=all(unreduced),
             placements=[(k, v.placements) for k, v in model.state_dict().items()],
-            buckets=[p.placements for p in model.parameters()])
+            buckets=[(type(p).__name__, p.placements) for p in model.parameters()],
+            n_buckets=len(list(model_buckets(model))))
     return out
 
 
@@ -433,7 +451,10 @@ def test_hsdp_and_no_sync_ragged_buckets_train_bitwise_as_without():
             plain, ragged = res[("param", backend)], res[("ragged", backend)]
             assert ragged["losses"] == plain["losses"], (rank, backend)
             assert ragged["placements"] == plain["placements"]
-            assert set(ragged["buckets"]) == {(Replicate(), Shard(0))}
+            # the parameters are the members: replicated over the replicas, a ragged run of
+            # the bucket's cut over the shard dim
+            assert {(kind, a, b) for kind, (a, b) in ragged["buckets"]} == \
+                {("RaggedMember", Replicate(), Shard(0))}
             assert sorted(ragged["full"]) == sorted(plain["full"])
             diff = [k for k, v in ragged["full"].items()
                     if not (torch.equal(v, plain["full"][k]) if torch.is_tensor(v)
@@ -446,7 +467,7 @@ def test_hsdp_and_no_sync_ragged_buckets_train_bitwise_as_without():
         # the step graph's traced backward writes each gradient into its bucket's
         # reduce-scatter input (passes/grads_in_place.py): no cat left
         assert ragged["cats"] and set(ragged["cats"]) == {0}, (rank, ragged["cats"])
-        buckets = len(res[("ragged", "eager")]["buckets"])
+        buckets = res[("ragged", "eager")]["n_buckets"]
         # compiled once each: the no-sync backward (it may re-gather, it reduces nothing),
         # the sync one
         no_sync, sync = res[("ragged", "aot_eager_blockbucketing")]["backwards"]

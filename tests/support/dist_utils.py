@@ -217,28 +217,28 @@ def storage_and_backend(case: str) -> tuple[str, str]:
 
 def ragged_buckets(model) -> dict[str, int]:
     """Ragged bucket name → how many parameters it holds (storage="ragged")."""
-    from simplesharded.ragged_shards import bucket_fqns
+    from simplesharded.ragged_shards import model_buckets
 
-    return {bucket.name: len(bucket.fqns) for bucket, _ in bucket_fqns(model)}
+    return {bucket.name: len(bucket.fqns) for bucket in model_buckets(model)}
 
 
 def by_member(model, grads: bool = False) -> dict:
     """Each parameter (or its gradient) by FQN as a full tensor, ragged buckets' members
-    converted from their bucket (a collective: every rank calls it)."""
+    through their per-parameter shards (a collective: every rank calls it)."""
     from torch.distributed.tensor import DTensor
 
-    from simplesharded.ragged_shards import bucket_fqns
+    from simplesharded.ragged_shards import model_buckets
 
     def full(t):
         return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
-    buckets = list(bucket_fqns(model))
-    names = {fqn for _, fqn in buckets}
+    buckets = list(model_buckets(model))
+    members = {fqn for b in buckets for fqn in b.fqns}
     out = {n: full(p.grad if grads else p) for n, p in model.named_parameters()
-           if n not in names}
-    for bucket, _ in buckets:
-        values = bucket.member_shards(bucket.param.grad if grads else None)
-        out.update({fqn: full(v) for fqn, v in zip(bucket.fqns, values)})
+           if n not in members}
+    for b in buckets:
+        values = b.shards_of_runs([m.grad for m in b.members]) if grads else b.member_shards()
+        out.update({fqn: full(v) for fqn, v in zip(b.fqns, values)})
     return out
 
 

@@ -1,0 +1,187 @@
+"""A parameter of a ragged bucket as users see it: :class:`RaggedMember`.
+
+A parameter in a ragged bucket (simplesharded/ragged.py) is, on each rank of the mesh dim the
+bucket is cut over, a contiguous run of its flattened elements, of any length (possibly
+none). What ``named_parameters()`` and the optimizer hold is a ``RaggedMember``: a DTensor
+with the parameter's global shape and the placements it has on per-parameter storage
+(``Shard(0)`` on the cut dim), whose local tensor is this rank's run, a 1-D view of the
+bucket's local range. The runs' lengths live on the tensor, not in a placement: DTensor's
+dispatch caches sharding decisions by placement, so a placement that carried them would
+hand one tensor's runs to another of the same shape. DTensor computes on the local tensors
+as for ``Shard(0)``, which is right for what optimizers and ``clip_grad_norm_`` do:
+
+- elementwise ops (every torch optimizer's update, ``zeros_like`` for its state) run on the
+  local runs; a result laid out as a member (same global shape, placements and local size)
+  is a ``RaggedMember`` of the same runs, so optimizer state is one too;
+- reductions (``vector_norm``, ``sum``) are partial per rank and reduced over the mesh, as
+  for ``Shard(0)``: a sum of the runs' partial results, whatever their lengths;
+- ``full_tensor()`` and ``redistribute`` to ``Replicate()`` gather the runs in rank order;
+  any other redistribution raises one line (on every rank alike);
+- DCP saves and loads it as up to ``2·ndim - 1`` boxes of the global tensor per rank (a run
+  of row-major elements), so optimizer state checkpoints load at any world size or storage.
+
+An op that makes DTensor move a member's data itself (a matmul of a member with a replicated
+tensor, say) would treat the run as a ``Shard(0)`` chunk: gather with ``full_tensor()``
+first.
+
+Invariant: a member's runs are the bucket layout's, a function of global shapes and the world
+size, so every rank holds the same runs.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.utils._pytree import tree_map
+
+REFUSAL = ("a parameter in a ragged bucket holds a ragged run of its elements: it gathers "
+           "with full_tensor() or redistribute(placements=[Replicate()]) only; "
+           "state_dict() gives it as a per-parameter Shard(0) DTensor")
+
+
+class RaggedMember(DTensor):
+    """A DTensor whose local tensor is this rank's run of the flattened tensor (of what the
+    cut dim's gather rebuilds: the whole tensor, or its TP shard); rank r of mesh dim ``cut``
+    holds ``runs[r]`` elements, in rank order."""
+
+    runs: tuple[int, ...]
+    cut: int
+
+    @staticmethod
+    def make(local: torch.Tensor, spec, runs: Sequence[int], cut: int,
+             requires_grad: bool = False) -> "RaggedMember":
+        out = DTensor.__new__(RaggedMember, local, spec, requires_grad=requires_grad)
+        out.runs, out.cut = tuple(runs), cut
+        return out
+
+    def as_dtensor(self) -> DTensor:
+        """The same local run and spec as a plain DTensor (what DTensor computes on)."""
+        return DTensor(self._local_tensor, self._spec, requires_grad=False)
+
+    def __repr__(self) -> str:
+        return (f"RaggedMember(local_tensor={self._local_tensor}, device_mesh="
+                f"{self._spec.mesh}, placements={self._spec.placements}, runs={self.runs})")
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        seen: list[tuple[RaggedMember, DTensor]] = []
+
+        def unwrap(t):
+            if isinstance(t, RaggedMember):
+                base = t.as_dtensor()
+                seen.append((t, base))
+                return base
+            return t
+
+        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+
+        def rewrap(o):
+            if type(o) is not DTensor:
+                return o
+            for member, base in seen:
+                if o is base:  # an in-place or out= op returns its argument
+                    return member
+            for member, base in seen:
+                if (o.shape == base.shape and o._spec.placements == base._spec.placements
+                        and o._local_tensor.numel() == base._local_tensor.numel()):
+                    return RaggedMember.make(o._local_tensor, o._spec, member.runs, member.cut)
+            return o
+
+        return tree_map(rewrap, out)
+
+    def _gathered(self) -> DTensor:
+        """Every rank's run laid end to end (one all-gather of the longest run's length on
+        every rank), as the DTensor the cut dim's gather rebuilds: ``Replicate()`` there."""
+        mesh, cut = self._spec.mesh, self.cut
+        longest = max(self.runs)
+        run = self._local_tensor.reshape(-1)
+        run = torch.nn.functional.pad(run, (0, longest - run.numel()))
+        gathered = funcol.all_gather_single(run, gather_dim=0, group=(mesh, cut))
+        gathered = funcol.wait_tensor(gathered)
+        pieces = [gathered[r * longest:r * longest + n] for r, n in enumerate(self.runs)]
+        placements = list(self._spec.placements)
+        placements[cut] = Replicate()
+        shape, _ = compute_local_shape_and_global_offset(self.shape, mesh, placements)
+        return DTensor.from_local(torch.cat(pieces).view(shape), mesh, placements,
+                                  run_check=False, shape=self.shape, stride=self.stride())
+
+    def redistribute(self, device_mesh=None, placements=None, *, async_op=False, **kwargs):
+        mesh = device_mesh or self.device_mesh
+        if (mesh != self.device_mesh or placements is None
+                or not all(p.is_replicate() for p in placements)):
+            raise ValueError(REFUSAL)
+        return self._gathered().redistribute(mesh, placements, async_op=async_op, **kwargs)
+
+    def full_tensor(self, *, grad_placements=None) -> torch.Tensor:
+        return self._gathered().full_tensor(grad_placements=grad_placements)
+
+    # DCP: a run as boxes of the global tensor.
+    def _boxes(self) -> list[tuple[tuple[int, ...], tuple[int, ...], int, int]]:
+        """This rank's run as (global offsets, sizes, start, stop) boxes: ``start:stop`` of
+        the local run fills the box, row-major."""
+        mesh, cut = self._spec.mesh, self.cut
+        placements = list(self._spec.placements)
+        placements[cut] = Replicate()
+        shape, offset = compute_local_shape_and_global_offset(self.shape, mesh, placements)
+        me = mesh.get_local_rank(cut)
+        first = sum(self.runs[:me])
+        return [(tuple(o + b for o, b in zip(offset, box_offset)), sizes, start - first,
+                 stop - first)
+                for box_offset, sizes, start, stop in _row_major_boxes(
+                    tuple(shape), first, first + self.runs[me])]
+
+    def __create_write_items__(self, fqn: str, object):
+        from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata,
+                                                           MetadataIndex, TensorProperties)
+        from torch.distributed.checkpoint.planner import (TensorWriteData, WriteItem,
+                                                          WriteItemType)
+        props = TensorProperties.create_from_tensor(self._local_tensor)
+        return [WriteItem(index=MetadataIndex(fqn, torch.Size(offsets)),
+                          type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(
+                              chunk=ChunkStorageMetadata(offsets=torch.Size(offsets),
+                                                         sizes=torch.Size(sizes)),
+                              properties=props, size=self.size()))
+                for offsets, sizes, _, _ in self._boxes()]
+
+    def __create_chunk_list__(self):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+        return [ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+                for offsets, sizes, _, _ in self._boxes()]
+
+    def __get_tensor_shard__(self, index):
+        for offsets, sizes, start, stop in self._boxes():
+            if index.offset is None or torch.Size(offsets) == index.offset:
+                return self._local_tensor.reshape(-1)[start:stop].view(sizes)
+        raise ValueError(f"{index.fqn}: no box of this rank's run at {index.offset}")
+
+
+def _row_major_boxes(shape: tuple[int, ...], start: int, stop: int):
+    """Elements ``start:stop`` of a row-major tensor of ``shape`` as boxes: (offsets, sizes,
+    start, stop), at most ``2·len(shape) - 1`` of them, in element order."""
+    if start >= stop:
+        return []
+    if len(shape) <= 1:
+        return [((start,), (stop - start,), start, stop)]
+    row = math.prod(shape[1:])
+    first, last = start // row, (stop - 1) // row
+    boxes = []
+
+    def within(r: int, lo: int, hi: int):
+        for offs, sizes, s, e in _row_major_boxes(shape[1:], lo - r * row, hi - r * row):
+            boxes.append(((r,) + offs, (1,) + sizes, s + r * row, e + r * row))
+
+    if start % row or first == last:
+        within(first, start, min(stop, (first + 1) * row))
+        first += 1
+    full_stop = last if stop % row else last + 1
+    if full_stop > first:
+        boxes.append(((first,) + (0,) * (len(shape) - 1), (full_stop - first,) + shape[1:],
+                      first * row, full_stop * row))
+    if stop % row and last >= first:
+        within(last, last * row, stop)
+    return boxes

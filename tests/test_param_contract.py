@@ -1,0 +1,142 @@
+"""FSDP2's per-parameter contract under ragged buckets (simplesharded/ragged_shards.py).
+
+Whatever the storage, ``named_parameters()`` lists the model's own parameters under their own
+names and global shapes, and each is a parameter the optimizer steps: under ragged buckets a
+DTensor whose local tensor is this rank's run of the parameter, a view of its bucket
+(simplesharded/ragged_member.py). One spawn of 2 gloo ranks, the toy model (2 blocks):
+
+- the names and shapes are the unwrapped model's;
+- AdamW with two parameter groups chosen by name (no weight decay on norms and biases) trains
+  10 steps bitwise as on per-parameter storage, eager and under ``aot_eager_autobucketing``
+  (losses, and every parameter through ``state_dict()`` and ``full_tensor()``);
+- a member frozen after wrapping keeps its value and gets no gradient, and the rest trains
+  as per-parameter storage with the same parameter frozen;
+- torch's ``clip_grad_norm_`` on the members gives the global norm (as on per-parameter
+  storage, to rounding: the ranks' partial sums are over other ranges);
+- the optimizer's state, saved with DCP through torch's ``get_optimizer_state_dict`` (a
+  member's state is laid out as the member), loads into the other storage's optimizer, each
+  way, equal by name.
+"""
+from __future__ import annotations
+
+import torch
+
+from dist_utils import spawn
+
+STEPS = 10
+FROZEN = "layers.0.attention.wk.weight"
+
+
+def _groups(model):
+    named = list(model.named_parameters())
+    no_decay = [p for n, p in named if "norm" in n or "bias" in n]
+    decay = [p for n, p in named if not ("norm" in n or "bias" in n)]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+_KEPT: dict = {}  # storage -> (model, optimizer) of the eager run without freezing
+
+
+def _train(rank: int, world: int, storage: str, backend: str, freeze: bool) -> dict:
+    import toy_blocks
+
+    import simplesharded as ss
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,))
+    raw_names = [(n, p.shape) for n, p in toy_blocks.make_model(n_layers=2).named_parameters()]
+    torch.manual_seed(0)
+    model = ss.data_parallel(toy_blocks.make_model(n_layers=2), mesh, storage=storage)
+    names = [(n, p.shape) for n, p in model.named_parameters()]
+    params = dict(model.named_parameters())
+    if freeze:
+        params[FROZEN].requires_grad_(False)
+    frozen_before = params[FROZEN].full_tensor()
+    opt = torch.optim.AdamW(_groups(model), lr=1e-2)
+    run = model if backend == "eager" else torch.compile(
+        model, fullgraph=True, backend=ss.make_backend(backend))
+    numel = world * toy_blocks.BATCH_PER_RANK * toy_blocks.SEQ
+    losses, norms = [], []
+    for step in range(STEPS):
+        tokens, targets = toy_blocks.batch(rank, step)
+        loss = toy_blocks.loss_fn(run(tokens), targets, numel)
+        loss.backward()
+        losses.append(loss.item())
+        if step == 0:
+            frozen_grad = params[FROZEN].grad
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+            norms.append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item())
+        opt.step()
+        opt.zero_grad()
+    if backend == "eager" and not freeze:
+        _KEPT[storage] = model, opt
+    return dict(raw_names=raw_names, names=names, losses=losses, norms=norms,
+                frozen_grad_none=frozen_grad is None,
+                frozen_kept=torch.equal(frozen_before, params[FROZEN].full_tensor()),
+                full={k: v.full_tensor() for k, v in model.state_dict().items()},
+                members={n: p.full_tensor() for n, p in model.named_parameters()},
+                kinds=[type(p).__name__ for _, p in model.named_parameters()])
+
+
+def _ranks(rank: int, world: int) -> dict:
+    out = {}
+    for backend in ("eager", "aot_eager_autobucketing"):
+        for storage in ("param", "ragged"):
+            out[(storage, backend, False)] = _train(rank, world, storage, backend, False)
+    for storage in ("param", "ragged"):
+        out[(storage, "eager", True)] = _train(rank, world, storage, "eager", True)
+    out["optim_dcp"] = [_optim_state_through_dcp(src, dst)
+                        for src, dst in (("ragged", "param"), ("param", "ragged"))]
+    return out
+
+
+def _optim_state_through_dcp(src: str, dst: str) -> bool:
+    """``src``'s optimizer state saved with DCP, loaded into ``dst``'s (zeroed first):
+    equal, state by state, by name."""
+    import tempfile
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+
+    path = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path)
+    (src_model, src_opt), (dst_model, dst_opt) = _KEPT[src], _KEPT[dst]
+    dcp.save({"optim": get_optimizer_state_dict(src_model, src_opt)}, checkpoint_id=path[0])
+    for state in dst_opt.state.values():
+        for v in state.values():
+            v.zero_()
+    loaded = {"optim": get_optimizer_state_dict(dst_model, dst_opt)}
+    dcp.load(loaded, checkpoint_id=path[0])
+    set_optimizer_state_dict(dst_model, dst_opt, loaded["optim"])
+    names = {id(p): n for n, p in dst_model.named_parameters()}
+    want = {n: src_opt.state[p] for n, p in src_model.named_parameters()}
+    return all(torch.equal(_full(v), _full(want[names[id(p)]][k]))
+               for p, state in dst_opt.state.items() for k, v in state.items())
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def test_ragged_buckets_keep_the_per_parameter_contract():
+    for rank, res in enumerate(spawn(2, _ranks)):
+        for key in [("eager", False), ("aot_eager_autobucketing", False), ("eager", True)]:
+            plain, ragged = res[("param", *key)], res[("ragged", *key)]
+            assert set(ragged["kinds"]) == {"RaggedMember"}, key  # the storage was taken
+            assert ragged["names"] == plain["names"] == ragged["raw_names"], key
+            assert ragged["losses"] == plain["losses"], (rank, key)
+            for k, v in plain["full"].items():
+                assert torch.equal(ragged["full"][k], v), (rank, key, k)
+            # a member's full_tensor() is the parameter
+            for k, v in plain["members"].items():
+                assert torch.equal(ragged["members"][k], v), (rank, key, k)
+            assert abs(ragged["norms"][0] - plain["norms"][0]) <= 1e-6 * plain["norms"][0]
+            if key[1]:
+                assert ragged["frozen_grad_none"] and ragged["frozen_kept"], (rank, key)
+                assert plain["frozen_grad_none"] and plain["frozen_kept"], (rank, key)
+        assert res["optim_dcp"] == [True, True], rank
+        # freezing changed the training (the test would not see a frozen member trained)
+        assert res[("ragged", "eager", True)]["losses"] != res[("ragged", "eager", False)]["losses"]

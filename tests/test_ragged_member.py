@@ -1,0 +1,67 @@
+"""A ragged bucket's member as a DTensor (simplesharded/ragged_member.py), in one process on a
+fake group of 2 (this process is rank 0).
+
+- DTensor's dispatch caches sharding decisions by placement: a member's runs live on the
+  tensor, so neither a per-parameter ``Shard(0)`` shard nor another member of the same shape
+  is handed a member's runs by an op seen before (the bug a ``Shard(0)`` subclass carrying
+  the runs had);
+- results laid out as a member (``detach``, ``zeros_like``, elementwise ops) keep its runs;
+  in-place ops return the member itself; reductions are plain DTensors;
+- a redistribution other than to ``Replicate()`` is refused in one line;
+- a run is cut into the boxes DCP writes, row-major and at most ``2·ndim - 1`` of them.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from pass_utils import fake_world
+
+from simplesharded.ragged_member import RaggedMember, _row_major_boxes
+
+
+def _spec(mesh, shape):
+    meta = TensorMeta(torch.Size(shape), torch.empty(shape).stride(), torch.float32)
+    return DTensorSpec(mesh, (Shard(0),), tensor_meta=meta)
+
+
+def test_members_keep_their_own_runs_through_dispatch():
+    with fake_world(2) as mesh:
+        a = RaggedMember.make(torch.ones(9), _spec(mesh, (3, 5)), (9, 6), 0)
+        b = RaggedMember.make(torch.ones(2), _spec(mesh, (3, 5)), (2, 13), 0)
+        plain = DTensor(torch.ones(2, 5), _spec(mesh, (3, 5)), requires_grad=False)
+        for op in (torch.Tensor.detach, torch.zeros_like, lambda t: t * 2,
+                   lambda t: t.to(torch.float64)):
+            got_a, got_b, got_plain = op(a), op(b), op(plain)
+            assert type(got_a) is RaggedMember and got_a.runs == (9, 6)
+            assert type(got_b) is RaggedMember and got_b.runs == (2, 13)
+            assert type(got_plain) is DTensor and got_plain.placements == (Shard(0),)
+            assert got_a.to_local().shape == (9,) and got_plain.to_local().shape == (2, 5)
+        assert a.add_(1) is a and torch.equal(a.to_local(), torch.full((9,), 2.0))
+        total = a.sum()
+        assert type(total) is DTensor and total.placements[0].is_partial()
+        p = torch.nn.Parameter(a)
+        assert type(p) is RaggedMember and p.runs == (9, 6) and p.requires_grad
+        with pytest.raises(ValueError, match="ragged run"):
+            a.redistribute(mesh, [Shard(1)])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(1, 5), min_size=1, max_size=4), st.data())
+def test_a_run_is_cut_into_row_major_boxes(shape, data):
+    n = torch.Size(shape).numel()
+    start = data.draw(st.integers(0, n))
+    stop = data.draw(st.integers(start, n))
+    values = torch.arange(n).view(shape)
+    boxes = _row_major_boxes(tuple(shape), start, stop)
+    assert len(boxes) <= 2 * len(shape) - 1
+    seen = []
+    for offsets, sizes, lo, hi in boxes:
+        box = values[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
+        assert torch.equal(box.reshape(-1), torch.arange(lo, hi))
+        seen.append((lo, hi))
+    assert [x for lo, hi in seen for x in range(lo, hi)] == list(range(start, stop))
