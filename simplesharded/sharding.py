@@ -138,7 +138,7 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
         raise ValueError(f"reshard_after_forward={reshard_after_forward!r} is not one of "
                          f"{list(RESHARD_CHOICES)}")
     storage = chosen_storage(storage, flat_buckets)
-    check_storage(storage, mode, dp.ndim, mesh.mesh_dim_names or mesh.ndim)
+    check_storage(storage, mode, dp.ndim, mesh)
     if grad_reduction not in GRAD_REDUCTIONS:
         raise ValueError(f"grad_reduction={grad_reduction!r} is not one of {sorted(GRAD_REDUCTIONS)}")
     if any(sharded_state(m) is not None for m in model.modules()):

@@ -34,15 +34,16 @@ def modes_taken(storage: str) -> tuple[str, ...]:
     return _STORAGES[storage][0]
 
 
-def check_storage(storage: str, mode: str, dp_dims: int, mesh_dims) -> None:
+def check_storage(storage: str, mode: str, dp_dims: int, mesh) -> None:
     """One line naming what ``storage`` does not take: ``mode``, or ``fully_shard`` over more
-    data-parallel dims than it takes (``mesh_dims``: the mesh's dim names, or their count)."""
+    data-parallel dims than it takes (on ``mesh``, named by its dim names or count)."""
     modes, fully_shard_dims, _ = _STORAGES[storage]
     if mode not in modes or (mode == "fully_shard" and fully_shard_dims is not None
                              and dp_dims != fully_shard_dims):
         raise ValueError(f"storage={storage!r} takes mode='fully_shard' on one or "
                          f"'hybrid_shard' on two data-parallel mesh dims; got mode={mode!r} "
-                         f"on mesh dims {mesh_dims}: use storage='param'")
+                         f"on mesh dims {mesh.mesh_dim_names or mesh.ndim}: use "
+                         f"storage='param'")
 
 
 def pack(storage: str, model, shards: dict, scope) -> None:
