@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from simplesharded.sharded_state import ShardedParam, sharded_state
+from simplesharded.sharded_state import ShardedParam, root_state
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -44,10 +44,7 @@ def reduce_accumulated(model: nn.Module) -> int:
     """Reduce every accumulated gradient of ``model`` (a root returned by ``data_parallel``, or
     its ``torch.compile`` wrapper) onto its shard's ``.grad`` and clear the accumulators.
     Returns how many collectives it issued (for tests and logs)."""
-    model = getattr(model, "_orig_mod", model)
-    state = sharded_state(model)
-    if state is None or not state.root:
-        raise ValueError(f"{type(model).__name__} is not a model returned by data_parallel")
+    model, state = root_state(model)
     sync = state.grad_sync
     groups: dict[tuple, list] = defaultdict(list)
     seen: set[str] = set()

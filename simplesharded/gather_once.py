@@ -34,23 +34,16 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from simplesharded.deferred_reduce import _dp_view, _kind
-from simplesharded.sharded_state import sharded_state
+from simplesharded.sharded_state import root_state
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def _sync_of(model: nn.Module):
-    model = getattr(model, "_orig_mod", model)
-    state = sharded_state(model)
-    if state is None or not state.root:
-        raise ValueError(f"{type(model).__name__} is not a model returned by data_parallel")
-    return model, state.grad_sync
 
 
 def gather_held(model: nn.Module) -> int:
     """Gather every sharded parameter of ``model`` (a ``data_parallel`` root or its compiled
     wrapper) into its held tensors (module doc). Returns how many collectives it issued."""
-    model, sync = _sync_of(model)
+    model, state = root_state(model)
+    sync = state.grad_sync
     issued = 0
     for bucket in sync.ragged_buckets(model):  # its gathered buffer, held whole
         if bucket.name not in sync.held:
@@ -80,7 +73,7 @@ def gather_held(model: nn.Module) -> int:
 
 def release_held(model: nn.Module) -> None:
     """Drop ``model``'s held tensors: its forwards gather again."""
-    _sync_of(model)[1].held.clear()
+    root_state(model)[1].grad_sync.held.clear()
 
 
 def _dp_tensor(mesh, placements, shard: DTensor, param) -> DTensor:

@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from simplesharded.ragged_shards import model_buckets
-from simplesharded.sharded_state import sharded_params, sharded_state
+from simplesharded.sharded_state import root_state, sharded_params
 
 
 class _DeferGrad(torch.autograd.Function):
@@ -153,15 +153,6 @@ class _GradSync:
             leaf.grad = None
 
 
-def _grad_sync_of(model: nn.Module) -> _GradSync:
-    model = getattr(model, "_orig_mod", model)  # a torch.compile'd model: its module
-    state = sharded_state(model)
-    if state is None or not state.root:
-        raise ValueError(f"{type(model).__name__} is not a model returned by data_parallel "
-                         f"(pass the root model you wrapped)")
-    return state.grad_sync
-
-
 def set_requires_gradient_sync(model: nn.Module, requires_sync: bool) -> None:
     """Whether the backwards of the next forwards of ``model`` (the root returned by
     :func:`data_parallel`, or its ``torch.compile`` wrapper) reduce gradients over the
@@ -174,9 +165,10 @@ def set_requires_gradient_sync(model: nn.Module, requires_sync: bool) -> None:
     the last no-sync backward. Memory: while off, every rank holds the whole model's
     gradients unsharded (see simplesharded/grad_sync.py). All ranks must make the same calls.
     """
-    state = _grad_sync_of(model)
+    model, root = root_state(model)
+    state = root.grad_sync
     if not requires_sync:
-        state.make_accumulators(getattr(model, "_orig_mod", model))
+        state.make_accumulators(model)
     elif not state.sync:
         state.take_accumulated()
     state.sync = bool(requires_sync)
@@ -187,7 +179,7 @@ def no_gradient_sync(model: nn.Module) -> Iterator[nn.Module]:
     """``set_requires_gradient_sync(model, False)`` for the forwards (and their backwards)
     inside; the previous setting afterwards. Like DDP's ``no_sync``: run the micro-batches
     before the last one inside, the last one outside."""
-    previous = _grad_sync_of(model).sync
+    previous = root_state(model)[1].grad_sync.sync
     set_requires_gradient_sync(model, False)
     try:
         yield model

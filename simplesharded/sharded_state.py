@@ -184,6 +184,17 @@ def sharded_state(module: nn.Module) -> ShardedModuleState | None:
     return getattr(module, _ATTR, None)
 
 
+def root_state(model: nn.Module) -> tuple[nn.Module, ShardedModuleState]:
+    """``model`` (a root ``data_parallel`` returned, or its ``torch.compile`` wrapper) as the
+    wrapped module, with its state; a ValueError for any other module."""
+    model = getattr(model, "_orig_mod", model)  # a torch.compile'd model: its module
+    state = sharded_state(model)
+    if state is None or not state.root:
+        raise ValueError(f"{type(model).__name__} is not a model returned by data_parallel "
+                         f"(pass the root model you wrapped)")
+    return model, state
+
+
 def attach_sharded_state(module: nn.Module, state: ShardedModuleState) -> None:
     setattr(module, _ATTR, state)
 
