@@ -53,7 +53,7 @@ def reduce_accumulated(model: nn.Module) -> int:
         if param.fqn in seen or leaf is None or leaf.grad is None:
             continue
         seen.add(param.fqn)
-        mesh, placements = _dp_view(shard, param)
+        mesh, placements = param.dp_view(shard)[:2]
         rdt = param.spec.reduce_dtype or param.spec.param_dtype or leaf.grad.dtype
         kind = _kind(placements)
         groups[(id(mesh), kind, rdt)].append((mesh, placements, shard, param, leaf))
@@ -72,15 +72,6 @@ def reduce_accumulated(model: nn.Module) -> int:
         for *_, leaf in members:
             leaf.grad = None
     return issued
-
-
-def _dp_view(shard: DTensor, param: ShardedParam):
-    """The dp mesh the gradient is reduced over and the parameter's placements on it (what
-    gather.gather_param gathers over)."""
-    mesh = param.spec.dp_mesh or shard.device_mesh
-    mp = param.mp_layout
-    placements = mp.dp_placements if mp is not None else tuple(shard.placements[:mesh.ndim])
-    return mesh, placements
 
 
 def _kind(placements: tuple) -> tuple | None:

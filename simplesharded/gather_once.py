@@ -31,9 +31,9 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import Replicate
 
-from simplesharded.deferred_reduce import _dp_view, _kind
+from simplesharded.deferred_reduce import _kind
 from simplesharded.sharded_state import root_state
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -54,7 +54,7 @@ def gather_held(model: nn.Module) -> int:
         if param.fqn in sync.held:
             continue
         sync.held[param.fqn] = None  # claimed: a tied parameter is gathered once
-        mesh, placements = _dp_view(shard, param)
+        mesh, placements = param.dp_view(shard)[:2]
         dtype = param.spec.param_dtype or shard.dtype
         buckets[(id(mesh), _kind(placements), dtype)].append((mesh, placements, shard, param))
     with torch.no_grad():
@@ -63,7 +63,7 @@ def gather_held(model: nn.Module) -> int:
                 issued += _gather_flat(members, kind[1], dtype, sync.held)
                 continue
             for mesh, placements, shard, param in members:
-                full = _dp_tensor(mesh, placements, shard, param).to(dtype)
+                full = param.dp_view(shard).wrap(shard.to_local()).to(dtype)
                 if kind is None:
                     issued += sum(not isinstance(p, Replicate) for p in placements)
                     full = full.redistribute(mesh, (Replicate(),) * mesh.ndim)
@@ -76,23 +76,13 @@ def release_held(model: nn.Module) -> None:
     root_state(model)[1].grad_sync.held.clear()
 
 
-def _dp_tensor(mesh, placements, shard: DTensor, param) -> DTensor:
-    """The shard as a DTensor on its dp dims only (as gather.gather_param reads it)."""
-    mp = param.mp_layout
-    shape, stride = (mp.local_shape, mp.local_stride) if mp is not None else \
-        (shard.shape, shard.stride())
-    return DTensor.from_local(shard.to_local(), mesh, placements, run_check=False,
-                              shape=shape, stride=stride)
-
-
 def _gather_flat(members: list, dim: int, dtype: torch.dtype, held: dict) -> int:
     mesh = members[0][0]
     group = mesh.get_group(mesh.ndim - 1)
     width = mesh.size(mesh.ndim - 1)
     pieces, layout = [], []
     for _, _, shard, param in members:
-        mp = param.mp_layout
-        shape = tuple(mp.local_shape if mp is not None else shard.shape)
+        shape = tuple(param.dp_view(shard).shape)
         n = shape[dim]
         chunk = -(-n // width)  # DTensor's Shard: torch.chunk's sizes, padded to the largest
         local = shard.to_local().to(dtype)

@@ -134,8 +134,7 @@ class _GradSync:
         for param, shard in self.sharded_params(model):
             if param.fqn in self.acc or not shard.requires_grad:
                 continue
-            mp = param.mp_layout
-            shape = mp.local_shape if mp is not None else shard.shape
+            shape = param.dp_view(shard).shape
             zero = torch.zeros((), dtype=shard.dtype, device=shard.device)
             self.acc[param.fqn] = zero.expand(shape).requires_grad_()
         for bucket in self.ragged_buckets(model):  # one leaf per gathered buffer
