@@ -35,6 +35,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from simplesharded.ragged import collective_on_concat
 from simplesharded.sharded_state import ShardedParam, root_state
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -114,15 +115,16 @@ def _reduce_one(mesh, placements, shard, param, grad, rdt) -> int:
 def _reduce_flat(members: list, kind: tuple, rdt: torch.dtype) -> int:
     mesh = members[0][0]
     if kind[0] == "replicate":
-        flat = torch.cat([_prepared(p, leaf.grad, rdt).reshape(-1)
-                          for _, _, _, p, leaf in members])
-        for i in range(mesh.ndim):
-            dist.all_reduce(flat, group=mesh.get_group(i))
-        offset = 0
-        for _, _, shard, param, leaf in members:
-            n = leaf.grad.numel()
-            _land(shard, param, flat[offset:offset + n].view(leaf.grad.shape))
-            offset += n
+        def all_reduce(flat):
+            for i in range(mesh.ndim):
+                dist.all_reduce(flat, group=mesh.get_group(i))
+            return flat
+
+        reduced = collective_on_concat((_prepared(p, leaf.grad, rdt).reshape(-1)
+                                        for _, _, _, p, leaf in members),
+                                       all_reduce, [leaf.grad.numel() for *_, leaf in members])
+        for (_, _, shard, param, leaf), part in zip(members, reduced):
+            _land(shard, param, part.view(leaf.grad.shape))
         return mesh.ndim
     dim, width = kind[1], mesh.size(mesh.ndim - 1)
     group = mesh.get_group(mesh.ndim - 1)
@@ -138,24 +140,23 @@ def _reduce_flat(members: list, kind: tuple, rdt: torch.dtype) -> int:
         piece = g.unflatten(dim, (width, chunk)).movedim(dim, 0)
         pieces.append((piece.shape[1:], n, chunk))
         rows.append(piece.reshape(width, -1))
-    flat = torch.cat(rows, dim=1)
-    if dist.get_backend(group) == "gloo":
-        received = torch.empty_like(flat)
-        dist.all_to_all_single(received, flat, group=group)  # row r: rank r's part of mine
-        out = received.sum(0)
-    else:
-        out = flat.new_empty(flat.shape[1])
-        _reduce_scatter(out, flat.reshape(-1), group=group)
-    issued = 1
-    for i in range(mesh.ndim - 1):  # HSDP: the replicas' all-reduce at shard size
-        dist.all_reduce(out, group=mesh.get_group(i))
-        issued += 1
+
+    def reduce_scatter(flat):  # [width, K] → this rank's row of the sum over ranks, [K]
+        if dist.get_backend(group) == "gloo":
+            received = torch.empty_like(flat)
+            dist.all_to_all_single(received, flat, group=group)  # row r: rank r's part of mine
+            out = received.sum(0)
+        else:
+            out = flat.new_empty(flat.shape[1])
+            _reduce_scatter(out, flat.reshape(-1), group=group)
+        for i in range(mesh.ndim - 1):  # HSDP: the replicas' all-reduce at shard size
+            dist.all_reduce(out, group=mesh.get_group(i))
+        return out
+
+    reduced = collective_on_concat(rows, reduce_scatter, [r.shape[1] for r in rows])
     rank = mesh.get_local_rank(mesh.ndim - 1)
-    offset = 0
-    for (_, _, shard, param, _), (shape, n, chunk) in zip(members, pieces):
-        size = shape.numel()
-        local = out[offset:offset + size].view(shape)  # rank's chunk, on tensor dim ``dim``
-        offset += size
+    for (_, _, shard, param, _), (shape, n, chunk), part in zip(members, pieces, reduced):
+        local = part.view(shape)  # rank's chunk, on tensor dim ``dim``
         keep = max(0, min(chunk, n - rank * chunk))
         _land(shard, param, local.narrow(dim, 0, keep))
-    return issued
+    return mesh.ndim  # the reduce-scatter, and an all-reduce per replicate dim

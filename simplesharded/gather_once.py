@@ -34,6 +34,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate
 
 from simplesharded.deferred_reduce import _kind
+from simplesharded.ragged import collective_on_concat
 from simplesharded.sharded_state import root_state
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -92,14 +93,14 @@ def _gather_flat(members: list, dim: int, dtype: torch.dtype, held: dict) -> int
             local = torch.nn.functional.pad(local, pad)
         pieces.append(local.reshape(-1))
         layout.append((param.fqn, local.shape, n))
-    flat = torch.cat(pieces)
-    out = flat.new_empty(width * flat.numel())
-    _all_gather(out, flat, group=group)
-    rows = out.view(width, -1)  # row r: rank r's chunks, as this rank laid its own out
-    offset = 0
-    for fqn, piece_shape, n in layout:
-        size = piece_shape.numel()
-        full = rows[:, offset:offset + size].reshape(width, *piece_shape)
-        offset += size
+
+    def gather(flat):
+        out = flat.new_empty(width * flat.numel())
+        _all_gather(out, flat, group=group)
+        return out.view(width, -1)  # row r: rank r's chunks, as this rank laid its own out
+
+    parts = collective_on_concat(pieces, gather, [p.numel() for p in pieces])
+    for (fqn, piece_shape, n), part in zip(layout, parts):
+        full = part.reshape(width, *piece_shape)
         held[fqn] = full.movedim(0, dim).flatten(dim, dim + 1).narrow(dim, 0, n).contiguous()
     return 1
