@@ -35,6 +35,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from simplesharded.passes.lowering import LOWERED_BACKENDS, reduce_scatter_as_all_to_all
 from simplesharded.ragged import collective_on_concat
 from simplesharded.sharded_state import ShardedParam, root_state
 
@@ -142,10 +143,9 @@ def _reduce_flat(members: list, kind: tuple, rdt: torch.dtype) -> int:
         rows.append(piece.reshape(width, -1))
 
     def reduce_scatter(flat):  # [width, K] → this rank's row of the sum over ranks, [K]
-        if dist.get_backend(group) == "gloo":
-            received = torch.empty_like(flat)
-            dist.all_to_all_single(received, flat, group=group)  # row r: rank r's part of mine
-            out = received.sum(0)
+        if dist.get_backend(group) in LOWERED_BACKENDS:  # as the compiled ones are lowered
+            out = reduce_scatter_as_all_to_all(flat.reshape(-1), flat.numel(), width,
+                                               group.group_name, [flat.shape[1]])
         else:
             out = flat.new_empty(flat.shape[1])
             _reduce_scatter(out, flat.reshape(-1), group=group)
