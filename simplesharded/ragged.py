@@ -234,10 +234,7 @@ def to_ragged(locals_: list[torch.Tensor], layout: RaggedLayout,
     outgoing = [_shared(layout, me, dst) for dst in range(layout.world)]
     incoming = [_shared(layout, src, me) for src in range(layout.world)]
     send = [flats[i][a - starts[i]:b - starts[i]] for pieces in outgoing for i, a, b in pieces]
-    arriving = [p for pieces in incoming for p in pieces]
-    received = collective_on_concat(
-        send, lambda buf: _all_to_all(buf, _sizes(outgoing), _sizes(incoming), group),
-        [b - a for _, a, b in arriving])
+    arriving, received = _exchange(send, outgoing, incoming, group)
     out = received[0].new_zeros(layout.shard_numel)
     lo = layout.rank_range(me)[0]
     for (i, a, b), part in zip(arriving, received):
@@ -259,10 +256,7 @@ def from_ragged(local: torch.Tensor, layout: RaggedLayout,
     incoming = [_shared(layout, me, src) for src in range(layout.world)]
     send = [local[layout.offsets[i] + a - lo:layout.offsets[i] + b - lo]
             for pieces in outgoing for i, a, b in pieces]
-    arriving = [p for pieces in incoming for p in pieces]
-    received = collective_on_concat(
-        send, lambda buf: _all_to_all(buf, _sizes(outgoing), _sizes(incoming), group),
-        [b - a for _, a, b in arriving])
+    arriving, received = _exchange(send, outgoing, incoming, group)
     outs, starts = [], []
     for i, shape in enumerate(layout.shapes):
         rows = shard0_rows(shape[0], layout.world, me)
@@ -306,8 +300,17 @@ def _check_locals(locals_: list[torch.Tensor], layout: RaggedLayout, rank: int) 
                              f"Shard(0) of {shape} on rank {rank} of {layout.world} is {want}")
 
 
-def _all_to_all(send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int],
-                group: dist.ProcessGroup) -> torch.Tensor:
-    out = send.new_empty(sum(recv_sizes))
-    dist.all_to_all_single(out, send.contiguous(), recv_sizes, send_sizes, group=group)
-    return out
+def _exchange(send: list[torch.Tensor], outgoing: list, incoming: list,
+              group: dist.ProcessGroup) -> tuple[list, tuple[torch.Tensor, ...]]:
+    """One all-to-all over ``group`` of ``send``, the pieces of ``outgoing`` (built with
+    :func:`_shared`) peer by peer: the pieces of ``incoming`` in order, and what arrived for
+    each."""
+    arriving = [p for pieces in incoming for p in pieces]
+
+    def all_to_all(buf):
+        out = buf.new_empty(sum(_sizes(incoming)))
+        dist.all_to_all_single(out, buf.contiguous(), _sizes(incoming), _sizes(outgoing),
+                               group=group)
+        return out
+
+    return arriving, collective_on_concat(send, all_to_all, [b - a for _, a, b in arriving])
