@@ -46,7 +46,7 @@ def build_model(name: str, flavor: str, device: torch.device | str = "meta", **o
     """Build a model; overrides replace fields of its args (e.g. vocab_size=259).
 
     On a real device the model is also init_weights()-ed; on meta it is left for the caller
-    to shard (data_parallel) and then initialise (simplesharded.init.init_sharded).
+    to shard (data_parallel) and then initialise (simplesharded.storage.init.init_sharded).
     """
     cls, args = get_model_spec(name, flavor)
     fields = sorted(f.name for f in dataclasses.fields(args))

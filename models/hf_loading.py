@@ -6,7 +6,7 @@ its rows of each tensor (``safe_open(...).get_slice(name)[lo:hi]``), closing the
 each parameter (:class:`_OneFile`), so no rank ever holds the full model (MoE experts saved
 one by one: only its experts, see :class:`_Converted`, which follows transformers' own weight
 conversions). Without them, the model's own init (``_init_weights``) runs module by module
-through ``simplesharded/init.py``: block by block on full-size temporaries on the mesh's
+through ``simplesharded/storage/init.py``: block by block on full-size temporaries on the mesh's
 device, seeded, of which each rank keeps its slice, so the values do not depend on the world
 size. Buffers the files do not hold (RoPE frequencies) are computed by ``_init_weights`` too,
 as transformers' own loading does.
@@ -74,7 +74,7 @@ def materialize(model: nn.Module, seed: int = 0) -> str:
     """Fill a data_parallel-sharded (or plain) model built by ``hf_source.build_hf_model``: from
     the safetensors files of ``model.args.path`` if it has any, else by the model's own init,
     seeded. Returns "loaded" or "initialised"."""
-    from simplesharded.ragged_shards import members_as_shards
+    from simplesharded.storage.ragged_shards import members_as_shards
     from simplesharded.sharding import disable_gather
 
     where = safetensors_files(model.args.path)
@@ -182,7 +182,7 @@ def _load(model: nn.Module, where: dict[str, str]) -> None:
     plus the slice it is reading."""
     from safetensors import safe_open
 
-    from simplesharded.init import local_box
+    from simplesharded.storage.init import local_box
 
     aliases, path = _aliases(model), model.args.path
     persistent = dict(model.state_dict(keep_vars=True))
@@ -244,10 +244,10 @@ def _load(model: nn.Module, where: dict[str, str]) -> None:
 
 def _init_modules(model: nn.Module, seed: int, buffers_only: bool) -> None:
     """The model's ``_init_weights`` on every module in transformers' order (each by the
-    PreTrainedModel it belongs to), through :func:`simplesharded.init.init_sharded`: on
+    PreTrainedModel it belongs to), through :func:`simplesharded.storage.init.init_sharded`: on
     full-size temporaries, seeded, each rank keeping its region. ``buffers_only``: only the
     modules holding buffers (RoPE frequencies: non-persistent, hence in no file)."""
-    from simplesharded.init import init_sharded
+    from simplesharded.storage.init import init_sharded
 
     order = [(m, owner) for m, owner in _post_order(model, model)
              if not buffers_only or next(m.buffers(recurse=False), None) is not None]

@@ -4,7 +4,7 @@ Two rules keep this model shardable by simplesharded.data_parallel:
 - forward reads every parameter by attribute access on its own module at use time
   (the frontend intercepts that read and all-gathers the shard);
 - init_weights writes parameters in place with torch.nn.init; a sharded model runs it
-  through simplesharded.init.init_sharded, on full-size temporaries one block at a time.
+  through simplesharded.storage.init.init_sharded, on full-size temporaries one block at a time.
 """
 
 from __future__ import annotations
@@ -257,7 +257,7 @@ class Llama3(nn.Module):
         stream's variance does not grow with depth.
         """
         self.freqs_cis = self._freqs_cis(buffer_device or self.freqs_cis.device)
-        # A pipeline stage (simplesharded/stage_split.py) lacks the modules of other stages.
+        # A pipeline stage (simplesharded/pipeline/stage_split.py) lacks the modules of other stages.
         if self.tok_embeddings is not None:
             trunc_normal_init_(self.tok_embeddings.weight, 0.02)
         out_std = 0.02 / math.sqrt(2 * self.args.n_layers)
@@ -317,7 +317,7 @@ class Llama3(nn.Module):
         return styles
 
     def _stage_edge_styles(self) -> dict:
-        """A pipeline stage (simplesharded/stage_split.py) under sequence parallelism: stages
+        """A pipeline stage (simplesharded/pipeline/stage_split.py) under sequence parallelism: stages
         hand each other whole sequences (forward reads their length for RoPE), so a stage
         without the embedding cuts its input to this rank's sequence shard before its first
         block (no communication), and one without the head gathers its last block's output."""

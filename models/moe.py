@@ -27,7 +27,7 @@ expert in token order is dropped, the same in both forms; "sorted" still compute
 Expert parallelism (``ExpertParallel``, applied with torch's ``parallelize_module`` on
 ``mesh["ep"]``): the routed experts' weights are split by expert over the ep ranks (Shard(0),
 E/ep consecutive experts each; data_parallel then shards them further over the dp ranks EP
-left, simplesharded/layout.py), and each layer sends its routed rows to their experts' ranks
+left, simplesharded/storage/layout.py), and each layer sends its routed rows to their experts' ranks
 and the results back (models/ep_dispatch.py: the token dispatch, and the dynamo setting a
 compiled expert-parallel model runs under)."""
 

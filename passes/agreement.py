@@ -19,7 +19,7 @@ mismatched by the very collectives it is checking.
 
 Which ranks must agree: every rank, unless :func:`set_agreement_peers` names fewer. Under
 pipeline parallelism the stages are different models, so only the ranks holding the same
-stages (one pp coordinate: simplesharded/pipelining.py sets them) compile the same graphs.
+stages (one pp coordinate: simplesharded/pipeline/pipelining.py sets them) compile the same graphs.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 tracing, or by our passes on the nodes they create), defined once; every writer and reader
 imports them from here.
 
-Written by data_parallel (simplesharded/gather.py) on every op that gathers a parameter:
+Written by data_parallel (simplesharded/storage/gather.py) on every op that gathers a parameter:
   PARAM_KEY          the parameter's FQN; how every pass finds what a collective serves
   DP_GROUPS_KEY      the process groups of its data-parallel dims: a collective is ours to
                      bucket and move only on one of these (TP's collectives stay where they are)
@@ -19,7 +19,7 @@ Written by context parallelism (models/context_parallel.py):
                      name): a collective of the model, not of a parameter; no pass merges
                      it, only cp_overlap.py moves it, and backward reads its saved result
                      (recompute.py)
-Written by compile_step's traced update (simplesharded/optim_update.py):
+Written by compile_step's traced update (simplesharded/step/optim_update.py):
   UPDATE_KEY         on every op of a parameter's optimizer update: that parameter's FQN
                      (its index in the optimizer when it is not the model's); how
                      update_placement.py finds an update to move next to its reduction
@@ -33,7 +33,7 @@ Written by our passes:
   GATHERED_KEY       FQN of the gathered parameter a forward view of it holds (recompute.py):
                      a saved view reaches the backward graph as a placeholder carrying it, so
                      the memory cap counts it (gathered_spans.py, memory.py)
-Written by ragged buckets (simplesharded/ragged_shards.py):
+Written by ragged buckets (simplesharded/storage/ragged_shards.py):
   RAGGED_KEY         the bucket's name, on its gather and (its split's backward) its
                      reduce-scatter: every member is a view of the gathered buffer, and a
                      merge with another collective would copy it out again, so no plan

@@ -57,7 +57,7 @@ class Collective:
         return bool(self.params)
 
     @property
-    def ragged(self) -> bool:
+    def prebucketed(self) -> bool:
         """A ragged bucket's gather or reduce-scatter (RAGGED_KEY): already one bucket, which
         no plan merges with another (plans.py)."""
         return bool(annotations(self.start).get(RAGGED_KEY))

@@ -2,7 +2,7 @@
 reduce-scatter's input.
 
 A ragged bucket's gathered buffer is cut into its members by one split
-(simplesharded/ragged.py), whose backward is one ``cat`` of the members' gradients, flattened,
+(simplesharded/storage/ragged.py), whose backward is one ``cat`` of the members' gradients, flattened,
 with zeros in the alignment gaps: the reduce-scatter's input. aot_eager runs the graph op by
 op, so each gradient is computed into a tensor of its own and then copied into the cat's.
 Here the buffer comes first (``empty``), each gradient's producer writes into its slice
@@ -36,7 +36,7 @@ from .node_meta import alias_kind, aliased_inputs
 
 ZEROS = {aten.zeros.default, aten.new_zeros.default}
 # How far the reduce-scatter may stand from the cat: the backward's scaling and casts
-# (simplesharded/ragged.py, _Gather.backward).
+# (simplesharded/storage/ragged.py, _Gather.backward).
 REDUCTION_HOPS = 3
 
 
@@ -53,7 +53,7 @@ def write_grads_in_place(gm: fx.GraphModule) -> fx.GraphModule:
 
 def _feeds_ragged_reduction(cat: fx.Node) -> bool:
     """The cat is a ragged bucket's: annotated as one, or read (through a cast, say) by its
-    annotated reduction. A step graph's traced backward (simplesharded/step.py) annotates the
+    annotated reduction. A step graph's traced backward (simplesharded/step/__init__.py) annotates the
     reduction but not the split's backward."""
     node = cat
     for _ in range(REDUCTION_HOPS + 1):

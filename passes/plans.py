@@ -68,7 +68,7 @@ class BlockPlan:
                 key = "post" if c.kind in seen_block else "pre"
             else:
                 seen_block.add(c.kind)
-            keys.append(None if c.ragged else key)
+            keys.append(None if c.prebucketed else key)
         if not seen_block:
             _warn_no_blocks(collectives)
         return keys
@@ -161,7 +161,7 @@ class AutoPlan:
         per_kind = {}
         for kind in ("all_gather", "reduce_scatter", "all_reduce"):
             idx = sorted((i for i, c in enumerate(collectives) if c.kind == kind and c.params
-                          and not c.ragged),
+                          and not c.prebucketed),
                          key=lambda i: anchor(collectives[i]))
             units = _units(idx, collectives)
             sizes = [sum(_full_bytes(collectives[i]) for i in u) for u in units]

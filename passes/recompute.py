@@ -2,7 +2,7 @@
 
 Without tags, aot_autograd's partitioner keeps every gathered (full-size) parameter alive from
 forward to backward, which defeats sharding. Every forward op that turns a shard into a full
-parameter carries the ``ss_param`` annotation (set in simplesharded/gather.py); this pass
+parameter carries the ``ss_param`` annotation (set in simplesharded/storage/gather.py); this pass
 marks those ops MUST_RECOMPUTE when their parameter reshards after forward, and the last op of
 each chain MUST_SAVE when it does not. The partitioner then re-gathers in backward.
 

@@ -1,6 +1,6 @@
 """Run HSDP's replica all-reduces on the padded shard, whose size is the same on every rank.
 
-HSDP reduces a gradient in two steps (simplesharded/gather.py): a reduce-scatter over
+HSDP reduces a gradient in two steps (simplesharded/storage/gather.py): a reduce-scatter over
 dp_shard, then an all-reduce over dp_replicate of its result. DTensor pads the reduce-scatter
 to equal chunks, but unpads its result to this rank's own chunk before the all-reduce. With
 uneven shards (7 rows over 2 ranks: 4 and 3) the all-reduce then moves a different number of

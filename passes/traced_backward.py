@@ -1,5 +1,5 @@
 """Annotations for the backward that dynamo traces into a forward graph (``torch.autograd.grad``
-under ``torch._dynamo.config.trace_autograd_ops``, as simplesharded/step.py uses it).
+under ``torch._dynamo.config.trace_autograd_ops``, as simplesharded/step/__init__.py uses it).
 
 Our passes find the data-parallel collectives by the annotation ``data_parallel`` writes on
 the forward's nodes (``node.meta["custom"]``). For a joint graph aot_autograd copies it onto
@@ -9,7 +9,7 @@ reorder or lower them. Matching a backward node to a forward one by torch's ``se
 help here: in such a graph it lands on a neighbouring parameter's node as soon as the forward
 holds one autograd function more or less. The annotation reaches the backward another way:
 the gradient of a gathered parameter enters its reduction through an op of simplesharded's
-own autograd function (simplesharded/gather.py), which dynamo traces with the annotation
+own autograd function (simplesharded/storage/gather.py), which dynamo traces with the annotation
 that was active in forward. :func:`annotate_traced_backward` gives each reduction the
 annotation of that op, found up the reduction's input. It reads one of torch's node-meta keys
 (``autograd_backward``), the one place that does. Under inductor it runs on the graph its

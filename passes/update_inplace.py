@@ -11,7 +11,7 @@ mutated input in place itself, fusing the update into the copy-back, and it lowe
 input ``x`` whose value ``y`` is a chain of elementwise ops, the first reading ``x`` and each
 next one the previous result (read by nothing else), it runs the chain's ops in place on
 ``x`` and drops the copy. An input that holds several parameters (a ragged bucket, whose
-members compile_step updates one run at a time: simplesharded/step.py) is functionalized
+members compile_step updates one run at a time: simplesharded/step/__init__.py) is functionalized
 into a chain of ``slice_scatter``s, each writing one slice with a value computed elementwise
 from that slice alone, and then copied back: each link's ops then run in place on the slice
 of ``x`` and the scatters and the copy go.

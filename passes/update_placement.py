@@ -1,8 +1,8 @@
 """Run each parameter's optimizer update as soon as its gradient is ready, in a step graph.
 
-``compile_step`` (simplesharded/step.py) traces the update after the whole backward, so every
+``compile_step`` (simplesharded/step/__init__.py) traces the update after the whole backward, so every
 update waits for the last reduce-scatter. The update ops carry ``ss_update`` (the parameter
-they update, written at trace time by simplesharded/optim_update.py), and
+they update, written at trace time by simplesharded/step/optim_update.py), and
 :func:`place_updates` moves each parameter's update up to right after the last node it reads
 from outside it: its gradient's reduce-scatter wait and the averaging/copy-out ops that sink
 with that wait (passes/reordering.py). That is where the next reduce-scatter is already in

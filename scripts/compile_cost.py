@@ -7,7 +7,7 @@ One process on a fake world of 2 (torch's fake process group: nothing is communi
 the figure is the compile alone), CPU time of this process (steadier than wall time on a busy
 machine). A warm-up compile of a one-block model runs first, so that the one-off costs of a
 process's first compile fall on none of the rows. The difference between the plain and the
-data_parallel rows is what tracing the parameter reads costs (simplesharded/gather.py: one
+data_parallel rows is what tracing the parameter reads costs (simplesharded/storage/gather.py: one
 op per read in dynamo's graph, whose body runs on fake tensors there and is traced into
 aten ops by aot_autograd).
 """

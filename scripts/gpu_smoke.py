@@ -22,7 +22,7 @@ Checks (``--checks``, default all), each printed as PASS / FAIL / SKIP with its 
   parity_gloo2  the parity check on 2 processes with gloo on device tensors (both on device
                 0), real collectives through our passes; SKIP, with the reason, when gloo cannot
                 run the functional all-gather DTensor issues on that device.
-  init          ``init_sharded`` (simplesharded/init.py) on device shards: 2 gloo ranks on the
+  init          ``init_sharded`` (simplesharded/storage/init.py) on device shards: 2 gloo ranks on the
                 device (llama3 fully sharded, at tp 2, and the deepseek_v3 MoE at ep 2) give
                 the full parameters of 1 rank bit for bit, 1 rank those of the plain model
                 given the same call, and ``device="cpu"`` the CPU's values.
@@ -392,7 +392,7 @@ def _init_cases() -> tuple:
 
 def _regions(model) -> dict:
     """fqn → (this rank's region of the parameter or buffer, on the CPU; its box)."""
-    from simplesharded.init import local_box
+    from simplesharded.storage.init import local_box
 
     out = {}
     for fqn, t in [*model.named_parameters(), *model.named_buffers()]:

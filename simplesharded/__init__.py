@@ -11,11 +11,11 @@ if (not _os.path.isdir(_os.path.join(__path__[0], "passes"))
     __path__.append(_checkout)
 
 from simplesharded.backends import BACKENDS, make_backend  # noqa: E402
-from simplesharded.grad_sync import no_gradient_sync, set_requires_gradient_sync  # noqa: E402
-from simplesharded.init import init_sharded  # noqa: E402
+from simplesharded.storage.grad_sync import no_gradient_sync, set_requires_gradient_sync  # noqa: E402
+from simplesharded.storage.init import init_sharded  # noqa: E402
 from simplesharded.mesh import (build_mesh, init_distributed, init_mesh,  # noqa: E402
                                 resolve_degrees)
-from simplesharded.ragged_shards import (optim_state_by_bucket,  # noqa: E402
+from simplesharded.storage.ragged_shards import (optim_state_by_bucket,  # noqa: E402
                                          optim_state_by_member)
 from simplesharded.sharding import (MixedPrecisionPolicy, data_parallel,  # noqa: E402
                                     disable_gather)

@@ -12,7 +12,7 @@ checkpointing does. A wrapper's ``context_fn`` (selective checkpointing policy) 
 apply: the region is recomputed except its collectives and routing decisions.
 
 The wrapper holds its module as ``_checkpoint_wrapped_module`` and its state-dict hooks drop
-that name from the keys; a ragged bucket's members (simplesharded/ragged_shards.py) are listed
+that name from the keys; a ragged bucket's members (simplesharded/storage/ragged_shards.py) are listed
 by their owner's hook, which drops it too (:func:`unwrapped_key`).
 
 Invariant: the region ids are the wrappers' positions in module order, the same on every rank.

@@ -27,7 +27,7 @@ from typing import Iterable, Sequence, Union
 
 from torch import nn
 
-from simplesharded.sharded_state import sharded_state
+from simplesharded.storage.sharded_state import sharded_state
 
 BlockSpec = Union[type, str]
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)

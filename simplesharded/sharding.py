@@ -2,54 +2,50 @@
 ``MixedPrecisionPolicy``.
 
 Each parameter is replaced, under the same name, by a DTensor shard on the whole mesh
-(simplesharded/layout.py). The owning module's class is swapped for a subclass with one
+(simplesharded/storage/layout.py). The owning module's class is swapped for a subclass with one
 property per parameter name, so ``module.weight`` inside ``forward`` returns the parameter
-gathered over its data-parallel dims (simplesharded/gather.py); ``_parameters`` still holds
+gathered over its data-parallel dims (simplesharded/storage/gather.py); ``_parameters`` still holds
 the shards, so ``named_parameters()`` and ``state_dict()`` keep their keys and never gather.
 The root's forward opens the model's gather scope and, uncompiled, eager resharding
-(simplesharded/eager_reshard.py).
+(simplesharded/storage/eager_reshard.py).
 
 Invariant: a module is wrapped at most once; wrapping changes its class and its parameters,
 and everything else it records about the module goes into that module's one state object
-(simplesharded/sharded_state.py).
+(simplesharded/storage/sharded_state.py).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import itertools
-import warnings
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate
 
 from simplesharded.ac_wrappers import compile_checkpoint_wrappers
 from simplesharded.blocks import BlockSpec, block_of
-from simplesharded.eager_reshard import _EagerReshard
-from simplesharded.gather import _GatherScope, _sharded_property
-from simplesharded.grad_sync import _GradSync
-from simplesharded.ragged import Precision
-from simplesharded.ragged_shards import (RaggedShards, RaggedSlot, attach_state_dict_hooks,
-                                         keep_buckets_whole, members_as_shards)
-from simplesharded.layout import _DPView, _mode_placements, _shard_param
+from simplesharded.storage.eager_reshard import _EagerReshard
+from simplesharded.storage.gather import _GatherScope, _sharded_property
+from simplesharded.storage.grad_sync import _GradSync
+from simplesharded.storage.choice import (NOT_GIVEN, STORAGES, check_storage, chosen_storage,
+                                          pack)
+from simplesharded.storage.ragged_shards import members_as_shards
+from simplesharded.storage.layout import _DPView, _mode_placements, _shard_param
 from simplesharded.mesh import EP_DIM, dense_mesh, ep_dim, expert_dp_mesh, stage_mesh
 from simplesharded.mesh import dp_mesh as _dp_mesh
-from simplesharded.sharded_state import (ShardedModuleState, ShardedParam, _GatherSpec,
+from simplesharded.storage.sharded_state import (ShardedModuleState, ShardedParam, _GatherSpec,
                                          attach_sharded_state, sharded_state)
 from simplesharded.shims import gloo_gather
-from simplesharded.uninitialised import InitCheck, uninitialised_like
+from simplesharded.storage.uninitialised import InitCheck, uninitialised_like
 
 GRAD_REDUCTIONS = ("sum", "avg")
 RESHARD_CHOICES = (True, False, "auto")
-# Where a parameter's shard lives: "param", one DTensor shard per parameter; "ragged", its
-# bucket in the ragged layout (simplesharded/ragged_shards.py).
-STORAGES = ("param", "ragged")
-_NOT_GIVEN = object()  # flat_buckets, storage's deprecated name, left out
 # Config/CLI spelling of reshard_after_forward (config.py, simplesharded/tools/report.py) → data_parallel's.
 RESHARD_BY_NAME = {"always": True, "never": False, "auto": "auto"}
 
@@ -76,40 +72,18 @@ def _check_device(model: nn.Module, mesh: DeviceMesh) -> None:
                 f"move the model to {mesh.device_type!r} or build it on 'meta'")
 
 
-def _chosen_storage(storage: str | None, flat_buckets) -> str:
-    """``storage`` checked, or what ``flat_buckets``, its deprecated name, meant."""
-    if flat_buckets is not _NOT_GIVEN:
-        if storage is not None:
-            raise ValueError("data_parallel takes storage= or flat_buckets= (its deprecated "
-                             "name), not both")
-        if flat_buckets is True:
-            raise ValueError("flat_buckets=True: flat storage is retired; use "
-                             "storage='ragged' (zero-copy buckets, docs/zero_copy.md)")
-        if not (flat_buckets is False or flat_buckets == "ragged"):
-            raise ValueError(f"flat_buckets={flat_buckets!r} is not one of [False, 'ragged'] "
-                             f"(deprecated: use storage=, one of {list(STORAGES)})")
-        storage = "ragged" if flat_buckets == "ragged" else "param"
-        # stacklevel 3: the line that called data_parallel
-        warnings.warn(f"data_parallel(flat_buckets={flat_buckets!r}) is deprecated: use "
-                      f"storage={storage!r}", DeprecationWarning, stacklevel=3)
-    storage = "param" if storage is None else storage
-    if storage not in STORAGES:
-        raise ValueError(f"storage={storage!r} is not one of {list(STORAGES)}")
-    return storage
-
-
 def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
                   mp_policy: MixedPrecisionPolicy | None = None,
                   reshard_after_forward: bool | str = "auto",
                   grad_reduction: str = "avg",
                   blocks: Sequence[BlockSpec] | None = None,
-                  storage: str | None = None, *, flat_buckets=_NOT_GIVEN) -> nn.Module:
+                  storage: str | None = None, *, flat_buckets=NOT_GIVEN) -> nn.Module:
     """Shard ``model`` in place over ``mesh`` and return it.
 
     mode: ``replicate`` (DDP-like), ``fully_shard`` (FSDP/ZeRO-3) or ``hybrid_shard``
     (replicate over mesh dim 0, shard over dim 1; needs a 2-D mesh of dp dims).
     mesh: from :func:`simplesharded.mesh.build_mesh`; its tp and ep dims are for parameters
-    that are DTensors there already (simplesharded/layout.py): apply TP / expert parallelism
+    that are DTensors there already (simplesharded/storage/layout.py): apply TP / expert parallelism
     first. Or a mesh built elsewhere (``init_device_mesh``, unnamed or not) of data-parallel
     dims only: 1-D shards over it, 2-D is (replicate, shard) for ``hybrid_shard``
     (mesh.mesh_roles).
@@ -130,12 +104,12 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     (simplesharded/blocks.py); or module classes, class names or module-FQN regexes.
     storage: one of ``STORAGES``. ``"param"`` (None: the default): one DTensor shard per
     parameter. ``"ragged"``: each bucket (a block's parameters; those before the first block;
-    those after the last) in the ragged layout (simplesharded/ragged_shards.py,
+    those after the last) in the ragged layout (simplesharded/storage/ragged_shards.py,
     docs/zero_copy.md): every gathered parameter is a view of its bucket's gathered buffer, so
     a gather copies nothing in or out. The parameters are still the model's own, under their
     names and global shapes (FSDP2's contract: param groups, per-parameter learning rates,
     freezing after wrapping, torch's ``clip_grad_norm_``): each a DTensor whose local tensor
-    is this rank's run of it, a view of its bucket (simplesharded/ragged_member.py);
+    is this rank's run of it, a view of its bucket (simplesharded/storage/ragged_member.py);
     ``state_dict()`` gives them as ``"param"`` does. It takes
     ``fully_shard`` on a mesh of one dp dim or ``hybrid_shard`` on two (the gradient's
     all-reduce over the replicas follows the bucket's reduce-scatter), with or without tp and
@@ -147,11 +121,12 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     twice) is gathered once; its gradient is summed locally and reduced once (eager: tied
     weights only, so an uncompiled gather never outlives its block).
     A model on the meta device gets uninitialised shards on the mesh's device: initialise them
-    with :func:`simplesharded.init_sharded` (simplesharded/init.py), which gives the same
+    with :func:`simplesharded.init_sharded` (simplesharded/storage/init.py), which gives the same
     values at any world size and layout.
-    The first call gives torch's functional all-gather a CPU kernel that runs gloo's plain
-    all-gather (simplesharded/shims/gloo_gather.py: torch's own runs a coalesced one that can
-    corrupt the heap), for every CPU gather in the process, compiled or not.
+    On a gloo mesh (and only there), the first call gives torch's functional all-gather a CPU
+    kernel that runs gloo's plain all-gather (simplesharded/shims/gloo_gather.py: torch's own
+    runs a coalesced one that can corrupt the heap), for every CPU gather in the process,
+    compiled or not; ``gloo_gather.uninstall()`` gives torch's kernel back.
     A mesh with a pp dim (``init_mesh(pp=N)``): ``model`` is this rank's pipeline stage, sharded
     over this rank's dp dims only, on the mesh without pp (mesh.stage_mesh).
     """
@@ -162,20 +137,16 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     if not (isinstance(reshard_after_forward, bool) or reshard_after_forward == "auto"):
         raise ValueError(f"reshard_after_forward={reshard_after_forward!r} is not one of "
                          f"{list(RESHARD_CHOICES)}")
-    storage = _chosen_storage(storage, flat_buckets)
-    if storage == "ragged" and (mode not in ("fully_shard", "hybrid_shard")
-                                or (mode == "fully_shard" and dp.ndim != 1)):
-        raise ValueError(f"storage='ragged' takes mode='fully_shard' on one or "
-                         f"'hybrid_shard' on two data-parallel mesh dims; got mode={mode!r} "
-                         f"on mesh dims {mesh.mesh_dim_names or mesh.ndim}: use "
-                         f"storage='param'")
+    storage = chosen_storage(storage, flat_buckets)
+    check_storage(storage, mode, dp.ndim, mesh.mesh_dim_names or mesh.ndim)
     if grad_reduction not in GRAD_REDUCTIONS:
         raise ValueError(f"grad_reduction={grad_reduction!r} is not one of {sorted(GRAD_REDUCTIONS)}")
     if any(sharded_state(m) is not None for m in model.modules()):
         raise ValueError("model is already wrapped by data_parallel; wrap it once")
     _check_device(model, mesh)
     from_meta = any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
-    gloo_gather.install()  # CPU gathers: gloo's plain all-gather, not its racy coalesced one
+    if any(dist.get_backend(dp.get_group(i)) == "gloo" for i in range(dp.ndim)):
+        gloo_gather.install()  # gloo's plain all-gather, not its racy coalesced one
     mp_policy = mp_policy or MixedPrecisionPolicy()
     spec = _GatherSpec(
         replicate=(Replicate(),) * dp.ndim, grad_placements=(Partial(),) * dp.ndim,
@@ -216,8 +187,7 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
                     ShardedParam(fqn, param_spec, layout, block_of_module.get(mod_name)))
             else:
                 scope.tied.add(shards[id(param)][1].fqn)
-    if storage == "ragged":
-        _pack_ragged(model, shards, scope)
+    pack(storage, model, shards, scope)
     for mod_name, module, names in owners:
         records = {}
         for name in names:
@@ -240,76 +210,6 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     return model
 
 
-def _bucket_groups(shards: dict[int, tuple[nn.Parameter, ShardedParam]], eligible, more
-                   ) -> dict[tuple, list[int]]:
-    """The keys of the ``eligible(shard, record)`` shards by (bucket, dtype,
-    *``more(shard, record)``), in ``shards``' module order. A bucket is a block's parameters,
-    or those before the first block ("pre") or after it ("post")."""
-    groups: dict[tuple, list[int]] = {}
-    seen_block = False
-    for key, (shard, record) in shards.items():
-        seen_block = seen_block or record.block is not None
-        if not eligible(shard, record):
-            continue
-        bucket = record.block if record.block is not None else ("post" if seen_block else "pre")
-        groups.setdefault((bucket, shard.dtype, *more(shard, record)), []).append(key)
-    return groups
-
-
-def _pack_ragged(model: nn.Module, shards: dict[int, tuple[nn.Parameter, ShardedParam]],
-                 scope: _GatherScope) -> None:
-    """Move the eligible shards of each bucket (_bucket_groups) into one ragged bucket
-    registered on the bucket's owner (its block; the root for "pre" and "post"); their slots
-    in ``shards`` become None and their records gain the bucket."""
-    def gather_and_split(shard, record):
-        # One bucket per dp gather (EP's expert weights gather over dims of their own) and
-        # per split over the dims after dp (tp, ep): a bucket's placements must say whether
-        # each rank of such a dim holds other elements (TP shards, experts) or copies (the
-        # norms), for its norm and its checkpoint.
-        dp_dims = len(record.spec.dp_groups)
-        names = shard.device_mesh.mesh_dim_names or ()
-        return (record.spec.dp_groups, tuple(names[dp_dims + i] for i, p in enumerate(
-            shard.placements[dp_dims:]) if not p.is_replicate()))
-
-    groups = _bucket_groups(shards, lambda s, r: _ragged_eligible(s, r, scope),
-                            gather_and_split)
-    # owner FQN → (owner, its buckets)
-    owned: dict[str, tuple[nn.Module, list[RaggedShards]]] = {}
-    for (bucket, dtype, _, split), keys in groups.items():
-        owner_fqn = bucket if bucket not in ("pre", "post") else ""
-        owner = model.get_submodule(owner_fqn)
-        kind = "_".join((str(dtype).removeprefix('torch.'), *split))
-        first = shards[keys[0]]
-        spec = first[1].spec
-        prefix = f"{owner_fqn}." if owner_fqn else ""
-        members = [(shards[k][1].fqn, shards[k][1].fqn.removeprefix(prefix), shards[k][0],
-                    shards[k][1]) for k in keys]
-        owned.setdefault(owner_fqn, (owner, []))
-        precision = Precision(spec.param_dtype, spec.reduce_dtype,
-                              spec.scales_before_reduction(dtype))
-        ragged = RaggedShards(f"{bucket}/{kind}", owner, members,
-                              first[1].dp_view(first[0]).mesh, scope, spec.grad_scale,
-                              spec.reshard_after_forward, spec.dp_groups, first[1].block,
-                              precision, spec.grad_sync)
-        owned[owner_fqn][1].append(ragged)
-        for i, k in enumerate(keys):
-            shards[k] = (ragged.members[i],
-                         dataclasses.replace(shards[k][1], ragged=RaggedSlot(ragged, i)))
-    for owner, buckets in owned.values():
-        attach_state_dict_hooks(owner, buckets)
-    if owned:
-        keep_buckets_whole(model)
-
-
-def _ragged_eligible(shard: DTensor, record: ShardedParam, scope: _GatherScope) -> bool:
-    """Trained, at least 1-D, sharded on dim 0 of what its dp gather rebuilds (the parameter,
-    or its TP shard) as FSDP's ``(Shard(0),)`` or HSDP's ``(Replicate(), Shard(0))`` on the
-    dp dims; read by one module."""
-    return (shard.requires_grad and shard.ndim >= 1
-            and record.dp_view(shard).placements in ((Shard(0),), (Replicate(), Shard(0)))
-            and record.fqn not in scope.tied)
-
-
 def _input_caster(dtype: torch.dtype):
     def cast(module, args, kwargs):
         def one(t):
@@ -330,7 +230,7 @@ def _scope_root_forward(model: nn.Module, scope: _GatherScope,
                         init_check: InitCheck | None = None) -> None:
     """Open ``scope`` for the duration of ``model.forward`` and cast its floating-point
     outputs to ``output_dtype`` (if set); uncompiled, run ``init_check`` first (a meta-built
-    model's shards are initialised, simplesharded/uninitialised.py). Inside forward, not in
+    model's shards are initialised, simplesharded/storage/uninitialised.py). Inside forward, not in
     hooks: torch.compile runs a compiled module's hooks outside the traced frame, where the
     dict's contents would become graph outputs and a cast would be a graph of its own."""
     cls = model.__class__

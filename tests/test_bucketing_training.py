@@ -49,7 +49,7 @@ STEPS = 10
 INDUCTOR_LAYERS = 1  # C++ compile time grows with kernels (~1 s each here); buckets: 3
 INDUCTOR_TOL = 1e-4
 AOT = ("aot_eager", "aot_eager_blockbucketing", "aot_eager_autobucketing")
-# data_parallel(..., storage="ragged") (simplesharded/ragged_shards.py): bitwise the same
+# data_parallel(..., storage="ragged") (simplesharded/storage/ragged_shards.py): bitwise the same
 # training as without, every parameter a view of its bucket's gather (no copy-out);
 # "ragged:eager" against "eager"
 RAGGED = ("ragged:aot_eager_blockbucketing", "ragged:aot_eager_autobucketing", "ragged:eager")
@@ -161,7 +161,7 @@ def _optim_state_round_trip(rank, world):
 
     import simplesharded as ss
     from simplesharded.mesh import build_mesh
-    from simplesharded.ragged_shards import optim_state_by_bucket, optim_state_by_member
+    from simplesharded.storage.ragged_shards import optim_state_by_bucket, optim_state_by_member
 
     mesh = build_mesh(dp_replicate=1, dp_shard=world, device="cpu")
     options = StateDictOptions(flatten_optimizer_state_dict=True)

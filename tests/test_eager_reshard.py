@@ -28,15 +28,15 @@ TIGHT = 1e-6  # eager vs the 1-process reference: only the order of the gradient
 
 
 class GatherRecorder:
-    """Wraps simplesharded.gather.gather_param and a ragged bucket's gathers
+    """Wraps simplesharded.storage.gather.gather_param and a ragged bucket's gathers
     (``RaggedLayout.gather`` in forward, ``RaggedShards.gather_whole`` in backward): counts
     gathers, tracks the bytes of the gathered storages still alive (now and at their
     peak)."""
 
     def __init__(self):
-        import simplesharded.gather as gather
-        from simplesharded.ragged import RaggedLayout
-        from simplesharded.ragged_shards import RaggedShards
+        import simplesharded.storage.gather as gather
+        from simplesharded.storage.ragged import RaggedLayout
+        from simplesharded.storage.ragged_shards import RaggedShards
 
         self.gather_module, self.inner = gather, gather.gather_param
         self.layout_cls, self.inner_ragged = RaggedLayout, RaggedLayout.gather
@@ -128,7 +128,7 @@ def _member_grads(model) -> dict:
 def _bucket_bytes(model) -> dict[str, int]:
     """Gathered bytes of each ragged bucket (fp32), by its unit: a block's FQN, or the root's
     "pre" and "post" (the parameters before the first block and after the last)."""
-    from simplesharded.ragged_shards import model_buckets
+    from simplesharded.storage.ragged_shards import model_buckets
 
     return {bucket.name.split("/")[0]: bucket.layout.total * 4
             for bucket in model_buckets(model)}

@@ -1,6 +1,7 @@
 """simplesharded/shims/gloo_gather.py: on CPU the functional all-gather runs as gloo's plain
 all-gather (not the coalesced one whose worker threads race on a shared string), in eager
-DTensor code and in compiled graphs, with the same values."""
+DTensor code and in compiled graphs, with the same values. ``uninstall()`` gives torch's
+kernel back; ``data_parallel`` installs it on a gloo mesh, and only there."""
 import torch
 
 from dist_utils import spawn
@@ -43,7 +44,11 @@ def gather_job(rank, world):
     out["functional"] = _c10d_ops(functional)
     out["dtensor"] = _c10d_ops(dtensor)
     out["compiled"] = _c10d_ops(lambda: compiled(shard))
-    return {"full": full, **out}
+    gloo_gather.uninstall()
+    out["uninstalled"] = _c10d_ops(functional)
+    import simplesharded as ss
+    ss.data_parallel(torch.nn.Linear(4, 4), mesh)
+    return {"full": full, "by_data_parallel": gloo_gather.installed(), **out}
 
 
 def test_functional_gather_runs_gloos_plain_all_gather():
@@ -60,3 +65,18 @@ def test_functional_gather_runs_gloos_plain_all_gather():
         value, ops = res["compiled"]
         assert torch.equal(value, 2 * full)
         assert PLAIN in ops and COALESCED not in ops, ops
+        value, ops = res["uninstalled"]
+        assert torch.equal(value, full) and COALESCED in ops, ops
+        assert res["by_data_parallel"]
+
+
+def test_data_parallel_leaves_torchs_kernel_off_gloo():
+    from pass_utils import fake_world
+
+    import simplesharded as ss
+    from simplesharded.shims import gloo_gather
+
+    gloo_gather.uninstall()
+    with fake_world(2) as mesh:
+        ss.data_parallel(torch.nn.Linear(4, 4), mesh)
+    assert not gloo_gather.installed()

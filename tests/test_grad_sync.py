@@ -1,4 +1,4 @@
-"""set_requires_gradient_sync / no_gradient_sync (simplesharded/grad_sync.py) and the trainer's
+"""set_requires_gradient_sync / no_gradient_sync (simplesharded/storage/grad_sync.py) and the trainer's
 ``training.gradient_sync = "last_microbatch"``: gradient accumulation with one reduction per
 step.
 
@@ -108,7 +108,7 @@ def _toy_case(rank, world, mesh, backend, reduction, mp, tied):
 def _trainer_run(world, accumulation, sync):
     """STEPS steps of the trainer (eager) on llama3 debug: losses and the last step's gloo
     events."""
-    from simplesharded.ragged_shards import model_buckets
+    from simplesharded.storage.ragged_shards import model_buckets
     from simplesharded.trainer import Trainer, check_static
     from simplesharded.trainer.config import load_config
 

@@ -197,7 +197,7 @@ def _ragged_loaded(path: str, world: int) -> tuple[int, list[str]]:
     from transformers import AutoModelForCausalLM
 
     from simplesharded.models import hf_loading
-    from simplesharded.ragged_shards import model_buckets
+    from simplesharded.storage.ragged_shards import model_buckets
 
     model = _sharded(path, world, storage="ragged")
     assert hf_loading.materialize(model) == "loaded"
@@ -403,7 +403,7 @@ def test_init_from_config_is_world_size_independent(zoo, arch):
 def test_loading_peak_memory_is_below_the_model(zoo):
     """Each of 2 ranks loading ``big`` (~40 MB in one file, tensors of at most 2 MB) as the
     first thing its process does. Sharding already wrote its shards (NaN until initialised:
-    simplesharded/uninitialised.py), so while it loads, its resident memory grows by the
+    simplesharded/storage/uninitialised.py), so while it loads, its resident memory grows by the
     file's pages of the one parameter it is reading (models/hf_loading.py _OneFile): more
     than nothing (the measure sees them) and less than half its shards, never its whole half
     of the file nor the whole model."""

@@ -1,4 +1,4 @@
-"""simplesharded/init.py: a meta-device model, sharded, initialised group by group on
+"""simplesharded/storage/init.py: a meta-device model, sharded, initialised group by group on
 full-size temporaries, holds the same full parameters whatever the world size and layout.
 
 Slow: one spawned job per world size (1, 2, 4 gloo ranks) builds every case of that size
@@ -9,7 +9,7 @@ with tp 2 as well), initialises it with the same seed and gathers every paramete
 At 2 and 4 ranks llama3 is also built with ragged buckets (``storage="ragged"``, its
 members read from ``state_dict()``): the init writes through to the buckets. At 2 ranks,
 the user's own ways too: a first forward before any init raises on every rank (the shards
-hold NaN, simplesharded/uninitialised.py), and ``model.init_weights()`` inside
+hold NaN, simplesharded/storage/uninitialised.py), and ``model.init_weights()`` inside
 ``disable_gather`` writes the shards, per-parameter and ragged alike.
 Fast: at one rank the shards equal a plain, unsharded model given the same init, and the
 init never holds more than one group's parameters at once.
@@ -50,7 +50,7 @@ def _sharded(name: str, world: int, tp: int, ep: int, storage="param",
 def _job(rank: int, world: int) -> dict | None:
     from torch.distributed.tensor import DTensor
 
-    from simplesharded.init import init_sharded
+    from simplesharded.storage.init import init_sharded
 
     out = {}
     for case in CASES[world]:
@@ -130,7 +130,7 @@ def test_sharded_equals_plain_model_given_the_same_init(one_rank, name):
     """At one rank a shard is the whole parameter: it equals, bit for bit, the plain model
     initialised by the same function and seed (gpt: a tied embedding and head; deepseek_v3:
     buffers in blocks), and the caller's RNG state is left as it was."""
-    from simplesharded.init import init_sharded
+    from simplesharded.storage.init import init_sharded
     from simplesharded.models import build_model
 
     model = _sharded(name, 1, 1, 1, n_layers=2)
@@ -154,7 +154,7 @@ def test_one_group_of_parameters_at_a_time(one_rank):
     """While the init runs, the model holds real full-size parameters of one group only (a
     block, or one module outside the blocks); the others are meta stand-ins."""
     from simplesharded.blocks import find_blocks
-    from simplesharded.init import init_sharded
+    from simplesharded.storage.init import init_sharded
 
     model = _sharded("llama3", 1, 1, 1, n_layers=3)
     block = max(sum(p.numel() for p in b.parameters()) for _, b in find_blocks(model))
@@ -171,7 +171,7 @@ def test_one_group_of_parameters_at_a_time(one_rank):
 
 
 def test_errors_are_one_line(one_rank):
-    from simplesharded.init import init_sharded
+    from simplesharded.storage.init import init_sharded
     from simplesharded.models import build_model
 
     with pytest.raises(ValueError, match="parameter 'tok_embeddings.weight' is on the meta "
@@ -184,7 +184,7 @@ def test_errors_are_one_line(one_rank):
 def test_a_forward_before_the_init_names_what_holds_nan(one_rank):
     """Uncompiled, until one forward passes: the first parameter nobody initialised is named
     (here the init wrote the embedding only); once all are written, forward runs."""
-    from simplesharded.init import init_sharded
+    from simplesharded.storage.init import init_sharded
 
     model = _sharded("llama3", 1, 1, 1, n_layers=2)
     tokens = torch.randint(0, 256, (1, 8))

@@ -1,9 +1,9 @@
-"""FSDP2's per-parameter contract under ragged buckets (simplesharded/ragged_shards.py).
+"""FSDP2's per-parameter contract under ragged buckets (simplesharded/storage/ragged_shards.py).
 
 Whatever the storage, ``named_parameters()`` lists the model's own parameters under their own
 names and global shapes, and each is a parameter the optimizer steps: under ragged buckets a
 DTensor whose local tensor is this rank's run of the parameter, a view of its bucket
-(simplesharded/ragged_member.py). One spawn of 2 gloo ranks, the toy model (2 blocks):
+(simplesharded/storage/ragged_member.py). One spawn of 2 gloo ranks, the toy model (2 blocks):
 
 - the names and shapes are the unwrapped model's;
 - AdamW with two parameter groups chosen by name (no weight decay on norms and biases) trains

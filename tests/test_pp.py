@@ -1,10 +1,10 @@
 """Pipeline parallelism composed with FSDP on 4 gloo ranks (pp 2 x dp_shard 2): parity with one
 process, the FSDP policies' reductions, the trainer.
 
-A small Llama 3 (4 blocks) is cut into stages (simplesharded/stage_split.py: 2 for 1F1B, 4 for
+A small Llama 3 (4 blocks) is cut into stages (simplesharded/pipeline/stage_split.py: 2 for 1F1B, 4 for
 the interleaved and V schedules, one or two per rank), each stage sharded by ``data_parallel``
 over the dp ranks of its pp coordinate and compiled or not, and trained for 5 SGD steps by
-torch's schedule (simplesharded/pipelining.py) on the same global batch as a one-process
+torch's schedule (simplesharded/pipeline/pipelining.py) on the same global batch as a one-process
 reference: each dp rank takes its rows, split into 4 micro-batches of one sequence; the loss is
 the summed cross-entropy over the global token count, computed on the last stage. Losses (the
 same on every rank; the 5 steps' and a forward-only one after them, through the schedule's
@@ -129,8 +129,8 @@ def _case(mesh, schedule: str, backend: str, policy: str, microbatches: int = MI
           storage: str = "param", *, evaluate: bool) -> dict:
     import simplesharded as ss
     from simplesharded.passes import agreement
-    from simplesharded.pipelining import pipeline, pipeline_peers
-    from simplesharded.ragged_shards import model_buckets
+    from simplesharded.pipeline.pipelining import pipeline, pipeline_peers
+    from simplesharded.storage.ragged_shards import model_buckets
 
     torch._dynamo.reset()
     dp, dp_rank = mesh.size(1), mesh.get_local_rank(1)

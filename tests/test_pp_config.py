@@ -107,8 +107,8 @@ def test_auto_policy_gathers_once_when_the_stage_fits_the_memory_cap():
     """auto: gather_once when a stage's parameters, gathered in the param dtype, fit
     compile.memory_cap_mb; reduce_once above it and without a cap."""
     from simplesharded.models import build_model
-    from simplesharded.pipelining import auto_policy
-    from simplesharded.stage_split import cut_stages
+    from simplesharded.pipeline.pipelining import auto_policy
+    from simplesharded.pipeline.stage_split import cut_stages
 
     model = build_model("llama3", "debug", device="meta")
     (_, stage), = cut_stages(model, 2, [0], None)

@@ -140,8 +140,8 @@ def test_auto_resolves_per_stage_as_the_pipeline_does():
     import torch
 
     from simplesharded.models import build_model
-    from simplesharded.pipelining import auto_policy
-    from simplesharded.stage_split import cut_stages
+    from simplesharded.pipeline.pipelining import auto_policy
+    from simplesharded.pipeline.stage_split import cut_stages
     from simplesharded.tools.pp_forecast import stage_numels, stage_policies
     from simplesharded.trainer.config import load_config
 

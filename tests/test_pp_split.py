@@ -1,4 +1,4 @@
-"""Cutting a model into pipeline stages (simplesharded/stage_split.py), in one process: the
+"""Cutting a model into pipeline stages (simplesharded/pipeline/stage_split.py), in one process: the
 FQNs a stage keeps, which modules it holds (embedding first, norm and head last), uneven and
 given splits, the stages chained equal the whole model, the merged view's keys, where the stages
 live (torch's own placement), and the models that cannot be staged."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from simplesharded.stage_split import (cut_stages, even_split, merged_view, plan_stages,
+from simplesharded.pipeline.stage_split import (cut_stages, even_split, merged_view, plan_stages,
                                        stage_to_rank, stages_of_rank)
 
 LLAMA = dict(dim=64, n_layers=6, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=32)
@@ -83,7 +83,7 @@ def test_cutting_copies_only_the_stage():
 def test_meta_stages_initialise_to_the_model_values():
     """init_sharded seeds each group by its name, which a stage keeps: a stage cut from the
     meta model and initialised holds the whole model's values."""
-    from simplesharded.init import init_sharded
+    from simplesharded.storage.init import init_sharded
 
     full = _model(device="meta")
     full.to_empty(device="cpu")

@@ -1,4 +1,4 @@
-"""The ragged bucket layout (simplesharded/ragged.py).
+"""The ragged bucket layout (simplesharded/storage/ragged.py).
 
 Single process: the geometry (every element of every parameter on exactly one rank, aligned
 offsets, the smallest equal ranges), the split that cuts a gathered buffer into parameters,
@@ -21,7 +21,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from dist_utils import max_rel_diff, spawn
 
-from simplesharded.ragged import RaggedLayout, from_ragged, shard0_rows, to_ragged
+from simplesharded.storage.ragged import RaggedLayout, from_ragged, shard0_rows, to_ragged
 
 SHAPES = [(7, 5), (7,), (3, 7), (3,), (1, 4), (2,)]  # uneven rows, a parameter smaller than w
 aten = torch.ops.aten
@@ -89,7 +89,7 @@ def test_ragged_model_lists_its_parameters_and_state_dict_converts_them():
     from pass_utils import fake_world
 
     import simplesharded as ss
-    from simplesharded.ragged_member import RaggedMember
+    from simplesharded.storage.ragged_member import RaggedMember
 
     with fake_world(2) as mesh:
         plain = ss.data_parallel(toy_blocks.make_model(), mesh)
@@ -112,8 +112,8 @@ def test_ragged_model_lists_its_parameters_and_state_dict_converts_them():
         # a deep copy reads and converts its own buckets
         import copy
 
-        from simplesharded.ragged_shards import _ATTR
-        from simplesharded.sharded_state import sharded_state
+        from simplesharded.storage.ragged_shards import _ATTR
+        from simplesharded.storage.sharded_state import sharded_state
 
         twin = copy.deepcopy(model)
         record = sharded_state(twin.layers[0].attention.wq).params["weight"]
@@ -337,7 +337,7 @@ def _hsdp(rank: int, world: int) -> dict:
 
     import simplesharded as ss
     from simplesharded.passes.collectives import count_collectives
-    from simplesharded.ragged_shards import model_buckets, optim_state_by_member
+    from simplesharded.storage.ragged_shards import model_buckets, optim_state_by_member
 
     mesh = init_device_mesh("cpu", (2, 2))
     numel = 2 * world * toy_blocks.BATCH_PER_RANK * toy_blocks.SEQ

@@ -1,4 +1,4 @@
-"""A ragged bucket's member as a DTensor (simplesharded/ragged_member.py), in one process on a
+"""A ragged bucket's member as a DTensor (simplesharded/storage/ragged_member.py), in one process on a
 fake group of 2 (this process is rank 0).
 
 - DTensor's dispatch caches sharding decisions by placement: a member's runs live on the
@@ -21,7 +21,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from pass_utils import fake_world
 
-from simplesharded.ragged_member import RaggedMember, _row_major_boxes
+from simplesharded.storage.ragged_member import RaggedMember, _row_major_boxes
 
 
 def _spec(mesh, shape):

@@ -1,4 +1,4 @@
-"""compile_step (simplesharded/step.py, optim_update.py): forward, loss, backward and AdamW's
+"""compile_step (simplesharded/step/__init__.py, optim_update.py): forward, loss, backward and AdamW's
 step in one compiled graph, against the split step (the same model compiled with the same
 backend, ``loss.backward()``, eager ``optimizer.step()``, ``zero_grad()``).
 
@@ -166,7 +166,7 @@ def test_clipped_step_graph_matches_split_step_with_clip_grad_norm(case):
     """With max_norm, clipping active at every step (the previous norm's from the second):
     the split step clips with torch.nn.utils.clip_grad_norm_ (clip_norm="current"), or with
     clip_grads_with_norm_ and the last step's get_total_norm ("previous"); the step graph
-    computes the norm with one all-reduce in torch's order (simplesharded/grad_clip.py), so
+    computes the norm with one all-reduce in torch's order (simplesharded/step/grad_clip.py), so
     after 10 steps every parameter and state tensor is bitwise the split step's."""
     for rank, res in enumerate(_results()):
         r = res[case]
@@ -185,7 +185,7 @@ def test_traced_update_is_bitwise_torchs_eager_update(opt_name, wd):
     """apply_update compiled (aot_eager) against torch's eager for-loop step on the same
     gradients, 10 steps with a changing learning rate, shapes with vector tails: parameters
     and every state tensor bitwise equal."""
-    from simplesharded.optim_update import apply_update, hyperparameters, prepare, step_inputs
+    from simplesharded.step.optim_update import apply_update, hyperparameters, prepare, step_inputs
 
     torch.manual_seed(0)
     shapes = [(64, 64), (37,), (13, 5), (1,)]

@@ -14,8 +14,11 @@
   - models/ imports only the library, passes/ and models/, never the trainer or the tools;
   - the library (simplesharded/*.py) and its platform shims (simplesharded/shims/) import
     neither the trainer nor the tools.
-  - the per-parameter record (simplesharded/sharded_state.py), which every storage module
+  - the per-parameter record (simplesharded/storage/sharded_state.py), which every storage module
     reads, imports no project module: it is the bottom of the library.
+* Nothing outside simplesharded/storage/ branches on which storage a parameter has: no
+  condition outside it reads a record's ``ragged`` slot, names a storage class or compares
+  with a storage's name (read with ``ast``; a hand-written module shows each kind is caught).
 A rule the code breaks today is an ``xfail(strict=True)`` case naming the edge, so the fix
 turns it into a failure that asks to drop the mark.
 """
@@ -273,10 +276,62 @@ def test_the_record_is_the_bottom():
     """The per-parameter record imports no project module, type-only imports included: the
     model-wide objects it points to are typed by Protocols beside it (sharded_state.py)."""
     graph = project_graph()
-    record = f"{PKG}.sharded_state"
+    record = f"{PKG}.storage.sharded_state"
     assert graph.edges[record] == set(), sorted(
         f"{b}" + ("" if b in graph.runtime[record] else " (type only)")
         for b in graph.edges[record])
+
+
+STORAGE_PACKAGE = f"{PKG}.storage"
+STORAGE_CLASSES = {"RaggedMember", "RaggedShards", "RaggedSlot", "RaggedLayout"}
+STORAGE_NAMES = {"param", "ragged"}  # simplesharded/storage/choice.py: STORAGES
+
+
+def storage_branches(source: str) -> list[tuple[int, str]]:
+    """(line, what) of every condition in ``source`` that tests which storage something has:
+    the test of an ``if``, conditional expression, ``while``, ``assert`` or comprehension
+    filter reading an attribute ``ragged``, naming a storage class, or comparing with a
+    storage's name."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        tests = [node.test] if isinstance(node, (ast.If, ast.IfExp, ast.While, ast.Assert)) \
+            else list(node.ifs) if isinstance(node, ast.comprehension) else []
+        for test in tests:
+            for n in ast.walk(test):
+                if isinstance(n, ast.Attribute) and n.attr == "ragged":
+                    found.append((test.lineno, "reads .ragged"))
+                elif isinstance(n, ast.Name) and n.id in STORAGE_CLASSES:
+                    found.append((test.lineno, f"names {n.id}"))
+                elif isinstance(n, ast.Compare) and any(
+                        isinstance(c, ast.Constant) and c.value in STORAGE_NAMES
+                        for c in ast.walk(n)):
+                    found.append((test.lineno, "compares with a storage's name"))
+    return found
+
+
+def test_storage_branches_are_found():
+    source = textwrap.dedent("""
+        if record.ragged is not None: pass
+        x = a if isinstance(t, RaggedMember) else b
+        assert storage == "ragged"
+        ys = [p for p in ps if p.storage in ("param",)]
+        if mode == "replicate": pass
+    """)
+    assert sorted(storage_branches(source)) == [
+        (2, "reads .ragged"), (3, "names RaggedMember"), (4, "compares with a storage's name"),
+        (5, "compares with a storage's name")]
+
+
+def test_nothing_outside_the_storage_package_branches_on_storage():
+    from simplesharded.storage.choice import STORAGES
+
+    assert set(STORAGES) == STORAGE_NAMES
+    outside = {m: p for m, p in module_files(ROOT).items()
+               if not (m == STORAGE_PACKAGE or m.startswith(STORAGE_PACKAGE + "."))}
+    assert f"{PKG}.sharding" in outside and f"{PKG}.step" in outside
+    found = [f"{m}:{line}: {what}" for m, path in sorted(outside.items())
+             for line, what in storage_branches(path.read_text())]
+    assert found == []
 
 
 # (name, which modules, the layers they may import, the layers they must not): exactly one of
@@ -339,9 +394,11 @@ def test_passes_import_only_torch_and_the_standard_library():
 # 40 with the check that a meta-built model was initialised; 41 with torch's checkpoint
 # wrapper compiled as our recompute regions; 44 with reordering's jobs in files of their own
 # (the gathered-byte spans, context parallelism's overlap, what moves with a wait); 43 once
-# flat bucket storage was retired; 44 with the DTensor of a ragged bucket's members.
+# flat bucket storage was retired; 44 with the DTensor of a ragged bucket's members; 47 with
+# the storage modules in a package of their own (its __init__, the storage choice, ragged
+# packing).
 # The models (7 modules) or the trainer (11) loaded as well would break it.
-MAX_LIBRARY_MODULES = 44
+MAX_LIBRARY_MODULES = 47
 
 
 def test_import_simplesharded_loads_no_trainer_or_tool(record_property):

@@ -1,4 +1,4 @@
-"""A traced parameter read is one op in dynamo's graph (simplesharded/gather.py): one
+"""A traced parameter read is one op in dynamo's graph (simplesharded/storage/gather.py): one
 ``simplesharded::gather_read`` node per parameter and no collective of its own there; the
 aot_autograd graphs hold its body, one annotated all-gather per parameter in forward and one
 annotated reduce-scatter per parameter in backward; a copied model's reads find their own

@@ -8,7 +8,8 @@ the string's inline buffer, so two threads can free the same heap buffer
 (benchmarks/history/journal.md#issue-13-item-7-the-heap-corruption-found-and-no-longer-triggered).
 ``all_gather_into_tensor_out`` goes through gloo's plain all-gather, whose name fits inline.
 
-``install()`` gives the functional op a CPU kernel that allocates the output and gathers into
+``install()`` (``data_parallel`` calls it on a gloo mesh; ``uninstall()`` undoes it) gives the
+functional op a CPU kernel that allocates the output and gathers into
 it with the ``_out`` op: the same bytes and values, and the work registered on the output as
 before, so ``wait_tensor`` waits on it. A kernel for the op's CPU key covers every path that
 gathers CPU tensors: our compiled graphs (aot_eager and inductor, whose generated code calls
@@ -30,6 +31,18 @@ def install() -> None:
     library = torch.library.Library("_c10d_functional", "IMPL")
     library.impl("all_gather_into_tensor", _gather_into_fresh_tensor, "CPU")
     _LIBRARY = library
+
+
+def uninstall() -> None:
+    """Give the op torch's own CPU kernel back (the library's registration dropped)."""
+    global _LIBRARY
+    if _LIBRARY is not None:
+        _LIBRARY._destroy()
+        _LIBRARY = None
+
+
+def installed() -> bool:
+    return _LIBRARY is not None
 
 
 def _gather_into_fresh_tensor(input: torch.Tensor, group_size: int, group_name

@@ -8,7 +8,7 @@ torch's own kernel, gloo's coalesced gather of one tensor), the same into a buff
 allocates (gloo's plain all-gather: what simplesharded/shims/gloo_gather.py makes the first form
 run), the coalesced gather straight into per-parameter outputs (which no pass emits:
 gloo's coalesced gather can corrupt the heap, docs/torch_internals.md), and the gather of a
-bucket in the ragged layout (simplesharded/ragged.py): without copy-in or copy-out, every
+bucket in the ragged layout (simplesharded/storage/ragged.py): without copy-in or copy-out, every
 parameter a view of the gathered buffer.
 The bucket is one llama3-small block's parameters (3.1M fp32 elements). Prints median wall ms
 and process CPU ms (all threads) per call; checks the forms of each kind agree.
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from simplesharded.mesh import spawn_local
-from simplesharded.ragged import RaggedLayout
+from simplesharded.storage.ragged import RaggedLayout
 
 
 

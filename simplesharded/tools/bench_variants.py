@@ -51,7 +51,7 @@ STEP_DEFAULT = ("ss_step_aot_eager_blockbucketing", "ss_step_aot_eager_autobucke
 # simplesharded.compile_step, under any compiler (aot_eager or inductor).
 STEP_PREFIX = "ss_step_"
 # ss_ragged_<backend>: data_parallel(..., storage="ragged"), each bucket in the ragged
-# layout (simplesharded/ragged_shards.py); for the backends that bucket, and uncompiled
+# layout (simplesharded/storage/ragged_shards.py); for the backends that bucket, and uncompiled
 # (ss_ragged_eager: a bucket is one gather without any pass). RAGGED_DEFAULT in the default
 # set, the others named with --variants.
 RAGGED_PREFIX = "ss_ragged_"

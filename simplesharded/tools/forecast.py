@@ -66,8 +66,8 @@ def main(argv=None) -> int:
     from simplesharded.trainer.config import load_config
     from simplesharded.mesh import resolve_degrees
     from simplesharded.passes.hardware import HARDWARE, get_hardware
-    from simplesharded.pipelining import AUTO as AUTO_POLICY
-    from simplesharded.pipelining import POLICIES
+    from simplesharded.pipeline.pipelining import AUTO as AUTO_POLICY
+    from simplesharded.pipeline.pipelining import POLICIES
     from simplesharded.trainer import check_static
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True, help="a configs/*.toml file")

@@ -8,17 +8,17 @@ their dp/tp links are the ones every stage sees). Everything is linear in depth,
 ``n`` blocks costs ``n`` x the per-block difference, and the last stage adds what is not a block
 (final norm, output head, loss; the embedding's lookup is negligible next to it), with the
 backend's own FSDP waits inside. The stage's parameters are counted from the model's FQNs
-(simplesharded/stage_split.py's cut: embedding with the first stage, norm and head with the
+(simplesharded/pipeline/stage_split.py's cut: embedding with the first stage, norm and head with the
 last).
 
 The step is then simulated per pp rank (pp_simulate.py) in the schedule's order (pp_orders.py):
 activations (micro-batch x seq x dim, whole sequences also under sequence parallelism) sent between
 stages on the link joining ranks ``world / pp`` apart (inter-node as soon as one pp coordinate
-fills a node); FSDP per stage as simplesharded/pipelining.py runs ``pipeline_fsdp_policy``:
+fills a node); FSDP per stage as simplesharded/pipeline/pipelining.py runs ``pipeline_fsdp_policy``:
 ``every_microbatch`` and ``reduce_once`` gather in every micro-batch's forward (and backward,
 as traced), ``every_microbatch`` reduces per micro-batch, the other two once per stage and step
 on the dp link; ``gather_once`` gathers the stage's parameters once per step (one flat
-collective: a dense stage's parameters are one bucket of simplesharded/gather_once.py) and its
+collective: a dense stage's parameters are one bucket of simplesharded/storage/gather_once.py) and its
 micro-batches lose the traced FSDP waits; ``auto`` is resolved per stage by the pipeline's own
 rule (pipelining.auto_policy_of) on the stage's parameter count.
 """
@@ -28,7 +28,7 @@ import argparse
 import copy
 from dataclasses import dataclass
 
-from simplesharded.pipelining import AUTO, DEFERRED, POLICIES, auto_policy_of
+from simplesharded.pipeline.pipelining import AUTO, DEFERRED, POLICIES, auto_policy_of
 from simplesharded.tools.pp_orders import rank_orders, stage_rank
 from simplesharded.tools.pp_simulate import PipelineStep, StageCost, simulate_pipeline
 
@@ -146,7 +146,7 @@ def policy_label(policy: str, policies: list[str]) -> str:
 def stage_numels(cfg, n_stages: int, blocks: list[int]) -> tuple[list[int], int]:
     """(parameters of each stage, of the whole model), from the meta model's FQNs."""
     from simplesharded.models import build_model
-    from simplesharded.stage_split import plan_stages
+    from simplesharded.pipeline.stage_split import plan_stages
     model = build_model(cfg.model.name, cfg.model.flavor, device="meta")
     plans = plan_stages(model, n_stages, blocks)
     numel = {n: p.numel() for n, p in model.named_parameters()}
@@ -166,7 +166,7 @@ def run(cfg, ns, hw, cap, t0, traced_numbers) -> int:
     import time
 
     from simplesharded.models import get_model_spec
-    from simplesharded.stage_split import even_split
+    from simplesharded.pipeline.stage_split import even_split
     from simplesharded.trainer import check_static
     from simplesharded.trainer.config_checks import PIPELINE_SCHEDULES
 

@@ -15,7 +15,7 @@ needs stages on a process group):
   so more micro-batches are in flight than under 1F1B but the bubble shrinks by ``v``.
 
 The zero-bubble schedules are not modelled: compiled stages run the whole backward in the
-input-gradient step (simplesharded/pipelining.py), so their weight steps would be empty.
+input-gradient step (simplesharded/pipeline/pipelining.py), so their weight steps would be empty.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ backward for the next stage's gradient, each sent point-to-point after the produ
 
 A rank's idle time before an action is a *bubble* while the producer is still computing and an
 *exposed p2p wait* once it has finished and the transfer is in flight. Each stage has one of
-the pipeline's FSDP policies (simplesharded/pipelining.py: ``policy``, one for all stages or
+the pipeline's FSDP policies (simplesharded/pipeline/pipelining.py: ``policy``, one for all stages or
 one per stage). A stage's FSDP work is inside its costs (the traced graphs of one micro-batch,
 with their own exposed waits), except that under ``reduce_once`` and ``gather_once`` its
 gradients are reduced once, after its last backward, on the rank's data-parallel link: beside
@@ -26,7 +26,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from simplesharded.pipelining import DEFERRED, POLICIES
+from simplesharded.pipeline.pipelining import DEFERRED, POLICIES
 from simplesharded.tools.pp_orders import Action
 
 

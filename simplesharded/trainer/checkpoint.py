@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
 
-from simplesharded.ragged_shards import optim_state_by_bucket, optim_state_by_member
+from simplesharded.storage.ragged_shards import optim_state_by_bucket, optim_state_by_member
 
 MODEL_JSON = "model.json"  # what export reads of the model, beside its tensors
 _STEP_DIR = re.compile(r"^step-(\d+)$")

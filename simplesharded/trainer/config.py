@@ -186,7 +186,7 @@ class Parallelism:
         "gradients unsharded meanwhile), gather_once (reduce_once, and one gather per stage "
         "per step: its parameters unsharded too), or auto (per stage: gather_once when its "
         "parameters fit compile.memory_cap_mb, else reduce_once; see "
-        "simplesharded/pipelining.py: auto_policy)",
+        "simplesharded/pipeline/pipelining.py: auto_policy)",
         ("auto", "every_microbatch", "reduce_once", "gather_once"))
 
     @property

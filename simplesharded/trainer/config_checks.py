@@ -13,6 +13,7 @@ import copy
 import dataclasses
 from typing import Any, Iterable
 
+from simplesharded.storage.choice import modes_taken
 from simplesharded.trainer.config_parse import sections
 
 # Stand-ins for config.py's Config and its parallelism section (not imported: see above).
@@ -20,7 +21,7 @@ _Config = _Parallelism = Any
 
 
 # parallelism.pipeline_parallel_schedule → (stages per pp rank by default, whether that number
-# is fixed). simplesharded/pipelining.py maps the names to torch's schedule classes.
+# is fixed). simplesharded/pipeline/pipelining.py maps the names to torch's schedule classes.
 PIPELINE_SCHEDULES = {"1F1B": (1, True), "Interleaved1F1B": (2, False),
                       "InterleavedZeroBubble": (2, False), "ZBVZeroBubble": (2, True)}
 
@@ -143,7 +144,7 @@ def validate(cfg: _Config, backends: Iterable[str] | None = None) -> None:
                          f"training.seq_len={t.seq_len}{where} (sequence parallelism splits the "
                          f"sequence; or --no-parallelism.enable_sequence_parallel)")
     _check_pipeline(cfg)
-    _check_ragged(cfg)
+    _check_storage(cfg)
     if cfg.compile.scope == "step":
         _check_step_scope(cfg)
     elif t.clip_norm != "current":
@@ -173,14 +174,17 @@ def _check_pipeline(cfg: _Config) -> None:
                          f"runs {want}")
 
 
-def _check_ragged(cfg: _Config) -> None:
-    """storage=ragged (simplesharded/ragged_shards.py) takes fully_shard and hybrid_shard,
-    with or without tensor, expert, context and pipeline parallelism: what it does not take is
-    one error naming the setting."""
+def _check_storage(cfg: _Config) -> None:
+    """A storage named explicitly takes the modes its package says it takes
+    (simplesharded/storage/choice.py); ragged buckets take fully_shard and hybrid_shard, with
+    or without tensor, expert, context and pipeline parallelism. What it does not take is one
+    error naming the setting."""
     p = cfg.parallelism
-    if p.storage == "ragged" and p.mode == "replicate":
-        raise ValueError("parallelism.storage='ragged' needs parallelism.mode 'fully_shard' "
-                         "or 'hybrid_shard', got 'replicate' (or set storage=param)")
+    modes = modes_taken(p.dp_storage)
+    if p.mode not in modes:
+        raise ValueError(f"parallelism.storage={p.storage!r} needs parallelism.mode "
+                         f"{' or '.join(repr(m) for m in modes)}, got {p.mode!r} "
+                         f"(or set storage=param)")
 
 
 def _check_step_scope(cfg: _Config) -> None:

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from simplesharded.grad_sync import set_requires_gradient_sync
-from simplesharded.init import init_sharded
+from simplesharded.storage.grad_sync import set_requires_gradient_sync
+from simplesharded.storage.init import init_sharded
 from simplesharded.mesh import PP_DIM, build_mesh, ep_dim
 from simplesharded.models import build_model, hf_loading, hf_source
 from simplesharded.trainer import checkpoint as ckpt
@@ -29,7 +29,7 @@ from simplesharded.trainer.metrics import (MetricsLogger, format_record, memory_
                                           reset_peak_memory, throughput)
 from simplesharded.trainer.optim import build_optimizer, grad_norm_and_clip, lr_lambda
 from simplesharded.trainer.preflight import HF
-from simplesharded.pipelining import Pipeline
+from simplesharded.pipeline.pipelining import Pipeline
 from simplesharded.trainer.recipe import (loss_chunks, parallelize, pipeline_loss,
                                           uses_loss_parallel)
 
@@ -103,7 +103,7 @@ class Trainer:
                         f"tokenizer {tok}")
         else:
             # Each rank fills only its shards, on the mesh's device, with its slice of the
-            # same full values at any world size and tp / ep degree (simplesharded/init.py).
+            # same full values at any world size and tp / ep degree (simplesharded/storage/init.py).
             init_sharded(model, seed=cfg.job.seed)
         self.model = model
         if self.pipeline is None:
@@ -113,7 +113,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.tokens_per_step = t.global_batch_size * t.seq_len
         self.flops_per_token = self.model_info.num_flops_per_token(t.seq_len)
-        # compile.scope=step: forward to optimizer step in one graph (simplesharded/step.py)
+        # compile.scope=step: forward to optimizer step in one graph (simplesharded/step/__init__.py)
         self.whole_step = self._compile_step(observer) if (
             cfg.compile.enable and cfg.compile.scope == "step") else None
         self.peak = peak_flops(device, cfg.metrics.peak_tflops, t.mixed_precision_param)
@@ -206,7 +206,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         n = t.gradient_accumulation_steps
         # last_microbatch: the earlier micro-batches' backwards only accumulate locally, the
-        # last one reduces the sum once (simplesharded/grad_sync.py); every rank toggles alike.
+        # last one reduces the sum once (simplesharded/storage/grad_sync.py); every rank toggles alike.
         sync_last = n > 1 and t.gradient_sync == "last_microbatch"
         for i in range(n):
             if sync_last:

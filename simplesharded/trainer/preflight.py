@@ -65,10 +65,10 @@ def check_static(cfg: Config, world_size: int) -> Config:
 
 
 def _check_pipeline(cfg: Config) -> None:
-    """The model can be cut into the stages the config asks for (simplesharded/stage_split.py
+    """The model can be cut into the stages the config asks for (simplesharded/pipeline/stage_split.py
     cuts the model the trainer builds, on the meta device here)."""
     from simplesharded.models import build_model
-    from simplesharded.stage_split import plan_stages
+    from simplesharded.pipeline.stage_split import plan_stages
     from simplesharded.trainer.config_checks import pipeline_stages
 
     p = cfg.parallelism

@@ -122,7 +122,7 @@ def parallelize(model: torch.nn.Module, mesh, cfg: Config, backend=None, observe
     """TP → EP → CP → activation checkpointing → data_parallel → compile, in that order, on the
     model or, under pipeline parallelism, on each of this rank's stages; returns the callable
     a step runs (the compiled model, or the model itself), or the
-    :class:`~simplesharded.pipelining.Pipeline` of this rank's stages (``loss_fn``: the loss
+    :class:`~simplesharded.pipeline.pipelining.Pipeline` of this rank's stages (``loss_fn``: the loss
     its last stage computes from the logits and the labels, :func:`pipeline_loss`).
     ``backend``: a torch.compile backend used instead of the configured one (``python -m
     simplesharded.tools.forecast`` captures the graphs with its own, so it traces what the
@@ -154,7 +154,7 @@ def parallelize(model: torch.nn.Module, mesh, cfg: Config, backend=None, observe
     if pp == 1:
         set_agreement_peers(None)  # one model: every rank compiles the same graphs
         return prepare(model)
-    from simplesharded.pipelining import pipeline
+    from simplesharded.pipeline.pipelining import pipeline
 
     # What one micro-batch is at each stage boundary: tokens in, hidden states between
     # stages, logits out (in the gathered parameters' dtype), so no forward runs to find out.

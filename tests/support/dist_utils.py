@@ -217,7 +217,7 @@ def storage_and_backend(case: str) -> tuple[str, str]:
 
 def ragged_buckets(model) -> dict[str, int]:
     """Ragged bucket name → how many parameters it holds (storage="ragged")."""
-    from simplesharded.ragged_shards import model_buckets
+    from simplesharded.storage.ragged_shards import model_buckets
 
     return {bucket.name: len(bucket.fqns) for bucket in model_buckets(model)}
 
@@ -227,7 +227,7 @@ def by_member(model, grads: bool = False) -> dict:
     through their per-parameter shards (a collective: every rank calls it)."""
     from torch.distributed.tensor import DTensor
 
-    from simplesharded.ragged_shards import model_buckets
+    from simplesharded.storage.ragged_shards import model_buckets
 
     def full(t):
         return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()

@@ -14,7 +14,7 @@ autograd engine runs the node that saved the tensor, and the engine orders nodes
 alone (dependencies, then creation order); every rank built the same graph by running the
 same forward, and the reduce-scatters of the gradients are issued from those same nodes.
 
-A ragged bucket (simplesharded/ragged_shards.py) is one gather whose members are views of
+A ragged bucket (simplesharded/storage/ragged_shards.py) is one gather whose members are views of
 it: its tensors saved in forward are packed as views of the bucket, and backward gathers the
 bucket once, at the first unpack of one of them, and drops it at the last (FSDP2's unit:
 a block's parameters are gathered for the block's backward).
@@ -33,8 +33,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from simplesharded.gather import _GatherScope, regather
-from simplesharded.sharded_state import RaggedBucketProtocol, sharded_state
+from simplesharded.storage.gather import _GatherScope, regather
+from simplesharded.storage.sharded_state import RaggedBucketProtocol, sharded_state
 
 
 class _Gathered:

@@ -1,15 +1,15 @@
 """Gather a model's parameters once for several forwards: ``gather_held(model)`` before the
 first, ``release_held(model)`` after the last (the pipeline's ``gather_once`` policy,
-simplesharded/pipelining.py).
+simplesharded/pipeline/pipelining.py).
 
 ``gather_held`` all-gathers every sharded parameter of a ``data_parallel`` root in its
 ``param_dtype`` and keeps the full tensors, detached, in the root's gradient-sync state
-(``held``, by FQN). While a parameter is held, reading it (simplesharded/gather.py) returns the
+(``held``, by FQN). While a parameter is held, reading it (simplesharded/storage/gather.py) returns the
 held tensor instead of gathering: no collective in the forwards, eager or compiled (a compiled
 forward takes the held tensors as graph inputs). The held tensors carry no autograd link to the
-shards, so the forwards must run with gradient sync off (simplesharded/grad_sync.py): each
+shards, so the forwards must run with gradient sync off (simplesharded/storage/grad_sync.py): each
 backward sums the full-size gradients into the rank-local accumulators, and
-simplesharded/deferred_reduce.py reduces them once. ``release_held`` drops the full tensors.
+simplesharded/storage/deferred_reduce.py reduces them once. ``release_held`` drops the full tensors.
 
 One collective per bucket, a bucket being the parameters sharded the same way (the same dp
 mesh, a plain shard on its innermost dim, replicated on the others; the same dtype): each
@@ -17,7 +17,7 @@ rank's chunks, padded to the largest chunk as DTensor pads an uneven shard, are 
 flat buffer and all-gathered over the shard dim; a replicated dim needs no communication (every
 replica holds the same chunk). Placements the flat layout does not cover (a parameter sharded
 over two dp dims) are gathered one by one through DTensor. A ragged bucket
-(simplesharded/ragged_shards.py) is its own collective: its ``[L]`` gathered into the ``[w·L]``
+(simplesharded/storage/ragged_shards.py) is its own collective: its ``[L]`` gathered into the ``[w·L]``
 its members are views of, held under the bucket's name.
 
 Memory: the held parameters, unsharded, from the first forward to the release, on top of the
@@ -33,9 +33,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Replicate
 
-from simplesharded.deferred_reduce import _kind
-from simplesharded.ragged import collective_on_concat
-from simplesharded.sharded_state import root_state
+from simplesharded.storage.deferred_reduce import _kind
+from simplesharded.storage.ragged import collective_on_concat
+from simplesharded.storage.sharded_state import root_state
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 

@@ -179,7 +179,7 @@ def init_sharded(model: nn.Module, init_fn: Callable[[nn.Module], None] | None =
     and keeps its region (ragged buckets aside: their members are converted to per-parameter
     shards for the init and back, one all-to-all each way per bucket).
     """
-    from simplesharded.ragged_shards import members_as_shards
+    from simplesharded.storage.ragged_shards import members_as_shards
 
     # ragged buckets: their members as per-parameter shards for the init's length
     with members_as_shards(model):

@@ -129,7 +129,7 @@ class RaggedLayout:
         ``replicas``: the name of a group holding replicas of this rank's range (HSDP): the
         reduce-scatter's output is then summed over it too (one all-reduce). ``route``: what
         the gathered buffer passes through before the split (gradient-sync control,
-        simplesharded/grad_sync.py, sends its gradient elsewhere)."""
+        simplesharded/storage/grad_sync.py, sends its gradient elsewhere)."""
         if local.shape != (self.shard_numel,):
             raise ValueError(f"RaggedLayout.gather: local has shape {tuple(local.shape)}, "
                              f"expected ({self.shard_numel},)")

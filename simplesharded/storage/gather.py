@@ -20,9 +20,9 @@ import torch.fx.traceback as fx_traceback
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from simplesharded.layout import _is_hybrid
+from simplesharded.storage.layout import _is_hybrid
 from simplesharded.passes.annotations import BLOCK_KEY, DP_GROUPS_KEY, PARAM_KEY, RESHARD_KEY
-from simplesharded.sharded_state import (EagerReshardProtocol, ShardedParam, read_record,
+from simplesharded.storage.sharded_state import (EagerReshardProtocol, ShardedParam, read_record,
                                          sharded_state)
 
 
@@ -47,7 +47,7 @@ class _ScaleGrad(torch.autograd.Function):
 def gather_param(shard: DTensor, param: ShardedParam) -> torch.Tensor:
     """Shard → full local tensor in param_dtype (the model-parallel DTensor when
     ``param.mp_layout`` is set); its gradient is reduced back onto the shard over the
-    parameter's dp dims only. A parameter held gathered (simplesharded/gather_once.py) is read
+    parameter's dp dims only. A parameter held gathered (simplesharded/storage/gather_once.py) is read
     from there: no collective, its gradient to the rank-local accumulator.
 
     All dp ops are annotated with the parameter FQN so graph passes can find them in the
@@ -68,7 +68,7 @@ def gather_param(shard: DTensor, param: ShardedParam) -> torch.Tensor:
 
 
 def _held(param: ShardedParam) -> torch.Tensor | None:
-    """The full tensor gathered once for several forwards (simplesharded/gather_once.py), if
+    """The full tensor gathered once for several forwards (simplesharded/storage/gather_once.py), if
     any: its gradient reaches the accumulators only, so sync must be off."""
     sync = param.spec.grad_sync
     return sync.held_for(param.fqn) if sync is not None else None

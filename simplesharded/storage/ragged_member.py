@@ -1,6 +1,6 @@
 """A parameter of a ragged bucket as users see it: :class:`RaggedMember`.
 
-A parameter in a ragged bucket (simplesharded/ragged.py) is, on each rank of the mesh dim the
+A parameter in a ragged bucket (simplesharded/storage/ragged.py) is, on each rank of the mesh dim the
 bucket is cut over, a contiguous run of its flattened elements, of any length (possibly
 none). What ``named_parameters()`` and the optimizer hold is a ``RaggedMember``: a DTensor
 with the parameter's global shape and the placements it has on per-parameter storage

@@ -48,8 +48,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from simplesharded.ragged_shards import model_buckets
-from simplesharded.sharded_state import root_state, sharded_params
+from simplesharded.storage.ragged_shards import model_buckets
+from simplesharded.storage.sharded_state import root_state, sharded_params
 
 
 class _DeferGrad(torch.autograd.Function):
@@ -92,7 +92,7 @@ class _GradSync:
         # fqn (a ragged bucket: its name) → accumulator leaf (made when sync goes off)
         self.acc: dict[str, torch.Tensor] = {}
         self.pending: dict[str, torch.Tensor] = {}  # the same keys → gradient to add once
-        # fqn → the full tensor gathered once for several forwards (simplesharded/gather_once.py)
+        # fqn → the full tensor gathered once for several forwards (simplesharded/storage/gather_once.py)
         self.held: dict[str, torch.Tensor | None] = {}
 
     def route(self, local: torch.Tensor, fqn: str) -> torch.Tensor:
@@ -107,7 +107,7 @@ class _GradSync:
 
     def held_for(self, key: str) -> torch.Tensor | None:
         """The full tensor gathered once for several forwards under ``key`` (an FQN, or a
-        ragged bucket's name; simplesharded/gather_once.py), if any: its gradient reaches the
+        ragged bucket's name; simplesharded/storage/gather_once.py), if any: its gradient reaches the
         accumulators only, so sync must be off."""
         held = self.held.get(key)
         if held is not None and self.sync and torch.is_grad_enabled():
@@ -124,7 +124,7 @@ class _GradSync:
                 yield param, shard
 
     def ragged_buckets(self, model: nn.Module) -> Iterator:
-        """Every ragged bucket of ``model`` under this sync (simplesharded/ragged_shards.py),
+        """Every ragged bucket of ``model`` under this sync (simplesharded/storage/ragged_shards.py),
         in module order."""
         for bucket in model_buckets(model):
             if bucket.grad_sync is self:
@@ -162,7 +162,7 @@ def set_requires_gradient_sync(model: nn.Module, requires_sync: bool) -> None:
     The setting in effect when a *forward* runs decides what its backward does; set it before
     the forward (as FSDP2's ``set_requires_gradient_sync`` is used) and turn it back on after
     the last no-sync backward. Memory: while off, every rank holds the whole model's
-    gradients unsharded (see simplesharded/grad_sync.py). All ranks must make the same calls.
+    gradients unsharded (see simplesharded/storage/grad_sync.py). All ranks must make the same calls.
     """
     model, root = root_state(model)
     state = root.grad_sync

@@ -25,8 +25,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from simplesharded.mesh import (EFSDP_DIM, EP_DIM, NAMED_LAYOUTS, dim_size, ep_dim,
                                 mesh_roles, tp_dim)
-from simplesharded.sharded_state import _GatherSpec, _MPLayout
-from simplesharded.uninitialised import uninitialised_like
+from simplesharded.storage.sharded_state import _GatherSpec, _MPLayout
+from simplesharded.storage.uninitialised import uninitialised_like
 
 MODES = ("replicate", "fully_shard", "hybrid_shard")
 
@@ -110,7 +110,7 @@ def _contiguous_stride(shape) -> tuple:
 def _to_shard(t: torch.Tensor, mesh: DeviceMesh, placements: tuple) -> DTensor:
     """Each rank keeps only its own chunk (no communication: every rank holds the same full
     tensor by construction, or the tensor is on meta and is materialised uninitialised here:
-    simplesharded/uninitialised.py)."""
+    simplesharded/storage/uninitialised.py)."""
     if t.is_meta:
         meta_dt = distribute_tensor(t, mesh, placements, src_data_rank=None)
         local = uninitialised_like(meta_dt.to_local(), mesh.device_type)

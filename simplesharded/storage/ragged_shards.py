@@ -1,5 +1,5 @@
 """Ragged bucket storage (``data_parallel(..., storage="ragged")``): each bucket's
-parameters live in the ragged layout (simplesharded/ragged.py), so every gathered parameter is
+parameters live in the ragged layout (simplesharded/storage/ragged.py), so every gathered parameter is
 a view of its bucket's gathered buffer: no copy-in, no copy-out.
 
 A bucket is one DTensor, ``Shard(0)`` of the flattened bucket over the dp shard dim (``[w·L]``,
@@ -7,7 +7,7 @@ this rank holding ``[L]``): what forward gathers and backward differentiates. It
 module's parameter. The parameters users see are its members, each in its own module's slot
 under its own name (FSDP2's contract, as FSDP1's ``use_orig_params`` kept it over flat
 parameters): a DTensor of the member's global shape whose local tensor is this rank's run
-of it, a view of the bucket's ``[L]`` (``RaggedMember``, simplesharded/ragged_member.py).
+of it, a view of the bucket's ``[L]`` (``RaggedMember``, simplesharded/storage/ragged_member.py).
 Optimizers step the members, so parameter groups by name, per-parameter learning rates and
 freezing a member after wrapping (``requires_grad_(False)``: it gets no gradient) work as on
 per-parameter shards; torch's ``clip_grad_norm_`` reduces their norms over the ranks. After
@@ -42,10 +42,10 @@ per-parameter shards (:func:`members_as_shards`), so a model built on the meta d
 ragged buckets too. Mixed precision: the cast of a bucket's ``[L]`` to the gather's dtype is
 its only copy-in. Gradient-sync control (``no_gradient_sync``) runs per bucket: its gathered
 buffer's gradient is what is deferred and added back, or reduced once by a pipeline stage
-(simplesharded/deferred_reduce.py); ``gather_once`` holds the gathered buffer itself;
+(simplesharded/storage/deferred_reduce.py); ``gather_once`` holds the gathered buffer itself;
 ``compile_step`` differentiates and updates a member through its bucket
-(simplesharded/step.py). Eager, a bucket reshards after forward as a
-parameter does (simplesharded/eager_reshard.py): backward gathers it again, once.
+(simplesharded/step/__init__.py). Eager, a bucket reshards after forward as a
+parameter does (simplesharded/storage/eager_reshard.py): backward gathers it again, once.
 
 Invariant: a bucket's members, order and layout depend only on the module tree and the
 parameters' global shapes, so they are the same on every rank.
@@ -66,13 +66,13 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from simplesharded.ac_wrappers import unwrapped_key
-from simplesharded.layout import _contiguous_stride
+from simplesharded.storage.layout import _contiguous_stride
 from simplesharded.passes.annotations import (BLOCK_KEY, BUCKET_PARAMS_KEY, DP_GROUPS_KEY,
                                              PARAM_KEY, RAGGED_KEY, RESHARD_KEY)
-from simplesharded.ragged import (Precision, RaggedLayout, from_ragged, gather_buffer,
+from simplesharded.storage.ragged import (Precision, RaggedLayout, from_ragged, gather_buffer,
                                   reduce_gathered, shard0_rows, to_ragged)
-from simplesharded.ragged_member import RaggedMember
-from simplesharded.sharded_state import (GatherScopeProtocol, GradSyncProtocol, ShardedParam,
+from simplesharded.storage.ragged_member import RaggedMember
+from simplesharded.storage.sharded_state import (GatherScopeProtocol, GradSyncProtocol, ShardedParam,
                                          sharded_state)
 
 ALIGN_BYTES = 128  # every member starts 128-byte aligned in the gathered buffer
@@ -171,7 +171,7 @@ class RaggedShards:
 
     def member(self, run: torch.Tensor, i: int) -> RaggedMember:
         """``run``, laid out as member ``i``'s run on this rank, as its DTensor
-        (simplesharded/ragged_member.py)."""
+        (simplesharded/storage/ragged_member.py)."""
         return RaggedMember.make(run, self.member_specs[i], self.member_runs[i], self.dim)
 
     def _hand_out_grad(self, bucket: torch.Tensor) -> None:
@@ -295,8 +295,8 @@ class RaggedShards:
 
     def gather_whole(self) -> torch.Tensor:
         """The bucket's gathered ``[w·L]`` in its gather dtype, without autograd: what
-        ``gather_once`` holds (simplesharded/gather_once.py) and eager resharding re-gathers
-        in backward (simplesharded/eager_reshard.py). One all-gather over the shard dim
+        ``gather_once`` holds (simplesharded/storage/gather_once.py) and eager resharding re-gathers
+        in backward (simplesharded/storage/eager_reshard.py). One all-gather over the shard dim
         (replicas hold the same range)."""
         with torch.no_grad():
             return gather_buffer(self.param.to_local(), self.layout.world, self.group_name,
@@ -308,7 +308,7 @@ class RaggedShards:
 
     def accumulator(self) -> torch.Tensor:
         """A no-sync accumulator leaf for the gathered buffer: an expanded zero scalar in the
-        bucket's dtype (simplesharded/grad_sync.py)."""
+        bucket's dtype (simplesharded/storage/grad_sync.py)."""
         zero = torch.zeros((), dtype=self.param.dtype, device=self.param.device)
         return zero.expand(self.layout.total).requires_grad_()
 
@@ -393,7 +393,7 @@ def attach_state_dict_hooks(owner: nn.Module, buckets: list[RaggedShards]) -> No
 
 def share_owned_buckets(dst: nn.Module, src: nn.Module) -> None:
     """Make ``dst``, a module holding ``src``'s parameters under the same names (a pipeline
-    rank's merged view of its stages, simplesharded/stage_split.py), convert the buckets
+    rank's merged view of its stages, simplesharded/pipeline/stage_split.py), convert the buckets
     ``src`` owns in its own ``state_dict`` and ``load_state_dict`` too."""
     owned = getattr(src, _ATTR, None)
     if owned is None:

@@ -2,10 +2,10 @@
 schedules, with FSDP across a stage's micro-batches.
 
 ``pipeline(model, mesh, ...)`` is the whole of it for one rank: it cuts ``model`` into stages
-(simplesharded/stage_split.py), hands each of this rank's stages to ``prepare`` (tensor / expert
+(simplesharded/pipeline/stage_split.py), hands each of this rank's stages to ``prepare`` (tensor / expert
 parallelism, activation checkpointing, ``data_parallel``, compile: the trainer's recipe), and
 returns a :class:`Pipeline` whose ``step(inputs, labels)`` runs one schedule step.
-``pipeline_stage(...)`` wraps one stage module (simplesharded/stage_split.py cut it; it is a
+``pipeline_stage(...)`` wraps one stage module (simplesharded/pipeline/stage_split.py cut it; it is a
 ``data_parallel`` root, compiled or not) in a :class:`ShardedStage`, torch's ``PipelineStage``
 with the data-parallel behaviour torch leaves to its ``*_maybe_with_nosync`` and
 ``perform_reduce_grad`` hooks (which know only DDP and FSDP2); ``build_schedule(...)`` makes
@@ -17,16 +17,16 @@ FSDP across micro-batches, ``policy``:
 
 - ``"every_microbatch"``: each micro-batch's forward gathers (compiled: inside its graph) and
   its backward reduces, as without a pipeline. Gradients stay sharded.
-- ``"reduce_once"``: every forward runs with gradient sync off (simplesharded/grad_sync.py),
+- ``"reduce_once"``: every forward runs with gradient sync off (simplesharded/storage/grad_sync.py),
   so backwards sum full-size gradients on the rank, and after the stage's last backward the
   schedule's reduction point (``perform_reduce_grad``) reduces them once
-  (simplesharded/deferred_reduce.py): one collective per stage and step instead of one per
+  (simplesharded/storage/deferred_reduce.py): one collective per stage and step instead of one per
   micro-batch and bucket. Not "sync on for the last micro-batch": under 1F1B the last
   forward runs before earlier micro-batches' backwards, when the sums are not yet complete.
   Memory: the stage's gradients unsharded between its first backward and the reduction.
   Every rank decides alike: the setting is the policy's, never a rank's state.
 - ``"gather_once"``: reduce_once's backwards and reduction, and the stage's first forward of a
-  step all-gathers its parameters once (simplesharded/gather_once.py: one collective per
+  step all-gathers its parameters once (simplesharded/storage/gather_once.py: one collective per
   bucket of like-sharded parameters) and keeps them, so no micro-batch gathers; they are
   released at the reduction point. Traffic: one gather and one reduction per stage and step,
   whatever the number of micro-batches. Memory: the stage's parameters and gradients
@@ -59,12 +59,12 @@ from torch.distributed.pipelining._backward import (stage_backward, stage_backwa
 from torch.distributed.pipelining.schedules import (BACKWARD_INPUT, BACKWARD_WEIGHT,
                                                     FULL_BACKWARD)
 
-from simplesharded.deferred_reduce import reduce_accumulated
-from simplesharded.gather_once import gather_held, release_held
-from simplesharded.grad_sync import set_requires_gradient_sync
+from simplesharded.storage.deferred_reduce import reduce_accumulated
+from simplesharded.storage.gather_once import gather_held, release_held
+from simplesharded.storage.grad_sync import set_requires_gradient_sync
 from simplesharded.mesh import PP_DIM, dim_size, stage_mesh
 from simplesharded.passes.agreement import set_agreement_peers
-from simplesharded.stage_split import cut_stages, merged_view, stages_of_rank
+from simplesharded.pipeline.stage_split import cut_stages, merged_view, stages_of_rank
 
 # Schedule name (the trainer's parallelism.pipeline_parallel_schedule) → (torch class, where
 # its stages live: stage_split.stage_to_rank's style).
@@ -102,7 +102,7 @@ class ShardedStage(PipelineStage):
 
     def _grad_leaves(self) -> list[torch.Tensor]:
         """Where the weights' gradients land: the shards, or with sync off the accumulators."""
-        from simplesharded.sharded_state import sharded_state
+        from simplesharded.storage.sharded_state import sharded_state
 
         sync = sharded_state(self.root).grad_sync
         if sync.sync:

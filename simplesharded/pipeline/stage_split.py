@@ -30,7 +30,7 @@ from typing import Sequence
 from torch import nn
 
 from simplesharded.blocks import BlockSpec, find_blocks
-from simplesharded.ragged_shards import share_owned_buckets
+from simplesharded.storage.ragged_shards import share_owned_buckets
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 ``reduce_accumulated(model)``.
 
 ``set_requires_gradient_sync(model, True)`` reduces the accumulated sums in the backward of the
-next forward (simplesharded/grad_sync.py). A pipeline schedule has no such forward: the last
+next forward (simplesharded/storage/grad_sync.py). A pipeline schedule has no such forward: the last
 micro-batch's forward runs before the backwards of earlier micro-batches (1F1B), so at that
 forward the sums are not complete. Its reduction point is after a stage's last backward (torch's
 schedules call the stage's ``perform_reduce_grad`` there), and this is what runs then.
@@ -19,7 +19,7 @@ Per parameter the result is the reduction the sync backward would run: the same 
 (``reduce_dtype``, else the gathered dtype), the same scaling (``grad_reduction="avg"``),
 added to a ``.grad`` already there.
 Placements the flat layout does not cover (a parameter sharded over two dp dims) are reduced
-one by one through DTensor. A ragged bucket (simplesharded/ragged_shards.py) accumulates its
+one by one through DTensor. A ragged bucket (simplesharded/storage/ragged_shards.py) accumulates its
 gathered buffer's gradient in one leaf, reduced as its sync backward would reduce it: one
 reduce-scatter per bucket (and one all-reduce over the replicas under HSDP).
 
@@ -36,8 +36,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from simplesharded.passes.lowering import LOWERED_BACKENDS, reduce_scatter_as_all_to_all
-from simplesharded.ragged import collective_on_concat
-from simplesharded.sharded_state import ShardedParam, root_state
+from simplesharded.storage.ragged import collective_on_concat
+from simplesharded.storage.sharded_state import ShardedParam, root_state
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 

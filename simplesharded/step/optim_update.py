@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch import nn
 
 from simplesharded.passes.annotations import UPDATE_KEY
-from simplesharded.ragged_member import RaggedMember
+from simplesharded.storage.step_routes import graph_input
 
 # The optimizers whose update is written here (exact classes: a subclass may change step).
 SUPPORTED = (torch.optim.AdamW, torch.optim.Adam)
@@ -89,16 +89,12 @@ def step_inputs(optimizer: torch.optim.Optimizer) -> tuple[list, list]:
     # value, which aot_autograd's scalar pass fails to turn back into a tensor and then
     # restarts the whole trace to specialize (every compile traced twice).
     lrs = [torch.tensor([g["lr"]], dtype=torch.float64) for g in optimizer.param_groups]
-    # A ragged member's state enters as the plain DTensor it is a view of
-    # (simplesharded/ragged_member.py): the graph updates its local run in place.
-    states = [[tuple(_plain(optimizer.state[p][k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+    # each state as the graph takes it (a ragged member's: the plain DTensor it is a view of)
+    states = [[tuple(graph_input(optimizer.state[p][k])
+                     for k in ("step", "exp_avg", "exp_avg_sq"))
                for p in g["params"] if p.requires_grad]
               for g in optimizer.param_groups]
     return lrs, states
-
-
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    return t.as_dtensor() if isinstance(t, RaggedMember) else t
 
 
 def apply_update(decoupled: bool, groups: list[list], hypers: list[tuple], grads: list,

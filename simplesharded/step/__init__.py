@@ -4,7 +4,7 @@ Compiled model plus eager ``optimizer.step()`` is two graphs and a host loop: th
 bucket's reduce-scatter must finish before the step starts, and the next forward's first
 all-gather cannot start before the step ends. Here the whole step is one graph: dynamo traces
 ``torch.autograd.grad`` (``trace_autograd_ops``) and the update on the local shards
-(simplesharded/optim_update.py), so the collectives and the update are nodes of one graph
+(simplesharded/step/optim_update.py), so the collectives and the update are nodes of one graph
 that the backend's passes see together.
 
 Gradients never land on ``.grad``: they live inside the graph, and after the step every
@@ -13,7 +13,7 @@ tensors are the graph's inputs, updated in place, so ``optimizer.state_dict()`` 
 The learning rate of each param group is read from ``param_groups`` at every call and passed
 in as a tensor: a schedule that changes it does not recompile. A member of a ragged bucket
 (``data_parallel(..., storage="ragged")``) is differentiated and updated through its bucket
-(:class:`_BucketRoutes`), so per-parameter groups and frozen members work as elsewhere.
+(simplesharded/storage/step_routes.py), so per-parameter groups and frozen members work as elsewhere.
 """
 from __future__ import annotations
 
@@ -22,14 +22,13 @@ from typing import Callable
 import torch
 import torch.fx.traceback as fx_traceback
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
 
 from simplesharded.backends import make_backend
-from simplesharded.grad_clip import clip_coefficient, global_norm, scaled
+from simplesharded.step.grad_clip import clip_coefficient, global_norm, scaled
 from simplesharded.passes.annotations import UPDATE_KEY
 from simplesharded.passes.torch_compat import STEP_GRAPH, needs
-from simplesharded.sharded_state import sharded_params
-from simplesharded.optim_update import (apply_update, hyperparameters, prepare,
+from simplesharded.storage.step_routes import StepRoutes
+from simplesharded.step.optim_update import (apply_update, hyperparameters, prepare,
                                         step_inputs)
 
 # What clipping divides by (see compile_step).
@@ -47,7 +46,7 @@ def compile_step(model: nn.Module, optimizer: torch.optim.Optimizer,
 
     ``model``: as :func:`simplesharded.data_parallel` returned it (or a plain module).
     ``optimizer``: AdamW or Adam over its parameters (another one is a TypeError naming it;
-    simplesharded/optim_update.py). ``backend``: a name :func:`simplesharded.make_backend`
+    simplesharded/step/optim_update.py). ``backend``: a name :func:`simplesharded.make_backend`
     takes; ``backend_options`` go to it. ``with_grad_norm``: ``step`` returns ``(loss,
     norm)``, the gradients' global norm before clipping (computed in the graph).
 
@@ -75,7 +74,7 @@ def compile_step(model: nn.Module, optimizer: torch.optim.Optimizer,
         raise ValueError(f"compile_step: accumulation_steps={accumulation_steps!r} is not a "
                          f"positive integer")
     params = prepare(optimizer)
-    routes = _BucketRoutes(model, params)
+    routes = StepRoutes(model, params)
     groups = [[p for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
     decoupled = type(optimizer) is torch.optim.AdamW
     fqns = {id(p): n for n, p in model.named_parameters()}
@@ -146,62 +145,6 @@ def compile_step(model: nn.Module, optimizer: torch.optim.Optimizer,
             return compiled(lrs, states, last_norm, *batch)
 
     return step
-
-
-class _BucketRoutes:
-    """Where the step graph differentiates and updates a member of a ragged bucket
-    (simplesharded/ragged_shards.py): forward reads the bucket, not the member, so the
-    gradient is taken with respect to the bucket and each member's is its run of it (a
-    DTensor on the member's mesh dims, for the norm); the update writes the same run of the
-    bucket, the storage the member's local tensor is a view of. The members themselves never
-    enter the graph: only the bucket holds their storage there, so the graph has no two
-    inputs that alias each other."""
-
-    def __init__(self, model: nn.Module, params: list):
-        slots = {id(shard): r.ragged for r, shard in sharded_params(model)
-                 if r.ragged is not None}
-        self.params = params
-        self.slots = [slots.get(id(p)) for p in params]
-        self.buckets = list(dict.fromkeys(s.bucket for s in self.slots if s is not None))
-        # each member's DTensor face for the norm, read as constants while tracing: its
-        # placements as torch's own (the norm reads which dims shard it)
-        self.faces = [None if s is None else (
-            p.device_mesh, tuple(Shard(q.dim) if isinstance(q, Shard) else q
-                                 for q in p.placements), p.shape, p.stride())
-            for p, s in zip(params, self.slots)]
-
-    def inputs(self) -> list[torch.Tensor]:
-        """What autograd.grad differentiates: the plain parameters, then the buckets."""
-        return ([p for p, s in zip(self.params, self.slots) if s is None]
-                + [b.param for b in self.buckets])
-
-    def grads(self, got: tuple) -> list:
-        """autograd.grad's results as one gradient per parameter, in ``params``' order."""
-        plain = iter(got[:len(got) - len(self.buckets)])
-        by_bucket = dict(zip(map(id, self.buckets), got[len(got) - len(self.buckets):]))
-        out = []
-        for slot, face in zip(self.slots, self.faces):
-            if slot is None:
-                out.append(next(plain))
-                continue
-            g = by_bucket[id(slot.bucket)]
-            out.append(None if g is None else self._dtensor(
-                slot.bucket.run_of(g.to_local(), slot.index), face))
-        return out
-
-    def update_targets(self, groups: list[list]) -> list[list]:
-        """``groups`` with each member replaced by its run of the bucket."""
-        targets = [p if slot is None else slot.bucket.run_of(slot.bucket.param.to_local(),
-                                                              slot.index)
-                   for p, slot in zip(self.params, self.slots)]
-        it = iter(targets)
-        return [[next(it) for _ in g] for g in groups]
-
-    @staticmethod
-    def _dtensor(local: torch.Tensor, face) -> torch.Tensor:
-        mesh, placements, shape, stride = face
-        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
-                                  stride=stride)
 
 
 def _micro_batches(batch: tuple, n: int) -> list[tuple]:

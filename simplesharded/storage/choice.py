@@ -1,0 +1,75 @@
+"""Which storage a model's parameters take: the names ``data_parallel(..., storage=...)`` and
+``--parallelism.storage`` accept, what each takes, and the one call that lays a model's shards
+out in it (:func:`pack`). Nothing outside this package tests a storage's name: the trainer
+asks :func:`modes_taken`, ``data_parallel`` calls :func:`check_storage` and :func:`pack`.
+
+- ``"param"``: one DTensor shard per parameter, read through the parameter's own gather
+  (gather.py); the compiler's bucketing pass buckets the collectives.
+- ``"ragged"``: each bucket's parameters in the ragged layout (ragged_shards.py), whose
+  members are still the model's parameters (ragged_member.py).
+"""
+from __future__ import annotations
+
+import warnings
+
+from simplesharded.storage.ragged_pack import pack_ragged
+
+NOT_GIVEN = object()  # flat_buckets, storage's deprecated name, left out
+
+
+def _shards_as_they_are(model, shards, scope) -> None:
+    """One shard per parameter: what layout.py made is the storage."""
+
+
+# storage name -> (the modes it takes, the dp dims fully_shard takes it on, its packing)
+_STORAGES = {
+    "param": (("fully_shard", "hybrid_shard", "replicate"), None, _shards_as_they_are),
+    "ragged": (("fully_shard", "hybrid_shard"), 1, pack_ragged),
+}
+STORAGES = tuple(_STORAGES)
+
+
+def modes_taken(storage: str) -> tuple[str, ...]:
+    """The ``mode``s ``storage`` takes."""
+    return _STORAGES[storage][0]
+
+
+def check_storage(storage: str, mode: str, dp_dims: int, mesh_dims) -> None:
+    """One line naming what ``storage`` does not take: ``mode``, or ``fully_shard`` over more
+    data-parallel dims than it takes (``mesh_dims``: the mesh's dim names, or their count)."""
+    modes, fully_shard_dims, _ = _STORAGES[storage]
+    if mode not in modes or (mode == "fully_shard" and fully_shard_dims is not None
+                             and dp_dims != fully_shard_dims):
+        raise ValueError(f"storage={storage!r} takes mode='fully_shard' on one or "
+                         f"'hybrid_shard' on two data-parallel mesh dims; got mode={mode!r} "
+                         f"on mesh dims {mesh_dims}: use storage='param'")
+
+
+def pack(storage: str, model, shards: dict, scope) -> None:
+    """Lay ``shards`` (id(original parameter) -> (shard, record), module order) out in
+    ``storage``: a storage may replace a shard and its record (ragged buckets' members)."""
+    _STORAGES[storage][2](model, shards, scope)
+
+
+def chosen_storage(storage: str | None, flat_buckets) -> str:
+    """``storage`` checked, or what ``flat_buckets``, its deprecated name, meant."""
+    if flat_buckets is not NOT_GIVEN:
+        if storage is not None:
+            raise ValueError("data_parallel takes storage= or flat_buckets= (its deprecated "
+                             "name), not both")
+        if flat_buckets is True:
+            raise ValueError("flat_buckets=True: flat storage is retired; use "
+                             "storage='ragged' (zero-copy buckets, docs/zero_copy.md)")
+        if not (flat_buckets is False or flat_buckets == "ragged"):
+            raise ValueError(f"flat_buckets={flat_buckets!r} is not one of [False, 'ragged'] "
+                             f"(deprecated: use storage=, one of {list(STORAGES)})")
+        storage = "ragged" if flat_buckets == "ragged" else "param"
+        # stacklevel 3: the line that called data_parallel
+        warnings.warn(f"data_parallel(flat_buckets={flat_buckets!r}) is deprecated: use "
+                      f"storage={storage!r}", DeprecationWarning, stacklevel=3)
+    storage = "param" if storage is None else storage
+    if storage not in STORAGES:
+        raise ValueError(f"storage={storage!r} is not one of {list(STORAGES)}")
+    return storage
+
+
