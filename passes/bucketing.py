@@ -131,12 +131,7 @@ def _merge_all_gathers(graph, members, fake_mode, bucket, order):
         if c.start is not anchor:
             hoist_before(c.start.args[0], anchor, order)
     with graph.inserting_before(anchor):
-        shards = [c.start.args[0] for c in members]
-        sizes = [math.prod(s.meta["val"].shape) for s in shards]
-        buf = call(graph, aten.cat.default, ([flat(graph, s, fake_mode) for s in shards],),
-                   fake_mode=fake_mode, custom=custom)
-        start = call(graph, ALL_GATHER, (buf, ws, name), fake_mode=fake_mode, custom=custom)
-        wait = call(graph, WAIT, (start,), fake_mode=fake_mode, custom=custom)
+        wait, sizes = _on_concat(graph, members, ALL_GATHER, (ws, name), fake_mode, custom)
         rows = call(graph, aten.view.default, (wait, [ws, sum(sizes)]), fake_mode=fake_mode,
                     custom=custom)
     # Copy-outs go right after the wait; reordering later moves them next to their users.
@@ -179,13 +174,19 @@ def _merge_all_reduces(graph, members, fake_mode, bucket, order):
     name, op = members[0].group_name, members[0].start.args[1]
     custom = _custom(members, bucket)
     with graph.inserting_before(anchor):
-        inputs = [c.start.args[0] for c in members]
-        sizes = [math.prod(i.meta["val"].shape) for i in inputs]
-        buf = call(graph, aten.cat.default, ([flat(graph, i, fake_mode) for i in inputs],),
-                   fake_mode=fake_mode, custom=custom)
-        start = call(graph, ALL_REDUCE, (buf, op, name), fake_mode=fake_mode, custom=custom)
-        wait = call(graph, WAIT, (start,), fake_mode=fake_mode, custom=custom)
+        wait, sizes = _on_concat(graph, members, ALL_REDUCE, (op, name), fake_mode, custom)
         return _split(graph, wait, members, sizes, fake_mode, custom)
+
+
+def _on_concat(graph, members, target, args, fake_mode, custom) -> tuple[fx.Node, list[int]]:
+    """One ``target`` collective (``args`` after its input) on the members' inputs flattened
+    and concatenated: its wait, and each input's element count."""
+    inputs = [c.start.args[0] for c in members]
+    sizes = [math.prod(i.meta["val"].shape) for i in inputs]
+    buf = call(graph, aten.cat.default, ([flat(graph, i, fake_mode) for i in inputs],),
+               fake_mode=fake_mode, custom=custom)
+    start = call(graph, target, (buf, *args), fake_mode=fake_mode, custom=custom)
+    return call(graph, WAIT, (start,), fake_mode=fake_mode, custom=custom), sizes
 
 
 def _split(graph, wait, members, sizes, fake_mode, custom) -> list[fx.Node]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from torch import fx
 
 from .annotations import LOWERED_KEY
-from .collectives import ALL_TO_ALL, REDUCE_SCATTER, collectives_on
+from .collectives import ALL_TO_ALL, REDUCE_SCATTER, WAIT, collectives_on
 from .graph_utils import aten, call, fake_mode_of
 
 LOWERED_BACKENDS = ("gloo",)
@@ -42,19 +42,17 @@ def lower_reduce_scatters(gm: fx.GraphModule,
     fake_mode = fake_mode_of(graph)
     for c in lowered:
         inp, op, ws, name = c.start.args[:4]
-        shard_shape = list(c.wait.meta["val"].shape)
-        rows = inp.meta["val"].shape[0]
-        splits = [rows // ws] * ws
         custom = dict(c.start.meta.get("custom") or {}, **{LOWERED_KEY: "reduce_scatter"})
-        with graph.inserting_before(c.start):
-            a2a = call(graph, ALL_TO_ALL, (inp, splits, splits, name), fake_mode=fake_mode,
-                       custom=custom)
-        with graph.inserting_before(c.wait):
-            wait = call(graph, c.wait.target, (a2a,), fake_mode=fake_mode,
-                        custom=c.wait.meta.get("custom"))
-        with graph.inserting_before(wait.next):
-            total = _sum_chunks(graph, wait, ws, shard_shape, fake_mode,
-                                c.wait.meta.get("custom"))
+
+        def emit(target, args, c=c, custom=custom):
+            # the all-to-all issued where the reduce-scatter was, the rest where it was waited
+            issue = target is ALL_TO_ALL
+            with graph.inserting_before(c.start if issue else c.wait):
+                return call(graph, target, args, fake_mode=fake_mode,
+                            custom=custom if issue else c.wait.meta.get("custom"))
+
+        total = reduce_scatter_as_all_to_all(inp, inp.meta["val"].shape[0], ws, name,
+                                             list(c.wait.meta["val"].shape), emit)
         c.wait.replace_all_uses_with(total)
         graph.erase_node(c.wait)
         graph.erase_node(c.start)
@@ -62,13 +60,21 @@ def lower_reduce_scatters(gm: fx.GraphModule,
     return gm
 
 
-def _sum_chunks(graph, flat, ws, shard_shape, fake_mode, custom) -> fx.Node:
-    """chunk 0 + chunk 1 + ... in rank order. Elementwise adds, not ``sum(dim=0)``: a reduction
-    over the outer dim of ``[ws, n]`` runs ~3x slower on CPU than ``ws - 1`` vector adds."""
-    parts = call(graph, aten.view.default, (flat, [ws] + shard_shape), fake_mode=fake_mode,
-                 custom=custom)
-    total = call(graph, aten.select.int, (parts, 0, 0), fake_mode=fake_mode, custom=custom)
+def reduce_scatter_as_all_to_all(inp, rows: int, ws: int, group_name: str,
+                                 shard_shape: list[int], emit=None):
+    """The sum reduce-scatter of ``inp`` (``rows`` on dim 0, in ``ws`` equal chunks) over
+    group ``group_name``, as an all-to-all and the chunks added in rank order: for the graphs
+    this pass lowers and for eager reductions (simplesharded/deferred_reduce.py) alike.
+    ``emit(target, args)`` issues each op: runs it (default), or the pass inserts a node.
+    Adds, not ``sum(dim=0)``: a reduction over the outer dim of ``[ws, n]`` runs ~3x slower
+    on CPU than ``ws - 1`` vector adds."""
+    if emit is None:
+        def emit(target, args):
+            return target(*args)
+    splits = [rows // ws] * ws
+    flat = emit(WAIT, (emit(ALL_TO_ALL, (inp, splits, splits, group_name)),))
+    parts = emit(aten.view.default, (flat, [ws] + shard_shape))
+    total = emit(aten.select.int, (parts, 0, 0))
     for r in range(1, ws):
-        chunk = call(graph, aten.select.int, (parts, 0, r), fake_mode=fake_mode, custom=custom)
-        total = call(graph, aten.add.Tensor, (total, chunk), fake_mode=fake_mode, custom=custom)
+        total = emit(aten.add.Tensor, (total, emit(aten.select.int, (parts, 0, r))))
     return total

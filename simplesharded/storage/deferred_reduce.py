@@ -35,7 +35,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from simplesharded.storage.sharded_state import ShardedParam, sharded_state
+from simplesharded.passes.lowering import LOWERED_BACKENDS, reduce_scatter_as_all_to_all
+from simplesharded.storage.ragged import collective_on_concat
+from simplesharded.storage.sharded_state import ShardedParam, root_state
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -44,10 +46,7 @@ def reduce_accumulated(model: nn.Module) -> int:
     """Reduce every accumulated gradient of ``model`` (a root returned by ``data_parallel``, or
     its ``torch.compile`` wrapper) onto its shard's ``.grad`` and clear the accumulators.
     Returns how many collectives it issued (for tests and logs)."""
-    model = getattr(model, "_orig_mod", model)
-    state = sharded_state(model)
-    if state is None or not state.root:
-        raise ValueError(f"{type(model).__name__} is not a model returned by data_parallel")
+    model, state = root_state(model)
     sync = state.grad_sync
     groups: dict[tuple, list] = defaultdict(list)
     seen: set[str] = set()
@@ -56,7 +55,7 @@ def reduce_accumulated(model: nn.Module) -> int:
         if param.fqn in seen or leaf is None or leaf.grad is None:
             continue
         seen.add(param.fqn)
-        mesh, placements = _dp_view(shard, param)
+        mesh, placements = param.dp_view(shard)[:2]
         rdt = param.spec.reduce_dtype or param.spec.param_dtype or leaf.grad.dtype
         kind = _kind(placements)
         groups[(id(mesh), kind, rdt)].append((mesh, placements, shard, param, leaf))
@@ -75,15 +74,6 @@ def reduce_accumulated(model: nn.Module) -> int:
         for *_, leaf in members:
             leaf.grad = None
     return issued
-
-
-def _dp_view(shard: DTensor, param: ShardedParam):
-    """The dp mesh the gradient is reduced over and the parameter's placements on it (what
-    gather.gather_param gathers over)."""
-    mesh = param.spec.dp_mesh or shard.device_mesh
-    mp = param.mp_layout
-    placements = mp.dp_placements if mp is not None else tuple(shard.placements[:mesh.ndim])
-    return mesh, placements
 
 
 def _kind(placements: tuple) -> tuple | None:
@@ -126,15 +116,16 @@ def _reduce_one(mesh, placements, shard, param, grad, rdt) -> int:
 def _reduce_flat(members: list, kind: tuple, rdt: torch.dtype) -> int:
     mesh = members[0][0]
     if kind[0] == "replicate":
-        flat = torch.cat([_prepared(p, leaf.grad, rdt).reshape(-1)
-                          for _, _, _, p, leaf in members])
-        for i in range(mesh.ndim):
-            dist.all_reduce(flat, group=mesh.get_group(i))
-        offset = 0
-        for _, _, shard, param, leaf in members:
-            n = leaf.grad.numel()
-            _land(shard, param, flat[offset:offset + n].view(leaf.grad.shape))
-            offset += n
+        def all_reduce(flat):
+            for i in range(mesh.ndim):
+                dist.all_reduce(flat, group=mesh.get_group(i))
+            return flat
+
+        reduced = collective_on_concat((_prepared(p, leaf.grad, rdt).reshape(-1)
+                                        for _, _, _, p, leaf in members),
+                                       all_reduce, [leaf.grad.numel() for *_, leaf in members])
+        for (_, _, shard, param, leaf), part in zip(members, reduced):
+            _land(shard, param, part.view(leaf.grad.shape))
         return mesh.ndim
     dim, width = kind[1], mesh.size(mesh.ndim - 1)
     group = mesh.get_group(mesh.ndim - 1)
@@ -150,24 +141,22 @@ def _reduce_flat(members: list, kind: tuple, rdt: torch.dtype) -> int:
         piece = g.unflatten(dim, (width, chunk)).movedim(dim, 0)
         pieces.append((piece.shape[1:], n, chunk))
         rows.append(piece.reshape(width, -1))
-    flat = torch.cat(rows, dim=1)
-    if dist.get_backend(group) == "gloo":
-        received = torch.empty_like(flat)
-        dist.all_to_all_single(received, flat, group=group)  # row r: rank r's part of mine
-        out = received.sum(0)
-    else:
-        out = flat.new_empty(flat.shape[1])
-        _reduce_scatter(out, flat.reshape(-1), group=group)
-    issued = 1
-    for i in range(mesh.ndim - 1):  # HSDP: the replicas' all-reduce at shard size
-        dist.all_reduce(out, group=mesh.get_group(i))
-        issued += 1
+
+    def reduce_scatter(flat):  # [width, K] → this rank's row of the sum over ranks, [K]
+        if dist.get_backend(group) in LOWERED_BACKENDS:  # as the compiled ones are lowered
+            out = reduce_scatter_as_all_to_all(flat.reshape(-1), flat.numel(), width,
+                                               group.group_name, [flat.shape[1]])
+        else:
+            out = flat.new_empty(flat.shape[1])
+            _reduce_scatter(out, flat.reshape(-1), group=group)
+        for i in range(mesh.ndim - 1):  # HSDP: the replicas' all-reduce at shard size
+            dist.all_reduce(out, group=mesh.get_group(i))
+        return out
+
+    reduced = collective_on_concat(rows, reduce_scatter, [r.shape[1] for r in rows])
     rank = mesh.get_local_rank(mesh.ndim - 1)
-    offset = 0
-    for (_, _, shard, param, _), (shape, n, chunk) in zip(members, pieces):
-        size = shape.numel()
-        local = out[offset:offset + size].view(shape)  # rank's chunk, on tensor dim ``dim``
-        offset += size
+    for (_, _, shard, param, _), (shape, n, chunk), part in zip(members, pieces, reduced):
+        local = part.view(shape)  # rank's chunk, on tensor dim ``dim``
         keep = max(0, min(chunk, n - rank * chunk))
         _land(shard, param, local.narrow(dim, 0, keep))
-    return issued
+    return mesh.ndim  # the reduce-scatter, and an all-reduce per replicate dim

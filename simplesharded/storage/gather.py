@@ -100,19 +100,13 @@ def _annotation(param: ShardedParam) -> dict:
 def _read(shard: DTensor, param: ShardedParam, annotation: dict) -> torch.Tensor:
     """The annotated gather of the parameter's ``shard`` over the dp dims, with the reduction
     of its gradient."""
-    spec, mp = param.spec, param.mp_layout
+    spec = param.spec
     with fx_traceback.annotate(annotation):
         if spec.dp_mesh is not None:
             # The dp part of the shard as a DTensor on the dp dims only: its global tensor is
             # this rank's model-parallel shard (or the whole parameter when it is replicated
-            # over tp).
-            if mp is not None:
-                shape, stride, placements = mp.local_shape, mp.local_stride, mp.dp_placements
-            else:  # a plain parameter: its dp dims lead, replicated over tp after them
-                shape, stride = shard.shape, shard.stride()
-                placements = shard.placements[:spec.dp_mesh.ndim]
-            shard = DTensor.from_local(shard.to_local(), spec.dp_mesh, placements,
-                                       run_check=False, shape=shape, stride=stride)
+            # over tp). Without other dims the shard already is that.
+            shard = param.dp_view(shard).wrap(shard.to_local())
         # "avg" scales the gradient once it is reduced, on the shard (1/dp of the elements),
         # except when it is reduced in float16, whose sum over ranks could overflow first.
         pre_scale = spec.scales_before_reduction(shard.dtype)

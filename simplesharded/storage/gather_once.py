@@ -31,26 +31,20 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import Replicate
 
-from simplesharded.storage.deferred_reduce import _dp_view, _kind
-from simplesharded.storage.sharded_state import sharded_state
+from simplesharded.storage.deferred_reduce import _kind
+from simplesharded.storage.ragged import collective_on_concat
+from simplesharded.storage.sharded_state import root_state
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def _sync_of(model: nn.Module):
-    model = getattr(model, "_orig_mod", model)
-    state = sharded_state(model)
-    if state is None or not state.root:
-        raise ValueError(f"{type(model).__name__} is not a model returned by data_parallel")
-    return model, state.grad_sync
 
 
 def gather_held(model: nn.Module) -> int:
     """Gather every sharded parameter of ``model`` (a ``data_parallel`` root or its compiled
     wrapper) into its held tensors (module doc). Returns how many collectives it issued."""
-    model, sync = _sync_of(model)
+    model, state = root_state(model)
+    sync = state.grad_sync
     issued = 0
     for bucket in sync.ragged_buckets(model):  # its gathered buffer, held whole
         if bucket.name not in sync.held:
@@ -61,7 +55,7 @@ def gather_held(model: nn.Module) -> int:
         if param.fqn in sync.held:
             continue
         sync.held[param.fqn] = None  # claimed: a tied parameter is gathered once
-        mesh, placements = _dp_view(shard, param)
+        mesh, placements = param.dp_view(shard)[:2]
         dtype = param.spec.param_dtype or shard.dtype
         buckets[(id(mesh), _kind(placements), dtype)].append((mesh, placements, shard, param))
     with torch.no_grad():
@@ -70,7 +64,7 @@ def gather_held(model: nn.Module) -> int:
                 issued += _gather_flat(members, kind[1], dtype, sync.held)
                 continue
             for mesh, placements, shard, param in members:
-                full = _dp_tensor(mesh, placements, shard, param).to(dtype)
+                full = param.dp_view(shard).wrap(shard.to_local()).to(dtype)
                 if kind is None:
                     issued += sum(not isinstance(p, Replicate) for p in placements)
                     full = full.redistribute(mesh, (Replicate(),) * mesh.ndim)
@@ -80,16 +74,7 @@ def gather_held(model: nn.Module) -> int:
 
 def release_held(model: nn.Module) -> None:
     """Drop ``model``'s held tensors: its forwards gather again."""
-    _sync_of(model)[1].held.clear()
-
-
-def _dp_tensor(mesh, placements, shard: DTensor, param) -> DTensor:
-    """The shard as a DTensor on its dp dims only (as gather.gather_param reads it)."""
-    mp = param.mp_layout
-    shape, stride = (mp.local_shape, mp.local_stride) if mp is not None else \
-        (shard.shape, shard.stride())
-    return DTensor.from_local(shard.to_local(), mesh, placements, run_check=False,
-                              shape=shape, stride=stride)
+    root_state(model)[1].grad_sync.held.clear()
 
 
 def _gather_flat(members: list, dim: int, dtype: torch.dtype, held: dict) -> int:
@@ -98,8 +83,7 @@ def _gather_flat(members: list, dim: int, dtype: torch.dtype, held: dict) -> int
     width = mesh.size(mesh.ndim - 1)
     pieces, layout = [], []
     for _, _, shard, param in members:
-        mp = param.mp_layout
-        shape = tuple(mp.local_shape if mp is not None else shard.shape)
+        shape = tuple(param.dp_view(shard).shape)
         n = shape[dim]
         chunk = -(-n // width)  # DTensor's Shard: torch.chunk's sizes, padded to the largest
         local = shard.to_local().to(dtype)
@@ -109,14 +93,14 @@ def _gather_flat(members: list, dim: int, dtype: torch.dtype, held: dict) -> int
             local = torch.nn.functional.pad(local, pad)
         pieces.append(local.reshape(-1))
         layout.append((param.fqn, local.shape, n))
-    flat = torch.cat(pieces)
-    out = flat.new_empty(width * flat.numel())
-    _all_gather(out, flat, group=group)
-    rows = out.view(width, -1)  # row r: rank r's chunks, as this rank laid its own out
-    offset = 0
-    for fqn, piece_shape, n in layout:
-        size = piece_shape.numel()
-        full = rows[:, offset:offset + size].reshape(width, *piece_shape)
-        offset += size
+
+    def gather(flat):
+        out = flat.new_empty(width * flat.numel())
+        _all_gather(out, flat, group=group)
+        return out.view(width, -1)  # row r: rank r's chunks, as this rank laid its own out
+
+    parts = collective_on_concat(pieces, gather, [p.numel() for p in pieces])
+    for (fqn, piece_shape, n), part in zip(layout, parts):
+        full = part.reshape(width, *piece_shape)
         held[fqn] = full.movedim(0, dim).flatten(dim, dim + 1).narrow(dim, 0, n).contiguous()
     return 1

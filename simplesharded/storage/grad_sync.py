@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from simplesharded.storage.ragged_shards import model_buckets
-from simplesharded.storage.sharded_state import sharded_params, sharded_state
+from simplesharded.storage.sharded_state import root_state, sharded_params
 
 
 class _DeferGrad(torch.autograd.Function):
@@ -134,8 +134,7 @@ class _GradSync:
         for param, shard in self.sharded_params(model):
             if param.fqn in self.acc or not shard.requires_grad:
                 continue
-            mp = param.mp_layout
-            shape = mp.local_shape if mp is not None else shard.shape
+            shape = param.dp_view(shard).shape
             zero = torch.zeros((), dtype=shard.dtype, device=shard.device)
             self.acc[param.fqn] = zero.expand(shape).requires_grad_()
         for bucket in self.ragged_buckets(model):  # one leaf per gathered buffer
@@ -153,15 +152,6 @@ class _GradSync:
             leaf.grad = None
 
 
-def _grad_sync_of(model: nn.Module) -> _GradSync:
-    model = getattr(model, "_orig_mod", model)  # a torch.compile'd model: its module
-    state = sharded_state(model)
-    if state is None or not state.root:
-        raise ValueError(f"{type(model).__name__} is not a model returned by data_parallel "
-                         f"(pass the root model you wrapped)")
-    return state.grad_sync
-
-
 def set_requires_gradient_sync(model: nn.Module, requires_sync: bool) -> None:
     """Whether the backwards of the next forwards of ``model`` (the root returned by
     :func:`data_parallel`, or its ``torch.compile`` wrapper) reduce gradients over the
@@ -174,9 +164,10 @@ def set_requires_gradient_sync(model: nn.Module, requires_sync: bool) -> None:
     the last no-sync backward. Memory: while off, every rank holds the whole model's
     gradients unsharded (see simplesharded/storage/grad_sync.py). All ranks must make the same calls.
     """
-    state = _grad_sync_of(model)
+    model, root = root_state(model)
+    state = root.grad_sync
     if not requires_sync:
-        state.make_accumulators(getattr(model, "_orig_mod", model))
+        state.make_accumulators(model)
     elif not state.sync:
         state.take_accumulated()
     state.sync = bool(requires_sync)
@@ -187,7 +178,7 @@ def no_gradient_sync(model: nn.Module) -> Iterator[nn.Module]:
     """``set_requires_gradient_sync(model, False)`` for the forwards (and their backwards)
     inside; the previous setting afterwards. Like DDP's ``no_sync``: run the micro-batches
     before the last one inside, the last one outside."""
-    previous = _grad_sync_of(model).sync
+    previous = root_state(model)[1].grad_sync.sync
     set_requires_gradient_sync(model, False)
     try:
         yield model

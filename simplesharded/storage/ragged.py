@@ -24,7 +24,7 @@ it is the same on every rank by construction, and so are the collectives built f
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -213,6 +213,16 @@ def reduce_gathered(grad: torch.Tensor, world: int, group_name: str, dtype: torc
     return out
 
 
+def collective_on_concat(pieces: Iterable[torch.Tensor],
+                         collective: Callable[[torch.Tensor], torch.Tensor],
+                         sizes: list[int]) -> tuple[torch.Tensor, ...]:
+    """One ``collective`` for many tensors: ``pieces`` laid end to end on their last dim in
+    one buffer, the collective run once on it, its result cut back on its last dim into
+    ``sizes`` (views). Pieces given as a generator are freed before the collective runs."""
+    buffer = torch.cat(list(pieces), dim=-1)
+    return collective(buffer).split(sizes, dim=-1)
+
+
 def to_ragged(locals_: list[torch.Tensor], layout: RaggedLayout,
               group: dist.ProcessGroup) -> torch.Tensor:
     """This rank's ragged range ``[L]`` from its ``Shard(0)`` local of every parameter (one
@@ -224,13 +234,12 @@ def to_ragged(locals_: list[torch.Tensor], layout: RaggedLayout,
     outgoing = [_shared(layout, me, dst) for dst in range(layout.world)]
     incoming = [_shared(layout, src, me) for src in range(layout.world)]
     send = [flats[i][a - starts[i]:b - starts[i]] for pieces in outgoing for i, a, b in pieces]
-    received = _all_to_all(torch.cat(send), _sizes(outgoing), _sizes(incoming), group)
-    out = received.new_zeros(layout.shard_numel)
-    lo, pos = layout.rank_range(me)[0], 0
-    for i, a, b in (p for pieces in incoming for p in pieces):
+    arriving, received = _exchange(send, outgoing, incoming, group)
+    out = received[0].new_zeros(layout.shard_numel)
+    lo = layout.rank_range(me)[0]
+    for (i, a, b), part in zip(arriving, received):
         at = layout.offsets[i] + a - lo
-        out[at:at + b - a] = received[pos:pos + b - a]
-        pos += b - a
+        out[at:at + b - a] = part
     return out
 
 
@@ -247,18 +256,16 @@ def from_ragged(local: torch.Tensor, layout: RaggedLayout,
     incoming = [_shared(layout, me, src) for src in range(layout.world)]
     send = [local[layout.offsets[i] + a - lo:layout.offsets[i] + b - lo]
             for pieces in outgoing for i, a, b in pieces]
-    received = _all_to_all(torch.cat(send), _sizes(outgoing), _sizes(incoming), group)
+    arriving, received = _exchange(send, outgoing, incoming, group)
     outs, starts = [], []
     for i, shape in enumerate(layout.shapes):
         rows = shard0_rows(shape[0], layout.world, me)
-        outs.append(received.new_empty((rows[1] - rows[0], *shape[1:])))
+        outs.append(received[0].new_empty((rows[1] - rows[0], *shape[1:])))
         start, stop = layout.shard0_piece(i, me)
         assert outs[-1].numel() == stop - start
         starts.append(start)
-    pos = 0
-    for i, a, b in (p for pieces in incoming for p in pieces):
-        outs[i].view(-1)[a - starts[i]:b - starts[i]] = received[pos:pos + b - a]
-        pos += b - a
+    for (i, a, b), part in zip(arriving, received):
+        outs[i].view(-1)[a - starts[i]:b - starts[i]] = part
     return outs
 
 
@@ -293,8 +300,17 @@ def _check_locals(locals_: list[torch.Tensor], layout: RaggedLayout, rank: int) 
                              f"Shard(0) of {shape} on rank {rank} of {layout.world} is {want}")
 
 
-def _all_to_all(send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int],
-                group: dist.ProcessGroup) -> torch.Tensor:
-    out = send.new_empty(sum(recv_sizes))
-    dist.all_to_all_single(out, send.contiguous(), recv_sizes, send_sizes, group=group)
-    return out
+def _exchange(send: list[torch.Tensor], outgoing: list, incoming: list,
+              group: dist.ProcessGroup) -> tuple[list, tuple[torch.Tensor, ...]]:
+    """One all-to-all over ``group`` of ``send``, the pieces of ``outgoing`` (built with
+    :func:`_shared`) peer by peer: the pieces of ``incoming`` in order, and what arrived for
+    each."""
+    arriving = [p for pieces in incoming for p in pieces]
+
+    def all_to_all(buf):
+        out = buf.new_empty(sum(_sizes(incoming)))
+        dist.all_to_all_single(out, buf.contiguous(), _sizes(incoming), _sizes(outgoing),
+                               group=group)
+        return out
+
+    return arriving, collective_on_concat(send, all_to_all, [b - a for _, a, b in arriving])

@@ -61,12 +61,12 @@ def pack_ragged(model: nn.Module, shards: dict[int, tuple[nn.Parameter, ShardedP
         spec = first[1].spec
         prefix = f"{owner_fqn}." if owner_fqn else ""
         members = [(shards[k][1].fqn, shards[k][1].fqn.removeprefix(prefix), shards[k][0],
-                    shards[k][1].mp_layout) for k in keys]
+                    shards[k][1]) for k in keys]
         owned.setdefault(owner_fqn, (owner, []))
         precision = Precision(spec.param_dtype, spec.reduce_dtype,
                               spec.scales_before_reduction(dtype))
         ragged = RaggedShards(f"{bucket}/{kind}", owner, members,
-                              spec.dp_mesh or first[0].device_mesh, scope, spec.grad_scale,
+                              first[1].dp_view(first[0]).mesh, scope, spec.grad_scale,
                               spec.reshard_after_forward, spec.dp_groups, first[1].block,
                               precision, spec.grad_sync)
         owned[owner_fqn][1].append(ragged)
@@ -83,8 +83,6 @@ def _ragged_eligible(shard: DTensor, record: ShardedParam, scope: GatherScopePro
     """Trained, at least 1-D, sharded on dim 0 of what its dp gather rebuilds (the parameter,
     or its TP shard) as FSDP's ``(Shard(0),)`` or HSDP's ``(Replicate(), Shard(0))`` on the
     dp dims; read by one module."""
-    mp, dp_dims = record.mp_layout, len(record.spec.dp_groups)
-    dp_placements = mp.dp_placements if mp is not None else tuple(shard.placements[:dp_dims])
     return (shard.requires_grad and shard.ndim >= 1
-            and dp_placements in ((Shard(0),), (Replicate(), Shard(0)))
+            and record.dp_view(shard).placements in ((Shard(0),), (Replicate(), Shard(0)))
             and record.fqn not in scope.tied)

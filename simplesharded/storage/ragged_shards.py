@@ -72,7 +72,7 @@ from simplesharded.passes.annotations import (BLOCK_KEY, BUCKET_PARAMS_KEY, DP_G
 from simplesharded.storage.ragged import (Precision, RaggedLayout, from_ragged, gather_buffer,
                                   reduce_gathered, shard0_rows, to_ragged)
 from simplesharded.storage.ragged_member import RaggedMember
-from simplesharded.storage.sharded_state import (GatherScopeProtocol, GradSyncProtocol, _MPLayout,
+from simplesharded.storage.sharded_state import (GatherScopeProtocol, GradSyncProtocol, ShardedParam,
                                          sharded_state)
 
 ALIGN_BYTES = 128  # every member starts 128-byte aligned in the gathered buffer
@@ -93,12 +93,12 @@ class RaggedShards:
     """One bucket in the ragged layout: its parameter, its members and their reads."""
 
     def __init__(self, name: str, owner: nn.Module,
-                 members: list[tuple[str, str, DTensor, _MPLayout | None]],
+                 members: list[tuple[str, str, DTensor, ShardedParam]],
                  dp_mesh: DeviceMesh, scope: GatherScopeProtocol, grad_scale: float, reshard,
                  dp_groups: tuple, block: str | None, precision: Precision,
                  grad_sync: GradSyncProtocol | None = None):
-        """``members``: (FQN, FQN relative to ``owner``, shard, model-parallel layout) in
-        module order, all on one mesh whose leading dims are ``dp_mesh``'s, with the same
+        """``members``: (FQN, FQN relative to ``owner``, shard, its record) in module order,
+        all on one mesh whose leading dims are ``dp_mesh``'s, with the same
         placement kind (sharded or replicated) on each dim after them."""
         self.precision, self.grad_sync = precision, grad_sync
         self.name, self.owner, self.scope = name, owner, scope
@@ -107,7 +107,7 @@ class RaggedShards:
         shards = [s for _, _, s, _ in members]
         # Each member as without ragged storage: its placements and global shape, and what
         # its dp gather rebuilds (its TP shard, re-wrapped for its module by ``mp``).
-        self.mp = [mp for _, _, _, mp in members]
+        self.mp = [record.mp_layout for _, _, _, record in members]
         self.member_placements = [tuple(s.placements) for s in shards]
         self.member_shapes = [tuple(s.shape) for s in shards]
         # The last dp dim shards (FSDP); a first one of two replicates (HSDP: the members are
@@ -126,8 +126,7 @@ class RaggedShards:
         self.grad_scale = grad_scale
         element = shards[0].element_size()
         self.layout = RaggedLayout(
-            tuple(tuple(mp.local_shape) if mp is not None else tuple(s.shape)
-                  for s, mp in zip(shards, self.mp)),
+            tuple(tuple(record.dp_view(s).shape) for _, _, s, record in members),
             dp_mesh.size(self.dim), align=max(1, ALIGN_BYTES // element))
         copies = math.prod(self.mesh.size(dp_dims + i) for i, p in enumerate(rest)
                            if p.is_shard())

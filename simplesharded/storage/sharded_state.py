@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Iterator, Protocol
+from typing import Iterator, NamedTuple, Protocol
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 _ATTR = "_simplesharded_state"
 
@@ -129,6 +130,22 @@ class _MPLayout:
     stride: tuple
 
 
+class DPView(NamedTuple):
+    """A parameter's shard seen on its dp dims only: the mesh its gather and its gradient's
+    reduction run over, its placements there, and the global shape and stride there (its
+    model-parallel shard, or the whole parameter when it is replicated over tp)."""
+
+    mesh: DeviceMesh
+    placements: tuple
+    shape: torch.Size
+    stride: tuple
+
+    def wrap(self, local: torch.Tensor) -> DTensor:
+        """``local`` (the shard's local tensor, or one like it) as a DTensor of this view."""
+        return DTensor.from_local(local, self.mesh, self.placements, run_check=False,
+                                  shape=self.shape, stride=self.stride)
+
+
 # ------------------------------------------------------------------------- the record
 
 
@@ -150,6 +167,15 @@ class ShardedParam:
         for k, v in state.items():
             object.__setattr__(self, k, v)
         _RECORDS[self.read_key] = self
+
+    def dp_view(self, shard: DTensor) -> DPView:
+        """``shard`` (this parameter's) on its dp dims only: what its dp gather rebuilds."""
+        mesh = self.spec.dp_mesh or shard.device_mesh
+        mp = self.mp_layout
+        if mp is not None:
+            return DPView(mesh, mp.dp_placements, mp.local_shape, mp.local_stride)
+        # a plain parameter: its dp dims lead, replicated over tp after them
+        return DPView(mesh, tuple(shard.placements[:mesh.ndim]), shard.shape, shard.stride())
 
     @property
     def read_key(self) -> str:
@@ -182,6 +208,17 @@ class ShardedModuleState:
 def sharded_state(module: nn.Module) -> ShardedModuleState | None:
     """``module``'s sharding state, or None for a module ``data_parallel`` did not wrap."""
     return getattr(module, _ATTR, None)
+
+
+def root_state(model: nn.Module) -> tuple[nn.Module, ShardedModuleState]:
+    """``model`` (a root ``data_parallel`` returned, or its ``torch.compile`` wrapper) as the
+    wrapped module, with its state; a ValueError for any other module."""
+    model = getattr(model, "_orig_mod", model)  # a torch.compile'd model: its module
+    state = sharded_state(model)
+    if state is None or not state.root:
+        raise ValueError(f"{type(model).__name__} is not a model returned by data_parallel "
+                         f"(pass the root model you wrapped)")
+    return model, state
 
 
 def attach_sharded_state(module: nn.Module, state: ShardedModuleState) -> None:
