@@ -1,7 +1,8 @@
 """Step metrics (simplesharded/trainer/metrics.py, device_peaks.py) on CPU, the GPU paths with a mocked
 device: the peak for MFU per GPU model, form factor and the dtype the matmuls run as (TF32's
 for float32 with TF32 allowed); per-device tokens/s; the allocator's peaks (active and
-reserved, GiB and % of the device) reset after the first step."""
+reserved, GiB and % of the device) reset after the first step; the TensorBoard check of the
+trainer's preflight."""
 import os
 from types import SimpleNamespace
 
@@ -157,6 +158,36 @@ def test_accelerator_memory_active_reserved_and_share_of_the_device(monkeypatch)
     line = metrics.format_record(2, {"loss": 1.0, "grad_norm": 0.5, "lr": 1e-4, "tps": 1.0,
                                      **m, "mem_alloc_retries": 3.0})
     assert line.endswith("alloc retries 3")
+
+
+def test_tensorboard_is_checked_before_training(monkeypatch, capsys):
+    """metrics.enable_tensorboard without the tensorboard package: one line naming the key,
+    from the preflight (run_train.sh's --check-only and every rank's start), not a traceback
+    after the model is built."""
+    import importlib.util
+
+    from simplesharded.trainer.config import load_config
+    from simplesharded.trainer.preflight import check_packages
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "tensorboard" else find_spec(name, *a))
+    check_packages(load_config(None, []))  # off: nothing to check
+    cfg = load_config(None, ["--metrics.enable_tensorboard", "true"])
+    with pytest.raises(ValueError) as e:
+        check_packages(cfg)
+    assert str(e.value).startswith("metrics.enable_tensorboard=true needs the tensorboard "
+                                   "package, which ")
+    assert str(e.value).endswith(": pip install tensorboard, or --metrics.enable_tensorboard "
+                                 "false")
+    from simplesharded.trainer import main as train_main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert train_main(["--check-only", "--metrics.enable_tensorboard", "true"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: metrics.enable_tensorboard=true needs") and err.count("\n") == 1
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    check_packages(cfg)  # installed: passes
 
 
 @pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="Linux /proc only")
