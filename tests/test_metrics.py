@@ -160,10 +160,10 @@ def test_accelerator_memory_active_reserved_and_share_of_the_device(monkeypatch)
     assert line.endswith("alloc retries 3")
 
 
-def test_tensorboard_is_checked_before_training(monkeypatch, capsys):
-    """metrics.enable_tensorboard without the tensorboard package: one line naming the key,
-    from the preflight (run_train.sh's --check-only and every rank's start), not a traceback
-    after the model is built."""
+def test_optional_packages_are_checked_before_training(monkeypatch, capsys):
+    """metrics.enable_tensorboard without the tensorboard package (or checkpoint.enable
+    without numpy): one line naming the key, from the preflight (run_train.sh's --check-only
+    and every rank's start), not a traceback after the model is built."""
     import importlib.util
 
     from simplesharded.trainer.config import load_config
@@ -188,6 +188,13 @@ def test_tensorboard_is_checked_before_training(monkeypatch, capsys):
     assert err.startswith("error: metrics.enable_tensorboard=true needs") and err.count("\n") == 1
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
     check_packages(cfg)  # installed: passes
+    # torch's distributed checkpoint serialises its plan through numpy
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "numpy" else object())
+    check_packages(load_config(None, []))
+    with pytest.raises(ValueError, match=r"^checkpoint.enable=true needs numpy .*: pip install "
+                                         r"numpy, or --checkpoint.enable false$"):
+        check_packages(load_config(None, ["--checkpoint.enable", "true"]))
 
 
 @pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="Linux /proc only")

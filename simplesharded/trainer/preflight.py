@@ -75,6 +75,12 @@ def check_packages(cfg: Config) -> None:
         raise ValueError(f"metrics.enable_tensorboard=true needs the tensorboard package, "
                          f"which {sys.executable} lacks: pip install tensorboard, or "
                          f"--metrics.enable_tensorboard false")
+    if cfg.checkpoint.enable and importlib.util.find_spec("numpy") is None:
+        # torch.distributed.checkpoint agrees on its save plan with gather_object, which
+        # serialises through numpy
+        raise ValueError(f"checkpoint.enable=true needs numpy (torch's distributed "
+                         f"checkpoint uses it), which {sys.executable} lacks: pip install "
+                         f"numpy, or --checkpoint.enable false")
 
 
 def _check_pipeline(cfg: Config) -> None:
