@@ -309,7 +309,7 @@ def main(argv=None) -> int:
             rows += [[*row[:3], name] for row in got]
             print(f"({name}: {runs[-1]['seconds']:.0f}s)", flush=True)
     wall = time.perf_counter() - t_start
-    head.append(f"wall time {wall / 60:.0f} min {wall % 60:.0f} s (budget {budget:.0f} s)")
+    head.append(f"wall time {int(wall // 60)} min {int(wall % 60)} s (budget {budget:.0f} s)")
     failed = [r for r in rows if r[0] == "FAIL"]
     status = 1 if failed else 0
     write_results(out_path, head, rows, runs, logs, status)
