@@ -364,14 +364,18 @@ def _profile(measured: dict, transport: str) -> Hardware:
                     transport=transport, **intra)
 
 
-def calibrate(group=None, device: torch.device | str | None = None, dtype=None) -> dict:
+def calibrate(group=None, device: torch.device | str | None = None, dtype=None,
+              reuse: dict | None = None) -> dict:
     """Measure (see module doc; matmuls in compute dtype ``dtype``, :func:`compute_dtype`) and
     agree over ``group``; every rank returns the same dict
     ``{"hardware": Hardware fields, "measured": raw figures, "key": cache key}``. Without an
     initialised process group: this process's compute only. Ranks on several hosts, several
     per host (consecutive, as torchrun numbers them): the collectives are measured twice, on
     the whole group (the link between hosts bounds it) and within each host (the intra-node
-    link that tensor-parallel groups use)."""
+    link that tensor-parallel groups use). ``reuse``: the measured figures of another compute
+    dtype's calibration of the same machine and group, the same on every rank: its
+    collectives and their overlap with compute are taken as they are (the dtype the matmuls
+    run in does not change them), only the compute is measured."""
     distributed = dist.is_available() and dist.is_initialized()
     device = torch.device(device) if device is not None else _default_device(group)
     transport = str(dist.get_backend(group)) if distributed else \
@@ -379,13 +383,17 @@ def calibrate(group=None, device: torch.device | str | None = None, dtype=None) 
     measured = {"compute": measure_compute(device, dtype), "memory_bytes": device_memory(device)}
     hosts = _hosts(group)
     if distributed and dist.get_world_size(group) > 1:
-        measured["collectives"] = measure_collectives(group, device, transport)
-        measured["overlap"] = measure_overlap(group, device, transport, dtype)
-        per_host = _ranks_per_host(hosts)
-        if per_host and group in (None, dist.group.WORLD):
-            intra, _ = dist.new_subgroups(group_size=per_host)
-            measured["collectives_intra_node"] = measure_collectives(intra, device, transport)
-            measured["ranks_per_host"] = per_host
+        if reuse is not None:
+            measured.update({k: v for k, v in reuse.items() if k not in measured})
+        else:
+            measured["collectives"] = measure_collectives(group, device, transport)
+            measured["overlap"] = measure_overlap(group, device, transport, dtype)
+            per_host = _ranks_per_host(hosts)
+            if per_host and group in (None, dist.group.WORLD):
+                intra, _ = dist.new_subgroups(group_size=per_host)
+                measured["collectives_intra_node"] = measure_collectives(intra, device,
+                                                                         transport)
+                measured["ranks_per_host"] = per_host
         measured = _agree(measured, group, device)
     hw = _profile(measured, transport)
     return {"hardware": dataclasses.asdict(hw), "measured": measured,
@@ -430,11 +438,12 @@ def _default_device(group) -> torch.device:
 
 
 def cache_key(group=None, device: torch.device | None = None,
-              hosts: list[str] | None = None, dtype=None) -> str:
+              hosts: list[str] | None = None, dtype=None, kind: str | None = None) -> str:
     """Names what the numbers hold for: the hosts (by rank), the device, the transport, the
-    ranks, what a matmul in ``dtype`` runs as (:func:`matmul_kind`)."""
+    ranks, what a matmul in ``dtype`` runs as (:func:`matmul_kind`; or ``kind``, one of
+    MATMUL_KINDS)."""
     device = device or _default_device(group)
-    kind = matmul_kind(dtype, device)
+    kind = kind or matmul_kind(dtype, device)
     distributed = dist.is_available() and dist.is_initialized()
     ws = dist.get_world_size(group) if distributed else 1
     hosts = hosts if hosts is not None else _hosts(group)
@@ -461,23 +470,47 @@ def calibrated(group=None, force: bool = False, dtype=None) -> dict:
     if dist.is_available() and dist.is_initialized() and str(dist.get_backend(group)) == "fake":
         raise ValueError("hardware='calibrated' needs a real process group (this one is fake: "
                          "nothing to measure); pass a profile name or a calibration .json file")
-    key = cache_key(group, dtype=dtype)
+    hosts = _hosts(group)
+    key = cache_key(group, hosts=hosts, dtype=dtype)
     path = cache_path(key)
-    cached = None
-    if not force and path.exists():
-        try:
-            cached = json.loads(path.read_text())
-            Hardware(**cached["hardware"])
-        except (OSError, ValueError, KeyError, TypeError):
-            cached = None
+    cached = None if force else _read(path)
     if _everyone_has(cached, group):
         return cached
-    result = calibrate(group, dtype=dtype)
+    # Another compute dtype's entry of this machine and group: its collectives are reused
+    # when every rank holds the same one (one more all-gather, issued by every rank).
+    sibling = None if force else _sibling(group, hosts, dtype)
+    reuse = sibling["measured"] if not force and _everyone_has(sibling, group) else None
+    result = calibrate(group, dtype=dtype, reuse=reuse)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(result, indent=1, sort_keys=True))
     os.replace(tmp, path)  # ranks sharing a host write the same numbers; last one wins
     return result
+
+
+def _read(path: Path) -> dict | None:
+    """A cache entry, or None where there is none that loads."""
+    if not path.exists():
+        return None
+    try:
+        cached = json.loads(path.read_text())
+        Hardware(**cached["hardware"])
+        return cached
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _sibling(group, hosts: list[str], dtype) -> dict | None:
+    """The cache entry of another matmul kind (MATMUL_KINDS' order) for the same hosts,
+    device, transport and ranks, or None."""
+    device = _default_device(group)
+    own = matmul_kind(dtype, device)
+    for kind in MATMUL_KINDS:
+        entry = None if kind == own else _read(cache_path(cache_key(group, device, hosts,
+                                                                    kind=kind)))
+        if entry is not None:
+            return entry
+    return None
 
 
 def _everyone_has(cached: dict | None, group) -> bool:

@@ -54,6 +54,16 @@ def _calibrate_job(rank, world, cache_dir):
         calibrate.cache_path(first["key"]).unlink()
     second = calibrate.calibrated()
     third = calibrate.calibrated()  # every rank now holds the same entry: read, not measured
+    # another compute dtype: its matmul measured, the collectives taken from the entry above
+    measure = calibrate.measure_collectives
+    calibrate.measure_collectives = None  # would raise if called
+    try:
+        bf16 = calibrate.calibrated(dtype="bfloat16")
+    finally:
+        calibrate.measure_collectives = measure
+    assert bf16["measured"]["compute"]["matmul_kind"] == "bfloat16"
+    assert bf16["measured"]["collectives"] == third["measured"]["collectives"]
+    assert bf16["key"] != third["key"]
     return first, second, third
 
 
