@@ -30,7 +30,9 @@ always issued by every rank). All of it runs at start-up, outside compilation: a
 compile time deadlocks when one rank's compile is served from a cache.
 
 The cache is one JSON file per (hosts, device, transport, world size, matmul kind) under
-``$SIMPLESHARDED_CACHE_DIR`` (default ``~/.cache/simplesharded``). Pin a profile by passing its
+``$SIMPLESHARDED_CACHE_DIR`` (default ``~/.cache/simplesharded``); a second compute dtype on
+the same machine and group measures only its matmul and takes the collectives from the first
+one's file. Pin a profile by passing its
 file as ``hardware="path.json"`` (``--compile.hardware`` in the trainer): it is then loaded
 as is, never re-measured.
 """
