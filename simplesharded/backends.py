@@ -111,6 +111,11 @@ class BackendOptions:
     # simplesharded/calibration.py), a calibration .json file, a profile name of
     # passes/hardware.py, or a Hardware
     hardware: object = "calibrated"
+    # The dtype the model's matmuls run in (a torch.dtype or its name; under mixed precision
+    # the gathered parameters' dtype): what "calibrated" times its matmuls in. None: torch's
+    # default dtype (float32; TF32 on an accelerator where this process allows it,
+    # simplesharded/calibration.py's matmul_kind). A profile or a file is taken as it is.
+    compute_dtype: object = None
     # A ready plan (passes.Plan) instead of the one the backend builds from the options above
     # (give those to the plan itself).
     plan: Plan | None = None
@@ -124,7 +129,7 @@ _PLAN_OPTIONS = ("reshard_after_forward", "memory_cap_bytes", "bucket_patterns")
 def _hardware(opts: BackendOptions):
     from simplesharded.calibration import resolve_hardware  # measures only when asked
 
-    return resolve_hardware(opts.hardware)
+    return resolve_hardware(opts.hardware, dtype=opts.compute_dtype)
 
 
 def backend_plan(backend: str | BackendName, opts: BackendOptions = BackendOptions()) -> Plan:

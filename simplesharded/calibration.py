@@ -4,7 +4,9 @@
 ``make_backend(..., hardware="calibrated")`` (the default) reads it, measuring first when
 there is none. What is measured, on the real device and the real process group:
 
-* compute: matmul FLOP/s (fp32 on CPU, bf16 on GPU: the training dtypes) and the bandwidth an
+* compute: matmul FLOP/s in the run's compute dtype (``dtype``: the dtype the gathered
+  parameters compute in, default float32; a float32 matmul on an accelerator runs as TF32 when
+  this process allows it, :func:`matmul_kind`, and is timed so) and the bandwidth an
   elementwise op sees (on a buffer past the caches: 32 MiB on CPU, at least 1 GiB and 8 times
   the L2 cache on an accelerator); device memory from the device (host RAM on CPU);
 * per collective kind (all-gather, reduce-scatter, all-reduce, all-to-all): latency (one
@@ -27,8 +29,10 @@ cache is used only when every rank holds the same cache entry (one tiny all-gath
 always issued by every rank). All of it runs at start-up, outside compilation: a collective at
 compile time deadlocks when one rank's compile is served from a cache.
 
-The cache is one JSON file per (hosts, device, transport, world size) under
-``$SIMPLESHARDED_CACHE_DIR`` (default ``~/.cache/simplesharded``). Pin a profile by passing its
+The cache is one JSON file per (hosts, device, transport, world size, matmul kind) under
+``$SIMPLESHARDED_CACHE_DIR`` (default ``~/.cache/simplesharded``); a second compute dtype on
+the same machine and group measures only its matmul and takes the collectives from the first
+one's file. Pin a profile by passing its
 file as ``hardware="path.json"`` (``--compile.hardware`` in the trainer): it is then loaded
 as is, never re-measured.
 """
@@ -49,9 +53,9 @@ import torch.distributed as dist
 from simplesharded.passes.comm_cost import RING_FACTOR
 from simplesharded.passes.hardware import Hardware, get_hardware
 
-CALIBRATED = "calibrated"
+CALIBRATED = "calibrated"  # the hardware name that means "measure (or read the cache)"
 # In the cache key: a cache written by an earlier way of measuring is measured again.
-_METHOD = 2  # the hardware name that means "measure (or read the cache)"
+_METHOD = 3
 CACHE_ENV = "SIMPLESHARDED_CACHE_DIR"
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 _LARGE = 2**20  # CPU: elements per rank (4 MiB fp32) for the bandwidth point
@@ -63,15 +67,61 @@ _COLLECTIVE_BYTES = 256 * 2**20  # the gathered / reduced buffer of the bandwidt
 _WINDOWS, _WINDOW_REPS = 3, 20  # accelerator timing: windows of back-to-back calls
 
 
-def resolve_hardware(spec: str | Hardware, group=None) -> Hardware:
+MATMUL_KINDS = ("bfloat16", "float16", "tf32", "float32")
+_TF32_OVERRIDE = "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE"  # cuBLAS takes TF32 whatever the flags say
+
+
+def resolve_hardware(spec: str | Hardware, group=None, dtype=None) -> Hardware:
     """The one place a hardware option becomes numbers: a Hardware as is, ``"calibrated"``
-    (measured here or read from the cache, see module doc), else ``get_hardware`` (a profile
-    name or a calibration .json file)."""
+    (measured here in compute dtype ``dtype``, or read from the cache, see module doc), else
+    ``get_hardware`` (a profile name or a calibration .json file, taken as they are)."""
     if isinstance(spec, Hardware):
         return spec
     if spec == CALIBRATED:
-        return calibrated_hardware(group)
+        return calibrated_hardware(group, dtype=dtype)
     return get_hardware(spec)
+
+
+def compute_dtype(dtype=None) -> torch.dtype:
+    """``dtype`` (a torch.dtype or its name, e.g. "bfloat16") as a floating torch.dtype;
+    None: torch's default dtype (float32 unless changed)."""
+    if dtype is None:
+        return torch.get_default_dtype()
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"compute dtype {dtype!r} is not a floating-point torch dtype")
+    return dtype
+
+
+def fp32_matmul_uses_tf32() -> bool:
+    """Whether this process lets cuBLAS run float32 matmuls on TF32 tensor cores:
+    ``torch.backends.cuda.matmul.fp32_precision`` when set ("tf32" / "ieee"; every TF32 setter
+    sets it since torch 2.9), else ``torch.get_float32_matmul_precision() != "highest"``
+    (``allow_tf32``'s old form), or $TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1."""
+    if os.environ.get(_TF32_OVERRIDE) == "1":
+        return True
+    setting = getattr(torch.backends.cuda.matmul, "fp32_precision", "none")
+    if setting in ("tf32", "ieee"):
+        return setting == "tf32"
+    try:
+        return torch.get_float32_matmul_precision() != "highest"
+    except RuntimeError:  # the old getter refuses once the new API was used: that said "none"
+        return False
+
+
+def matmul_kind(dtype=None, device: torch.device | str = "cpu") -> str:
+    """What a matmul in ``dtype`` runs as on ``device``, one of MATMUL_KINDS (the dtypes of the
+    published peaks, simplesharded/trainer/device_peaks.py): bfloat16 and float16 as
+    themselves; float32 on an accelerator "tf32" when :func:`fp32_matmul_uses_tf32`, else (and
+    on CPU) "float32"."""
+    dtype = compute_dtype(dtype)
+    if dtype in (torch.bfloat16, torch.float16):
+        return str(dtype).removeprefix("torch.")
+    if dtype != torch.float32:
+        raise ValueError(f"compute dtype {dtype} is not one of {list(MATMUL_KINDS)}")
+    accelerator = torch.device(device).type != "cpu"
+    return "tf32" if accelerator and fp32_matmul_uses_tf32() else "float32"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,15 +195,20 @@ def collective_elements(kind: str, world_size: int, device: torch.device) -> int
     return max(1, _COLLECTIVE_BYTES // 4 // share)
 
 
-def measure_compute(device: torch.device) -> dict:
-    dtype, n = (torch.bfloat16, 4096) if _accelerator(device) else (torch.float32, 1024)
+def measure_compute(device: torch.device, dtype=None) -> dict:
+    """Matmul FLOP/s in ``dtype`` (:func:`compute_dtype`) as this process runs it (float32 on
+    an accelerator: TF32 or not, :func:`matmul_kind`), and the elementwise bandwidth."""
+    dtype = compute_dtype(dtype)
+    n = 4096 if _accelerator(device) else 1024
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
     flops = 2 * n**3 / _time(lambda: torch.mm(a, b), device, 9)
+    del a, b
     x = torch.randn(stream_elements(device), device=device)
     y = torch.empty_like(x)
     mem_bw = 2 * x.nbytes / _time(lambda: torch.add(x, 1.0, out=y), device, 9)
     del x, y
-    return {"flops_per_s": flops, "mem_bw_Bps": mem_bw, "matmul_dtype": str(dtype)}
+    return {"flops_per_s": flops, "mem_bw_Bps": mem_bw, "matmul_dtype": str(dtype),
+            "matmul_kind": matmul_kind(dtype, device)}
 
 
 def device_memory(device: torch.device) -> int:
@@ -205,12 +260,12 @@ def measure_collectives(group, device, transport: str) -> dict:
     return out
 
 
-def measure_overlap(group, device, transport: str) -> dict:
+def measure_overlap(group, device, transport: str, dtype=None) -> dict:
     """The simulator charges each collective ``collective_overhead_s + (1 - comm_overlap) *
     transfer`` on the compute stream. Measure both the way they arise: compute alone, then the
-    same compute with collectives in flight beside it."""
-    dtype, n = (torch.bfloat16, 4096) if _accelerator(device) else (torch.float32, 512)
-    a = torch.randn(n, n, device=device, dtype=dtype)
+    same compute (matmuls in ``dtype``) with collectives in flight beside it."""
+    n = 4096 if _accelerator(device) else 512
+    a = torch.randn(n, n, device=device, dtype=compute_dtype(dtype))
     ws = dist.get_world_size(group)
     per_rank = collective_elements("all_gather", ws, device)
     large, _ = _collective("all_gather", per_rank, group, device, transport)
@@ -311,31 +366,40 @@ def _profile(measured: dict, transport: str) -> Hardware:
                     transport=transport, **intra)
 
 
-def calibrate(group=None, device: torch.device | str | None = None) -> dict:
-    """Measure (see module doc) and agree over ``group``; every rank returns the same dict
+def calibrate(group=None, device: torch.device | str | None = None, dtype=None,
+              reuse: dict | None = None) -> dict:
+    """Measure (see module doc; matmuls in compute dtype ``dtype``, :func:`compute_dtype`) and
+    agree over ``group``; every rank returns the same dict
     ``{"hardware": Hardware fields, "measured": raw figures, "key": cache key}``. Without an
     initialised process group: this process's compute only. Ranks on several hosts, several
     per host (consecutive, as torchrun numbers them): the collectives are measured twice, on
     the whole group (the link between hosts bounds it) and within each host (the intra-node
-    link that tensor-parallel groups use)."""
+    link that tensor-parallel groups use). ``reuse``: the measured figures of another compute
+    dtype's calibration of the same machine and group, the same on every rank: its
+    collectives and their overlap with compute are taken as they are (the dtype the matmuls
+    run in does not change them), only the compute is measured."""
     distributed = dist.is_available() and dist.is_initialized()
     device = torch.device(device) if device is not None else _default_device(group)
     transport = str(dist.get_backend(group)) if distributed else \
         dist.get_default_backend_for_device(device)
-    measured = {"compute": measure_compute(device), "memory_bytes": device_memory(device)}
+    measured = {"compute": measure_compute(device, dtype), "memory_bytes": device_memory(device)}
     hosts = _hosts(group)
     if distributed and dist.get_world_size(group) > 1:
-        measured["collectives"] = measure_collectives(group, device, transport)
-        measured["overlap"] = measure_overlap(group, device, transport)
-        per_host = _ranks_per_host(hosts)
-        if per_host and group in (None, dist.group.WORLD):
-            intra, _ = dist.new_subgroups(group_size=per_host)
-            measured["collectives_intra_node"] = measure_collectives(intra, device, transport)
-            measured["ranks_per_host"] = per_host
+        if reuse is not None:
+            measured.update({k: v for k, v in reuse.items() if k not in measured})
+        else:
+            measured["collectives"] = measure_collectives(group, device, transport)
+            measured["overlap"] = measure_overlap(group, device, transport, dtype)
+            per_host = _ranks_per_host(hosts)
+            if per_host and group in (None, dist.group.WORLD):
+                intra, _ = dist.new_subgroups(group_size=per_host)
+                measured["collectives_intra_node"] = measure_collectives(intra, device,
+                                                                         transport)
+                measured["ranks_per_host"] = per_host
         measured = _agree(measured, group, device)
     hw = _profile(measured, transport)
     return {"hardware": dataclasses.asdict(hw), "measured": measured,
-            "key": cache_key(group, device, hosts)}
+            "key": cache_key(group, device, hosts, dtype)}
 
 
 def _hosts(group=None) -> list[str]:
@@ -376,18 +440,20 @@ def _default_device(group) -> torch.device:
 
 
 def cache_key(group=None, device: torch.device | None = None,
-              hosts: list[str] | None = None) -> str:
+              hosts: list[str] | None = None, dtype=None, kind: str | None = None) -> str:
     """Names what the numbers hold for: the hosts (by rank), the device, the transport, the
-    ranks."""
+    ranks, what a matmul in ``dtype`` runs as (:func:`matmul_kind`; or ``kind``, one of
+    MATMUL_KINDS)."""
     device = device or _default_device(group)
+    kind = kind or matmul_kind(dtype, device)
     distributed = dist.is_available() and dist.is_initialized()
     ws = dist.get_world_size(group) if distributed else 1
     hosts = hosts if hosts is not None else _hosts(group)
     dev = _device_module(device).get_device_name(device) if _accelerator(device) else "cpu"
     transport = str(dist.get_backend(group)) if distributed else "none"
-    raw = json.dumps([hosts, dev, transport, ws, torch.__version__, _METHOD])
+    raw = json.dumps([hosts, dev, transport, ws, torch.__version__, _METHOD, kind])
     digest = hashlib.sha256(raw.encode()).hexdigest()[:12]
-    return f"{dev.replace(' ', '_')}-{transport}-ws{ws}-{digest}"
+    return f"{dev.replace(' ', '_')}-{transport}-ws{ws}-{kind}-{digest}"
 
 
 def cache_path(key: str) -> Path:
@@ -395,33 +461,58 @@ def cache_path(key: str) -> Path:
     return Path(root) / f"calibration-{key}.json"
 
 
-def calibrated_hardware(group=None, force: bool = False) -> Hardware:
-    """The calibrated Hardware, the same on every rank: from the cache when every rank holds
-    the same entry, else measured now by all ranks together and cached."""
-    return Hardware(**calibrated(group, force)["hardware"])
+def calibrated_hardware(group=None, force: bool = False, dtype=None) -> Hardware:
+    """The calibrated Hardware for compute dtype ``dtype`` (:func:`compute_dtype`), the same
+    on every rank: from the cache when every rank holds the same entry, else measured now by
+    all ranks together and cached."""
+    return Hardware(**calibrated(group, force, dtype)["hardware"])
 
 
-def calibrated(group=None, force: bool = False) -> dict:
+def calibrated(group=None, force: bool = False, dtype=None) -> dict:
     if dist.is_available() and dist.is_initialized() and str(dist.get_backend(group)) == "fake":
         raise ValueError("hardware='calibrated' needs a real process group (this one is fake: "
                          "nothing to measure); pass a profile name or a calibration .json file")
-    key = cache_key(group)
+    hosts = _hosts(group)
+    key = cache_key(group, hosts=hosts, dtype=dtype)
     path = cache_path(key)
-    cached = None
-    if not force and path.exists():
-        try:
-            cached = json.loads(path.read_text())
-            Hardware(**cached["hardware"])
-        except (OSError, ValueError, KeyError, TypeError):
-            cached = None
+    cached = None if force else _read(path)
     if _everyone_has(cached, group):
         return cached
-    result = calibrate(group)
+    # Another compute dtype's entry of this machine and group: its collectives are reused
+    # when every rank holds the same one (one more all-gather, issued by every rank).
+    sibling = None if force else _sibling(group, hosts, dtype)
+    reuse = sibling["measured"] if not force and _everyone_has(sibling, group) else None
+    result = calibrate(group, dtype=dtype, reuse=reuse)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(result, indent=1, sort_keys=True))
     os.replace(tmp, path)  # ranks sharing a host write the same numbers; last one wins
     return result
+
+
+def _read(path: Path) -> dict | None:
+    """A cache entry, or None where there is none that loads."""
+    if not path.exists():
+        return None
+    try:
+        cached = json.loads(path.read_text())
+        Hardware(**cached["hardware"])
+        return cached
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _sibling(group, hosts: list[str], dtype) -> dict | None:
+    """The cache entry of another matmul kind (MATMUL_KINDS' order) for the same hosts,
+    device, transport and ranks, or None."""
+    device = _default_device(group)
+    own = matmul_kind(dtype, device)
+    for kind in MATMUL_KINDS:
+        entry = None if kind == own else _read(cache_path(cache_key(group, device, hosts,
+                                                                    kind=kind)))
+        if entry is not None:
+            return entry
+    return None
 
 
 def _everyone_has(cached: dict | None, group) -> bool:

@@ -54,6 +54,16 @@ def _calibrate_job(rank, world, cache_dir):
         calibrate.cache_path(first["key"]).unlink()
     second = calibrate.calibrated()
     third = calibrate.calibrated()  # every rank now holds the same entry: read, not measured
+    # another compute dtype: its matmul measured, the collectives taken from the entry above
+    measure = calibrate.measure_collectives
+    calibrate.measure_collectives = None  # would raise if called
+    try:
+        bf16 = calibrate.calibrated(dtype="bfloat16")
+    finally:
+        calibrate.measure_collectives = measure
+    assert bf16["measured"]["compute"]["matmul_kind"] == "bfloat16"
+    assert bf16["measured"]["collectives"] == third["measured"]["collectives"]
+    assert bf16["key"] != third["key"]
     return first, second, third
 
 
@@ -191,3 +201,71 @@ def test_gpu_timing_uses_device_events_without_a_sync_per_call(monkeypatch):
     monkeypatch.setattr(torch, "Event", None)  # CPU never touches events
     calibrate._time(fn, torch.device("cpu"), cpu_reps=5)
     assert log == ["call"] * 6
+
+
+# ------------------------------------------------------------------ the run's compute dtype
+
+def test_matmuls_are_timed_in_the_compute_dtype(tmp_path, monkeypatch):
+    """Calibration times its matmul in the dtype the run computes in (training.
+    mixed_precision_param), one cache entry per kind: a float32 run is not planned with a
+    bf16 figure. Default: torch's default dtype, float32."""
+    monkeypatch.setenv(calibrate.CACHE_ENV, str(tmp_path))
+    timed = []
+    real = calibrate.measure_compute
+
+    def measure(device, dtype=None):
+        timed.append(calibrate.compute_dtype(dtype))
+        return real(device, dtype)
+
+    monkeypatch.setattr(calibrate, "measure_compute", measure)
+    monkeypatch.setattr(calibrate, "_CPU_STREAM_ELEMENTS", 2**16)  # the bandwidth: not here
+    fp32 = calibrate.calibrated()
+    bf16 = calibrate.calibrated(dtype="bfloat16")
+    assert timed == [torch.float32, torch.bfloat16]
+    assert fp32["measured"]["compute"]["matmul_kind"] == "float32"
+    assert bf16["measured"]["compute"]["matmul_kind"] == "bfloat16"
+    assert fp32["key"] != bf16["key"] and "-bfloat16-" in bf16["key"]
+    assert calibrate.calibrated(dtype=torch.bfloat16) == bf16  # its own entry, read back
+    assert calibrate.calibrated(dtype="float32") == fp32
+    assert timed == [torch.float32, torch.bfloat16]
+    with pytest.raises(ValueError, match="not a floating-point torch dtype"):
+        calibrate.compute_dtype("int8")
+
+
+def test_fp32_on_a_gpu_is_keyed_and_timed_as_what_it_runs_as(fake_gpu, monkeypatch):
+    """float32 on an accelerator runs as TF32 where this process allows it: the cache key
+    says which, so switching TF32 on measures again instead of reusing plain fp32's figure."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(calibrate, "_hosts", lambda group=None: ["host"])
+    monkeypatch.setattr(calibrate, "fp32_matmul_uses_tf32", lambda: False)
+    assert calibrate.matmul_kind("float32", GPU) == "float32"
+    plain = calibrate.cache_key(device=GPU, dtype="float32")
+    monkeypatch.setattr(calibrate, "fp32_matmul_uses_tf32", lambda: True)
+    assert calibrate.matmul_kind("float32", GPU) == "tf32"
+    assert calibrate.matmul_kind("float32", "cpu") == "float32"
+    assert calibrate.matmul_kind(torch.bfloat16, GPU) == "bfloat16"
+    tf32 = calibrate.cache_key(device=GPU, dtype="float32")
+    assert "-float32-" in plain and "-tf32-" in tf32 and plain != tf32
+    assert "-bfloat16-" in calibrate.cache_key(device=GPU, dtype="bfloat16")
+
+
+def test_backends_and_the_trainer_pass_the_compute_dtype(monkeypatch):
+    """make_backend(compute_dtype=...) reaches calibration; the trainer passes its
+    training.mixed_precision_param, for bucketing backends (the ones with a cost model)."""
+    from simplesharded import backends
+    from simplesharded.trainer.config import load_config
+    from simplesharded.trainer.recipe import _backend_options
+
+    seen = []
+    hw = get_hardware("h100-ib400")
+    monkeypatch.setattr(calibrate, "calibrated_hardware",
+                        lambda group=None, force=False, dtype=None: seen.append(dtype) or hw)
+    backends.make_backend("aot_eager_autobucketing", compute_dtype="bfloat16")
+    backends.make_backend("aot_eager_autobucketing")
+    backends.make_backend("aot_eager_autobucketing", hardware="h100-ib400",
+                          compute_dtype="bfloat16")  # a profile is taken as it is
+    assert seen == ["bfloat16", None]
+    cfg = load_config(None, ["--compile.backend", "inductor_autobucketing"])
+    assert _backend_options(cfg.compile, None, "bfloat16")["compute_dtype"] == "bfloat16"
+    cfg = load_config(None, ["--compile.backend", "inductor"])
+    assert "compute_dtype" not in _backend_options(cfg.compile, None, "bfloat16")

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 from simplesharded.shims.host_malloc import TUNABLES, caching_env
-from simplesharded.shims.launch_env import ALLOC_CONF, SHARE_STORE, launch_env
+from simplesharded.shims.launch_env import ALLOC_CONF, SHARE_STORE, allocator_env, launch_env
 
 
 def test_cpu_ranks_get_the_caching_malloc_a_core_share_and_their_own_restart_store():
@@ -26,6 +26,25 @@ def test_what_the_user_set_wins():
     env = launch_env("cpu", 2, environ={"OMP_NUM_THREADS": "1", SHARE_STORE: "0"}, cores=8)
     assert "OMP_NUM_THREADS" not in env and SHARE_STORE not in env
     assert launch_env("cpu", 4, environ={}, cores=2)["OMP_NUM_THREADS"] == "1"
+
+
+def test_every_launcher_of_accelerator_ranks_sets_expandable_segments(monkeypatch):
+    """The bench's ranks start as run_train.sh's do: expandable segments on an accelerator,
+    unless the user set the allocator's configuration (either name); nothing on CPU."""
+    from simplesharded.tools.bench_run import _rank_environment
+    from simplesharded.tools.bench_variants import BenchArgs
+
+    assert allocator_env("cuda", environ={}) == {ALLOC_CONF[0]: "expandable_segments:True"}
+    assert allocator_env("cuda", environ={ALLOC_CONF[1]: "x"}) == {}
+    assert allocator_env("cpu", environ={}) == {}
+    for name in ALLOC_CONF:
+        monkeypatch.delenv(name, raising=False)
+    with _rank_environment(BenchArgs(device="cuda")):
+        assert os.environ[ALLOC_CONF[0]] == "expandable_segments:True"
+    assert ALLOC_CONF[0] not in os.environ  # as it was
+    monkeypatch.setenv(ALLOC_CONF[1], "expandable_segments:False")
+    with _rank_environment(BenchArgs(device="cuda")):
+        assert ALLOC_CONF[0] not in os.environ
 
 
 def test_launcher_prints_exports_for_this_machine():

@@ -1,6 +1,8 @@
 """Step metrics (simplesharded/trainer/metrics.py, device_peaks.py) on CPU, the GPU paths with a mocked
-device: the peak for MFU per GPU model, form factor and dtype; per-device tokens/s; the
-allocator's peaks (allocated first, reserved beside) reset after the first step."""
+device: the peak for MFU per GPU model, form factor and the dtype the matmuls run as (TF32's
+for float32 with TF32 allowed); per-device tokens/s; the allocator's peaks (active and
+reserved, GiB and % of the device) reset after the first step; the TensorBoard check of the
+trainer's preflight."""
 import os
 from types import SimpleNamespace
 
@@ -76,6 +78,48 @@ def test_peak_flops_by_device_and_dtype(gpu, monkeypatch):
     assert metrics.peak_flops("cuda", 0.0, "bfloat16") == 0.0  # unknown: no MFU
 
 
+@pytest.fixture
+def tf32_restored():
+    """The process's TF32 setting as it was after the test (set through the legacy setters
+    only: mixing them with torch.backends.fp32_precision makes torch's getters raise)."""
+    before = torch.get_float32_matmul_precision()
+    yield
+    torch.set_float32_matmul_precision(before)
+
+
+@pytest.mark.parametrize("enable, kind", [
+    (lambda: None, "float32"),                                               # torch's default
+    (lambda: setattr(torch.backends.cuda.matmul, "allow_tf32", True), "tf32"),
+    (lambda: torch.set_float32_matmul_precision("high"), "tf32"),
+    (lambda: torch.set_float32_matmul_precision("medium"), "tf32"),
+    (lambda: torch.set_float32_matmul_precision("highest"), "float32"),
+])
+def test_mfu_peak_follows_the_tf32_setting(gpu, tf32_restored, enable, kind):
+    """The peak MFU divides by is the one of what the matmuls run as, with torch's own
+    setters: bf16's for bfloat16 whatever TF32 says; for float32 TF32's when TF32 is allowed,
+    plain fp32's otherwise (torchtitan's choice)."""
+    from simplesharded.calibration import matmul_kind
+
+    gpu("NVIDIA H100 80GB HBM3")
+    enable()
+    assert matmul_kind("float32", "cuda") == kind
+    assert matmul_kind("float32", "cpu") == "float32"  # no TF32 on a CPU
+    assert matmul_kind("bfloat16", "cuda") == "bfloat16"
+    table = device_peaks.TFLOPS["H100"][""]
+    assert metrics.peak_flops("cuda", 0.0, "float32") == pytest.approx(table[kind] * 1e12)
+    assert metrics.peak_flops("cuda", 0.0, "bfloat16") == pytest.approx(989.4e12)
+    assert metrics.peak_flops("cuda", 0.0, "float16") == pytest.approx(989.4e12)
+
+
+def test_tf32_override_variable_counts(gpu, monkeypatch):
+    """$TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1 makes cuBLAS take TF32 whatever the flags say."""
+    gpu("NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "highest")
+    assert metrics.peak_flops("cuda", 0.0, "float32") == pytest.approx(19.5e12)
+    monkeypatch.setenv("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "1")
+    assert metrics.peak_flops("cuda", 0.0, "float32") == pytest.approx(156.0e12)
+
+
 def test_throughput_is_per_device():
     """64 sequences of 8192 tokens in 2 s on 8 devices: 32,768 tokens/s per device (what
     torchtitan's tps reports), 262,144 in all; MFU from the per-device rate."""
@@ -86,20 +130,71 @@ def test_throughput_is_per_device():
     assert "mfu_pct" not in metrics.throughput(10, 1.0, 1, 1.0, 0.0)
 
 
-def test_accelerator_memory_allocated_first_and_reset(monkeypatch):
+def test_accelerator_memory_active_reserved_and_share_of_the_device(monkeypatch):
+    """As torchtitan: max active and max reserved, GiB and % of the device's memory."""
     calls = []
     monkeypatch.setattr(torch.accelerator, "max_memory_allocated", lambda *a: 3 * 2**30)
     monkeypatch.setattr(torch.accelerator, "max_memory_reserved", lambda *a: 5 * 2**30)
+    monkeypatch.setattr(torch.accelerator, "memory_stats", lambda *a: {
+        "active_bytes.all.peak": 4 * 2**30, "num_alloc_retries": 0})
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: SimpleNamespace(total_memory=80 * 2**30))
     monkeypatch.setattr(torch.accelerator, "reset_peak_memory_stats",
                         lambda *a: calls.append("reset"))
+    metrics.device_memory_bytes.cache_clear()
     m = metrics.memory_stats("cuda")
-    assert m == {"mem_max_allocated_gib": 3.0, "mem_max_reserved_gib": 5.0}
+    metrics.device_memory_bytes.cache_clear()
+    assert m == {"mem_max_active_gib": 4.0, "mem_max_reserved_gib": 5.0,
+                 "mem_max_allocated_gib": 3.0, "mem_alloc_retries": 0.0,
+                 "mem_max_active_pct": 5.0, "mem_max_reserved_pct": 6.25}
     metrics.reset_peak_memory("cuda:0")
     assert calls == ["reset"]
     line = metrics.format_record(2, {"loss": 1.0, "grad_norm": 0.5, "lr": 1e-4, "tps": 1234.5,
                                      "tflops": 300.0, "mfu_pct": 30.3, **m})
     assert "tps 1,234" in line and "mfu 30.3%" in line
-    assert "mem 3.00GiB (reserved 5.00GiB)" in line
+    assert "memory active 4.00GiB (5.0%) reserved 5.00GiB (6.2%)" in line
+    assert "retries" not in line
+    line = metrics.format_record(2, {"loss": 1.0, "grad_norm": 0.5, "lr": 1e-4, "tps": 1.0,
+                                     **m, "mem_alloc_retries": 3.0})
+    assert line.endswith("alloc retries 3")
+
+
+def test_optional_packages_are_checked_before_training(monkeypatch, capsys):
+    """metrics.enable_tensorboard without the tensorboard package (or checkpoint.enable
+    without numpy): one line naming the key, from the preflight (run_train.sh's --check-only
+    and every rank's start), not a traceback after the model is built."""
+    import importlib.util
+
+    from simplesharded.trainer.config import load_config
+    from simplesharded.trainer.preflight import check_packages
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "tensorboard" else find_spec(name, *a))
+    check_packages(load_config(None, []))  # off: nothing to check
+    cfg = load_config(None, ["--metrics.enable_tensorboard", "true"])
+    with pytest.raises(ValueError) as e:
+        check_packages(cfg)
+    assert str(e.value).startswith("metrics.enable_tensorboard=true needs the tensorboard "
+                                   "package, which ")
+    assert str(e.value).endswith(": pip install tensorboard, or --metrics.enable_tensorboard "
+                                 "false")
+    from simplesharded.trainer import main as train_main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert train_main(["--check-only", "--metrics.enable_tensorboard", "true"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: metrics.enable_tensorboard=true needs") and err.count("\n") == 1
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    check_packages(cfg)  # installed: passes
+    # torch's distributed checkpoint serialises its plan through numpy
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "numpy" else object())
+    check_packages(load_config(None, []))
+    with pytest.raises(ValueError, match=r"^checkpoint.enable=true needs numpy .*: pip install "
+                                         r"numpy, or --checkpoint.enable false$"):
+        check_packages(load_config(None, ["--checkpoint.enable", "true"]))
 
 
 @pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="Linux /proc only")

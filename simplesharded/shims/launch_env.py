@@ -27,6 +27,17 @@ ALLOC_CONF = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")  # the new name, 
 SHARE_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
+def allocator_env(device: str, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The caching allocator's setting for ranks on ``device`` (an accelerator type):
+    ``PYTORCH_ALLOC_CONF=expandable_segments:True``, unless ``environ`` (default: this
+    process's) sets either name; nothing on CPU. For every launcher of accelerator ranks
+    (run_train.sh, the bench, calibration, scripts/gpu_check.sh)."""
+    environ = os.environ if environ is None else environ
+    if device == "cpu" or any(k in environ for k in ALLOC_CONF):
+        return {}
+    return {ALLOC_CONF[0]: "expandable_segments:True"}
+
+
 def launch_env(device: str, nproc: int, environ: dict[str, str] | None = None,
                cores: int | None = None) -> dict[str, str]:
     """What ranks of ``device`` ("cpu" or an accelerator type), ``nproc`` per node, need set,
@@ -37,8 +48,7 @@ def launch_env(device: str, nproc: int, environ: dict[str, str] | None = None,
     if device == "cpu":
         out.update(caching_env(environ))
         out[SHARE_STORE] = "1"
-    elif not any(k in environ for k in ALLOC_CONF):
-        out[ALLOC_CONF[0]] = "expandable_segments:True"
+    out.update(allocator_env(device, environ))
     return {k: v for k, v in out.items() if k not in environ or k == "GLIBC_TUNABLES"}
 
 

@@ -231,9 +231,12 @@ def _worker(rank: int, variant: str, args: BenchArgs, out_dir: str) -> None:
     os.environ.update(OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     world = world_of(variant, args)
-    if args.device != "cpu":
-        torch.accelerator.set_device_index(rank % torch.accelerator.device_count())
-    dist.init_process_group(backend_for(args.device), rank=rank, world_size=world)
+    kwargs = {}
+    if args.device != "cpu":  # one device per rank, bound to the group (no device guessing)
+        index = rank % torch.accelerator.device_count()
+        torch.accelerator.set_device_index(index)
+        kwargs["device_id"] = torch.device(args.device, index)
+    dist.init_process_group(backend_for(args.device), rank=rank, world_size=world, **kwargs)
     result = RunResult(variant)
     try:
         mesh = build_mesh(1, world // (args.cp * args.tp), args.device, args.tp, cp=args.cp)
@@ -317,10 +320,13 @@ def _worker(rank: int, variant: str, args: BenchArgs, out_dir: str) -> None:
 def _rank_environment(args: BenchArgs):
     """The environment ranks start in: every variant's the same. CPU ranks get the launcher's
     caching malloc settings (host_malloc.py) unless --host-malloc system asks for glibc's
-    defaults."""
+    defaults; accelerator ranks the launcher's expandable segments (launch_env.py), unless
+    the user set the allocator's configuration."""
     from simplesharded.shims.host_malloc import TUNABLES, caching_env
+    from simplesharded.shims.launch_env import allocator_env
     if args.device != "cpu":
-        yield
+        with mock.patch.dict(os.environ, allocator_env(args.device)):
+            yield
         return
     with mock.patch.dict(os.environ):  # restores the environment as it was
         if args.host_malloc == "caching":

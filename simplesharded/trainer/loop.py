@@ -165,7 +165,7 @@ class Trainer:
                             clip_norm=t.clip_norm,
                             accumulation_steps=t.gradient_accumulation_steps,
                             with_grad_norm=True,
-                            **_backend_options(c, observer))
+                            **_backend_options(c, observer, t.mixed_precision_param))
         if ep_dim(self.mesh):  # the token exchange's split sizes: as the compiled model's
             from simplesharded.models.ep_dispatch import ep_compile_config
             return _ScopedCalls(step, ep_compile_config)

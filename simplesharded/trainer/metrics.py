@@ -1,6 +1,7 @@
 """Step metrics: loss, grad norm, lr, tokens/s, MFU, memory; printed, JSONL, TensorBoard."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import resource
@@ -9,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from simplesharded.calibration import matmul_kind
 from simplesharded.trainer import device_peaks
 
 
@@ -16,28 +18,19 @@ def _device_type(device) -> str:
     return torch.device(device).type
 
 
-def _fp32_matmul_dtype() -> str:
-    """"tf32" when fp32 matmuls may run on tensor cores (their peak is then TF32's), else
-    "float32". The per-backend setting wins over the global one when it is set."""
-    setting = getattr(torch.backends.cuda.matmul, "fp32_precision", "none")
-    if setting in ("tf32", "ieee"):
-        return "tf32" if setting == "tf32" else "float32"
-    return "float32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
-
-
 def peak_flops(device, configured_tflops: float = 0.0, dtype: str = "bfloat16") -> float:
-    """Peak FLOP/s of one device for matmuls in ``dtype`` (training.mixed_precision_param):
-    the configured value, else the published dense figure of a known accelerator
-    (simplesharded/trainer/device_peaks.py), else 0 (unknown: no MFU)."""
+    """Peak FLOP/s of one device for matmuls in ``dtype`` (training.mixed_precision_param),
+    as torchtitan counts MFU: the configured value, else the published dense figure of a
+    known accelerator (simplesharded/trainer/device_peaks.py) for what the matmuls run as
+    (simplesharded/calibration.py's matmul_kind: bf16's peak for bfloat16, TF32's for float32
+    with TF32 allowed, plain fp32's otherwise), else 0 (unknown: no MFU)."""
     if configured_tflops > 0:
         return configured_tflops * 1e12
     kind = _device_type(device)
     module = getattr(torch, kind, None)
     if kind == "cpu" or not hasattr(module, "get_device_name"):
         return 0.0
-    if dtype == "float32":
-        dtype = _fp32_matmul_dtype()
-    tflops = device_peaks.peak_tflops(module.get_device_name(), dtype)
+    tflops = device_peaks.peak_tflops(module.get_device_name(), matmul_kind(dtype, device))
     return (tflops or 0.0) * 1e12
 
 
@@ -66,14 +59,44 @@ def _rss_peak_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+@functools.lru_cache(maxsize=None)
+def device_memory_bytes(device) -> int:
+    """The memory of accelerator ``device`` (its current one when it has no index), bytes;
+    0 when the device does not say."""
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.accelerator.current_device_index()
+    module = getattr(torch, device.type, None)
+    try:
+        return int(module.get_device_properties(index).total_memory)
+    except (AttributeError, RuntimeError, AssertionError):
+        pass
+    try:
+        return int(torch.accelerator.get_memory_info(index)[1])
+    except (AttributeError, RuntimeError):
+        return 0
+
+
 def memory_stats(device) -> dict[str, float]:
-    """GiB. Accelerator: the allocator's peaks since the last reset_peak_memory, tensors
-    allocated (the main figure) and memory reserved by the caching allocator; CPU: peak
-    resident set size of this process."""
-    if _device_type(device) != "cpu":
-        return {"mem_max_allocated_gib": torch.accelerator.max_memory_allocated() / 2**30,
-                "mem_max_reserved_gib": torch.accelerator.max_memory_reserved() / 2**30}
-    return {"mem_peak_rss_gib": _rss_peak_bytes() / 2**30}
+    """Accelerator, as torchtitan reports it: the caching allocator's peaks since the last
+    reset_peak_memory, in GiB and % of the device's memory: ``mem_max_active`` (blocks in
+    use, the tensors' memory), ``mem_max_reserved`` (what the allocator holds from the device,
+    what runs out first); ``mem_max_allocated_gib`` beside them, and
+    ``mem_alloc_retries`` (a cudaMalloc that failed, the cache flushed, retried: memory is
+    fragmented or nearly full). CPU: peak resident set size of this process, GiB."""
+    if _device_type(device) == "cpu":
+        return {"mem_peak_rss_gib": _rss_peak_bytes() / 2**30}
+    stats = torch.accelerator.memory_stats()
+    allocated = torch.accelerator.max_memory_allocated()
+    active = stats.get("active_bytes.all.peak", allocated)
+    reserved = torch.accelerator.max_memory_reserved()
+    out = {"mem_max_active_gib": active / 2**30, "mem_max_reserved_gib": reserved / 2**30,
+           "mem_max_allocated_gib": allocated / 2**30,
+           "mem_alloc_retries": float(stats.get("num_alloc_retries", 0))}
+    total = device_memory_bytes(device)
+    if total:
+        out.update(mem_max_active_pct=100 * active / total,
+                   mem_max_reserved_pct=100 * reserved / total)
+    return out
 
 
 def reset_peak_memory(device) -> None:
@@ -135,9 +158,14 @@ def format_record(step: int, r: dict[str, float]) -> str:
              f"lr {r['lr']:.2e}", f"tps {r['tps']:,.0f}"]
     if r.get("mfu_pct") is not None:
         parts.append(f"tflops {r['tflops']:.1f}  mfu {r['mfu_pct']:.1f}%")
-    if "mem_max_allocated_gib" in r:
-        parts.append(f"mem {r['mem_max_allocated_gib']:.2f}GiB "
-                     f"(reserved {r['mem_max_reserved_gib']:.2f}GiB)")
+    if "mem_max_reserved_gib" in r:
+        pct = "mem_max_reserved_pct" in r
+        parts.append(f"memory active {r['mem_max_active_gib']:.2f}GiB"
+                     + (f" ({r['mem_max_active_pct']:.1f}%)" if pct else "")
+                     + f" reserved {r['mem_max_reserved_gib']:.2f}GiB"
+                     + (f" ({r['mem_max_reserved_pct']:.1f}%)" if pct else ""))
+        if r.get("mem_alloc_retries"):
+            parts.append(f"alloc retries {r['mem_alloc_retries']:.0f}")
     elif "mem_peak_rss_gib" in r:
         parts.append(f"rss {r['mem_peak_rss_gib']:.2f}GiB")
     return "  ".join(parts)

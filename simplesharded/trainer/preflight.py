@@ -64,6 +64,25 @@ def check_static(cfg: Config, world_size: int) -> Config:
     return cfg
 
 
+def check_packages(cfg: Config) -> None:
+    """The optional packages the config asks for are importable by this python: one line
+    naming the key otherwise, before any rank builds a model. Separate from check_static,
+    whose checks hold for the config on any machine."""
+    import importlib.util
+    import sys
+
+    if cfg.metrics.enable_tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ValueError(f"metrics.enable_tensorboard=true needs the tensorboard package, "
+                         f"which {sys.executable} lacks: pip install tensorboard, or "
+                         f"--metrics.enable_tensorboard false")
+    if cfg.checkpoint.enable and importlib.util.find_spec("numpy") is None:
+        # torch.distributed.checkpoint agrees on its save plan with gather_object, which
+        # serialises through numpy
+        raise ValueError(f"checkpoint.enable=true needs numpy (torch's distributed "
+                         f"checkpoint uses it), which {sys.executable} lacks: pip install "
+                         f"numpy, or --checkpoint.enable false")
+
+
 def _check_pipeline(cfg: Config) -> None:
     """The model can be cut into the stages the config asks for (simplesharded/pipeline/stage_split.py
     cuts the model the trainer builds, on the meta device here)."""

@@ -211,16 +211,19 @@ def _compiled(model: torch.nn.Module, mesh, cfg: Config, backend, observer,
             limit = max(torch._dynamo.config.recompile_limit, len(find_blocks(model)) + 8)
             contexts.append(functools.partial(torch._dynamo.config.patch,
                                               recompile_limit=limit))
-        backend = make_backend(c.backend, **_backend_options(c, observer))
+        backend = make_backend(c.backend, **_backend_options(
+            c, observer, cfg.training.mixed_precision_param))
         compiled = torch.compile(model, backend=backend, fullgraph=c.fullgraph, dynamic=dynamic)
     return _ScopedCalls(compiled, *contexts) if contexts else compiled
 
 
-def _backend_options(c, observer) -> dict:
+def _backend_options(c, observer, compute_dtype: str) -> dict:
     """make_backend's options from the compile section; the memory cap and the cost model
-    only for backends that bucket (a plain backend's recompute pass keeps its default cap)."""
+    (its matmuls timed in ``compute_dtype``, training.mixed_precision_param) only for backends
+    that bucket (a plain backend's recompute pass keeps its default cap)."""
     opts = {"dump_graphs": c.dump_graphs or None, "observer": observer}
     if c.backend in BACKENDS and BackendName.parse(c.backend).bucketing != "none":
         opts["memory_cap_bytes"] = int(c.memory_cap_mb * 2**20) or None
         opts["hardware"] = c.hardware
+        opts["compute_dtype"] = compute_dtype
     return opts

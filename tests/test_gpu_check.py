@@ -1,0 +1,150 @@
+"""scripts/gpu_check.sh without a GPU, as a fresh machine runs it: the project is not installed
+there, so these runs hide this environment's install and the checkout must import through the
+script's own means. Its CPU run of the parity check on 2 gloo ranks, of calibration (a
+`python -m simplesharded.<tool>` started from the checkout's root), of the trainer on a fake
+group of 8 ranks compiled by inductor; the results file (one row per result, PASS / FAIL /
+SKIP, a reason for every SKIP) and the exit status when a check fails; a check the time
+budget has no room for; the context-parallel attention check's CPU run, which says SKIP and
+why."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.sh")
+
+# Imported at start-up (PYTHONPATH): removes the editable install's import hooks, in this
+# process and every process it starts, so only the checkout itself can provide simplesharded.
+_HIDE_INSTALL = """
+import sys
+def _ours(hook):  # setuptools' editable finder is a class (in meta_path) or its method
+    return "__editable__" in (getattr(hook, "__module__", None) or type(hook).__module__)
+sys.meta_path[:] = [f for f in sys.meta_path if not _ours(f)]
+sys.path_hooks[:] = [h for h in sys.path_hooks if not _ours(h)]
+"""
+
+
+def _check(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    (tmp_path / "sitecustomize.py").write_text(_HIDE_INSTALL)
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(tmp_path)}
+    env.pop("OUT", None)
+    return subprocess.run(["bash", SCRIPT, "--cpu", *args], capture_output=True, text=True,
+                          timeout=900, env=env, cwd=tmp_path)
+
+
+def _load(name: str):
+    scripts = os.path.join(ROOT, "scripts")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    spec = importlib.util.spec_from_file_location(name, os.path.join(scripts, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_hidden_install_is_hidden(tmp_path):
+    """The hook removal works: outside the checkout, simplesharded cannot be imported."""
+    (tmp_path / "sitecustomize.py").write_text(_HIDE_INSTALL)
+    p = subprocess.run([sys.executable, "-c", "import simplesharded"], capture_output=True,
+                       text=True, env={**os.environ, "PYTHONPATH": str(tmp_path)}, cwd=tmp_path)
+    assert p.returncode != 0 and "No module named 'simplesharded'" in p.stderr, p.stderr
+
+
+@pytest.mark.slow
+def test_cpu_run_uninstalled(tmp_path):
+    # parity_gloo2: real collectives through our passes, one aot_eager compile, with each
+    # storage; calibrate: a tool started with -m from the checkout's root; fake8: the
+    # trainer's step lowered by inductor with our collective order checked in its code
+    out = tmp_path / "results.md"
+    p = _check(tmp_path, "--checks", "parity_gloo2", "calibrate", "fake8",
+               "--cases", "fp32_block", "--out", str(out))
+    assert p.returncode == 0, p.stdout + p.stderr
+    for rank in (0, 1):  # ragged buckets (the trainer's default), then one shard per parameter
+        for row in ("ragged:uncompiled", "ragged:aot_eager_blockbucketing",
+                    "aot_eager_blockbucketing"):
+            assert (f"PASS parity[2 ranks, gloo on cpu] {row}: rank {rank}: "
+                    "loss rel diff") in p.stdout, p.stdout
+    assert "PASS calibrate[python -m simplesharded.tools.calibrate --dtype bfloat16]" in p.stdout
+    for kind in ("fw", "bw"):
+        assert (f"PASS fake8[fp32_block, inductor_blockbucketing] {kind} collective order"
+                in p.stdout), p.stdout
+    assert "11 passed, 0 failed, 1 skipped of 12" in p.stdout, p.stdout
+    rows = _load("gpu_check").read_results(str(out))
+    assert len(rows) == 12 and {r[1] for r in rows} == {"parity_gloo2", "calibrate", "fake8"}
+    skipped = [r for r in rows if r[0] == "SKIP"]
+    assert [r[2] for r in skipped] == ["fake8[fp32_block, inductor_blockbucketing] memory"]
+    assert "accelerator" in skipped[0][3]
+
+
+def test_gloo_on_a_device_that_crashes_it_is_a_skip(monkeypatch):
+    """Gloo with CUDA tensors can kill the process (torch 2.11 segfaults): the check probes it
+    in throwaway ranks, and a dead probe is a SKIP with the reason, not a failed run."""
+    import dist_utils
+
+    checks = _load("gpu_checks")
+    calls = []
+
+    def spawn(world, fn, *args, **kwargs):
+        calls.append(fn.__name__)
+        raise dist_utils.RankError("_gloo2_probe: process 1 terminated with signal SIGSEGV")
+
+    monkeypatch.setattr(dist_utils, "spawn", spawn)
+    rows = checks.check_parity_gloo2("cuda", {"backends": ["aot_eager"], "storages": ["param"]})
+    assert calls == ["_gloo2_probe"]  # the parity job itself never started
+    assert rows == [("SKIP", "parity[2 ranks, gloo on cuda]",
+                     "gloo on cuda crashed running DTensor's collectives: RankError: "
+                     "_gloo2_probe: process 1 terminated with signal SIGSEGV")]
+
+
+def test_results_file_and_exit_status(monkeypatch, tmp_path, capsys):
+    """One results file: a table row per result (a '|' in a figure survives), every check's
+    time, the checks' output; a failed row fails the run, a skipped one does not; a check the
+    budget has no room left for is a SKIP saying so, without starting it."""
+    check = _load("gpu_check")
+    rows = {"bench": ([["FAIL", "bench[x]", "MFU 120% | above 100"]], "bench's table\n| a |"),
+            "calibrate": ([["SKIP", "calibrate[y]", "no accelerator"],
+                           ["PASS", "calibrate[z]", "1 TFLOP/s"]], "")}
+    started = []
+
+    def run_check(name, device, opts, timeout, env):
+        started.append(name)
+        return rows[name]
+
+    monkeypatch.setattr(check, "run_check", run_check)
+    out = tmp_path / "r.md"
+    assert check.main(["--cpu", "--checks", "bench", "calibrate", "--out", str(out)]) == 1
+    printed = capsys.readouterr().out
+    assert "1 passed, 1 failed, 1 skipped of 3" in printed and "FAILED: bench[x]" in printed
+    assert check.read_results(str(out)) == [
+        ("FAIL", "bench", "bench[x]", "MFU 120% | above 100"),
+        ("SKIP", "calibrate", "calibrate[y]", "no accelerator"),
+        ("PASS", "calibrate", "calibrate[z]", "1 TFLOP/s")]
+    text = out.read_text()
+    assert "**1 PASS, 1 FAIL, 1 SKIP** (exit status 1)" in text
+    assert "| bench | 1 FAIL |" in text and "### bench" in text and "bench's table" in text
+
+    started.clear()
+    assert check.main(["--cpu", "--checks", "bench", "calibrate", "--budget", "5",
+                       "--out", str(out)]) == 0
+    assert started == []
+    got = check.read_results(str(out))
+    assert [r[:3] for r in got] == [("SKIP", "bench", "bench"), ("SKIP", "calibrate", "calibrate")]
+    assert all(r[3].startswith("not started: ") and "budget" in r[3] for r in got)
+
+
+def test_cp_attention_on_cpu_says_skip_and_why():
+    """On CPU the context-parallel attention check runs its code at CPU sizes (eager, and
+    compiled by aot_eager) on a fake cp group, then says SKIP: the kernel choice that counts
+    is an accelerator's; the reason names what CPU ran."""
+    checks = _load("gpu_checks")
+    rows = checks.check_cp_attention("cpu", {"compiler": "aot_eager"})
+    assert [r[0] for r in rows] == ["SKIP"] * 3, rows
+    assert [r[1].rsplit("] ", 1)[1] for r in rows] == [
+        "S=1024 eager", "S=1024 aot_eager", "S=2048 fused kernels only"]
+    for _, _, why in rows:
+        assert "accelerator" in why and "flash_attention_for_cpu" in why, why
