@@ -64,7 +64,7 @@ def reduce_scatter_as_all_to_all(inp, rows: int, ws: int, group_name: str,
                                  shard_shape: list[int], emit=None):
     """The sum reduce-scatter of ``inp`` (``rows`` on dim 0, in ``ws`` equal chunks) over
     group ``group_name``, as an all-to-all and the chunks added in rank order: for the graphs
-    this pass lowers and for eager reductions (simplesharded/deferred_reduce.py) alike.
+    this pass lowers and for eager reductions (simplesharded/storage/deferred_reduce.py) alike.
     ``emit(target, args)`` issues each op: runs it (default), or the pass inserts a node.
     Adds, not ``sum(dim=0)``: a reduction over the outer dim of ``[ws, n]`` runs ~3x slower
     on CPU than ``ws - 1`` vector adds."""
