@@ -36,7 +36,9 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.utils._pytree import tree_map
+from torch.optim.optimizer import _foreach_supported_types as _optim_foreach_types
+from torch.utils._foreach_utils import _foreach_supported_types as _util_foreach_types
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 REFUSAL = ("a parameter in a ragged bucket holds a ragged run of its elements: it gathers "
            "with full_tensor() or redistribute(placements=[Replicate()]) only; "
@@ -59,8 +61,14 @@ class RaggedMember(DTensor):
         return out
 
     def as_dtensor(self) -> DTensor:
-        """The same local run and spec as a plain DTensor (what DTensor computes on)."""
-        return DTensor(self._local_tensor, self._spec, requires_grad=False)
+        """The same local run and spec as a plain DTensor (what DTensor computes on), made
+        once per local tensor: an optimizer's every foreach op unwraps every member."""
+        plain = self.__dict__.get("_plain")
+        if plain is None or plain[0] is not self._local_tensor:
+            plain = self._local_tensor, DTensor(self._local_tensor.detach(), self._spec,
+                                                requires_grad=False)
+            self.__dict__["_plain"] = plain
+        return plain[1]
 
     def __repr__(self) -> str:
         return (f"RaggedMember(local_tensor={self._local_tensor}, device_mesh="
@@ -68,30 +76,36 @@ class RaggedMember(DTensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        seen: list[tuple[RaggedMember, DTensor]] = []
-
-        def unwrap(t):
-            if isinstance(t, RaggedMember):
-                base = t.as_dtensor()
-                seen.append((t, base))
-                return base
-            return t
-
-        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
-
-        def rewrap(o):
-            if type(o) is not DTensor:
-                return o
-            for member, base in seen:
-                if o is base:  # an in-place or out= op returns its argument
-                    return member
-            for member, base in seen:
-                if (o.shape == base.shape and o._spec.placements == base._spec.placements
-                        and o._local_tensor.numel() == base._local_tensor.numel()):
-                    return RaggedMember.make(o._local_tensor, o._spec, member.runs, member.cut)
-            return o
-
-        return tree_map(rewrap, out)
+        if not kwargs and not any(isinstance(a, (list, tuple, dict)) for a in args):
+            # one tensor op (an optimizer's per-parameter path on CPU): no pytree
+            first = next((a for a in args if isinstance(a, RaggedMember)), None)
+            plain = [a.as_dtensor() if isinstance(a, RaggedMember) else a for a in args]
+            out = func(*plain)
+            if type(out) is DTensor:
+                for a, p in zip(args, plain):
+                    if out is p:  # in place: the member itself
+                        return a
+                return _rewrap(out, first, {})
+            if isinstance(out, (list, tuple)) and any(type(o) is DTensor for o in out):
+                member_of = {id(p): a for a, p in zip(args, plain) if p is not a}
+                return type(out)(_rewrap(o, first, member_of) for o in out)
+            return out
+        flat, tree = tree_flatten((args, kwargs or {}))
+        plain = [t.as_dtensor() if isinstance(t, RaggedMember) else t for t in flat]
+        # a plain DTensor an op returns as it is (in place, out=) stands for its member
+        member_of = {id(p): t for t, p in zip(flat, plain) if p is not t}
+        call_args, call_kwargs = tree_unflatten(plain, tree)
+        out = func(*call_args, **call_kwargs)
+        # A result laid out as a member takes that member's runs: for a foreach op the member
+        # at its index in the first list argument holding one, else the first member argument.
+        # By position, not by shape: two members of one shape have different runs.
+        lists = [a for a in args if isinstance(a, (list, tuple))
+                 and any(isinstance(t, RaggedMember) for t in a)]
+        if isinstance(out, (list, tuple)) and lists:
+            return type(out)(_rewrap(o, next((l[i] for l in lists if i < len(l)), None),
+                                     member_of) for i, o in enumerate(out))
+        first = next((t for t in flat if isinstance(t, RaggedMember)), None)
+        return tree_map(lambda o: _rewrap(o, first, member_of), out)
 
     def _gathered(self) -> DTensor:
         """Every rank's run laid end to end (one all-gather of the longest run's length on
@@ -158,6 +172,28 @@ class RaggedMember(DTensor):
             if index.offset is None or torch.Size(offsets) == index.offset:
                 return self._local_tensor.reshape(-1)[start:stop].view(sizes)
         raise ValueError(f"{index.fqn}: no box of this rank's run at {index.offset}")
+
+
+# As DTensor registers itself: optimizers and clip_grad_norm_ take their foreach paths (one op
+# per step for all members) only for types listed here, and step one tensor at a time
+# otherwise (about ten ops per member).
+for _supported in (_optim_foreach_types, _util_foreach_types):
+    if RaggedMember not in _supported:
+        _supported.append(RaggedMember)
+
+
+def _rewrap(out, member, member_of: dict):
+    """``out`` as a ``RaggedMember`` of ``member``'s runs when it is laid out as ``member``
+    (global shape, placements, local size); the member itself when ``out`` is its plain face."""
+    if type(out) is not DTensor:
+        return out
+    if id(out) in member_of:
+        return member_of[id(out)]
+    if (isinstance(member, RaggedMember) and out.shape == member.shape
+            and out._spec.placements == member._spec.placements
+            and out._local_tensor.numel() == member._local_tensor.numel()):
+        return RaggedMember.make(out._local_tensor, out._spec, member.runs, member.cut)
+    return out
 
 
 def _row_major_boxes(shape: tuple[int, ...], start: int, stop: int):
