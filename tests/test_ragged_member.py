@@ -5,8 +5,9 @@ fake group of 2 (this process is rank 0).
   tensor, so neither a per-parameter ``Shard(0)`` shard nor another member of the same shape
   is handed a member's runs by an op seen before (the bug a ``Shard(0)`` subclass carrying
   the runs had);
-- results laid out as a member (``detach``, ``zeros_like``, elementwise ops) keep its runs;
-  in-place ops return the member itself; reductions are plain DTensors;
+- results laid out as a member (``detach``, ``zeros_like``, elementwise ops) keep its runs,
+  a foreach op's by index; in-place ops return the member itself; reductions are plain
+  DTensors;
 - a redistribution other than to ``Replicate()`` is refused in one line;
 - a run is cut into the boxes DCP writes, row-major and at most ``2·ndim - 1`` of them.
 """
@@ -41,6 +42,12 @@ def test_members_keep_their_own_runs_through_dispatch():
             assert type(got_b) is RaggedMember and got_b.runs == (2, 13)
             assert type(got_plain) is DTensor and got_plain.placements == (Shard(0),)
             assert got_a.to_local().shape == (9,) and got_plain.to_local().shape == (2, 5)
+        # a foreach op's results take their runs by index, whatever the shapes
+        # (c's runs stand for a third rank's: a's local size and shape, other runs)
+        c = RaggedMember.make(torch.ones(9), _spec(mesh, (3, 5)), (9, 3, 3), 0)
+        for got, want in zip(torch._foreach_mul([b, a, c], 2.0), [b, a, c]):
+            assert type(got) is RaggedMember and got.runs == want.runs
+        assert [t.runs for t in torch._foreach_add([c, a], [a, c])] == [(9, 3, 3), (9, 6)]
         assert a.add_(1) is a and torch.equal(a.to_local(), torch.full((9,), 2.0))
         total = a.sum()
         assert type(total) is DTensor and total.placements[0].is_partial()
