@@ -65,6 +65,11 @@ def main(argv: list[str] | None = None) -> int:
         _error(e)
         return EXIT_CONFIG
     if check_only:
+        from simplesharded.passes.torch_compat import outside_range
+
+        warning = outside_range()  # a warning: a release outside the range may still work
+        if warning is not None:
+            print(f"warning: {warning}", file=sys.stderr)
         return 0
     code = 0
     try:
