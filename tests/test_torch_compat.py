@@ -1,6 +1,6 @@
 """passes/torch_compat.py, the supported torch range and what each feature needs of it: the
 table refuses a feature on a torch older than its row in one line (the version it reads is
-replaced here), the trainer's config validation refuses the step graph, context parallelism
+replaced here), the trainer's preflight refuses the step graph, context parallelism
 and expert parallelism the same way before any rank starts, and the range agrees with
 pyproject.toml and scripts/bootstrap.sh."""
 from __future__ import annotations
@@ -86,17 +86,20 @@ PREFLIGHT = [
 
 
 @pytest.mark.parametrize("argv,key,feature", PREFLIGHT, ids=["step", "cp", "ep"])
-def test_config_validation_refuses_what_this_torch_lacks(torch_at, argv, key, feature):
-    """trainer/config_checks.py's validate (run_train.sh's preflight runs it): on 2.11 one
-    line naming the setting and the table's refusal; on the default torch the same config is
-    valid."""
+def test_preflight_checks_refuse_what_this_torch_lacks(torch_at, argv, key, feature):
+    """trainer/preflight.py's check_torch (run_train.sh's preflight, and every rank, runs it
+    after check_static): on 2.11 one line naming the setting and the table's refusal; on the
+    default torch the same config passes. The config's own checks pass on any torch."""
+    from simplesharded.trainer.preflight import check_static, check_torch
+
     torch_at("2.11.0+cu130")
+    cfg = check_static(load_config(None, argv), 4)
     with pytest.raises(ValueError) as e:
-        load_config(None, argv)
+        check_torch(cfg)
     assert str(e.value) == f"{key}: {torch_compat.refusal(feature)}"
     assert re.search(r"needs torch >= 2\.13; this is torch 2\.11\.0\+cu130 \(", str(e.value))
     torch_at(torch_compat.DEFAULT + ".0")
-    load_config(None, argv)
+    check_torch(cfg)
 
 
 def test_preflight_prints_the_refusal_as_one_error_line(torch_at, monkeypatch, capsys):

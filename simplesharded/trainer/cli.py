@@ -14,7 +14,7 @@ import torch.distributed as dist
 from simplesharded.mesh import init_distributed
 from simplesharded.trainer.config import help_text, load_config
 from simplesharded.trainer.loop import NonFiniteError, Trainer
-from simplesharded.trainer.preflight import HF, check_static
+from simplesharded.trainer.preflight import HF, check_static, check_torch
 
 EXIT_CONFIG, EXIT_NONFINITE = 2, 3
 
@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(None, argv)
         cfg = check_static(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        check_torch(cfg)
     except ValueError as e:
         _error(e)
         return EXIT_CONFIG

@@ -150,7 +150,6 @@ def validate(cfg: _Config, backends: Iterable[str] | None = None) -> None:
         raise ValueError(f"training.clip_norm={t.clip_norm!r} needs compile.scope='step' "
                          f"(got {cfg.compile.scope!r}): the split step clips with this step's "
                          f"norm")
-    _check_torch(cfg)
     _check_hardware(cfg.compile.hardware)
     _check_backend(cfg.compile.backend, backends)
 
@@ -202,24 +201,6 @@ def _check_step_scope(cfg: _Config) -> None:
     if not c.backend.startswith(("aot_eager", "inductor")):
         raise ValueError(f"compile.scope='step' needs an aot_eager* or inductor* backend "
                          f"(its passes run there), got compile.backend={c.backend!r}")
-
-
-def _check_torch(cfg: _Config) -> None:
-    """A feature the config asks for that this torch lacks (passes/torch_compat.py's table):
-    one line naming the setting, the feature, the installed torch and the one it needs."""
-    from simplesharded.passes.torch_compat import (CONTEXT_PARALLEL, EXPERT_PARALLEL,
-                                                   STEP_GRAPH, refusal)
-
-    p = cfg.parallelism
-    for key, value, used, feature in (
-            ("compile.scope", cfg.compile.scope, cfg.compile.scope == "step", STEP_GRAPH),
-            ("parallelism.context_parallel_degree", p.context_parallel_degree,
-             p.context_parallel_degree > 1, CONTEXT_PARALLEL),
-            ("parallelism.expert_parallel_degree", p.expert_parallel_degree,
-             p.expert_parallel_degree > 1, EXPERT_PARALLEL)):
-        line = refusal(feature) if used else None
-        if line is not None:
-            raise ValueError(f"{key}={value!r}: {line}")
 
 
 def _check_backend(name: str, backends: Iterable[str] | None) -> None:
