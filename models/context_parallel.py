@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from simplesharded.passes.annotations import CP_KEY
+from simplesharded.passes.torch_compat import CONTEXT_PARALLEL, needs
 
 
 def head_tail_positions(seq_len: int, rank: int, cp: int, device=None) -> torch.Tensor:
@@ -126,6 +127,7 @@ def apply_context_parallel(model: nn.Module, mesh) -> None:
     models/hf_context_parallel.py. ValueError for a model whose attention cannot run so."""
     from .hf_context_parallel import apply_hf_context_parallel, is_hf_model
 
+    needs(CONTEXT_PARALLEL)
     if is_hf_model(model):
         cp = ContextParallel(mesh.get_group().group_name, mesh.size(), mesh.get_local_rank())
         apply_hf_context_parallel(model, cp)

@@ -1,37 +1,116 @@
-"""Names the pinned torch (2.13) has and an older one spells differently or lacks, in one place.
+"""The torch releases simplesharded runs on, and what each feature needs of them: one table.
 
-The project is tested on torch 2.13 only. These fallbacks let an older torch (the one a GPU
-machine's image ships, say) run the same code for the GPU smoke: each one gives the older
-release's equivalent, or does nothing where only an optimisation is lost. A torch upgrade
-deletes this file's fallbacks.
+The supported range is ``SUPPORTED`` (pyproject.toml's pin says the same). The default install
+(scripts/bootstrap.sh) is ``DEFAULT``, whose CPU wheel this project's machines have; the fast
+tests also run on the oldest and the newest supported release (docs/torch_internals.md, "Torch
+versions"). Inside the range most of the code is the same on every release; what is not:
+
+- ``FEATURES``: a feature that needs a newer torch than the range's oldest is one row (its
+  name as a user asks for it, the oldest release it runs on, the one-line reason). ``needs``
+  refuses it in one line naming the feature, the installed torch and the one it needs; the
+  trainer's config validation (``trainer/config_checks.py``) refuses it the same way before
+  any rank starts, and a test that needs it skips with ``refusal``'s line.
+- Names a release spells differently or lacks, below: each one gives the older release's
+  equivalent, or does nothing where only an optimisation is lost.
+
+docs/torch_internals.md lists every version-dependent path and points here.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch.torch_version import TorchVersion
 
-# Features that need the pinned release: an older torch refuses them in one line (needs()).
-STEP_GRAPH = "compile_step (dynamo tracing torch.autograd.grad in the step)"
+# Oldest supported release and the first one outside the range (pyproject.toml's pin).
+SUPPORTED = ("2.11", "2.16")
+# What scripts/bootstrap.sh installs by default: a CPU wheel lies on this project's machines.
+DEFAULT = "2.13"
 
 
-def needs(feature: str, version: str = "2.13") -> None:
-    """Raise one line naming ``feature`` when this torch is older than ``version``."""
-    if TorchVersion(torch.__version__) < version:
-        raise RuntimeError(f"{feature} needs torch >= {version}; this is {torch.__version__}")
+@dataclass(frozen=True)
+class Feature:
+    """One row: ``name`` as a user asks for it, the oldest torch it runs on, and why."""
+    name: str
+    minimum: str
+    reason: str
 
+
+STEP_GRAPH = Feature(
+    "compile_step (compile.scope='step')", "2.13",
+    "dynamo before 2.13 fails an assertion tracing torch.autograd.grad into the step graph")
+
+CONTEXT_PARALLEL = Feature(
+    "context parallelism (parallelism.context_parallel_degree > 1)", "2.13",
+    "its K/V gather is torch.distributed._functional_collectives.all_gather_single_autograd, "
+    "new in 2.13")
+
+EXPERT_PARALLEL = Feature(
+    "expert parallelism (parallelism.expert_parallel_degree > 1)", "2.13",
+    "compiling its token exchange needs torch._dynamo.override_optimization_hint, new in 2.13, "
+    "for the all-to-all's data-dependent sizes")
+
+FEATURES = (STEP_GRAPH, CONTEXT_PARALLEL, EXPERT_PARALLEL)
+
+
+def installed() -> TorchVersion:
+    """The running torch's version (the one thing the table compares; tests replace it)."""
+    return TorchVersion(torch.__version__)
+
+
+def refusal(feature: Feature) -> str | None:
+    """The one line that refuses ``feature`` on this torch, or None when it runs here."""
+    version = installed()
+    if version >= feature.minimum:
+        return None
+    return (f"{feature.name} needs torch >= {feature.minimum}; this is torch {version} "
+            f"({feature.reason})")
+
+
+def has(feature: Feature) -> bool:
+    """Whether ``feature`` runs on this torch."""
+    return refusal(feature) is None
+
+
+class TorchTooOld(RuntimeError):
+    """A feature's row says this torch is older than the one it needs."""
+
+
+def needs(feature: Feature) -> None:
+    """Raise :class:`TorchTooOld` with :func:`refusal`'s line when this torch lacks ``feature``."""
+    line = refusal(feature)
+    if line is not None:
+        raise TorchTooOld(line)
+
+
+def outside_range() -> str | None:
+    """One line when this torch is outside ``SUPPORTED``, else None (a warning, not a refusal:
+    a release outside the range may work, untested)."""
+    low, high = SUPPORTED
+    version = installed()
+    if low <= version < high:
+        return None
+    return f"torch {version} is outside the supported range >={low},<{high} (untested)"
+
+
+# ------------------------------------------------------------- names that differ by release
 
 try:
     from torch.fx.experimental.symbolic_shapes import optimization_hint
-except ImportError:  # before 2.13: the same non-guarding hint under its older name
+except ImportError:  # before 2.12: the same non-guarding hint under its older name
     from torch.fx.experimental.symbolic_shapes import size_hint as optimization_hint
 
 
 def override_optimization_hint(value, hint: int) -> None:
     """Tell the compiler the size a data-dependent value will usually have (cost model and
-    memory estimates). Older releases have no such hint: their estimates use a fallback."""
+    memory estimates). Releases before 2.13 have no such hint, and a compiled graph whose
+    collective has such a size fails in the passes' cost model there: expert parallelism, its
+    one user, needs 2.13 (``EXPERT_PARALLEL``); this does nothing on older releases."""
     override = getattr(torch._dynamo, "override_optimization_hint", None)
     if override is not None:
         override(value, hint)
 
 
-__all__ = ["STEP_GRAPH", "needs", "optimization_hint", "override_optimization_hint"]
+__all__ = ["CONTEXT_PARALLEL", "DEFAULT", "EXPERT_PARALLEL", "FEATURES", "Feature",
+           "STEP_GRAPH", "SUPPORTED", "TorchTooOld", "has", "installed", "needs",
+           "optimization_hint", "outside_range", "override_optimization_hint", "refusal"]

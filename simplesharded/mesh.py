@@ -394,10 +394,18 @@ def build_mesh(dp_replicate: int = 1, dp_shard: int = -1, device: str | None = N
         names = tuple(SHARD_CP_DIM if n == SHARD_DIM else n for n in names)
     mesh = init_device_mesh(device or device_type(), sizes, mesh_dim_names=names)
     if degrees.cp > 1:
-        return mesh._unflatten(SHARD_CP_DIM, (degrees.shard, degrees.cp), (SHARD_DIM, CP_DIM))
+        return _unflatten(mesh, SHARD_CP_DIM, (degrees.shard, degrees.cp), (SHARD_DIM, CP_DIM))
     if degrees.ep == 1:
         return mesh
-    return mesh._unflatten(SHARD_DIM, (degrees.efsdp, degrees.ep), (EFSDP_DIM, EP_DIM))
+    return _unflatten(mesh, SHARD_DIM, (degrees.efsdp, degrees.ep), (EFSDP_DIM, EP_DIM))
+
+
+def _unflatten(mesh: DeviceMesh, dim: str, sizes: tuple[int, int],
+               names: tuple[str, str]) -> DeviceMesh:
+    """``mesh._unflatten`` of the dim named ``dim``, passed by its index: torch 2.11 refuses
+    every dim given by name (its check is inverted: ``dim ... is not in (dim, ...)``), and
+    the index means the same on every release (docs/torch_internals.md)."""
+    return mesh._unflatten(mesh.mesh_dim_names.index(dim), sizes, names)
 
 
 def init_mesh(dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1,

@@ -25,7 +25,8 @@ def test_concurrent_bootstraps_install_once(tmp_path):
         echo "start $$" >> {log}; sleep 1; echo "end $$" >> {log}
         """))
     python.chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if k != "SIMPLESHARDED_PYTHON"}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("SIMPLESHARDED_PYTHON", "SIMPLESHARDED_VENV", "SIMPLESHARDED_TORCH")}
     cmd = ["bash", "-c", f"source {tmp_path}/scripts/bootstrap.sh && echo ok"]
     procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for _ in range(3)]

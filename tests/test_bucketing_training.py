@@ -41,6 +41,8 @@ import torch
 import toy_blocks
 from dist_utils import max_rel_diff, spawn
 from inductor_code import code_order, format_order, graph_order, overlapped
+from simplesharded.passes.torch_compat import STEP_GRAPH, has
+from torch_range import needs_torch
 
 pytestmark = pytest.mark.slow
 
@@ -269,7 +271,8 @@ def inductor_job(rank, world):
 
     PassPipeline.run_joint, PassPipeline.run_graph = counting_joint, counting_graph
     out = {"hooks_after": {}}
-    out["step"] = {be: _step_graph_train(rank, world, be) for be in STEP_BACKENDS}
+    out["step"] = {be: _step_graph_train(rank, world, be) for be in STEP_BACKENDS
+                   if has(STEP_GRAPH)}  # where this torch has it (passes/torch_compat.py)
     for be in INDUCTOR:
         if be == "inductor":  # our plain backend (reference) runs last
             out["calls_before_plain"] = dict(calls)
@@ -484,6 +487,7 @@ def test_ragged_buckets_under_inductor():
         assert (want["fw"]["cat"], got["fw"]["cat"]) == (n + 1, 0), rank
 
 
+@needs_torch(STEP_GRAPH)
 def test_step_graph_under_inductor_matches_aot_eager():
     """compile_step with inductor_blockbucketing (ragged buckets, clipping, AdamW): inductor's
     code issues the bucketed collectives our passes left in the step graph (one gather per

@@ -43,6 +43,8 @@ from simplesharded.passes.bucketing import bucketable
 from simplesharded.passes.collectives import find_collectives
 
 from dist_utils import by_member, max_rel_diff, memo, spawn, storage_and_backend
+from simplesharded.passes.torch_compat import CONTEXT_PARALLEL
+from torch_range import needs_torch
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA = str(ROOT / "configs" / "llama3_debug.toml")
@@ -131,6 +133,7 @@ def test_shard_sequence_and_loader_chunks():
             assert torch.equal(yr, cpm.shard_sequence(ys, r, CP))
 
 
+@needs_torch(CONTEXT_PARALLEL)
 @pytest.mark.parametrize("cp,heads", [(2, (4, 2)), (4, (4, 4))])
 def test_attention_matches_unsplit_sdpa(monkeypatch, cp, heads):
     """Each rank's output of ContextParallel.attention, with the all-gather stood in for by a
@@ -219,6 +222,7 @@ def test_cp_mesh_roles_and_parameter_layout(fake_world):
     assert dense_mesh(hsdp).mesh_dim_names == ("dp_replicate", "dp_shard_cp")
 
 
+@needs_torch(CONTEXT_PARALLEL)
 def test_apply_context_parallel_needs_a_model_that_reads_it(fake_world):
     import simplesharded as ss
     from simplesharded.models import build_model
@@ -293,6 +297,7 @@ def test_hf_models_run_cp_when_their_attention_is_plain_causal(tmp_path):
     assert "sliding" in str(e.value) and "\n" not in str(e.value)
 
 
+@needs_torch(CONTEXT_PARALLEL)
 def test_preflight_prints_one_error_line(monkeypatch, capsys):
     """run_train.sh's preflight (``python -m simplesharded.trainer --check-only``): a CP error
     is one ``error:`` line and exit 2; a good CP config passes."""
@@ -324,6 +329,7 @@ def test_config_resolves_batch_over_dp_only():
 # ------------------------------------------------------------------ the planner (forecast)
 
 
+@needs_torch(CONTEXT_PARALLEL)
 def test_forecast_costs_the_kv_gathers_and_memory_by_sequence_length():
     """`python -m simplesharded.tools.forecast` at cp 2 (dp 2 x cp 2, fake world): the K/V
     collectives it finds in the traced graphs are one gather and one reduce-scatter per layer,
@@ -394,6 +400,7 @@ def _cp_collectives(gm):
     return [c for c in find_collectives(gm) if CP_KEY in annotations(c.start)]
 
 
+@needs_torch(CONTEXT_PARALLEL)
 @pytest.mark.parametrize("ac", [False, True], ids=["no-ac", "ac"])
 def test_cp_gathers_one_per_block_untouched_by_our_passes(fake_world, ac):
     """Forward: one K/V all-gather per block on the cp group, carrying ss_cp and no parameter;
@@ -440,6 +447,7 @@ def test_cp_gathers_one_per_block_untouched_by_our_passes(fake_world, ac):
     assert len(saved) >= n, shapes
 
 
+@needs_torch(CONTEXT_PARALLEL)
 def test_reordering_overlaps_each_cp_collective_with_compute_that_does_not_need_it(fake_world):
     """As traced, a cp collective is waited right after its start. After reordering, forward:
     the query projection (a matmul) runs between a K/V gather's start and its wait, and the
@@ -639,6 +647,7 @@ def _ids(v):
     return f"w{world}-dp{dp}-cp{CP}-tp{tp}-{backend}{'-ac' if ac else ''}{model}"
 
 
+@needs_torch(CONTEXT_PARALLEL)
 @pytest.mark.slow
 @pytest.mark.parametrize("world,case", CASES, ids=[_ids(c) for c in CASES])
 def test_parity_with_single_process(world, case):
@@ -663,6 +672,7 @@ def test_parity_with_single_process(world, case):
                               "bw": [("reduce_scatter", cp_group)] * n}, counts
 
 
+@needs_torch(CONTEXT_PARALLEL)
 @pytest.mark.slow
 def test_trainer_cp2_compiled_matches_no_cp():
     """The trainer on 4 ranks with context parallel degree 2, compiled (dp 2 x cp 2), gives the

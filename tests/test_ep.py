@@ -44,8 +44,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dist_utils import by_member, max_rel_diff, memo, ragged_buckets, spawn, storage_and_backend
+from simplesharded.passes.torch_compat import EXPERT_PARALLEL
+from torch_range import needs_torch
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, needs_torch(EXPERT_PARALLEL)]
 
 ARGS = dict(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64, n_dense_layers=0,
             moe_hidden_dim=32, top_k=2)

@@ -5,7 +5,9 @@ import torch
 
 import simplesharded as ss
 from simplesharded.tools.cluster_trace import fake_world
+from simplesharded.passes.torch_compat import EXPERT_PARALLEL
 from simplesharded.tools.report import main as report_main, trace_counts
+from torch_range import needs_torch
 
 
 def test_unknown_backend_lists_choices():
@@ -104,6 +106,7 @@ def test_report_cli_prints_before_and_after(capsys):
     assert "aot_eager_blockbucketing" in out and "21→4" in out
 
 
+@needs_torch(EXPERT_PARALLEL)
 def test_report_cli_shows_expert_parallel_all_to_alls(capsys):
     """--ep 2 on 4 ranks (efsdp 2 x ep 2): the MoE layer's all-to-alls on the ep group, 3 in
     forward (counts, tokens out, results back) and the 2 token exchanges' gradients in

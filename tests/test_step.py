@@ -18,6 +18,8 @@ import pytest
 import torch
 
 from dist_utils import max_rel_diff, spawn
+from simplesharded.passes.torch_compat import STEP_GRAPH
+from torch_range import needs_torch
 
 STEPS = 10
 MAX_NORM = 0.3  # below every step's gradient norm here: clipping acts at each step
@@ -144,6 +146,7 @@ def _results():
     return spawn(2, _job, timeout_s=900)
 
 
+@needs_torch(STEP_GRAPH)
 @pytest.mark.slow
 @pytest.mark.parametrize("case", BITWISE)
 def test_step_graph_matches_split_step_bitwise(case):
@@ -160,6 +163,7 @@ def test_step_graph_matches_split_step_bitwise(case):
         assert r["grads_none"], rank
 
 
+@needs_torch(STEP_GRAPH)
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CLIPPED)
 def test_clipped_step_graph_matches_split_step_with_clip_grad_norm(case):
@@ -221,6 +225,7 @@ def test_traced_update_is_bitwise_torchs_eager_update(opt_name, wd):
         assert all(torch.equal(ref_opt.state[a][k], opt.state[b][k]) for a, b in zip(ref, ps)), k
 
 
+@needs_torch(STEP_GRAPH)
 @pytest.mark.parametrize("make,match", [
     (lambda ps: torch.optim.SGD(ps, lr=0.1), "cannot trace torch.optim.sgd.SGD"),
     (lambda ps: torch.optim.AdamW(ps, amsgrad=True), "AdamW with amsgrad=True"),
@@ -279,6 +284,7 @@ def _split_graphs(backend: str):
                                  reshard_after_forward="auto", backend=backend)
 
 
+@needs_torch(STEP_GRAPH)
 def test_step_graph_holds_the_bucketed_collectives_and_the_update():
     """One graph for two steps. Its traced backward carries data_parallel's annotations
     (passes/traced_backward.py), so block bucketing merges its reduce-scatters as in the split
@@ -333,6 +339,7 @@ def test_step_graph_holds_the_bucketed_collectives_and_the_update():
     assert sum(pos[n] > last_wait for n in lerps) == 1
 
 
+@needs_torch(STEP_GRAPH)
 @pytest.mark.parametrize("grad_reduction", ["sum", "avg"])
 def test_each_traced_reduction_carries_its_own_parameter(grad_reduction):
     """passes/traced_backward.py: every reduce-scatter of the traced backward is annotated with
@@ -371,6 +378,7 @@ def _backward_reads_of_gathers(gm):
             if any(u in backward for n in chain for u in n.users)}
 
 
+@needs_torch(STEP_GRAPH)
 def test_step_graph_reshards_after_forward_as_the_split_step():
     """passes/step_regather.py: as traced, the backward reads every gathered parameter the
     forward gathered (the whole model gathered at the forward's end). After the pass, with
@@ -405,6 +413,7 @@ def _annotated(gm, suffix=""):
     return out
 
 
+@needs_torch(STEP_GRAPH)
 def test_step_graph_says_why_the_next_steps_first_gather_is_not_issued():
     """passes/cross_step.py: the final step graph's notes name the first gather's parameters
     (the embedding's bucket), the update that writes their shards, and the reason; the note
@@ -416,6 +425,7 @@ def test_step_graph_says_why_the_next_steps_first_gather_is_not_issued():
     assert "waits on its collectives before it returns" in notes[0]
 
 
+@needs_torch(STEP_GRAPH)
 def test_clipped_step_graph_reduces_the_norm_once():
     """With max_norm: one all-reduce (the gradients' squared norms, one vector) in the step
     graph, on the dp group, besides the bucketed reduce-scatters. Each gradient's local norm
@@ -442,6 +452,7 @@ def test_clipped_step_graph_reduces_the_norm_once():
     assert lerps and all(pos[n] > norm_wait for n in lerps)
 
 
+@needs_torch(STEP_GRAPH)
 def test_clipping_with_the_previous_norm_lets_updates_start_early():
     """clip_norm="previous": the updates read the last step's norm, so each one runs under the
     next reduce-scatter as without clipping; this step's norm is still reduced once."""
@@ -458,6 +469,7 @@ def test_clipping_with_the_previous_norm_lets_updates_start_early():
     assert sum(pos[n] > last_rs_wait for n in lerps) == 1  # the embedding's, the last bucket
 
 
+@needs_torch(STEP_GRAPH)
 def test_clip_norm_and_accumulation_bad_values_are_one_error_each():
     import simplesharded as ss
 
@@ -475,12 +487,21 @@ def test_clip_norm_and_accumulation_bad_values_are_one_error_each():
         step(torch.randn(3, 4))
 
 
-def test_an_older_torch_is_refused_in_one_line_naming_the_feature():
-    from simplesharded.passes.torch_compat import STEP_GRAPH, needs
+def test_an_older_torch_is_refused_in_one_line_naming_the_feature(monkeypatch):
+    """compile_step on a torch older than its row in passes/torch_compat.py: one line naming
+    the feature, the installed torch and the one it needs, before anything is traced."""
+    from torch.torch_version import TorchVersion
 
-    needs(STEP_GRAPH)  # the pinned torch
-    with pytest.raises(RuntimeError, match=r"^compile_step .* needs torch >= 99.0; this is 2\."):
-        needs(STEP_GRAPH, "99.0")
+    import simplesharded as ss
+    from simplesharded.passes import torch_compat
+
+    monkeypatch.setattr(torch_compat, "installed", lambda: TorchVersion("2.11.0"))
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(torch_compat.TorchTooOld,
+                       match=r"^compile_step \(compile.scope='step'\) needs torch >= 2\.13; "
+                             r"this is torch \S+ \(dynamo before 2\.13 [^\n]*\)$"):
+        ss.compile_step(model, opt, lambda m, x: m(x).sum(), backend="aot_eager")
 
 
 # ------------------------------------------------------------------------------ the trainer
@@ -526,6 +547,7 @@ def _trainer_results():
     return spawn(2, _trainer_job, timeout_s=900)
 
 
+@needs_torch(STEP_GRAPH)
 @pytest.mark.slow
 def test_trainer_step_scope_trains_as_model_scope():
     """compile.scope=step against scope=model, both over ragged buckets, on llama3 debug, 10

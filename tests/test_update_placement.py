@@ -8,7 +8,9 @@ import copy
 
 import torch
 
+from simplesharded.passes.torch_compat import STEP_GRAPH
 from test_step import _plain_model, _step_graphs
+from torch_range import needs_torch
 
 # The ops that make a parameter's new state and value (its moments, the denominator, the
 # step): each reads its gradient or what was computed from it.
@@ -77,6 +79,7 @@ def test_hand_built_update_moves_to_its_wait_and_no_further():
     assert list(place_updates(gm).graph.nodes) == placed
 
 
+@needs_torch(STEP_GRAPH)
 def test_each_buckets_update_runs_between_its_wait_and_the_next():
     """Every parameter's update follows its bucket's reduce-scatter wait and precedes the
     next bucket's wait (the last bucket's: after its wait), so it overlaps the next
@@ -103,6 +106,7 @@ def test_each_buckets_update_runs_between_its_wait_and_the_next():
     assert first > sorted(pu.reduction_intervals(before))[-1][0]
 
 
+@needs_torch(STEP_GRAPH)
 def test_a_second_run_changes_nothing():
     from simplesharded.passes.update_placement import place_updates
 
@@ -113,6 +117,7 @@ def test_a_second_run_changes_nothing():
     assert [n.name for n in again.graph.nodes] == order
 
 
+@needs_torch(STEP_GRAPH)
 def test_with_clipping_nothing_moves():
     """Every update reads the clipped gradient, which waits on the global norm's all-reduce:
     the graph leaves the pass as it came."""

@@ -11,7 +11,9 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from simplesharded.passes.annotations import UPDATE_KEY
+from simplesharded.passes.torch_compat import STEP_GRAPH
 from simplesharded.passes.update_scalars import MATERIALIZED_OP, materialize_update_scalars
+from torch_range import needs_torch
 
 
 def _update(p, step, grad, lr):
@@ -50,6 +52,7 @@ def test_each_update_scalar_read_elementwise_is_materialized_once():
     assert materialize_update_scalars(gm).code == code  # a second run changes nothing
 
 
+@needs_torch(STEP_GRAPH)
 def test_inductor_step_graph_computes_bias_corrections_outside_the_elementwise_loops():
     from torch._inductor.utils import run_and_get_code
 

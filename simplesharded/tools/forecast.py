@@ -255,8 +255,9 @@ def _in_children(calls: list[tuple]) -> list:
     runs on one core): their (picklable) results in order, or a RuntimeError with a failed
     child's traceback. One trace per process: torch 2.13 fails the second compile in a
     process of a model whose output is a DTensor (loss parallel: "Node tangents_N was
-    invalid, but is output" in the partitioner). A fork re-imports nothing."""
-    ctx = multiprocessing.get_context("fork")
+    invalid, but is output" in the partitioner). A fork re-imports nothing (see
+    :func:`_children_context` for CUDA builds of torch)."""
+    ctx = _children_context()
     running: list = []  # (child, its pipe's reading end), in the order of calls
     results: list = []
     failed = None
@@ -276,14 +277,7 @@ def _in_children(calls: list[tuple]) -> list:
         if len(running) == len(os.sched_getaffinity(0)):
             collect()
         receive, send = ctx.Pipe(duplex=False)
-
-        def run(fn=fn, args=args, send=send):
-            try:
-                send.send((True, fn(*args)))
-            except BaseException:
-                send.send((False, traceback.format_exc()))
-
-        child = ctx.Process(target=run)
+        child = ctx.Process(target=_child, args=(fn, args, send))
         child.start()
         send.close()  # the child holds the only writer: its death ends recv() with EOFError
         running.append((child, receive))
@@ -292,6 +286,29 @@ def _in_children(calls: list[tuple]) -> list:
     if failed is not None:
         raise RuntimeError(f"forecasting in a child process failed:\n{failed}")
     return results
+
+
+def _child(fn, args, send) -> None:
+    try:
+        send.send((True, fn(*args)))
+    except BaseException:
+        send.send((False, traceback.format_exc()))
+
+
+def _children_context():
+    """Forked children, except under a CUDA (or ROCm) build of torch: there a child forked
+    after this process ran a backward under a fake mode (any compile) cannot run autograd
+    ("Unable to handle autograd's threading in combination with fork-based
+    multiprocessing"; CPU builds register no device whose autograd threads forbid it), so
+    the children are forked from a fork server that has run nothing, with this module
+    already imported."""
+    import torch
+
+    if torch.version.cuda is None and torch.version.hip is None:
+        return multiprocessing.get_context("fork")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    return ctx
 
 
 def _report(ns, cfg, hw, evaluated, keeps, sizes, n_layers, t0) -> None:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from simplesharded.mesh import init_distributed
 from simplesharded.trainer.config import help_text, load_config
 from simplesharded.trainer.loop import NonFiniteError, Trainer
-from simplesharded.trainer.preflight import HF, check_packages, check_static
+from simplesharded.trainer.preflight import HF, check_packages, check_static, check_torch
 
 EXIT_CONFIG, EXIT_NONFINITE = 2, 3
 
@@ -62,10 +62,16 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(None, argv)
         cfg = check_static(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         check_packages(cfg)
+        check_torch(cfg)
     except ValueError as e:
         _error(e)
         return EXIT_CONFIG
     if check_only:
+        from simplesharded.passes.torch_compat import outside_range
+
+        warning = outside_range()  # a warning: a release outside the range may still work
+        if warning is not None:
+            print(f"warning: {warning}", file=sys.stderr)
         return 0
     code = 0
     try:

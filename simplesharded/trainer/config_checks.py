@@ -205,11 +205,6 @@ def _check_step_scope(cfg: _Config) -> None:
     if not c.backend.startswith(("aot_eager", "inductor")):
         raise ValueError(f"compile.scope='step' needs an aot_eager* or inductor* backend "
                          f"(its passes run there), got compile.backend={c.backend!r}")
-    from simplesharded.passes.torch_compat import STEP_GRAPH, needs
-    try:
-        needs(STEP_GRAPH)
-    except RuntimeError as e:
-        raise ValueError(f"compile.scope='step': {e}") from None
 
 
 def _check_backend(name: str, backends: Iterable[str] | None) -> None:

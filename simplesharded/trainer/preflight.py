@@ -1,14 +1,17 @@
 """Checks of a training config that need no process group but more than the config: the
 model it names, the degrees and the sequence length against the model's sizes, the dataset
-file. ``python -m simplesharded.trainer --check-only`` (run_train.sh's preflight) runs them
-once before torchrun starts any rank; every rank runs them again for direct torchrun users.
-Rules about the config alone live in config_checks.py's ``validate``."""
+file; and the features the config asks for against this torch (passes/torch_compat.py).
+``python -m simplesharded.trainer --check-only`` (run_train.sh's preflight) runs them once
+before torchrun starts any rank; every rank runs them again for direct torchrun users. Rules
+about the config alone live in config_checks.py's ``validate``."""
 from __future__ import annotations
 
 import os
 
 from simplesharded.models import get_model_spec, hf_source
 from simplesharded.models.context_parallel import supports_context_parallel
+from simplesharded.passes.torch_compat import (CONTEXT_PARALLEL, EXPERT_PARALLEL, STEP_GRAPH,
+                                               refusal)
 from simplesharded.trainer.config import Config
 from simplesharded.trainer.config_checks import resolve
 from simplesharded.trainer.data import load_tokenizer
@@ -81,6 +84,22 @@ def check_packages(cfg: Config) -> None:
         raise ValueError(f"checkpoint.enable=true needs numpy (torch's distributed "
                          f"checkpoint uses it), which {sys.executable} lacks: pip install "
                          f"numpy, or --checkpoint.enable false")
+
+
+def check_torch(cfg: Config) -> None:
+    """A feature the config asks for that this torch lacks (passes/torch_compat.py's table):
+    one line naming the setting, the feature, the installed torch and the one it needs. The
+    trainer's entry runs it after :func:`check_static`, so a config's own errors come first."""
+    p = cfg.parallelism
+    for key, value, used, feature in (
+            ("compile.scope", cfg.compile.scope, cfg.compile.scope == "step", STEP_GRAPH),
+            ("parallelism.context_parallel_degree", p.context_parallel_degree,
+             p.context_parallel_degree > 1, CONTEXT_PARALLEL),
+            ("parallelism.expert_parallel_degree", p.expert_parallel_degree,
+             p.expert_parallel_degree > 1, EXPERT_PARALLEL)):
+        line = refusal(feature) if used else None
+        if line is not None:
+            raise ValueError(f"{key}={value!r}: {line}")
 
 
 def _check_pipeline(cfg: Config) -> None:

@@ -17,6 +17,7 @@ from simplesharded.mesh import cp_dim, ep_dim, tp_dim
 from simplesharded.models.context_parallel import apply_context_parallel
 from simplesharded.passes.agreement import set_agreement_peers
 from simplesharded.passes.annotations import AC_KEY
+from simplesharded.passes.torch_compat import EXPERT_PARALLEL, needs
 from simplesharded.sharding import MixedPrecisionPolicy, data_parallel
 from simplesharded.trainer.config import Config
 from simplesharded.trainer.config_checks import pipeline_stages
@@ -97,8 +98,10 @@ def apply_tensor_parallel(model: torch.nn.Module, mesh, sequence_parallel: bool,
 
 def apply_expert_parallel(model: torch.nn.Module, mesh) -> None:
     """The model's expert-parallel styles (models/moe.py ``ep_styles``) on ``mesh["ep"]``
-    (nothing when the mesh has no ep dim)."""
+    (nothing when the mesh has no ep dim). A torch without expert parallelism
+    (passes/torch_compat.py) is refused in one line."""
     if ep_dim(mesh):
+        needs(EXPERT_PARALLEL)
         parallelize_module(model, mesh[ep_dim(mesh)], model.ep_styles())
 
 
