@@ -90,8 +90,11 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {first}"[:300]
 
 
-def _torch_before(major: int, minor: int) -> bool:
-    return tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (major, minor)
+def _lacks(feature_name: str) -> str | None:
+    """The one-line refusal of passes/torch_compat.py's table for a feature this torch lacks."""
+    from simplesharded.passes import torch_compat
+
+    return torch_compat.refusal(getattr(torch_compat, feature_name))
 
 
 def _tmp(name: str) -> str:
@@ -439,9 +442,8 @@ def check_fake8(device: str, opts: dict) -> list[Row]:
     cases = [c for c in FAKE_CASES if c[0] in opts["cases"]]
     rows, cfgs = [], {}
     for name, config, overrides in cases:
-        if "ep" in name and _torch_before(2, 13):  # DeviceMesh._unflatten, which the ep
-            rows.append(("SKIP", f"fake8[{name}]", f"expert parallelism needs torch >= 2.13 "
-                         f"(this is {torch.__version__})"))  # mesh is made by, differs
+        if "ep" in name and _lacks("EXPERT_PARALLEL"):
+            rows.append(("SKIP", f"fake8[{name}]", _lacks("EXPERT_PARALLEL")))
             continue
         try:
             cfgs[name] = _fake_cfg(config, overrides, device)
@@ -909,9 +911,9 @@ INIT_SEED = 7
 
 
 def _init_cases() -> tuple:
-    """INIT_CASES this torch can build: before 2.13 DeviceMesh._unflatten refuses the ep
-    mesh (simplesharded/mesh.py), so the MoE runs without ep there."""
-    if not _torch_before(2, 13):
+    """INIT_CASES this torch can build: without expert parallelism (passes/torch_compat.py)
+    the MoE runs without ep."""
+    if not _lacks("EXPERT_PARALLEL"):
         return INIT_CASES
     return tuple((n, tp, 1) for n, tp, _ in INIT_CASES)
 
