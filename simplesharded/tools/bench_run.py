@@ -152,8 +152,9 @@ def _step_peak_bytes(step, model, opt, device: str) -> tuple[int, int, int, int,
     (gradients zeroed before it, parameter shards and optimizer state included; allocator
     caches and compile-time memory not). On an accelerator its allocator's peak. On CPU,
     which keeps no such count: what the rank holds between steps plus the highest running
-    total of bytes allocated and not yet freed during the step, from torch.profiler's memory
-    events (every allocation and free of a tensor made while it records); held: the bytes
+    total of bytes allocated and not yet freed during the step (the higher of two profiled
+    steps), from torch.profiler's memory events (every allocation and free of a tensor made
+    while it records); held: the bytes
     alive before the step; copied, cast and other: :func:`copied_bytes` of the same step or of
     one more (see below; CPU only, 0 on an accelerator)."""
     opt.zero_grad(set_to_none=True)
@@ -164,24 +165,31 @@ def _step_peak_bytes(step, model, opt, device: str) -> tuple[int, int, int, int,
         _sync(device)
         return torch.accelerator.max_memory_allocated(), held, 0, 0, 0
     resident = _resident_bytes(model, opt)
-    prof = _profiled(step)
+    profs = [_profiled(step), _profiled(step)]
     # A charge of a collective's buffer to an op whose input sizes the profiler does not
     # record (cat, stack: copied_bytes caps the others) depends on timing, the step's own
-    # copies do not: the copies of whichever of two steps copied less.
-    copied, cast, other = min(copied_bytes(prof.events()), copied_bytes(_profiled(step).events()),
-                              key=lambda c: c[0])
+    # copies do not: the copies of whichever of two steps copied less. When the comm threads
+    # allocate and free relative to the compute thread depends on timing too, so the peak is
+    # the higher of the two steps'.
+    copied, cast, other = min((copied_bytes(p.events()) for p in profs), key=lambda c: c[0])
+    peak = max(_allocated_peak(p) for p in profs)
+    return resident + peak, resident, copied, cast, other
+
+
+def _allocated_peak(prof) -> int:
+    """The highest running total of bytes allocated and not yet freed during a profiled step
+    (0 without memory events)."""
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as f:
             events = [e["args"] for e in json.load(f)["traceEvents"] if e.get("name") == "[memory]"]
     if not events:
-        return resident, resident, copied, cast, other
+        return 0
     # "Total Allocated": the allocator's running total, kept while memory is profiled; a free
     # of a tensor made before the step is not in it (nor was its allocation)
     start = events[0]["Total Allocated"] - events[0]["Bytes"]
-    peak = resident + max(0, max(e["Total Allocated"] for e in events) - start)
-    return peak, resident, copied, cast, other
+    return max(0, max(e["Total Allocated"] for e in events) - start)
 
 
 def _profiled(step):
