@@ -117,11 +117,18 @@ class RaggedMember(DTensor):
         gathered = funcol.all_gather_single(run, gather_dim=0, group=(mesh, cut))
         gathered = funcol.wait_tensor(gathered)
         pieces = [gathered[r * longest:r * longest + n] for r, n in enumerate(self.runs)]
-        placements = list(self._spec.placements)
-        placements[cut] = Replicate()
-        shape, _ = compute_local_shape_and_global_offset(self.shape, mesh, placements)
+        placements, shape, _ = self._rebuilt()
         return DTensor.from_local(torch.cat(pieces).view(shape), mesh, placements,
                                   run_check=False, shape=self.shape, stride=self.stride())
+
+    def _rebuilt(self) -> tuple[list, tuple, tuple]:
+        """What the cut dim's gather rebuilds: its placements (``Replicate()`` on the cut
+        dim), and this rank's shape and global offset of it (the whole tensor, or a TP shard)."""
+        placements = list(self._spec.placements)
+        placements[self.cut] = Replicate()
+        shape, offset = compute_local_shape_and_global_offset(self.shape, self._spec.mesh,
+                                                              placements)
+        return placements, tuple(shape), tuple(offset)
 
     def redistribute(self, device_mesh=None, placements=None, *, async_op=False, **kwargs):
         mesh = device_mesh or self.device_mesh
@@ -137,16 +144,13 @@ class RaggedMember(DTensor):
     def _boxes(self) -> list[tuple[tuple[int, ...], tuple[int, ...], int, int]]:
         """This rank's run as (global offsets, sizes, start, stop) boxes: ``start:stop`` of
         the local run fills the box, row-major."""
-        mesh, cut = self._spec.mesh, self.cut
-        placements = list(self._spec.placements)
-        placements[cut] = Replicate()
-        shape, offset = compute_local_shape_and_global_offset(self.shape, mesh, placements)
-        me = mesh.get_local_rank(cut)
+        _, shape, offset = self._rebuilt()
+        me = self._spec.mesh.get_local_rank(self.cut)
         first = sum(self.runs[:me])
         return [(tuple(o + b for o, b in zip(offset, box_offset)), sizes, start - first,
                  stop - first)
                 for box_offset, sizes, start, stop in _row_major_boxes(
-                    tuple(shape), first, first + self.runs[me])]
+                    shape, first, first + self.runs[me])]
 
     def __create_write_items__(self, fqn: str, object):
         from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from simplesharded.storage.ragged_member import RaggedMember
 from simplesharded.storage.sharded_state import sharded_params
@@ -37,12 +37,10 @@ class StepRoutes:
         self.params = params
         self.slots = [slots.get(id(p)) for p in params]
         self.buckets = list(dict.fromkeys(s.bucket for s in self.slots if s is not None))
-        # each member's DTensor face for the norm, read as constants while tracing: its
-        # placements as torch's own (the norm reads which dims shard it)
-        self.faces = [None if s is None else (
-            p.device_mesh, tuple(Shard(q.dim) if isinstance(q, Shard) else q
-                                 for q in p.placements), p.shape, p.stride())
-            for p, s in zip(params, self.slots)]
+        # each member's DTensor face for the norm, read as constants while tracing (a
+        # member's placements are its per-parameter ones: the norm reads which dims shard it)
+        self.faces = [None if s is None else (p.device_mesh, p.placements, p.shape, p.stride())
+                      for p, s in zip(params, self.slots)]
 
     def inputs(self) -> list[torch.Tensor]:
         """What autograd.grad differentiates: the plain parameters, then the buckets."""
