@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.multiprocessing.spawn import ProcessException
 
 from simplesharded.mesh import exit_rank, spawn_local
+from simplesharded.shims import gloo_gather
 
 # Environment every rank starts with: one thread per rank (2 cores are shared by up to 4
 # ranks). Inductor: its FX-graph and AOT-autograd caches are off (a cached graph would skip our
@@ -74,6 +75,10 @@ def _entry(rank: int, world_size: int, outdir: str, timeout_s: float,
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
+        # gloo's plain all-gather, as data_parallel installs on a gloo mesh: a test that
+        # gathers DTensors before (or without) data_parallel must not run torch's coalesced
+        # CPU kernel (simplesharded/shims/gloo_gather.py)
+        gloo_gather.install()
         try:
             result = ("ok", fn(rank, world_size, *args))
         except BaseException as e:  # noqa: BLE001 - shipped to the parent, which re-raises
