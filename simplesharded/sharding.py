@@ -33,8 +33,8 @@ from simplesharded.blocks import BlockSpec, block_of
 from simplesharded.storage.eager_reshard import _EagerReshard
 from simplesharded.storage.gather import _GatherScope, _sharded_property
 from simplesharded.storage.grad_sync import _GradSync
-from simplesharded.storage.choice import (NOT_GIVEN, STORAGES, check_storage, chosen_storage,
-                                          pack)
+from simplesharded.storage.choice import (NOT_GIVEN, check_storage, chosen_storage, pack,
+                                          resolved)
 from simplesharded.storage.ragged_shards import members_as_shards
 from simplesharded.storage.layout import _DPView, _mode_placements, _shard_param
 from simplesharded.mesh import EP_DIM, dense_mesh, ep_dim, expert_dp_mesh, stage_mesh
@@ -102,7 +102,9 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     blocks: which modules are the model's blocks (one bucket each under
     ``*_blockbucketing``, the units of ``"auto"``): None finds them in the module tree
     (simplesharded/blocks.py); or module classes, class names or module-FQN regexes.
-    storage: one of ``STORAGES``. ``"param"`` (None: the default): one DTensor shard per
+    storage: ``"auto"`` (None: the default), ``"ragged"`` or ``"param"``. ``"auto"`` is
+    ``"ragged"`` wherever it takes ``mode`` and the mesh, else ``"param"``
+    (simplesharded/storage/choice.py). ``"param"``: one DTensor shard per
     parameter. ``"ragged"``: each bucket (a block's parameters; those before the first block;
     those after the last) in the ragged layout (simplesharded/storage/ragged_shards.py,
     docs/zero_copy.md): every gathered parameter is a view of its bucket's gathered buffer, so
@@ -137,7 +139,7 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     if not (isinstance(reshard_after_forward, bool) or reshard_after_forward == "auto"):
         raise ValueError(f"reshard_after_forward={reshard_after_forward!r} is not one of "
                          f"{list(RESHARD_CHOICES)}")
-    storage = chosen_storage(storage, flat_buckets)
+    storage = resolved(chosen_storage(storage, flat_buckets), mode, dp.ndim)
     check_storage(storage, mode, dp.ndim, mesh)
     if grad_reduction not in GRAD_REDUCTIONS:
         raise ValueError(f"grad_reduction={grad_reduction!r} is not one of {sorted(GRAD_REDUCTIONS)}")

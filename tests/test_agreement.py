@@ -93,7 +93,7 @@ def _compile_step(rank, world, backend, mp=False, arrived=None, **options):
     policy = ss.MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                      reduce_dtype=torch.float32) if mp else None
     torch._dynamo.reset()
-    model = ss.data_parallel(toy_blocks.make_model(), mesh, "fully_shard", mp_policy=policy)
+    model = ss.data_parallel(toy_blocks.make_model(), mesh, "fully_shard", mp_policy=policy, storage="param")
     compiled = torch.compile(model, fullgraph=True, backend=ss.make_backend(backend, **options))
     seen, arrived = [], arrived if arrived is not None else []
     compare = agreement.compare

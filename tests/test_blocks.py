@@ -125,7 +125,7 @@ def test_same_blocks_once_wrapped():
     model = nn.Sequential(nn.Linear(4, 4), Layer(), Layer(), nn.Linear(4, 4))
     before = fqns(model)
     with fake_world(2) as mesh:
-        ss.data_parallel(model, mesh)
+        ss.data_parallel(model, mesh, storage="param")
         assert fqns(model) == before == ["0", "1", "2", "3"]
         assert fqns(model, ["Linear"]) == ["0", "1.attn.q", "1.attn.k", "1.attn.v", "1.attn.o",
                                            "1.mlp.up", "1.mlp.down", "2.attn.q", "2.attn.k",
@@ -216,7 +216,7 @@ def _runtime_counts(rank, world):
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = ss.data_parallel(build_model("gpt", "debug", device="cpu"),
-                                 ss.init_mesh(dp_shard=-1, device="cpu"))
+                                 ss.init_mesh(dp_shard=-1, device="cpu"), storage="param")
         cm = torch.compile(model, backend=ss.make_backend(backend), fullgraph=True)
         cm(x).sum().backward()
         out[backend] = {"fw": gloo_events(lambda: cm(x)),
@@ -258,7 +258,7 @@ def test_no_gathered_parameter_escapes_the_graph():
         return gm.forward
 
     with fake_world(2) as mesh:
-        model = ss.data_parallel(toy.make_model(tied=True), mesh)
+        model = ss.data_parallel(toy.make_model(tied=True), mesh, storage="param")
         torch._dynamo.reset()
         torch.compile(model, backend=capture, fullgraph=True)(torch.randn(5, toy.D_IN))
         torch._dynamo.reset()

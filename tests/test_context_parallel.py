@@ -209,7 +209,7 @@ def test_cp_mesh_roles_and_parameter_layout(fake_world):
     root = dense_mesh(mesh)
     assert root.mesh_dim_names == ("dp_shard_cp",) and mesh_roles(root).dp == (0,)
     assert set(group_labels(mesh).values()) >= {"dp_shard", "cp"}
-    model = ss.data_parallel(make_model(), mesh)
+    model = ss.data_parallel(make_model(), mesh, storage="param")
     for n, p in model.named_parameters():
         assert p.device_mesh is root and p.placements == (Shard(0),), n
 

@@ -140,7 +140,7 @@ def eager_job(rank, world):
     mesh = build_mesh_for(world, "fully_shard")
     out = {}
     for reshard in (True, False, "auto"):
-        model = ss.data_parallel(toy_blocks.make_model(), mesh, reshard_after_forward=reshard)
+        model = ss.data_parallel(toy_blocks.make_model(), mesh, reshard_after_forward=reshard, storage="param")
         out[reshard] = _step(model, rank)
         with torch.no_grad(), GatherRecorder() as rec:  # validation-style forward
             model(toy_blocks.batch(rank)[0])
@@ -168,7 +168,7 @@ def eager_job(rank, world):
             ("bf16", toy_blocks.make_model, ss.MixedPrecisionPolicy(torch.bfloat16)),
             ("tied", lambda: toy.make_model(tied=True), None)):
         for reshard in (True, False):
-            model = ss.data_parallel(make(), mesh, mp_policy=mp, reshard_after_forward=reshard)
+            model = ss.data_parallel(make(), mesh, mp_policy=mp, reshard_after_forward=reshard, storage="param")
             if name == "tied":
                 x, y = toy.rank_batch(rank)
                 F.mse_loss(model(x), y).backward()
@@ -367,10 +367,10 @@ def test_eager_reshard_hooks_keep_autograd_guarantees(fake_world):
             return out
 
     mesh = build_mesh_for(FAKE_WORLD, "fully_shard")
-    model = ss.data_parallel(ExpAfterLinear(False), mesh, reshard_after_forward=True)
+    model = ss.data_parallel(ExpAfterLinear(False), mesh, reshard_after_forward=True, storage="param")
     out = model(torch.randn(2, 4))
     del out
     assert model.saved.expired()
-    model = ss.data_parallel(ExpAfterLinear(True), mesh, reshard_after_forward=True)
+    model = ss.data_parallel(ExpAfterLinear(True), mesh, reshard_after_forward=True, storage="param")
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         model(torch.randn(2, 4)).sum().backward()

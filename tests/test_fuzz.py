@@ -46,7 +46,7 @@ def test_shard_layout_round_trips(shape, world, dtype, seed):
     for rank in range(world):
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
         try:
-            holder = ss.data_parallel(Holder(full.clone()), ss.build_mesh(1, -1, "cpu"))
+            holder = ss.data_parallel(Holder(full.clone()), ss.build_mesh(1, -1, "cpu"), storage="param")
             local = holder._parameters["p"].to_local()
             assert local.shape[0] <= math.ceil(shape[0] / world)
             pieces.append(local.clone())

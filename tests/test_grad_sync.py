@@ -67,7 +67,7 @@ def _toy_case(rank, world, mesh, backend, reduction, mp, tied):
     pg = dist.distributed_c10d._get_default_group()
     policy = None if mp is None else MixedPrecisionPolicy(*mp)
     model = ss.data_parallel(toy.make_model(tied=tied), mesh, grad_reduction=reduction,
-                             mp_policy=policy)
+                             mp_policy=policy, storage="param")
     run = model if backend == "eager" else torch.compile(
         model, backend=ss.make_backend(backend), fullgraph=True)
     numel = world * toy.BATCH_PER_RANK * toy.D_OUT

@@ -157,6 +157,7 @@ def _wrap(mesh, mode, **kw):
     normalised by the global element count, see _sharded_step)."""
     import simplesharded as ss
     kw.setdefault("grad_reduction", "sum")
+    kw.setdefault("storage", "param")  # the bucketing pass's counts are read
     return ss.data_parallel(toy.make_model(tied=kw.pop("tied", False)), mesh, mode, **kw)
 
 
@@ -290,7 +291,7 @@ def check_meta_init(rank, world, meshes):
 
     with torch.device("meta"):
         model = toy.Toy()
-    ss.data_parallel(model, meshes["fully_shard"], "fully_shard", grad_reduction="sum")
+    ss.data_parallel(model, meshes["fully_shard"], "fully_shard", grad_reduction="sum", storage="param")
     with ss.disable_gather(model):
         model.init_weights(seed=0)
     ref = toy.make_model(seed=0)

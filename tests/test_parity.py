@@ -86,7 +86,7 @@ def parity_case(rank, world, mesh, mode, backend):
     import simplesharded as ss
 
     # the loss is normalised by the global element count: gradients are summed over ranks
-    model = ss.data_parallel(toy.make_model(), mesh, mode, grad_reduction="sum")
+    model = ss.data_parallel(toy.make_model(), mesh, mode, grad_reduction="sum", storage="param")
     init = {n: p.to_local().clone() for n, p in model.named_parameters()}
     dump = tempfile.mkdtemp(prefix=f"ss_dump_{backend}_")
     try:

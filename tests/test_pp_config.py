@@ -62,7 +62,7 @@ def test_data_parallel_on_a_pp_mesh_shards_over_the_stage_dims_only(world8):
 
     mesh = build_mesh(device="cpu", pp=2, tp=2)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
-    ss.data_parallel(model, mesh)
+    ss.data_parallel(model, mesh, storage="param")
     shard = model[0]._parameters["weight"]
     assert shard.device_mesh.mesh_dim_names == ("dp_shard", "tp")
     assert tuple(shard.to_local().shape) == (4, 8)  # 8 rows over dp_shard 2 (8 / pp / tp)

@@ -89,7 +89,7 @@ def test_reshard_after_forward_rejects_bad_values(fake_pg):
     with pytest.raises(ValueError, match=r"reshard_after_forward='sometimes' is not one of "
                                          r"\[True, False, 'auto'\]"):
         ss.data_parallel(torch.nn.Linear(2, 2), ss.build_mesh(1, -1, "cpu"),
-                         reshard_after_forward="sometimes")
+                         reshard_after_forward="sometimes", storage="param")
 
 
 def test_no_regather_without_reshard(fake_pg):
@@ -150,7 +150,7 @@ def test_readme_custom_backend_example(fake_pg):
     my_backend = aot_autograd(fw_compiler=compiler, bw_compiler=compiler, partition_fn=partition)
     mesh = ss.build_mesh(1, -1, "cpu")
     model = build_model("llama3", "debug", device="meta", n_layers=2)
-    ss.data_parallel(model, mesh, "fully_shard")
+    ss.data_parallel(model, mesh, "fully_shard", storage="param")
     with ss.disable_gather(model):
         model.init_weights(buffer_device=torch.device("cpu"))
     compiled = torch.compile(model, backend=my_backend, fullgraph=True)

@@ -151,8 +151,7 @@ def test_unknown_storage_is_one_line_listing_the_choices():
 
     with world_of_one() as mesh, pytest.raises(ValueError) as e:
         ss.data_parallel(toy_blocks.make_model(), mesh, storage="nope")
-    assert str(e.value) == "storage='nope' is not one of ['param', 'ragged']"
-    assert ss.sharding.STORAGES == ("param", "ragged")
+    assert str(e.value) == "storage='nope' is not one of ['auto', 'param', 'ragged']"
 
 
 def test_flat_buckets_true_says_flat_storage_is_retired():
@@ -477,3 +476,31 @@ def test_hsdp_and_no_sync_ragged_buckets_train_bitwise_as_without():
         no_sync, sync = res[("ragged", "aot_eager_blockbucketing")]["backwards"]
         assert no_sync["reduce_scatter"] == no_sync["all_reduce"] == 0, no_sync
         assert sync["reduce_scatter"] == sync["all_reduce"] == buckets, sync
+
+
+def test_one_default_for_the_api_and_the_trainer():
+    """storage left out is "auto" in data_parallel and in the trainer alike: ragged buckets
+    where they take the mode and mesh, one shard per parameter elsewhere."""
+    import toy_blocks
+    from pass_utils import fake_world
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import simplesharded as ss
+    from simplesharded.storage.ragged_member import RaggedMember
+    from simplesharded.trainer.config import load_config
+
+    def members(model):
+        return {isinstance(p, RaggedMember) for p in model.parameters()}
+
+    with fake_world(4):
+        one_dim = init_device_mesh("cpu", (4,))
+        two_dim = init_device_mesh("cpu", (2, 2))
+        assert members(ss.data_parallel(toy_blocks.make_model(), one_dim)) == {True}
+        assert members(ss.data_parallel(toy_blocks.make_model(), two_dim,
+                                        "hybrid_shard")) == {True}
+        assert members(ss.data_parallel(toy_blocks.make_model(), one_dim,
+                                        "replicate")) == {False}
+        assert members(ss.data_parallel(toy_blocks.make_model(), one_dim,
+                                        storage="param")) == {False}
+    cfg = load_config()
+    assert cfg.parallelism.storage == "auto" and cfg.parallelism.dp_storage == "ragged"

@@ -38,7 +38,7 @@ def mesh2d(fake_world):
 
 def test_unknown_mode_lists_choices(mesh1d):
     with pytest.raises(ValueError) as e:
-        ss.data_parallel(toy.make_model(), mesh1d, mode="zero3")
+        ss.data_parallel(toy.make_model(), mesh1d, mode="zero3", storage="param")
     msg = str(e.value)
     assert "'zero3'" in msg
     for mode in ("replicate", "fully_shard", "hybrid_shard"):
@@ -48,32 +48,32 @@ def test_unknown_mode_lists_choices(mesh1d):
 def test_hybrid_shard_needs_2d_mesh(mesh1d):
     model = toy.make_model()
     with pytest.raises(ValueError, match="2-D mesh"):
-        ss.data_parallel(model, mesh1d, mode="hybrid_shard")
+        ss.data_parallel(model, mesh1d, mode="hybrid_shard", storage="param")
     # Nothing was touched by the failed call: it can still be wrapped.
     assert not any(isinstance(p, DTensor) for p in model.parameters())
-    ss.data_parallel(model, mesh1d, mode="fully_shard")
+    ss.data_parallel(model, mesh1d, mode="fully_shard", storage="param")
 
 
 def test_already_wrapped(mesh1d):
-    model = ss.data_parallel(toy.make_model(), mesh1d, mode="fully_shard")
+    model = ss.data_parallel(toy.make_model(), mesh1d, mode="fully_shard", storage="param")
     with pytest.raises(ValueError, match="already"):
-        ss.data_parallel(model, mesh1d, mode="fully_shard")
+        ss.data_parallel(model, mesh1d, mode="fully_shard", storage="param")
     with pytest.raises(ValueError, match="already"):
-        ss.data_parallel(model, mesh1d, mode="replicate")
+        ss.data_parallel(model, mesh1d, mode="replicate", storage="param")
 
 
 def test_mesh_device_differs_from_params():
     # The check reads only mesh.device_type (and ndim for the mode); no process group needed.
     fake_mesh = types.SimpleNamespace(device_type="cuda", ndim=1)
     with pytest.raises(ValueError) as e:
-        ss.data_parallel(toy.make_model(), fake_mesh, mode="fully_shard")
+        ss.data_parallel(toy.make_model(), fake_mesh, mode="fully_shard", storage="param")
     assert "'cpu'" in str(e.value) and "'cuda'" in str(e.value)
 
 
 @pytest.mark.parametrize("bad", ["mean", "SUM", None])
 def test_bad_grad_reduction(mesh1d, bad):
     with pytest.raises(ValueError) as e:
-        ss.data_parallel(toy.make_model(), mesh1d, mode="fully_shard", grad_reduction=bad)
+        ss.data_parallel(toy.make_model(), mesh1d, mode="fully_shard", grad_reduction=bad, storage="param")
     assert "avg" in str(e.value) and "sum" in str(e.value)
 
 
@@ -114,7 +114,7 @@ def test_resolve_degrees_rejects(kwargs):
 @pytest.mark.parametrize("mode,placements", [("replicate", (Replicate(),)),
                                              ("fully_shard", (Shard(0),))])
 def test_placements_1d(mesh1d, mode, placements):
-    model = ss.data_parallel(toy.make_model(), mesh1d, mode=mode)
+    model = ss.data_parallel(toy.make_model(), mesh1d, mode=mode, storage="param")
     for name, p in model.named_parameters():
         assert isinstance(p, nn.Parameter) and isinstance(p, DTensor), name
         assert p.placements == placements, name
@@ -122,7 +122,7 @@ def test_placements_1d(mesh1d, mode, placements):
 
 def test_placements_hybrid(mesh2d):
     ref = toy.make_model()
-    model = ss.data_parallel(toy.make_model(), mesh2d, mode="hybrid_shard")
+    model = ss.data_parallel(toy.make_model(), mesh2d, mode="hybrid_shard", storage="param")
     for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
         assert p.placements == (Replicate(), Shard(0)), name
         assert p.shape == r.shape and p.requires_grad
@@ -134,7 +134,7 @@ def test_placements_hybrid(mesh2d):
 @pytest.mark.parametrize("mode", ["replicate", "fully_shard"])
 def test_names_and_state_dict_keys_unchanged(mesh1d, mode, tied):
     ref = toy.make_model(tied=tied)
-    model = ss.data_parallel(toy.make_model(tied=tied), mesh1d, mode=mode)
+    model = ss.data_parallel(toy.make_model(tied=tied), mesh1d, mode=mode, storage="param")
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
     assert list(model.state_dict()) == list(ref.state_dict())
     assert [n for n, _ in model.named_modules()] == [n for n, _ in ref.named_modules()]
@@ -145,7 +145,7 @@ def test_names_and_state_dict_keys_unchanged(mesh1d, mode, tied):
 
 def test_state_dict_holds_shards_and_saving_does_not_gather(mesh1d):
     ref = toy.make_model()
-    model = ss.data_parallel(toy.make_model(), mesh1d, mode="fully_shard")
+    model = ss.data_parallel(toy.make_model(), mesh1d, mode="fully_shard", storage="param")
     with CommDebugMode() as comm:
         sd = model.state_dict()
         buf = io.BytesIO()
@@ -163,7 +163,7 @@ def test_state_dict_holds_shards_and_saving_does_not_gather(mesh1d):
 
 
 def test_reading_a_param_gathers_and_disable_gather_returns_shard(mesh1d):
-    model = ss.data_parallel(toy.make_model(), mesh1d, mode="fully_shard")
+    model = ss.data_parallel(toy.make_model(), mesh1d, mode="fully_shard", storage="param")
     fc1 = model.blocks[0].fc1
     with CommDebugMode() as comm:
         w = fc1.weight
@@ -187,7 +187,7 @@ def test_reading_a_param_gathers_and_disable_gather_returns_shard(mesh1d):
 
 
 def test_replicate_read_does_not_communicate(mesh1d):
-    model = ss.data_parallel(toy.make_model(), mesh1d, mode="replicate")
+    model = ss.data_parallel(toy.make_model(), mesh1d, mode="replicate", storage="param")
     with CommDebugMode() as comm:
         w = model.blocks[0].fc1.weight
     assert comm.get_total_counts() == 0 and w.shape == (7, 8)
@@ -195,7 +195,7 @@ def test_replicate_read_does_not_communicate(mesh1d):
 
 def test_meta_model_gets_cpu_shards(mesh1d):
     model = toy.make_model(device="meta")
-    ss.data_parallel(model, mesh1d, mode="fully_shard")
+    ss.data_parallel(model, mesh1d, mode="fully_shard", storage="param")
     for name, p in model.named_parameters():
         assert isinstance(p, DTensor) and p.to_local().device.type == "cpu", name
         assert not p.is_meta and p.shape == dict(toy.make_model().named_parameters())[name].shape
@@ -214,7 +214,7 @@ def test_scalar_parameter_is_replicated(mesh1d):
         def forward(self, x):
             return self.lin(x) * self.scale
 
-    model = ss.data_parallel(WithScale(), mesh1d, "fully_shard")
+    model = ss.data_parallel(WithScale(), mesh1d, "fully_shard", storage="param")
     assert model._parameters["scale"].placements == (Replicate(),)
     assert model.lin._parameters["weight"].to_local().shape == (4 // WORLD, 4)
 
@@ -293,7 +293,7 @@ def test_data_parallel_rejects_dtensor_not_on_the_tp_dim(fake_world):
     lin.weight = torch.nn.Parameter(distribute_tensor(lin.weight.detach(), mesh["dp_shard"],
                                                       [Shard(0)]))
     with pytest.raises(ValueError) as e:
-        ss.data_parallel(model, mesh)
+        ss.data_parallel(model, mesh, storage="param")
     assert f"'{name}.weight'" in str(e.value) and "mesh['tp']" in str(e.value)
 
 
@@ -308,7 +308,7 @@ def test_tp_parameter_layout_on_the_whole_mesh(fake_world):
     model = torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.Linear(12, 8),
                                 torch.nn.LayerNorm(8))
     parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
-    ss.data_parallel(model, mesh)
+    ss.data_parallel(model, mesh, storage="param")
     dp = WORLD // 2
     got = {n: (p.placements, tuple(p.shape), tuple(p.to_local().shape))
            for n, p in model.named_parameters()}

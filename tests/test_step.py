@@ -50,6 +50,7 @@ def _plain_model(name="llama3"):
 def _model(mesh, name="llama3", **dp_options):
     import simplesharded as ss
 
+    dp_options.setdefault("storage", "param")  # the bucketing pass's graphs are read
     return ss.data_parallel(_plain_model(name), mesh, **dp_options)
 
 

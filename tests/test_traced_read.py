@@ -17,7 +17,7 @@ C10D = torch.ops._c10d_functional
 def _model():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 4))
-    return ss.data_parallel(model, ss.build_mesh(1, -1, "cpu"))
+    return ss.data_parallel(model, ss.build_mesh(1, -1, "cpu"), storage="param")
 
 
 def _compile_and_run(model):

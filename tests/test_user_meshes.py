@@ -80,7 +80,7 @@ def test_unreadable_mesh_is_one_line_naming_the_dims(fake_world, shape, names, f
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     model = toy.make_model()
     with pytest.raises(ValueError) as e:
-        ss.data_parallel(model, mesh)
+        ss.data_parallel(model, mesh, storage="param")
     msg = str(e.value)
     assert "\n" not in msg and found in msg and "'dp_shard'" in msg and "'tp'" in msg, msg
     assert not any(isinstance(p, DTensor) for p in model.parameters())  # nothing touched
@@ -92,7 +92,7 @@ def test_tp_dtensor_on_unnamed_mesh_is_one_line(fake_world):
     model.head.weight = torch.nn.Parameter(
         distribute_tensor(model.head.weight.detach(), mesh, [Replicate(), Shard(0)]))
     with pytest.raises(ValueError) as e:
-        ss.data_parallel(model, mesh)
+        ss.data_parallel(model, mesh, storage="param")
     msg = str(e.value)
     assert "\n" not in msg, msg
     assert msg.startswith("parameter 'head.weight' is a DTensor") and "(None, None)" in msg, msg
@@ -109,14 +109,14 @@ def test_tp_dtensor_on_unnamed_mesh_is_one_line(fake_world):
 ])
 def test_placements_on_user_meshes(fake_world, shape, names, mode, placements):
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    model = ss.data_parallel(toy.make_model(), mesh, mode)
+    model = ss.data_parallel(toy.make_model(), mesh, mode, storage="param")
     for n, p in model.named_parameters():
         assert p.device_mesh == mesh and p.placements == placements, n
 
 
 def test_hybrid_shard_on_unnamed_1d_mesh_says_how_to_build_one(fake_world):
     with pytest.raises(ValueError, match=r"2-D mesh.*init_device_mesh\(device, \(R, S\)\)"):
-        ss.data_parallel(toy.make_model(), init_device_mesh("cpu", (4,)), "hybrid_shard")
+        ss.data_parallel(toy.make_model(), init_device_mesh("cpu", (4,)), "hybrid_shard", storage="param")
 
 
 # ---------------------------------------------------------------- parity, multi-process
@@ -152,7 +152,7 @@ def _case(rank, world, mesh, mode, backend):
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     from simplesharded.passes.collectives import count_collectives
 
-    model = ss.data_parallel(toy.make_model(), mesh, mode)
+    model = ss.data_parallel(toy.make_model(), mesh, mode, storage="param")
     seen = {}
 
     def observe(kind, stage, gm):

@@ -7,6 +7,8 @@ asks :func:`modes_taken`, ``data_parallel`` calls :func:`check_storage` and :fun
   (gather.py); the compiler's bucketing pass buckets the collectives.
 - ``"ragged"``: each bucket's parameters in the ragged layout (ragged_shards.py), whose
   members are still the model's parameters (ragged_member.py).
+- ``"auto"`` (the default of both ``data_parallel`` and the trainer): ``"ragged"`` where it
+  takes the mode and mesh, else ``"param"`` (:func:`resolved`).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ _STORAGES = {
     "ragged": (("fully_shard", "hybrid_shard"), 1, pack_ragged),
 }
 STORAGES = tuple(_STORAGES)
+CHOICES = ("auto", *STORAGES)  # what a user may name
 
 
 def modes_taken(storage: str) -> tuple[str, ...]:
@@ -34,12 +37,25 @@ def modes_taken(storage: str) -> tuple[str, ...]:
     return _STORAGES[storage][0]
 
 
+def _takes(storage: str, mode: str, dp_dims: int | None) -> bool:
+    modes, fully_shard_dims, _ = _STORAGES[storage]
+    return mode in modes and not (mode == "fully_shard" and fully_shard_dims is not None
+                                  and dp_dims is not None and dp_dims != fully_shard_dims)
+
+
+def resolved(storage: str, mode: str, dp_dims: int | None = None) -> str:
+    """The storage ``storage`` names for ``mode`` over ``dp_dims`` data-parallel mesh dims
+    (None: not known yet): ``"auto"`` is ragged buckets (the fewest copies, docs/zero_copy.md)
+    wherever they take the mode and mesh, else one shard per parameter."""
+    if storage != "auto":
+        return storage
+    return "ragged" if _takes("ragged", mode, dp_dims) else "param"
+
+
 def check_storage(storage: str, mode: str, dp_dims: int, mesh) -> None:
     """One line naming what ``storage`` does not take: ``mode``, or ``fully_shard`` over more
     data-parallel dims than it takes (on ``mesh``, named by its dim names or count)."""
-    modes, fully_shard_dims, _ = _STORAGES[storage]
-    if mode not in modes or (mode == "fully_shard" and fully_shard_dims is not None
-                             and dp_dims != fully_shard_dims):
+    if not _takes(storage, mode, dp_dims):
         raise ValueError(f"storage={storage!r} takes mode='fully_shard' on one or "
                          f"'hybrid_shard' on two data-parallel mesh dims; got mode={mode!r} "
                          f"on mesh dims {mesh.mesh_dim_names or mesh.ndim}: use "
@@ -53,7 +69,8 @@ def pack(storage: str, model, shards: dict, scope) -> None:
 
 
 def chosen_storage(storage: str | None, flat_buckets) -> str:
-    """``storage`` checked, or what ``flat_buckets``, its deprecated name, meant."""
+    """``storage`` checked (None: ``"auto"``), or what ``flat_buckets``, its deprecated name,
+    meant; ``"auto"`` is left for :func:`resolved`."""
     if flat_buckets is not NOT_GIVEN:
         if storage is not None:
             raise ValueError("data_parallel takes storage= or flat_buckets= (its deprecated "
@@ -68,9 +85,9 @@ def chosen_storage(storage: str | None, flat_buckets) -> str:
         # stacklevel 3: the line that called data_parallel
         warnings.warn(f"data_parallel(flat_buckets={flat_buckets!r}) is deprecated: use "
                       f"storage={storage!r}", DeprecationWarning, stacklevel=3)
-    storage = "param" if storage is None else storage
-    if storage not in STORAGES:
-        raise ValueError(f"storage={storage!r} is not one of {list(STORAGES)}")
+    storage = "auto" if storage is None else storage
+    if storage not in CHOICES:
+        raise ValueError(f"storage={storage!r} is not one of {list(CHOICES)}")
     return storage
 
 

@@ -23,6 +23,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from simplesharded.storage.choice import resolved
 from simplesharded.trainer.config_checks import PIPELINE_SCHEDULES, validate
 from simplesharded.trainer.config_parse import flatten, read, sections, set_key, type_name
 
@@ -162,7 +163,8 @@ class Parallelism:
         "auto", "where the parameters' shards live: ragged = each bucket in the ragged layout, "
         "every gathered parameter a view of its bucket's gather (no copy-in or copy-out; FSDP "
         "and HSDP, with or without TP, EP, CP and PP); param = one DTensor shard per "
-        "parameter; auto = ragged, or param under mode replicate. Checkpoints are the same "
+        "parameter; auto = ragged wherever it takes the mode (data_parallel's default too), "
+        "else param. Checkpoints are the same "
         "either way (see docs/zero_copy.md)", ("auto", "param", "ragged"))
     pipeline_parallel_degree: int = _opt(
         1, "pipeline stages over this many rank groups (outermost mesh dim, pp); the other "
@@ -191,11 +193,8 @@ class Parallelism:
 
     @property
     def dp_storage(self) -> str:
-        """The storage data_parallel takes; auto: ragged buckets (the fewest copies,
-        docs/zero_copy.md) wherever the mode takes them."""
-        if self.storage == "auto":
-            return "param" if self.mode == "replicate" else "ragged"
-        return self.storage
+        """The storage data_parallel takes (simplesharded/storage/choice.py: resolved)."""
+        return resolved(self.storage, self.mode)
 
     @property
     def reshard(self) -> bool | str:

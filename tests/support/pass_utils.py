@@ -112,7 +112,7 @@ def capture_graphs(model: torch.nn.Module, mesh, inputs: tuple, loss=None,
 
     torch._dynamo.reset()
     ss.data_parallel(model, mesh, mode="fully_shard", mp_policy=mp_policy,
-                     reshard_after_forward=reshard_after_forward)
+                     reshard_after_forward=reshard_after_forward, storage="param")
     compiled = torch.compile(model, fullgraph=True,
                              backend=ss.make_backend(backend, observer=observe))
     out = compiled(*inputs)
