@@ -30,12 +30,13 @@ def trace_counts(model_name: str, flavor: str, backend: str, world_size: int = 2
                  mode: str = "fully_shard", reshard_after_forward: bool | str = "auto",
                  seq_len: int = 64, n_layers: int | None = None, tp: int = 1,
                  sequence_parallel: bool = True, hardware: str = "local", ep: int = 1,
-                 **backend_options) -> dict[str, dict[str, dict]]:
+                 storage: str = "param", **backend_options) -> dict[str, dict[str, dict]]:
     """{"fw"|"bw": {"before"|"after": counts by kind, "groups_before"|"groups_after": counts
     by (group label, kind)}} for one compile; needs a (fake) process group of
     ``world_size`` = dp × tp ranks, ``ep`` of the dp ranks splitting the experts (a MoE
     model's). ``hardware``: the auto plan's profile (a fake process group has nothing to
-    calibrate)."""
+    calibrate). ``storage``: data_parallel's; ``"param"`` by default, the storage whose
+    collectives the bucketing passes bucket (ragged buckets arrive bucketed)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     from simplesharded import data_parallel, disable_gather, make_backend
@@ -71,7 +72,8 @@ def trace_counts(model_name: str, flavor: str, backend: str, world_size: int = 2
                              f"not {model_name}")
         model.args.check_ep(ep)
         apply_expert_parallel(model, mesh)
-    data_parallel(model, mesh, mode, reshard_after_forward=reshard_after_forward)
+    data_parallel(model, mesh, mode, reshard_after_forward=reshard_after_forward,
+                  storage=storage)
     with disable_gather(model):
         model.init_weights(buffer_device=torch.device("cpu"))
     compiled = torch.compile(model, fullgraph=True,
@@ -107,6 +109,10 @@ def main(argv=None) -> int:
     ap.add_argument("--reshard", default="auto", choices=list(RESHARD_BY_NAME),
                     help="data_parallel's reshard_after_forward (auto, True, False)")
     ap.add_argument("--backends", nargs="+", default=list(DEFAULT_BACKENDS))
+    ap.add_argument("--storage", default="param", choices=["param", "ragged", "auto"],
+                    help="data_parallel's storage: param (default: one shard per parameter, "
+                    "whose collectives the passes bucket), ragged (buckets arrive bucketed) "
+                    "or auto (data_parallel's own default)")
     args = ap.parse_args(argv)
     if args.tp < 1 or args.world_size % args.tp:
         ap.error(f"--tp {args.tp} does not divide --world-size {args.world_size}")
@@ -119,7 +125,7 @@ def main(argv=None) -> int:
                 torch._dynamo.reset()
                 c = trace_counts(args.model, args.flavor, name, args.world_size, args.mode,
                                  RESHARD_BY_NAME[args.reshard], n_layers=args.n_layers,
-                                 tp=args.tp, ep=args.ep)
+                                 tp=args.tp, ep=args.ep, storage=args.storage)
                 rows.append((name, c))
     except ValueError as e:
         print(f"error: {e}")
@@ -127,7 +133,7 @@ def main(argv=None) -> int:
     print(f"collectives per step: {args.model}/{args.flavor}, {args.mode}, "
           f"world {args.world_size} (dp {args.world_size // args.tp} x tp {args.tp}, "
           f"ep {args.ep} of the dp ranks), "
-          f"reshard_after_forward={args.reshard}; before our passes → after, per process group")
+          f"reshard_after_forward={args.reshard}, storage={args.storage}; before our passes → after, per process group")
     ops = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
     heads = [f"{kind} {op}" for kind in ("fw", "bw") for op in ("AG", "RS", "AR", "A2A")]
     print(f"{'backend':32s} {'group':>12s} " + " ".join(f"{h:>9s}" for h in heads)
