@@ -322,6 +322,43 @@ def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh[names if len(names) > 1 else names[0]]
 
 
+_FLAT_ATTR = "_simplesharded_flat"  # on an unnamed mesh: its flattened twin
+
+
+def flat_dp_mesh(dp: DeviceMesh) -> DeviceMesh:
+    """``dp``, a mesh of data-parallel dims, as one dim whose ranks are in the row-major order
+    of their coordinates: the order in which DTensor's ``Shard(0)`` on every dim (nested)
+    cuts a tensor, so one collective over its group serves a tensor sharded over them all.
+
+    Named: torch's ``DeviceMesh._flatten`` (kept on the root mesh: later calls return the same
+    mesh and group). Unnamed (data-parallel in every dim, its own root): a 1-D mesh of its
+    ranks, kept on it. Creating a group is collective over the world, so every rank calls
+    this at the same point. torch orders a new group's ranks by global rank (the default
+    group where it spans the world), which is the row-major order exactly when the mesh's
+    ranks ascend (``init_device_mesh``, :func:`init_mesh`); another mesh is refused, alike on
+    every rank (each reads the whole rank map)."""
+    if dp.ndim == 1:
+        return dp
+    root = dp._get_root_mesh()
+    ranks = root.mesh.flatten().tolist()
+    if ranks != sorted(ranks):
+        raise ValueError(f"sharding over {dp.ndim} data-parallel dims as one needs a mesh "
+                         f"whose ranks ascend in row-major order (init_device_mesh, "
+                         f"init_mesh); got {root}: use storage='param'")
+    if dp.mesh_dim_names:
+        flat = dp._flatten()
+    else:
+        flat = getattr(dp, _FLAT_ATTR, None)
+        if flat is None:
+            flat = DeviceMesh(dp.device_type, dp.mesh.reshape(-1))
+            setattr(dp, _FLAT_ATTR, flat)
+    got = dist.get_process_group_ranks(flat.get_group(0))
+    if got != dp.mesh.flatten().tolist():  # torch's group order changed under us
+        raise RuntimeError(f"the flattened group of {dp} holds ranks {got}, not its "
+                           f"row-major order {dp.mesh.flatten().tolist()}")
+    return flat
+
+
 def init_distributed(device: str | None = None, timeout_s: float | None = None) -> str:
     """Initialise the default process group from torchrun's environment if needed.
 

@@ -187,7 +187,7 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
                     ShardedParam(fqn, param_spec, layout, block_of_module.get(mod_name)))
             else:
                 scope.tied.add(shards[id(param)][1].fqn)
-    pack(storage, model, shards, scope)
+    pack(storage, model, shards, scope, tuple(views.values()))
     for mod_name, module, names in owners:
         records = {}
         for name in names:

@@ -17,14 +17,15 @@ from simplesharded.storage.ragged_pack import pack_ragged
 NOT_GIVEN = object()  # flat_buckets, storage's deprecated name, left out
 
 
-def _shards_as_they_are(model, shards, scope) -> None:
+def _shards_as_they_are(model, shards, scope, views) -> None:
     """One shard per parameter: what layout.py made is the storage."""
 
 
-# storage name -> (the modes it takes, the dp dims fully_shard takes it on, its packing)
+# storage name -> (the modes it takes, the numbers of dp dims fully_shard takes it on (None:
+# any), its packing)
 _STORAGES = {
     "param": (("fully_shard", "hybrid_shard", "replicate"), None, _shards_as_they_are),
-    "ragged": (("fully_shard", "hybrid_shard"), 1, pack_ragged),
+    "ragged": (("fully_shard", "hybrid_shard"), (1, 2), pack_ragged),
 }
 STORAGES = tuple(_STORAGES)
 
@@ -35,21 +36,24 @@ def modes_taken(storage: str) -> tuple[str, ...]:
 
 
 def check_storage(storage: str, mode: str, dp_dims: int, mesh) -> None:
-    """One line naming what ``storage`` does not take: ``mode``, or ``fully_shard`` over more
-    data-parallel dims than it takes (on ``mesh``, named by its dim names or count)."""
+    """One line naming what ``storage`` does not take: ``mode``, or ``fully_shard`` over a
+    number of data-parallel dims it does not take (on ``mesh``, named by its dim names or
+    count)."""
     modes, fully_shard_dims, _ = _STORAGES[storage]
     if mode not in modes or (mode == "fully_shard" and fully_shard_dims is not None
-                             and dp_dims != fully_shard_dims):
-        raise ValueError(f"storage={storage!r} takes mode='fully_shard' on one or "
-                         f"'hybrid_shard' on two data-parallel mesh dims; got mode={mode!r} "
-                         f"on mesh dims {mesh.mesh_dim_names or mesh.ndim}: use "
-                         f"storage='param'")
+                             and dp_dims not in fully_shard_dims):
+        raise ValueError(f"storage={storage!r} takes mode='fully_shard' on one or two "
+                         f"or 'hybrid_shard' on two data-parallel mesh dims; got "
+                         f"mode={mode!r} on mesh dims {mesh.mesh_dim_names or mesh.ndim}: "
+                         f"use storage='param'")
 
 
-def pack(storage: str, model, shards: dict, scope) -> None:
+def pack(storage: str, model, shards: dict, scope, views: tuple) -> None:
     """Lay ``shards`` (id(original parameter) -> (shard, record), module order) out in
-    ``storage``: a storage may replace a shard and its record (ragged buckets' members)."""
-    _STORAGES[storage][2](model, shards, scope)
+    ``storage``: a storage may replace a shard and its record (ragged buckets' members).
+    ``views``: the model's sets of dp dims (layout.py's ``_DPView``), the same on every
+    rank."""
+    _STORAGES[storage][2](model, shards, scope, views)
 
 
 def chosen_storage(storage: str | None, flat_buckets) -> str:
