@@ -138,8 +138,8 @@ def test_what_ragged_does_not_take_says_so():
     import simplesharded as ss
 
     with fake_world(2) as mesh:
-        with pytest.raises(ValueError, match=r"^storage='ragged' takes mode='fully_shard' on "
-                                             r"one .*: use storage='param'$"):
+        with pytest.raises(ValueError, match=r"^storage='ragged' takes mode='fully_shard' "
+                                             r"\(on one or two .*: use storage='param'$"):
             ss.data_parallel(toy_blocks.make_model(), mesh, "replicate", storage="ragged")
 
 

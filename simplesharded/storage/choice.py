@@ -42,8 +42,8 @@ def check_storage(storage: str, mode: str, dp_dims: int, mesh) -> None:
     modes, fully_shard_dims, _ = _STORAGES[storage]
     if mode not in modes or (mode == "fully_shard" and fully_shard_dims is not None
                              and dp_dims not in fully_shard_dims):
-        raise ValueError(f"storage={storage!r} takes mode='fully_shard' on one or two "
-                         f"or 'hybrid_shard' on two data-parallel mesh dims; got "
+        raise ValueError(f"storage={storage!r} takes mode='fully_shard' (on one or two "
+                         f"data-parallel mesh dims) or 'hybrid_shard' (on two); got "
                          f"mode={mode!r} on mesh dims {mesh.mesh_dim_names or mesh.ndim}: "
                          f"use storage='param'")
 
