@@ -6,7 +6,8 @@ asks :func:`modes_taken`, ``data_parallel`` calls :func:`check_storage` and :fun
 - ``"param"``: one DTensor shard per parameter, read through the parameter's own gather
   (gather.py); the compiler's bucketing pass buckets the collectives.
 - ``"ragged"``: each bucket's parameters in the ragged layout (ragged_shards.py), whose
-  members are still the model's parameters (ragged_member.py).
+  members are still the model's parameters (ragged_member.py); under ``fully_shard`` on one
+  or two dp dims (two: the bucket is cut over their ranks as one) or ``hybrid_shard``.
 """
 from __future__ import annotations
 

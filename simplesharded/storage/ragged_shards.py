@@ -2,8 +2,8 @@
 parameters live in the ragged layout (simplesharded/storage/ragged.py), so every gathered parameter is
 a view of its bucket's gathered buffer: no copy-in, no copy-out.
 
-A bucket is one DTensor, ``Shard(0)`` of the flattened bucket over the dp shard dim (``[w·L]``,
-this rank holding ``[L]``): what forward gathers and backward differentiates. It is no
+A bucket is one DTensor, ``Shard(0)`` of the flattened bucket over the dp shard dim, or over
+two (``[w·L]``, this rank holding ``[L]``): what forward gathers and backward differentiates. It is no
 module's parameter. The parameters users see are its members, each in its own module's slot
 under its own name (FSDP2's contract, as FSDP1's ``use_orig_params`` kept it over flat
 parameters): a DTensor of the member's global shape whose local tensor is this rank's run
@@ -29,9 +29,15 @@ all-gather, which passes/bucketing.py finds already bucketed) and caches the vie
 gather scope for the forward's other reads; outside the forward each read gathers.
 
 Taken: trained parameters of at least one dim, read by one module, under ``fully_shard`` on a
-mesh of one data-parallel dim or ``hybrid_shard`` on two (the bucket ``(Replicate(),
-Shard(0))`` on them; the layout cuts it over the shard dim, and the gradient's reduce-scatter
-is followed by one all-reduce over the replicas), with or without tp, ep and cp dims. Under
+mesh of one data-parallel dim or of two, or ``hybrid_shard`` on two (the bucket
+``(Replicate(), Shard(0))`` on them; the layout cuts it over the shard dim, and the gradient's
+reduce-scatter is followed by one all-reduce over the replicas), with or without tp, ep and cp
+dims. On two dims under ``fully_shard`` the bucket is ``(Shard(0), Shard(0))``, as its members
+are, and cut over the dp ranks flattened row-major (DTensor's nested order: rank (i, j) holds
+the range i·d1 + j); its gather and reduce-scatter are one collective each over a group of
+all of them (simplesharded/mesh.py: ``flat_dp_mesh``), and a member's ``Shard(0)`` rows, in
+``state_dict()`` and the conversions, nest over the two dims as DTensor's do
+(ragged.py: ``shard0_rows``). Under
 TP or EP a bucket lays out what each member's dp gather rebuilds, the rank's model-parallel
 shard, and a read re-wraps it as the module's DTensor. One bucket per dp gather (experts
 gather over efsdp) and per split: it holds members split over a dim after dp (``Shard(0)``
