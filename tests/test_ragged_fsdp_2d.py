@@ -18,6 +18,9 @@ against per-parameter shards of the same model:
   all four ranks, so each element is summed in another order. Compiled, every collective of
   a bucket runs over the flattened group, as one of ours (annotated with it), one
   reduce-scatter per bucket; torch's ``clip_grad_norm_`` over the members gives the norm;
+- on a named mesh with a tp dim (``init_mesh(dp_replicate=2, dp_shard=1, tp=2)``), whose dp
+  ranks are a group per tp rank: two eager AdamW steps as per-parameter storage, each bucket
+  cut over its tp rank's dp ranks in row-major order;
 - DCP: the model's ``state_dict()`` saved from ragged buckets loads into per-parameter
   storage, and the members themselves (saved as their runs' boxes) load into per-parameter
   shards and back, bit for bit by name; the optimizer state saved through torch's
@@ -123,7 +126,36 @@ def _job(rank, world):
     out["dcp"] = _through_dcp(kept)
     out["optim_dcp"] = [_optim_state_through_dcp(kept, src, dst)
                         for src, dst in (("ragged", "param"), ("param", "ragged"))]
+    # a named mesh whose dp ranks are not the world: a group per tp rank
+    import simplesharded as ss
+
+    named = ss.init_mesh(dp_replicate=2, dp_shard=1, tp=2, device="cpu")
+    for storage in ("param", "ragged"):
+        out[("named", storage)] = _eager_on(rank, named, storage)
     return out
+
+
+def _eager_on(rank, mesh, storage) -> dict:
+    """Two eager AdamW steps on ``mesh`` (its dp rank's batches): the parameters and, for
+    each bucket, the ranks of the group it is cut over."""
+    import toy_blocks
+
+    import simplesharded as ss
+    from simplesharded.storage.ragged_shards import model_buckets
+
+    model = ss.data_parallel(_make(), mesh, "fully_shard", storage=storage)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    numel = 2 * toy_blocks.BATCH_PER_RANK * toy_blocks.SEQ
+    for step in range(2):
+        tokens, targets = toy_blocks.batch(rank // 2, step)  # tp ranks: the same tokens
+        toy_blocks.loss_fn(model(tokens), targets, numel).backward()
+        opt.step()
+        opt.zero_grad()
+    return dict(kinds={type(p).__name__ for _, p in model.named_parameters()},
+                names=[(n, tuple(p.placements)) for n, p in model.named_parameters()],
+                full={n: p.full_tensor() for n, p in model.named_parameters()},
+                groups={tuple(dist.get_process_group_ranks(b.shard_group()))
+                        for b in model_buckets(model)})
 
 
 def _path() -> str:
@@ -229,3 +261,8 @@ def test_ragged_buckets_take_fully_shard_on_two_dp_dims():
         assert sum(c[0] == "reduce_scatter" for c in seen["bw_input"]) == n_buckets
         assert res["dcp"] == dict(model=True, boxes_out=True, boxes_in=True), rank
         assert res["optim_dcp"] == [True, True], rank
+        plain, ragged = res[("named", "param")], res[("named", "ragged")]
+        assert ragged["kinds"] == {"RaggedMember"} and ragged["names"] == plain["names"]
+        assert ragged["groups"] == {(rank % 2, rank % 2 + 2)}, (rank, ragged["groups"])
+        for n, v in plain["full"].items():
+            assert _close(ragged["full"][n], v), (rank, "named", n)
