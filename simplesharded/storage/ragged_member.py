@@ -1,14 +1,15 @@
 """A parameter of a ragged bucket as users see it: :class:`RaggedMember`.
 
-A parameter in a ragged bucket (simplesharded/storage/ragged.py) is, on each rank of the mesh dim the
-bucket is cut over (or of two dims, flattened row-major), a contiguous run of its flattened
-elements, of any length (possibly none). What ``named_parameters()`` and the optimizer hold
-is a ``RaggedMember``: a DTensor with the parameter's global shape and the placements it has
-on per-parameter storage (``Shard(0)`` on each cut dim), whose local tensor is this rank's
-run, a 1-D view of the bucket's local range. The runs' lengths live on the tensor, not in a placement: DTensor's
-dispatch caches sharding decisions by placement, so a placement that carried them would
-hand one tensor's runs to another of the same shape. DTensor computes on the local tensors
-as for ``Shard(0)``, which is right for what optimizers and ``clip_grad_norm_`` do:
+A parameter in a ragged bucket (simplesharded/storage/ragged.py) is, on each rank of the mesh
+dim the bucket is cut over (or of two dims, flattened row-major), a contiguous run of its
+flattened elements, of any length (possibly none). What ``named_parameters()`` and the optimizer
+hold is a ``RaggedMember``: a DTensor with the parameter's global shape and the placements it
+has on per-parameter storage (``Shard(0)`` on each cut dim), whose local tensor is this rank's
+run, a 1-D view of the bucket's local range. The runs' lengths live on the tensor, not in a
+placement: DTensor's dispatch caches sharding decisions by placement, so a placement that
+carried them would hand one tensor's runs to another of the same shape. DTensor computes on the
+local tensors as for ``Shard(0)``, which is right for what optimizers and ``clip_grad_norm_``
+do:
 
 - elementwise ops (every torch optimizer's update, ``zeros_like`` for its state) run on the
   local runs; a result laid out as a member (same global shape, placements and local size)

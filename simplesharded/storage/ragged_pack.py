@@ -47,6 +47,7 @@ def pack_ragged(model: nn.Module, shards: dict[int, tuple[nn.Parameter, ShardedP
         # in one order, whatever buckets this rank's model (a pipeline stage) holds.
         if sum(p.is_shard() for p in view.placements) > 1:
             flat_dp_mesh(view.dp)
+
     def gather_and_split(shard, record):
         # One bucket per dp gather (EP's expert weights gather over dims of their own) and
         # per split over the dims after dp (tp, ep): a bucket's placements must say whether

@@ -2,12 +2,12 @@
 parameters live in the ragged layout (simplesharded/storage/ragged.py), so every gathered parameter is
 a view of its bucket's gathered buffer: no copy-in, no copy-out.
 
-A bucket is one DTensor, ``Shard(0)`` of the flattened bucket over the dp shard dim, or over
-two (``[w·L]``, this rank holding ``[L]``): what forward gathers and backward differentiates. It is no
-module's parameter. The parameters users see are its members, each in its own module's slot
+A bucket is one DTensor, ``Shard(0)`` of the flattened bucket over the dp shard dim, or over two
+(``[w·L]``, this rank holding ``[L]``): what forward gathers and backward differentiates. It is
+no module's parameter. The parameters users see are its members, each in its own module's slot
 under its own name (FSDP2's contract, as FSDP1's ``use_orig_params`` kept it over flat
-parameters): a DTensor of the member's global shape whose local tensor is this rank's run
-of it, a view of the bucket's ``[L]`` (``RaggedMember``, simplesharded/storage/ragged_member.py).
+parameters): a DTensor of the member's global shape whose local tensor is this rank's run of it,
+a view of the bucket's ``[L]`` (``RaggedMember``, simplesharded/storage/ragged_member.py).
 Optimizers step the members, so parameter groups by name, per-parameter learning rates and
 freezing a member after wrapping (``requires_grad_(False)``: it gets no gradient) work as on
 per-parameter shards; torch's ``clip_grad_norm_`` reduces their norms over the ranks. After
