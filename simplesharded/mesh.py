@@ -322,6 +322,50 @@ def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh[names if len(names) > 1 else names[0]]
 
 
+_FLAT_ATTR = "_simplesharded_flat"  # on a root mesh: {dp dim names: flattened mesh}
+
+
+def flat_dp_mesh(dp: DeviceMesh) -> DeviceMesh:
+    """``dp``, a mesh of data-parallel dims, as one dim whose ranks are in the row-major order
+    of their coordinates: the order in which DTensor's ``Shard(0)`` on every dim (nested)
+    cuts a tensor, so one collective over its group serves a tensor sharded over them all.
+
+    The groups are made with ``new_group`` (the world's own where one group spans it), not
+    with torch's ``DeviceMesh._flatten``: DTensor runs its redistributions over a flattened
+    mesh it finds registered on the root, and the per-parameter shards' collectives would
+    leave the dp groups their reads are annotated with. Kept on the root mesh by ``dp``'s dim
+    names, so later calls return the same mesh. Collective over the world the first time
+    (every rank's row-major ranks are gathered, then each group is made): every rank calls
+    this at the same point. ``new_group`` orders a group by global rank, the row-major order
+    when the mesh's ranks ascend (``init_device_mesh``, :func:`init_mesh`); another mesh is
+    refused on every rank alike."""
+    if dp.ndim == 1:
+        return dp
+    kept = dp._get_root_mesh().__dict__.setdefault(_FLAT_ATTR, {})
+    key = dp.mesh_dim_names
+    if key not in kept:
+        mine = tuple(dp.mesh.flatten().tolist())
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        groups = sorted(set(every))
+        if any(list(g) != sorted(g) for g in groups):
+            raise ValueError(f"sharding over {dp.ndim} data-parallel dims as one needs their "
+                             f"ranks ascending in row-major order (init_device_mesh, "
+                             f"init_mesh); got groups {groups}: use storage='param'")
+        if groups == [tuple(range(dist.get_world_size()))]:
+            group = dist.group.WORLD
+        else:
+            for ranks in groups:  # every rank makes every group, in one order
+                made = dist.new_group(list(ranks))
+                if ranks == mine:
+                    group = made
+        if dist.get_process_group_ranks(group) != list(mine):  # torch's order, checked
+            raise RuntimeError(f"the group made for {mine} holds ranks "
+                               f"{dist.get_process_group_ranks(group)} in another order")
+        kept[key] = DeviceMesh.from_group(group, dp.device_type)
+    return kept[key]
+
+
 def init_distributed(device: str | None = None, timeout_s: float | None = None) -> str:
     """Initialise the default process group from torchrun's environment if needed.
 

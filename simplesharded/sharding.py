@@ -112,13 +112,15 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     names and global shapes (FSDP2's contract: param groups, per-parameter learning rates,
     freezing after wrapping, torch's ``clip_grad_norm_``): each a DTensor whose local tensor
     is this rank's run of it, a view of its bucket (simplesharded/storage/ragged_member.py);
-    ``state_dict()`` gives them as ``"param"`` does. It takes
-    ``fully_shard`` on a mesh of one dp dim or ``hybrid_shard`` on two (the gradient's
-    all-reduce over the replicas follows the bucket's reduce-scatter), with or without tp and
-    ep dims (a block's TP shards, its parameters replicated over tp and its expert weights are
-    separate buckets); another mode: a ValueError. Tied parameters, and those frozen before
-    wrapping, stay on their own. ``flat_buckets``: storage's former name, deprecated: ``False`` is ``"param"``,
-    ``"ragged"`` is ``"ragged"``; ``True`` (flat buffers) is retired, a ValueError.
+    ``state_dict()`` gives them as ``"param"`` does. It takes ``fully_shard`` on a mesh of one
+    dp dim or two (a bucket is then cut over their ranks flattened row-major, the order of the
+    members' nested ``(Shard(0), Shard(0))``, and gathered and reduce-scattered over one group
+    of all of them) or ``hybrid_shard`` on two (the gradient's all-reduce over the replicas
+    follows the bucket's reduce-scatter), with or without tp and ep dims (a block's TP shards,
+    its parameters replicated over tp and its expert weights are separate buckets); another
+    mode: a ValueError. Tied parameters, and those frozen before wrapping, stay on their own.
+    ``flat_buckets``: storage's former name, deprecated: ``False`` is ``"param"``, ``"ragged"``
+    is ``"ragged"``; ``True`` (flat buffers) is retired, a ValueError.
     A parameter read more than once in one forward of ``model`` (tied weights, a module called
     twice) is gathered once; its gradient is summed locally and reduced once (eager: tied
     weights only, so an uncompiled gather never outlives its block).
@@ -189,7 +191,7 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
                     ShardedParam(fqn, param_spec, layout, block_of_module.get(mod_name)))
             else:
                 scope.tied.add(shards[id(param)][1].fqn)
-    pack(storage, model, shards, scope)
+    pack(storage, model, shards, scope, tuple(views.values()))
     for mod_name, module, names in owners:
         records = {}
         for name in names:

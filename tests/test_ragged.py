@@ -72,6 +72,25 @@ def test_shard0_rows_are_dtensors_uneven_split():
                 == sizes
 
 
+def test_shard0_rows_nest_over_two_dims_as_dtensor():
+    # (Shard(0), Shard(0)): the first dim chunks the rows, the second chunks each chunk; the
+    # rank is row-major over the two (tests/test_ragged_fsdp_2d.py checks DTensor itself)
+    def chunks(n, k):  # torch.chunk's sizes (DTensor's Shard), padded with empty ones to k
+        sizes = [len(c) for c in torch.arange(n).chunk(k)] if n else []
+        return sizes + [0] * (k - len(sizes))
+
+    for rows in range(0, 12):
+        for dims in ((2, 2), (2, 3), (3, 2)):
+            want = [s for outer in chunks(rows, dims[0]) for s in chunks(outer, dims[1])]
+            got = [shard0_rows(rows, dims, r) for r in range(dims[0] * dims[1])]
+            assert [b - a for a, b in got] == want, (rows, dims)
+            assert got[0][0] == 0 and all(a[1] == b[0] for a, b in zip(got, got[1:]))
+    layout = RaggedLayout(((5, 3),), 4, cut_shape=(2, 2))
+    assert [layout.shard0_piece(0, r) for r in range(4)] == [(0, 6), (6, 9), (9, 12), (12, 15)]
+    with pytest.raises(ValueError, match="cut_shape"):
+        RaggedLayout(((5, 3),), 4, cut_shape=(2, 3))
+
+
 @pytest.mark.parametrize("shapes, world, align, message", [
     ((), 2, 1, "at least one parameter"),
     (((2, 2), ()), 2, 1, "0-d parameter"),
@@ -138,8 +157,8 @@ def test_what_ragged_does_not_take_says_so():
     import simplesharded as ss
 
     with fake_world(2) as mesh:
-        with pytest.raises(ValueError, match=r"^storage='ragged' takes mode='fully_shard' on "
-                                             r"one .*: use storage='param'$"):
+        with pytest.raises(ValueError, match=r"^storage='ragged' takes mode='fully_shard' "
+                                             r"\(on one or two .*: use storage='param'$"):
             ss.data_parallel(toy_blocks.make_model(), mesh, "replicate", storage="ragged")
 
 
@@ -498,6 +517,7 @@ def test_one_default_for_the_api_and_the_trainer():
         assert members(ss.data_parallel(toy_blocks.make_model(), one_dim)) == {True}
         assert members(ss.data_parallel(toy_blocks.make_model(), two_dim,
                                         "hybrid_shard")) == {True}
+        assert members(ss.data_parallel(toy_blocks.make_model(), two_dim)) == {True}
         assert members(ss.data_parallel(toy_blocks.make_model(), one_dim,
                                         "replicate")) == {False}
         assert members(ss.data_parallel(toy_blocks.make_model(), one_dim,

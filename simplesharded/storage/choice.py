@@ -6,7 +6,8 @@ asks :func:`modes_taken`, ``data_parallel`` calls :func:`check_storage` and :fun
 - ``"param"``: one DTensor shard per parameter, read through the parameter's own gather
   (gather.py); the compiler's bucketing pass buckets the collectives.
 - ``"ragged"``: each bucket's parameters in the ragged layout (ragged_shards.py), whose
-  members are still the model's parameters (ragged_member.py).
+  members are still the model's parameters (ragged_member.py); under ``fully_shard`` on one
+  or two dp dims (two: the bucket is cut over their ranks as one) or ``hybrid_shard``.
 - ``"auto"`` (the default of both ``data_parallel`` and the trainer): ``"ragged"`` where it
   takes the mode and mesh, else ``"param"`` (:func:`resolved`).
 """
@@ -19,14 +20,15 @@ from simplesharded.storage.ragged_pack import pack_ragged
 NOT_GIVEN = object()  # flat_buckets, storage's deprecated name, left out
 
 
-def _shards_as_they_are(model, shards, scope) -> None:
+def _shards_as_they_are(model, shards, scope, views) -> None:
     """One shard per parameter: what layout.py made is the storage."""
 
 
-# storage name -> (the modes it takes, the dp dims fully_shard takes it on, its packing)
+# storage name -> (the modes it takes, the numbers of dp dims fully_shard takes it on (None:
+# any), its packing)
 _STORAGES = {
     "param": (("fully_shard", "hybrid_shard", "replicate"), None, _shards_as_they_are),
-    "ragged": (("fully_shard", "hybrid_shard"), 1, pack_ragged),
+    "ragged": (("fully_shard", "hybrid_shard"), (1, 2), pack_ragged),
 }
 STORAGES = tuple(_STORAGES)
 CHOICES = ("auto", *STORAGES)  # what a user may name
@@ -40,7 +42,7 @@ def modes_taken(storage: str) -> tuple[str, ...]:
 def _takes(storage: str, mode: str, dp_dims: int | None) -> bool:
     modes, fully_shard_dims, _ = _STORAGES[storage]
     return mode in modes and not (mode == "fully_shard" and fully_shard_dims is not None
-                                  and dp_dims is not None and dp_dims != fully_shard_dims)
+                                  and dp_dims is not None and dp_dims not in fully_shard_dims)
 
 
 def resolved(storage: str, mode: str, dp_dims: int | None = None) -> str:
@@ -53,19 +55,22 @@ def resolved(storage: str, mode: str, dp_dims: int | None = None) -> str:
 
 
 def check_storage(storage: str, mode: str, dp_dims: int, mesh) -> None:
-    """One line naming what ``storage`` does not take: ``mode``, or ``fully_shard`` over more
-    data-parallel dims than it takes (on ``mesh``, named by its dim names or count)."""
+    """One line naming what ``storage`` does not take: ``mode``, or ``fully_shard`` over a
+    number of data-parallel dims it does not take (on ``mesh``, named by its dim names or
+    count)."""
     if not _takes(storage, mode, dp_dims):
-        raise ValueError(f"storage={storage!r} takes mode='fully_shard' on one or "
-                         f"'hybrid_shard' on two data-parallel mesh dims; got mode={mode!r} "
-                         f"on mesh dims {mesh.mesh_dim_names or mesh.ndim}: use "
-                         f"storage='param'")
+        raise ValueError(f"storage={storage!r} takes mode='fully_shard' (on one or two "
+                         f"data-parallel mesh dims) or 'hybrid_shard' (on two); got "
+                         f"mode={mode!r} on mesh dims {mesh.mesh_dim_names or mesh.ndim}: "
+                         f"use storage='param'")
 
 
-def pack(storage: str, model, shards: dict, scope) -> None:
+def pack(storage: str, model, shards: dict, scope, views: tuple) -> None:
     """Lay ``shards`` (id(original parameter) -> (shard, record), module order) out in
-    ``storage``: a storage may replace a shard and its record (ragged buckets' members)."""
-    _STORAGES[storage][2](model, shards, scope)
+    ``storage``: a storage may replace a shard and its record (ragged buckets' members).
+    ``views``: the model's sets of dp dims (layout.py's ``_DPView``), the same on every
+    rank."""
+    _STORAGES[storage][2](model, shards, scope, views)
 
 
 def chosen_storage(storage: str | None, flat_buckets) -> str:

@@ -34,9 +34,19 @@ import torch.fx.traceback as fx_traceback
 _c10d = torch.ops._c10d_functional
 
 
-def shard0_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
+def shard0_rows(rows: int, world: int | tuple[int, ...], rank: int) -> tuple[int, int]:
     """Rows [start, stop) of dim 0 that ``Shard(0)`` gives ``rank`` of ``world``: chunks of
-    ceil(rows / world), the last ranks short or empty (DTensor's uneven sharding)."""
+    ceil(rows / world), the last ranks short or empty (DTensor's uneven sharding). ``world``
+    as the sizes of several mesh dims, ``rank`` their row-major flattened rank: ``Shard(0)``
+    on each dim, which DTensor nests (each dim cuts the previous one's chunk), so uneven rows
+    split otherwise than over one dim of their product (5 rows on 2 × 2: 2, 1, 1, 1)."""
+    if isinstance(world, tuple):
+        start, stop, inner = 0, rows, math.prod(world)
+        for size in world:
+            inner //= size
+            a, b = shard0_rows(stop - start, size, rank // inner % size)
+            start, stop = start + a, start + b
+        return start, stop
     chunk = -(-rows // world)
     start = min(chunk * rank, rows)
     return start, min(start + chunk, rows)
@@ -49,6 +59,10 @@ class RaggedLayout:
     shapes: tuple[tuple[int, ...], ...]
     world: int
     align: int = 1  # elements; a parameter starts at a multiple of it
+    # The sizes of the mesh dims the ranks are, row-major, when the bucket is cut over two
+    # (their product is ``world``): a parameter's ``Shard(0)`` local nests over them
+    # (shard0_rows). None: one dim.
+    cut_shape: tuple[int, ...] | None = None
     offsets: tuple[int, ...] = field(init=False)
     shard_numel: int = field(init=False)  # L: the elements each rank holds
 
@@ -58,6 +72,9 @@ class RaggedLayout:
         if self.world < 1 or self.align < 1:
             raise ValueError(f"RaggedLayout: world={self.world} and align={self.align} "
                              "must be >= 1")
+        if self.cut_shape is not None and math.prod(self.cut_shape) != self.world:
+            raise ValueError(f"RaggedLayout: cut_shape={self.cut_shape} is not world="
+                             f"{self.world}")
         if any(len(s) == 0 for s in self.shapes):
             raise ValueError("RaggedLayout: a 0-d parameter has no dim 0 to shard; keep it "
                              "out of ragged buckets")
@@ -97,8 +114,12 @@ class RaggedLayout:
         flattened elements."""
         shape = self.shapes[i]
         row = math.prod(shape[1:])
-        start, stop = shard0_rows(shape[0], self.world, rank)
+        start, stop = self.shard0_rows(shape[0], rank)
         return start * row, stop * row
+
+    def shard0_rows(self, rows: int, rank: int) -> tuple[int, int]:
+        """Rows [start, stop) of a parameter's dim 0 in ``rank``'s ``Shard(0)`` local."""
+        return shard0_rows(rows, self.cut_shape or self.world, rank)
 
     def split_sizes(self) -> tuple[list[int], list[int]]:
         """(sizes, index): sizes cut the gathered buffer into gaps and parameters in order;
@@ -259,7 +280,7 @@ def from_ragged(local: torch.Tensor, layout: RaggedLayout,
     arriving, received = _exchange(send, outgoing, incoming, group)
     outs, starts = [], []
     for i, shape in enumerate(layout.shapes):
-        rows = shard0_rows(shape[0], layout.world, me)
+        rows = layout.shard0_rows(shape[0], me)
         outs.append(received[0].new_empty((rows[1] - rows[0], *shape[1:])))
         start, stop = layout.shard0_piece(i, me)
         assert outs[-1].numel() == stop - start
@@ -293,7 +314,7 @@ def _check_locals(locals_: list[torch.Tensor], layout: RaggedLayout, rank: int) 
         raise ValueError(f"to_ragged: {len(locals_)} tensors for a layout of "
                          f"{len(layout.shapes)} parameters")
     for i, (t, shape) in enumerate(zip(locals_, layout.shapes)):
-        start, stop = shard0_rows(shape[0], layout.world, rank)
+        start, stop = layout.shard0_rows(shape[0], rank)
         want = (stop - start, *shape[1:])
         if tuple(t.shape) != want:
             raise ValueError(f"to_ragged: parameter {i} has local shape {tuple(t.shape)}; "

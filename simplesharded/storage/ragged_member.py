@@ -1,14 +1,15 @@
 """A parameter of a ragged bucket as users see it: :class:`RaggedMember`.
 
-A parameter in a ragged bucket (simplesharded/storage/ragged.py) is, on each rank of the mesh dim the
-bucket is cut over, a contiguous run of its flattened elements, of any length (possibly
-none). What ``named_parameters()`` and the optimizer hold is a ``RaggedMember``: a DTensor
-with the parameter's global shape and the placements it has on per-parameter storage
-(``Shard(0)`` on the cut dim), whose local tensor is this rank's run, a 1-D view of the
-bucket's local range. The runs' lengths live on the tensor, not in a placement: DTensor's
-dispatch caches sharding decisions by placement, so a placement that carried them would
-hand one tensor's runs to another of the same shape. DTensor computes on the local tensors
-as for ``Shard(0)``, which is right for what optimizers and ``clip_grad_norm_`` do:
+A parameter in a ragged bucket (simplesharded/storage/ragged.py) is, on each rank of the mesh
+dim the bucket is cut over (or of two dims, flattened row-major), a contiguous run of its
+flattened elements, of any length (possibly none). What ``named_parameters()`` and the optimizer
+hold is a ``RaggedMember``: a DTensor with the parameter's global shape and the placements it
+has on per-parameter storage (``Shard(0)`` on each cut dim), whose local tensor is this rank's
+run, a 1-D view of the bucket's local range. The runs' lengths live on the tensor, not in a
+placement: DTensor's dispatch caches sharding decisions by placement, so a placement that
+carried them would hand one tensor's runs to another of the same shape. DTensor computes on the
+local tensors as for ``Shard(0)``, which is right for what optimizers and ``clip_grad_norm_``
+do:
 
 - elementwise ops (every torch optimizer's update, ``zeros_like`` for its state) run on the
   local runs; a result laid out as a member (same global shape, placements and local size)
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -45,19 +47,41 @@ REFUSAL = ("a parameter in a ragged bucket holds a ragged run of its elements: i
            "state_dict() gives it as a per-parameter Shard(0) DTensor")
 
 
+@dataclass(frozen=True)
+class Cut:
+    """The mesh dims a member's runs are cut over, and the process group that gathers them:
+    one dim (``group`` None: that dim's), or two whose ranks are flattened row-major (the
+    order of DTensor's nested ``Shard(0)``), gathered over ``group``, the name of a group of
+    all of them in that order (simplesharded/mesh.py: ``flat_dp_mesh``)."""
+
+    dims: tuple[int, ...]
+    group: str | None = None
+
+    def rank(self, mesh) -> int:
+        """This rank's place among the cut dims' ranks: row-major over its coordinates."""
+        out = 0
+        for d in self.dims:
+            out = out * mesh.size(d) + mesh.get_local_rank(d)
+        return out
+
+    def group_of(self, mesh):
+        """The group a gather of the runs goes over (a name, or a mesh dim)."""
+        return self.group if self.group is not None else (mesh, self.dims[0])
+
+
 class RaggedMember(DTensor):
     """A DTensor whose local tensor is this rank's run of the flattened tensor (of what the
-    cut dim's gather rebuilds: the whole tensor, or its TP shard); rank r of mesh dim ``cut``
-    holds ``runs[r]`` elements, in rank order."""
+    cut dims' gather rebuilds: the whole tensor, or its TP shard); rank r of the mesh dims
+    ``cut`` (flattened row-major) holds ``runs[r]`` elements, in rank order."""
 
     runs: tuple[int, ...]
-    cut: int
+    cut: Cut
 
     @staticmethod
-    def make(local: torch.Tensor, spec, runs: Sequence[int], cut: int,
+    def make(local: torch.Tensor, spec, runs: Sequence[int], cut: "Cut | int",
              requires_grad: bool = False) -> "RaggedMember":
         out = DTensor.__new__(RaggedMember, local, spec, requires_grad=requires_grad)
-        out.runs, out.cut = tuple(runs), cut
+        out.runs, out.cut = tuple(runs), Cut((cut,)) if isinstance(cut, int) else cut
         return out
 
     def as_dtensor(self) -> DTensor:
@@ -109,12 +133,13 @@ class RaggedMember(DTensor):
 
     def _gathered(self) -> DTensor:
         """Every rank's run laid end to end (one all-gather of the longest run's length on
-        every rank), as the DTensor the cut dim's gather rebuilds: ``Replicate()`` there."""
-        mesh, cut = self._spec.mesh, self.cut
+        every rank), as the DTensor the cut dims' gather rebuilds: ``Replicate()`` there."""
+        mesh = self._spec.mesh
         longest = max(self.runs)
         run = self._local_tensor.reshape(-1)
         run = torch.nn.functional.pad(run, (0, longest - run.numel()))
-        gathered = funcol.all_gather_single(run, gather_dim=0, group=(mesh, cut))
+        gathered = funcol.all_gather_single(run, gather_dim=0,
+                                            group=self.cut.group_of(mesh))
         gathered = funcol.wait_tensor(gathered)
         pieces = [gathered[r * longest:r * longest + n] for r, n in enumerate(self.runs)]
         placements, shape, _ = self._rebuilt()
@@ -122,10 +147,11 @@ class RaggedMember(DTensor):
                                   run_check=False, shape=self.shape, stride=self.stride())
 
     def _rebuilt(self) -> tuple[list, tuple, tuple]:
-        """What the cut dim's gather rebuilds: its placements (``Replicate()`` on the cut
-        dim), and this rank's shape and global offset of it (the whole tensor, or a TP shard)."""
+        """What the cut dims' gather rebuilds: its placements (``Replicate()`` on the cut
+        dims), and this rank's shape and global offset of it (the whole tensor, or a TP shard)."""
         placements = list(self._spec.placements)
-        placements[self.cut] = Replicate()
+        for d in self.cut.dims:
+            placements[d] = Replicate()
         shape, offset = compute_local_shape_and_global_offset(self.shape, self._spec.mesh,
                                                               placements)
         return placements, tuple(shape), tuple(offset)
@@ -145,7 +171,7 @@ class RaggedMember(DTensor):
         """This rank's run as (global offsets, sizes, start, stop) boxes: ``start:stop`` of
         the local run fills the box, row-major."""
         _, shape, offset = self._rebuilt()
-        me = self._spec.mesh.get_local_rank(self.cut)
+        me = self.cut.rank(self._spec.mesh)
         first = sum(self.runs[:me])
         return [(tuple(o + b for o, b in zip(offset, box_offset)), sizes, start - first,
                  stop - first)

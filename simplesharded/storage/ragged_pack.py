@@ -12,6 +12,7 @@ import dataclasses
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from simplesharded.mesh import flat_dp_mesh
 from simplesharded.storage.ragged import Precision
 from simplesharded.storage.ragged_shards import (RaggedShards, RaggedSlot,
                                                  attach_state_dict_hooks, keep_buckets_whole)
@@ -35,10 +36,18 @@ def _bucket_groups(shards: dict[int, tuple[nn.Parameter, ShardedParam]], eligibl
 
 
 def pack_ragged(model: nn.Module, shards: dict[int, tuple[nn.Parameter, ShardedParam]],
-                 scope: GatherScopeProtocol) -> None:
+                 scope: GatherScopeProtocol, views: tuple) -> None:
     """Move the eligible shards of each bucket (_bucket_groups) into one ragged bucket
     registered on the bucket's owner (its block; the root for "pre" and "post"); their slots
-    in ``shards`` become None and their records gain the bucket."""
+    in ``shards`` become None and their records gain the bucket. ``views``: the model's sets
+    of dp dims (layout.py's ``_DPView``)."""
+    for view in views:
+        # A bucket cut over two dp dims gathers over one group of both (mesh.flat_dp_mesh),
+        # whose creation is collective over the world: made here for every set of dp dims,
+        # in one order, whatever buckets this rank's model (a pipeline stage) holds.
+        if sum(p.is_shard() for p in view.placements) > 1:
+            flat_dp_mesh(view.dp)
+
     def gather_and_split(shard, record):
         # One bucket per dp gather (EP's expert weights gather over dims of their own) and
         # per split over the dims after dp (tp, ep): a bucket's placements must say whether
@@ -81,8 +90,9 @@ def pack_ragged(model: nn.Module, shards: dict[int, tuple[nn.Parameter, ShardedP
 
 def _ragged_eligible(shard: DTensor, record: ShardedParam, scope: GatherScopeProtocol) -> bool:
     """Trained, at least 1-D, sharded on dim 0 of what its dp gather rebuilds (the parameter,
-    or its TP shard) as FSDP's ``(Shard(0),)`` or HSDP's ``(Replicate(), Shard(0))`` on the
-    dp dims; read by one module."""
+    or its TP shard) as FSDP's ``(Shard(0),)`` or ``(Shard(0), Shard(0))`` or HSDP's
+    ``(Replicate(), Shard(0))`` on the dp dims; read by one module."""
     return (shard.requires_grad and shard.ndim >= 1
-            and record.dp_view(shard).placements in ((Shard(0),), (Replicate(), Shard(0)))
+            and record.dp_view(shard).placements in ((Shard(0),), (Shard(0), Shard(0)),
+                                                     (Replicate(), Shard(0)))
             and record.fqn not in scope.tied)

@@ -2,12 +2,12 @@
 parameters live in the ragged layout (simplesharded/storage/ragged.py), so every gathered parameter is
 a view of its bucket's gathered buffer: no copy-in, no copy-out.
 
-A bucket is one DTensor, ``Shard(0)`` of the flattened bucket over the dp shard dim (``[w·L]``,
-this rank holding ``[L]``): what forward gathers and backward differentiates. It is no
-module's parameter. The parameters users see are its members, each in its own module's slot
+A bucket is one DTensor, ``Shard(0)`` of the flattened bucket over the dp shard dim, or over two
+(``[w·L]``, this rank holding ``[L]``): what forward gathers and backward differentiates. It is
+no module's parameter. The parameters users see are its members, each in its own module's slot
 under its own name (FSDP2's contract, as FSDP1's ``use_orig_params`` kept it over flat
-parameters): a DTensor of the member's global shape whose local tensor is this rank's run
-of it, a view of the bucket's ``[L]`` (``RaggedMember``, simplesharded/storage/ragged_member.py).
+parameters): a DTensor of the member's global shape whose local tensor is this rank's run of it,
+a view of the bucket's ``[L]`` (``RaggedMember``, simplesharded/storage/ragged_member.py).
 Optimizers step the members, so parameter groups by name, per-parameter learning rates and
 freezing a member after wrapping (``requires_grad_(False)``: it gets no gradient) work as on
 per-parameter shards; torch's ``clip_grad_norm_`` reduces their norms over the ranks. After
@@ -29,9 +29,15 @@ all-gather, which passes/bucketing.py finds already bucketed) and caches the vie
 gather scope for the forward's other reads; outside the forward each read gathers.
 
 Taken: trained parameters of at least one dim, read by one module, under ``fully_shard`` on a
-mesh of one data-parallel dim or ``hybrid_shard`` on two (the bucket ``(Replicate(),
-Shard(0))`` on them; the layout cuts it over the shard dim, and the gradient's reduce-scatter
-is followed by one all-reduce over the replicas), with or without tp, ep and cp dims. Under
+mesh of one data-parallel dim or of two, or ``hybrid_shard`` on two (the bucket
+``(Replicate(), Shard(0))`` on them; the layout cuts it over the shard dim, and the gradient's
+reduce-scatter is followed by one all-reduce over the replicas), with or without tp, ep and cp
+dims. On two dims under ``fully_shard`` the bucket is ``(Shard(0), Shard(0))``, as its members
+are, and cut over the dp ranks flattened row-major (DTensor's nested order: rank (i, j) holds
+the range i·d1 + j); its gather and reduce-scatter are one collective each over a group of
+all of them (simplesharded/mesh.py: ``flat_dp_mesh``), and a member's ``Shard(0)`` rows, in
+``state_dict()`` and the conversions, nest over the two dims as DTensor's do
+(ragged.py: ``shard0_rows``). Under
 TP or EP a bucket lays out what each member's dp gather rebuilds, the rank's model-parallel
 shard, and a read re-wraps it as the module's DTensor. One bucket per dp gather (experts
 gather over efsdp) and per split: it holds members split over a dim after dp (``Shard(0)``
@@ -66,12 +72,13 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from simplesharded.ac_wrappers import unwrapped_key
+from simplesharded.mesh import flat_dp_mesh
 from simplesharded.storage.layout import _contiguous_stride
 from simplesharded.passes.annotations import (BLOCK_KEY, BUCKET_PARAMS_KEY, DP_GROUPS_KEY,
                                              PARAM_KEY, RAGGED_KEY, RESHARD_KEY)
 from simplesharded.storage.ragged import (Precision, RaggedLayout, from_ragged, gather_buffer,
-                                  reduce_gathered, shard0_rows, to_ragged)
-from simplesharded.storage.ragged_member import RaggedMember
+                                  reduce_gathered, to_ragged)
+from simplesharded.storage.ragged_member import Cut, RaggedMember
 from simplesharded.storage.sharded_state import (GatherScopeProtocol, GradSyncProtocol, ShardedParam,
                                          sharded_state)
 
@@ -110,24 +117,33 @@ class RaggedShards:
         self.mp = [record.mp_layout for _, _, _, record in members]
         self.member_placements = [tuple(s.placements) for s in shards]
         self.member_shapes = [tuple(s.shape) for s in shards]
-        # The last dp dim shards (FSDP); a first one of two replicates (HSDP: the members are
-        # (Replicate(), Shard(0)) there, and so is the bucket). Group names, not groups: a
-        # model is deep-copied with its buckets.
+        # The bucket is placed on the dp dims as its members are: FSDP's Shard(0) on one dim
+        # or on two, or HSDP's (Replicate(), Shard(0)). It is cut over the dims that shard
+        # it (the dims of dp_mesh and of the mesh alike), over two as one: their ranks
+        # flattened row-major, the order DTensor's nested Shard(0) gives each its chunk, with
+        # one group of all of them (mesh.flat_dp_mesh). Group names, not groups: a model is
+        # deep-copied with its buckets.
         self.mesh, self.dp_mesh, dp_dims = shards[0].device_mesh, dp_mesh, dp_mesh.ndim
-        self.dim = dp_dims - 1  # the shard dim, of dp_mesh and of the mesh alike
-        self.group_name = dp_mesh.get_group(self.dim).group_name
-        self.replicas = dp_mesh.get_group(0).group_name if dp_dims == 2 else None
+        dp_placements = tuple(members[0][3].dp_view(shards[0]).placements)
+        cut = tuple(d for d, p in enumerate(dp_placements) if p.is_shard())
+        self.flat = flat_dp_mesh(dp_mesh) if len(cut) > 1 else None
+        group = self.flat.get_group(0) if self.flat is not None else dp_mesh.get_group(cut[0])
+        self.group_name = group.group_name
+        self.cut = Cut(cut, self.group_name if self.flat is not None else None)
+        self.replicas = (dp_mesh.get_group(0).group_name if dp_placements[0].is_replicate()
+                         and dp_dims == 2 else None)
         # The dims after dp (tp, ep): the bucket is sharded over those its members are split
         # over (TP shards, experts: each rank's bucket holds other elements), replicated over
         # the others, so its norm counts each element once.
         rest = tuple(Replicate() if p.is_replicate() else Shard(0)
                      for p in shards[0].placements[dp_dims:])
-        self.placements = ((Shard(0),) if dp_dims == 1 else (Replicate(), Shard(0))) + rest
+        self.placements = dp_placements + rest
         self.grad_scale = grad_scale
         element = shards[0].element_size()
         self.layout = RaggedLayout(
             tuple(tuple(record.dp_view(s).shape) for _, _, s, record in members),
-            dp_mesh.size(self.dim), align=max(1, ALIGN_BYTES // element))
+            math.prod(dp_mesh.size(d) for d in cut), align=max(1, ALIGN_BYTES // element),
+            cut_shape=tuple(dp_mesh.size(d) for d in cut) if len(cut) > 1 else None)
         copies = math.prod(self.mesh.size(dp_dims + i) for i, p in enumerate(rest)
                            if p.is_shard())
         self.shape = (self.layout.total * copies,)  # the bucket's global shape
@@ -136,7 +152,7 @@ class RaggedShards:
         # any module: the members below are the parameters users and optimizers see.
         self.param = nn.Parameter(self._dtensor(local))
         self.param.register_post_accumulate_grad_hook(self._hand_out_grad)
-        me = dp_mesh.get_local_rank(self.dim)
+        me = self.cut.rank(dp_mesh)
         # member i's run of this rank's [L]: [start, stop)
         self.runs = [self._run(i, me) for i in range(len(shards))]
         self.member_runs = [tuple(self._run(i, r)[1] - self._run(i, r)[0]
@@ -145,6 +161,8 @@ class RaggedShards:
         self.members = [nn.Parameter(self.member(self.run_of(self.param.detach().to_local(), i), i))
                         for i in range(len(shards))]
         self.block = block
+        # the flattened group is a dp group too: the passes take its collectives for ours
+        dp_groups = tuple(dict.fromkeys((*dp_groups, self.group_name)))
         self.annotation = {PARAM_KEY: self.fqns[0], BUCKET_PARAMS_KEY: list(self.fqns),
                            DP_GROUPS_KEY: dp_groups, RESHARD_KEY: reshard, RAGGED_KEY: name}
         if block is not None:
@@ -172,7 +190,7 @@ class RaggedShards:
     def member(self, run: torch.Tensor, i: int) -> RaggedMember:
         """``run``, laid out as member ``i``'s run on this rank, as its DTensor
         (simplesharded/storage/ragged_member.py)."""
-        return RaggedMember.make(run, self.member_specs[i], self.member_runs[i], self.dim)
+        return RaggedMember.make(run, self.member_specs[i], self.member_runs[i], self.cut)
 
     def _hand_out_grad(self, bucket: torch.Tensor) -> None:
         """The bucket's gradient as its members' ``.grad`` (views: no copy), added to a
@@ -232,8 +250,11 @@ class RaggedShards:
                 self.member(self.run_of(local, i), i), requires_grad=member.requires_grad))
 
     def shard_group(self):
-        """The process group of the dp dim the bucket is cut over."""
-        return self.dp_mesh.get_group(self.dim)
+        """The process group the bucket is cut over: of its one shard dim, or of its two
+        flattened."""
+        if self.flat is not None:
+            return self.flat.get_group(0)
+        return self.dp_mesh.get_group(self.cut.dims[0])
 
     def _dtensor(self, local: torch.Tensor) -> DTensor:
         """The bucket's DTensor from this rank's ``[L]``."""
@@ -348,7 +369,7 @@ class RaggedShards:
         """The bucket's DTensor from its members' values: DTensors on this mesh (any
         placements: redistributed to the members') or full tensors (this rank's part
         taken)."""
-        me, world = self.dp_mesh.get_local_rank(self.dim), self.dp_mesh.size(self.dim)
+        me = self.cut.rank(self.dp_mesh)
         locals_ = []
         for i, (fqn, v) in enumerate(zip(self.fqns, values)):
             shape, mp = self.member_shapes[i], self.mp[i]
@@ -361,7 +382,7 @@ class RaggedShards:
                 if mp is not None:  # this rank's TP shard, then its dp rows
                     v = distribute_tensor(v, mp.mesh, (mp.placement,),
                                           src_data_rank=None).to_local()
-                start, stop = shard0_rows(v.shape[0], world, me)
+                start, stop = self.layout.shard0_rows(v.shape[0], me)
                 v = v[start:stop]
             locals_.append(v.to(device=self.param.device, dtype=self.param.dtype))
         return self._dtensor(to_ragged(locals_, self.layout, self.shard_group()))
