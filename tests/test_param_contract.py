@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from dist_utils import spawn
+from dist_utils import optim_state_through_dcp, spawn
 
 STEPS = 10
 FROZEN = "layers.0.attention.wk.weight"
@@ -56,19 +56,15 @@ def _train(rank: int, world: int, storage: str, backend: str, freeze: bool) -> d
     opt = torch.optim.AdamW(_groups(model), lr=1e-2)
     run = model if backend == "eager" else torch.compile(
         model, fullgraph=True, backend=ss.make_backend(backend))
-    numel = world * toy_blocks.BATCH_PER_RANK * toy_blocks.SEQ
-    losses, norms = [], []
-    for step in range(STEPS):
-        tokens, targets = toy_blocks.batch(rank, step)
-        loss = toy_blocks.loss_fn(run(tokens), targets, numel)
-        loss.backward()
-        losses.append(loss.item())
-        if step == 0:
-            frozen_grad = params[FROZEN].grad
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
-            norms.append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item())
-        opt.step()
-        opt.zero_grad()
+    norms, frozen_grads = [], []
+
+    def first_step():
+        frozen_grads.append(params[FROZEN].grad)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+        norms.append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item())
+
+    losses = toy_blocks.train(run, opt, rank, world, STEPS, first_step)
+    frozen_grad = frozen_grads[0]
     if backend == "eager" and not freeze:
         _KEPT[storage] = model, opt
     return dict(raw_names=raw_names, names=names, losses=losses, norms=norms,
@@ -86,39 +82,9 @@ def _ranks(rank: int, world: int) -> dict:
             out[(storage, backend, False)] = _train(rank, world, storage, backend, False)
     for storage in ("param", "ragged"):
         out[(storage, "eager", True)] = _train(rank, world, storage, "eager", True)
-    out["optim_dcp"] = [_optim_state_through_dcp(src, dst)
+    out["optim_dcp"] = [optim_state_through_dcp(_KEPT[src], _KEPT[dst])
                         for src, dst in (("ragged", "param"), ("param", "ragged"))]
     return out
-
-
-def _optim_state_through_dcp(src: str, dst: str) -> bool:
-    """``src``'s optimizer state saved with DCP, loaded into ``dst``'s (zeroed first):
-    equal, state by state, by name."""
-    import tempfile
-
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
-                                                         set_optimizer_state_dict)
-
-    path = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(path)
-    (src_model, src_opt), (dst_model, dst_opt) = _KEPT[src], _KEPT[dst]
-    dcp.save({"optim": get_optimizer_state_dict(src_model, src_opt)}, checkpoint_id=path[0])
-    for state in dst_opt.state.values():
-        for v in state.values():
-            v.zero_()
-    loaded = {"optim": get_optimizer_state_dict(dst_model, dst_opt)}
-    dcp.load(loaded, checkpoint_id=path[0])
-    set_optimizer_state_dict(dst_model, dst_opt, loaded["optim"])
-    names = {id(p): n for n, p in dst_model.named_parameters()}
-    want = {n: src_opt.state[p] for n, p in src_model.named_parameters()}
-    return all(torch.equal(_full(v), _full(want[names[id(p)]][k]))
-               for p, state in dst_opt.state.items() for k, v in state.items())
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def test_ragged_buckets_keep_the_per_parameter_contract():

@@ -28,13 +28,12 @@ against per-parameter shards of the same model:
 """
 from __future__ import annotations
 
-import tempfile
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from dist_utils import spawn
+from dist_utils import optim_state_through_dcp, shared_tmpdir, spawn
 
 STEPS = 3
 TOL = 1e-6
@@ -91,18 +90,12 @@ def _train(rank, world, mesh, storage, backend, kept):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     run = model if backend == "eager" else torch.compile(
         model, fullgraph=True, backend=ss.make_backend(backend, observer=observe))
-    numel = world * toy_blocks.BATCH_PER_RANK * toy_blocks.SEQ
-    losses = []
-    for step in range(STEPS):
-        tokens, targets = toy_blocks.batch(rank, step)
-        loss = toy_blocks.loss_fn(run(tokens), targets, numel)
-        loss.backward()
-        losses.append(loss.item())
-        if step == 0:
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
-            out["norm"] = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()
-        opt.step()
-        opt.zero_grad()
+
+    def norm():
+        total = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+        out["norm"] = (total.full_tensor() if hasattr(total, "full_tensor") else total).item()
+
+    losses = toy_blocks.train(run, opt, rank, world, STEPS, norm)
     out.update(losses=losses, seen=seen,
                full={n: p.full_tensor() for n, p in model.named_parameters()})
     if backend == "eager":
@@ -124,7 +117,7 @@ def _job(rank, world):
     out["flat"] = (flat is flat_dp_mesh(mesh), flat.mesh.tolist(), mesh.mesh.flatten().tolist(),
                    flat.get_group(0).group_name, dist.get_rank(flat.get_group(0)))
     out["dcp"] = _through_dcp(kept)
-    out["optim_dcp"] = [_optim_state_through_dcp(kept, src, dst)
+    out["optim_dcp"] = [optim_state_through_dcp(kept[src], kept[dst])
                         for src, dst in (("ragged", "param"), ("param", "ragged"))]
     # a named mesh whose dp ranks are not the world: a group per tp rank
     import simplesharded as ss
@@ -158,12 +151,6 @@ def _eager_on(rank, mesh, storage) -> dict:
                         for b in model_buckets(model)})
 
 
-def _path() -> str:
-    path = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(path)
-    return path[0]
-
-
 def _through_dcp(kept) -> dict:
     """Bitwise checks, by name, of DCP between the storages (the eager models after
     training)."""
@@ -172,7 +159,7 @@ def _through_dcp(kept) -> dict:
     (ragged, _), (plain, _) = kept["ragged"], kept["param"]
     want = {n: p.full_tensor() for n, p in ragged.named_parameters()}
     # the model's state_dict() (members converted to per-parameter shards), into param storage
-    path = _path()
+    path = shared_tmpdir()
     dcp.save(ragged.state_dict(), checkpoint_id=path)
     state = plain.state_dict()
     for v in state.values():
@@ -181,45 +168,19 @@ def _through_dcp(kept) -> dict:
     plain.load_state_dict(state)
     model_ok = all(torch.equal(p.full_tensor(), want[n]) for n, p in plain.named_parameters())
     # the members themselves: each rank's run written as boxes of the global tensor
-    path = _path()
+    path = shared_tmpdir()
     dcp.save(dict(ragged.named_parameters()), checkpoint_id=path)
     into_plain = {n: torch.zeros_like(p) for n, p in plain.named_parameters()}
     dcp.load(into_plain, checkpoint_id=path)
     boxes_out = all(torch.equal(v.full_tensor(), want[n]) for n, v in into_plain.items())
     # and back: per-parameter shards loaded into zeroed members (their boxes read)
-    path = _path()
+    path = shared_tmpdir()
     dcp.save(into_plain, checkpoint_id=path)
     into_members = {n: torch.zeros_like(p) for n, p in ragged.named_parameters()}
     dcp.load(into_members, checkpoint_id=path)
     boxes_in = all(type(v).__name__ == "RaggedMember" and torch.equal(v.full_tensor(), want[n])
                    for n, v in into_members.items())
     return dict(model=model_ok, boxes_out=boxes_out, boxes_in=boxes_in)
-
-
-def _optim_state_through_dcp(kept, src: str, dst: str) -> bool:
-    """``src``'s optimizer state saved with DCP, loaded into ``dst``'s (zeroed first):
-    equal, state by state, by name."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
-                                                         set_optimizer_state_dict)
-
-    path = _path()
-    (src_model, src_opt), (dst_model, dst_opt) = kept[src], kept[dst]
-    dcp.save({"optim": get_optimizer_state_dict(src_model, src_opt)}, checkpoint_id=path)
-    for state in dst_opt.state.values():
-        for v in state.values():
-            v.zero_()
-    loaded = {"optim": get_optimizer_state_dict(dst_model, dst_opt)}
-    dcp.load(loaded, checkpoint_id=path)
-    set_optimizer_state_dict(dst_model, dst_opt, loaded["optim"])
-    names = {id(p): n for n, p in dst_model.named_parameters()}
-    want = {n: src_opt.state[p] for n, p in src_model.named_parameters()}
-    return all(torch.equal(_full(v), _full(want[names[id(p)]][k]))
-               for p, state in dst_opt.state.items() for k, v in state.items())
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:

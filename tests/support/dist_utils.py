@@ -261,3 +261,38 @@ def world_of_one():
     finally:
         dist.destroy_process_group()
         torch._dynamo.reset()
+
+
+def shared_tmpdir() -> str:
+    """A fresh directory made by rank 0, its path on every rank (a DCP checkpoint's)."""
+    import tempfile
+
+    path = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path)
+    return path[0]
+
+
+def optim_state_through_dcp(src: tuple, dst: tuple) -> bool:
+    """``src`` = (model, optimizer)'s state saved with DCP, loaded into ``dst``'s (zeroed
+    first) through torch's optimizer state-dict API: equal, state by state, by name."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+
+    (src_model, src_opt), (dst_model, dst_opt) = src, dst
+    path = shared_tmpdir()
+    dcp.save({"optim": get_optimizer_state_dict(src_model, src_opt)}, checkpoint_id=path)
+    for state in dst_opt.state.values():
+        for v in state.values():
+            v.zero_()
+    loaded = {"optim": get_optimizer_state_dict(dst_model, dst_opt)}
+    dcp.load(loaded, checkpoint_id=path)
+    set_optimizer_state_dict(dst_model, dst_opt, loaded["optim"])
+    names = {id(p): n for n, p in dst_model.named_parameters()}
+    want = {n: src_opt.state[p] for n, p in src_model.named_parameters()}
+
+    def full(t):
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+    return all(torch.equal(full(v), full(want[names[id(p)]][k]))
+               for p, state in dst_opt.state.items() for k, v in state.items())

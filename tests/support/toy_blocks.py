@@ -133,3 +133,22 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor, global_numel: int) -> t
     """Summed cross-entropy / global token count (grad_reduction="sum" semantics)."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
                            reduction="sum") / global_numel
+
+
+def train(run, opt, rank: int, world: int, steps: int, after_first_backward=None
+          ) -> list[float]:
+    """``steps`` steps of ``run`` (the model, compiled or not) on this rank's batches, the
+    loss normalised by the global token count; ``after_first_backward()`` runs once, before
+    the first update. The losses."""
+    numel = world * BATCH_PER_RANK * SEQ
+    losses = []
+    for step in range(steps):
+        tokens, targets = batch(rank, step)
+        loss = loss_fn(run(tokens), targets, numel)
+        loss.backward()
+        losses.append(loss.item())
+        if step == 0 and after_first_backward is not None:
+            after_first_backward()
+        opt.step()
+        opt.zero_grad()
+    return losses
