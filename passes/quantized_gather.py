@@ -4,7 +4,7 @@ wait (the weight all-gather of ZeRO++, "qwZ").
 
     ag(x) -> wait -> use
   ⇒ x -> flat, pad to k·B -> [k, B] blocks -> scale = max(amax|block| / QMAX, tiny)
-      -> q = cast(x / scale, rounded (int8) and clamped to ±QMAX)
+      -> q = cast(x / scale, rounded (int8) and clamped to ±QMAX)  (float8: sent as uint8)
       -> ag(q), ag(scale) -> wait, wait
       -> q[ws, k, B] in fp32 · scale[ws, k, 1] -> [ws, k·B] -> each rank's first n elements
       -> the dtype and shape the old wait had -> use
@@ -40,6 +40,9 @@ from .graph_utils import aten, call, fake_mode_of, flat
 
 # choice -> (payload dtype, largest magnitude a scaled element may take)
 FORMATS = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
+# gloo has no float8 type: float8 payloads travel as their bytes (a view, no copy), on
+# every transport, so that every rank's graph is the same whatever its group's backend.
+WIRE_DTYPE = {torch.float8_e4m3fn: torch.uint8}
 DEFAULT_BLOCK = 256
 # The smallest scale: a block of zeros (or of values below it) gets a finite one, so
 # x / scale never divides by zero.
@@ -77,6 +80,7 @@ def quantize_gathers(gm: fx.GraphModule, choice: str = "int8",
 def _rewrite(graph: fx.Graph, start: fx.Node, wait: fx.Node, choice: str, block: int,
              fake_mode) -> None:
     qdtype, qmax = FORMATS[choice]
+    wire = WIRE_DTYPE.get(qdtype, qdtype)
     x, ws, group = start.args[0], start.args[1], start.args[2]
     n = math.prod(x.meta["val"].shape)  # this rank's elements
     nblocks = max(1, -(-n // block))
@@ -101,6 +105,8 @@ def _rewrite(graph: fx.Graph, start: fx.Node, wait: fx.Node, choice: str, block:
             scaled = op(aten.round.default, scaled)
         scaled = op(aten.clamp.default, scaled, -qmax, qmax)
         q = op(aten.view.default, op(aten._to_copy.default, scaled, dtype=qdtype), [padded])
+        if wire is not qdtype:  # the same bytes, as a type every transport has
+            q = op(aten.view.dtype, q, wire)
         scales = op(aten.view.default, scale, [nblocks])
         q_start = call(graph, ALL_GATHER, (q, ws, group), fake_mode=fake_mode,
                        custom={**custom, QUANT_KEY: "payload"})
@@ -113,6 +119,8 @@ def _rewrite(graph: fx.Graph, start: fx.Node, wait: fx.Node, choice: str, block:
         s_all = call(graph, WAIT, (s_start,), fake_mode=fake_mode,
                      custom={**wait_custom, QUANT_KEY: "scales"})
         custom = wait_custom
+        if wire is not qdtype:
+            q_all = op(aten.view.dtype, q_all, qdtype)
         deq = op(aten.mul.Tensor,
                  op(aten._to_copy.default, op(aten.view.default, q_all, [ws, nblocks, block]),
                     dtype=torch.float32),

@@ -31,7 +31,8 @@ from simplesharded.passes.annotations import QUANT_KEY
 from simplesharded.passes.bucketing import bucket_collectives, bucketable
 from simplesharded.passes.collectives import find_collectives
 from simplesharded.passes.plans import BlockPlan
-from simplesharded.passes.quantized_gather import FORMATS, check_choice, quantize_gathers
+from simplesharded.passes.quantized_gather import (FORMATS, WIRE_DTYPE, check_choice,
+                                                   quantize_gathers)
 from simplesharded.passes.reordering import reorder_for_overlap
 
 import pass_utils as pu
@@ -65,10 +66,17 @@ class RankSim(pu.SimulatedCollectives):
             if self._role == "scales":
                 parts.append(x * 2.0 ** r)
             elif self._role == "payload":  # negation is exact in int8 (±127) and in e4m3fn
-                parts.append(x if r % 2 == 0 else (-x.float()).to(x.dtype))
+                parts.append(x if r % 2 == 0 else _negated(x))
             else:
                 parts.append(x * (-2.0) ** r)
         return torch.cat(parts)
+
+
+def _negated(q: torch.Tensor) -> torch.Tensor:
+    """-q for an int8 payload; for float8 bytes (uint8), the bytes of -q (sign bit flipped)."""
+    if q.dtype == torch.uint8:
+        return q ^ 0x80
+    return -q
 
 
 def simulate(gm, inputs, world):
@@ -166,7 +174,8 @@ def test_one_quantize_and_dequantize_per_gather(config, choice):
     gathers = [c for c in find_collectives(q) if c.kind == "all_gather"]
     roles = collections.Counter(
         ((c.start.meta.get("custom") or {}).get(QUANT_KEY), c.dtype) for c in gathers)
-    assert roles == {("payload", FORMATS[choice][0]): len(before),
+    qdtype = FORMATS[choice][0]
+    assert roles == {("payload", WIRE_DTYPE.get(qdtype, qdtype)): len(before),
                      ("scales", torch.float32): len(before)}
     assert all(c.ours for c in gathers), "the new gathers must stay ours (bucketed, moved)"
     # the reduce-scatters of the backward graph are not touched
@@ -289,3 +298,81 @@ def test_traced_outputs_close_to_unquantized():
     assert 0 < max(errors["int8"]) < 0.1 and median["int8"] < 0.015
     assert 0 < max(errors["fp8"]) < 0.3 and median["fp8"] < 0.04
     assert max(errors["int8"]) < max(errors["fp8"])  # 255 steps per block against 3 mantissa bits
+
+
+# ------------------------------------------------------------ 4. two gloo ranks, training
+
+TRAIN_STEPS = 3
+TRAIN_CASES = (None, "int8", "fp8")
+
+
+def _train_quantized(rank, world, storage):
+    """TRAIN_STEPS AdamW steps of the toy model under aot_eager_blockbucketing, for each of
+    TRAIN_CASES: losses, and per compiled graph the gathers by (QUANT_KEY role, dtype) and
+    the plan's bucket count, read from the graph the pipeline hands to the compiler."""
+    import simplesharded as ss
+    import toy_blocks
+    from simplesharded.mesh import build_mesh
+
+    mesh = build_mesh(dp_replicate=1, dp_shard=world, device="cpu")
+    numel = world * toy_blocks.BATCH_PER_RANK * toy_blocks.SEQ
+    out = {}
+    for choice in TRAIN_CASES:
+        graphs = {}
+
+        def observe(kind, stage, gm):  # the last stage seen is what runs
+            gathers = [c for c in find_collectives(gm) if c.kind == "all_gather"]
+            graphs[kind] = dict(
+                roles=collections.Counter(
+                    ((c.start.meta.get("custom") or {}).get(QUANT_KEY), str(c.dtype))
+                    for c in gathers),
+                buckets=len({(c.block, (c.start.meta.get("custom") or {}).get("ss_bucket"),
+                              c.params[0] if c.prebucketed else None) for c in gathers}))
+
+        torch._dynamo.reset()
+        model = ss.data_parallel(toy_blocks.make_model(), mesh, storage=storage,
+                                 reshard_after_forward=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        backend = ss.make_backend("aot_eager_blockbucketing", quantize_gathers=choice,
+                                  observer=observe)
+        compiled = torch.compile(model, fullgraph=True, backend=backend)
+        losses = []
+        for step in range(TRAIN_STEPS):
+            tokens, targets = toy_blocks.batch(rank, step)
+            loss = toy_blocks.loss_fn(compiled(tokens), targets, numel)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        out[str(choice)] = dict(losses=losses, graphs=graphs)
+        torch._dynamo.reset()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("storage", ["param", "ragged"])
+def test_two_ranks_train_close_to_unquantized(storage):
+    from dist_utils import spawn
+
+    ranks = spawn(2, _train_quantized, storage, timeout_s=900)
+    assert ranks[0] == ranks[1] or all(  # every rank sees the same losses and graphs
+        ranks[0][c]["losses"] == ranks[1][c]["losses"] for c in map(str, TRAIN_CASES))
+    res = ranks[0]
+    ref = res["None"]["losses"]
+    for choice, tol in (("int8", 0.01), ("fp8", 0.05)):
+        got = res[choice]["losses"]
+        print(storage, choice, "losses", got, "unquantized", ref,
+              "max |delta|", max(abs(a - b) for a, b in zip(got, ref)))
+        assert got != ref
+        assert all(abs(a - b) <= tol * abs(b) for a, b in zip(got, ref)), (got, ref)
+        for kind, g in res[choice]["graphs"].items():
+            plain = res["None"]["graphs"][kind]
+            qdtype = str(WIRE_DTYPE.get(FORMATS[choice][0], FORMATS[choice][0]))
+            print(storage, choice, kind, dict(g["roles"]), "buckets", g["buckets"],
+                  "unquantized gathers", dict(plain["roles"]))
+            n_plain = sum(plain["roles"].values())
+            # one payload gather and one scale gather where there was one gather
+            # (a bucket, or a ragged bucket's own gather), nothing else
+            assert g["roles"] == {("payload", qdtype): n_plain,
+                                  ("scales", "torch.float32"): n_plain}, g["roles"]
+            assert g["buckets"] == n_plain
