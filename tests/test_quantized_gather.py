@@ -304,6 +304,43 @@ def test_traced_outputs_close_to_unquantized():
 
 TRAIN_STEPS = 3
 TRAIN_CASES = (None, "int8", "fp8")
+# Small: the toy model's gradients are noisy against its weights (int8 weights move some
+# gradients by 20 % of their norm, uncompiled as compiled), so at AdamW's lr=1e-2 the
+# trajectories part by 8 % of the loss within three steps; at 1e-3 what is left is the
+# forward's own error.
+TRAIN_LR = 1e-3
+
+
+def _emulated(param: torch.Tensor, world: int, choice: str, block: int = 256) -> torch.Tensor:
+    """What every rank holds of ``param`` after a quantized gather, computed without the
+    pass: each rank's dim-0 chunk (as DTensor's Shard(0) cuts it) quantized on its own, in
+    blocks from its first element (the padding rows add zeros at its end: no block's amax
+    changes)."""
+    qdtype, qmax = FORMATS[choice]
+    rows = -(-param.shape[0] // world)
+    out = []
+    for chunk in param.detach().split(rows):
+        flat = chunk.float().reshape(-1)
+        nb = -(-flat.numel() // block)
+        b = torch.nn.functional.pad(flat, (0, nb * block - flat.numel())).view(nb, block)
+        s = (b.abs().amax(1, keepdim=True) / qmax).clamp_min(torch.finfo(torch.float32).tiny)
+        v = (b / s)
+        v = (v.round() if qdtype is torch.int8 else v).clamp(-qmax, qmax).to(qdtype).float()
+        out.append((v * s).reshape(-1)[:flat.numel()].view(chunk.shape).to(param.dtype))
+    return torch.cat(out)
+
+
+def _emulated_loss(rank, world, choice):
+    """Step 0's loss with every parameter replaced by :func:`_emulated`, uncompiled."""
+    import toy_blocks
+
+    model = toy_blocks.make_model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(_emulated(p, world, choice))
+        tokens, targets = toy_blocks.batch(rank, 0)
+        numel = world * toy_blocks.BATCH_PER_RANK * toy_blocks.SEQ
+        return toy_blocks.loss_fn(model(tokens), targets, numel).item()
 
 
 def _train_quantized(rank, world, storage):
@@ -321,6 +358,8 @@ def _train_quantized(rank, world, storage):
         graphs = {}
 
         def observe(kind, stage, gm):  # the last stage seen is what runs
+            if kind not in ("fw", "bw"):
+                return
             gathers = [c for c in find_collectives(gm) if c.kind == "all_gather"]
             graphs[kind] = dict(
                 roles=collections.Counter(
@@ -332,7 +371,7 @@ def _train_quantized(rank, world, storage):
         torch._dynamo.reset()
         model = ss.data_parallel(toy_blocks.make_model(), mesh, storage=storage,
                                  reshard_after_forward=True)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        opt = torch.optim.AdamW(model.parameters(), lr=TRAIN_LR)
         backend = ss.make_backend("aot_eager_blockbucketing", quantize_gathers=choice,
                                   observer=observe)
         compiled = torch.compile(model, fullgraph=True, backend=backend)
@@ -344,7 +383,8 @@ def _train_quantized(rank, world, storage):
             loss.backward()
             opt.step()
             losses.append(loss.item())
-        out[str(choice)] = dict(losses=losses, graphs=graphs)
+        out[str(choice)] = dict(losses=losses, graphs=graphs,
+                                emulated=_emulated_loss(rank, world, choice) if choice else None)
         torch._dynamo.reset()
     return out
 
@@ -355,24 +395,25 @@ def test_two_ranks_train_close_to_unquantized(storage):
     from dist_utils import spawn
 
     ranks = spawn(2, _train_quantized, storage, timeout_s=900)
-    assert ranks[0] == ranks[1] or all(  # every rank sees the same losses and graphs
-        ranks[0][c]["losses"] == ranks[1][c]["losses"] for c in map(str, TRAIN_CASES))
-    res = ranks[0]
-    ref = res["None"]["losses"]
-    for choice, tol in (("int8", 0.01), ("fp8", 0.05)):
-        got = res[choice]["losses"]
-        print(storage, choice, "losses", got, "unquantized", ref,
-              "max |delta|", max(abs(a - b) for a, b in zip(got, ref)))
-        assert got != ref
-        assert all(abs(a - b) <= tol * abs(b) for a, b in zip(got, ref)), (got, ref)
-        for kind, g in res[choice]["graphs"].items():
-            plain = res["None"]["graphs"][kind]
-            qdtype = str(WIRE_DTYPE.get(FORMATS[choice][0], FORMATS[choice][0]))
-            print(storage, choice, kind, dict(g["roles"]), "buckets", g["buckets"],
-                  "unquantized gathers", dict(plain["roles"]))
-            n_plain = sum(plain["roles"].values())
-            # one payload gather and one scale gather where there was one gather
-            # (a bucket, or a ragged bucket's own gather), nothing else
-            assert g["roles"] == {("payload", qdtype): n_plain,
-                                  ("scales", "torch.float32"): n_plain}, g["roles"]
-            assert g["buckets"] == n_plain
+    for rank, res in enumerate(ranks):  # each rank's loss is of its own batch
+        ref = res["None"]["losses"]
+        for choice, tol in (("int8", 0.01), ("fp8", 0.1)):  # measured: 0.5 %, 7.6 %
+            got = res[choice]["losses"]
+            print(f"{storage} rank {rank} {choice}: losses {got} unquantized {ref} "
+                  f"max rel delta {max(abs(a - b) / abs(b) for a, b in zip(got, ref)):.2e}")
+            print(f"  step 0 against the pass emulated uncompiled: {got[0]} vs "
+                  f"{res[choice]['emulated']}")
+            assert got != ref
+            assert abs(got[0] - res[choice]["emulated"]) <= 1e-5 * abs(got[0])
+            assert all(abs(a - b) <= tol * abs(b) for a, b in zip(got, ref)), (got, ref)
+            for kind, g in res[choice]["graphs"].items():
+                plain = res["None"]["graphs"][kind]
+                qdtype = str(WIRE_DTYPE.get(FORMATS[choice][0], FORMATS[choice][0]))
+                print(f"  {kind}: gathers {dict(g['roles'])} in {g['buckets']} buckets; "
+                      f"unquantized {dict(plain['roles'])}")
+                n_plain = sum(plain["roles"].values())
+                # one payload gather and one scale gather where there was one gather (a
+                # bucket, or a ragged bucket's own gather), nothing else
+                assert g["roles"] == {("payload", qdtype): n_plain,
+                                      ("scales", "torch.float32"): n_plain}, g["roles"]
+                assert g["buckets"] == n_plain
