@@ -8,7 +8,12 @@
    per-element bound of the module docstring (its scales recomputed here independently),
    over shapes whose shard length is and is not a multiple of the block;
 3. on the toy model's real traced graphs: bucketing and reordering after the pass change no
-   output bit, and the outputs stay close to the unquantized graph's.
+   output bit, and the outputs stay close to the unquantized graph's;
+4. (slow) two gloo ranks train the toy model 3 steps under aot_eager_blockbucketing with
+   per-parameter and ragged storage: step 0's loss is the loss of the uncompiled model whose
+   gathers are fed the formula's round trip (bit for bit), later losses stay close to the
+   unquantized run's, and each graph sends one payload and one scale gather where it sent
+   one gather (a block's bucket, or a ragged bucket's own gather).
 
 The simulated ranks: rank r holds ``(-2)**r * x`` where rank 0 holds ``x``. Symmetric
 blockwise quantization commutes with that exactly (the payload is ``(-1)**r * q``, the scales
@@ -311,35 +316,39 @@ TRAIN_CASES = (None, "int8", "fp8")
 TRAIN_LR = 1e-3
 
 
-def _emulated(param: torch.Tensor, world: int, choice: str, block: int = 256) -> torch.Tensor:
-    """What every rank holds of ``param`` after a quantized gather, computed without the
-    pass: each rank's dim-0 chunk (as DTensor's Shard(0) cuts it) quantized on its own, in
-    blocks from its first element (the padding rows add zeros at its end: no block's amax
-    changes)."""
+def _emulated(x: torch.Tensor, choice: str, block: int = 256) -> torch.Tensor:
+    """What the other ranks receive of a rank's shard ``x`` through a quantized gather,
+    computed by the formula of the module doc without the pass: blocks from its first
+    element, dequantized to its dtype."""
     qdtype, qmax = FORMATS[choice]
-    rows = -(-param.shape[0] // world)
-    out = []
-    for chunk in param.detach().split(rows):
-        flat = chunk.float().reshape(-1)
-        nb = -(-flat.numel() // block)
-        b = torch.nn.functional.pad(flat, (0, nb * block - flat.numel())).view(nb, block)
-        s = (b.abs().amax(1, keepdim=True) / qmax).clamp_min(torch.finfo(torch.float32).tiny)
-        v = (b / s)
-        v = (v.round() if qdtype is torch.int8 else v).clamp(-qmax, qmax).to(qdtype).float()
-        out.append((v * s).reshape(-1)[:flat.numel()].view(chunk.shape).to(param.dtype))
-    return torch.cat(out)
+    flat = x.detach().float().reshape(-1)
+    nb = -(-flat.numel() // block)
+    b = torch.nn.functional.pad(flat, (0, nb * block - flat.numel())).view(nb, block)
+    s = (b.abs().amax(1, keepdim=True) / qmax).clamp_min(torch.finfo(torch.float32).tiny)
+    v = b / s
+    v = (v.round() if qdtype is torch.int8 else v).clamp(-qmax, qmax).to(qdtype).float()
+    return (v * s).reshape(-1)[:flat.numel()].view(x.shape).to(x.dtype)
 
 
-def _emulated_loss(rank, world, choice):
-    """Step 0's loss with every parameter replaced by :func:`_emulated`, uncompiled."""
+def _emulated_loss(rank, world, choice, mesh, storage):
+    """Step 0's loss uncompiled, every functional all-gather fed the emulated round trip of
+    its input instead of the input (a dispatch mode under the storage's own gathers: per
+    parameter shard, or a ragged bucket's whole range)."""
+    import simplesharded as ss
     import toy_blocks
+    from torch.utils._python_dispatch import TorchDispatchMode
 
-    model = toy_blocks.make_model()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(_emulated(p, world, choice))
-        tokens, targets = toy_blocks.batch(rank, 0)
-        numel = world * toy_blocks.BATCH_PER_RANK * toy_blocks.SEQ
+    class Quantized(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is pu.AG and args[0].is_floating_point():
+                args = (_emulated(args[0], choice), *args[1:])
+            return func(*args, **(kwargs or {}))
+
+    model = ss.data_parallel(toy_blocks.make_model(), mesh, storage=storage,
+                             reshard_after_forward=True)
+    tokens, targets = toy_blocks.batch(rank, 0)
+    numel = world * toy_blocks.BATCH_PER_RANK * toy_blocks.SEQ
+    with torch.no_grad(), Quantized():
         return toy_blocks.loss_fn(model(tokens), targets, numel).item()
 
 
@@ -384,7 +393,8 @@ def _train_quantized(rank, world, storage):
             opt.step()
             losses.append(loss.item())
         out[str(choice)] = dict(losses=losses, graphs=graphs,
-                                emulated=_emulated_loss(rank, world, choice) if choice else None)
+                                emulated=(_emulated_loss(rank, world, choice, mesh, storage)
+                                          if choice else None))
         torch._dynamo.reset()
     return out
 
@@ -397,7 +407,8 @@ def test_two_ranks_train_close_to_unquantized(storage):
     ranks = spawn(2, _train_quantized, storage, timeout_s=900)
     for rank, res in enumerate(ranks):  # each rank's loss is of its own batch
         ref = res["None"]["losses"]
-        for choice, tol in (("int8", 0.01), ("fp8", 0.1)):  # measured: 0.5 %, 7.6 %
+        # measured at worst: int8 1.5 % (ragged; 0.5 % per parameter), fp8 7.6 %
+        for choice, tol in (("int8", 0.03), ("fp8", 0.1)):
             got = res[choice]["losses"]
             print(f"{storage} rank {rank} {choice}: losses {got} unquantized {ref} "
                   f"max rel delta {max(abs(a - b) / abs(b) for a, b in zip(got, ref)):.2e}")
