@@ -428,3 +428,31 @@ def test_two_ranks_train_close_to_unquantized(storage):
                 assert g["roles"] == {("payload", qdtype): n_plain,
                                       ("scales", "torch.float32"): n_plain}, g["roles"]
                 assert g["buckets"] == n_plain
+
+
+# ------------------------------------------------------------------- backend options
+
+
+def test_backend_option_runs_the_pass_before_bucketing():
+    from simplesharded.backends import pass_pipeline
+    from simplesharded.backends import BackendOptions
+
+    stages = [name for name, _ in pass_pipeline(
+        "aot_eager_blockbucketing", BackendOptions(quantize_gathers="fp8",
+                                                   quantize_block=128)).graph]
+    assert stages[0] == "quantize" and stages.index("quantize") < stages.index("bucketing")
+    quantize = pass_pipeline("inductor_autobucketing",
+                             BackendOptions(quantize_gathers="int8")).graph[0][1]
+    assert quantize.keywords == {"choice": "int8", "block": 256}
+    assert "quantize" not in [n for n, _ in pass_pipeline("aot_eager_blockbucketing").graph]
+
+
+def test_backend_option_refuses_a_bad_value_in_one_line():
+    import simplesharded as ss
+
+    for bad, match in ((dict(quantize_gathers="int4"), r"not one of \[None, 'int8', 'fp8'\]"),
+                       (dict(quantize_gathers="int8", quantize_block=-1), "quantize_block"),
+                       (dict(quantize_gathers="int8"), "needs a compiled backend")):
+        with pytest.raises(ValueError, match=match) as info:
+            ss.make_backend("eager" if "needs" in match else "aot_eager_blockbucketing", **bad)
+        assert "\n" not in str(info.value)
