@@ -228,6 +228,9 @@ def make_backend(name: str, **options) -> Callable | str:
             raise ValueError(f"backend option(s) {both} and plan=... both given: set them on "
                              f"the plan")
     if name not in _BY_NAME and is_torch_backend(name):
+        if opts.quantize_gathers is not None:
+            raise ValueError(f"quantize_gathers needs one of our backends {list(BACKENDS)}: "
+                             f"torch's {name!r} runs none of our passes")
         return name
     backend = BackendName.parse(name)
     if backend.compiler == "eager":

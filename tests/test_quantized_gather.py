@@ -456,3 +456,18 @@ def test_backend_option_refuses_a_bad_value_in_one_line():
         with pytest.raises(ValueError, match=match) as info:
             ss.make_backend("eager" if "needs" in match else "aot_eager_blockbucketing", **bad)
         assert "\n" not in str(info.value)
+
+
+def test_trainer_key_reaches_the_backend():
+    from simplesharded.trainer.config import load_config
+    from simplesharded.trainer.recipe import _backend_options
+
+    for argv, want in (([], None), (["--compile.quantize_gathers", "fp8"], "fp8")):
+        c = load_config(None, ["--compile.backend", "aot_eager_blockbucketing", *argv]).compile
+        assert _backend_options(c, None, "float32").get("quantize_gathers") == want
+    with pytest.raises(ValueError, match="compile.quantize_gathers"):
+        load_config(None, ["--compile.quantize_gathers", "int4"])
+    import simplesharded as ss
+
+    with pytest.raises(ValueError, match="runs none of our passes"):
+        ss.make_backend("cudagraphs", quantize_gathers="int8")
