@@ -47,6 +47,9 @@ DEFAULT_BLOCK = 256
 # The smallest scale: a block of zeros (or of values below it) gets a finite one, so
 # x / scale never divides by zero.
 _MIN_SCALE = torch.finfo(torch.float32).tiny
+# Casts as inductor's post-grad graph has them (it decomposes aten._to_copy before our pass
+# runs there and has no lowering for it); aot_eager runs the prim as it is.
+_convert = torch.ops.prims.convert_element_type.default
 
 
 def check_choice(choice: str | None, block: int = DEFAULT_BLOCK) -> None:
@@ -94,7 +97,7 @@ def _rewrite(graph: fx.Graph, start: fx.Node, wait: fx.Node, choice: str, block:
     with graph.inserting_before(start):
         v = flat(graph, x, fake_mode)
         if v.meta["val"].dtype != torch.float32:  # amax and division in fp32 (bf16 shards)
-            v = op(aten._to_copy.default, v, dtype=torch.float32)
+            v = op(_convert, v, torch.float32)
         if padded != n:  # zeros: they raise no block's amax
             v = op(aten.constant_pad_nd.default, v, [0, padded - n], 0.0)
         rows = op(aten.view.default, v, [nblocks, block])
@@ -103,8 +106,10 @@ def _rewrite(graph: fx.Graph, start: fx.Node, wait: fx.Node, choice: str, block:
         scaled = op(aten.div.Tensor, rows, scale)
         if qdtype is torch.int8:  # the cast truncates: round first
             scaled = op(aten.round.default, scaled)
-        scaled = op(aten.clamp.default, scaled, -qmax, qmax)
-        q = op(aten.view.default, op(aten._to_copy.default, scaled, dtype=qdtype), [padded])
+        # clamp_min/max, not clamp: inductor's post-grad graph, where this pass also runs, has
+        # clamp decomposed already and no lowering for it
+        scaled = op(aten.clamp_max.default, op(aten.clamp_min.default, scaled, -qmax), qmax)
+        q = op(aten.view.default, op(_convert, scaled, qdtype), [padded])
         if wire is not qdtype:  # the same bytes, as a type every transport has
             q = op(aten.view.dtype, q, wire)
         scales = op(aten.view.default, scale, [nblocks])
@@ -122,15 +127,14 @@ def _rewrite(graph: fx.Graph, start: fx.Node, wait: fx.Node, choice: str, block:
         if wire is not qdtype:
             q_all = op(aten.view.dtype, q_all, qdtype)
         deq = op(aten.mul.Tensor,
-                 op(aten._to_copy.default, op(aten.view.default, q_all, [ws, nblocks, block]),
-                    dtype=torch.float32),
+                 op(_convert, op(aten.view.default, q_all, [ws, nblocks, block]), torch.float32),
                  op(aten.view.default, s_all, [ws, nblocks, 1]))
         deq = op(aten.view.default, deq, [ws, padded])
         if padded != n:  # rank r's elements are row r's first n
             deq = op(aten.slice.Tensor, deq, 1, 0, n)
-        if out.dtype != torch.float32 or padded != n:
-            deq = op(aten._to_copy.default, deq, dtype=out.dtype,
-                     memory_format=torch.contiguous_format)
+            deq = op(aten.clone.default, deq, memory_format=torch.contiguous_format)
+        if out.dtype != torch.float32:
+            deq = op(_convert, deq, out.dtype)
         deq = op(aten.view.default, deq, list(out.shape))
     wait.replace_all_uses_with(deq)
     graph.erase_node(wait)

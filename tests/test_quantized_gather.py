@@ -142,8 +142,8 @@ def error_bound(x: torch.Tensor, s: torch.Tensor, choice: str, out_dtype) -> tor
 
 def quantize_calls(gm, choice):
     qdtype = FORMATS[choice][0]
-    return [n for n in gm.graph.nodes if n.target is aten._to_copy.default
-            and n.kwargs.get("dtype") is qdtype]
+    return [n for n in gm.graph.nodes if n.target is torch.ops.prims.convert_element_type.default
+            and n.args[1] is qdtype]
 
 
 def dequantize_calls(gm):
