@@ -13,7 +13,8 @@
    per-parameter and ragged storage: step 0's loss is the loss of the uncompiled model whose
    gathers are fed the formula's round trip (bit for bit), later losses stay close to the
    unquantized run's, and each graph sends one payload and one scale gather where it sent
-   one gather (a block's bucket, or a ragged bucket's own gather).
+   one gather (a block's bucket, or a ragged bucket's own gather); under
+   inductor_blockbucketing, step 0's loss is the emulated one to fp32 rounding.
 
 The simulated ranks: rank r holds ``(-2)**r * x`` where rank 0 holds ``x``. Symmetric
 blockwise quantization commutes with that exactly (the payload is ``(-1)**r * q``, the scales
@@ -352,7 +353,8 @@ def _emulated_loss(rank, world, choice, mesh, storage):
         return toy_blocks.loss_fn(model(tokens), targets, numel).item()
 
 
-def _train_quantized(rank, world, storage):
+def _train_quantized(rank, world, storage, backend="aot_eager_blockbucketing",
+                     cases=TRAIN_CASES):
     """TRAIN_STEPS AdamW steps of the toy model under aot_eager_blockbucketing, for each of
     TRAIN_CASES: losses, and per compiled graph the gathers by (QUANT_KEY role, dtype) and
     the plan's bucket count, read from the graph the pipeline hands to the compiler."""
@@ -363,7 +365,7 @@ def _train_quantized(rank, world, storage):
     mesh = build_mesh(dp_replicate=1, dp_shard=world, device="cpu")
     numel = world * toy_blocks.BATCH_PER_RANK * toy_blocks.SEQ
     out = {}
-    for choice in TRAIN_CASES:
+    for choice in cases:
         graphs = {}
 
         def observe(kind, stage, gm):  # the last stage seen is what runs
@@ -381,9 +383,8 @@ def _train_quantized(rank, world, storage):
         model = ss.data_parallel(toy_blocks.make_model(), mesh, storage=storage,
                                  reshard_after_forward=True)
         opt = torch.optim.AdamW(model.parameters(), lr=TRAIN_LR)
-        backend = ss.make_backend("aot_eager_blockbucketing", quantize_gathers=choice,
-                                  observer=observe)
-        compiled = torch.compile(model, fullgraph=True, backend=backend)
+        compiled = torch.compile(model, fullgraph=True, backend=ss.make_backend(
+            backend, quantize_gathers=choice, observer=observe))
         losses = []
         for step in range(TRAIN_STEPS):
             tokens, targets = toy_blocks.batch(rank, step)
@@ -471,3 +472,22 @@ def test_trainer_key_reaches_the_backend():
 
     with pytest.raises(ValueError, match="runs none of our passes"):
         ss.make_backend("cudagraphs", quantize_gathers="int8")
+
+
+@pytest.mark.slow
+def test_two_ranks_under_inductor_match_the_emulation():
+    """Inductor runs the pass's ops in its own kernels: step 0's loss is still the emulated
+    one (to fp32 rounding: inductor fuses the model's ops differently from eager), and the
+    graphs send int8."""
+    from dist_utils import spawn
+
+    ranks = spawn(2, _train_quantized, "param", "inductor_blockbucketing", ("int8",),
+                  timeout_s=900)
+    for rank, res in enumerate(ranks):
+        got, want = res["int8"]["losses"], res["int8"]["emulated"]
+        print(f"inductor rank {rank}: losses {got}, step 0 emulated {want}, "
+              f"gathers {[dict(g['roles']) for g in res['int8']['graphs'].values()]}")
+        assert abs(got[0] - want) <= 1e-4 * abs(want)
+        for g in res["int8"]["graphs"].values():
+            assert set(g["roles"]) == {("payload", "torch.int8"), ("scales", "torch.float32")}
+            assert g["roles"][("payload", "torch.int8")] == g["buckets"]
