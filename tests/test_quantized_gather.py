@@ -1,9 +1,10 @@
-"""Fast single-process tests of the quantized all-gather pass (passes/quantized_gather.py):
+"""Tests of the quantized all-gather pass (passes/quantized_gather.py); 1-3 and 5 are fast,
+single-process:
 
 1. structure, read node by node: one quantize (cast to the payload dtype) and one dequantize
    (the payload times its scales) per parameter gather, and every parameter gather sends int8
-   or float8 values plus one fp32 scale tensor; after block bucketing, one payload gather and
-   one scale gather per bucket;
+   or float8 values (as uint8 bytes) plus one fp32 scale tensor; after block bucketing, one
+   payload gather and one scale gather per bucket;
 2. the round trip of hand-built one-gather graphs, run on simulated ranks, is within the
    per-element bound of the module docstring (its scales recomputed here independently),
    over shapes whose shard length is and is not a multiple of the block;
@@ -11,11 +12,12 @@
    output bit, and the outputs stay close to the unquantized graph's;
 4. (slow) two gloo ranks train the toy model 3 steps under aot_eager_blockbucketing with
    per-parameter storage (fp32, and bf16 gathers under mixed precision) and ragged storage:
-   step 0's loss is the loss of the uncompiled model whose
-   gathers are fed the formula's round trip (bit for bit), later losses stay close to the
-   unquantized run's, and each graph sends one payload and one scale gather where it sent
-   one gather (a block's bucket, or a ragged bucket's own gather); under
-   inductor_blockbucketing, step 0's loss is the emulated one to fp32 rounding.
+   step 0's loss is, bit for bit, the loss of the uncompiled model whose gathers are fed the
+   formula's round trip; later losses stay close to the unquantized run's; each graph sends
+   one payload and one scale gather where it sent one gather (a block's bucket, or a ragged
+   bucket's own gather). Under inductor_blockbucketing, step 0's loss is the emulated one to
+   fp32 rounding;
+5. the backend options and the trainer key: where the pass runs, one-line refusals.
 
 The simulated ranks: rank r holds ``(-2)**r * x`` where rank 0 holds ``x``. Symmetric
 blockwise quantization commutes with that exactly (the payload is ``(-1)**r * q``, the scales
