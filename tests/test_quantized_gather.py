@@ -16,7 +16,8 @@ single-process:
    formula's round trip; later losses stay close to the unquantized run's; each graph sends
    one payload and one scale gather where it sent one gather (a block's bucket, or a ragged
    bucket's own gather). Under inductor_blockbucketing, step 0's loss is the emulated one to
-   fp32 rounding;
+   fp32 rounding; in compile_step's step graph it is the emulated one, and the gathers made
+   again for the traced backward are quantized too;
 5. the backend options and the trainer key: where the pass runs, one-line refusals.
 
 The simulated ranks: rank r holds ``(-2)**r * x`` where rank 0 holds ``x``. Symmetric
@@ -496,3 +497,53 @@ def test_two_ranks_under_inductor_match_the_emulation():
         for g in res["int8"]["graphs"].values():
             assert set(g["roles"]) == {("payload", "torch.int8"), ("scales", "torch.float32")}
             assert g["roles"][("payload", "torch.int8")] == g["buckets"]
+
+
+def _step_graph_job(rank, world):
+    """compile_step with quantized gathers: step 0's loss, the emulated one, and the step
+    graph's gathers by role (the forward's and those made again for its traced backward)."""
+    import simplesharded as ss
+    import toy_blocks
+    from simplesharded.mesh import build_mesh
+
+    mesh = build_mesh(dp_replicate=1, dp_shard=world, device="cpu")
+    numel = world * toy_blocks.BATCH_PER_RANK * toy_blocks.SEQ
+    roles = {}
+
+    def observe(kind, stage, gm):
+        if kind == "fw":
+            roles.clear()
+            roles.update(collections.Counter(
+                ((c.start.meta.get("custom") or {}).get(QUANT_KEY), str(c.dtype),
+                 bool((c.start.meta.get("custom") or {}).get("ss_regather")))
+                for c in find_collectives(gm) if c.kind == "all_gather"))
+
+    torch._dynamo.reset()
+    model = ss.data_parallel(toy_blocks.make_model(), mesh, reshard_after_forward=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=TRAIN_LR)
+    step = ss.compile_step(
+        model, opt, lambda m, tok, tgt: toy_blocks.loss_fn(m(tok), tgt, numel),
+        backend="aot_eager_blockbucketing", quantize_gathers="int8", observer=observe)
+    losses = [step(*toy_blocks.batch(rank, i)).item() for i in range(2)]
+    torch._dynamo.reset()
+    return dict(losses=losses, roles=roles,
+                emulated=_emulated_loss(rank, world, "int8", mesh, "param"))
+
+
+@pytest.mark.slow
+def test_two_ranks_step_graph_match_the_emulation():
+    from dist_utils import spawn
+    from simplesharded.passes.torch_compat import STEP_GRAPH, has
+
+    if not has(STEP_GRAPH):
+        pytest.skip("compile_step needs a newer torch")
+    for rank, res in enumerate(spawn(2, _step_graph_job, timeout_s=900)):
+        print(f"step graph rank {rank}: losses {res['losses']}, step 0 emulated "
+              f"{res['emulated']}, gathers (role, dtype, regathered) {dict(res['roles'])}")
+        assert abs(res["losses"][0] - res["emulated"]) <= 1e-6 * abs(res["emulated"])
+        assert {role for role, _, _ in res["roles"]} == {"payload", "scales"}
+        assert any(regather for _, _, regather in res["roles"])
+        payloads = {k: n for k, n in res["roles"].items() if k[0] == "payload"}
+        assert {dtype for _, dtype, _ in payloads} == {"torch.int8"}
+        assert sum(payloads.values()) == sum(n for k, n in res["roles"].items()
+                                             if k[0] == "scales")
