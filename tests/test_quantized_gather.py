@@ -40,7 +40,7 @@ from torch import fx
 from simplesharded.passes.annotations import QUANT_KEY
 from simplesharded.passes.bucketing import bucket_collectives, bucketable
 from simplesharded.passes.collectives import find_collectives
-from simplesharded.passes.plans import BlockPlan
+from simplesharded.passes.plans import AutoPlan, BlockPlan
 from simplesharded.passes.quantized_gather import (FORMATS, WIRE_DTYPE, check_choice,
                                                    quantize_gathers)
 from simplesharded.passes.reordering import reorder_for_overlap
@@ -282,13 +282,18 @@ def _rel_errors(out, ref) -> list[float]:
 
 
 @pytest.mark.parametrize("which", ["fw", "bw"])
-@pytest.mark.parametrize("config", ["w2", "w8-bf16"])
-def test_bucketing_after_quantizing_changes_no_bit(config, which):
+@pytest.mark.parametrize("config,plan", [("w2", "block"), ("w8-bf16", "block"),
+                                         ("w2", "auto"), ("w8-bf16", "auto")])
+def test_bucketing_after_quantizing_changes_no_bit(config, plan, which):
     world, g = graph(config, which)
     q = quantize_gathers(pu.fresh(g), "int8")
     inputs = pu.make_inputs(g)
     ref = simulate(q, inputs, world)
-    bucketed = bucket_collectives(pu.fresh(q), BlockPlan())
+    bucketed = bucket_collectives(pu.fresh(q), BlockPlan() if plan == "block" else AutoPlan())
+    # every bucket the plan made sends its payloads in one gather and its scales in another
+    gathers = [c for c in find_collectives(bucketed) if c.kind == "all_gather"]
+    roles = collections.Counter((c.start.meta["custom"] or {}).get(QUANT_KEY) for c in gathers)
+    assert roles["payload"] == roles["scales"] and set(roles) == {"payload", "scales"}
     assert pu.bitwise_equal(ref, simulate(bucketed, inputs, world))
     reordered = reorder_for_overlap(pu.fresh(bucketed), BlockPlan())
     pu.check_waits_before_use(reordered)
