@@ -15,13 +15,15 @@ or ``scale * 2**-10`` below e4m3's normal range), plus the rounding of the old w
 when that is narrower than fp32; the shape, dtype and rank-major layout of what the old wait
 produced are unchanged, so every reader of it is untouched. Only data-parallel gathers of a
 parameter (``Collective.ours``) of a floating dtype are rewritten; the master weights, the
-optimizer and the reduce-scatter of the gradient do not change: the pass runs on the graphs
-aot_autograd has already differentiated, so the gather's backward stays the reduction of the
-full-precision gradient (a straight-through estimator).
+optimizer and the reduce-scatter of the gradient do not change: the pass runs on graphs
+already differentiated (aot_autograd's forward and backward, compile_step's traced backward),
+so the gather's backward stays the reduction of the full-precision gradient (a
+straight-through estimator). A gather made again for backward is quantized as well.
 
-Each rank quantizes its own shard, padded alone, so the gathered payload is the rank-major
-concatenation of padded shards: the dequantize unpads each rank's chunk before the chunks
-form the gathered tensor again. Both new collectives carry the old one's annotations (so
+B is the block knob, or the shard's length when that is smaller (padding a small shard to a
+block would send more bytes than the shard itself). Each rank quantizes its own shard, padded
+alone, so the gathered payload is the rank-major concatenation of padded shards: the
+dequantize unpads each rank's chunk before the chunks form the gathered tensor again. Both new collectives carry the old one's annotations (so
 plans bucket them with the rest of the block; bucketing keys on dtype, so a bucket sends one
 quantized payload and one scale tensor) and ``QUANT_KEY``. A ragged bucket's gather
 (``prebucketed``) is one collective already and is rewritten the same way, one quantize per
@@ -86,7 +88,10 @@ def _rewrite(graph: fx.Graph, start: fx.Node, wait: fx.Node, choice: str, block:
     wire = WIRE_DTYPE.get(qdtype, qdtype)
     x, ws, group = start.args[0], start.args[1], start.args[2]
     n = math.prod(x.meta["val"].shape)  # this rank's elements
-    nblocks = max(1, -(-n // block))
+    # A shard smaller than a block is one block of its own size: padding it would send more
+    # bytes than the full-precision shard (a norm's weight over many ranks).
+    block = max(1, min(block, n))
+    nblocks = -(-n // block)
     padded = nblocks * block
     out = wait.meta["val"]  # what the readers expect: its dtype and shape
     custom = dict(annotations(start))
