@@ -30,6 +30,9 @@ Written by our passes:
   REGATHER_KEY       on the ops step_regather.py adds to a step graph's traced backward: a
                      gather made again for backward, bucketed apart from the forward's
                      gathers (bucketing.py)
+  QUANT_KEY          on the two all-gathers (and their waits) quantized_gather.py makes of a
+                     parameter's gather: "payload" (int8 or float8 values) or "scales" (one
+                     fp32 scale per block); what makes that pass idempotent
   GATHERED_KEY       FQN of the gathered parameter a forward view of it holds (recompute.py):
                      a saved view reaches the backward graph as a placeholder carrying it, so
                      the memory cap counts it (gathered_spans.py, memory.py)
@@ -57,6 +60,7 @@ GATHERED_KEY = "ss_gathered"
 REGATHER_KEY = "ss_regather"
 UPDATE_KEY = "ss_update"
 RAGGED_KEY = "ss_ragged"
+QUANT_KEY = "ss_quant"
 # Graph-level, in GraphModule.meta: lines a pass leaves about what it did not do and why; a
 # graph dump (pipeline.py) prints them at its top.
 NOTES_KEY = "ss_notes"

@@ -17,8 +17,8 @@ from collections import defaultdict
 import torch
 from torch import fx
 
-from .annotations import (BLOCK_KEY, BUCKET_KEY, BUCKET_PARAMS_KEY, PARAM_KEY, REGATHER_KEY,
-                          annotations)
+from .annotations import (BLOCK_KEY, BUCKET_KEY, BUCKET_PARAMS_KEY, PARAM_KEY, QUANT_KEY,
+                          REGATHER_KEY, annotations)
 from .collectives import (ALL_GATHER, ALL_REDUCE, PLAIN, REDUCE_SCATTER, WAIT, Collective,
                           find_collectives)
 from .graph_utils import (NodeOrder, aten, call, fake_mode_of, flat, hoist_before,
@@ -96,6 +96,11 @@ def _custom(members: list[Collective], bucket: str) -> dict:
         custom[BLOCK_KEY] = members[0].block
     if annotations(members[0].start).get(REGATHER_KEY):
         custom[REGATHER_KEY] = True
+    # Quantized payloads and their scales (quantized_gather.py) differ in dtype, so a merge
+    # holds one role only; the merged gather keeps it, as the pass's idempotence needs.
+    roles = {annotations(c.start).get(QUANT_KEY) for c in members}
+    if len(roles) == 1 and None not in roles:
+        custom[QUANT_KEY] = roles.pop()
     return custom
 
 

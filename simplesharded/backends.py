@@ -120,6 +120,18 @@ class BackendOptions:
     # (give those to the plan itself).
     plan: Plan | None = None
     observer: Callable | None = None  # observer(kind, stage, gm) after every pass (tools/tests)
+    # Parameter all-gathers sent as "int8" or "fp8" (float8 e4m3fn) blocks of quantize_block
+    # elements with one fp32 scale each, dequantized after the wait; None: as traced
+    # (passes/quantized_gather.py). Master weights, optimizer and gradients stay as they are.
+    quantize_gathers: str | None = None
+    quantize_block: int = 256
+
+    def __post_init__(self):
+        if self.quantize_gathers is not None or self.quantize_block != 256:
+            # imported only when asked: importing simplesharded loads no pass it does not run
+            from simplesharded.passes.quantized_gather import check_choice
+
+            check_choice(self.quantize_gathers, self.quantize_block)
 
 
 # Options a built-in plan is made of: with plan=..., they belong on that plan.
@@ -166,6 +178,15 @@ def pass_pipeline(backend: str | BackendName, opts: BackendOptions = BackendOpti
         raise ValueError("backend 'eager' compiles nothing: it has no passes")
     plan = backend_plan(backend, opts)
     graph: list = []
+    quantize: list = []
+    if opts.quantize_gathers is not None:
+        from simplesharded.passes.quantized_gather import quantize_gathers
+
+        # First: bucketing then merges the quantized payloads of a bucket into one gather,
+        # and their scales into another.
+        quantize = [("quantize", functools.partial(quantize_gathers,
+                                                   choice=opts.quantize_gathers,
+                                                   block=opts.quantize_block))]
     if backend.ours:
         # The padding first: the plan must see the same all-reduce sizes on every rank.
         graph = [("padding", pad_replica_all_reduces),
@@ -180,6 +201,7 @@ def pass_pipeline(backend: str | BackendName, opts: BackendOptions = BackendOpti
     elif backend.bucketing == "upstream":
         graph = [("upstream", functools.partial(upstream_overlap_bucketing,
                                                 hardware=_hardware(opts)))]
+    graph = quantize + graph
     joint = [("recompute", functools.partial(tag_gathers_for_recompute, plan=plan))]
     step = [("regather", functools.partial(regather_for_backward, plan=plan))]
     return PassPipeline(joint=joint, graph=graph, step=step,
@@ -206,9 +228,14 @@ def make_backend(name: str, **options) -> Callable | str:
             raise ValueError(f"backend option(s) {both} and plan=... both given: set them on "
                              f"the plan")
     if name not in _BY_NAME and is_torch_backend(name):
+        if opts.quantize_gathers is not None:
+            raise ValueError(f"quantize_gathers needs one of our backends {list(BACKENDS)}: "
+                             f"torch's {name!r} runs none of our passes")
         return name
     backend = BackendName.parse(name)
     if backend.compiler == "eager":
+        if opts.quantize_gathers is not None:
+            raise ValueError("quantize_gathers needs a compiled backend: 'eager' runs no pass")
         return "eager"
     pipeline = pass_pipeline(backend, opts)
     return aot_backend(pipeline) if backend.compiler == "aot_eager" else inductor_backend(pipeline)

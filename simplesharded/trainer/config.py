@@ -221,6 +221,11 @@ class Compile:
     hardware: str = _opt("calibrated", "cost-model numbers: 'calibrated' (measured at start-up, "
                          "cached; python -m simplesharded.tools.calibrate), a calibration .json "
                          "file, or a profile name")
+    quantize_gathers: str = _opt("none", "parameter all-gathers sent as int8 or float8 (e4m3fn) "
+                                 "blocks of 256 elements with one fp32 scale each, "
+                                 "dequantized after the wait; weights, optimizer and "
+                                 "gradients stay full precision (passes/quantized_gather.py)",
+                                 ("none", "int8", "fp8"))
 
 
 @dataclass
