@@ -524,7 +524,8 @@ def _step_graph_job(rank, world):
                 for c in find_collectives(gm) if c.kind == "all_gather"))
 
     torch._dynamo.reset()
-    model = ss.data_parallel(toy_blocks.make_model(), mesh, reshard_after_forward=True)
+    model = ss.data_parallel(toy_blocks.make_model(), mesh, reshard_after_forward=True,
+                             storage="ragged")
     opt = torch.optim.AdamW(model.parameters(), lr=TRAIN_LR)
     step = ss.compile_step(
         model, opt, lambda m, tok, tgt: toy_blocks.loss_fn(m(tok), tgt, numel),
@@ -532,7 +533,7 @@ def _step_graph_job(rank, world):
     losses = [step(*toy_blocks.batch(rank, i)).item() for i in range(2)]
     torch._dynamo.reset()
     return dict(losses=losses, roles=roles,
-                emulated=_emulated_loss(rank, world, "int8", mesh, "param"))
+                emulated=_emulated_loss(rank, world, "int8", mesh, "ragged"))
 
 
 @pytest.mark.slow
