@@ -489,10 +489,13 @@ def test_trainer_key_reaches_the_backend():
     from simplesharded.trainer.recipe import _backend_options
 
     for argv, want in (([], None), (["--compile.quantize_gathers", "fp8"], "fp8")):
-        c = load_config(None, ["--compile.backend", "aot_eager_blockbucketing", *argv]).compile
+        c = load_config(None, ["--compile.enable", "--compile.backend",
+                               "aot_eager_blockbucketing", *argv]).compile
         assert _backend_options(c, None, "float32").get("quantize_gathers") == want
     with pytest.raises(ValueError, match="compile.quantize_gathers"):
         load_config(None, ["--compile.quantize_gathers", "int4"])
+    with pytest.raises(ValueError, match="^compile.quantize_gathers='int8' needs compile.enable"):
+        load_config(None, ["--compile.quantize_gathers", "int8", "--no-compile.enable"])
     import simplesharded as ss
 
     with pytest.raises(ValueError, match="runs none of our passes"):

@@ -19,6 +19,12 @@ from simplesharded.trainer.preflight import HF, check_packages, check_static, ch
 EXIT_CONFIG, EXIT_NONFINITE = 2, 3
 
 
+def _quantized_text(cfg) -> str:
+    """The launch line's word on quantized gathers (only when they are on)."""
+    c = cfg.compile
+    return f" quantize_gathers={c.quantize_gathers}" if c.quantize_gathers != "none" else ""
+
+
 def _mesh_text(mesh) -> str:
     """``pp=2,dp_shard=2``: the degrees by name (a user's unnamed mesh by position)."""
     names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
@@ -85,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[simplesharded] {model} world={trainer.world} "
                   f"mode={cfg.parallelism.mode} mesh={_mesh_text(trainer.mesh)} "
                   f"compile={cfg.compile.backend if cfg.compile.enable else 'off'}"
+                  f"{_quantized_text(cfg)}"
                   f"{' scope=step' if trainer.whole_step is not None else ''}"
                   f" storage={cfg.parallelism.dp_storage}"
                   f"{_pipeline_text(cfg, trainer.pipeline)}", flush=True)
