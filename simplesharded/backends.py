@@ -127,7 +127,8 @@ class BackendOptions:
     quantize_block: int = 256
 
     def __post_init__(self):
-        if self.quantize_gathers is not None or self.quantize_block != 256:
+        if (self.quantize_gathers is not None
+                or self.quantize_block != BackendOptions.quantize_block):
             # imported only when asked: importing simplesharded loads no pass it does not run
             from simplesharded.passes.quantized_gather import check_choice
 

@@ -127,8 +127,7 @@ class RaggedShards:
         dp_placements = tuple(members[0][3].dp_view(shards[0]).placements)
         cut = tuple(d for d, p in enumerate(dp_placements) if p.is_shard())
         self.flat = flat_dp_mesh(dp_mesh) if len(cut) > 1 else None
-        group = self.flat.get_group(0) if self.flat is not None else dp_mesh.get_group(cut[0])
-        self.group_name = group.group_name
+        self.group_name = self._cut_group(cut).group_name
         self.cut = Cut(cut, self.group_name if self.flat is not None else None)
         self.replicas = (dp_mesh.get_group(0).group_name if dp_placements[0].is_replicate()
                          and dp_dims == 2 else None)
@@ -250,11 +249,14 @@ class RaggedShards:
                 self.member(self.run_of(local, i), i), requires_grad=member.requires_grad))
 
     def shard_group(self):
-        """The process group the bucket is cut over: of its one shard dim, or of its two
-        flattened."""
+        """The process group the bucket is cut over."""
+        return self._cut_group(self.cut.dims)
+
+    def _cut_group(self, dims: tuple[int, ...]):
+        """The process group of the dp ``dims``: the one dim's, or the two's flattened."""
         if self.flat is not None:
             return self.flat.get_group(0)
-        return self.dp_mesh.get_group(self.cut.dims[0])
+        return self.dp_mesh.get_group(dims[0])
 
     def _dtensor(self, local: torch.Tensor) -> DTensor:
         """The bucket's DTensor from this rank's ``[L]``."""
