@@ -59,10 +59,11 @@ def test_hidden_install_is_hidden(tmp_path):
 def test_cpu_run_uninstalled(tmp_path):
     # parity_gloo2: real collectives through our passes, one aot_eager compile, with each
     # storage; calibrate: a tool started with -m from the checkout's root; fake8: the
-    # trainer's step lowered by inductor with our collective order checked in its code
+    # trainer's step with TP 2 (bf16) lowered by inductor with our collective order checked in
+    # its code: the suite's one TP x inductor compile, on one process
     out = tmp_path / "results.md"
     p = _check(tmp_path, "--checks", "parity_gloo2", "calibrate", "fake8",
-               "--cases", "fp32_block", "--out", str(out))
+               "--cases", "bf16_tp2_block", "--out", str(out))
     assert p.returncode == 0, p.stdout + p.stderr
     for rank in (0, 1):  # ragged buckets (the trainer's default), then one shard per parameter
         for row in ("ragged:uncompiled", "ragged:aot_eager_blockbucketing",
@@ -71,14 +72,16 @@ def test_cpu_run_uninstalled(tmp_path):
                     "loss rel diff") in p.stdout, p.stdout
     assert "PASS calibrate[python -m simplesharded.tools.calibrate --dtype bfloat16]" in p.stdout
     for kind in ("fw", "bw"):
-        assert (f"PASS fake8[fp32_block, inductor_blockbucketing] {kind} collective order"
+        assert (f"PASS fake8[bf16_tp2_block, inductor_blockbucketing] {kind} collective order"
                 in p.stdout), p.stdout
-    assert "11 passed, 0 failed, 1 skipped of 12" in p.stdout, p.stdout
+    assert "11 passed, 0 failed, 2 skipped of 13" in p.stdout, p.stdout
     rows = _load("gpu_check").read_results(str(out))
-    assert len(rows) == 12 and {r[1] for r in rows} == {"parity_gloo2", "calibrate", "fake8"}
+    assert len(rows) == 13 and {r[1] for r in rows} == {"parity_gloo2", "calibrate", "fake8"}
     skipped = [r for r in rows if r[0] == "SKIP"]
-    assert [r[2] for r in skipped] == ["fake8[fp32_block, inductor_blockbucketing] memory"]
-    assert "accelerator" in skipped[0][3]
+    assert [r[2] for r in skipped] == [
+        "fake8[bf16_tp2_block, inductor_blockbucketing] fused attention",
+        "fake8[bf16_tp2_block, inductor_blockbucketing] memory"]
+    assert all("accelerator" in r[3] for r in skipped), skipped
 
 
 def test_gloo_on_a_device_that_crashes_it_is_a_skip(monkeypatch):
