@@ -1,5 +1,8 @@
 """Session-wide test environment: one calibration cache for every test and every process the
-tests start (simplesharded/calibration.py measures once per world size, then reads it), and the
+tests start (simplesharded/calibration.py measures once per world size, then reads it), one
+inductor cache for every spawned rank of every pytest worker (the caller's
+TORCHINDUCTOR_CACHE_DIR when set, so in-process compiles share it too: a kernel is compiled
+once per run, not once per worker), and the
 support modules (tests/support/) importable by their plain names, here and in spawned ranks
 (torch.multiprocessing's spawn hands its children the parent's sys.path)."""
 import os
@@ -13,8 +16,16 @@ _SUPPORT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "support")
 if _SUPPORT not in sys.path:
     sys.path.insert(0, _SUPPORT)
 
-_CACHE = tempfile.mkdtemp(prefix="ss_calibration_")
-os.environ.setdefault("SIMPLESHARDED_CACHE_DIR", _CACHE)
+# Made by the first process to import this file (pytest's, or xdist's controller) and
+# inherited by the workers it starts; removed by the process that made it.
+_MADE = []
+for _var, _prefix, _default in (("SIMPLESHARDED_CACHE_DIR", "ss_calibration_", None),
+                                ("SIMPLESHARDED_TEST_INDUCTOR_CACHE", "ss_inductor_cache_",
+                                 os.environ.get("TORCHINDUCTOR_CACHE_DIR"))):
+    if _var not in os.environ:
+        os.environ[_var] = _default or tempfile.mkdtemp(prefix=_prefix)
+        if not _default:
+            _MADE.append(os.environ[_var])
 
 
 FAKE_WORLD = 4  # ranks of the fake_world fixture's process group
@@ -51,4 +62,5 @@ def fake_pg():
 
 
 def pytest_unconfigure(config):
-    shutil.rmtree(_CACHE, ignore_errors=True)
+    for d in _MADE:
+        shutil.rmtree(d, ignore_errors=True)

@@ -48,6 +48,10 @@ _SESSION_CACHE: list[str] = []
 
 
 def _session_cache_dir() -> str:
+    """The spawned ranks' inductor cache: the test session's (tests/conftest.py, shared by all
+    its workers), else one made for this process."""
+    if os.environ.get("SIMPLESHARDED_TEST_INDUCTOR_CACHE"):
+        return os.environ["SIMPLESHARDED_TEST_INDUCTOR_CACHE"]
     if not _SESSION_CACHE:
         d = tempfile.mkdtemp(prefix="ss_inductor_cache_")
         atexit.register(shutil.rmtree, d, ignore_errors=True)
