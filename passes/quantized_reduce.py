@@ -19,6 +19,9 @@ element sat in on that rank (``Σ_r scale_r / 2``; divided by ``ws`` for avg), p
 rounding of the ``ws - 1`` adds and of the old wait's dtype when that is narrower than fp32.
 A block never spans two destination chunks (each chunk is padded alone, with zeros, which
 raise no block's amax), and a chunk shorter than the block knob is one block of its own size.
+A block may span two parameters of a bucket (blocks follow the chunk, not its members): a
+gradient much smaller than its neighbours in a block is sent with their scale, and may come
+out as zeros; the bound above still holds, element by element.
 bf16: the reduction is the one of bf16-rounded inputs in bf16. Either way the shape and dtype
 the old wait produced are unchanged, so every reader of the gradient is untouched. Only
 data-parallel reduce-scatters (``Collective.ours``) of a floating dtype wider than the target,
