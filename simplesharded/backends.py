@@ -254,16 +254,17 @@ def make_backend(name: str, **options) -> Callable | str:
         if both:
             raise ValueError(f"backend option(s) {both} and plan=... both given: set them on "
                              f"the plan")
-    quantized = " and ".join(opts.quantized())
+    quantized = opts.quantized()
+    needs = f"{' and '.join(quantized)} need{'s' if len(quantized) == 1 else ''}"
     if name not in _BY_NAME and is_torch_backend(name):
         if quantized:
-            raise ValueError(f"{quantized} needs one of our backends {list(BACKENDS)}: "
+            raise ValueError(f"{needs} one of our backends {list(BACKENDS)}: "
                              f"torch's {name!r} runs none of our passes")
         return name
     backend = BackendName.parse(name)
     if backend.compiler == "eager":
         if quantized:
-            raise ValueError(f"{quantized} needs a compiled backend: 'eager' runs no pass")
+            raise ValueError(f"{needs} a compiled backend: 'eager' runs no pass")
         return "eager"
     pipeline = pass_pipeline(backend, opts)
     return aot_backend(pipeline) if backend.compiler == "aot_eager" else inductor_backend(pipeline)
