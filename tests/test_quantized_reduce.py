@@ -415,8 +415,8 @@ def test_trainer_key_reaches_the_backend_and_the_launch_line():
 # ------------------------------------------------------------ 4. two gloo ranks, training
 
 TRAIN_STEPS = 3
-# As in tests/test_quantized_gather.py: at 1e-3 three AdamW steps move the loss little, so
-# what the comparison sees is the gradients' quantization, not diverged trajectories.
+# As in tests/test_quantized_gather.py: at 1e-3 three AdamW steps stay close enough that the
+# comparison sees the gradients' quantization, not diverged trajectories.
 TRAIN_LR = 1e-3
 # Per storage, the choices trained; the unquantized per-parameter run is the reference of
 # all (ragged buckets train as it does unquantized, tests/test_ragged.py).
@@ -471,6 +471,7 @@ def test_two_ranks_train_close_to_unquantized():
     from dist_utils import spawn
 
     ranks = spawn(2, _storages_job, timeout_s=900)
+    errors = {}
     for rank, by_storage in enumerate(ranks):
         reference = by_storage["param"]["None"]
         ref, ref_grads = reference["losses"], reference["grads"]
@@ -484,16 +485,25 @@ def test_two_ranks_train_close_to_unquantized():
                 per_param = {k: float((res["grads"][k] - g).norm() / g.norm())
                              for k, g in ref_grads.items()}
                 worst = max(per_param, key=per_param.get)
-                grad_err = _norm_error(list(res["grads"].values()), list(ref_grads.values()))
+                grad_err = _norm_error([res["grads"][k] for k in ref_grads],
+                                       list(ref_grads.values()))
                 print(f"{storage} rank {rank} {choice}: losses {got} unquantized {ref}; "
                       f"step 0 gradients' relative error {grad_err:.2e} (worst parameter "
                       f"{worst}: {per_param[worst]:.2e}); backward's reductions "
                       f"{res['reductions']}")
-                # the forward graph is untouched (ragged storage: its own forward's rounding)
+                # the forward graph is untouched (ragged storage: measured bit for bit too,
+                # but its forward is not the per-parameter one)
                 assert abs(got[0] - ref[0]) <= (0 if storage == "param" else 1e-6) * ref[0]
-                # measured at worst: int8 ?, bf16 ?
-                assert 0 < grad_err < {"int8": 0.02, "bf16": 0.01}[choice]
-                assert all(abs(a - b) <= 1e-3 * abs(b) for a, b in zip(got, ref)), (got, ref)
+                # measured at worst: int8 1.2 % (per parameter at worst 2.6 %), bf16 0.26 %:
+                # the int8 bound allows each rank half a step of 1/127 of its block's amax
+                errors[storage, choice, rank] = grad_err
+                assert 0 < grad_err < {"int8": 0.02, "bf16": 0.005}[choice]
+                # Losses: measured at worst 0.15 % apart (int8) and 1.8e-4 (bf16). AdamW's
+                # first update is about lr times the gradient's sign, so a gradient error
+                # only flips the elements near zero, and three steps at lr 1e-3 stay close;
+                # the tolerances leave 3x room.
+                tol = {"int8": 5e-3, "bf16": 5e-4}[choice]
+                assert all(abs(a - b) <= tol * abs(b) for a, b in zip(got, ref)), (got, ref)
                 assert got != ref
                 counts = res["reductions"]
                 if choice == "int8":  # one payload and one scale all-to-all per bucket
@@ -510,3 +520,6 @@ def test_two_ranks_train_close_to_unquantized():
                 # per parameter as many as the block buckets' reduce-scatters; a ragged
                 # bucket's own reduce-scatter is one per bucket already
                 assert payloads == n_buckets if storage == "param" else payloads > 0
+    for (storage, choice, rank), err in errors.items():
+        if choice == "int8":  # 255 steps per block against bf16's 8 significant bits
+            assert err > errors[storage, "bf16", rank]
