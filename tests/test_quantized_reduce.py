@@ -1,5 +1,5 @@
-"""Tests of the quantized gradient reduction pass (passes/quantized_reduce.py); all but 4 are
-fast, single-process:
+"""Tests of the quantized gradient reduction pass (passes/quantized_reduce.py); 1-3 are fast,
+single-process:
 
 1. the round trip of hand-built one-reduce-scatter graphs, run on simulated ranks, is within
    the per-element bound of the module docstring (its scales recomputed here independently,
@@ -9,18 +9,21 @@ fast, single-process:
 2. on the toy model's real traced backward graphs, through the backend's own pass list: one
    quantize (cast to int8) and one payload and one scale all-to-all per bucket where the
    unquantized pipeline leaves one reduce-scatter per bucket, no reduce-scatter of ours left,
-   the new collectives ours and in the agreement check's fingerprint; bf16 reduce-scatters
-   only, under bf16; the outputs keep their shapes and dtypes and stay close;
+   the new collectives ours and in the agreement check's fingerprint; the gradients the
+   graph returns are bit for bit the formula's, emulated on the unquantized graph, and close
+   to the exact ones norm-wise; under bf16, bf16 reduce-scatters only;
 3. the backend options and the trainer key: where the pass runs, one-line refusals;
 4. (slow) two gloo ranks train the toy model 3 steps under aot_eager_blockbucketing, int8
    and bf16, per-parameter and ragged storage in one spawn: step 0's loss is bit for bit the
-   unquantized one (the forward is untouched), its gradients are close, later losses close.
+   unquantized one (the forward is untouched), its gradients are close, later losses close;
+   the backward sends one payload and one scale all-to-all per bucket.
 
-The simulated ranks (as in tests/test_quantized_gather.py): rank r holds ``(-2)**r * x``
-where this process holds ``x``. Symmetric blockwise quantization commutes with that exactly
-(rank r's payload is ``(-1)**r * q``, its scales ``2**r * s``), so the interpreter gives
-every all-to-all what each rank would have sent, and a dequantize that reads a rank's chunk
-from the wrong row, or unpads it at the wrong place, shows up as a wrong sign or magnitude.
+The simulated ranks (as in tests/test_quantized_gather.py): in what it reduces, rank r holds
+``(-2)**r * x`` where this process holds ``x`` (gathers: pass_utils' simulation). Symmetric
+blockwise quantization commutes with that exactly (rank r's payload is ``(-1)**r * q``, its
+scales ``2**r * s``), so the interpreter gives every all-to-all what each rank would have
+sent, and a dequantize that reads a rank's chunk from the wrong row, or unpads it at the
+wrong place, shows up as a wrong sign or magnitude.
 ``me`` is the rank whose result is computed: every destination chunk gets checked.
 """
 from __future__ import annotations
