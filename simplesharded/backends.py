@@ -226,7 +226,7 @@ def pass_pipeline(backend: str | BackendName, opts: BackendOptions = BackendOpti
             # quantized once; after reordering, so the all-to-alls stand where it put the
             # reduce-scatter; before lowering, which then lowers a bf16 one on gloo.
             graph.insert([n for n, _ in graph].index("lowering"), reduce)
-        else:  # torch's own bucketing (upstream) merges no all-to-all either: per reduction
+        else:  # no bucketing of ours (none; torch's own merges no all-to-all): per reduction
             quantize.append(reduce)
     graph = quantize + graph
     joint = [("recompute", functools.partial(tag_gathers_for_recompute, plan=plan))]
