@@ -32,7 +32,9 @@ Written by our passes:
                      gathers (bucketing.py)
   QUANT_KEY          on the two all-gathers (and their waits) quantized_gather.py makes of a
                      parameter's gather: "payload" (int8 or float8 values) or "scales" (one
-                     fp32 scale per block); what makes that pass idempotent
+                     fp32 scale per block); what makes that pass idempotent. On the two
+                     all-to-alls (and their waits) quantized_reduce.py makes of a gradient
+                     reduce-scatter, the same roles; on its bf16 reduce-scatter, "bf16"
   GATHERED_KEY       FQN of the gathered parameter a forward view of it holds (recompute.py):
                      a saved view reaches the backward graph as a placeholder carrying it, so
                      the memory cap counts it (gathered_spans.py, memory.py)

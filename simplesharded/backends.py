@@ -124,15 +124,28 @@ class BackendOptions:
     # elements with one fp32 scale each, dequantized after the wait; None: as traced
     # (passes/quantized_gather.py). Master weights, optimizer and gradients stay as they are.
     quantize_gathers: str | None = None
+    # Gradient reduce-scatters sent as "int8" blocks of quantize_block elements with one fp32
+    # scale each through an all-to-all, summed in fp32 by their owner, or run in "bf16";
+    # None: as traced (passes/quantized_reduce.py).
+    quantize_grads: str | None = None
     quantize_block: int = 256
 
     def __post_init__(self):
+        # imported only when asked: importing simplesharded loads no pass it does not run
         if (self.quantize_gathers is not None
                 or self.quantize_block != BackendOptions.quantize_block):
-            # imported only when asked: importing simplesharded loads no pass it does not run
             from simplesharded.passes.quantized_gather import check_choice
 
             check_choice(self.quantize_gathers, self.quantize_block)
+        if self.quantize_grads is not None:
+            from simplesharded.passes.quantized_reduce import check_choice as check_grads
+
+            check_grads(self.quantize_grads, self.quantize_block)
+
+    def quantized(self) -> list[str]:
+        """The quantizing options set, by name: each needs a backend that runs our passes."""
+        return [name for name in ("quantize_gathers", "quantize_grads")
+                if getattr(self, name) is not None]
 
 
 # Options a built-in plan is made of: with plan=..., they belong on that plan.
@@ -202,6 +215,19 @@ def pass_pipeline(backend: str | BackendName, opts: BackendOptions = BackendOpti
     elif backend.bucketing == "upstream":
         graph = [("upstream", functools.partial(upstream_overlap_bucketing,
                                                 hardware=_hardware(opts)))]
+    if opts.quantize_grads is not None:
+        from simplesharded.passes.quantized_reduce import quantize_reductions
+
+        reduce = ("quantize_grads", functools.partial(quantize_reductions,
+                                                      choice=opts.quantize_grads,
+                                                      block=opts.quantize_block))
+        if backend.ours:
+            # After bucketing, which merges no all-to-all: a bucket's one reduce-scatter is
+            # quantized once; after reordering, so the all-to-alls stand where it put the
+            # reduce-scatter; before lowering, which then lowers a bf16 one on gloo.
+            graph.insert([n for n, _ in graph].index("lowering"), reduce)
+        else:  # no bucketing of ours (none; torch's own merges no all-to-all): per reduction
+            quantize.append(reduce)
     graph = quantize + graph
     joint = [("recompute", functools.partial(tag_gathers_for_recompute, plan=plan))]
     step = [("regather", functools.partial(regather_for_backward, plan=plan))]
@@ -228,15 +254,17 @@ def make_backend(name: str, **options) -> Callable | str:
         if both:
             raise ValueError(f"backend option(s) {both} and plan=... both given: set them on "
                              f"the plan")
+    quantized = opts.quantized()
+    needs = f"{' and '.join(quantized)} need{'s' if len(quantized) == 1 else ''}"
     if name not in _BY_NAME and is_torch_backend(name):
-        if opts.quantize_gathers is not None:
-            raise ValueError(f"quantize_gathers needs one of our backends {list(BACKENDS)}: "
+        if quantized:
+            raise ValueError(f"{needs} one of our backends {list(BACKENDS)}: "
                              f"torch's {name!r} runs none of our passes")
         return name
     backend = BackendName.parse(name)
     if backend.compiler == "eager":
-        if opts.quantize_gathers is not None:
-            raise ValueError("quantize_gathers needs a compiled backend: 'eager' runs no pass")
+        if quantized:
+            raise ValueError(f"{needs} a compiled backend: 'eager' runs no pass")
         return "eager"
     pipeline = pass_pipeline(backend, opts)
     return aot_backend(pipeline) if backend.compiler == "aot_eager" else inductor_backend(pipeline)

@@ -20,9 +20,10 @@ EXIT_CONFIG, EXIT_NONFINITE = 2, 3
 
 
 def _quantized_text(cfg) -> str:
-    """The launch line's word on quantized gathers (only when they are on)."""
+    """The launch line's words on quantized gathers and gradient reductions (only those on)."""
     c = cfg.compile
-    return f" quantize_gathers={c.quantize_gathers}" if c.quantize_gathers != "none" else ""
+    return "".join(f" {key}={getattr(c, key)}" for key in ("quantize_gathers", "quantize_grads")
+                   if getattr(c, key) != "none")
 
 
 def _mesh_text(mesh) -> str:

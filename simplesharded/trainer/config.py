@@ -226,6 +226,11 @@ class Compile:
                                  "dequantized after the wait; weights, optimizer and "
                                  "gradients stay full precision (passes/quantized_gather.py)",
                                  ("none", "int8", "fp8"))
+    quantize_grads: str = _opt("none", "gradient reduce-scatters sent as int8 blocks of 256 "
+                               "elements with one fp32 scale each through an all-to-all and "
+                               "summed in fp32 by their owner, or reduce-scattered in bf16 "
+                               "(fp32 gradients); weights and optimizer stay as they are "
+                               "(passes/quantized_reduce.py)", ("none", "int8", "bf16"))
 
 
 @dataclass

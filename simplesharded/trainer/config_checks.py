@@ -151,9 +151,11 @@ def validate(cfg: _Config, backends: Iterable[str] | None = None) -> None:
         raise ValueError(f"training.clip_norm={t.clip_norm!r} needs compile.scope='step' "
                          f"(got {cfg.compile.scope!r}): the split step clips with this step's "
                          f"norm")
-    if cfg.compile.quantize_gathers != "none" and not cfg.compile.enable:
-        raise ValueError(f"compile.quantize_gathers={cfg.compile.quantize_gathers!r} needs "
-                         f"compile.enable (the quantizing pass rewrites the compiled graph)")
+    for key in ("quantize_gathers", "quantize_grads"):
+        value = getattr(cfg.compile, key)
+        if value != "none" and not cfg.compile.enable:
+            raise ValueError(f"compile.{key}={value!r} needs compile.enable (the quantizing "
+                             f"pass rewrites the compiled graph)")
     _check_hardware(cfg.compile.hardware)
     _check_backend(cfg.compile.backend, backends)
 

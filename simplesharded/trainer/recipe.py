@@ -221,13 +221,14 @@ def _compiled(model: torch.nn.Module, mesh, cfg: Config, backend, observer,
 
 
 def _backend_options(c, observer, compute_dtype: str) -> dict:
-    """make_backend's options from the compile section: quantized gathers for any backend;
-    the memory cap and the cost model (its matmuls timed in ``compute_dtype``,
-    training.mixed_precision_param) only for backends that bucket (a plain backend's
-    recompute pass keeps its default cap)."""
+    """make_backend's options from the compile section: quantized gathers and gradient
+    reductions for any backend; the memory cap and the cost model (its matmuls timed in
+    ``compute_dtype``, training.mixed_precision_param) only for backends that bucket (a plain
+    backend's recompute pass keeps its default cap)."""
     opts = {"dump_graphs": c.dump_graphs or None, "observer": observer}
-    if c.quantize_gathers != "none":  # make_backend refuses it, in one line, where no pass runs
-        opts["quantize_gathers"] = c.quantize_gathers
+    for key in ("quantize_gathers", "quantize_grads"):
+        if getattr(c, key) != "none":  # make_backend refuses it, in one line, where no pass runs
+            opts[key] = getattr(c, key)
     if c.backend in BACKENDS and BackendName.parse(c.backend).bucketing != "none":
         opts["memory_cap_bytes"] = int(c.memory_cap_mb * 2**20) or None
         opts["hardware"] = c.hardware
