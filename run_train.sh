@@ -38,5 +38,6 @@ else
           --master_addr="${MASTER_ADDR:?set MASTER_ADDR for multi-node}"
           --master_port="${MASTER_PORT:-29500}")
 fi
-exec "$PY" -m torch.distributed.run "${rdzv[@]}" --nproc_per_node="$NGPU" ${TORCHRUN_ARGS:-} \
+# the preflight printed the config's warnings (a deprecated key): the ranks do not again
+SIMPLESHARDED_PREFLIGHT_DONE=1 exec "$PY" -m torch.distributed.run "${rdzv[@]}" --nproc_per_node="$NGPU" ${TORCHRUN_ARGS:-} \
     -m simplesharded.trainer --job.config_file "$CONFIG_FILE" "$@"

@@ -75,6 +75,14 @@ HARDWARE: dict[str, Hardware] = {
                            bandwidth_Bps=25e9, mem_bw_Bps=2.0e12, memory_bytes=80 * 2**30,
                            gpus_per_node=8, intra_node_alpha_s=10e-6,
                            intra_node_bandwidth_Bps=240e9),
+    # A low-bandwidth cluster: H100 nodes as above joined by one 100 Gb/s Ethernet NIC per
+    # node (12.5 GB/s shared by its 8 GPUs: ~1.56 GB/s each for a group spanning nodes),
+    # latency ~50 us; inside a node NVLink as h100-ib400. The setting quantized collectives
+    # are made for.
+    "h100-eth100": Hardware("h100-eth100", flops_per_s=989e12 * GPU_EFFICIENCY, alpha_s=50e-6,
+                            bandwidth_Bps=100e9 / 8 / 8, mem_bw_Bps=3.35e12,
+                            memory_bytes=80 * 2**30, gpus_per_node=8,
+                            intra_node_alpha_s=10e-6, intra_node_bandwidth_Bps=360e9),
 }
 
 

@@ -37,8 +37,8 @@ def test_summarize_ratios_and_targets():
     assert "MISS ss_aot_eager_autobucketing / fsdp2_eager = 0.77 (target ≤ 0.7)" in verdicts
     assert "PASS ss_aot_eager_autobucketing / compute_floor = 1.15 (target ≤ 1.15)" in verdicts
     table = bench_table.format_table(list(rows.values()), bench_variants.BenchArgs())
-    assert ("| ss_aot_eager_autobucketing | 1150 | 0.77 | 1.15 | 1.05 | 4 | 1.0 | 100 | 60 | – | "
-            "1035 + 50 |") in table
+    assert ("| ss_aot_eager_autobucketing | 1150 | 0.77 | 1.15 | 1.05 | 4 | 0.0 | 1.0 | 100 | 60 | "
+            "– | 1035 + 50 |") in table
 
 
 def test_ratios_pair_each_repetition_with_its_own_reference():
@@ -76,7 +76,7 @@ def test_step_peak_bytes_counts_state_gradients_and_activations():
     step()  # the optimizer state exists from here on
     params = sum(p.numel() * 4 for p in model.parameters())
     assert bench_run._resident_bytes(model, opt) == 3 * params + 8 * 4  # + 8 AdamW step counters
-    peak, held, _, _, _ = bench_run._step_peak_bytes(step, model, opt, "cpu")
+    peak, held, *_ = bench_run._step_peak_bytes(step, model, opt, "cpu")
     assert held == 3 * params + 8 * 4
     activations = 4 * x.numel() * 4  # the outputs of the first three layers, kept for backward
     # at least: state, all gradients, and the saved activations at the end of forward
@@ -219,7 +219,7 @@ def test_failed_variant_is_reported_not_hidden():
 def test_unknown_variant_is_an_error(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--variants", "fsdp3"])
-    assert "--variants ['fsdp3'] not one of" in capsys.readouterr().err
+    assert "--variants ['fsdp3']: 'fsdp3' is not one of" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -228,7 +228,8 @@ def test_tiny_bench_runs_end_to_end(tmp_path, capsys):
     assert bench.main(["--flavor", "debug", "--n-layers", "2", "--seq-len", "32", "--warmup",
                        "1", "--steps", "2", "--reps", "1", "--json", str(out), "--variants",
                        "compute_floor",
-                       "ss_aot_eager_blockbucketing", "ss_ragged_aot_eager_blockbucketing"]) == 0
+                       "ss_aot_eager_blockbucketing", "ss_ragged_aot_eager_blockbucketing",
+                       "ss_ragged_aot_eager_blockbucketing+qw_int8+qg_int8"]) == 0
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
     assert not any("error" in r for r in rows.values()), rows
     assert rows["compute_floor"]["collectives_per_step"] == 0
@@ -254,7 +255,59 @@ def test_tiny_bench_runs_end_to_end(tmp_path, capsys):
         rows["compute_floor"]["copied_mb"], abs=0.05)
     assert 0.75 < ragged["planned_mb"] / ragged["peak_mem_mb"] < 1.33, ragged
     assert "planned_mb" not in rows["compute_floor"]
-    assert "| ss_aot_eager_blockbucketing |" in capsys.readouterr().out
+    # bytes into the collectives: none for the floor; int8 gathers and reductions (payload
+    # and one fp32 scale per 256 elements, padded blocks) about a quarter of fp32's
+    quantized = rows["ss_ragged_aot_eager_blockbucketing+qw_int8+qg_int8"]
+    assert rows["compute_floor"]["wire_mb"] == 0 and ragged["wire_mb"] > 1
+    assert rows["ss_aot_eager_blockbucketing"]["wire_mb"] == pytest.approx(ragged["wire_mb"],
+                                                                           rel=0.05)
+    assert 0.25 < quantized["wire_mb"] / ragged["wire_mb"] < 0.3, (quantized, ragged)
+    assert quantized["collectives_per_step"] == 2 * ragged["collectives_per_step"]
+    printed = capsys.readouterr().out
+    assert "| ss_aot_eager_blockbucketing |" in printed
+    assert "quantized, not compared: ss_ragged_aot_eager_blockbucketing+qw_int8+qg_int8" in printed
+
+
+def test_quantized_variants_stand_beside_the_parity_check():
+    """A quantized variant computes another step: its losses take no part in the parity
+    check (which still fails on an unquantized variant that differs); its largest relative
+    difference from the first run is said on the same line."""
+    def run(variant, *losses):
+        return [bench_run.RunResult(variant, [1.0], losses=list(losses))]
+
+    runs = {"ss_aot_eager": run("ss_aot_eager", 6.0, 5.9),
+            "ss_aot_eager+qw_int8": run("ss_aot_eager+qw_int8", 6.01, 5.95),
+            "ss_aot_eager+qw_int8+qg_int8": run("ss_aot_eager+qw_int8+qg_int8", 6.0, 5.8)}
+    ok, line = bench_table.parity(bench_table.summarize(runs, bench_variants.BenchArgs()))
+    assert ok, line
+    assert line.endswith("; quantized, not compared: ss_aot_eager+qw_int8 8.5e-03 (step 2), "
+                         "ss_aot_eager+qw_int8+qg_int8 1.7e-02 (step 2)"), line
+    runs["ss_aot_eager_blockbucketing"] = run("ss_aot_eager_blockbucketing", 6.01, 5.9)
+    ok, line = bench_table.parity(bench_table.summarize(runs, bench_variants.BenchArgs()))
+    assert not ok and "ss_aot_eager_blockbucketing 6.010000 vs ss_aot_eager" in line, line
+    assert bench_variants.split_quantized("ss_ragged_aot_eager_autobucketing+qw_fp8+qg_bf16") \
+        == ("ss_ragged_aot_eager_autobucketing", {"quantize_gathers": "fp8",
+                                                  "quantize_grads": "bf16"})
+    assert str(bench_variants.ss_backend("ss_ragged_inductor_blockbucketing+qw_int8")) == \
+        "inductor_blockbucketing"
+    assert bench_variants.storage_of("ss_ragged_aot_eager_blockbucketing+qg_int8") == "ragged"
+
+
+def test_wire_bytes_reads_gloos_records():
+    """The bytes of the inputs of gloo's collectives, by element type; other events ignored;
+    an element type the table does not know is an error naming it."""
+    events = [{"name": "gloo:all_gather", "args": {"Input type": ["float"],
+                                                   "Input Dims": [[10, 3]]}},
+              {"name": "gloo:all_to_all", "args": {"Input type": ["signed char"],
+                                                   "Input Dims": [[8]]}},
+              {"name": "gloo:all_reduce", "args": {"Input type": ["c10::BFloat16"],
+                                                   "Input Dims": [[7]]}},
+              {"name": "aten::mm", "args": {"Input type": ["float"], "Input Dims": [[99]]}},
+              {"name": "[memory]", "args": {"Bytes": 4}}]
+    assert bench_run.wire_bytes(events) == 4 * 30 + 8 + 2 * 7
+    with pytest.raises(ValueError, match="gloo:all_gather: element type 'c10::Float4'"):
+        bench_run.wire_bytes([{"name": "gloo:all_gather",
+                               "args": {"Input type": ["c10::Float4"], "Input Dims": [[2]]}}])
 
 
 def test_parity_names_the_variant_that_computed_something_else():
@@ -280,8 +333,8 @@ def test_parity_names_the_variant_that_computed_something_else():
     # a reference that did not run has no column (not a ratio of 0)
     table = bench_table.format_table(rows, bench_variants.BenchArgs())
     assert "| step ms | × fsdp2_eager | × compute_floor | collectives/step |" in table
-    assert ("| fsdp2_eager | 1000 | 1.00 | 1.00 | 0 | 0.0 | 0 | 0 | – | 0 + 0 | 0 | 0 + 0 (0) | 6.000300 | "
-            "5.900000 |"
+    assert ("| fsdp2_eager | 1000 | 1.00 | 1.00 | 0 | 0.0 | 0.0 | 0 | 0 | – | 0 + 0 | 0 | 0 + 0 (0) | "
+            "6.000300 | 5.900000 |"
             in table)
 
 
@@ -309,6 +362,18 @@ def test_parity_names_the_variant_that_computed_something_else():
                                        "chunks"),
     (["--cp", "2", "--model", "gpt"], "--cp 2: this model's attention does not run under "
                                       "context parallelism"),
+    (["--variants", "ss_aot_eager_blockbucketing+qw_int4"],
+     "--variants ['ss_aot_eager_blockbucketing+qw_int4']: variant "
+     "'ss_aot_eager_blockbucketing+qw_int4': +qw_int4 is not one of ['+qw_int8', '+qw_fp8', "
+     "'+qg_int8', '+qg_bf16']"),
+    (["--variants", "ddp+qw_int8"], "--variants ['ddp+qw_int8']: 'ddp+qw_int8': quantization "
+                                    "suffixes take one of our compiled variants"),
+    (["--variants", "ss_ragged_eager+qg_int8"], "--variants ['ss_ragged_eager+qg_int8']: "
+                                                "'ss_ragged_eager+qg_int8': quantization "
+                                                "suffixes take one of our compiled variants"),
+    (["--variants", "ss_aot_eager+qw_int8+qw_fp8"],
+     "--variants ['ss_aot_eager+qw_int8+qw_fp8']: variant 'ss_aot_eager+qw_int8+qw_fp8': two "
+     "quantize_gathers suffixes"),
 ])
 def test_bad_tp_flags_are_one_line_errors(argv, message, capsys):
     with pytest.raises(SystemExit):

@@ -412,6 +412,24 @@ def test_flat_buckets_is_storage_deprecated(tmp_path, capsys):
         load(write(tmp_path, "[parallelism]\nflat_buckets = 1\n"))
 
 
+def test_flat_buckets_warning_once_per_job(monkeypatch, capsys):
+    """The deprecation line is printed by rank 0 only, and not by the ranks run_train.sh
+    starts after its preflight printed it (SIMPLESHARDED_PREFLIGHT_DONE)."""
+    from simplesharded.trainer.config_parse import PREFLIGHT_DONE
+
+    argv = ["--parallelism.flat_buckets", "ragged"]
+    for env, printed in (({"RANK": "1"}, ""), ({"RANK": "0", PREFLIGHT_DONE: "1"}, ""),
+                         ({"RANK": "0"}, f"{DEPRECATED} ragged\n")):
+        monkeypatch.delenv(PREFLIGHT_DONE, raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        assert load(None, argv).parallelism.storage == "ragged"
+        assert capsys.readouterr().err == printed, env
+    assert "SIMPLESHARDED_PREFLIGHT_DONE=1 exec" in open(
+        os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                     "run_train.sh")).read()
+
+
 def test_storage_and_flat_buckets_together_are_one_error(tmp_path):
     both = ("parallelism.flat_buckets and parallelism.storage are both set: flat_buckets is "
             "storage's deprecated name, keep storage only")

@@ -319,7 +319,6 @@ def test_traced_outputs_close_to_unquantized():
 # ------------------------------------------------------------ 4. two gloo ranks, training
 
 TRAIN_STEPS = 3
-TRAIN_CASES = (None, "int8", "fp8")
 # Small: the toy model's gradients are noisy against its weights (int8 weights move some
 # gradients by 20 % of their norm, uncompiled as compiled), so at AdamW's lr=1e-2 the
 # trajectories part by 8 % of the loss within three steps; at 1e-3 what is left is the
@@ -411,12 +410,12 @@ def _train_quantized(rank, world, storage, backend, cases):
     return out
 
 
-# Per storage, the backend and the choices trained: every choice per parameter (its
-# unquantized run the reference of all three: ragged buckets and bf16 gathers train as it does
-# to well within the tolerances when unquantized); one compile each for the others, to keep the
-# suite short. Ragged buckets run under inductor, which lowers the pass's ops in its own
+# Per storage, the backend and the choices trained: unquantized and int8 per parameter (the
+# unquantized run the reference of all: ragged buckets and bf16 gathers train as it does to well
+# within the tolerances when unquantized); one compile each for the others, fp8 with bf16
+# gathers, to keep the suite short. Ragged buckets run under inductor, which lowers the pass's ops in its own
 # kernels (the cast chain, the clamps, float8 as bytes): one spawn for all of it.
-STORAGE_CASES = {"param": ("aot_eager_blockbucketing", TRAIN_CASES),
+STORAGE_CASES = {"param": ("aot_eager_blockbucketing", (None, "int8")),
                  "ragged": ("inductor_blockbucketing", ("int8",)),
                  "bf16+param": ("aot_eager_blockbucketing", ("fp8",))}
 # Step 0 against the pass emulated uncompiled: aot_eager runs the model's ops as eager does;
@@ -483,6 +482,46 @@ def test_two_ranks_under_inductor_match_the_emulation():
         for g in res["graphs"].values():
             assert set(g["roles"]) == {("payload", "torch.int8"), ("scales", "torch.float32")}
             assert g["roles"][("payload", "torch.int8")] == g["buckets"]
+
+
+# ---------------------------------------------------------------------------- planner
+
+
+def test_planner_costs_the_quantized_bytes():
+    """The planner's graphs (python -m simplesharded.tools.forecast, the trainer's compile
+    keys) carry the quantized gathers and reductions: llama3 debug at 2 blocks on 2 fake ranks,
+    block bucketing. The forward's gathers send a quarter of fp32's bytes plus one fp32 scale
+    per 256 elements and the padding of each shard to whole blocks (≤ 0.27 of them), the
+    backward's int8 reductions likewise; the cost model then sends fewer bytes per rank and
+    costs the (de)quantize ops as compute (the graphs grow, their compute time too)."""
+    from simplesharded.passes.simulate import simulate
+    from simplesharded.passes.hardware import get_hardware
+    from simplesharded.tools import cluster_trace as dry_run
+    from simplesharded.trainer.config import load_config
+    from simplesharded.trainer.recipe import quantize_options
+
+    on = load_config("configs/llama3_debug.toml", [
+        "--compile.enable", "--compile.quantize_gathers", "int8",
+        "--compile.quantize_grads", "int8", "--parallelism.storage", "param"]).compile
+    assert quantize_options(on) == {"quantize_gathers": "int8", "quantize_grads": "int8"}
+    cfg = load_config("configs/llama3_debug.toml", ["--parallelism.storage", "param"])
+    hw = get_hardware("h100-ib400")
+    with dry_run.fake_world(2):
+        traced = dry_run.trace(cfg, 2, n_layers=2)
+        plain, quantized = (
+            [(sum(c.nbytes for c in find_collectives(gm) if c.kind == kind),
+              simulate(gm, hw, labels=traced.group_labels))
+             for gm, kind in zip(dry_run.apply_backend_passes(
+                 traced, "aot_eager_blockbucketing", "h100-ib400", None, **q),
+                 ("all_gather", "all_to_all"))]
+            for q in ({}, quantize_options(on)))
+    (fw_bytes, fw), (_, bw) = plain
+    (qfw_bytes, qfw), (qbw_a2a, qbw) = quantized
+    assert 0.25 < qfw_bytes / fw_bytes <= 0.27, (qfw_bytes, fw_bytes)
+    assert qbw_a2a > 0 and 0.25 < qbw.comm_bytes / bw.comm_bytes <= 0.3, (qbw.comm_bytes,
+                                                                          bw.comm_bytes)
+    assert 0.25 < qfw.comm_bytes / fw.comm_bytes <= 0.27
+    assert qfw.compute_s > fw.compute_s and qbw.compute_s > bw.compute_s
 
 
 # ------------------------------------------------------------------- backend options

@@ -40,7 +40,7 @@ from simplesharded.tools.bench_run import RunResult, run_variant
 from simplesharded.tools.bench_table import (FORECAST, forecast_peaks, format_table, parity,
                                              summarize, targets)
 from simplesharded.tools.bench_variants import (BASELINES, CP_DEFAULT, NO_CP_FORM, NO_TP_FORM,
-                                                TP_DEFAULT, BenchArgs, all_variants,
+                                                TP_DEFAULT, BenchArgs, check_variant,
                                                 default_variants, is_step_variant)
 
 
@@ -114,9 +114,9 @@ def main(argv=None) -> int:
         ap.error(f"--world-size {world}: this machine has {devices} {ns.device} device(s), "
                  f"one per rank")
     variants = ns.variants or default_variants(tp, cp)
-    unknown = sorted(set(variants) - set(all_variants()))
+    unknown = sorted(set(v for v in variants if check_variant(v)))
     if unknown:
-        ap.error(f"--variants {unknown} not one of {all_variants()}")
+        ap.error(f"--variants {unknown}: {check_variant(unknown[0])}")
     # compile_step takes TP, but the bench's step variant does not run TP's loss parallelism
     no_tp = sorted(v for v in variants if v in NO_TP_FORM or is_step_variant(v)) if tp > 1 else []
     if no_tp:

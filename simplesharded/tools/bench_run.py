@@ -48,6 +48,11 @@ class RunResult:
     copied_mb: float = 0.0
     cast_mb: float = 0.0
     copied_other_mb: float = 0.0
+    # Bytes of the inputs of the collectives gloo ran in one step (a gather's shard, a
+    # reduction's or an all-to-all's whole input): what this rank puts on the wire before
+    # the algorithm's own factor, read from the profiled step (CPU only, 0 elsewhere).
+    # Quantized collectives show here as fewer bytes.
+    wire_mb: float = 0.0
     main_cpu_s: float = 0.0  # CPU time per timed step: the main (compute) thread
     other_cpu_s: float = 0.0  # ... every other thread (gloo's workers, autograd, ...)
     page_faults: float = 0.0  # minor page faults per timed step, all threads (fresh pages)
@@ -147,8 +152,8 @@ def copied_bytes(events) -> tuple[int, int, int]:
     return copied, cast, other
 
 
-def _step_peak_bytes(step, model, opt, device: str) -> tuple[int, int, int, int, int]:
-    """(peak, held, copied, cast, other): peak bytes of live tensors on this rank during one step
+def _step_peak_bytes(step, model, opt, device: str) -> tuple[int, int, int, int, int, int]:
+    """(peak, held, copied, cast, other, wire): peak bytes of live tensors on this rank during one step
     (gradients zeroed before it, parameter shards and optimizer state included; allocator
     caches and compile-time memory not). On an accelerator its allocator's peak. On CPU,
     which keeps no such count: what the rank holds between steps plus the highest running
@@ -156,14 +161,15 @@ def _step_peak_bytes(step, model, opt, device: str) -> tuple[int, int, int, int,
     steps), from torch.profiler's memory events (every allocation and free of a tensor made
     while it records); held: the bytes
     alive before the step; copied, cast and other: :func:`copied_bytes` of the same step or of
-    one more (see below; CPU only, 0 on an accelerator)."""
+    one more (see below; CPU only, 0 on an accelerator); wire: :func:`wire_bytes` of the
+    second step (CPU only)."""
     opt.zero_grad(set_to_none=True)
     if device != "cpu":
         held = torch.accelerator.memory_allocated()
         torch.accelerator.reset_peak_memory_stats()
         step()
         _sync(device)
-        return torch.accelerator.max_memory_allocated(), held, 0, 0, 0
+        return torch.accelerator.max_memory_allocated(), held, 0, 0, 0, 0
     resident = _resident_bytes(model, opt)
     profs = [_profiled(step), _profiled(step)]
     # A charge of a collective's buffer to an op whose input sizes the profiler does not
@@ -172,18 +178,46 @@ def _step_peak_bytes(step, model, opt, device: str) -> tuple[int, int, int, int,
     # allocate and free relative to the compute thread depends on timing too, so the peak is
     # the higher of the two steps'.
     copied, cast, other = min((copied_bytes(p.events()) for p in profs), key=lambda c: c[0])
-    peak = max(_allocated_peak(p) for p in profs)
-    return resident + peak, resident, copied, cast, other
+    traces = [_trace_events(p) for p in profs]
+    peak = max(_allocated_peak(t) for t in traces)
+    return resident + peak, resident, copied, cast, other, wire_bytes(traces[-1])
 
 
-def _allocated_peak(prof) -> int:
-    """The highest running total of bytes allocated and not yet freed during a profiled step
-    (0 without memory events)."""
+def _trace_events(prof) -> list[dict]:
+    """A profile's chrome-trace events (the memory events and gloo's own records are there)."""
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as f:
-            events = [e["args"] for e in json.load(f)["traceEvents"] if e.get("name") == "[memory]"]
+            return json.load(f)["traceEvents"]
+
+
+# The element types gloo's records name (C++ type names) → bytes per element.
+_GLOO_ITEMSIZE = {"float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2,
+                  "signed char": 1, "unsigned char": 1, "bool": 1, "short int": 2, "int": 4,
+                  "long int": 8, "c10::Float8_e4m3fn": 1, "c10::Float8_e5m2": 1}
+
+
+def wire_bytes(events: list[dict]) -> int:
+    """Bytes of the inputs of the collectives gloo ran (its ``gloo:<collective>`` records, each
+    with its input's type and dims) among chrome-trace ``events``; a ValueError naming an
+    element type this table does not know."""
+    total = 0
+    for e in events:
+        if not e.get("name", "").startswith("gloo:"):
+            continue
+        args = e.get("args", {})
+        for kind, dims in zip(args.get("Input type", ()), args.get("Input Dims", ())):
+            if kind not in _GLOO_ITEMSIZE:
+                raise ValueError(f"{e['name']}: element type {kind!r} not in _GLOO_ITEMSIZE")
+            total += _GLOO_ITEMSIZE[kind] * math.prod(dims)
+    return total
+
+
+def _allocated_peak(events: list[dict]) -> int:
+    """The highest running total of bytes allocated and not yet freed during a profiled step
+    (0 without memory events), from its chrome-trace ``events``."""
+    events = [e["args"] for e in events if e.get("name") == "[memory]"]
     if not events:
         return 0
     # "Total Allocated": the allocator's running total, kept while memory is profiled; a free
@@ -308,7 +342,8 @@ def _worker(rank: int, variant: str, args: BenchArgs, out_dir: str) -> None:
         if args.profile_dir:
             dist.barrier()
             _profile_step(step, variant, rank, args.profile_dir)
-        peak, held, copied, cast, other = _step_peak_bytes(step, model, opt, args.device)
+        peak, held, copied, cast, other, wire = _step_peak_bytes(step, model, opt, args.device)
+        result.wire_mb = wire / 2**20
         result.peak_mem_mb, result.step_mem_mb = peak / 2**20, (peak - held) / 2**20
         result.copied_mb, result.cast_mb = copied / 2**20, cast / 2**20
         result.copied_other_mb = other / 2**20

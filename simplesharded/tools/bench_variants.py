@@ -62,11 +62,56 @@ STEP_RAGGED_PREFIX = "ss_step_ragged_"
 RAGGED_DEFAULT = ("ss_ragged_eager", "ss_ragged_aot_eager_autobucketing")
 
 
+# <variant>+qw_int8 (or +qw_fp8): one of our compiled, not step, variants with its parameter
+# all-gathers quantized (make_backend's quantize_gathers); +qg_int8 (or +qg_bf16): its gradient
+# reductions quantized (quantize_grads); both may follow one variant, e.g.
+# ss_ragged_aot_eager_autobucketing+qw_int8+qg_int8. They compute another step than the rest:
+# their losses stand beside the others' instead of in the parity check (bench_table.py).
+QUANT_SUFFIXES = {"qw_int8": ("quantize_gathers", "int8"), "qw_fp8": ("quantize_gathers", "fp8"),
+                  "qg_int8": ("quantize_grads", "int8"), "qg_bf16": ("quantize_grads", "bf16")}
+
+
+def split_quantized(variant: str) -> tuple[str, dict[str, str]]:
+    """(the variant without its quantization suffixes, make_backend's options for them); a
+    one-line ValueError for a suffix that is not one, or two of one option."""
+    base, *suffixes = variant.split("+")
+    opts: dict[str, str] = {}
+    for suffix in suffixes:
+        if suffix not in QUANT_SUFFIXES:
+            raise ValueError(f"variant {variant!r}: +{suffix} is not one of "
+                             f"{['+' + k for k in QUANT_SUFFIXES]}")
+        key, value = QUANT_SUFFIXES[suffix]
+        if key in opts:
+            raise ValueError(f"variant {variant!r}: two {key} suffixes")
+        opts[key] = value
+    return base, opts
+
+
+def check_variant(variant: str) -> str | None:
+    """Why ``variant`` is not one the bench runs (one line), or None."""
+    try:
+        base, opts = split_quantized(variant)
+    except ValueError as e:
+        return str(e)
+    if base not in all_variants():
+        return f"{base!r} is not one of {all_variants()}"
+    backend = ss_backend(base)
+    if opts and (backend is None or backend.compiler == "eager" or is_step_variant(base)):
+        return (f"{variant!r}: quantization suffixes take one of our compiled variants "
+                f"(ss_[ragged_]<aot_eager|inductor backend>), not {base!r}")
+    return None
+
+
+def is_quantized(variant: str) -> bool:
+    return "+" in variant
+
+
 def ss_backend(variant: str):
-    """The backend (BackendName) of an ``ss_[step_][ragged_]<backend>`` variant; None for a
-    baseline."""
+    """The backend (BackendName) of an ``ss_[step_][ragged_]<backend>[+<quantization>]``
+    variant; None for a baseline."""
     from simplesharded.backends import BACKENDS, BackendName
 
+    variant = variant.split("+")[0]
     for prefix in (STEP_RAGGED_PREFIX, STEP_PREFIX, RAGGED_PREFIX, "ss_"):  # longest first
         if variant.startswith(prefix):
             name = variant[len(prefix):]
@@ -194,6 +239,7 @@ def prepare(variant: str, args: BenchArgs, mesh, loss_fn):
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
             return model, opt, compile_step(model, opt, loss_fn, backend=str(backend))
         if backend.compiler != "eager":
-            model = torch.compile(model, backend=make_backend(str(backend)), fullgraph=True)
+            model = torch.compile(model, backend=make_backend(
+                str(backend), **split_quantized(variant)[1]), fullgraph=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **OPTIMIZER_IMPL[args.optimizer_impl])
     return model, opt, None

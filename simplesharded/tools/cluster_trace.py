@@ -120,12 +120,15 @@ def trace(cfg, local_batch: int, n_layers: int | None = None,
                   local_numel, group_labels(mesh))
 
 
-def apply_backend_passes(traced: Traced, backend: str, hardware: str, cap_bytes: int | None):
+def apply_backend_passes(traced: Traced, backend: str, hardware: str, cap_bytes: int | None,
+                         **quantize):
     """Copies of the traced graphs with ``backend``'s graph passes applied (its pipeline:
     backends.pass_pipeline, under the built-in plan with cap ``cap_bytes``; on a gloo
     ``hardware`` profile its gloo lowerings apply to every group, which on the fake process
     group they would skip); for a backend without graph passes, the traced graphs themselves
-    (to read, not to edit). The joint pass ran in :func:`trace`; no agreement check is added
+    (to read, not to edit). ``quantize``: BackendOptions' quantize_gathers / quantize_grads
+    (their passes then send, and the cost model counts, the quantized bytes and the
+    (de)quantize ops). The joint pass ran in :func:`trace`; no agreement check is added
     (nothing here runs the graphs)."""
     from simplesharded.backends import BackendOptions, pass_pipeline
     from simplesharded.passes.hardware import get_hardware
@@ -133,7 +136,8 @@ def apply_backend_passes(traced: Traced, backend: str, hardware: str, cap_bytes:
     from simplesharded.passes.pipeline import lazily_compiled
 
     gloo = get_hardware(hardware).transport == "gloo"
-    pipeline = pass_pipeline(backend, BackendOptions(hardware=hardware, memory_cap_bytes=cap_bytes),
+    pipeline = pass_pipeline(backend, BackendOptions(hardware=hardware, memory_cap_bytes=cap_bytes,
+                                                     **quantize),
                              lower_on=None if gloo else LOWERED_BACKENDS)
     if not pipeline.graph:
         return traced.fw, traced.bw

@@ -459,7 +459,11 @@ def _evaluate(traced: Traced, name: str, ns, cfg, hw, cap) -> dict:
     from simplesharded.passes.collectives import find_collectives
     from simplesharded.passes.simulate import simulate
 
-    fw, bw = apply_backend_passes(traced, name, ns.hardware, cap)
+    from simplesharded.trainer.recipe import quantize_options
+
+    # the trainer's quantized collectives, so their bytes and (de)quantize ops are costed
+    fw, bw = apply_backend_passes(traced, name, ns.hardware, cap,
+                                  **quantize_options(cfg.compile))
     fs, bs = (simulate(gm, hw, labels=traced.group_labels) for gm in (fw, bw))
     mem = memory_report(traced, cfg.optimizer.name, (fw, bw))
     out = {"fw_s": fs.makespan, "bw_s": bs.makespan,

@@ -127,6 +127,9 @@ def set_key(cfg: Any, key: str, value: Any, source: str, from_cli: bool) -> None
 # parallelism.storage's name until flat storage was retired: still read, with one line
 # naming the new key. A TOML boolean or a bare command-line flag as before.
 FLAT_BUCKETS_KEY = "parallelism.flat_buckets"
+# Set by run_train.sh for the ranks it starts: its preflight (--check-only) read the same
+# config and printed its warnings already.
+PREFLIGHT_DONE = "SIMPLESHARDED_PREFLIGHT_DONE"
 _STORAGE_OF_FLAT_BUCKETS = {"false": "param", "ragged": "ragged", "auto": "auto"}
 
 
@@ -143,7 +146,8 @@ def _storage_of_flat_buckets(value: Any, from_cli: bool) -> str:
                          f"{sorted(_STORAGE_OF_FLAT_BUCKETS)} (deprecated: use "
                          f"parallelism.storage)")
     storage = _STORAGE_OF_FLAT_BUCKETS[word]
-    if os.environ.get("RANK", "0") == "0":  # once per job, not once per rank
+    # once per job: not once per rank, nor again after run_train.sh's preflight printed it
+    if os.environ.get("RANK", "0") == "0" and not os.environ.get(PREFLIGHT_DONE):
         print(f"[simplesharded] parallelism.flat_buckets is deprecated: use "
               f"--parallelism.storage {storage}", file=sys.stderr, flush=True)
     return storage

@@ -220,15 +220,20 @@ def _compiled(model: torch.nn.Module, mesh, cfg: Config, backend, observer,
     return _ScopedCalls(compiled, *contexts) if contexts else compiled
 
 
+def quantize_options(c) -> dict:
+    """The compile section's quantizations that are on, as make_backend takes them (the
+    planner's graphs get the same)."""
+    return {key: getattr(c, key) for key in ("quantize_gathers", "quantize_grads")
+            if getattr(c, key) != "none"}
+
+
 def _backend_options(c, observer, compute_dtype: str) -> dict:
     """make_backend's options from the compile section: quantized gathers and gradient
     reductions for any backend; the memory cap and the cost model (its matmuls timed in
     ``compute_dtype``, training.mixed_precision_param) only for backends that bucket (a plain
     backend's recompute pass keeps its default cap)."""
-    opts = {"dump_graphs": c.dump_graphs or None, "observer": observer}
-    for key in ("quantize_gathers", "quantize_grads"):
-        if getattr(c, key) != "none":  # make_backend refuses it, in one line, where no pass runs
-            opts[key] = getattr(c, key)
+    # make_backend refuses a quantization, in one line, where no pass runs
+    opts = {"dump_graphs": c.dump_graphs or None, "observer": observer, **quantize_options(c)}
     if c.backend in BACKENDS and BackendName.parse(c.backend).bucketing != "none":
         opts["memory_cap_bytes"] = int(c.memory_cap_mb * 2**20) or None
         opts["hardware"] = c.hardware
