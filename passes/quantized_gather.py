@@ -37,21 +37,17 @@ import torch
 from torch import fx
 
 from .annotations import QUANT_KEY, annotations
-from .collectives import ALL_GATHER, WAIT, find_collectives
+from .blockwise import QMAX, convert, dequantize, quantize, send, wait_both
+from .collectives import ALL_GATHER, find_collectives
 from .graph_utils import aten, call, fake_mode_of, flat
 
 # choice -> (payload dtype, largest magnitude a scaled element may take)
-FORMATS = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
+FORMATS = {"int8": (torch.int8, QMAX[torch.int8]),
+           "fp8": (torch.float8_e4m3fn, QMAX[torch.float8_e4m3fn])}
 # gloo has no float8 type: float8 payloads travel as their bytes (a view, no copy), on
 # every transport, so that every rank's graph is the same whatever its group's backend.
 WIRE_DTYPE = {torch.float8_e4m3fn: torch.uint8}
 DEFAULT_BLOCK = 256
-# The smallest scale: a block of zeros (or of values below it) gets a finite one, so
-# x / scale never divides by zero.
-_MIN_SCALE = torch.finfo(torch.float32).tiny
-# Casts as inductor's post-grad graph has them (it decomposes aten._to_copy before our pass
-# runs there and has no lowering for it); aot_eager runs the prim as it is.
-_convert = torch.ops.prims.convert_element_type.default
 
 
 def check_choice(choice: str | None, block: int = DEFAULT_BLOCK) -> None:
@@ -84,7 +80,7 @@ def quantize_gathers(gm: fx.GraphModule, choice: str = "int8",
 
 def _rewrite(graph: fx.Graph, start: fx.Node, wait: fx.Node, choice: str, block: int,
              fake_mode) -> None:
-    qdtype, qmax = FORMATS[choice]
+    qdtype = FORMATS[choice][0]
     wire = WIRE_DTYPE.get(qdtype, qdtype)
     x, ws, group = start.args[0], start.args[1], start.args[2]
     n = math.prod(x.meta["val"].shape)  # this rank's elements
@@ -102,44 +98,26 @@ def _rewrite(graph: fx.Graph, start: fx.Node, wait: fx.Node, choice: str, block:
     with graph.inserting_before(start):
         v = flat(graph, x, fake_mode)
         if v.meta["val"].dtype != torch.float32:  # amax and division in fp32 (bf16 shards)
-            v = op(_convert, v, torch.float32)
+            v = op(convert, v, torch.float32)
         if padded != n:  # zeros: they raise no block's amax
             v = op(aten.constant_pad_nd.default, v, [0, padded - n], 0.0)
-        rows = op(aten.view.default, v, [nblocks, block])
-        amax = op(aten.amax.default, op(aten.abs.default, rows), [1], True)
-        scale = op(aten.clamp_min.default, op(aten.div.Tensor, amax, qmax), _MIN_SCALE)
-        scaled = op(aten.div.Tensor, rows, scale)
-        if qdtype is torch.int8:  # the cast truncates: round first
-            scaled = op(aten.round.default, scaled)
-        # clamp_min/max, not clamp: inductor's post-grad graph, where this pass also runs, has
-        # clamp decomposed already and no lowering for it
-        scaled = op(aten.clamp_max.default, op(aten.clamp_min.default, scaled, -qmax), qmax)
-        q = op(aten.view.default, op(_convert, scaled, qdtype), [padded])
+        q, scale = quantize(op, op(aten.view.default, v, [nblocks, block]), qdtype)
+        q = op(aten.view.default, q, [padded])
         if wire is not qdtype:  # the same bytes, as a type every transport has
             q = op(aten.view.dtype, q, wire)
-        scales = op(aten.view.default, scale, [nblocks])
-        q_start = call(graph, ALL_GATHER, (q, ws, group), fake_mode=fake_mode,
-                       custom={**custom, QUANT_KEY: "payload"})
-        s_start = call(graph, ALL_GATHER, (scales, ws, group), fake_mode=fake_mode,
-                       custom={**custom, QUANT_KEY: "scales"})
-    wait_custom = dict(annotations(wait))
+        starts = send(graph, ALL_GATHER, (q, ws, group),
+                      (op(aten.view.default, scale, [nblocks]), ws, group), custom, fake_mode)
     with graph.inserting_before(wait):
-        q_all = call(graph, WAIT, (q_start,), fake_mode=fake_mode,
-                     custom={**wait_custom, QUANT_KEY: "payload"})
-        s_all = call(graph, WAIT, (s_start,), fake_mode=fake_mode,
-                     custom={**wait_custom, QUANT_KEY: "scales"})
-        custom = wait_custom
+        q_all, s_all = wait_both(graph, starts, wait, fake_mode)
+        custom = dict(annotations(wait))
         if wire is not qdtype:
             q_all = op(aten.view.dtype, q_all, qdtype)
-        deq = op(aten.mul.Tensor,
-                 op(_convert, op(aten.view.default, q_all, [ws, nblocks, block]), torch.float32),
-                 op(aten.view.default, s_all, [ws, nblocks, 1]))
-        deq = op(aten.view.default, deq, [ws, padded])
+        deq = dequantize(op, q_all, s_all, ws, nblocks, block)
         if padded != n:  # rank r's elements are row r's first n
             deq = op(aten.slice.Tensor, deq, 1, 0, n)
             deq = op(aten.clone.default, deq, memory_format=torch.contiguous_format)
         if out.dtype != torch.float32:
-            deq = op(_convert, deq, out.dtype)
+            deq = op(convert, deq, out.dtype)
         deq = op(aten.view.default, deq, list(out.shape))
     wait.replace_all_uses_with(deq)
     graph.erase_node(wait)

@@ -49,18 +49,17 @@ import torch
 from torch import fx
 
 from .annotations import QUANT_KEY, annotations
+from .blockwise import QMAX as _QMAX
+from .blockwise import convert, dequantize, quantize, send, wait_both
 from .collectives import ALL_TO_ALL, REDUCE_SCATTER, WAIT, find_collectives
 from .graph_utils import aten, call, fake_mode_of, flat
 
 # choice -> the dtype that goes on the wire
 FORMATS = {"int8": torch.int8, "bf16": torch.bfloat16}
-QMAX = 127.0
+QMAX = _QMAX[torch.int8]  # int8's, blockwise.py
 DEFAULT_BLOCK = 256  # the same knob, and default, as quantized_gather.py's
 # Reduce ops whose result this pass can rebuild from the received chunks.
 REDUCE_OPS = ("sum", "avg")
-_MIN_SCALE = torch.finfo(torch.float32).tiny  # a block of zeros gets a finite scale
-# Casts as inductor's post-grad graph has them (see quantized_gather.py).
-_convert = torch.ops.prims.convert_element_type.default
 
 
 def check_choice(choice: str | None, block: int = DEFAULT_BLOCK) -> None:
@@ -104,13 +103,13 @@ def _rewrite_bf16(graph: fx.Graph, start: fx.Node, wait: fx.Node, block: int,
     x, op, ws, group = start.args[:4]
     custom = {**annotations(start), QUANT_KEY: "bf16"}
     with graph.inserting_before(start):
-        low = call(graph, _convert, (x, torch.bfloat16), fake_mode=fake_mode, custom=custom)
+        low = call(graph, convert, (x, torch.bfloat16), fake_mode=fake_mode, custom=custom)
         new_start = call(graph, REDUCE_SCATTER, (low, op, ws, group), fake_mode=fake_mode,
                          custom=custom)
     with graph.inserting_before(wait):
         new_wait = call(graph, WAIT, (new_start,), fake_mode=fake_mode,
                         custom={**annotations(wait), QUANT_KEY: "bf16"})
-        back = call(graph, _convert, (new_wait, wait.meta["val"].dtype), fake_mode=fake_mode,
+        back = call(graph, convert, (new_wait, wait.meta["val"].dtype), fake_mode=fake_mode,
                     custom=annotations(wait))
     wait.replace_all_uses_with(back)
     graph.erase_node(wait)
@@ -135,35 +134,22 @@ def _rewrite_int8(graph: fx.Graph, start: fx.Node, wait: fx.Node, block: int,
     with graph.inserting_before(start):
         v = flat(graph, x, fake_mode)
         if v.meta["val"].dtype != torch.float32:  # amax and division in fp32
-            v = op_(_convert, v, torch.float32)
+            v = op_(convert, v, torch.float32)
         rows = op_(aten.view.default, v, [ws, chunk])
         if padded != chunk:  # each destination's chunk padded alone: no block spans two
             rows = op_(aten.constant_pad_nd.default, rows, [0, padded - chunk], 0.0)
-        blocks = op_(aten.view.default, rows, [ws * nblocks, block])
-        amax = op_(aten.amax.default, op_(aten.abs.default, blocks), [1], True)
-        scale = op_(aten.clamp_min.default, op_(aten.div.Tensor, amax, QMAX), _MIN_SCALE)
-        scaled = op_(aten.round.default, op_(aten.div.Tensor, blocks, scale))
-        # clamp_min/max, not clamp: inductor's post-grad graph has no lowering for clamp
-        scaled = op_(aten.clamp_max.default, op_(aten.clamp_min.default, scaled, -QMAX), QMAX)
-        q = op_(aten.view.default, op_(_convert, scaled, torch.int8), [ws * padded])
-        scales = op_(aten.view.default, scale, [ws * nblocks])
-        q_start = call(graph, ALL_TO_ALL, (q, [padded] * ws, [padded] * ws, group),
-                       fake_mode=fake_mode, custom={**custom, QUANT_KEY: "payload"})
-        s_start = call(graph, ALL_TO_ALL, (scales, [nblocks] * ws, [nblocks] * ws, group),
-                       fake_mode=fake_mode, custom={**custom, QUANT_KEY: "scales"})
-    wait_custom = dict(annotations(wait))
+        q, scale = quantize(op_, op_(aten.view.default, rows, [ws * nblocks, block]),
+                            torch.int8)
+        starts = send(graph, ALL_TO_ALL,
+                      (op_(aten.view.default, q, [ws * padded]), [padded] * ws, [padded] * ws,
+                       group),
+                      (op_(aten.view.default, scale, [ws * nblocks]), [nblocks] * ws,
+                       [nblocks] * ws, group), custom, fake_mode)
     with graph.inserting_before(wait):
-        q_all = call(graph, WAIT, (q_start,), fake_mode=fake_mode,
-                     custom={**wait_custom, QUANT_KEY: "payload"})
-        s_all = call(graph, WAIT, (s_start,), fake_mode=fake_mode,
-                     custom={**wait_custom, QUANT_KEY: "scales"})
-        custom = wait_custom
+        q_all, s_all = wait_both(graph, starts, wait, fake_mode)
+        custom = dict(annotations(wait))
         # row r: rank r's contribution to this rank's chunk
-        deq = op_(aten.mul.Tensor,
-                  op_(_convert, op_(aten.view.default, q_all, [ws, nblocks, block]),
-                      torch.float32),
-                  op_(aten.view.default, s_all, [ws, nblocks, 1]))
-        parts = op_(aten.view.default, deq, [ws, padded])
+        parts = dequantize(op_, q_all, s_all, ws, nblocks, block)
         # ws - 1 adds in rank order, as lowering.py sums: faster on CPU than sum(dim=0)
         total = op_(aten.select.int, parts, 0, 0)
         for r in range(1, ws):
@@ -173,7 +159,7 @@ def _rewrite_int8(graph: fx.Graph, start: fx.Node, wait: fx.Node, block: int,
         if padded != chunk:  # a prefix of a 1-D tensor: still contiguous
             total = op_(aten.slice.Tensor, total, 0, 0, chunk)
         if out.dtype != torch.float32:
-            total = op_(_convert, total, out.dtype)
+            total = op_(convert, total, out.dtype)
         total = op_(aten.view.default, total, list(out.shape))
     wait.replace_all_uses_with(total)
     graph.erase_node(wait)
