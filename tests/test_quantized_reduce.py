@@ -91,16 +91,23 @@ class RankSim(pu.SimulatedCollectives):
         return super().call_function(target, args, kwargs)
 
 
+def _blocks(chunk: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One destination chunk in fp32 blocks from its first element (the last zero-padded; a
+    chunk shorter than ``block`` one block) and each block's scale, by the module doc."""
+    v = chunk.detach().float().reshape(-1)
+    block = min(block, v.numel())
+    nb = -(-v.numel() // block)
+    rows = torch.nn.functional.pad(v, (0, nb * block - v.numel())).view(nb, block)
+    return rows, (rows.abs().amax(1, keepdim=True) / QMAX).clamp_min(
+        torch.finfo(torch.float32).tiny)
+
+
 def emulated_int8(chunk, world, op, block):
     """What the int8 reduction gives for this rank's ``chunk`` by the module doc's formula,
     computed without the pass: blocks from the chunk's first element, rank r's values
     (-1)**r · q with scales 2**r · s, summed in fp32 in rank order, in the chunk's dtype."""
-    v = chunk.detach().float().reshape(-1)
-    n = v.numel()
-    block = min(block, n)
-    nb = -(-n // block)
-    rows = torch.nn.functional.pad(v, (0, nb * block - n)).view(nb, block)
-    s = (rows.abs().amax(1, keepdim=True) / QMAX).clamp_min(torch.finfo(torch.float32).tiny)
+    n = chunk.numel()
+    rows, s = _blocks(chunk, block)
     q = (rows / s).round().clamp(-QMAX, QMAX).to(torch.int8)
     parts = [((q if r % 2 == 0 else -q).float() * (s * 2.0 ** r)).view(-1) for r in range(world)]
     total = parts[0]
@@ -148,13 +155,8 @@ def one_reduce(shape, world, dtype=torch.float32, op="sum", custom=True):
 def reference_scales(chunk: torch.Tensor, block: int) -> torch.Tensor:
     """Each element's block scale for one destination chunk, from the formula (independent
     of the pass): blocks from the chunk's first element, the last one zero-padded."""
-    v = chunk.detach().float().reshape(-1)
-    n = v.numel()
-    block = min(block, n)
-    nb = -(-n // block)
-    rows = torch.nn.functional.pad(v, (0, nb * block - n)).view(nb, block)
-    s = (rows.abs().amax(1, keepdim=True) / QMAX).clamp_min(torch.finfo(torch.float32).tiny)
-    return s.expand(nb, block).reshape(-1)[:n]
+    rows, s = _blocks(chunk, block)
+    return s.expand_as(rows).reshape(-1)[:chunk.numel()]
 
 
 def error_bound(chunk, world, op, out_dtype, block):
