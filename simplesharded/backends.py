@@ -129,6 +129,9 @@ class BackendOptions:
     # None: as traced (passes/quantized_reduce.py).
     quantize_grads: str | None = None
     quantize_block: int = 256
+    # the options above that switch a quantizing pass on (the trainer's compile keys of the
+    # same names, simplesharded/trainer/recipe.py)
+    QUANTIZERS = ("quantize_gathers", "quantize_grads")
 
     def __post_init__(self):
         # imported only when asked: importing simplesharded loads no pass it does not run
@@ -144,8 +147,7 @@ class BackendOptions:
 
     def quantized(self) -> list[str]:
         """The quantizing options set, by name: each needs a backend that runs our passes."""
-        return [name for name in ("quantize_gathers", "quantize_grads")
-                if getattr(self, name) is not None]
+        return [name for name in self.QUANTIZERS if getattr(self, name) is not None]
 
 
 # Options a built-in plan is made of: with plan=..., they belong on that plan.

@@ -11,7 +11,7 @@ import torch
 import torch.fx.traceback as fx_traceback
 from torch.distributed.tensor.parallel import parallelize_module
 
-from simplesharded.backends import BACKENDS, BackendName, make_backend
+from simplesharded.backends import BACKENDS, BackendName, BackendOptions, make_backend
 from simplesharded.blocks import find_blocks
 from simplesharded.mesh import cp_dim, ep_dim, tp_dim
 from simplesharded.models.context_parallel import apply_context_parallel
@@ -223,7 +223,7 @@ def _compiled(model: torch.nn.Module, mesh, cfg: Config, backend, observer,
 def quantize_options(c) -> dict:
     """The compile section's quantizations that are on, as make_backend takes them (the
     planner's graphs get the same)."""
-    return {key: getattr(c, key) for key in ("quantize_gathers", "quantize_grads")
+    return {key: getattr(c, key) for key in BackendOptions.QUANTIZERS
             if getattr(c, key) != "none"}
 
 
