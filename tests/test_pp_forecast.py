@@ -227,6 +227,13 @@ def test_timeline_has_one_row_per_stage_and_a_memory_curve_each():
         assert len(mem.get_lines()) == 4
         legend = [t.get_text() for t in ax.get_legend().get_texts()]
         assert {"bubble", "exposed p2p wait", "forward", "backward"} <= set(legend)
+        # no micro-batch box takes the colour of a wait, a gather or a reduction
+        from matplotlib.colors import to_rgb
+        from simplesharded.tools.pp_timeline import _IDLE, microbatch_colour
+        drawn = {tuple(c[:3]) for coll in ax.collections for c in coll.get_facecolor()}
+        work = {to_rgb(microbatch_colour(i)) for i in range(4)}
+        marks = {to_rgb(s["facecolor"]) for s in _IDLE.values() if s["facecolor"] != "none"}
+        assert len(work) == 4 and work <= drawn and not work & marks, (work, marks)
     finally:
         matplotlib.pyplot.close(fig)
 

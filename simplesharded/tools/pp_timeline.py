@@ -3,7 +3,10 @@ with each micro-batch's forward (F) and backward (B) box, coloured by micro-batc
 with its number, the idle time before an action as a hatched bubble or, where the input was
 computed but still in flight, a red exposed wait; gather_once's gather as a purple box before
 the stage's first forward, and the deferred policies' reductions as strips under the row (they
-run on the data-parallel link beside compute). Below, each stage's memory over the step."""
+run on the data-parallel link beside compute). Below, each stage's memory over the step.
+
+The micro-batches cycle through colours that none of those marks uses (no red, orange, purple
+or pink), so a reader never takes a wait for work."""
 from __future__ import annotations
 
 _IDLE = {"bubble": dict(facecolor="none", edgecolor="0.6", hatch="///"),
@@ -12,6 +15,12 @@ _IDLE = {"bubble": dict(facecolor="none", edgecolor="0.6", hatch="///"),
          "R": dict(facecolor="tab:orange", edgecolor="none")}
 _NAMES = ["bubble", "exposed p2p wait", "gather (gather_once)", "reduction (dp link)"]
 _LANE = ("R",)  # on the dp link beside compute: a thin strip under the row
+# tab10's blue, green, brown, grey, olive and cyan: apart from every _IDLE colour
+MICROBATCH_COLOURS = ("tab:blue", "tab:green", "tab:brown", "tab:gray", "tab:olive", "tab:cyan")
+
+
+def microbatch_colour(i: int) -> str:
+    return MICROBATCH_COLOURS[i % len(MICROBATCH_COLOURS)]
 
 
 def draw_pipeline(path: str | None, step, title: str):
@@ -26,12 +35,11 @@ def draw_pipeline(path: str | None, step, title: str):
     rank_of = {s: r for r, ss in enumerate(step.by_rank_stages) for s in ss}
     fig, (ax, mem) = plt.subplots(2, 1, sharex=True, figsize=(14, 2 + 0.5 * len(stages) + 2.5),
                                   gridspec_kw={"height_ratios": [max(2, len(stages)), 3]})
-    cmap = plt.get_cmap("tab10")
     row = {s: len(stages) - 1 - i for i, s in enumerate(stages)}  # stage 0 on top
     for b in step.boxes:
         y, x, w = row[b.stage], 1e3 * b.start, 1e3 * (b.end - b.start)
         if b.kind in ("F", "B"):
-            ax.broken_barh([(x, w)], (y - 0.4, 0.8), facecolors=cmap(b.microbatch % 10),
+            ax.broken_barh([(x, w)], (y - 0.4, 0.8), facecolors=microbatch_colour(b.microbatch),
                            edgecolor="k" if b.kind == "B" else "white", linewidth=0.5,
                            alpha=0.55 if b.kind == "F" else 1.0)
             ax.text(x + w / 2, y, f"{b.kind}{b.microbatch}", ha="center", va="center",
@@ -43,8 +51,8 @@ def draw_pipeline(path: str | None, step, title: str):
     ax.set_yticks([row[s] for s in stages], [f"stage {s} (rank {rank_of[s]})" for s in stages])
     ax.set_title(f"{title}: step {1e3 * step.step_s:.4g} ms, bubble "
                  f"{step.bubble_fraction:.0%}")
-    handles = [plt.Rectangle((0, 0), 1, 1, facecolor=cmap(0), alpha=0.55),
-               plt.Rectangle((0, 0), 1, 1, facecolor=cmap(0), edgecolor="k")]
+    handles = [plt.Rectangle((0, 0), 1, 1, facecolor=microbatch_colour(0), alpha=0.55),
+               plt.Rectangle((0, 0), 1, 1, facecolor=microbatch_colour(0), edgecolor="k")]
     handles += [plt.Rectangle((0, 0), 1, 1, **style) for style in _IDLE.values()]
     ax.legend(handles, ["forward", "backward"] + _NAMES, loc="upper right", fontsize=7,
               ncol=7)
