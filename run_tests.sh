@@ -13,7 +13,8 @@ set +e
 # this process; a Python without xdist (SIMPLESHARDED_PYTHON) runs them serially too.
 WORKERS=()
 if [ "${SIMPLESHARDED_TEST_WORKERS:-auto}" != 0 ] && "$PY" -c "import xdist" 2>/dev/null; then
-    WORKERS=(-n "${SIMPLESHARDED_TEST_WORKERS:-auto}" --dist loadfile)
+    # files in the order tests/conftest.py collects them (the costliest first), not by count
+    WORKERS=(-n "${SIMPLESHARDED_TEST_WORKERS:-auto}" --dist loadfile --no-loadscope-reorder)
 fi
 "$PY" -m pytest -q -ra --durations=40 "${WORKERS[@]}" "$@"  # the slowest: the suite has a time budget
 rc=$?

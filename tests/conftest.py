@@ -2,7 +2,7 @@
 tests start (simplesharded/calibration.py measures once per world size, then reads it), one
 inductor cache for every spawned rank of every pytest worker (the caller's
 TORCHINDUCTOR_CACHE_DIR when set, so in-process compiles share it too: a kernel is compiled
-once per run, not once per worker), and the
+once per run, not once per worker), the costliest test files first, and the
 support modules (tests/support/) importable by their plain names, here and in spawned ranks
 (torch.multiprocessing's spawn hands its children the parent's sys.path)."""
 import os
@@ -59,6 +59,14 @@ def fake_pg():
     with fake_world_of(2):
         yield
         torch._dynamo.reset()
+
+
+def pytest_collection_modifyitems(config, items):
+    """The costliest test files first (tests/support/file_costs.py): run_tests.sh's workers
+    take files in this order, so no long file starts last beside an idle worker."""
+    from file_costs import costliest_first, load
+
+    items[:] = costliest_first(items, load())
 
 
 def pytest_unconfigure(config):
