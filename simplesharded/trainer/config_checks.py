@@ -151,6 +151,7 @@ def validate(cfg: _Config, backends: Iterable[str] | None = None) -> None:
         raise ValueError(f"training.clip_norm={t.clip_norm!r} needs compile.scope='step' "
                          f"(got {cfg.compile.scope!r}): the split step clips with this step's "
                          f"norm")
+    _check_float8(cfg)
     for key in ("quantize_gathers", "quantize_grads"):
         value = getattr(cfg.compile, key)
         if value != "none" and not cfg.compile.enable:
@@ -190,6 +191,27 @@ def _check_storage(cfg: _Config) -> None:
         raise ValueError(f"parallelism.storage={p.storage!r} needs parallelism.mode "
                          f"{' or '.join(repr(m) for m in modes)}, got {p.mode!r} "
                          f"(or set storage=param)")
+
+
+def _check_float8(cfg: _Config) -> None:
+    """training.float8 with what it does not take: one error naming the other key."""
+    t, p, c = cfg.training, cfg.parallelism, cfg.compile
+    if not t.float8:
+        return
+    if c.quantize_gathers != "none":
+        raise ValueError(f"training.float8 and compile.quantize_gathers={c.quantize_gathers!r} "
+                         f"both quantize the weights' gathers: set one")
+    if p.tensor_parallel_degree > 1:
+        raise ValueError(f"training.float8 does not take parallelism.tensor_parallel_degree="
+                         f"{p.tensor_parallel_degree} (Float8Linear casts plain tensors, not "
+                         f"tensor-parallel DTensors)")
+    if c.enable and p.storage == "ragged":
+        raise ValueError("training.float8 gathers each weight in float8, and "
+                         "parallelism.storage='ragged' gathers a block as one buffer: set "
+                         "storage param or auto")
+    if c.enable and c.scope == "step":
+        raise ValueError("training.float8 does not take compile.scope='step' (its step graph "
+                         "is not checked with float8 layers)")
 
 
 def _check_step_scope(cfg: _Config) -> None:
