@@ -412,6 +412,7 @@ def test_the_pipeline_runs_the_pass_first_only_on_graphs_with_a_cast():
 
 TRAIN_STEPS = 3
 TRAIN_LR = 1e-2
+TRAIN_LAYERS = 2  # half the toy model: the compile is most of the spawn's time
 
 
 def _train_job(rank, world):
@@ -435,7 +436,7 @@ def _train_job(rank, world):
                 for c in find_collectives(gm) if c.kind in ("all_gather", "all_reduce"))
 
     torch._dynamo.reset()
-    model = toy_blocks.make_model()
+    model = toy_blocks.make_model(n_layers=TRAIN_LAYERS)
     convert_to_float8(model)
     ss.data_parallel(model, mesh, storage="param", reshard_after_forward="auto")
     opt = torch.optim.AdamW(model.parameters(), lr=TRAIN_LR)
@@ -447,17 +448,18 @@ def _train_job(rank, world):
 
 
 def _one_process(float8: bool, world: int) -> list[float]:
-    """The same training uncompiled in one process, on every rank's batch at once."""
-    model = toy_blocks.make_model()
+    """The same training uncompiled in one process: each rank's batch through the model on
+    its own (its activations and gradients cast with their own scales, as on that rank), the
+    gradients summed (as the reduce-scatter sums them)."""
+    model = toy_blocks.make_model(n_layers=TRAIN_LAYERS)
     if float8:
         convert_to_float8(model)
     opt = torch.optim.AdamW(model.parameters(), lr=TRAIN_LR)
     numel = world * toy_blocks.BATCH_PER_RANK * toy_blocks.SEQ
     losses = []
     for step in range(TRAIN_STEPS):
-        batches = [toy_blocks.batch(r, step) for r in range(world)]
-        tokens, targets = (torch.cat(t) for t in zip(*batches))
-        loss = toy_blocks.loss_fn(model(tokens), targets, numel)
+        loss = sum(toy_blocks.loss_fn(model(tokens), targets, numel)
+                   for tokens, targets in (toy_blocks.batch(r, step) for r in range(world)))
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -475,21 +477,19 @@ def test_two_ranks_train_close_to_one_process():
     f8, fp32 = _one_process(True, 2), _one_process(False, 2)
     print(f"float8 on 2 ranks, compiled: {got}\nfloat8 in one process: {f8}\n"
           f"fp32 in one process: {fp32}")
-    # step 0: the same casts of the same weights (the float8 gather is bitwise the cast)
-    assert abs(got[0] - f8[0]) <= 1e-5 * abs(f8[0])
-    # then each rank's gradient casts see half the batch: measured 
-    assert all(abs(a - b) <= 0.01 * abs(b) for a, b in zip(got, f8)), (got, f8)
+    # the same casts (the float8 gather is bitwise the cast): fp32 rounding apart
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got, f8)), (got, f8)
     assert all(abs(a - b) <= 0.05 * abs(b) for a, b in zip(got, fp32)), (got, fp32)
     for rank, res in enumerate(results):
         g = res["graphs"]
         print(f"rank {rank}: fw {dict(g['fw'])}\n  bw {dict(g['bw'])}")
-        # per block one uint8 gather (and in forward one amax all-reduce): 4 blocks,
-        # the last kept gathered for backward ("auto"), so 3 regathered
-        assert g["fw"][("all_gather", "torch.uint8", None)] == toy_blocks.N_LAYERS
-        assert g["fw"][("all_reduce", "torch.float32", None)] == toy_blocks.N_LAYERS
-        assert g["bw"][("all_gather", "torch.uint8", None)] == toy_blocks.N_LAYERS - 1
+        # per block one uint8 gather (and in forward one amax all-reduce); the last block
+        # is kept gathered for backward ("auto"), the others gathered again
+        assert g["fw"][("all_gather", "torch.uint8", None)] == TRAIN_LAYERS
+        assert g["fw"][("all_reduce", "torch.float32", None)] == TRAIN_LAYERS
+        assert g["bw"][("all_gather", "torch.uint8", None)] == TRAIN_LAYERS - 1
         assert ("all_reduce", "torch.float32", None) not in g["bw"]
-        for fqn in CONVERTED:
+        for fqn in CONVERTED[:4 * TRAIN_LAYERS]:
             per = g["fw_per_param"][fqn]
             assert set(per) == {("all_gather", torch.uint8, "payload"),
                                 ("all_reduce", torch.float32, "amax_reduce"),
