@@ -88,6 +88,11 @@ def annotations(node: fx.Node) -> dict:
     return node.meta.get("custom") or {}
 
 
+def has_float8_casts(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` holds a float8 weight cast a Float8Linear annotated (FLOAT8_KEY)."""
+    return any(annotations(n).get(FLOAT8_KEY) == "values" for n in gm.graph.nodes)
+
+
 def gathered_param(node: fx.Node) -> str | None:
     """FQN of the gathered parameter ``node`` holds (itself or a view of it), if any."""
     custom = annotations(node)

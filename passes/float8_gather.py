@@ -31,7 +31,7 @@ float8 gathers into one uint8 gather and their amax all-reduces into one. They a
 bytes (a uint8 view, no copy), on every transport, so every rank's graph is the same. Runs
 before bucketing, on forward and backward graphs; idempotent (a gather of bytes is not a
 floating one). Run by the backends only on graphs that hold an annotated cast
-(:func:`has_float8_casts`).
+(annotations.py: ``has_float8_casts``).
 """
 from __future__ import annotations
 
@@ -50,6 +50,8 @@ MOVES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
          aten.slice.Tensor, aten.t.default, aten.permute.default, aten.transpose.int,
          aten.alias.default, aten.clone.default, aten.squeeze.dim, aten.unsqueeze.default,
          aten.narrow.default}
+# Longest chain of single-input ops looked up from a cast's weight for its gather.
+_MAX_CHAIN = 16
 # Ops of the cast that may read the weight's elements: elementwise, so they commute with the
 # gather (scalars only as their other operands).
 ELEMENTWISE = {aten.abs.default, aten.div.Tensor, aten.mul.Tensor, aten.clamp.default,
@@ -58,11 +60,6 @@ ELEMENTWISE = {aten.abs.default, aten.div.Tensor, aten.mul.Tensor, aten.clamp.de
                aten.neg.default}
 # The cast's one reduction over the weight: a max, which an all-reduce (max) completes.
 REDUCTIONS = {aten.amax.default, aten.max.default}
-
-
-def has_float8_casts(gm: fx.GraphModule) -> bool:
-    """Whether ``gm`` holds a float8 cast annotated by a Float8Linear."""
-    return any(annotations(n).get(FLOAT8_KEY) == "values" for n in gm.graph.nodes)
 
 
 def float8_gathers(gm: fx.GraphModule) -> fx.GraphModule:
@@ -75,7 +72,7 @@ def float8_gathers(gm: fx.GraphModule) -> fx.GraphModule:
     for values in [n for n in graph.nodes if annotations(n).get(FLOAT8_KEY) == "values"]:
         plan = _plan(values, waits)
         if isinstance(plan, str):
-            add_note(gm, f"float8 gather: {plan}; gathered in full precision")
+            add_note(gm, f"float8 gather: {plan}: gathered in full precision")
         elif plan is not None:
             plans.append(plan)
     if not plans:
@@ -115,9 +112,9 @@ def _plan(values: fx.Node, waits: dict) -> "_Plan | str | None":
         return None
     weight = tensors[0]
     chain, node = [], weight
-    while node not in waits:
-        if (node.op != "call_function" or node.target not in MOVES
-                or len(node.all_input_nodes) != 1):
+    while node not in waits:  # up the single-input ops that lead to a gather, if any
+        if (node.op != "call_function" or len(node.all_input_nodes) != 1
+                or len(chain) == _MAX_CHAIN):
             return None
         chain.append(node)
         node = node.all_input_nodes[0]
@@ -126,9 +123,13 @@ def _plan(values: fx.Node, waits: dict) -> "_Plan | str | None":
     if not c.ours:
         return None
     if RAGGED_KEY in annotations(c.start):
-        return f"{name} is a member of ragged bucket {annotations(c.start)[RAGGED_KEY]!r}"
+        return (f"ragged bucket {annotations(c.start)[RAGGED_KEY]!r} is gathered as one "
+                f"buffer, its float8 weights views of it")
     if c.dtype is None or not c.dtype.is_floating_point:
         return None  # bytes already (idempotence)
+    moved = [n.target for n in chain if n.target not in MOVES]
+    if moved:
+        return f"{name}'s gathered weight goes through {moved[0]} before its float8 cast"
     chain.reverse()
     for a, b in zip([node, *chain], [*chain, weight]):
         if set(a.users) != {b} and a is not weight:

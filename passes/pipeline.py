@@ -23,9 +23,8 @@ from typing import Callable, Sequence
 from torch import fx
 
 from .agreement import insert_agreement_check
-from .annotations import NOTES_KEY
+from .annotations import NOTES_KEY, has_float8_casts
 from .cross_step import explain_cross_step_prefetch
-from .float8_gather import has_float8_casts
 from .collectives import count_collectives, is_backward_graph
 from .traced_backward import annotate_traced_backward, traced_backward_nodes
 from .update_placement import has_updates, place_updates

@@ -29,7 +29,6 @@ from typing import Callable
 import torch
 
 from simplesharded.passes.bucketing import bucket_collectives
-from simplesharded.passes.float8_gather import float8_gathers
 from simplesharded.passes.grads_in_place import write_grads_in_place
 from simplesharded.passes.lowering import LOWERED_BACKENDS, lower_reduce_scatters
 from simplesharded.passes.pipeline import PassPipeline, aot_backend, inductor_backend
@@ -245,7 +244,11 @@ def pass_pipeline(backend: str | BackendName, opts: BackendOptions = BackendOpti
     step = [("regather", functools.partial(regather_for_backward, plan=plan))]
     # Before the quantized gathers (which then leave the float8 bytes alone) and bucketing
     # (which merges a block's float8 gathers and their amax all-reduces).
-    float8 = [("float8", float8_gathers)] if opts.float8_gathers else []
+    float8 = []
+    if opts.float8_gathers:  # imported when a backend is built, not by `import simplesharded`
+        from simplesharded.passes.float8_gather import float8_gathers
+
+        float8 = [("float8", float8_gathers)]
     return PassPipeline(joint=joint, graph=graph, step=step, float8=float8,
                         update=_update_passes(backend.compiler),
                         dump_dir=opts.dump_graphs, observer=opts.observer)

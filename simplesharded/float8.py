@@ -26,8 +26,10 @@ in/out features are not multiples of 16 (what ``_scaled_mm`` takes on accelerato
 skipped, and so is anything outside the blocks (the embedding and the output head).
 
 The torch internal touched: ``torch._scaled_mm`` (docs/torch_internals.md). On CPU (torch 2.13)
-it accepts e4m3fn and e5m2 in either operand and either memory layout; the operands are
-laid out as CUDA wants them anyway (the first row-major, the second column-major).
+it accepts e4m3fn and e5m2 in either operand and either memory layout, so the gradient stays
+in e5m2 (no e4m3 fallback is needed); the operands are laid out as CUDA wants them anyway (the
+first row-major, the second column-major). On CUDA the weight gradient's matmul reduces over
+the tokens, so their count per micro-batch must be a multiple of 16 as well.
 """
 from __future__ import annotations
 

@@ -37,10 +37,10 @@ from torch import fx, nn
 
 from simplesharded.float8 import (AMAX_EPS, E4M3, E5M2, FMAX, Float8Linear, convert_to_float8,
                                   float8_linear, to_float8)
-from simplesharded.passes.annotations import FLOAT8_KEY, NOTES_KEY
+from simplesharded.passes.annotations import FLOAT8_KEY, NOTES_KEY, has_float8_casts
 from simplesharded.passes.bucketing import bucket_collectives
 from simplesharded.passes.collectives import find_collectives
-from simplesharded.passes.float8_gather import float8_gathers, has_float8_casts
+from simplesharded.passes.float8_gather import float8_gathers
 from simplesharded.passes.plans import BlockPlan
 from simplesharded.passes.reordering import reorder_for_overlap
 
@@ -339,12 +339,40 @@ def test_a_weight_read_elsewhere_keeps_its_gather_with_a_note():
     out = float8_gathers(gm)
     assert pu.graph_signature(out) == before
     assert out.meta[NOTES_KEY] == ["float8 gather: w's gathered weight is read by more than "
-                                   "its float8 cast; gathered in full precision"]
+                                   "its float8 cast: gathered in full precision"]
     plain = pu.fresh(_traced()[0])
     for n in plain.graph.nodes:  # no cast annotated: nothing to do
         (n.meta.get("custom") or {}).pop(FLOAT8_KEY, None)
     assert not has_float8_casts(plain)
     assert pu.graph_signature(float8_gathers(pu.fresh(plain))) == pu.graph_signature(plain)
+
+
+def test_ragged_buckets_keep_their_gather_with_a_note():
+    """A ragged bucket gathers its block as one buffer, every member a view of it: the pass
+    cannot cast one member's part of it (and the trainer takes per-parameter storage)."""
+    import simplesharded as ss
+
+    notes, counts = [], collections.Counter()
+
+    def observe(kind, stage, gm):
+        if kind == "fw" and stage == "float8":
+            notes.extend(gm.meta.get(NOTES_KEY, []))
+            counts.update((c.kind, c.dtype) for c in find_collectives(gm))
+
+    torch._dynamo.reset()
+    model = toy_blocks.make_model(n_layers=1)
+    convert_to_float8(model)
+    tok, tgt = toy_blocks.batch(0)
+    with pu.fake_world(2) as mesh:
+        ss.data_parallel(model, mesh, storage="ragged")
+        compiled = torch.compile(model, fullgraph=True, backend=ss.make_backend(
+            "aot_eager_blockbucketing", observer=observe))
+        with torch.no_grad():
+            compiled(tok)
+    torch._dynamo.reset()
+    assert set(counts) == {("all_gather", torch.float32)}, counts
+    assert notes == ["float8 gather: ragged bucket 'layers.0/float32' is gathered as one "
+                     "buffer, its float8 weights views of it: gathered in full precision"]
 
 
 def test_refusals_are_one_line():

@@ -294,9 +294,8 @@ class Config:
         ``training.float8`` with compile ``auto`` takes one shard per parameter (a ragged
         bucket is gathered as one buffer, which passes/float8_gather.py cannot cast)."""
         p = self.parallelism
-        if self.training.float8 and self.compile.enable and p.storage == "auto":
-            return "param"
-        return p.dp_storage
+        return resolved(p.storage, p.mode,
+                        each_parameter=self.training.float8 and self.compile.enable)
 
     def to_toml(self) -> str:
         lines = []

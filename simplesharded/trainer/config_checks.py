@@ -13,7 +13,7 @@ import copy
 import dataclasses
 from typing import Any, Iterable
 
-from simplesharded.storage.choice import modes_taken
+from simplesharded.storage.choice import gathers_each_parameter, modes_taken, resolved
 from simplesharded.trainer.config_parse import sections
 
 # Stand-ins for config.py's Config and its parallelism section (not imported: see above).
@@ -205,10 +205,11 @@ def _check_float8(cfg: _Config) -> None:
         raise ValueError(f"training.float8 does not take parallelism.tensor_parallel_degree="
                          f"{p.tensor_parallel_degree} (Float8Linear casts plain tensors, not "
                          f"tensor-parallel DTensors)")
-    if c.enable and p.storage == "ragged":
-        raise ValueError("training.float8 gathers each weight in float8, and "
-                         "parallelism.storage='ragged' gathers a block as one buffer: set "
-                         "storage param or auto")
+    if c.enable and not gathers_each_parameter(resolved(p.storage, p.mode,
+                                                         each_parameter=True)):
+        raise ValueError(f"training.float8 gathers each weight in float8, and "
+                         f"parallelism.storage={p.storage!r} gathers a block as one buffer: "
+                         f"set storage param or auto")
     if c.enable and c.scope == "step":
         raise ValueError("training.float8 does not take compile.scope='step' (its step graph "
                          "is not checked with float8 layers)")
