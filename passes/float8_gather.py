@@ -60,6 +60,7 @@ ELEMENTWISE = {aten.abs.default, aten.div.Tensor, aten.mul.Tensor, aten.clamp.de
                aten.neg.default}
 # The cast's one reduction over the weight: a max, which an all-reduce (max) completes.
 REDUCTIONS = {aten.amax.default, aten.max.default}
+_CASTS = {aten._to_copy.default, prims.convert_element_type.default}
 
 
 def float8_gathers(gm: fx.GraphModule) -> fx.GraphModule:
@@ -151,10 +152,14 @@ def _plan(values: fx.Node, waits: dict) -> "_Plan | str | None":
             return f"{name}'s cast has {n.target} on the weight's elements"
         if any(u not in region for u in n.users) and n is not values and _numel(n) != 1:
             return f"{name}'s cast has {n} read outside it"
-    if reduction is not None:  # the all-reduce after the last "amax" node: the fp32 amax
-        amax = [n for n in region if annotations(n).get(FLOAT8_KEY) == "amax"
-                and _numel(n) == 1 and order[n] >= order[reduction]]
-        reduction = amax[-1] if amax else reduction
+    # The all-reduce goes after the amax's casts of role "amax" (to fp32: an exact upcast, so
+    # the max over ranks is the same), so it runs in fp32 whatever the weight's dtype.
+    while reduction is not None:
+        up = [u for u in reduction.users if u.target in _CASTS
+              and annotations(u).get(FLOAT8_KEY) == "amax"]
+        if len(up) != 1 or up[0].meta["val"].dtype.itemsize < reduction.meta["val"].dtype.itemsize:
+            break
+        reduction = up[0]
     for a in dict.fromkeys(frontier):
         if a is not weight and order[a] >= order[c.start]:
             return f"{name}'s cast reads {a}, defined after its gather"

@@ -291,7 +291,8 @@ def test_bitwise_the_traced_casts_as_every_rank(which):
 ANNOTATION = {"ss_param": "w", "ss_dp_groups": ("0",), "ss_block": "b"}
 
 
-def _hand_built(rows: int, cols: int, world: int, also_read: bool = False):
+def _hand_built(rows: int, cols: int, world: int, also_read: bool = False,
+                dtype=torch.float32):
     """shard -> all-gather -> wait -> unpad -> the Float8Linear's weight cast, traced with
     the annotations data_parallel and Float8Linear write; ``also_read``: the gathered weight
     is an output too."""
@@ -306,24 +307,26 @@ def _hand_built(rows: int, cols: int, world: int, also_read: bool = False):
         return (values, scale, full) if also_read else (values, scale)
 
     with fx_traceback.preserve_node_meta():
-        return make_fx(f, tracing_mode="fake")(torch.empty(chunk, cols))
+        return make_fx(f, tracing_mode="fake")(torch.empty(chunk, cols, dtype=dtype))
 
 
-@pytest.mark.parametrize("rows,world", [(16, 2), (16, 3), (48, 5)])
-def test_bitwise_the_float8_linear_cast_of_the_full_weight(rows, world):
-    """Uneven shards (16 rows over 3 ranks: 6, 6, 4 and 2 of padding): every rank gets the
-    Float8Linear's own cast of the full weight, and its scale, bit for bit."""
-    gm = _hand_built(rows, 32, world)
+@pytest.mark.parametrize("rows,world,dtype", [(16, 2, torch.float32), (16, 3, torch.float32),
+                                              (16, 7, torch.float32), (16, 3, torch.bfloat16)])
+def test_bitwise_the_float8_linear_cast_of_the_full_weight(rows, world, dtype):
+    """Uneven shards (16 rows over 3 ranks: 6, 6, 4 and 2 of padding; over 7: 3 each, the
+    sixth 1, the last only padding): every rank gets the Float8Linear's own cast of the full weight,
+    and its scale, bit for bit; a bf16 weight's amax is reduced in fp32."""
+    gm = _hand_built(rows, 32, world, dtype=dtype)
     rewritten = float8_gathers(copy.deepcopy(gm))
     starts = collections.Counter((c.kind, c.dtype) for c in find_collectives(rewritten))
     assert starts == {("all_gather", torch.uint8): 1, ("all_reduce", torch.float32): 1}
     torch.manual_seed(rows + world)
-    full = torch.randn(rows, 32) * 3
+    full = (torch.randn(rows, 32) * 3).to(dtype)
     full[1, 2] = -1000.0  # the amax on rank 0, beyond e4m3's range unscaled
     chunk = -(-rows // world)
     shards = [torch.nn.functional.pad(s, (0, 0, 0, chunk - s.shape[0]))
               for s in full.split(chunk)]
-    shards += [torch.zeros(chunk, 32)] * (world - len(shards))
+    shards += [torch.zeros(chunk, 32, dtype=dtype)] * (world - len(shards))
     want = to_float8(full)
     outs = lockstep(rewritten, [[s] for s in shards])
     assert all(same_bits(tuple(out), want) for out in outs)
