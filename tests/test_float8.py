@@ -7,23 +7,24 @@
    Linears whose dims are multiples of 16 and keeps their parameter objects and state_dict;
 2. the pass, on the toy model's graphs traced on a fake process group (2 ranks, block
    Linears converted), read from the graph: each converted weight's forward gather becomes
-   one all-gather of uint8 bytes and one all-reduce (max) of its amax, its backward regather
-   one uint8 all-gather (the forward's scale is reused), and no full-precision gather of it
-   is left; block bucketing then sends a block's float8 weights in one gather and their amax
-   in one all-reduce;
+   one all-gather of uint8 bytes (256 where fp32 sent 1024) and one all-reduce (max) of its
+   amax, its backward regather one uint8 all-gather (the forward's scale is reused), and no
+   full-precision gather of it is left; block bucketing then sends a block's float8 weights
+   in one gather and their amax in one all-reduce;
 3. bitwise: the rewritten graphs, run as every rank at once (:func:`lockstep`), give every
    output (the float8 weights, their scales, the matmuls, the gradients) bit for bit as the
-   traced graphs do, before and after bucketing and reordering; on a hand-built gather of
-   uneven shards over 3 ranks, what every rank gets is the Float8Linear's own cast of the
-   full weight, bit for bit;
-4. what the pass leaves alone (a gathered weight read elsewhere too: one note), one-line
-   refusals (backend option, trainer keys, converting a wrapped model), and the wiring (the
-   pipeline runs the pass first, only on graphs with a cast);
+   traced graphs do, before and after bucketing and reordering; on hand-built gathers of
+   uneven shards (fp32 and bf16, up to a rank of padding only), what every rank gets is the
+   Float8Linear's own cast of the full weight, bit for bit;
+4. what the pass leaves alone (a gathered weight read elsewhere too, a ragged bucket's
+   gather: a note each), one-line refusals (backend option, trainer keys, converting a
+   wrapped model), and the wiring (the pipeline runs the pass first, only on graphs with a
+   cast);
 5. (slow, one spawn) two gloo ranks train the converted toy model, compiled with
-   aot_eager_blockbucketing: losses close to one process training it uncompiled in float8
-   (the same casts; only the gradients' float8 rounding sees each rank's half of the batch)
-   and to fp32 within float8's precision; the graphs gather a quarter of fp32's bytes for
-   each converted weight.
+   aot_eager_blockbucketing: losses those of one process training it uncompiled in float8,
+   each rank's batch on its own (the same casts), to fp32 rounding, and within float8's
+   precision of fp32's; the compiled graphs send one uint8 gather per block
+   (and in forward one amax all-reduce).
 """
 from __future__ import annotations
 
@@ -262,6 +263,17 @@ def test_each_float8_weight_gathers_bytes(which):
     for fqn, counts in before.items():  # the other parameters' collectives as they were
         if fqn not in CONVERTED:
             assert after[fqn] == counts, fqn
+    # bytes gathered per converted weight (16 x 16): 1024 in fp32, 256 in float8, and in
+    # forward 4 more all-reduced (the amax)
+    gathered = {kind: collections.Counter() for kind in ("before", "after")}
+    for kind, gm in (("before", g), ("after", float8_gathers(pu.fresh(g)))):
+        for c in find_collectives(gm):
+            if c.kind in ("all_gather", "all_reduce") and c.params[0] in CONVERTED:
+                gathered[kind][(c.kind, c.params[0])] += c.nbytes
+    for fqn in CONVERTED:
+        assert gathered["before"][("all_gather", fqn)] == 1024
+        assert gathered["after"][("all_gather", fqn)] == 256
+        assert gathered["after"][("all_reduce", fqn)] == (4 if which == "fw" else 0)
 
 
 @pytest.mark.parametrize("which", ["fw", "bw"])
