@@ -54,8 +54,10 @@ from traced_graphs import _no_leaked_process_group  # noqa: F401
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
+# Half the toy model's blocks, in every test that compiles it: the compile is their cost.
+LAYERS = 2
 # The converted toy weights: every block's attention (16 x 16); w1..w3 have a dim of 20.
-CONVERTED = [f"layers.{i}.attention.{w}.weight" for i in range(toy_blocks.N_LAYERS)
+CONVERTED = [f"layers.{i}.attention.{w}.weight" for i in range(LAYERS)
              for w in ("wq", "wk", "wv", "wo")]
 
 
@@ -204,8 +206,8 @@ def test_compiles_to_the_eager_result():
 
 
 def test_convert_swaps_block_linears_in_place():
-    model = toy_blocks.make_model()
-    ref = toy_blocks.make_model()
+    model = toy_blocks.make_model(n_layers=LAYERS)
+    ref = toy_blocks.make_model(n_layers=LAYERS)
     params = dict(model.named_parameters())
     swapped = convert_to_float8(model)
     assert swapped == [fqn.rpartition(".")[0] for fqn in CONVERTED]
@@ -215,8 +217,9 @@ def test_convert_swaps_block_linears_in_place():
     assert type(model.output) is nn.Linear
     assert all(p is params[n] for n, p in model.named_parameters())
     assert list(model.state_dict()) == list(ref.state_dict())
-    only_q = convert_to_float8(toy_blocks.make_model(), lambda fqn, m: fqn.endswith("wq"))
-    assert only_q == [f"layers.{i}.attention.wq" for i in range(toy_blocks.N_LAYERS)]
+    only_q = convert_to_float8(toy_blocks.make_model(n_layers=LAYERS),
+                               lambda fqn, m: fqn.endswith("wq"))
+    assert only_q == [f"layers.{i}.attention.wq" for i in range(LAYERS)]
 
 
 # ----------------------------------------------------- 2-3. the pass on traced graphs
@@ -226,7 +229,7 @@ def test_convert_swaps_block_linears_in_place():
 def _traced():
     """(fw, bw) of the converted toy model on 2 fake ranks, reshard after forward, as the
     backend's graph passes receive them."""
-    model = toy_blocks.make_model()
+    model = toy_blocks.make_model(n_layers=LAYERS)
     convert_to_float8(model)
     tok, tgt = toy_blocks.batch(0)
     with pu.fake_world(2) as mesh:
@@ -287,7 +290,7 @@ def test_bitwise_the_traced_casts_as_every_rank(which):
     # bucketing: one uint8 gather and (forward) one amax all-reduce per block
     bucketed = bucket_collectives(pu.fresh(rewritten), BlockPlan())
     kinds = collections.Counter((c.kind, c.dtype, c.block) for c in find_collectives(bucketed))
-    for i in range(toy_blocks.N_LAYERS):
+    for i in range(LAYERS):
         block = f"layers.{i}"
         assert kinds[("all_gather", torch.uint8, block)] == 1
         assert kinds[("all_reduce", torch.float32, block)] == (1 if which == "fw" else 0)
@@ -455,7 +458,6 @@ def test_the_pipeline_runs_the_pass_first_only_on_graphs_with_a_cast():
 
 TRAIN_STEPS = 3
 TRAIN_LR = 1e-2
-TRAIN_LAYERS = 2  # half the toy model: the compile is most of the spawn's time
 
 
 def _train_job(rank, world):
@@ -479,7 +481,7 @@ def _train_job(rank, world):
                 for c in find_collectives(gm) if c.kind in ("all_gather", "all_reduce"))
 
     torch._dynamo.reset()
-    model = toy_blocks.make_model(n_layers=TRAIN_LAYERS)
+    model = toy_blocks.make_model(n_layers=LAYERS)
     convert_to_float8(model)
     ss.data_parallel(model, mesh, storage="param", reshard_after_forward="auto")
     opt = torch.optim.AdamW(model.parameters(), lr=TRAIN_LR)
@@ -494,7 +496,7 @@ def _one_process(float8: bool, world: int) -> list[float]:
     """The same training uncompiled in one process: each rank's batch through the model on
     its own (its activations and gradients cast with their own scales, as on that rank), the
     gradients summed (as the reduce-scatter sums them)."""
-    model = toy_blocks.make_model(n_layers=TRAIN_LAYERS)
+    model = toy_blocks.make_model(n_layers=LAYERS)
     if float8:
         convert_to_float8(model)
     opt = torch.optim.AdamW(model.parameters(), lr=TRAIN_LR)
@@ -528,11 +530,11 @@ def test_two_ranks_train_close_to_one_process():
         print(f"rank {rank}: fw {dict(g['fw'])}\n  bw {dict(g['bw'])}")
         # per block one uint8 gather (and in forward one amax all-reduce); the last block
         # is kept gathered for backward ("auto"), the others gathered again
-        assert g["fw"][("all_gather", "torch.uint8", None)] == TRAIN_LAYERS
-        assert g["fw"][("all_reduce", "torch.float32", None)] == TRAIN_LAYERS
-        assert g["bw"][("all_gather", "torch.uint8", None)] == TRAIN_LAYERS - 1
+        assert g["fw"][("all_gather", "torch.uint8", None)] == LAYERS
+        assert g["fw"][("all_reduce", "torch.float32", None)] == LAYERS
+        assert g["bw"][("all_gather", "torch.uint8", None)] == LAYERS - 1
         assert ("all_reduce", "torch.float32", None) not in g["bw"]
-        for fqn in CONVERTED[:4 * TRAIN_LAYERS]:
+        for fqn in CONVERTED:
             per = g["fw_per_param"][fqn]
             assert set(per) == {("all_gather", torch.uint8, "payload"),
                                 ("all_reduce", torch.float32, "amax_reduce"),
