@@ -437,6 +437,31 @@ def test_trainer_key_and_backend_wiring():
     assert pass_pipeline("aot_eager", BackendOptions(float8_gathers=False)).float8 == []
 
 
+def test_parallelize_converts_the_block_linears_first():
+    """The trainer's recipe: llama3 debug on meta, 2 fake ranks, compiled (not run): every
+    block Linear is a Float8Linear (data_parallel's subclass of it), the head is not, and the
+    storage is per parameter."""
+    from simplesharded.mesh import build_mesh
+    from simplesharded.models import build_model
+    from simplesharded.storage.sharded_state import sharded_state
+    from simplesharded.tools.cluster_trace import fake_world
+    from simplesharded.trainer import parallelize
+    from simplesharded.trainer.config import load_config
+
+    cfg = load_config(None, ["--training.float8", "--compile.enable", "--compile.backend",
+                             "aot_eager"])
+    with fake_world(2):
+        model = build_model("llama3", "debug", device="meta", n_layers=2)
+        parallelize(model, build_mesh(1, -1, "cpu"), cfg)
+    linears = {fqn: m for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
+    float8 = sorted(fqn for fqn, m in linears.items() if isinstance(m, Float8Linear))
+    assert float8 and all(fqn.startswith("layers.") for fqn in float8)
+    assert float8 == sorted(fqn for fqn in linears if fqn.startswith("layers."))
+    assert not isinstance(model.output, Float8Linear)
+    assert all(p.ragged is None for m in model.modules() if sharded_state(m) is not None
+               for p in sharded_state(m).params.values())
+
+
 def test_the_pipeline_runs_the_pass_first_only_on_graphs_with_a_cast():
     from simplesharded.passes.pipeline import PassPipeline
 
