@@ -477,6 +477,22 @@ def test_parallelize_converts_the_block_linears_first():
     assert not isinstance(model.output, Float8Linear)
     assert all(p.ragged is None for m in model.modules() if sharded_state(m) is not None
                for p in sharded_state(m).params.values())
+    # a MoE layer's router stays full precision
+    from simplesharded.trainer.recipe import not_a_router
+
+    class MoE(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = nn.Linear(16, 16)  # a router whose dims float8 would take
+            self.experts = nn.Parameter(torch.zeros(16, 16, 16))
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj, self.moe = nn.Linear(16, 16), MoE()
+
+    moe = nn.Sequential(nn.ModuleList([Block(), Block()]))
+    assert convert_to_float8(moe, not_a_router(moe)) == ["0.0.proj", "0.1.proj"]
 
 
 def test_the_pipeline_runs_the_pass_first_only_on_graphs_with_a_cast():

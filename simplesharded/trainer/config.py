@@ -130,8 +130,8 @@ class Training:
     on_nonfinite: str = _opt("stop", "action on a NaN/inf loss or grad norm", ("skip", "stop"))
     deterministic: bool = _opt(False, "torch.use_deterministic_algorithms")
     float8: bool = _opt(
-        False, "the Linears inside the model's blocks whose dims are multiples of 16 become "
-        "Float8Linear (simplesharded/float8.py: matmuls in float8, tensorwise scaling; weights, "
+        False, "the Linears inside the model's blocks whose dims are multiples of 16 (not a MoE "
+        "router) become Float8Linear (simplesharded/float8.py: matmuls in float8, tensorwise scaling; weights, "
         "gradients and optimizer stay as they are), before any parallelism; compiled, their "
         "weights are gathered in float8 (passes/float8_gather.py) and parallelism.storage auto "
         "takes param; uncompiled they train in float8 and gather in full precision")
@@ -291,7 +291,7 @@ class Config:
 
     def dp_storage(self) -> str:
         """The storage data_parallel takes: ``parallelism.dp_storage``, except that under
-        ``training.float8`` with compile ``auto`` takes one shard per parameter (a ragged
+        ``training.float8`` with compile, ``auto`` takes one shard per parameter (a ragged
         bucket is gathered as one buffer, which passes/float8_gather.py cannot cast)."""
         p = self.parallelism
         return resolved(p.storage, p.mode,

@@ -73,6 +73,15 @@ def _annotated(fn, index, *args, **kwargs):
         return fn(*args, **kwargs)
 
 
+def not_a_router(model: torch.nn.Module):
+    """training.float8's module filter: every Linear but a MoE layer's router (a Linear child
+    of a module that holds ``experts``: models/moe.py's ``gate``, transformers' MoE blocks),
+    whose scores choose the experts and stay in full precision."""
+    routers = {id(child) for m in model.modules() if hasattr(m, "experts")
+               for child in m.children() if isinstance(child, torch.nn.Linear)}
+    return lambda fqn, module: id(module) not in routers
+
+
 def loss_chunks(cfg: Config) -> int:
     """The model's ``loss_chunks`` (models/loss.py): the configured one, except under
     tensor parallelism, where chunking needs a plain output projection: there auto (0) means
@@ -140,7 +149,7 @@ def parallelize(model: torch.nn.Module, mesh, cfg: Config, backend=None, observe
 
     def prepare(part: torch.nn.Module):
         if t.float8:  # first, on plain Linears (torchtitan's order too)
-            convert_to_float8(part)
+            convert_to_float8(part, not_a_router(part))
         apply_tensor_parallel(part, mesh, p.enable_sequence_parallel, uses_loss_parallel(cfg))
         apply_expert_parallel(part, mesh)
         if cp_dim(mesh):  # the model's attention over sequences split on mesh["cp"]
