@@ -23,6 +23,14 @@ Written by compile_step's traced update (simplesharded/step/optim_update.py):
   UPDATE_KEY         on every op of a parameter's optimizer update: that parameter's FQN
                      (its index in the optimizer when it is not the model's); how
                      update_placement.py finds an update to move next to its reduction
+Written by float8 linear layers (simplesharded/float8.py):
+  FLOAT8_KEY         on the ops of a Float8Linear's weight cast to float8 (tensorwise
+                     dynamic scaling), with their role: "amax" (the tensor-wide max, fp32),
+                     "scale" (the fp32 scale the matmul reads), "values" (the e4m3fn
+                     weight), "op" (the rest); how float8_gather.py finds the cast a gathered
+                     weight feeds, and casts its shard instead. On the all-reduce (max) of
+                     the shards' amax that pass adds, and on its all-gather of the cast
+                     shard's bytes (and their waits): "amax_reduce" and "payload"
 Written by our passes:
   BUCKET_KEY         the bucket a merged collective implements (bucketing.py)
   BUCKET_PARAMS_KEY  FQNs of every parameter a merged collective serves (bucketing.py)
@@ -63,6 +71,7 @@ REGATHER_KEY = "ss_regather"
 UPDATE_KEY = "ss_update"
 RAGGED_KEY = "ss_ragged"
 QUANT_KEY = "ss_quant"
+FLOAT8_KEY = "ss_float8"
 # Graph-level, in GraphModule.meta: lines a pass leaves about what it did not do and why; a
 # graph dump (pipeline.py) prints them at its top.
 NOTES_KEY = "ss_notes"
@@ -77,6 +86,11 @@ def add_note(gm: fx.GraphModule, note: str) -> None:
 def annotations(node: fx.Node) -> dict:
     """The node's annotations ({} when it has none)."""
     return node.meta.get("custom") or {}
+
+
+def has_float8_casts(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` holds a float8 weight cast a Float8Linear annotated (FLOAT8_KEY)."""
+    return any(annotations(n).get(FLOAT8_KEY) == "values" for n in gm.graph.nodes)
 
 
 def gathered_param(node: fx.Node) -> str | None:

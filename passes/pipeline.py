@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 from torch import fx
 
 from .agreement import insert_agreement_check
-from .annotations import NOTES_KEY
+from .annotations import NOTES_KEY, has_float8_casts
 from .cross_step import explain_cross_step_prefetch
 from .collectives import count_collectives, is_backward_graph
 from .traced_backward import annotate_traced_backward, traced_backward_nodes
@@ -66,6 +66,9 @@ class PassPipeline:
     # by op; update_scalars.py for inductor, which writes mutated inputs in place itself and
     # lowers some ops, such as addcmul, only in functional form).
     update: Sequence[tuple[str, GraphPass]] = ()
+    # Run first among the graph passes, only on graphs that hold a Float8Linear's annotated
+    # weight cast (float8_gather.py: the gathers that feed one send float8; before bucketing).
+    float8: Sequence[tuple[str, GraphPass]] = ()
     dump_dir: str | None = None
     observer: Callable[[str, str, fx.GraphModule], None] | None = None  # (kind, stage, gm)
     _seq: itertools.count = field(default_factory=itertools.count, repr=False)
@@ -80,6 +83,8 @@ class PassPipeline:
     def run_graph(self, gm: fx.GraphModule) -> fx.GraphModule:
         # Last: the ranks compare the sequence the passes produced (passes/agreement.py).
         passes = list(self.graph) + [(LAST_STAGE, insert_agreement_check)]
+        if self.float8 and has_float8_casts(gm):
+            passes = list(self.float8) + passes
         backward = is_backward_graph(gm)
         if not backward:
             # A backward traced into a forward graph (compile_step) gets the annotations
@@ -89,7 +94,8 @@ class PassPipeline:
                 # After the graph passes, before the agreement check: a step graph's updates
                 # go next to their reductions once these are placed, and run in place last
                 # (whether an input is read after its update depends on the final order).
-                passes[len(self.graph):len(self.graph)] = [
+                end = len(passes) - 1
+                passes[end:end] = [
                     ("update_placement", place_updates),
                     ("cross_step", explain_cross_step_prefetch), *self.update]
             if traced_backward_nodes(gm):
@@ -118,7 +124,7 @@ class PassPipeline:
     def uuid(self) -> str:
         """Cache key for inductor: changes with the pass list, options and our source files."""
         h = hashlib.sha256()
-        for name, p in list(self.joint) + list(self.graph):
+        for name, p in list(self.joint) + list(self.float8) + list(self.graph):
             h.update(name.encode())
             h.update(repr(getattr(p, "keywords", "")).encode())
         src = Path(__file__).parent

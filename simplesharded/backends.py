@@ -10,6 +10,9 @@ torch config is changed outside the backend's own ``config.patch`` (see passes/p
    plans from the same sizes, passes/replica_padding.py, and on gloo then lower the emulated
    reduce-scatter to all-to-all + adds, passes/lowering.py)
   {aot_eager,inductor}_upstreambucketing torch's own schedule_overlap_bucketing (baseline only)
+(every compiled one first has the gathers that feed only a Float8Linear's weight cast send the
+ cast shard in float8, on graphs that hold such a cast: passes/float8_gather.py; option
+ float8_gathers=False gathers them as traced)
 
 A name is parsed once into a :class:`BackendName` (compiler, bucketing), and
 :func:`pass_pipeline` is the one place that turns it into passes: the backends here, and the
@@ -129,11 +132,17 @@ class BackendOptions:
     # None: as traced (passes/quantized_reduce.py).
     quantize_grads: str | None = None
     quantize_block: int = 256
+    # Gathers that feed only a Float8Linear's weight cast (simplesharded/float8.py) send the
+    # cast shard in float8 after one all-reduce (max) of the shards' amax; bitwise the same
+    # float8 weight (passes/float8_gather.py). Runs only on graphs that hold such a cast.
+    float8_gathers: bool = True
     # the options above that switch a quantizing pass on (the trainer's compile keys of the
     # same names, simplesharded/trainer/recipe.py)
     QUANTIZERS = ("quantize_gathers", "quantize_grads")
 
     def __post_init__(self):
+        if not isinstance(self.float8_gathers, bool):
+            raise ValueError(f"float8_gathers={self.float8_gathers!r} is not a bool")
         # imported only when asked: importing simplesharded loads no pass it does not run
         if (self.quantize_gathers is not None
                 or self.quantize_block != BackendOptions.quantize_block):
@@ -233,7 +242,14 @@ def pass_pipeline(backend: str | BackendName, opts: BackendOptions = BackendOpti
     graph = quantize + graph
     joint = [("recompute", functools.partial(tag_gathers_for_recompute, plan=plan))]
     step = [("regather", functools.partial(regather_for_backward, plan=plan))]
-    return PassPipeline(joint=joint, graph=graph, step=step,
+    # Before the quantized gathers (which then leave the float8 bytes alone) and bucketing
+    # (which merges a block's float8 gathers and their amax all-reduces).
+    float8 = []
+    if opts.float8_gathers:  # imported when a backend is built, not by `import simplesharded`
+        from simplesharded.passes.float8_gather import float8_gathers
+
+        float8 = [("float8", float8_gathers)]
+    return PassPipeline(joint=joint, graph=graph, step=step, float8=float8,
                         update=_update_passes(backend.compiler),
                         dump_dir=opts.dump_graphs, observer=opts.observer)
 

@@ -45,13 +45,25 @@ def _takes(storage: str, mode: str, dp_dims: int | None) -> bool:
                                   and dp_dims is not None and dp_dims not in fully_shard_dims)
 
 
-def resolved(storage: str, mode: str, dp_dims: int | None = None) -> str:
+def resolved(storage: str, mode: str, dp_dims: int | None = None,
+             each_parameter: bool = False) -> str:
     """The storage ``storage`` names for ``mode`` over ``dp_dims`` data-parallel mesh dims
     (None: not known yet): ``"auto"`` is ragged buckets (the fewest copies, docs/zero_copy.md)
-    wherever they take the mode and mesh, else one shard per parameter."""
+    wherever they take the mode and mesh, else one shard per parameter. ``each_parameter``:
+    ``"auto"`` takes a storage that gathers each parameter on its own
+    (:func:`gathers_each_parameter`)."""
     if storage != "auto":
         return storage
+    if each_parameter:
+        return "param"
     return "ragged" if _takes("ragged", mode, dp_dims) else "param"
+
+
+def gathers_each_parameter(storage: str) -> bool:
+    """Whether ``storage`` gathers each parameter with a collective of its own (a ragged
+    bucket gathers its members in one buffer): what a pass that rewrites one parameter's
+    gather needs (passes/float8_gather.py)."""
+    return storage == "param"
 
 
 def check_storage(storage: str, mode: str, dp_dims: int, mesh) -> None:

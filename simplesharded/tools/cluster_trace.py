@@ -131,6 +131,7 @@ def apply_backend_passes(traced: Traced, backend: str, hardware: str, cap_bytes:
     (de)quantize ops). The joint pass ran in :func:`trace`; no agreement check is added
     (nothing here runs the graphs)."""
     from simplesharded.backends import BackendOptions, pass_pipeline
+    from simplesharded.passes.annotations import has_float8_casts
     from simplesharded.passes.hardware import get_hardware
     from simplesharded.passes.lowering import LOWERED_BACKENDS
     from simplesharded.passes.pipeline import lazily_compiled
@@ -139,16 +140,22 @@ def apply_backend_passes(traced: Traced, backend: str, hardware: str, cap_bytes:
     pipeline = pass_pipeline(backend, BackendOptions(hardware=hardware, memory_cap_bytes=cap_bytes,
                                                      **quantize),
                              lower_on=None if gloo else LOWERED_BACKENDS)
-    if not pipeline.graph:
+    # a Float8Linear's weight cast (training.float8): its gathers are sent in float8 first,
+    # as PassPipeline.run_graph does
+    float8 = {id(gm): list(pipeline.float8) if has_float8_casts(gm) else []
+              for gm in (traced.fw, traced.bw)}
+    if not pipeline.graph and not any(float8.values()):
         return traced.fw, traced.bw
     # Copies of the graphs in lazy graph modules (dynamo's own kind): nothing here runs them,
     # so the passes' recompiles generate no code. Attributes stay shared: passes never
     # write them.
-    fw, bw = (lazily_compiled(gm, copy.deepcopy(gm.graph)) for gm in (traced.fw, traced.bw))
-    for gm in (fw, bw):
-        for _, graph_pass in pipeline.graph:
-            graph_pass(gm)
-    return fw, bw
+    copies = []
+    for gm in (traced.fw, traced.bw):
+        mine = lazily_compiled(gm, copy.deepcopy(gm.graph))
+        for _, graph_pass in [*float8[id(gm)], *pipeline.graph]:
+            graph_pass(mine)
+        copies.append(mine)
+    return tuple(copies)
 
 
 @dataclass

@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"compile={cfg.compile.backend if cfg.compile.enable else 'off'}"
                   f"{_quantized_text(cfg)}"
                   f"{' scope=step' if trainer.whole_step is not None else ''}"
-                  f" storage={cfg.parallelism.dp_storage}"
+                  f" storage={cfg.dp_storage()}"
                   f"{_pipeline_text(cfg, trainer.pipeline)}", flush=True)
         trainer.run()
     except ValueError as e:

@@ -129,6 +129,12 @@ class Training:
     val_steps: int = _opt(4, "batches per validation")
     on_nonfinite: str = _opt("stop", "action on a NaN/inf loss or grad norm", ("skip", "stop"))
     deterministic: bool = _opt(False, "torch.use_deterministic_algorithms")
+    float8: bool = _opt(
+        False, "the Linears inside the model's blocks whose dims are multiples of 16 (not a MoE "
+        "router) become Float8Linear (simplesharded/float8.py: matmuls in float8, tensorwise scaling; weights, "
+        "gradients and optimizer stay as they are), before any parallelism; compiled, their "
+        "weights are gathered in float8 (passes/float8_gather.py) and parallelism.storage auto "
+        "takes param; uncompiled they train in float8 and gather in full precision")
 
 
 @dataclass
@@ -282,6 +288,14 @@ class Config:
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
+
+    def dp_storage(self) -> str:
+        """The storage data_parallel takes: ``parallelism.dp_storage``, except that under
+        ``training.float8`` with compile, ``auto`` takes one shard per parameter (a ragged
+        bucket is gathered as one buffer, which passes/float8_gather.py cannot cast)."""
+        p = self.parallelism
+        return resolved(p.storage, p.mode,
+                        each_parameter=self.training.float8 and self.compile.enable)
 
     def to_toml(self) -> str:
         lines = []

@@ -13,7 +13,7 @@ import copy
 import dataclasses
 from typing import Any, Iterable
 
-from simplesharded.storage.choice import modes_taken
+from simplesharded.storage.choice import gathers_each_parameter, modes_taken, resolved
 from simplesharded.trainer.config_parse import sections
 
 # Stand-ins for config.py's Config and its parallelism section (not imported: see above).
@@ -151,6 +151,7 @@ def validate(cfg: _Config, backends: Iterable[str] | None = None) -> None:
         raise ValueError(f"training.clip_norm={t.clip_norm!r} needs compile.scope='step' "
                          f"(got {cfg.compile.scope!r}): the split step clips with this step's "
                          f"norm")
+    _check_float8(cfg)
     for key in ("quantize_gathers", "quantize_grads"):
         value = getattr(cfg.compile, key)
         if value != "none" and not cfg.compile.enable:
@@ -190,6 +191,28 @@ def _check_storage(cfg: _Config) -> None:
         raise ValueError(f"parallelism.storage={p.storage!r} needs parallelism.mode "
                          f"{' or '.join(repr(m) for m in modes)}, got {p.mode!r} "
                          f"(or set storage=param)")
+
+
+def _check_float8(cfg: _Config) -> None:
+    """training.float8 with what it does not take: one error naming the other key."""
+    t, p, c = cfg.training, cfg.parallelism, cfg.compile
+    if not t.float8:
+        return
+    if c.quantize_gathers != "none":
+        raise ValueError(f"training.float8 and compile.quantize_gathers={c.quantize_gathers!r} "
+                         f"both quantize the weights' gathers: set one")
+    if p.tensor_parallel_degree > 1:
+        raise ValueError(f"training.float8 does not take parallelism.tensor_parallel_degree="
+                         f"{p.tensor_parallel_degree} (Float8Linear casts plain tensors, not "
+                         f"tensor-parallel DTensors)")
+    if c.enable and not gathers_each_parameter(resolved(p.storage, p.mode,
+                                                         each_parameter=True)):
+        raise ValueError(f"training.float8 gathers each weight in float8, and "
+                         f"parallelism.storage={p.storage!r} gathers a block as one buffer: "
+                         f"set storage param or auto")
+    if c.enable and c.scope == "step":
+        raise ValueError("training.float8 does not take compile.scope='step' (its step graph "
+                         "is not checked with float8 layers)")
 
 
 def _check_step_scope(cfg: _Config) -> None:

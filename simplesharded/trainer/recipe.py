@@ -1,7 +1,7 @@
-"""The parallelization recipe, in its order: tensor parallelism → expert parallelism →
-context parallelism → activation checkpointing → data_parallel → torch.compile with our backend,
-per pipeline stage (:func:`parallelize`), and what the step needs to know of it (loss chunks,
-loss parallelism, the pipeline's loss)."""
+"""The parallelization recipe, in its order: float8 linears (training.float8) → tensor
+parallelism → expert parallelism → context parallelism → activation checkpointing →
+data_parallel → torch.compile with our backend, per pipeline stage (:func:`parallelize`), and
+what the step needs to know of it (loss chunks, loss parallelism, the pipeline's loss)."""
 from __future__ import annotations
 
 import contextlib
@@ -13,6 +13,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from simplesharded.backends import BACKENDS, BackendName, BackendOptions, make_backend
 from simplesharded.blocks import find_blocks
+from simplesharded.float8 import convert_to_float8
 from simplesharded.mesh import cp_dim, ep_dim, tp_dim
 from simplesharded.models.context_parallel import apply_context_parallel
 from simplesharded.passes.agreement import set_agreement_peers
@@ -72,6 +73,15 @@ def _annotated(fn, index, *args, **kwargs):
         return fn(*args, **kwargs)
 
 
+def not_a_router(model: torch.nn.Module):
+    """training.float8's module filter: every Linear but a MoE layer's router (a Linear child
+    of a module that holds ``experts``: models/moe.py's ``gate``, transformers' MoE blocks),
+    whose scores choose the experts and stay in full precision."""
+    routers = {id(child) for m in model.modules() if hasattr(m, "experts")
+               for child in m.children() if isinstance(child, torch.nn.Linear)}
+    return lambda fqn, module: id(module) not in routers
+
+
 def loss_chunks(cfg: Config) -> int:
     """The model's ``loss_chunks`` (models/loss.py): the configured one, except under
     tensor parallelism, where chunking needs a plain output projection: there auto (0) means
@@ -122,9 +132,9 @@ class _ScopedCalls:
 
 def parallelize(model: torch.nn.Module, mesh, cfg: Config, backend=None, observer=None,
                 loss_fn=None):
-    """TP → EP → CP → activation checkpointing → data_parallel → compile, in that order, on the
-    model or, under pipeline parallelism, on each of this rank's stages; returns the callable
-    a step runs (the compiled model, or the model itself), or the
+    """float8 → TP → EP → CP → activation checkpointing → data_parallel → compile, in that
+    order, on the model or, under pipeline parallelism, on each of this rank's stages; returns
+    the callable a step runs (the compiled model, or the model itself), or the
     :class:`~simplesharded.pipeline.pipelining.Pipeline` of this rank's stages (``loss_fn``: the loss
     its last stage computes from the logits and the labels, :func:`pipeline_loss`).
     ``backend``: a torch.compile backend used instead of the configured one (``python -m
@@ -138,6 +148,8 @@ def parallelize(model: torch.nn.Module, mesh, cfg: Config, backend=None, observe
     mp = MixedPrecisionPolicy(pdt, rdt) if (pdt, rdt) != (torch.float32, torch.float32) else None
 
     def prepare(part: torch.nn.Module):
+        if t.float8:  # first, on plain Linears (torchtitan's order too)
+            convert_to_float8(part, not_a_router(part))
         apply_tensor_parallel(part, mesh, p.enable_sequence_parallel, uses_loss_parallel(cfg))
         apply_expert_parallel(part, mesh)
         if cp_dim(mesh):  # the model's attention over sequences split on mesh["cp"]
@@ -149,7 +161,7 @@ def parallelize(model: torch.nn.Module, mesh, cfg: Config, backend=None, observe
         # rank's loss divided by the global token count (train_step), so the reduced gradient
         # is the exact global mean whatever the ranks' token counts.
         data_parallel(part, mesh, p.mode, mp_policy=mp, reshard_after_forward=p.reshard,
-                      grad_reduction=t.grad_reduction, storage=p.dp_storage)
+                      grad_reduction=t.grad_reduction, storage=cfg.dp_storage())
         if not c.enable:
             return part
         return _compiled(part, mesh, cfg, backend, observer, pipeline_stages(p) // pp)
