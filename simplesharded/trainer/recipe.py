@@ -13,7 +13,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from simplesharded.backends import BACKENDS, BackendName, make_backend
 from simplesharded.blocks import find_blocks
-from simplesharded.mesh import cp_dim, ep_dim, tp_dim
+from simplesharded.mesh import cp_mesh, ep_dim, tp_dim
 from simplesharded.models.context_parallel import apply_context_parallel
 from simplesharded.passes.agreement import set_agreement_peers
 from simplesharded.passes.annotations import AC_KEY
@@ -140,8 +140,9 @@ def parallelize(model: torch.nn.Module, mesh, cfg: Config, backend=None, observe
     def prepare(part: torch.nn.Module):
         apply_tensor_parallel(part, mesh, p.enable_sequence_parallel, uses_loss_parallel(cfg))
         apply_expert_parallel(part, mesh)
-        if cp_dim(mesh):  # the model's attention over sequences split on mesh["cp"]
-            apply_context_parallel(part, mesh[cp_dim(mesh)])
+        cp = cp_mesh(mesh)  # mesh["cp"], or under EP the ep mesh's cp sibling
+        if cp is not None:  # the model's attention over sequences split on it
+            apply_context_parallel(part, cp)
         apply_activation_checkpointing(part, cfg.activation_checkpoint.mode,
                                        cfg.activation_checkpoint.selective_every,
                                        compiled=c.enable, expert_parallel=bool(ep_dim(mesh)))
