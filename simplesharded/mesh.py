@@ -33,8 +33,11 @@ ep, tp?)``. A pp group is ranks ``world / pp`` apart, so each stage's dp, ep and
 the same consecutive ranks as without pp. ``pp`` is neither data- nor model-parallel to a
 parameter: a stage's parameters live on :func:`stage_mesh`, the mesh without it, and
 ``data_parallel`` given a mesh with a pp dim works on that sub-mesh (so a checkpoint's DTensors
-name no pp dim and load at another pp degree). PP together with CP is not supported yet (an
-error).
+name no pp dim and load at another pp degree). With cp the root is ``(pp, dp_replicate?,
+dp_shard_cp, tp?)`` and the cp mesh ``(pp, dp_replicate?, dp_shard, cp, tp?)``: a pp group
+holds one rank of each stage at the same dp, cp and tp coordinates, so a stage sends its
+activations (this rank's head-tail chunks) to the same cp index of the next stage, and each
+stage gathers its K/V over its own cp group.
 """
 from __future__ import annotations
 
@@ -160,9 +163,6 @@ def resolve_degrees(world_size: int, dp_replicate: int = 1, dp_shard: int = -1,
         raise ValueError(f"{names[3]}={ep} does not divide {borrowed} (expert parallelism "
                          f"borrows its ranks from the data-parallel shards"
                          f"{' and the cp ranks' if cp > 1 else ''})")
-    if pp > 1 and cp > 1:
-        raise ValueError(f"{pp_name}={pp} with {names[4]}={cp}: pipeline parallelism together "
-                         f"with context parallelism is not supported yet; set one of them to 1")
     return MeshDegrees(dp_replicate, dp_shard, tp, ep, cp, pp=pp)
 
 

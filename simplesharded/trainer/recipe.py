@@ -161,15 +161,17 @@ def parallelize(model: torch.nn.Module, mesh, cfg: Config, backend=None, observe
     from simplesharded.pipeline.pipelining import pipeline
 
     # What one micro-batch is at each stage boundary: tokens in, hidden states between
-    # stages, logits out (in the gathered parameters' dtype), so no forward runs to find out.
+    # stages, logits out (in the gathered parameters' dtype), so no forward runs to find out;
+    # under context parallelism this rank's head-tail chunks of each sequence.
     mb, a = p.pipeline_parallel_microbatch_size, model.args
     act = pdt if mp is not None else torch.float32
+    tokens = t.seq_len // p.context_parallel_degree
     return pipeline(
         model, mesh, schedule=p.pipeline_parallel_schedule,
         n_microbatches=t.local_batch_size // mb, loss_fn=loss_fn, prepare=prepare,
-        microbatch=torch.empty(mb, t.seq_len, dtype=torch.long, device="meta"),
-        hidden=torch.empty(mb, t.seq_len, a.dim, dtype=act, device="meta"),
-        output=torch.empty(mb, t.seq_len, a.vocab_size, dtype=act, device="meta"),
+        microbatch=torch.empty(mb, tokens, dtype=torch.long, device="meta"),
+        hidden=torch.empty(mb, tokens, a.dim, dtype=act, device="meta"),
+        output=torch.empty(mb, tokens, a.vocab_size, dtype=act, device="meta"),
         n_stages=pipeline_stages(p), layers_per_stage=p.pipeline_parallel_layers_per_stage or None,
         policy=p.pipeline_fsdp_policy, memory_cap_mb=c.memory_cap_mb, param_dtype=pdt)
 
