@@ -172,7 +172,10 @@ class _AddAuxLoss(torch.autograd.Function):
 class MoE(nn.Module):
     # Set by models/context_parallel.py's apply_context_parallel: x is then this rank's
     # head-tail chunks of each sequence, and the aux loss's fractions are the whole
-    # sequences' (the cp ranks' counts summed), so it is the unsplit run's.
+    # sequences' (the cp ranks' counts summed), so it is the unsplit run's. Routing and its
+    # counts are per token, so they are too; a capacity (capacity_factor) drops past the
+    # first C rows of an expert among the rank's own tokens, as under dp, so with one the
+    # drops are not the unsplit run's.
     context_parallel: ContextParallel | None = None
 
     def __init__(self, args: MoEArgs):
