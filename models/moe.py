@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 import torch.nn.functional as F
@@ -48,6 +49,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInputO
 
 from simplesharded.passes.annotations import ROUTING_KEY
 
+from .context_parallel import ContextParallel
 from .ep_dispatch import dispatch
 from .expert_mm import expert_mm, uses_grouped_mm
 from .llama3 import FeedForward, Llama3, Llama3Args, ffn_tp_styles, trunc_normal_init_
@@ -168,6 +170,14 @@ class _AddAuxLoss(torch.autograd.Function):
 
 
 class MoE(nn.Module):
+    # Set by models/context_parallel.py's apply_context_parallel: x is then this rank's
+    # head-tail chunks of each sequence, and the aux loss's fractions are the whole
+    # sequences' (the cp ranks' counts summed), so it is the unsplit run's. Routing and its
+    # counts are per token, so they are too; a capacity (capacity_factor) drops past the
+    # first C rows of an expert among the rank's own tokens, as under dp, so with one the
+    # drops are not the unsplit run's.
+    context_parallel: ContextParallel | None = None
+
     def __init__(self, args: MoEArgs):
         super().__init__()
         self.n_experts, self.top_k = args.n_routed_experts, args.top_k
@@ -259,9 +269,19 @@ class MoE(nn.Module):
                 self.tokens_per_expert.add_(counts.float())
         if self.training and self.args.load_balance == "aux_loss":
             # Switch/DeepSeek balance loss: E * sum_i (fraction routed to i) * (mean prob of i).
-            frac = counts.float() / (T * k)
-            probs = scores / scores.sum(-1, keepdim=True)
-            aux = self.args.aux_loss_coeff * E * (frac * probs.mean(0)).sum()
+            routed, probs = counts.float(), scores / scores.sum(-1, keepdim=True)
+            mean_probs = probs.mean(0)
+            cp = self.context_parallel
+            if cp is not None:
+                # Over the whole sequences, of which this rank holds 1/cp of the tokens: the
+                # counts summed over the cp group (integers: no gradient), and this rank's
+                # share of the mean probability, so the cp ranks' aux losses (each fed
+                # gradient 1) sum to the unsplit run's, gradient included.
+                with fx_traceback.annotate({ROUTING_KEY: True}):  # saved, never recomputed
+                    routed = funcol.all_reduce(routed, "sum", cp.group_name)
+                mean_probs = mean_probs / cp.size
+            frac = routed / (T * k * (cp.size if cp is not None else 1))
+            aux = self.args.aux_loss_coeff * E * (frac * mean_probs).sum()
             y = _AddAuxLoss.apply(y, aux)
         return y.view(B, S, D)
 

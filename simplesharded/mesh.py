@@ -33,8 +33,11 @@ ep, tp?)``. A pp group is ranks ``world / pp`` apart, so each stage's dp, ep and
 the same consecutive ranks as without pp. ``pp`` is neither data- nor model-parallel to a
 parameter: a stage's parameters live on :func:`stage_mesh`, the mesh without it, and
 ``data_parallel`` given a mesh with a pp dim works on that sub-mesh (so a checkpoint's DTensors
-name no pp dim and load at another pp degree). PP together with CP is not supported yet (an
-error).
+name no pp dim and load at another pp degree). With cp the root is ``(pp, dp_replicate?,
+dp_shard_cp, tp?)`` and the cp mesh ``(pp, dp_replicate?, dp_shard, cp, tp?)``: a pp group
+holds one rank of each stage at the same dp, cp and tp coordinates, so a stage sends its
+activations (this rank's head-tail chunks) to the same cp index of the next stage, and each
+stage gathers its K/V over its own cp group.
 """
 from __future__ import annotations
 
@@ -73,7 +76,7 @@ def backend_for(device: str) -> str:
 @dataclass(frozen=True)
 class MeshDegrees:
     """Resolved degrees; ``pp * replicate * shard * cp * tp == world``; ``ep`` divides
-    ``shard``."""
+    ``shard * cp`` (the ranks it borrows, module doc)."""
 
     replicate: int
     shard: int
@@ -84,8 +87,8 @@ class MeshDegrees:
 
     @property
     def efsdp(self) -> int:
-        """The dp_shard ranks an expert weight is sharded over (EP takes the rest)."""
-        return self.shard // self.ep
+        """The dp_shard x cp ranks an expert weight is sharded over (EP takes the rest)."""
+        return self.shard * self.cp // self.ep
 
     @property
     def dp(self) -> int:
@@ -97,14 +100,15 @@ class MeshDegrees:
         return self.pp * self.dp * self.cp * self.tp
 
     def dims(self) -> tuple[tuple[str, int], ...]:
-        """(name, size) of each mesh dim, outermost first, by the module doc's rule."""
+        """(name, size) of each dim of the mesh :func:`build_mesh` returns, outermost first, by
+        the module doc's rule (with ep and cp both > 1: the ep mesh, cp's being its sibling)."""
         dims = [(PP_DIM, self.pp)] if self.pp > 1 else []
         dims += [(REPLICATE_DIM, self.replicate)] if self.replicate > 1 else []
         if self.ep > 1:
             dims += [(EFSDP_DIM, self.efsdp), (EP_DIM, self.ep)]
         else:
             dims.append((SHARD_DIM, self.shard))
-        if self.cp > 1:
+        if self.cp > 1 and self.ep == 1:
             dims.append((CP_DIM, self.cp))
         if self.tp > 1:
             dims.append((TP_DIM, self.tp))
@@ -116,7 +120,7 @@ def resolve_degrees(world_size: int, dp_replicate: int = 1, dp_shard: int = -1,
                     names: tuple[str, ...] = ("dp_replicate", "dp_shard", "tp", "ep", "cp"),
                     pp: int = 1, pp_name: str = "pp") -> MeshDegrees:
     """Fill a ``-1`` degree from the world size and check the product (and that ``ep``
-    divides dp_shard: expert parallelism borrows dp_shard's ranks). ``pp`` stages split the
+    divides dp_shard x cp: expert parallelism borrows those ranks). ``pp`` stages split the
     world first: the other degrees fill ``world_size / pp`` ranks.
 
     The one place degrees are resolved. Raises ValueError naming the degrees (as ``names``
@@ -153,15 +157,12 @@ def resolve_degrees(world_size: int, dp_replicate: int = 1, dp_shard: int = -1,
     elif dp_replicate * dp_shard * cp * tp != world_size:
         raise ValueError(f"{given}{_product(given, dp_replicate * dp_shard * cp * tp)} does "
                          f"not equal the world size {world}")
-    if dp_shard % ep:
-        raise ValueError(f"{names[3]}={ep} does not divide {names[1]}={dp_shard} (expert "
-                         f"parallelism borrows its ranks from the data-parallel shards)")
-    if ep > 1 and cp > 1:
-        raise ValueError(f"{names[3]}={ep} with {names[4]}={cp}: expert parallelism together "
-                         f"with context parallelism is not supported yet; set one of them to 1")
-    if pp > 1 and cp > 1:
-        raise ValueError(f"{pp_name}={pp} with {names[4]}={cp}: pipeline parallelism together "
-                         f"with context parallelism is not supported yet; set one of them to 1")
+    if dp_shard * cp % ep:
+        borrowed = f"{names[1]}={dp_shard} x {names[4]}={cp}" if cp > 1 else \
+            f"{names[1]}={dp_shard}"
+        raise ValueError(f"{names[3]}={ep} does not divide {borrowed} (expert parallelism "
+                         f"borrows its ranks from the data-parallel shards"
+                         f"{' and the cp ranks' if cp > 1 else ''})")
     return MeshDegrees(dp_replicate, dp_shard, tp, ep, cp, pp=pp)
 
 
@@ -252,8 +253,30 @@ def ep_dim(mesh: DeviceMesh) -> str | None:
 
 
 def cp_dim(mesh: DeviceMesh) -> str | None:
-    """``"cp"`` when the mesh has a context-parallel dim, else None."""
+    """``"cp"`` when the mesh has a context-parallel dim, else None (an ep mesh whose cp
+    mesh is its sibling has none: :func:`cp_mesh`)."""
     return CP_DIM if mesh_roles(mesh).cp is not None else None
+
+
+_CP_SIBLING_ATTR = "_simplesharded_cp_sibling"  # on a root mesh: its cp mesh, beside ep's
+
+
+def _cp_sibling(mesh: DeviceMesh) -> DeviceMesh | None:
+    """The cp mesh :func:`build_mesh` kept on ``mesh``'s root when it returned an ep mesh
+    beside it (module doc), without its pp dim; None otherwise."""
+    if not getattr(mesh, "mesh_dim_names", None) or not ep_dim(mesh):
+        return None
+    sibling = mesh._get_root_mesh().__dict__.get(_CP_SIBLING_ATTR)
+    return None if sibling is None else stage_mesh(sibling)
+
+
+def cp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+    """The 1-D cp mesh of ``mesh``: ``mesh["cp"]``, or under EP its sibling's (module doc);
+    None without context parallelism."""
+    if cp_dim(mesh):
+        return mesh[CP_DIM]
+    sibling = _cp_sibling(mesh)
+    return None if sibling is None else sibling[CP_DIM]
 
 
 def dim_size(mesh: DeviceMesh, name: str) -> int:
@@ -276,7 +299,8 @@ def stage_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 def dense_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The mesh of every parameter that is not an expert weight: ``(dp_replicate?, dp_shard,
-    tp?)``, or ``(dp_replicate?, dp_shard_cp, tp?)`` under context parallelism. ``mesh`` itself
+    tp?)``, or ``(dp_replicate?, dp_shard_cp, tp?)`` under context parallelism (with or
+    without EP). ``mesh`` itself
     without an ep or cp dim; with one, the mesh it was unflattened from (module doc)."""
     split = ((SHARD_DIM, (EFSDP_DIM, EP_DIM)) if ep_dim(mesh) else
              (SHARD_CP_DIM, (SHARD_DIM, CP_DIM)) if cp_dim(mesh) else None)
@@ -284,6 +308,8 @@ def dense_mesh(mesh: DeviceMesh) -> DeviceMesh:
         return mesh
     whole, parts = split
     root = stage_mesh(mesh._get_root_mesh())
+    if whole == SHARD_DIM and SHARD_CP_DIM in (root.mesh_dim_names or ()):
+        whole = SHARD_CP_DIM  # EP with CP: efsdp x ep is dp_shard x cp (module doc)
     if (whole not in (root.mesh_dim_names or ())
             or dim_size(root, whole) != dim_size(mesh, parts[0]) * dim_size(mesh, parts[1])):
         raise ValueError(f"a mesh with an {parts[1]!r} dim must come from build_mesh/init_mesh "
@@ -300,12 +326,14 @@ def expert_dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 def group_labels(mesh: DeviceMesh) -> dict[str, str]:
     """{process-group name: mesh dim name} for each dim of ``mesh`` (and of its dense mesh,
-    whose dp_shard spans efsdp x ep). What passes/collectives.group_label reads from a
+    whose dp_shard spans efsdp x ep, and of an ep mesh's cp sibling: :func:`cp_mesh`). What passes/collectives.group_label reads from a
     group's description, except that a 1-D mesh over the whole world reuses the default
     group, whose description names no dim. A group that serves two dims (ep = dp_shard: both
     the default group) is labelled with both, "ep/dp_shard" (or "cp/dp_shard_cp")."""
     labels: dict[str, str] = {}
-    for m in [mesh] + ([dense_mesh(mesh)] if dense_mesh(mesh) is not mesh else []):
+    sibling = _cp_sibling(mesh)
+    for m in ([mesh] + ([dense_mesh(mesh)] if dense_mesh(mesh) is not mesh else [])
+              + ([sibling] if sibling is not None else [])):
         for d in m.mesh_dim_names or ():
             name = m.get_group(d).group_name
             labels[name] = d if labels.get(name, d) == d else f"{labels[name]}/{d}"
@@ -427,7 +455,8 @@ def exit_rank(code: int = 0) -> NoReturn:
 def build_mesh(dp_replicate: int = 1, dp_shard: int = -1, device: str | None = None,
                tp: int = 1, ep: int = 1, cp: int = 1, pp: int = 1) -> DeviceMesh:
     """The named mesh of the module doc: ``dp_shard`` always (split into ``efsdp`` x ``ep``
-    when ``ep`` > 1), ``pp``, ``dp_replicate``, ``cp`` and ``tp`` when their degree is > 1.
+    when ``ep`` > 1), ``pp``, ``dp_replicate``, ``cp`` and ``tp`` when their degree is > 1;
+    with ep and cp both > 1 the ep mesh, whose cp mesh :func:`cp_mesh` finds.
     The process group must already exist (see :func:`init_distributed`).
     """
     degrees = resolve_degrees(dist.get_world_size(), dp_replicate, dp_shard, tp, ep, cp, pp=pp)
@@ -437,11 +466,15 @@ def build_mesh(dp_replicate: int = 1, dp_shard: int = -1, device: str | None = N
     if degrees.cp > 1:
         names = tuple(SHARD_CP_DIM if n == SHARD_DIM else n for n in names)
     mesh = init_device_mesh(device or device_type(), sizes, mesh_dim_names=names)
-    if degrees.cp > 1:
-        return _unflatten(mesh, SHARD_CP_DIM, (degrees.shard, degrees.cp), (SHARD_DIM, CP_DIM))
+    cp = (_unflatten(mesh, SHARD_CP_DIM, (degrees.shard, degrees.cp), (SHARD_DIM, CP_DIM))
+          if degrees.cp > 1 else None)
     if degrees.ep == 1:
-        return mesh
-    return _unflatten(mesh, SHARD_DIM, (degrees.efsdp, degrees.ep), (EFSDP_DIM, EP_DIM))
+        return cp if cp is not None else mesh
+    ep = _unflatten(mesh, SHARD_CP_DIM if cp is not None else SHARD_DIM,
+                    (degrees.efsdp, degrees.ep), (EFSDP_DIM, EP_DIM))
+    if cp is not None:  # both: the ep mesh, its cp sibling kept on the root (module doc)
+        mesh.__dict__[_CP_SIBLING_ATTR] = cp
+    return ep
 
 
 def _unflatten(mesh: DeviceMesh, dim: str, sizes: tuple[int, int],

@@ -188,9 +188,14 @@ def test_resolve_degrees_with_cp():
     with pytest.raises(ValueError, match=r"^dp_shard=2 x cp=2 x tp=4 = 16 does not equal the "
                                          r"world size 8$"):
         resolve_degrees(8, dp_shard=2, tp=4, cp=2)
-    with pytest.raises(ValueError, match=r"^ep=2 with cp=2: expert parallelism together with "
-                                         r"context parallelism is not supported yet"):
-        resolve_degrees(8, ep=2, cp=2)
+    # EP borrows its ranks from dp_shard x cp: efsdp = dp_shard * cp / ep
+    d = resolve_degrees(8, ep=8, cp=2)
+    assert (d.shard, d.cp, d.ep, d.efsdp) == (4, 2, 8, 1)
+    assert d.dims() == (("efsdp", 1), ("ep", 8))  # the ep mesh; cp is its sibling
+    with pytest.raises(ValueError, match=r"^ep=3 does not divide dp_shard=4 x cp=2 \(expert "
+                                         r"parallelism borrows its ranks from the data-parallel "
+                                         r"shards and the cp ranks\)$"):
+        resolve_degrees(8, ep=3, cp=2)
     with pytest.raises(ValueError, match=r"cp=0 must be a positive int$"):
         resolve_degrees(8, cp=0)
 
@@ -220,6 +225,29 @@ def test_cp_mesh_roles_and_parameter_layout(fake_world):
     hsdp = ss.build_mesh(2, 1, "cpu", cp=2)
     assert hsdp.mesh_dim_names == ("dp_replicate", "dp_shard", "cp")
     assert dense_mesh(hsdp).mesh_dim_names == ("dp_replicate", "dp_shard_cp")
+
+
+def test_cp_with_ep_mesh_is_the_ep_mesh_with_a_cp_sibling(fake_world):
+    """cp 2 x ep 2 on 4 ranks (dp_shard 2): build_mesh gives the ep mesh (efsdp 2, ep 2),
+    unflattened from dp_shard_cp as the cp mesh (dp_shard 2, cp 2) is; cp_mesh finds the latter
+    from the former, whose dense root shards the dense parameters over dp_shard x cp and
+    whose efsdp the expert weights."""
+    import simplesharded as ss
+    from simplesharded.mesh import (cp_dim, cp_mesh, dense_mesh, ep_dim, expert_dp_mesh,
+                                    group_labels)
+
+    mesh = ss.build_mesh(1, 2, "cpu", ep=2, cp=2)
+    assert mesh.mesh_dim_names == ("efsdp", "ep") and ep_dim(mesh) == "ep"
+    assert cp_dim(mesh) is None and cp_mesh(mesh).mesh_dim_names == ("cp",)
+    assert cp_mesh(mesh).mesh.tolist() == mesh["ep"].mesh.tolist() == [0, 1]  # ep = cp here
+    assert cp_mesh(mesh["efsdp"]) is None  # a slice without ep reads as no cp either
+    assert dense_mesh(mesh).mesh_dim_names == ("dp_shard_cp",)
+    assert dense_mesh(mesh).mesh.tolist() == [0, 1, 2, 3]
+    assert expert_dp_mesh(mesh).mesh.tolist() == [0, 2]
+    assert {"ep", "cp", "efsdp"} <= set(group_labels(mesh).values())
+    # ep 4 spans both cp groups of the 4 ranks; cp stays (dp_shard 2, cp 2)
+    wide = ss.build_mesh(1, 2, "cpu", ep=4, cp=2)
+    assert wide["ep"].mesh.tolist() == [0, 1, 2, 3] and cp_mesh(wide).mesh.tolist() == [0, 1]
 
 
 @needs_torch(CONTEXT_PARALLEL)
@@ -266,10 +294,11 @@ def _load(argv, world=4):
      "parallelism.context_parallel_degree=2 needs a model whose attention runs under context "
      "parallelism (llama3, deepseek_v3, --model.name hf of the Llama family); model gpt/debug "
      "has none"),
-    (["--parallelism.context_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2",
+    (["--parallelism.context_parallel_degree", "2", "--parallelism.expert_parallel_degree", "3",
       "--model.name", "deepseek_v3"], 8,
-     "parallelism.context_parallel_degree=2 with expert_parallel_degree=2: expert parallelism "
-     "together with context parallelism is not supported yet; set one of them to 1"),
+     "parallelism.expert_parallel_degree=3 does not divide parallelism.data_parallel_shard_degree"
+     "=4 x parallelism.context_parallel_degree=2 (expert parallelism borrows its ranks from the "
+     "data-parallel shards and the cp ranks)"),
 ])
 def test_config_errors_are_one_line(argv, world, message):
     with pytest.raises(ValueError) as e:

@@ -26,6 +26,15 @@ The trainer runs in the same job (the debug config, eager): expert parallel degr
 none, its checkpoint resumed at degree 1, and pipeline stages with EP (pp 2 x ep 2, under
 reduce_once and gather_once) against none.
 
+Context parallelism with expert parallelism (cp 2 x ep 2 on 4 ranks: dp_shard 2, and ep
+borrowing from dp_shard x cp, so an ep group is a cp group; simplesharded/mesh.py): each rank
+keeps its head-tail chunks of its dp rank's sequences, routes and dispatches its own tokens, and
+trains as the one-process reference does, eager with the aux loss (whose fractions the cp ranks
+sum: models/moe.py) and compiled (aot_eager) with the bias update; the compiled graphs' K/V
+all-gathers run on the cp group (one per layer forward, its reduce-scatter in backward) and the
+all-to-alls on the ep group as without CP. The trainer runs cp 2 x ep 2 against the run without
+either, and loads the ep 2 checkpoint into that layout.
+
 With storage="ragged" (TP 2 x EP 2) a block's expert weights are a bucket of their own, and
 training is bitwise the run without ragged buckets (and at efsdp 2 x ep 2, eager, it matches
 one process).
@@ -80,14 +89,19 @@ LAYOUTS = {
     (2, 1, 2, 8): (("eager", False),),
 }
 CASES = [(key, case) for key, cases in LAYOUTS.items() for case in cases]
+# cp 2 x ep 2 (dp_shard 2; ep borrows from dp_shard x cp: efsdp 2, ep 2), 8 experts: the load
+# balancing of each case (the aux loss eager, the bias update compiled) → backend
+CP_CASES = {"aux_loss": "eager", "bias": "aot_eager"}
 
 
-def make_model(n_experts: int):
+def make_model(n_experts: int, load_balance: str = "bias"):
     from simplesharded.models import build_model
 
     torch.manual_seed(0)
+    # the aux loss at 100x its default weight: a wrong one is then an O(1e-2) difference
+    aux = {"aux_loss_coeff": 0.1} if load_balance == "aux_loss" else {}
     return build_model("deepseek_v3", "debug", device="cpu", n_routed_experts=n_experts,
-                       **ARGS)
+                       load_balance=load_balance, **aux, **ARGS)
 
 
 def batch(step: int):
@@ -96,19 +110,29 @@ def batch(step: int):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def train(model, step_fn, dp_rank: int, dp_size: int, tp: int, on_backward=None):
+def train(model, step_fn, dp_rank: int, dp_size: int, tp: int, on_backward=None,
+          keep=None, parts: int = 1):
+    """``keep``: the token positions this rank keeps of each sequence (context parallelism's
+    head-tail chunks); None: all. ``parts``: the rank's rows in that many parts, a forward and
+    backward each (gradients summed), as that many dp ranks run them: what the reference of
+    an aux loss, one per dp rank's tokens, needs."""
     opt = torch.optim.SGD(model.parameters(), **SGD)
     rows = GLOBAL_BATCH // dp_size
     losses = []
     for step in range(STEPS):
         x, y = batch(step)
         x, y = x[dp_rank * rows:(dp_rank + 1) * rows], y[dp_rank * rows:(dp_rank + 1) * rows]
-        # summed over a rank's rows, normalised by the global token count
-        loss = F.cross_entropy(step_fn(x).float().flatten(0, 1), y.flatten(),
-                               reduction="sum") / (GLOBAL_BATCH * SEQ)
+        if keep is not None:
+            x, y = x[:, keep], y[:, keep]
         opt.zero_grad(set_to_none=True)
-        with on_backward() if on_backward is not None else _nothing():
-            loss.backward()
+        loss = torch.zeros(())
+        for xs, ys in zip(x.chunk(parts), y.chunk(parts)):
+            # summed over a rank's rows, normalised by the global token count
+            part = F.cross_entropy(step_fn(xs).float().flatten(0, 1), ys.flatten(),
+                                   reduction="sum") / (GLOBAL_BATCH * SEQ)
+            with on_backward() if on_backward is not None else _nothing():
+                part.backward()
+            loss += part.detach()
         opt.step()
         model.update_expert_bias()
         total = loss.detach().clone()
@@ -127,9 +151,11 @@ class _nothing:
 
 
 @memo
-def reference(n_experts: int):
-    model = make_model(n_experts)
-    return train(model, model, 0, 1, 1)
+def reference(n_experts: int, load_balance: str = "bias", dp: int = 1):
+    """One process; ``dp``: the batch in dp parts, as dp ranks without CP run it (each dp
+    rank's aux loss is over its own tokens; the bias update's counts are summed anyway)."""
+    model = make_model(n_experts, load_balance)
+    return train(model, model, 0, 1, 1, parts=dp)
 
 
 class _CountAllToAll(torch.utils._python_dispatch.TorchDispatchMode):
@@ -201,6 +227,44 @@ def _case(rank, world, rep, tp, ep, n_experts, backend, ac):
             "ep_label": group_label(mesh.get_group("ep").group_name)}
 
 
+def _cp_case(rank, world, load_balance: str, backend: str):
+    """cp 2 x ep 2: the model's experts split over ep, its attention over cp (the ep mesh's
+    cp sibling), data_parallel over the rest; each rank trains on its head-tail chunks."""
+    import simplesharded as ss
+    from simplesharded.mesh import cp_mesh
+    from simplesharded.models.context_parallel import apply_context_parallel, head_tail_positions
+    from simplesharded.models.ep_dispatch import ep_compile_config
+    from simplesharded.passes.collectives import find_collectives
+    from simplesharded.trainer.recipe import _ScopedCalls, apply_expert_parallel
+
+    torch._dynamo.reset()
+    cp = 2
+    mesh = ss.build_mesh(1, world // cp, "cpu", ep=2, cp=cp)
+    cp_group = cp_mesh(mesh)
+    groups = {mesh.get_group("ep").group_name: "ep", cp_group.get_group().group_name: "cp"}
+    graphs: dict = {}
+
+    def observe(kind, stage, gm):
+        if kind in ("fw", "bw"):
+            graphs[kind] = sorted((groups.get(c.group_name, "other"), c.kind)
+                                  for c in find_collectives(gm))
+
+    model = make_model(8, load_balance)
+    apply_expert_parallel(model, mesh)
+    apply_context_parallel(model, cp_group)
+    ss.data_parallel(model, mesh, grad_reduction="sum")
+    step_fn = model if backend == "eager" else _ScopedCalls(torch.compile(
+        model, backend=ss.make_backend(backend, observer=observe), fullgraph=True),
+        ep_compile_config)
+    cp_rank = cp_group.get_local_rank()
+    losses, params = train(model, step_fn, rank // cp, world // cp, 1,
+                           keep=head_tail_positions(SEQ, cp_rank, cp))
+    return {"losses": losses, "params": params if rank == 0 else None, "graphs": graphs,
+            # the ranks of this rank's ep and cp groups
+            "ep_ranks": dist.get_process_group_ranks(mesh.get_group("ep")),
+            "cp_ranks": dist.get_process_group_ranks(cp_group.get_group())}
+
+
 def _step_case(rank, world):
     """The whole step in one graph (simplesharded.compile_step) on TP 2 x EP 2, against the
     split step (the model compiled with the same backend, backward, eager for-loop AdamW):
@@ -268,6 +332,14 @@ TRAINER_RUNS = {  # name → (steps, arguments); the folder is per test session
                      "--checkpoint.interval", "2"]),
     "resumed": (3, [*EAGER, "--checkpoint.enable", "--checkpoint.load_step", "2"]),
     "no_ep": (3, EAGER),
+    # context parallelism with EP (cp 2 x ep 2: dp_shard 2), as the README runs it (compiled
+    # there; eager here, the compiled layer is test_cp_ep_parity's); then the ep 2 checkpoint
+    # of step 2 loaded into that layout, run on to step 3
+    "cp2_ep2": (3, [*EAGER, "--parallelism.context_parallel_degree", "2",
+                    "--parallelism.expert_parallel_degree", "2"]),
+    "cp2_ep2_resumed": (3, [*EAGER, "--parallelism.context_parallel_degree", "2",
+                            "--parallelism.expert_parallel_degree", "2", "--checkpoint.enable",
+                            "--checkpoint.load_step", "2"]),
     # the stages of a pipeline (pp 2 x ep 2: efsdp 1) under both deferred policies
     **{f"pp2_ep2_{policy}": (3, [*EAGER, "--parallelism.pipeline_parallel_degree", "2",
                                  "--parallelism.expert_parallel_degree", "2",
@@ -282,7 +354,8 @@ def _trainer_run(rank, world, folder: str, name: str) -> list[float]:
 
     torch._dynamo.reset()
     steps, args = TRAINER_RUNS[name]
-    dump = str(Path(folder) / ("ckpt" if name in ("straight", "resumed") else name))
+    dump = str(Path(folder) / ("ckpt" if name in ("straight", "resumed", "cp2_ep2_resumed")
+                               else name))
     cfg = check_static(load_config(None, ["--job.config_file", DEEPSEEK, *TRAINER, *args,
                                           "--training.steps", str(steps),
                                           "--job.dump_folder", dump]), world)
@@ -291,6 +364,8 @@ def _trainer_run(rank, world, folder: str, name: str) -> list[float]:
 
 def job(rank, world, folder):
     out = {(key, case): _case(rank, world, *key, *case) for key, case in CASES}
+    out.update({("cp2_ep2", lb): _cp_case(rank, world, lb, backend)
+                for lb, backend in CP_CASES.items()})
     for name in TRAINER_RUNS:
         out[name] = _trainer_run(rank, world, folder, name)
     out["step_tp2_ep2"] = _step_case(rank, world)
@@ -415,6 +490,51 @@ def test_trainer_pp2_ep2_matches_no_ep(policy):
         got, ref = r[f"pp2_ep2_{policy}"], r["no_ep"]
         assert len(got) == len(ref) == 3
         assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) <= 1e-5, (got, ref)
+
+
+@pytest.mark.parametrize("load_balance", list(CP_CASES))
+def test_cp_ep_parity(load_balance):
+    """cp 2 x ep 2 trains as the run without CP does on the same global batch (dp 2, run by
+    one process as two halves: losses and final parameters <= 1e-5 rel): the aux loss (at
+    100x its weight) over each dp rank's whole sequences, its fractions summed over the cp
+    ranks; the bias update's counts over every rank's disjoint tokens. The ep group is the cp
+    group (ep = cp: the innermost ranks of dp_shard x cp). Compiled, each graph's collectives
+    on those groups: per layer the K/V all-gather on cp in forward and its reduce-scatter in
+    backward, the three token all-to-alls on ep in forward and two in backward, no other."""
+    ref_losses, ref_params = reference(8, load_balance, 2)  # without CP: dp 2
+    results = run()
+    got = results[0][("cp2_ep2", load_balance)]
+    for rank, r in enumerate(results):
+        r = r[("cp2_ep2", load_balance)]
+        assert r["losses"] == got["losses"], rank
+        assert r["ep_ranks"] == r["cp_ranks"] == [rank // 2 * 2, rank // 2 * 2 + 1], rank
+        if CP_CASES[load_balance] != "eager":
+            fw, bw = (r["graphs"][k] for k in ("fw", "bw"))
+            assert [c for c in fw if c[0] != "other"] == sorted(
+                [("cp", "all_gather")] * ARGS["n_layers"] + [("ep", "all_to_all")] * 3 * N_MOE)
+            assert [c for c in bw if c[0] != "other"] == sorted(
+                [("cp", "reduce_scatter")] * ARGS["n_layers"]
+                + [("ep", "all_to_all")] * 2 * N_MOE)
+    rel = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref_losses))
+    assert rel <= TOL, (got["losses"], ref_losses)
+    bad = {n: max_rel_diff(p, ref_params[n]) for n, p in got["params"].items()
+           if not max_rel_diff(p, ref_params[n]) <= TOL}
+    assert set(got["params"]) == set(ref_params) and not bad, bad
+
+
+def test_trainer_cp2_ep2_matches_no_ep_and_loads_the_ep2_checkpoint():
+    """The trainer with context_parallel_degree 2 and expert_parallel_degree 2 gives the
+    losses of the run without either (3 eager steps, <= 1e-4 rel, the README's bound); the
+    checkpoint the ep 2 run saved at step 2 loads into cp 2 x ep 2 (DCP reshards the experts
+    from (efsdp 2, ep 2) of dp_shard 4 onto (efsdp 2, ep 2) of dp_shard 2 x cp 2, the rest onto
+    dp_shard_cp) and its step 3 is the uninterrupted run's."""
+    for r in run():
+        got, ref = r["cp2_ep2"], r["no_ep"]
+        assert len(got) == len(ref) == 3
+        assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) <= 1e-4, (got, ref)
+        resumed, straight = r["cp2_ep2_resumed"], r["straight"]
+        assert len(resumed) == 1 and abs(resumed[0] - straight[2]) <= 1e-4 * abs(straight[2]), \
+            (resumed, straight)
 
 
 def test_step_graph_under_tp2_ep2_is_the_split_step():

@@ -30,7 +30,10 @@ micro-batch and stage.
 The trainer runs in the same job (eager, llama3 debug): pp 2 gives the losses and validation
 loss of the same run without pp, pp 2 x tp 2 (two stages per rank) those of the run on one
 process (gather_once), and a checkpoint pp 2 saves loads into a run without pp and into one
-at pp 2 x tp 2 (the FQN-keyed DCP checkpoint reshards across pp and tp degrees).
+at pp 2 x tp 2 (the FQN-keyed DCP checkpoint reshards across pp and tp degrees). Context
+parallelism in the stages (pp 2 x cp 2, eager): the losses and validation loss of the run
+without either, each stage's K/V gathers over its cp group (counted as they are issued), and
+the pp group joining the ranks of one cp index.
 
 One spawn of 4 ranks runs it all (the mesh is built once per rank: DTensor reuses a cached
 plan of an equal mesh built earlier, whose groups would not be the ones data_parallel
@@ -213,6 +216,9 @@ TRAINER_RUNS = {  # name → (steps, arguments); the folder is per test session
     # ragged buckets in the stages, the pipeline FSDP policy the trainer picks by default
     "pp2_ragged": (3, ["--parallelism.pipeline_parallel_degree", "2",
                        "--parallelism.storage", "ragged"]),
+    # context parallelism in the stages (dp 1: 8 micro-batches of one sequence's chunks)
+    "pp2_cp2": (3, ["--parallelism.pipeline_parallel_degree", "2",
+                    "--parallelism.context_parallel_degree", "2"]),
     # pp2's step-2 checkpoint at pp 2 x tp 2: the stages' shards resharded over tp too
     "resumed_pp2_tp2": (3, ["--parallelism.pipeline_parallel_degree", "2",
                             "--parallelism.tensor_parallel_degree", "2",
@@ -220,7 +226,24 @@ TRAINER_RUNS = {  # name → (steps, arguments); the folder is per test session
 }
 
 
-def _trainer_run(folder: str, name: str) -> tuple[list[float], float]:
+class _CountOnGroup(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the functional collectives issued on the group named ``group`` (its name is
+    their last argument), by op name."""
+
+    def __init__(self, group: str):
+        super().__init__()
+        self.group, self.counts = group, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "_c10d_functional" and args and args[-1] == self.group:
+            self.counts[func.__name__] = self.counts.get(func.__name__, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _trainer_run(folder: str, name: str) -> tuple[list[float], float] | tuple:
+    """The run's losses and validation loss; with cp also the collectives its training steps
+    issued on the cp group ({op: count}) and the ranks of this rank's pp and cp groups."""
+    from simplesharded.mesh import PP_DIM, cp_mesh
     from simplesharded.trainer import Trainer, check_static
     from simplesharded.trainer.config import load_config
 
@@ -230,7 +253,14 @@ def _trainer_run(folder: str, name: str) -> tuple[list[float], float]:
     cfg = check_static(load_config(None, [*TRAINER, *args, "--training.steps", str(steps),
                                           "--job.dump_folder", dump]), dist.get_world_size())
     trainer = Trainer(cfg, "cpu")
-    return trainer.run(), trainer.validate()
+    cp = cp_mesh(trainer.mesh)
+    if cp is None:
+        return trainer.run(), trainer.validate()
+    with _CountOnGroup(cp.get_group().group_name) as issued:  # eager: forward and backward
+        losses = trainer.run()
+    return (losses, trainer.validate(), issued.counts,
+            dist.get_process_group_ranks(trainer.mesh.get_group(PP_DIM)),
+            dist.get_process_group_ranks(cp.get_group()))
 
 
 def job(rank, world, folder):
@@ -363,6 +393,26 @@ def test_trainer_pp2_tp2_matches_one_process():
         got, val = r["pp2_tp2"]
         assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) <= TOL, (got, ref)
         assert abs(val - ref_val) <= TOL * abs(ref_val), (val, ref_val)
+
+
+def test_trainer_pp2_cp2_matches_no_pp():
+    """Context parallelism inside pipeline stages (pp 2 x cp 2, 1F1B, 8 micro-batches a step,
+    eager): the losses and validation loss of the run on dp 4 without either (<= 1e-5 rel),
+    on every rank. A stage's input is its rank's head-tail chunks (the recipe sizes the stage
+    boundaries at seq_len / cp); each stage gathers K/V over its cp group, once per block and
+    micro-batch forward, and reduce-scatters their gradient once in backward; the pp group,
+    whose ranks the schedule sends activations between, joins the ranks of one cp index (rank
+    r and r + 2), the cp group the two cp ranks of one stage."""
+    per_step = (6 // PP) * 8  # llama3 debug: 6 blocks over 2 stages; 8 micro-batches
+    for rank, r in enumerate(run()):
+        (got, val, issued, pp_ranks, cp_ranks), (ref, ref_val) = r["pp2_cp2"], r["pp1"]
+        assert len(got) == len(ref) == 3
+        assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) <= TOL, (got, ref)
+        assert abs(val - ref_val) <= TOL * abs(ref_val), (val, ref_val)
+        assert pp_ranks == [rank % 2, rank % 2 + 2], (rank, pp_ranks)
+        assert cp_ranks == [rank // 2 * 2, rank // 2 * 2 + 1], (rank, cp_ranks)
+        assert issued == {"all_gather_into_tensor.default": 3 * per_step,
+                          "reduce_scatter_tensor.default": 3 * per_step}, (rank, issued)
 
 
 @pytest.mark.parametrize("resumed", ["resumed_pp1", "resumed_pp2_tp2"])

@@ -79,9 +79,8 @@ def test_degrees_with_pp():
     with pytest.raises(ValueError, match=r"dp_shard=3 does not equal the world size 4 "
                                          r"\(world size 8 / pp=2\)"):
         resolve_degrees(8, 1, 3, 1, 1, pp=2)
-    with pytest.raises(ValueError, match=r"^pp=2 with cp=2: pipeline parallelism together "
-                                         r"with context parallelism is not supported yet"):
-        resolve_degrees(8, 1, -1, 1, 1, 2, pp=2)
+    d = resolve_degrees(8, 1, -1, 1, 1, 2, pp=2)  # cp splits each stage's ranks
+    assert d.dims() == (("pp", 2), ("dp_shard", 2), ("cp", 2)) and d.world == 8
 
 
 def test_config_keys_and_defaults():
@@ -169,9 +168,9 @@ def _error(argv: list[str], world: int, capsys, monkeypatch) -> str:
     ([*PP2, "--parallelism.pipeline_parallel_layers_per_stage", "6,0"], 4,
      "parallelism.pipeline_parallel_layers_per_stage=[6, 0] must give every stage at least one "
      "block"),
-    ([*PP2, "--parallelism.context_parallel_degree", "2"], 4,
-     "parallelism.context_parallel_degree=2 with pipeline_parallel_degree=2: pipeline "
-     "parallelism together with context parallelism is not supported yet; set one of them to 1"),
+    ([*PP2, "--parallelism.context_parallel_degree", "3", "--training.seq_len", "126"], 4,
+     "parallelism.context_parallel_degree=3 does not divide the world size 2 (world size 4 / "
+     "parallelism.pipeline_parallel_degree=2)"),
     ([*PP2, "--model.name", "gpt"], 4,
      "parallelism.pipeline_parallel_degree=2 (schedule 1F1B, model gpt/debug): GPT cannot be "
      "staged: parameter 'wte.weight' (stage 0) is tied to 'head.weight' (stage 1); pipeline "

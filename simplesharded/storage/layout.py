@@ -10,7 +10,8 @@ dim 0 torch calls this a strided shard, ``_StridedShard``), so gathering over th
 alone gives back each rank's model-parallel shard, and the gather only ever talks to dp
 ranks. The dp dims left to a parameter: all of them (``dp_replicate``, ``dp_shard``:
 simplesharded/mesh.py ``dense_mesh``) for a plain or a TP parameter; for an expert weight on
-``ep``, which borrows its ranks from dp_shard, ``dp_replicate`` and ``efsdp``
+``ep``, which borrows its ranks from dp_shard (dp_shard x cp under context parallelism),
+``dp_replicate`` and ``efsdp``
 (``expert_dp_mesh``). A plain parameter on a mesh with a tp dim is replicated over tp; a
 parameter that is not an expert weight never sees the ep dim: ep is part of its dp_shard.
 """

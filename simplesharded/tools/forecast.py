@@ -326,6 +326,8 @@ def _report(ns, cfg, hw, evaluated, keeps, sizes, n_layers, t0) -> None:
                               p.data_parallel_shard_degree, tp, p.expert_parallel_degree,
                               p.context_parallel_degree)
     mesh = " × ".join(f"{name} {n}" for name, n in degrees.dims())
+    if degrees.ep > 1 and degrees.cp > 1:  # the ep mesh; cp is its sibling (mesh.py)
+        mesh += f", cp {degrees.cp} beside ep (both over dp_shard {degrees.shard} × cp)"
     print(f"{cfg.model.name}/{cfg.model.flavor} ({size} params, {n_layers} "
           f"blocks) on {ns.world_size} ranks of {hw.name} (mesh {mesh}), mode {p.mode}, "
           f"{local_batch} × {t.seq_len} tokens per dp rank, AC "

@@ -172,11 +172,12 @@ def run(cfg, ns, hw, cap, t0, traced_numbers) -> int:
 
     p, t = cfg.parallelism, cfg.training
     pp, tp, world = p.pipeline_parallel_degree, p.tensor_parallel_degree, ns.world_size
+    cp = p.context_parallel_degree  # a stage's cp ranks split its sequences
     args = get_model_spec(cfg.model.name, cfg.model.flavor)[1]
     name = ns.pp_backend
     mb, local_batch = p.pipeline_parallel_microbatch_size, t.local_batch_size
     m = local_batch // mb
-    dp = world // (pp * tp)
+    dp = world // (pp * tp * cp)
 
     schedules = ns.pp_schedules or [p.pipeline_parallel_schedule]
     policies = ns.pp_policies or [p.pipeline_fsdp_policy]
@@ -203,12 +204,13 @@ def run(cfg, ns, hw, cap, t0, traced_numbers) -> int:
 
     act_bytes = _DTYPE_BYTES.get(t.mixed_precision_param, 4)
     # whole sequences on every tp rank: sequence-parallel stages gather their output at the
-    # stage edge (the pipeline's tp styles), so each tp rank sends the full hidden states
-    nbytes = mb * t.seq_len * args.dim * act_bytes
+    # stage edge (the pipeline's tp styles), so each tp rank sends the full hidden states; a
+    # cp rank its head-tail chunks of them
+    nbytes = mb * (t.seq_len // cp) * args.dim * act_bytes
     link = p2p_link(world, pp, hw)
     print(f"{cfg.model.name}/{cfg.model.flavor} ({args.n_layers} blocks) on {world} ranks of "
-          f"{hw.name}: pp {pp} x dp {dp} (shard {sp.data_parallel_shard_degree}) x tp {tp}; "
-          f"{m} micro-batches of {mb} x {t.seq_len} tokens per pipeline step (local batch "
+          f"{hw.name}: pp {pp} x dp {dp} (shard {sp.data_parallel_shard_degree}) x cp {cp} x tp "
+          f"{tp}; {m} micro-batches of {mb} x {t.seq_len} tokens per pipeline step (local batch "
           f"{local_batch}), AC {cfg.activation_checkpoint.mode}, backend {name}; per-block "
           f"costs from traces of 4 and 6 blocks on {world // pp} fake ranks, "
           f"{time.perf_counter() - t0:.0f}s\n")
@@ -227,8 +229,9 @@ def run(cfg, ns, hw, cap, t0, traced_numbers) -> int:
         for policy in policies:
             each = stage_policies(policy, numels, (cap or 0) / 2**20, t.mixed_precision_param)
             costs = stage_costs(per_block, rest, blocks, numels, total, local_full,
-                                sp.data_parallel_shard_degree, each, hw,
-                                links.get("dp_shard", link), cfg.optimizer.name,
+                                sp.data_parallel_shard_degree * cp, each, hw,
+                                links.get("dp_shard_cp" if cp > 1 else "dp_shard", link),
+                                cfg.optimizer.name,
                                 act_bytes, _DTYPE_BYTES.get(t.mixed_precision_reduce, 4))
             plan = StagePlan(schedule, policy_label(policy, each), pp, n_stages, blocks, m,
                              nbytes, link, p2p_seconds(nbytes, link, hw), each)

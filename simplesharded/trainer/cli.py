@@ -11,7 +11,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from simplesharded.mesh import init_distributed
+from simplesharded.mesh import cp_dim, cp_mesh, init_distributed
 from simplesharded.trainer.config import help_text, load_config
 from simplesharded.trainer.loop import NonFiniteError, Trainer
 from simplesharded.trainer.preflight import HF, check_packages, check_static, check_torch
@@ -27,9 +27,14 @@ def _quantized_text(cfg) -> str:
 
 
 def _mesh_text(mesh) -> str:
-    """``pp=2,dp_shard=2``: the degrees by name (a user's unnamed mesh by position)."""
+    """``pp=2,dp_shard=2``: the degrees by name (a user's unnamed mesh by position); an ep
+    mesh's cp sibling after it (simplesharded/mesh.py)."""
     names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
-    return ",".join(f"{n}={d}" for n, d in zip(names, mesh.mesh.shape))
+    text = ",".join(f"{n}={d}" for n, d in zip(names, mesh.mesh.shape))
+    cp = cp_mesh(mesh) if mesh.mesh_dim_names else None
+    if cp is not None and not cp_dim(mesh):
+        text += f" (cp={cp.size()} beside ep, both over dp_shard x cp)"
+    return text
 
 
 def _pipeline_text(cfg, pipeline) -> str:

@@ -128,16 +128,6 @@ def validate(cfg: _Config, backends: Iterable[str] | None = None) -> None:
         raise ValueError(f"parallelism.context_parallel_degree={cp}: training.seq_len="
                          f"{t.seq_len} does not split into 2 * {cp} = {2 * cp} equal chunks "
                          f"(each cp rank holds a head and a tail chunk of every sequence)")
-    if cp > 1 and p.pipeline_parallel_degree > 1:
-        raise ValueError(f"parallelism.context_parallel_degree={cp} with "
-                         f"pipeline_parallel_degree={p.pipeline_parallel_degree}: pipeline "
-                         f"parallelism together with context parallelism is not supported "
-                         f"yet; set one of them to 1")
-    if cp > 1 and p.expert_parallel_degree > 1:
-        raise ValueError(f"parallelism.context_parallel_degree={cp} with "
-                         f"expert_parallel_degree={p.expert_parallel_degree}: expert "
-                         f"parallelism together with context parallelism is not supported "
-                         f"yet; set one of them to 1")
     if tp > 1 and p.enable_sequence_parallel and (t.seq_len // cp) % tp:
         where = f" / context_parallel_degree={cp} = {t.seq_len // cp}" if cp > 1 else ""
         raise ValueError(f"parallelism.tensor_parallel_degree={tp} does not divide "

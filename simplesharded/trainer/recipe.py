@@ -14,7 +14,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from simplesharded.backends import BACKENDS, BackendName, BackendOptions, make_backend
 from simplesharded.blocks import find_blocks
 from simplesharded.float8 import convert_to_float8
-from simplesharded.mesh import cp_dim, ep_dim, tp_dim
+from simplesharded.mesh import cp_mesh, ep_dim, tp_dim
 from simplesharded.models.context_parallel import apply_context_parallel
 from simplesharded.passes.agreement import set_agreement_peers
 from simplesharded.passes.annotations import AC_KEY
@@ -152,8 +152,9 @@ def parallelize(model: torch.nn.Module, mesh, cfg: Config, backend=None, observe
             convert_to_float8(part, not_a_router(part))
         apply_tensor_parallel(part, mesh, p.enable_sequence_parallel, uses_loss_parallel(cfg))
         apply_expert_parallel(part, mesh)
-        if cp_dim(mesh):  # the model's attention over sequences split on mesh["cp"]
-            apply_context_parallel(part, mesh[cp_dim(mesh)])
+        cp = cp_mesh(mesh)  # mesh["cp"], or under EP the ep mesh's cp sibling
+        if cp is not None:  # the model's attention over sequences split on it
+            apply_context_parallel(part, cp)
         apply_activation_checkpointing(part, cfg.activation_checkpoint.mode,
                                        cfg.activation_checkpoint.selective_every,
                                        compiled=c.enable, expert_parallel=bool(ep_dim(mesh)))
@@ -172,15 +173,17 @@ def parallelize(model: torch.nn.Module, mesh, cfg: Config, backend=None, observe
     from simplesharded.pipeline.pipelining import pipeline
 
     # What one micro-batch is at each stage boundary: tokens in, hidden states between
-    # stages, logits out (in the gathered parameters' dtype), so no forward runs to find out.
+    # stages, logits out (in the gathered parameters' dtype), so no forward runs to find out;
+    # under context parallelism this rank's head-tail chunks of each sequence.
     mb, a = p.pipeline_parallel_microbatch_size, model.args
     act = pdt if mp is not None else torch.float32
+    tokens = t.seq_len // p.context_parallel_degree
     return pipeline(
         model, mesh, schedule=p.pipeline_parallel_schedule,
         n_microbatches=t.local_batch_size // mb, loss_fn=loss_fn, prepare=prepare,
-        microbatch=torch.empty(mb, t.seq_len, dtype=torch.long, device="meta"),
-        hidden=torch.empty(mb, t.seq_len, a.dim, dtype=act, device="meta"),
-        output=torch.empty(mb, t.seq_len, a.vocab_size, dtype=act, device="meta"),
+        microbatch=torch.empty(mb, tokens, dtype=torch.long, device="meta"),
+        hidden=torch.empty(mb, tokens, a.dim, dtype=act, device="meta"),
+        output=torch.empty(mb, tokens, a.vocab_size, dtype=act, device="meta"),
         n_stages=pipeline_stages(p), layers_per_stage=p.pipeline_parallel_layers_per_stage or None,
         policy=p.pipeline_fsdp_policy, memory_cap_mb=c.memory_cap_mb, param_dtype=pdt)
 
