@@ -30,6 +30,7 @@ import torch  # noqa: F401 (the error above when it is missing)
 
 spec = importlib.util.spec_from_file_location("torch_compat", sys.argv[1])
 table = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = table  # a dataclass in it looks its module up there
 spec.loader.exec_module(table)
 if table.outside_range():
     print(f"[bootstrap] warning: {table.outside_range()}", file=sys.stderr)

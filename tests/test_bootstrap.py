@@ -35,3 +35,16 @@ def test_concurrent_bootstraps_install_once(tmp_path):
     lines = log.read_text().split()
     assert lines[0::2] == ["start", "end"], lines  # one install, whole, by one node
     assert (tmp_path / ".venv" / ".simplesharded-installed").exists()
+
+
+def test_a_given_python_is_taken_as_it_is():
+    """SIMPLESHARDED_PYTHON (a GPU image's interpreter, nothing installed): the bootstrap
+    reads the torch range from passes/torch_compat.py with that python and installs nothing."""
+    import sys
+
+    env = {**os.environ, "SIMPLESHARDED_PYTHON": sys.executable}
+    p = subprocess.run(["bash", "-c", f"source {ROOT}/scripts/bootstrap.sh && echo \"$PY\""],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == shutil.which(sys.executable), (p.stdout, p.stderr)
+    assert "Traceback" not in p.stderr, p.stderr
