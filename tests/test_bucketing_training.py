@@ -8,7 +8,8 @@ from the same initial shards, in one spawned job per compiler.
   to ``aot_eager`` (every loss and every final parameter shard, AdamW): the FX graph runs op by
   op, bucketing only concatenates/splits buffers and the reordering only moves nodes, and a
   2-rank reduce-scatter adds the same two numbers per element whatever buffer they sit in.
-* inductor: ``inductor_blockbucketing`` / ``inductor_autobucketing`` vs ``inductor`` within a
+* inductor: ``inductor_blockbucketing`` and, over ragged buckets, ``inductor_autobucketing``
+  (the trainer's default) vs ``inductor`` within a
   relative tolerance (SGD). The bucketed graph compiles to different kernels (the concatenation
   and copy-out nodes change inductor's fusion groups), and inductor's C++ reductions may then be
   split/vectorised differently, which reassociates fp32 sums: a few ulps per step. C++
@@ -16,9 +17,9 @@ from the same initial shards, in one spawned job per compiler.
   ≤ 4.6e-7 and parameter rel. diff ≤ 2.3e-7, and for 4 blocks with AdamW loss rel. diff ≤ 2e-6
   and parameter abs. diff ≤ 2.5e-5 (Adam turns tiny gradient differences into lr-sized updates,
   see test_parity.py). INDUCTOR_TOL = 1e-4 (relative, as in test_parity.py) covers these with margin,
-  while any bucketing bug (wrong rows, wrong reduction) is an O(1) error. The same holds for
-  ``inductor_blockbucketing`` over ragged buckets (``storage="ragged"``), whose code has the
-  same collectives and whose forward graph concatenates nothing.
+  while any bucketing bug (wrong rows, wrong reduction) is an O(1) error. Over ragged buckets
+  (``storage="ragged"``) the code has the block plan's collectives and the forward graph
+  concatenates nothing.
   The generated code is checked to contain the bucketed collective counts, so the post-grad pass
   really ran (no cache bypass: dist_utils.BASE_ENV turns inductor's FX-graph and AOT caches
   off; only compiled kernels are shared, between the two ranks), and to
@@ -58,8 +59,7 @@ RAGGED = ("ragged:aot_eager_blockbucketing", "ragged:aot_eager_autobucketing", "
 # ... and under bf16 mixed precision against the same backend without
 RAGGED_BF16 = ("bf16:aot_eager_blockbucketing", "bf16+ragged:aot_eager_blockbucketing")
 # the plain "inductor" (reference) runs last
-INDUCTOR = ("inductor_blockbucketing", "inductor_autobucketing",
-            "ragged:inductor_blockbucketing", "inductor")
+INDUCTOR = ("inductor_blockbucketing", "ragged:inductor_autobucketing", "inductor")
 
 # compile_step under inductor against the same step graph under aot_eager (itself bitwise
 # the split step: tests/test_step.py)
@@ -463,7 +463,8 @@ def test_inductor_bucketing_matches_inductor():
         fw_code, bw_code = blk["code_counts"]
         assert fw_code == want["fw"] and bw_code == want["bw"], blk["code_counts"]
         assert blk["graph_counts"]["fw"]["all_gather"] == want["fw"]["all_gather"]
-        auto = res["inductor_autobucketing"]
+        # the trainer's default under inductor: ragged buckets, the auto plan
+        auto = res["ragged:inductor_autobucketing"]
         assert [c["all_gather"] for c in auto["code_counts"]] == \
             [auto["graph_counts"]["fw"]["all_gather"], auto["graph_counts"]["bw"]["all_gather"]]
         assert auto["code_counts"][0]["all_gather"] < n
@@ -476,12 +477,13 @@ def test_inductor_bucketing_matches_inductor():
 
 
 def test_ragged_buckets_under_inductor():
-    """storage="ragged" under inductor_blockbucketing: inductor's code has the same bucketed
-    collectives as per-parameter shards, and the forward graph handed to inductor
-    concatenates nothing (per-parameter shards: a cat per bucketed gather)."""
+    """storage="ragged" under inductor_autobucketing: inductor's code has a block's gathers
+    and reductions as per-parameter shards under the block plan have them (a ragged bucket is
+    a block's, and no plan merges it), and the forward graph handed to inductor concatenates
+    nothing (per-parameter shards: a cat per bucketed gather)."""
     n = INDUCTOR_LAYERS
     for rank, res in enumerate(_run("inductor_job")):
-        plain, ragged = res["inductor_blockbucketing"], res["ragged:inductor_blockbucketing"]
+        plain, ragged = res["inductor_blockbucketing"], res["ragged:inductor_autobucketing"]
         assert ragged["code_counts"] == plain["code_counts"], rank
         got, want = ragged["graph_counts"], plain["graph_counts"]
         assert (want["fw"]["cat"], got["fw"]["cat"]) == (n + 1, 0), rank
