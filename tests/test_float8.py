@@ -69,26 +69,6 @@ def formula(t: torch.Tensor, dtype=E4M3):
     return (t.detach().float() / scale).clamp(-fmax, fmax).to(dtype), scale
 
 
-def same_bits(a, b) -> bool:
-    """Same pytree, and every tensor leaf the same dtype, shape and bytes (float8 too)."""
-    la, sa = torch.utils._pytree.tree_flatten(a)
-    lb, sb = torch.utils._pytree.tree_flatten(b)
-    if sa != sb:
-        return False
-    for x, y in zip(la, lb):
-        if not isinstance(x, torch.Tensor):
-            if x != y:
-                return False
-            continue
-        if x.dtype != y.dtype or x.shape != y.shape:
-            return False
-        as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-        if not torch.equal(x.contiguous().view(as_int[x.element_size()]),
-                           y.contiguous().view(as_int[y.element_size()])):
-            return False
-    return True
-
-
 def lockstep(gm: fx.GraphModule, inputs_by_rank: list[list]) -> list:
     """Run ``gm`` as every rank of a world of ``len(inputs_by_rank)`` at once, node by node:
     a collective reads the same node's input on every rank (all-gather: their concatenation;
@@ -166,12 +146,12 @@ def test_casts_and_matmuls_are_the_formula():
     values, scale = to_float8(w)
     want_values, want_scale = formula(w)
     assert values.dtype is E4M3 and scale.dtype is torch.float32 and scale.dim() == 0
-    assert same_bits((values, scale), (want_values, want_scale))
+    assert pu.bitwise_equal((values, scale), (want_values, want_scale))
     assert values.float().abs().max().item() == FMAX[E4M3]  # the amax maps to the top
     zeros, zero_scale = to_float8(torch.zeros(3, 16))
     assert zero_scale.item() > 0 and not zeros.float().any()
     g8, gs = to_float8(w, E5M2)
-    assert same_bits((g8, gs), formula(w, E5M2))
+    assert pu.bitwise_equal((g8, gs), formula(w, E5M2))
 
     # forward and both gradients: _scaled_mm of the formula's casts (fp32 accumulation)
     x = torch.randn(8, 32, requires_grad=True)
@@ -196,12 +176,12 @@ def test_compiles_to_the_eager_result():
     x = torch.randn(2, 3, 16)
     compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
     eager_out, out = layer(x), compiled(x)
-    assert same_bits(out, eager_out)
+    assert pu.bitwise_equal(out, eager_out)
     out.sum().backward()
     got = layer.weight.grad.clone()
     layer.weight.grad = None
     eager_out.sum().backward()
-    assert same_bits(got, layer.weight.grad)
+    assert pu.bitwise_equal(got, layer.weight.grad)
     torch._dynamo.reset()
 
 
@@ -286,7 +266,7 @@ def test_bitwise_the_traced_casts_as_every_rank(which):
     rewritten = float8_gathers(pu.fresh(g))
     inputs = rank_inputs(g, 2)
     ref = lockstep(g, inputs)
-    assert same_bits(ref, lockstep(rewritten, inputs))
+    assert pu.bitwise_equal(ref, lockstep(rewritten, inputs))
     # bucketing: one uint8 gather and (forward) one amax all-reduce per block
     bucketed = bucket_collectives(pu.fresh(rewritten), BlockPlan())
     kinds = collections.Counter((c.kind, c.dtype, c.block) for c in find_collectives(bucketed))
@@ -294,10 +274,10 @@ def test_bitwise_the_traced_casts_as_every_rank(which):
         block = f"layers.{i}"
         assert kinds[("all_gather", torch.uint8, block)] == 1
         assert kinds[("all_reduce", torch.float32, block)] == (1 if which == "fw" else 0)
-    assert same_bits(ref, lockstep(bucketed, inputs))
+    assert pu.bitwise_equal(ref, lockstep(bucketed, inputs))
     reordered = reorder_for_overlap(pu.fresh(bucketed), BlockPlan())
     pu.check_waits_before_use(reordered)
-    assert same_bits(ref, lockstep(reordered, inputs))
+    assert pu.bitwise_equal(ref, lockstep(reordered, inputs))
     # idempotent
     assert pu.graph_signature(float8_gathers(pu.fresh(rewritten))) \
         == pu.graph_signature(rewritten)
@@ -361,8 +341,8 @@ def test_bitwise_the_float8_linear_cast_of_the_full_weight(rows, world, dtype):
     shards += [torch.zeros(chunk, 32, dtype=dtype)] * (world - len(shards))
     want = to_float8(full)
     outs = lockstep(rewritten, [[s] for s in shards])
-    assert all(same_bits(tuple(out), want) for out in outs)
-    assert same_bits(outs, lockstep(gm, [[s] for s in shards]))
+    assert all(pu.bitwise_equal(tuple(out), want) for out in outs)
+    assert pu.bitwise_equal(outs, lockstep(gm, [[s] for s in shards]))
 
 
 # -------------------------------------------------------- 4. left alone, refused, wired

@@ -221,7 +221,8 @@ def bitwise_equal(a, b) -> bool:
         if x.dtype != y.dtype or x.shape != y.shape:
             return False
         if x.dtype.is_floating_point:  # compare bits, so NaN == NaN with the same payload
-            ity = {2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+            ity = {1: torch.uint8, 2: torch.int16, 4: torch.int32,
+                   8: torch.int64}[x.element_size()]  # 1: float8
             x, y = x.contiguous().view(ity), y.contiguous().view(ity)
         if not torch.equal(x, y):
             return False
