@@ -232,7 +232,12 @@ def pass_pipeline(backend: str | BackendName, opts: BackendOptions = BackendOpti
             quantize.append(reduce)
     graph = quantize + graph
     joint = [("recompute", functools.partial(tag_gathers_for_recompute, plan=plan))]
-    step = [("regather", functools.partial(regather_for_backward, plan=plan))]
+    # imported here, as the quantizing passes: `import simplesharded` loads no more modules
+    from simplesharded.passes.step_recompute import recompute_checkpointed
+
+    # Recompute first: regathering then serves the recomputed ops' reads of parameters too.
+    step = [("recompute_ac", recompute_checkpointed),
+            ("regather", functools.partial(regather_for_backward, plan=plan))]
     return PassPipeline(joint=joint, graph=graph, step=step,
                         update=_update_passes(backend.compiler),
                         dump_dir=opts.dump_graphs, observer=opts.observer)

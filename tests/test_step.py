@@ -11,6 +11,7 @@ errors.
 """
 from __future__ import annotations
 
+import collections
 import functools
 import warnings
 
@@ -39,19 +40,24 @@ SHAPES = dict(dim=64, n_layers=2, n_heads=4, vocab_size=128)
 LERP = (torch.ops.aten.lerp.Scalar, torch.ops.aten.lerp_.Scalar)
 
 
-def _plain_model(name="llama3"):
+def _plain_model(name="llama3", ac="none"):
+    """``ac``: activation checkpointing's mode, as the trainer applies it under compile (every
+    block's forward annotated, simplesharded/trainer/recipe.py)."""
     from simplesharded.models import build_model
+    from simplesharded.trainer.recipe import apply_activation_checkpointing
 
     torch.manual_seed(0)
     kv = {} if name == "gpt" else {"n_kv_heads": 2}
-    return build_model(name, "debug", device="cpu", **SHAPES, **kv)
+    model = build_model(name, "debug", device="cpu", **SHAPES, **kv)
+    apply_activation_checkpointing(model, ac, every=1)
+    return model
 
 
-def _model(mesh, name="llama3", **dp_options):
+def _model(mesh, name="llama3", ac="none", **dp_options):
     import simplesharded as ss
 
     dp_options.setdefault("storage", "param")  # the bucketing pass's graphs are read
-    return ss.data_parallel(_plain_model(name), mesh, **dp_options)
+    return ss.data_parallel(_plain_model(name, ac), mesh, **dp_options)
 
 
 def _loss(model, tokens, labels):
@@ -135,11 +141,64 @@ def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+AC_STEPS = 3
+# Per rank and step: 256 tokens, so the blocks' activations outweigh the shards and the state.
+AC_BATCH = (4, 64)
+AC_RUNS = ("split_full", "step_full", "step_none")  # scope and activation checkpointing
+
+
+def _ac_case(rank, mesh):
+    """Activation checkpointing of every block (as the trainer annotates it under compile):
+    the split step (passes/recompute.py tags the joint graph) and the step graph
+    (passes/step_recompute.py), and the step graph without it. Per run: the losses of
+    ``AC_STEPS`` steps, the parameters after them, and then the peak of live tensor bytes of
+    one whole step (forward, backward, update; bench_run._step_peak_bytes: shards and
+    optimizer state included), the lower of two measurements as in
+    tests/test_trainer_paths.py (other threads' allocations only add)."""
+    import simplesharded as ss
+    from simplesharded.tools.bench_run import _step_peak_bytes
+
+    g = torch.Generator().manual_seed(200 + rank)
+    batches = [torch.randint(0, 128, AC_BATCH, generator=g) for _ in range(AC_STEPS + 1)]
+    out = {}
+    for run in AC_RUNS:
+        scope, ac = run.split("_")
+        torch._dynamo.reset()
+        model = _model(mesh, ac=ac)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+        if scope == "split":
+            compiled = torch.compile(model, backend=ss.make_backend("aot_eager"),
+                                     fullgraph=True)
+
+            def step(b, compiled=compiled, opt=opt):
+                loss = _loss(compiled, b, b)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                return loss.detach()
+        else:
+            step = ss.compile_step(model, opt, _loss, backend="aot_eager")
+        losses = [step(b, b).item() if scope == "step" else step(b).item()
+                  for b in batches[:AC_STEPS]]
+        last = batches[-1]
+        whole = (lambda: step(last, last)) if scope == "step" else (lambda: step(last))
+        peak = min(_step_peak_bytes(whole, model, opt, "cpu")[0] for _ in range(2))
+        out[run] = {"losses": losses, "peak": peak,
+                    "params": [p.to_local().clone() for p in model.parameters()]}
+    params = out["split_full"].pop("params")
+    for run in AC_RUNS[1:]:
+        out[run]["param_rel"] = max(max_rel_diff(b, a)
+                                    for a, b in zip(params, out[run].pop("params")))
+    return out
+
+
 def _job(rank, world):
     from simplesharded.mesh import build_mesh
 
     mesh = build_mesh(dp_replicate=1, dp_shard=world, device="cpu")
-    return {name: _case(rank, mesh, *case) for name, *case in CASES}
+    out = {name: _case(rank, mesh, *case) for name, *case in CASES}
+    out["ac"] = _ac_case(rank, mesh)
+    return out
 
 
 @functools.lru_cache(maxsize=None)
@@ -180,6 +239,23 @@ def test_clipped_step_graph_matches_split_step_with_clip_grad_norm(case):
         assert r["state_equal"], rank
         assert r["losses"] == r["ref_losses"], (rank, r["losses"], r["ref_losses"])
         assert r["graphs"] == 1 and r["grads_none"], rank
+
+
+@needs_torch(STEP_GRAPH)
+@pytest.mark.slow
+def test_step_graph_with_activation_checkpointing_matches_the_split_step_in_less_memory():
+    """Every block checkpointed: the step graph's losses over 3 steps and its parameters after
+    them within 1e-5 relative of the split step's with the same checkpointing (measured:
+    bitwise, the recomputation runs the same ops on the same inputs), and its whole step's
+    peak of live tensor bytes below the step graph's without checkpointing, on every rank."""
+    for rank, res in enumerate(_results()):
+        r = res["ac"]
+        ref, got, plain = r["split_full"], r["step_full"], r["step_none"]
+        bad = [(i + 1, a, b) for i, (a, b) in enumerate(zip(got["losses"], ref["losses"]))
+               if not abs(a - b) <= 1e-5 * abs(b)]
+        assert len(got["losses"]) == AC_STEPS and not bad, (rank, bad)
+        assert got["param_rel"] <= 1e-5, (rank, got["param_rel"])
+        assert got["peak"] < plain["peak"], (rank, got["peak"], plain["peak"], ref["peak"])
 
 
 # ------------------------------------------------------------------------- single process
@@ -404,6 +480,80 @@ def test_step_graph_reshards_after_forward_as_the_split_step():
     assert gm.code == code
 
 
+def _checkpointed_ops(gm):
+    """(forward ops of checkpointed blocks, backward ops annotated with a block other than
+    step_regather.py's gathers: the recomputed ones), each ``{node: block index}``."""
+    from simplesharded.passes.annotations import AC_KEY, REGATHER_KEY, annotations
+    from simplesharded.passes.traced_backward import traced_backward_nodes
+
+    backward = traced_backward_nodes(gm)
+    forward, recomputed = {}, {}
+    for n in gm.graph.nodes:
+        custom = annotations(n)
+        if n.op == "call_function" and AC_KEY in custom and not custom.get(REGATHER_KEY):
+            (recomputed if n in backward else forward)[n] = custom[AC_KEY]
+    return forward, recomputed, backward
+
+
+@needs_torch(STEP_GRAPH)
+def test_step_graph_recomputes_the_checkpointed_blocks_in_its_backward():
+    """passes/step_recompute.py, every block checkpointed. As traced, the backward reads many
+    forward activations of each block; after the pass it reads only what is saved: a block's
+    boundary (read by a forward op of no block or of another one), the outputs of attention
+    (an op that may draw random numbers, kept as recompute.py keeps it) and gathered
+    parameters (step_regather.py's, next). The ops it needs are recomputed in the backward,
+    after the block's forward: per block a subset of its forward ops, among them every
+    matmul but the last (w2's, whose output only the residual sum at the block's boundary
+    reads), and they are still in the final graph. A second run changes nothing; without
+    checkpointing the pass changes nothing."""
+    import copy
+    import operator
+
+    from simplesharded.passes.annotations import AC_KEY, PARAM_KEY, annotations
+    from simplesharded.passes.recompute import gathered_nodes
+    from simplesharded.passes.step_recompute import recompute_checkpointed
+
+    seen, _ = _step_graphs(split=False, ac="full")
+    traced, after, final = seen["input"][0], seen["recompute_ac"][0], seen["agreement"][0]
+
+    def read_by_backward(gm):
+        forward, _, backward = _checkpointed_ops(gm)
+        return {n for n in forward if any(u in backward for u in n.users)}, forward, backward
+
+    before, _, _ = read_by_backward(traced)
+    still, forward, backward = read_by_backward(after)
+    gathered = gathered_nodes(after.graph, backward)
+
+    def saved(n):
+        source = n.args[0] if n.target is operator.getitem else n
+        return (n in gathered or PARAM_KEY in annotations(n)
+                or torch.Tag.nondeterministic_seeded in getattr(source.target, "tags", ())
+                or any(u not in backward and annotations(u).get(AC_KEY) != forward[n]
+                       for u in n.users))
+
+    assert len(still) < len(before) // 2, (len(still), len(before))
+    assert all(saved(n) for n in still), [n.name for n in still if not saved(n)]
+    mm = torch.ops.aten.mm.default
+    blocks = sorted(set(forward.values()))
+    assert len(blocks) == SHAPES["n_layers"]
+    for gm in (after, final):
+        fwd, recomputed, _ = _checkpointed_ops(gm)
+        pos = {n: i for i, n in enumerate(gm.graph.nodes)}
+        for b in blocks:
+            mine = [n for n, k in recomputed.items() if k == b]
+            ops = collections.Counter(n.target for n in mine)
+            fwd_ops = collections.Counter(n.target for n, k in fwd.items() if k == b)
+            assert ops and not ops - fwd_ops, (b, ops - fwd_ops)
+            assert ops[mm] == fwd_ops[mm] - 1, (b, ops[mm], fwd_ops[mm])
+            last_forward = max(pos[n] for n, k in fwd.items() if k == b)
+            assert min(pos[n] for n in mine) > last_forward, b
+    gm = copy.deepcopy(after)
+    code = gm.code
+    assert recompute_checkpointed(gm).code == code
+    plain, _ = _step_graphs()
+    assert plain["recompute_ac"][0].code == plain["input"][0].code
+
+
 def _annotated(gm, suffix=""):
     """{parameter: its nodes} of the ``ss_update`` annotations ending in ``suffix``."""
     out = {}
@@ -509,12 +659,14 @@ def test_an_older_torch_is_refused_in_one_line_naming_the_feature(monkeypatch):
 
 TRAINER_STEPS = 10
 # configs/llama3_debug.toml, shortened as tests/test_trainer_paths.py does; for-loop AdamW (the
-# update compile_step writes), its max_norm 1.0 clipping, 2 micro-batches per step.
+# update compile_step writes), its max_norm 1.0 clipping, 2 micro-batches per step, every
+# block checkpointed (in the step graph: passes/step_recompute.py, once per micro-batch).
 TRAINER_ARGS = ["--training.seq_len", "32", "--training.global_batch_size", "4",
                 "--training.val_every", "0", "--no-metrics.progress_bar",
                 "--optimizer.implementation", "for-loop", "--compile.enable",
                 "--compile.backend", "aot_eager_blockbucketing",
-                "--training.gradient_accumulation_steps", "2"]
+                "--training.gradient_accumulation_steps", "2",
+                "--activation_checkpoint.mode", "full"]
 
 
 def _trainer_job(rank, world):
@@ -551,8 +703,9 @@ def _trainer_results():
 @needs_torch(STEP_GRAPH)
 @pytest.mark.slow
 def test_trainer_step_scope_trains_as_model_scope():
-    """compile.scope=step against scope=model, both over ragged buckets, on llama3 debug, 10
-    steps (warmup and cosine schedule, max_norm 1.0): the same losses and gradient norms up to
+    """compile.scope=step against scope=model, both over ragged buckets with activation
+    checkpointing of every block, on llama3 debug, 10 steps (warmup and cosine schedule,
+    max_norm 1.0): the same losses and gradient norms up to
     the clipping's rounding (measured: bit for bit, both sum the norm bucket by bucket;
     asserted ≤ 1e-6 relative, as another order of that sum moves the last bits)."""
     for rank, res in enumerate(_trainer_results()):

@@ -202,7 +202,6 @@ def _check_step_scope(cfg: _Config) -> None:
         ("training.on_nonfinite", t.on_nonfinite, "stop"),
         ("parallelism.context_parallel_degree", p.context_parallel_degree, 1),
         ("parallelism.pipeline_parallel_degree", p.pipeline_parallel_degree, 1),
-        ("activation_checkpoint.mode", cfg.activation_checkpoint.mode, "none"),
         ("compile.fullgraph", c.fullgraph, True)]
     for key, value, ok in unsupported:
         if value != ok:
