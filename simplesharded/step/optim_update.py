@@ -14,7 +14,7 @@ the kernel's own order.
 SGD (with or without momentum, Nesterov and weight decay) is written too: its eager
 ``param.add_(grad, alpha=-lr)`` takes the rate as a Scalar, and ``addcmul`` of the
 gradient and the negated rate as a 0-d tensor of the parameter's dtype gives that kernel's
-bits (both round once: ``param + grad * -lr``); its momentum buffer is created as zeros,
+bits for float32 parameters (both round once: ``param + grad * -lr``); its momentum buffer is created as zeros,
 which with ``dampening=0`` makes the first step's ``buf * momentum + grad`` the gradient
 itself, as torch's first step clones it (another dampening is refused).
 
@@ -197,6 +197,8 @@ def _sgd(p, g, state, hyper, lr) -> None:
         buf.mul_(momentum).add_(grad, alpha=1 - dampening)
         grad = grad.add(buf, alpha=momentum) if nesterov else buf
     # Eagerly add_(grad, alpha=-lr), whose kernel rounds once (a fused multiply-add); so does
-    # addcmul's, with the rate as a 0-d tensor in the parameter's dtype (the kernel's own
-    # conversion of the Scalar). Without a value, dynamo leaves aten.addcmul as it is.
+    # addcmul's, with the rate as a 0-d tensor in the parameter's dtype: for float32
+    # parameters (the trainer's) the kernel's own conversion of the Scalar; a bf16 parameter's
+    # kernel would keep the rate in float32, so there the bits may differ. Without a value,
+    # dynamo leaves aten.addcmul as it is.
     param.addcmul_(grad, (-lr).to(param.dtype))
