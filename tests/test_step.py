@@ -30,10 +30,8 @@ CASES = [
     ("tied_gpt_aot_eager_adamw_accumulation2", "gpt", "aot_eager", "AdamW", 0.1, None, 2),
     ("hf_llama_blockbucketing_adam_l2_clip_previous", "hf_llama", "aot_eager_blockbucketing",
      "Adam", 0.01, (MAX_NORM, "previous"), 1),
-    ("llama3_blockbucketing_adamw_clip", "llama3", "aot_eager_blockbucketing", "AdamW", 0.1,
-     (MAX_NORM, "current"), 1),
-    ("llama3_blockbucketing_sgd_nesterov", "llama3", "aot_eager_blockbucketing", "SGD", 0.01,
-     None, 1),
+    ("llama3_blockbucketing_sgd_nesterov_clip", "llama3", "aot_eager_blockbucketing", "SGD",
+     0.01, (MAX_NORM, "current"), 1),
 ]
 # The options an optimizer of CASES gets besides lr and weight_decay.
 OPT_OPTIONS = {"SGD": {"momentum": 0.9, "nesterov": True}}
