@@ -44,6 +44,9 @@ from .traced_backward import mark_traced_backward, traced_backward_nodes
 
 
 def recompute_checkpointed(gm: fx.GraphModule) -> fx.GraphModule:
+    """Recompute, for the traced backward of step graph ``gm``, the forward ops of the
+    checkpointed blocks it reads (module doc), in place; return ``gm``. Values unchanged;
+    idempotent."""
     backward = traced_backward_nodes(gm)
     if not backward:
         return gm
