@@ -1,6 +1,7 @@
 """compile_step (simplesharded/step/__init__.py, optim_update.py): forward, loss, backward and the
-optimizer's step (AdamW, Adam, SGD) in one compiled graph, against the split step (the same model compiled with the same
-backend, ``loss.backward()``, eager ``optimizer.step()``, ``zero_grad()``).
+optimizer's step (AdamW, Adam, SGD) in one compiled graph, against the split step (the same
+model compiled with the same backend, ``loss.backward()``, eager ``optimizer.step()``,
+``zero_grad()``).
 
 One spawn of 2 gloo ranks runs every case (``_job``), each on its model: a small Llama 3 (2
 blocks), the GPT whose blocks sit in a ModuleDict and whose output projection is tied to the

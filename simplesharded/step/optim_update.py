@@ -14,9 +14,10 @@ the kernel's own order.
 SGD (with or without momentum, Nesterov and weight decay) is written too: its eager
 ``param.add_(grad, alpha=-lr)`` takes the rate as a Scalar, and ``addcmul`` of the
 gradient and the negated rate as a 0-d tensor of the parameter's dtype gives that kernel's
-bits for float32 parameters (both round once: ``param + grad * -lr``); its momentum buffer is created as zeros,
-which with ``dampening=0`` makes the first step's ``buf * momentum + grad`` the gradient
-itself, as torch's first step clones it (another dampening is refused).
+bits for float32 parameters (both round once: ``param + grad * -lr``); its momentum buffer
+is created as zeros, which with ``dampening=0`` makes the first step's
+``buf * momentum + grad`` the gradient itself, as torch's first step clones it (another
+dampening is refused).
 
 One job: :func:`prepare` checks an optimizer and fills its state as its first ``step`` would;
 :func:`apply_update` is the traced update of one step.
