@@ -241,7 +241,12 @@ def pass_pipeline(backend: str | BackendName, opts: BackendOptions = BackendOpti
             quantize.append(reduce)
     graph = quantize + graph
     joint = [("recompute", functools.partial(tag_gathers_for_recompute, plan=plan))]
-    step = [("regather", functools.partial(regather_for_backward, plan=plan))]
+    # imported here, as the quantizing passes: `import simplesharded` loads no more modules
+    from simplesharded.passes.step_recompute import recompute_checkpointed
+
+    # Recompute first: regathering then serves the recomputed ops' reads of parameters too.
+    step = [("recompute_ac", recompute_checkpointed),
+            ("regather", functools.partial(regather_for_backward, plan=plan))]
     # Before the quantized gathers (which then leave the float8 bytes alone) and bucketing
     # (which merges a block's float8 gathers and their amax all-reduces).
     float8 = []

@@ -1,6 +1,7 @@
-"""compile_step (simplesharded/step/__init__.py, optim_update.py): forward, loss, backward and AdamW's
-step in one compiled graph, against the split step (the same model compiled with the same
-backend, ``loss.backward()``, eager ``optimizer.step()``, ``zero_grad()``).
+"""compile_step (simplesharded/step/__init__.py, optim_update.py): forward, loss, backward and the
+optimizer's step (AdamW, Adam, SGD) in one compiled graph, against the split step (the same
+model compiled with the same backend, ``loss.backward()``, eager ``optimizer.step()``,
+``zero_grad()``).
 
 One spawn of 2 gloo ranks runs every case (``_job``), each on its model: a small Llama 3 (2
 blocks), the GPT whose blocks sit in a ModuleDict and whose output projection is tied to the
@@ -11,6 +12,7 @@ errors.
 """
 from __future__ import annotations
 
+import collections
 import functools
 import warnings
 
@@ -29,9 +31,11 @@ CASES = [
     ("tied_gpt_aot_eager_adamw_accumulation2", "gpt", "aot_eager", "AdamW", 0.1, None, 2),
     ("hf_llama_blockbucketing_adam_l2_clip_previous", "hf_llama", "aot_eager_blockbucketing",
      "Adam", 0.01, (MAX_NORM, "previous"), 1),
-    ("llama3_blockbucketing_adamw_clip", "llama3", "aot_eager_blockbucketing", "AdamW", 0.1,
-     (MAX_NORM, "current"), 1),
+    ("llama3_blockbucketing_sgd_nesterov_clip", "llama3", "aot_eager_blockbucketing", "SGD",
+     0.01, (MAX_NORM, "current"), 1),
 ]
+# The options an optimizer of CASES gets besides lr and weight_decay.
+OPT_OPTIONS = {"SGD": {"momentum": 0.9, "nesterov": True}}
 BITWISE = [c[0] for c in CASES if c[5] is None]
 CLIPPED = [c[0] for c in CASES if c[5] is not None]
 SHAPES = dict(dim=64, n_layers=2, n_heads=4, vocab_size=128)
@@ -39,19 +43,24 @@ SHAPES = dict(dim=64, n_layers=2, n_heads=4, vocab_size=128)
 LERP = (torch.ops.aten.lerp.Scalar, torch.ops.aten.lerp_.Scalar)
 
 
-def _plain_model(name="llama3"):
+def _plain_model(name="llama3", ac="none"):
+    """``ac``: activation checkpointing's mode, as the trainer applies it under compile (every
+    block's forward annotated, simplesharded/trainer/recipe.py)."""
     from simplesharded.models import build_model
+    from simplesharded.trainer.recipe import apply_activation_checkpointing
 
     torch.manual_seed(0)
     kv = {} if name == "gpt" else {"n_kv_heads": 2}
-    return build_model(name, "debug", device="cpu", **SHAPES, **kv)
+    model = build_model(name, "debug", device="cpu", **SHAPES, **kv)
+    apply_activation_checkpointing(model, ac, every=1)
+    return model
 
 
-def _model(mesh, name="llama3", **dp_options):
+def _model(mesh, name="llama3", ac="none", **dp_options):
     import simplesharded as ss
 
     dp_options.setdefault("storage", "param")  # the bucketing pass's graphs are read
-    return ss.data_parallel(_plain_model(name), mesh, **dp_options)
+    return ss.data_parallel(_plain_model(name, ac), mesh, **dp_options)
 
 
 def _loss(model, tokens, labels):
@@ -82,7 +91,8 @@ def _case(rank, mesh, model_name, backend, opt_name, wd, clip, accumulation):
     # The split step: today's recipe.
     ref = _model(mesh, model_name)
     ref_c = torch.compile(ref, backend=ss.make_backend(backend), fullgraph=True)
-    ref_opt = opt_cls(ref.parameters(), lr=_lr(0), weight_decay=wd, foreach=False)
+    options = OPT_OPTIONS.get(opt_name, {})
+    ref_opt = opt_cls(ref.parameters(), lr=_lr(0), weight_decay=wd, foreach=False, **options)
     max_norm, clip_norm = clip or (None, None)
     ref_losses, ref_norms, last_norm = [], [], None
     for i, b in enumerate(batches):
@@ -107,7 +117,7 @@ def _case(rank, mesh, model_name, backend, opt_name, wd, clip, accumulation):
     # The step graph.
     torch._dynamo.reset()
     model = _model(mesh, model_name)
-    opt = opt_cls(model.parameters(), lr=_lr(0), weight_decay=wd)
+    opt = opt_cls(model.parameters(), lr=_lr(0), weight_decay=wd, **options)
     step = ss.compile_step(model, opt, _loss, backend=backend, max_norm=max_norm,
                            clip_norm=clip_norm or "current", accumulation_steps=accumulation)
     losses = []
@@ -126,7 +136,7 @@ def _case(rank, mesh, model_name, backend, opt_name, wd, clip, accumulation):
         "max_abs_diff": max((a.to_local() - b.to_local()).abs().max().item()
                             for a, b in zip(ref.parameters(), model.parameters())),
         "state_equal": all(torch.equal(_local(ref_state[k][n]), _local(state[k][n]))
-                           for k in ref_state for n in ("step", "exp_avg", "exp_avg_sq")),
+                           for k in ref_state for n in ref_state[k]),
         "grads_none": all(p.grad is None for p in model.parameters()),
     }
 
@@ -135,11 +145,47 @@ def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+AC_STEPS = 3
+# Per rank and step: 256 tokens, so the blocks' activations outweigh the shards and the state.
+AC_BATCH = (4, 64)
+AC_RUNS = ("full", "none")  # activation checkpointing
+
+
+def _ac_case(rank, mesh):
+    """The step graph with activation checkpointing of every block (as the trainer annotates
+    it under compile; passes/step_recompute.py) and without. Per run: the losses of
+    ``AC_STEPS`` steps, the parameters after them, and then the peak of live tensor bytes of
+    one whole step (forward, backward, update; bench_run._step_peak_bytes: shards and
+    optimizer state included). Against the split step with the same checkpointing:
+    test_trainer_step_scope_trains_as_model_scope."""
+    import simplesharded as ss
+    from simplesharded.tools.bench_run import _step_peak_bytes
+
+    g = torch.Generator().manual_seed(200 + rank)
+    batches = [torch.randint(0, 128, AC_BATCH, generator=g) for _ in range(AC_STEPS + 1)]
+    out = {}
+    for ac in AC_RUNS:
+        torch._dynamo.reset()
+        model = _model(mesh, ac=ac)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        step = ss.compile_step(model, opt, _loss, backend="aot_eager")
+        losses = [step(b, b).item() for b in batches[:AC_STEPS]]
+        last = batches[-1]
+        out[ac] = {"losses": losses,
+                   "peak": _step_peak_bytes(lambda: step(last, last), model, opt, "cpu")[0],
+                   "params": [p.to_local().clone() for p in model.parameters()]}
+    out["param_rel"] = max(max_rel_diff(a, b) for a, b in zip(out["none"].pop("params"),
+                                                               out["full"].pop("params")))
+    return out
+
+
 def _job(rank, world):
     from simplesharded.mesh import build_mesh
 
     mesh = build_mesh(dp_replicate=1, dp_shard=world, device="cpu")
-    return {name: _case(rank, mesh, *case) for name, *case in CASES}
+    out = {name: _case(rank, mesh, *case) for name, *case in CASES}
+    out["ac"] = _ac_case(rank, mesh)
+    return out
 
 
 @functools.lru_cache(maxsize=None)
@@ -182,15 +228,36 @@ def test_clipped_step_graph_matches_split_step_with_clip_grad_norm(case):
         assert r["graphs"] == 1 and r["grads_none"], rank
 
 
+@needs_torch(STEP_GRAPH)
+@pytest.mark.slow
+def test_step_graph_with_activation_checkpointing_trains_alike_in_less_memory():
+    """Every block checkpointed: the step graph's losses over 3 steps and its parameters after
+    them within 1e-5 relative of the step graph's without (measured: bitwise, the
+    recomputation runs the same ops on the same inputs), and its whole step's peak of live
+    tensor bytes below that one's, on every rank (measured: 3.0 MB against 5.1 MB)."""
+    for rank, res in enumerate(_results()):
+        r = res["ac"]
+        got, plain = r["full"], r["none"]
+        bad = [(i + 1, a, b) for i, (a, b) in enumerate(zip(got["losses"], plain["losses"]))
+               if not abs(a - b) <= 1e-5 * abs(b)]
+        assert len(got["losses"]) == AC_STEPS and not bad, (rank, bad)
+        assert r["param_rel"] <= 1e-5, (rank, r["param_rel"])
+        assert got["peak"] < plain["peak"], (rank, got["peak"], plain["peak"])
+
+
 # ------------------------------------------------------------------------- single process
 
 
-@pytest.mark.parametrize("opt_name,wd", [("AdamW", 0.1), ("AdamW", 0.0), ("Adam", 0.01)])
-def test_traced_update_is_bitwise_torchs_eager_update(opt_name, wd):
+@pytest.mark.parametrize("opt_name,wd,options", [
+    ("AdamW", 0.1, {}), ("AdamW", 0.0, {}), ("Adam", 0.01, {}),
+    ("SGD", 0.01, {"momentum": 0.9}), ("SGD", 0.0, {"momentum": 0.9, "nesterov": True}),
+    ("SGD", 0.01, {})])
+def test_traced_update_is_bitwise_torchs_eager_update(opt_name, wd, options):
     """apply_update compiled (aot_eager) against torch's eager for-loop step on the same
     gradients, 10 steps with a changing learning rate, shapes with vector tails: parameters
-    and every state tensor bitwise equal."""
-    from simplesharded.step.optim_update import apply_update, hyperparameters, prepare, step_inputs
+    and every state tensor bitwise equal (SGD: with momentum, with Nesterov's, without)."""
+    from simplesharded.step.optim_update import (apply_update, hyperparameters, prepare,
+                                                 step_inputs, update_kind)
 
     torch.manual_seed(0)
     shapes = [(64, 64), (37,), (13, 5), (1,)]
@@ -200,7 +267,7 @@ def test_traced_update_is_bitwise_torchs_eager_update(opt_name, wd):
     def make():
         ps = [torch.nn.Parameter(t.clone()) for t in init]
         return ps, getattr(torch.optim, opt_name)(ps, lr=_lr(0), weight_decay=wd,
-                                                   foreach=False)
+                                                   foreach=False, **options)
 
     ref, ref_opt = make()
     for i in range(STEPS):
@@ -211,24 +278,29 @@ def test_traced_update_is_bitwise_torchs_eager_update(opt_name, wd):
     ps, opt = make()
     prepare(opt)
     hypers = hyperparameters(opt)
-    decoupled = opt_name == "AdamW"
+    kind = update_kind(opt)
 
     @torch.compile(backend="aot_eager", fullgraph=True)
     def update(gs, lrs, states):
         with torch.no_grad():
-            apply_update(decoupled, [ps], hypers, [gs], lrs, states)
+            apply_update(kind, [ps], hypers, [gs], lrs, states)
 
     for i in range(STEPS):
         opt.param_groups[0]["lr"] = _lr(i)
         update(grads[i], *step_inputs(opt))
     assert all(torch.equal(a, b) for a, b in zip(ref, ps))
-    for k in ("step", "exp_avg", "exp_avg_sq"):
+    keys = {k for a in ref for k, v in ref_opt.state[a].items() if v is not None}
+    assert keys == ({"momentum_buffer"} if options.get("momentum") else set()) \
+        if opt_name == "SGD" else {"step", "exp_avg", "exp_avg_sq"}
+    for k in keys:
         assert all(torch.equal(ref_opt.state[a][k], opt.state[b][k]) for a, b in zip(ref, ps)), k
 
 
 @needs_torch(STEP_GRAPH)
 @pytest.mark.parametrize("make,match", [
-    (lambda ps: torch.optim.SGD(ps, lr=0.1), "cannot trace torch.optim.sgd.SGD"),
+    (lambda ps: torch.optim.RMSprop(ps, lr=0.1), "cannot trace torch.optim.rmsprop.RMSprop"),
+    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.1),
+     "SGD with dampening=0.1"),
     (lambda ps: torch.optim.AdamW(ps, amsgrad=True), "AdamW with amsgrad=True"),
     (lambda ps: torch.optim.Adam(ps, maximize=True), "Adam with maximize=True"),
 ])
@@ -404,6 +476,80 @@ def test_step_graph_reshards_after_forward_as_the_split_step():
     assert gm.code == code
 
 
+def _checkpointed_ops(gm):
+    """(forward ops of checkpointed blocks, backward ops annotated with a block other than
+    step_regather.py's gathers: the recomputed ones), each ``{node: block index}``."""
+    from simplesharded.passes.annotations import AC_KEY, REGATHER_KEY, annotations
+    from simplesharded.passes.traced_backward import traced_backward_nodes
+
+    backward = traced_backward_nodes(gm)
+    forward, recomputed = {}, {}
+    for n in gm.graph.nodes:
+        custom = annotations(n)
+        if n.op == "call_function" and AC_KEY in custom and not custom.get(REGATHER_KEY):
+            (recomputed if n in backward else forward)[n] = custom[AC_KEY]
+    return forward, recomputed, backward
+
+
+@needs_torch(STEP_GRAPH)
+def test_step_graph_recomputes_the_checkpointed_blocks_in_its_backward():
+    """passes/step_recompute.py, every block checkpointed. As traced, the backward reads many
+    forward activations of each block; after the pass it reads only what is saved: a block's
+    boundary (read by a forward op of no block or of another one), the outputs of attention
+    (an op that may draw random numbers, kept as recompute.py keeps it) and gathered
+    parameters (step_regather.py's, next). The ops it needs are recomputed in the backward,
+    after the block's forward: per block a subset of its forward ops, among them every
+    matmul but the last (w2's, whose output only the residual sum at the block's boundary
+    reads), and they are still in the final graph. A second run changes nothing; without
+    checkpointing the pass changes nothing."""
+    import copy
+    import operator
+
+    from simplesharded.passes.annotations import AC_KEY, PARAM_KEY, annotations
+    from simplesharded.passes.recompute import gathered_nodes
+    from simplesharded.passes.step_recompute import recompute_checkpointed
+
+    seen, _ = _step_graphs(split=False, ac="full")
+    traced, after, final = seen["input"][0], seen["recompute_ac"][0], seen["agreement"][0]
+
+    def read_by_backward(gm):
+        forward, _, backward = _checkpointed_ops(gm)
+        return {n for n in forward if any(u in backward for u in n.users)}, forward, backward
+
+    before, _, _ = read_by_backward(traced)
+    still, forward, backward = read_by_backward(after)
+    gathered = gathered_nodes(after.graph, backward)
+
+    def saved(n):
+        source = n.args[0] if n.target is operator.getitem else n
+        return (n in gathered or PARAM_KEY in annotations(n)
+                or torch.Tag.nondeterministic_seeded in getattr(source.target, "tags", ())
+                or any(u not in backward and annotations(u).get(AC_KEY) != forward[n]
+                       for u in n.users))
+
+    assert len(still) < len(before) // 2, (len(still), len(before))
+    assert all(saved(n) for n in still), [n.name for n in still if not saved(n)]
+    mm = torch.ops.aten.mm.default
+    blocks = sorted(set(forward.values()))
+    assert len(blocks) == SHAPES["n_layers"]
+    for gm in (after, final):
+        fwd, recomputed, _ = _checkpointed_ops(gm)
+        pos = {n: i for i, n in enumerate(gm.graph.nodes)}
+        for b in blocks:
+            mine = [n for n, k in recomputed.items() if k == b]
+            ops = collections.Counter(n.target for n in mine)
+            fwd_ops = collections.Counter(n.target for n, k in fwd.items() if k == b)
+            assert ops and not ops - fwd_ops, (b, ops - fwd_ops)
+            assert ops[mm] == fwd_ops[mm] - 1, (b, ops[mm], fwd_ops[mm])
+            last_forward = max(pos[n] for n, k in fwd.items() if k == b)
+            assert min(pos[n] for n in mine) > last_forward, b
+    gm = copy.deepcopy(after)
+    code = gm.code
+    assert recompute_checkpointed(gm).code == code
+    plain, _ = _step_graphs()
+    assert plain["recompute_ac"][0].code == plain["input"][0].code
+
+
 def _annotated(gm, suffix=""):
     """{parameter: its nodes} of the ``ss_update`` annotations ending in ``suffix``."""
     out = {}
@@ -509,12 +655,14 @@ def test_an_older_torch_is_refused_in_one_line_naming_the_feature(monkeypatch):
 
 TRAINER_STEPS = 10
 # configs/llama3_debug.toml, shortened as tests/test_trainer_paths.py does; for-loop AdamW (the
-# update compile_step writes), its max_norm 1.0 clipping, 2 micro-batches per step.
+# update compile_step writes), its max_norm 1.0 clipping, 2 micro-batches per step, every
+# block checkpointed (in the step graph: passes/step_recompute.py, once per micro-batch).
 TRAINER_ARGS = ["--training.seq_len", "32", "--training.global_batch_size", "4",
                 "--training.val_every", "0", "--no-metrics.progress_bar",
                 "--optimizer.implementation", "for-loop", "--compile.enable",
                 "--compile.backend", "aot_eager_blockbucketing",
-                "--training.gradient_accumulation_steps", "2"]
+                "--training.gradient_accumulation_steps", "2",
+                "--activation_checkpoint.mode", "full"]
 
 
 def _trainer_job(rank, world):
@@ -551,8 +699,9 @@ def _trainer_results():
 @needs_torch(STEP_GRAPH)
 @pytest.mark.slow
 def test_trainer_step_scope_trains_as_model_scope():
-    """compile.scope=step against scope=model, both over ragged buckets, on llama3 debug, 10
-    steps (warmup and cosine schedule, max_norm 1.0): the same losses and gradient norms up to
+    """compile.scope=step against scope=model, both over ragged buckets with activation
+    checkpointing of every block, on llama3 debug, 10 steps (warmup and cosine schedule,
+    max_norm 1.0): the same losses and gradient norms up to
     the clipping's rounding (measured: bit for bit, both sum the norm bucket by bucket;
     asserted ≤ 1e-6 relative, as another order of that sum moves the last bits)."""
     for rank, res in enumerate(_trainer_results()):
@@ -569,7 +718,7 @@ def test_step_scope_refuses_what_it_does_not_do():
 
     for extra, key in ((["--training.gradient_sync", "last_microbatch"],
                         "training.gradient_sync"),
-                       (["--optimizer.name", "SGD"], "optimizer.name"),
+                       (["--training.on_nonfinite", "skip"], "training.on_nonfinite"),
                        (["--compile.backend", "eager"], "compile.backend")):
         with pytest.raises(ValueError, match=key):
             load_config("configs/llama3_debug.toml",

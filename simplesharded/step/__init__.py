@@ -29,7 +29,7 @@ from simplesharded.passes.annotations import UPDATE_KEY
 from simplesharded.passes.torch_compat import STEP_GRAPH, needs
 from simplesharded.storage.step_routes import StepRoutes
 from simplesharded.step.optim_update import (apply_update, hyperparameters, prepare,
-                                        step_inputs)
+                                             step_inputs, update_kind)
 
 # What clipping divides by (see compile_step).
 CLIP_NORMS = ("current", "previous")
@@ -45,8 +45,8 @@ def compile_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     and the zeroing of the gradients as one ``torch.compile(fullgraph=True)`` graph.
 
     ``model``: as :func:`simplesharded.data_parallel` returned it (or a plain module).
-    ``optimizer``: AdamW or Adam over its parameters (another one is a TypeError naming it;
-    simplesharded/step/optim_update.py). ``backend``: a name :func:`simplesharded.make_backend`
+    ``optimizer``: AdamW, Adam or SGD over its parameters (another one is a TypeError naming
+    it; simplesharded/step/optim_update.py). ``backend``: a name :func:`simplesharded.make_backend`
     takes; ``backend_options`` go to it. ``with_grad_norm``: ``step`` returns ``(loss,
     norm)``, the gradients' global norm before clipping (computed in the graph).
 
@@ -76,7 +76,7 @@ def compile_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     params = prepare(optimizer)
     routes = StepRoutes(model, params)
     groups = [[p for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
-    decoupled = type(optimizer) is torch.optim.AdamW
+    kind = update_kind(optimizer)
     fqns = {id(p): n for n, p in model.named_parameters()}
     # Each update's ops carry its parameter's name (passes/update_placement.py finds them
     # by it); one the model does not own gets its place in the optimizer.
@@ -123,7 +123,7 @@ def compile_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                     last_norm.copy_(norm)
             it = iter(grads)
             nested = [[next(it) for _ in g] for g in groups]
-            apply_update(decoupled, routes.update_targets(groups), hypers, nested, lrs, states,
+            apply_update(kind, routes.update_targets(groups), hypers, nested, lrs, states,
                          names)
         return (loss, norm) if with_grad_norm else loss
 

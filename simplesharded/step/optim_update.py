@@ -11,10 +11,16 @@ recompiles; its 0-d view in the graph is what torch itself turns a Python float 
 these ops), and the few ops that take it as a Scalar argument are spelled with tensor ops in
 the kernel's own order.
 
+SGD (with or without momentum, Nesterov and weight decay) is written too: its eager
+``param.add_(grad, alpha=-lr)`` takes the rate as a Scalar, and ``addcmul`` of the
+gradient and the negated rate as a 0-d tensor of the parameter's dtype gives that kernel's
+bits for float32 parameters (both round once: ``param + grad * -lr``); its momentum buffer
+is created as zeros, which with ``dampening=0`` makes the first step's
+``buf * momentum + grad`` the gradient itself, as torch's first step clones it (another
+dampening is refused).
+
 One job: :func:`prepare` checks an optimizer and fills its state as its first ``step`` would;
-:func:`apply_update` is the traced update of one step. SGD is not written yet: its eager
-``add_(grad, alpha=-lr)`` takes the rate as a Scalar, and a spelling with a tensor rate that
-gives the kernel's bits has not been found and tested.
+:func:`apply_update` is the traced update of one step.
 """
 from __future__ import annotations
 
@@ -26,14 +32,24 @@ from torch import nn
 from simplesharded.passes.annotations import UPDATE_KEY
 from simplesharded.storage.step_routes import graph_input
 
-# The optimizers whose update is written here (exact classes: a subclass may change step).
-SUPPORTED = (torch.optim.AdamW, torch.optim.Adam)
+# The optimizers whose update is written here (exact classes: a subclass may change step),
+# each with the kind apply_update takes.
+KINDS = {torch.optim.AdamW: "adamw", torch.optim.Adam: "adam", torch.optim.SGD: "sgd"}
+SUPPORTED = tuple(KINDS)
 # Options whose update is not written here: (option, the value we support).
 _UNSUPPORTED = {torch.optim.AdamW: (("amsgrad", False), ("maximize", False),
                                     ("differentiable", False), ("capturable", False)),
                 torch.optim.Adam: (("amsgrad", False), ("maximize", False),
                                    ("differentiable", False), ("capturable", False),
-                                   ("decoupled_weight_decay", False))}
+                                   ("decoupled_weight_decay", False)),
+                torch.optim.SGD: (("maximize", False), ("differentiable", False),
+                                  ("dampening", 0))}
+# Per kind, the group's hyperparameters the traced update reads (besides the learning rate).
+_HYPERS = {"adamw": ("betas", "weight_decay", "eps"), "adam": ("betas", "weight_decay", "eps"),
+           "sgd": ("momentum", "dampening", "weight_decay", "nesterov")}
+# Per kind, a parameter's state tensors the update reads and writes, in that order.
+_STATE = {"adamw": ("step", "exp_avg", "exp_avg_sq"), "adam": ("step", "exp_avg", "exp_avg_sq"),
+          "sgd": ("momentum_buffer",)}
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -47,7 +63,7 @@ def prepare(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
     first eager ``step`` would (zeros, and a float32 step count), and return its parameters
     in group order. Raises TypeError naming the optimizer and what is not supported."""
     kind = type(optimizer)
-    if kind not in SUPPORTED:
+    if kind not in KINDS:
         raise TypeError(f"compile_step cannot trace {kind.__module__}.{kind.__qualname__}: "
                         f"its update is written for {[c.__name__ for c in SUPPORTED]} only")
     params = []
@@ -55,7 +71,7 @@ def prepare(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
         bad = [f"{k}={group.get(k)!r}" for k, ok in _UNSUPPORTED[kind] if group.get(k, ok) != ok]
         if bad:
             raise TypeError(f"compile_step cannot trace {kind.__name__} with {', '.join(bad)}")
-        fixed = [k for k in ("betas", "weight_decay", "eps") if isinstance(group[k], torch.Tensor)
+        fixed = [k for k in _HYPERS[KINDS[kind]] if isinstance(group[k], torch.Tensor)
                  or (k == "betas" and any(isinstance(b, torch.Tensor) for b in group[k]))]
         if fixed:
             raise TypeError(f"compile_step cannot trace {kind.__name__} with tensor {fixed}")
@@ -67,7 +83,12 @@ def prepare(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
                                 f"parameters")
             params.append(p)
             state = optimizer.state[p]
-            if not state:
+            if kind is torch.optim.SGD:
+                if group["momentum"] != 0 and state.get("momentum_buffer") is None:
+                    # module doc: with dampening 0, zeros make the first step torch's
+                    state["momentum_buffer"] = torch.zeros_like(
+                        p, memory_format=torch.preserve_format)
+            elif not state:
                 # As Adam's _init_group does (its float32 step count on the CPU).
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -75,32 +96,43 @@ def prepare(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
     return params
 
 
+def update_kind(optimizer: torch.optim.Optimizer) -> str:
+    """The update :func:`apply_update` runs for ``optimizer``: "adamw", "adam" or "sgd"."""
+    return KINDS[type(optimizer)]
+
+
 def hyperparameters(optimizer: torch.optim.Optimizer) -> list[tuple]:
     """Per param group, what the traced update reads besides the learning rate: (betas,
-    weight_decay, eps). The step graph is specialised on them (a change recompiles it)."""
-    return [(tuple(g["betas"]), g["weight_decay"], g["eps"]) for g in optimizer.param_groups]
+    weight_decay, eps) for Adam and AdamW, (momentum, dampening, weight_decay, nesterov) for
+    SGD. The step graph is specialised on them (a change recompiles it)."""
+    keys = _HYPERS[update_kind(optimizer)]
+    return [tuple(tuple(g[k]) if k == "betas" else g[k] for k in keys)
+            for g in optimizer.param_groups]
 
 
 def step_inputs(optimizer: torch.optim.Optimizer) -> tuple[list, list]:
     """What one step reads from ``optimizer``, taken at call time (``load_state_dict``
     replaces the state tensors): per group a float64 learning rate of one element, and per parameter
-    its (step, exp_avg, exp_avg_sq) state tensors, in :func:`prepare`'s order."""
+    its state tensors, in :func:`prepare`'s order: (step, exp_avg, exp_avg_sq) for Adam and
+    AdamW, (momentum_buffer,) for SGD with momentum, () without."""
     # One element, not 0-d: dynamo gives a 0-d float64 CPU input a symbolic ``.item()``
     # value, which aot_autograd's scalar pass fails to turn back into a tensor and then
     # restarts the whole trace to specialize (every compile traced twice).
     lrs = [torch.tensor([g["lr"]], dtype=torch.float64) for g in optimizer.param_groups]
     # each state as the graph takes it (a ragged member's: the plain DTensor it is a view of)
-    states = [[tuple(graph_input(optimizer.state[p][k])
-                     for k in ("step", "exp_avg", "exp_avg_sq"))
+    keys = _STATE[update_kind(optimizer)]
+    states = [[tuple(graph_input(optimizer.state[p][k]) for k in keys
+                     if optimizer.state[p].get(k) is not None)
                for p in g["params"] if p.requires_grad]
               for g in optimizer.param_groups]
     return lrs, states
 
 
-def apply_update(decoupled: bool, groups: list[list], hypers: list[tuple], grads: list,
+def apply_update(kind: str, groups: list[list], hypers: list[tuple], grads: list,
                  lrs: list[torch.Tensor], states: list[list],
                  names: list[list[str]] | None = None) -> None:
-    """One optimizer step on the local shards, traced. ``groups``: per param group its
+    """One optimizer step on the local shards, traced. ``kind``: :func:`update_kind`'s.
+    ``groups``: per param group its
     parameters (as :func:`prepare` returned them, grouped), ``grads`` the same nesting with
     their gradients (None: skipped, as torch skips a parameter without ``.grad``); ``hypers``
     from :func:`hyperparameters`, ``lrs`` and ``states`` from :func:`step_inputs`. Call under
@@ -120,7 +152,10 @@ def apply_update(decoupled: bool, groups: list[list], hypers: list[tuple], grads
         for p, g, st, name in reversed(list(zip(params, gs, sts, ns))):
             if g is not None:
                 with fx_traceback.annotate({UPDATE_KEY: name}):
-                    _adam(p, g, st, hyper, lr.view(()), decoupled)
+                    if kind == "sgd":
+                        _sgd(p, g, st, hyper, lr.view(()))
+                    else:
+                        _adam(p, g, st, hyper, lr.view(()), kind == "adamw")
 
 
 def _adam(p, g, state, hyper, lr, decoupled: bool) -> None:
@@ -150,3 +185,21 @@ def _adam(p, g, state, hyper, lr, decoupled: bool) -> None:
     # addcdiv_(exp_avg, denom, value=-step_size) takes a Scalar value; its kernel computes
     # param + (value * exp_avg) / denom, spelled here in that order.
     param.add_((exp_avg * -step_size) / denom)
+
+
+def _sgd(p, g, state, hyper, lr) -> None:
+    param, grad = local(p), local(g)
+    momentum, dampening, wd, nesterov = hyper
+    if wd != 0:
+        grad = grad.add(param, alpha=wd)
+    if momentum != 0:
+        (buf,) = state
+        buf = local(buf)
+        buf.mul_(momentum).add_(grad, alpha=1 - dampening)
+        grad = grad.add(buf, alpha=momentum) if nesterov else buf
+    # Eagerly add_(grad, alpha=-lr), whose kernel rounds once (a fused multiply-add); so does
+    # addcmul's, with the rate as a 0-d tensor in the parameter's dtype: for float32
+    # parameters (the trainer's) the kernel's own conversion of the Scalar; a bf16 parameter's
+    # kernel would keep the rate in float32, so there the bits may differ. Without a value,
+    # dynamo leaves aten.addcmul as it is.
+    param.addcmul_(grad, (-lr).to(param.dtype))

@@ -210,12 +210,11 @@ def _check_step_scope(cfg: _Config) -> None:
     error naming the setting."""
     t, p, c = cfg.training, cfg.parallelism, cfg.compile
     unsupported = [
-        ("compile.enable", c.enable, True), ("optimizer.name", cfg.optimizer.name, "AdamW"),
+        ("compile.enable", c.enable, True),
         ("training.gradient_sync", t.gradient_sync, "every_microbatch"),
         ("training.on_nonfinite", t.on_nonfinite, "stop"),
         ("parallelism.context_parallel_degree", p.context_parallel_degree, 1),
         ("parallelism.pipeline_parallel_degree", p.pipeline_parallel_degree, 1),
-        ("activation_checkpoint.mode", cfg.activation_checkpoint.mode, "none"),
         ("compile.fullgraph", c.fullgraph, True)]
     for key, value, ok in unsupported:
         if value != ok:

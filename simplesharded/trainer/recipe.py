@@ -32,7 +32,8 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str, every: int
 
     Compiled: the block is annotated and passes/recompute.py tags its ops in the joint graph
     (torch.utils.checkpoint's compiled form saves a DeviceMesh when DTensor parameters are
-    gathered inside the region, which aot_autograd rejects); it never recomputes an
+    gathered inside the region, which aot_autograd rejects), or, in a step graph
+    (compile.scope=step), passes/step_recompute.py recomputes them; neither recomputes an
     all-to-all or a routing decision. Eager: torch.utils.checkpoint; with
     ``expert_parallel``, selectively: the all-to-alls' results and the top-k routing are
     saved from forward (:func:`_save_routing`), so the recomputation re-runs neither.
