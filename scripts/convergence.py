@@ -10,7 +10,8 @@ the compile are a user's) with ``--compile.enable`` and the variant's keys; its 
 in ``OUT/runs/NAME``. Prints one row per variant: final validation loss, its relative
 difference from the first variant's, and whether that is within ``--rtol`` (1 %); writes
 ``OUT.png`` (training losses, smoothed, and validation losses of every variant in one figure)
-and ``OUT.json`` (the curves). Exits 1 when a variant's final validation loss is off by more
+and ``OUT.json`` (the curves); beside it, the mean training loss of the last ``--tail`` steps
+against the reference's. Exits 1 when a variant's final validation loss is off by more
 than ``--rtol`` or a run failed. ``--plot-only`` redraws from the runs already there.
 """
 from __future__ import annotations
@@ -65,6 +66,13 @@ def run(name: str, folder: str, ns, extra: list[str]) -> bool:
     return p.returncode == 0
 
 
+def tail_mean(train: dict, n: int) -> float:
+    """The mean training loss of the last ``n`` steps: less of one batch's noise than the
+    final validation loss alone."""
+    steps = sorted(train)[-n:]
+    return sum(train[s] for s in steps) / len(steps)
+
+
 def smooth(values: list[float], window: int) -> list[float]:
     out, acc = [], []
     for v in values:
@@ -111,6 +119,8 @@ def main(argv=None) -> int:
                     help=f"the first is the reference; choices: {list(VARIANTS)}")
     ap.add_argument("--rtol", type=float, default=0.01)
     ap.add_argument("--smoothing", type=int, default=10)
+    ap.add_argument("--tail", type=int, default=50,
+                    help="also compare the mean training loss of the last N steps")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "convergence"))
     ap.add_argument("--plot-only", action="store_true")
     ns = ap.parse_args(argv)
@@ -136,16 +146,19 @@ def main(argv=None) -> int:
     ref_name = ns.variants[0]
     ref = curves.get(ref_name)
     print(f"\n{'variant':<24} {'final val loss':>14} {'vs ' + ref_name:>18}  "
-          f"within {ns.rtol:.0%}")
+          f"within {ns.rtol:.0%}   last {ns.tail} steps' training loss, vs {ref_name}")
     for name, c in curves.items():
         last = max(c["val"]) if c["val"] else None
         v = c["val"][last] if last is not None else float("nan")
+        tail = tail_mean(c["train"], ns.tail)
         if ref and ref["val"] and last is not None:
             r = ref["val"][max(ref["val"])]
             rel = (v - r) / r
             good = abs(rel) <= ns.rtol
             ok = ok and good
-            print(f"{name:<24} {v:>14.4f} {rel:>+17.2%}  {'yes' if good else 'NO'}")
+            tail_rel = (tail - tail_mean(ref["train"], ns.tail)) / tail_mean(ref["train"], ns.tail)
+            print(f"{name:<24} {v:>14.4f} {rel:>+17.2%}  {'yes' if good else 'NO':>9}   "
+                  f"{tail:.4f} {tail_rel:+.2%}")
         else:
             ok = False
             print(f"{name:<24} {v:>14.4f} {'(no reference)':>18}")
