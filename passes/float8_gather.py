@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from .annotations import FLOAT8_KEY, RAGGED_KEY, add_note, annotations
+from .annotations import FLOAT8_KEY, PARAM_KEY, RAGGED_KEY, add_note, annotations
 from .collectives import ALL_GATHER, ALL_REDUCE, WAIT, find_collectives
 from .graph_utils import aten, call, fake_mode_of
 
@@ -120,7 +120,7 @@ def _plan(values: fx.Node, waits: dict) -> "_Plan | str | None":
         chain.append(node)
         node = node.all_input_nodes[0]
     c = waits[node]
-    name = annotations(c.start).get("ss_param", "?")
+    name = annotations(c.start).get(PARAM_KEY, "?")
     if not c.ours:
         return None
     if RAGGED_KEY in annotations(c.start):
