@@ -21,7 +21,7 @@ from torch import fx
 
 from .annotations import CP_KEY, annotations
 from .collectives import Collective, is_collective_or_wait
-from .graph_utils import NodeOrder
+from .graph_utils import NodeOrder, draws_random
 from .node_meta import alias_kind
 from .wait_chains import first_use, gather_chain, reduction_epilogue
 
@@ -75,7 +75,7 @@ def _issue_before_independent_compute(start: fx.Node, floor: fx.Node | None,
     stays = {start}
     for node in reversed(window):  # a reader comes after what it reads
         if (node.op != "call_function" or is_collective_or_wait(node) or node in held
-                or node.is_impure() or _random(node) or any(u in stays for u in node.users)):
+                or node.is_impure() or draws_random(node) or any(u in stays for u in node.users)):
             stays.add(node)
     anchor = start
     for node in window:
@@ -84,9 +84,3 @@ def _issue_before_independent_compute(start: fx.Node, floor: fx.Node | None,
             anchor = node
 
 
-def _random(node: fx.Node) -> bool:
-    """An op that draws random numbers: moving it would change what it draws."""
-    import torch
-
-    return (isinstance(node.target, torch._ops.OpOverload)
-            and torch.Tag.nondeterministic_seeded in node.target.tags)

@@ -157,6 +157,13 @@ def edits_observed(graph: fx.Graph) -> bool:
             or not isinstance(getattr(ns, "_base_count", None), dict))
 
 
+def draws_random(node: fx.Node) -> bool:
+    """An op that may draw random numbers (dropout, CPU attention's dropout path): running it
+    again, or elsewhere, would draw other numbers."""
+    return (isinstance(node.target, torch._ops.OpOverload)
+            and torch.Tag.nondeterministic_seeded in node.target.tags)
+
+
 def is_contiguous(node: fx.Node) -> bool:
     val = node.meta.get("val")
     return not isinstance(val, torch.Tensor) or val.is_contiguous()

@@ -43,6 +43,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from .annotations import AC_KEY, GATHERED_KEY, PARAM_KEY, RESHARD_KEY, ROUTING_KEY, annotations
 from .collectives import find_collectives, node_block, tangent_dependent, tensor_nbytes
+from .graph_utils import draws_random
 from .plan_protocol import Plan
 
 
@@ -175,10 +176,7 @@ def _seeded(node: fx.Node) -> bool:
     the partitioner save RNG state, which torch 2.13 mis-orders next to the DTensor mesh it
     also saves; leaving them to the min-cut keeps their outputs saved instead (the same choice
     selective activation checkpointing makes for attention)."""
-    import torch
-
-    return isinstance(node.target, torch._ops.OpOverload) and \
-        torch.Tag.nondeterministic_seeded in node.target.tags
+    return draws_random(node)
 
 
 def _save_outputs(node: fx.Node) -> None:

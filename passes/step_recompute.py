@@ -39,6 +39,7 @@ from torch import fx
 
 from .annotations import AC_KEY, PARAM_KEY, ROUTING_KEY, annotations
 from .collectives import is_collective_or_wait
+from .graph_utils import draws_random
 from .recompute import gathered_nodes
 from .traced_backward import mark_traced_backward, traced_backward_nodes
 
@@ -105,8 +106,7 @@ def _seeded(node: fx.Node) -> bool:
     its outputs: recomputing it would draw other numbers. Kept, as recompute.py keeps it."""
     if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
         node = node.args[0]
-    return isinstance(node.target, torch._ops.OpOverload) and \
-        torch.Tag.nondeterministic_seeded in node.target.tags
+    return draws_random(node)
 
 
 def _writes_input(node: fx.Node) -> bool:
