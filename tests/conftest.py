@@ -2,9 +2,10 @@
 tests start (simplesharded/calibration.py measures once per world size, then reads it), one
 inductor cache for every spawned rank of every pytest worker (the caller's
 TORCHINDUCTOR_CACHE_DIR when set, so in-process compiles share it too: a kernel is compiled
-once per run, not once per worker), the costliest test files first, and the
-support modules (tests/support/) importable by their plain names, here and in spawned ranks
-(torch.multiprocessing's spawn hands its children the parent's sys.path)."""
+once per run, not once per worker), one forkserver per worker started before any test, the
+costliest test files first, and the support modules (tests/support/) importable by their
+plain names, here and in spawned ranks (torch.multiprocessing's spawn hands its children the
+parent's sys.path)."""
 import os
 import shutil
 import sys
@@ -26,6 +27,15 @@ for _var, _prefix, _default in (("SIMPLESHARDED_CACHE_DIR", "ss_calibration_", N
         os.environ[_var] = _default or tempfile.mkdtemp(prefix=_prefix)
         if not _default:
             _MADE.append(os.environ[_var])
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _forkserver():
+    """This worker's forkserver, started before any test can start it with other settings
+    (dist_utils.start_forkserver)."""
+    from dist_utils import start_forkserver
+
+    start_forkserver()
 
 
 FAKE_WORLD = 4  # ranks of the fake_world fixture's process group

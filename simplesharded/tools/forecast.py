@@ -255,8 +255,8 @@ def _in_children(calls: list[tuple]) -> list:
     runs on one core): their (picklable) results in order, or a RuntimeError with a failed
     child's traceback. One trace per process: torch 2.13 fails the second compile in a
     process of a model whose output is a DTensor (loss parallel: "Node tangents_N was
-    invalid, but is output" in the partitioner). A fork re-imports nothing (see
-    :func:`_children_context` for CUDA builds of torch)."""
+    invalid, but is output" in the partitioner). The children come from a fork server
+    (:func:`_children_context`), so torch is imported once per caller, not per child."""
     ctx = _children_context()
     running: list = []  # (child, its pipe's reading end), in the order of calls
     results: list = []
@@ -296,16 +296,12 @@ def _child(fn, args, send) -> None:
 
 
 def _children_context():
-    """Forked children, except under a CUDA (or ROCm) build of torch: there a child forked
-    after this process ran a backward under a fake mode (any compile) cannot run autograd
+    """Children forked from a fork server that has run nothing but this module's import. A
+    plain fork copies the caller's threads' locks mid-flight: a child forked from a process
+    that compiled before (inductor's kernels and thread pools, a test worker) died of a
+    segmentation fault, and under a CUDA build autograd refuses to run in such a child
     ("Unable to handle autograd's threading in combination with fork-based
-    multiprocessing"; CPU builds register no device whose autograd threads forbid it), so
-    the children are forked from a fork server that has run nothing, with this module
-    already imported."""
-    import torch
-
-    if torch.version.cuda is None and torch.version.hip is None:
-        return multiprocessing.get_context("fork")
+    multiprocessing")."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload([__name__])
     return ctx

@@ -114,23 +114,31 @@ def spawn(world_size: int, fn: Callable, *args, timeout_s: float = 300.0,
 
 # What the forkserver imports before it forks any rank (a module it cannot import is skipped).
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo",
-            "simplesharded", "simplesharded.passes", "simplesharded.models", "dist_utils"]
+            "simplesharded", "simplesharded.passes", "simplesharded.models",
+            "simplesharded.tools.forecast", "dist_utils"]
 
 
-def _forked(world_size, entry_args, env):
-    """Start the ranks from the forkserver (started on first use with ``BASE_ENV``; once it
-    runs, ``ensure_running`` only checks that it still does)."""
+def start_forkserver() -> None:
+    """Start this process's forkserver with ``BASE_ENV`` and ``_PRELOAD`` (once it runs, only
+    check that it still does). A process has one forkserver, whoever asks first: the ranks
+    and the planner's trace children (simplesharded/tools/forecast.py) share it, so the test
+    session starts it before any test can, with the ranks' environment."""
     import multiprocessing
     from multiprocessing import forkserver
     from unittest import mock
 
+    multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
+    with mock.patch.dict(os.environ, BASE_ENV):
+        forkserver.ensure_running()
+
+
+def _forked(world_size, entry_args, env):
+    """Start the ranks from the forkserver (:func:`start_forkserver`)."""
     import torch.multiprocessing as mp
 
     from simplesharded.mesh import free_port
 
-    multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
-    with mock.patch.dict(os.environ, BASE_ENV):
-        forkserver.ensure_running()
+    start_forkserver()
     environ = {**os.environ, **env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     return mp.start_processes(_entry, args=(*entry_args, environ), nprocs=world_size,
                               join=False, start_method="forkserver")
