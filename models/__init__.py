@@ -33,13 +33,20 @@ def logits_of(output: Any) -> torch.Tensor:
     return output if isinstance(output, torch.Tensor) else output.logits
 
 
-def get_model_spec(name: str, flavor: str) -> tuple[Callable[[Any], nn.Module], object]:
+def get_model_spec(name: str, flavor: str, **overrides) -> tuple[Callable[[Any], nn.Module], object]:
+    """The builder and args of ``name``'s ``flavor``; ``overrides`` replace fields of the args
+    (e.g. n_layers=2)."""
     if name not in MODELS:
         raise ValueError(f"model.name={name!r} is not one of {sorted(MODELS)}")
     cls, flavors = MODELS[name]
     if flavor not in flavors:
         raise ValueError(f"model.flavor={flavor!r} is not one of {sorted(flavors)} (model.name={name!r})")
-    return cls, flavors[flavor]
+    args = flavors[flavor]
+    fields = sorted(f.name for f in dataclasses.fields(args))
+    for key in overrides:
+        if key not in fields:
+            raise ValueError(f"model override {key!r} is not a field of {type(args).__name__}: {fields}")
+    return cls, dataclasses.replace(args, **overrides)
 
 
 def build_model(name: str, flavor: str, device: torch.device | str = "meta", **overrides) -> nn.Module:
@@ -48,12 +55,7 @@ def build_model(name: str, flavor: str, device: torch.device | str = "meta", **o
     On a real device the model is also init_weights()-ed; on meta it is left for the caller
     to shard (data_parallel) and then initialise (simplesharded.storage.init.init_sharded).
     """
-    cls, args = get_model_spec(name, flavor)
-    fields = sorted(f.name for f in dataclasses.fields(args))
-    for key in overrides:
-        if key not in fields:
-            raise ValueError(f"model override {key!r} is not a field of {type(args).__name__}: {fields}")
-    args = dataclasses.replace(args, **overrides)
+    cls, args = get_model_spec(name, flavor, **overrides)
     with torch.device(device):
         model = cls(args)
     if torch.device(device).type != "meta":

@@ -204,6 +204,28 @@ def test_expert_parallel_degree_checks():
         check_static(load(None, [*ep, "2"]), 2)
 
 
+def test_model_n_layers():
+    """model.n_layers builds the zoo model with that many blocks (0: the flavor's); the
+    planner and the pipeline split read the same depth; negative, or with a Hugging Face
+    model, one error naming the key."""
+    from simplesharded.models import build_model
+    from simplesharded.tools.forecast import _meta_params
+    from simplesharded.trainer import check_static
+
+    cfg = check_static(load(None, ["--model.n_layers", "2"]), 2)
+    assert cfg.model.overrides() == {"n_layers": 2} and Config().model.overrides() == {}
+    shallow = {n for n, _ in build_model("llama3", "debug", **cfg.model.overrides())
+               .named_parameters()}
+    assert {n.split(".")[1] for n in shallow if n.startswith("layers.")} == {"0", "1"}
+    assert len(_meta_params(cfg)) == len(shallow)
+    with pytest.raises(ValueError, match=r"^model.n_layers=-1: a zoo model's number of blocks"):
+        check_static(load(None, ["--model.n_layers", "-1"]), 1)
+    with pytest.raises(ValueError, match=r"^model.n_layers=2: .*a Hugging Face model's is its "
+                                         r"config.json's"):
+        check_static(load(None, ["--model.name", "hf", "--model.path", "/x",
+                                 "--model.n_layers", "2"]), 1)
+
+
 def test_backend_check_and_alias():
     with pytest.raises(ValueError, match=r"compile.backend='aot_eagr' is not one of \["):
         load(None, ["--compile.backend", "aot_eagr"])

@@ -24,7 +24,10 @@ def _our_logits(ckpt_dir: str, tokens: torch.Tensor) -> torch.Tensor:
 
     from simplesharded.models import build_model
 
-    model = build_model("llama3", "debug", device="cpu")
+    # the model the checkpoint's model.json describes (COMMON's shallower debug model)
+    with open(os.path.join(ckpt_dir, "model.json")) as fh:
+        n_layers = json.load(fh)["args"]["n_layers"]
+    model = build_model("llama3", "debug", device="cpu", n_layers=n_layers)
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=ckpt_dir, no_dist=True)
     model.load_state_dict(state["model"])

@@ -41,9 +41,10 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBU
 for _k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
     ENV.pop(_k, None)  # the single-process runs must not think they are under torchrun
 
-# Small and fast; no validation, no progress bar (it writes to stderr).
+# Small and fast: 2 blocks (what a launch compiles and runs scales with them; no test here
+# depends on their number), no validation, no progress bar (it writes to stderr).
 SMALL = ["--training.seq_len", "32", "--training.global_batch_size", "4",
-         "--training.val_every", "0", "--no-metrics.progress_bar"]
+         "--training.val_every", "0", "--no-metrics.progress_bar", "--model.n_layers", "2"]
 # lr(step) independent of training.steps (see module docstring).
 CONST_LR = ["--lr_scheduler.warmup_steps", "15", "--lr_scheduler.decay_type", "constant"]
 COMMON = SMALL + CONST_LR
@@ -446,7 +447,7 @@ def test_tp_compiled_loss_curve_matches_dp_only(tp2_compiled, eager2):
     runs eager: eager dp is the plainer program to hold compiled TP against."""
     dump, r = tp2_compiled
     assert r.returncode == 0, r
-    assert "[simplesharded] llama3/debug world=4 mode=fully_shard mesh=dp_shard=2,tp=2 " \
+    assert "[simplesharded] llama3/debug n_layers=2 world=4 mode=fully_shard mesh=dp_shard=2,tp=2 " \
            "compile=aot_eager_autobucketing" in r.stdout, r
     tp = read_losses(dump)
     assert sorted(tp) == list(range(1, 11)), r

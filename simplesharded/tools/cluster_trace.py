@@ -95,7 +95,7 @@ def trace(cfg, local_batch: int, n_layers: int | None = None,
         mesh = build_mesh(p.data_parallel_replicate_degree, p.data_parallel_shard_degree,
                           "cpu", p.tensor_parallel_degree, p.expert_parallel_degree,
                           p.context_parallel_degree)
-        extra = {"n_layers": n_layers} if n_layers else {}
+        extra = {"n_layers": n_layers} if n_layers else cfg.model.overrides()
         model = build_model(cfg.model.name, cfg.model.flavor, device="meta", **extra)
         # Not under FakeTensorMode: the mesh slicing in TP and data_parallel runs tensor ops
         # on the rank layout that fake tensors cannot (nonzero). The shards data_parallel

@@ -141,7 +141,8 @@ def main(argv=None) -> int:
         except ValueError as e:
             ap.error(str(e))
     from simplesharded.models import get_model_spec
-    n_layers = get_model_spec(cfg.model.name, cfg.model.flavor)[1].n_layers
+    n_layers = get_model_spec(cfg.model.name, cfg.model.flavor,
+                              **cfg.model.overrides())[1].n_layers
     # Blocks are identical, so the schedule is periodic: for deep models trace two short
     # versions and extrapolate linearly (exact for the per-block part, and 10x faster).
     sizes = [None] if n_layers <= ns.full_trace_layers else [4, 6]
@@ -217,7 +218,8 @@ def predicted_peak_bytes(cfg, world_size: int, backends, hardware: str = "local"
     extrapolated from traces of 4 and 6 blocks, as ``python -m simplesharded.tools.forecast`` does."""
     from simplesharded.models import get_model_spec
     from simplesharded.passes.hardware import get_hardware
-    depth = n_layers or get_model_spec(cfg.model.name, cfg.model.flavor)[1].n_layers
+    depth = n_layers or get_model_spec(cfg.model.name, cfg.model.flavor,
+                                       **cfg.model.overrides())[1].n_layers
     sizes = ([4, 6] if full_trace_layers is not None and depth > full_trace_layers
              else [n_layers])
     ns = argparse.Namespace(world_size=world_size, hardware=hardware)
@@ -384,7 +386,7 @@ def kv_gather_bytes(cfg) -> int:
     the parameters' compute dtype's bytes), tp ranks holding their share of the heads."""
     import torch
     from simplesharded.models import get_model_spec
-    args = get_model_spec(cfg.model.name, cfg.model.flavor)[1]
+    args = get_model_spec(cfg.model.name, cfg.model.flavor, **cfg.model.overrides())[1]
     t, p = cfg.training, cfg.parallelism
     dtype = getattr(torch, t.mixed_precision_param)
     head_dim = args.dim // args.n_heads
@@ -447,7 +449,8 @@ def _extrapolate(per_trace: list[dict], n_layers: int) -> dict:
 
 def _meta_params(cfg):
     from simplesharded.models import build_model
-    return list(build_model(cfg.model.name, cfg.model.flavor, device="meta").parameters())
+    return list(build_model(cfg.model.name, cfg.model.flavor, device="meta",
+                            **cfg.model.overrides()).parameters())
 
 
 def _evaluate(traced: Traced, name: str, ns, cfg, hw, cap) -> dict:

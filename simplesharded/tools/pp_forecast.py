@@ -147,7 +147,7 @@ def stage_numels(cfg, n_stages: int, blocks: list[int]) -> tuple[list[int], int]
     """(parameters of each stage, of the whole model), from the meta model's FQNs."""
     from simplesharded.models import build_model
     from simplesharded.pipeline.stage_split import plan_stages
-    model = build_model(cfg.model.name, cfg.model.flavor, device="meta")
+    model = build_model(cfg.model.name, cfg.model.flavor, device="meta", **cfg.model.overrides())
     plans = plan_stages(model, n_stages, blocks)
     numel = {n: p.numel() for n, p in model.named_parameters()}
     out = []
@@ -173,7 +173,7 @@ def run(cfg, ns, hw, cap, t0, traced_numbers) -> int:
     p, t = cfg.parallelism, cfg.training
     pp, tp, world = p.pipeline_parallel_degree, p.tensor_parallel_degree, ns.world_size
     cp = p.context_parallel_degree  # a stage's cp ranks split its sequences
-    args = get_model_spec(cfg.model.name, cfg.model.flavor)[1]
+    args = get_model_spec(cfg.model.name, cfg.model.flavor, **cfg.model.overrides())[1]
     name = ns.pp_backend
     mb, local_batch = p.pipeline_parallel_microbatch_size, t.local_batch_size
     m = local_batch // mb

@@ -94,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         if trainer.rank == 0:
             model = (f"hf:{cfg.model.path}" if cfg.model.name == HF
                      else f"{cfg.model.name}/{cfg.model.flavor}")
+            if cfg.model.n_layers:
+                model += f" n_layers={cfg.model.n_layers}"
             print(f"[simplesharded] {model} world={trainer.world} "
                   f"mode={cfg.parallelism.mode} mesh={_mesh_text(trainer.mesh)} "
                   f"compile={cfg.compile.backend if cfg.compile.enable else 'off'}"

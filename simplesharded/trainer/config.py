@@ -70,6 +70,12 @@ class Model:
                                "(name 'hf': the model directory's tokenizer.json if it has one)")
     path: str = _opt("", "name 'hf': local directory with a Hugging Face config.json (and "
                      "optionally *.safetensors, tokenizer.json); never downloaded")
+    n_layers: int = _opt(0, "blocks of the zoo model; 0 = the flavor's (fewer: a shallower "
+                         "model of the same widths, for quick runs)")
+
+    def overrides(self) -> dict:
+        """What replaces the flavor's args (models.get_model_spec)."""
+        return {"n_layers": self.n_layers} if self.n_layers else {}
 
 
 @dataclass

@@ -84,7 +84,8 @@ class Trainer:
         if hf:
             model = hf_source.build_hf_model(cfg.model.path)
         else:
-            model = build_model(cfg.model.name, cfg.model.flavor, device="meta")
+            model = build_model(cfg.model.name, cfg.model.flavor, device="meta",
+                                **cfg.model.overrides())
         if self.data.tokenizer.vocab_size > model.args.vocab_size:
             raise ValueError(f"model.tokenizer_path: vocabulary {self.data.tokenizer.vocab_size} "
                              f"does not fit the model's vocab_size {model.args.vocab_size}")

@@ -22,6 +22,9 @@ HF = "hf"  # model.name of a Hugging Face model read from model.path (models/hf_
 def check_static(cfg: Config, world_size: int) -> Config:
     """Everything that can be checked before any process-group work; returns resolved cfg."""
     cfg = resolve(cfg, world_size)
+    if cfg.model.n_layers < 0 or (cfg.model.n_layers and cfg.model.name == HF):
+        raise ValueError(f"model.n_layers={cfg.model.n_layers}: a zoo model's number of blocks, "
+                         f"or 0 for its flavor's (a Hugging Face model's is its config.json's)")
     if cfg.model.name == HF:
         args = _check_hf(cfg)
     else:
@@ -114,7 +117,7 @@ def _check_pipeline(cfg: Config) -> None:
     if cfg.model.name == HF:
         raise ValueError(f"{key}: Hugging Face models (model.name='hf') cannot be cut into "
                          f"pipeline stages yet; use 1")
-    model = build_model(cfg.model.name, cfg.model.flavor, device="meta")
+    model = build_model(cfg.model.name, cfg.model.flavor, device="meta", **cfg.model.overrides())
     split = p.pipeline_parallel_layers_per_stage
     try:
         plan_stages(model, pipeline_stages(p), split or None)
@@ -130,7 +133,7 @@ def _check_zoo(cfg: Config):
 
     if cfg.model.name not in MODELS:  # the trainer's choices: the zoo and HF
         raise ValueError(f"model.name={cfg.model.name!r} is not one of {sorted([*MODELS, HF])}")
-    cls, args = get_model_spec(cfg.model.name, cfg.model.flavor)
+    cls, args = get_model_spec(cfg.model.name, cfg.model.flavor, **cfg.model.overrides())
     if not hasattr(cls, "num_flops_per_token"):  # the trainer's model protocol (zoo models)
         trainable = sorted(n for n, (c, _) in MODELS.items() if hasattr(c, "num_flops_per_token"))
         raise ValueError(f"model.name={cfg.model.name!r} is not trainable here yet (bench it with "
