@@ -53,7 +53,9 @@ Written by ragged buckets (simplesharded/storage/ragged_shards.py):
                      merges it (plans.py); grads_in_place.py finds the split's backward by it
 Written by host offload (simplesharded/storage/offload.py), with the bucket's annotation:
   OFFLOAD_KEY        "to_compute" on the copy of a host shard to the compute device that its
-                     all-gather reads, "to_host" on the copy of its reduced gradient back
+                     all-gather reads ("resident": the view of the shard's resident copy it
+                     reads instead, offload "optimizer"), "to_host" on the copy of its
+                     reduced gradient back
 """
 from __future__ import annotations
 

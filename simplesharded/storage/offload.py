@@ -140,7 +140,8 @@ class Offload:
         on the compute device, its gradient copied to the host."""
         if not self.on_host:
             return host
-        with fx_traceback.annotate({**annotation, OFFLOAD_KEY: "to_compute"}):
+        role = "to_compute" if self.resident is None else "resident"
+        with fx_traceback.annotate({**annotation, OFFLOAD_KEY: role}):
             return _ToCompute.apply(host, self.compute, self.pin, annotation, self.resident)
 
     def copy_in(self, host: torch.Tensor) -> torch.Tensor:

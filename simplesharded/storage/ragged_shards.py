@@ -579,7 +579,12 @@ def optim_state_by_bucket(model: nn.Module, state: dict) -> dict:
     return out
 
 
-@torch.compiler.disable  # eager, before the compiled forward: data-dependent by nature
+def offload_of(model: nn.Module) -> str:
+    """The offload ``model``'s ragged buckets were wrapped with (offload.py): one for all."""
+    return next((b.offload.kind for b in model_buckets(model)), "none")
+
+
+@torch.compiler.disable  # eager, before the compiled forward: what the optimizer wrote is data
 def refresh_resident(model: nn.Module, args=None) -> None:
     """Every ragged bucket's resident copy on the compute device made its host shard's values
     again where an optimizer step (or a load) wrote it since (offload "optimizer",
