@@ -78,10 +78,16 @@ def check_storage(storage: str, mode: str, dp_dims: int, mesh) -> None:
                          f"use storage='param'")
 
 
+def takes_offload(storage: str) -> bool:
+    """Whether ``storage`` can live on the host (offload.py): ragged buckets, each one tensor
+    that moves with its two copies; a per-parameter shard has no copy op yet."""
+    return storage == "ragged"
+
+
 def check_offload(offload: str, storage: str) -> None:
     """One line naming what ``offload`` (offload.py) does not take: a storage other than
     ragged buckets, whose bucket is what moves to the host."""
-    if offload != "none" and storage != "ragged":
+    if offload != "none" and not takes_offload(storage):
         raise ValueError(f"offload={offload!r} takes storage='ragged' (or 'auto' where it is "
                          f"ragged: mode fully_shard or hybrid_shard); got storage={storage!r}")
 

@@ -13,7 +13,8 @@ import copy
 import dataclasses
 from typing import Any, Iterable
 
-from simplesharded.storage.choice import gathers_each_parameter, modes_taken, resolved
+from simplesharded.storage.choice import (gathers_each_parameter, modes_taken, resolved,
+                                          takes_offload)
 from simplesharded.trainer.config_parse import sections
 
 # Stand-ins for config.py's Config and its parallelism section (not imported: see above).
@@ -213,7 +214,7 @@ def _check_offload(cfg: _Config) -> None:
     if p.offload == "none":
         return
     head = f"parallelism.offload={p.offload!r}"
-    if cfg.dp_storage() != "ragged":
+    if not takes_offload(cfg.dp_storage()):
         raise ValueError(f"{head} moves ragged buckets to the host: it needs "
                          f"parallelism.storage 'auto' or 'ragged' with mode 'fully_shard' or "
                          f"'hybrid_shard' (and no training.float8 under compile); got storage="
