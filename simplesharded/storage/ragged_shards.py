@@ -363,15 +363,18 @@ class RaggedShards:
                                      ).reshape(-1)
         return self.member_shards(self._dtensor(local))
 
-    def member_shards(self, value: DTensor | None = None) -> list[DTensor]:
+    def member_shards(self, value: DTensor | None = None, home: bool = True
+                      ) -> list[DTensor]:
         """Each member's DTensor as without ragged storage (its placements and shape),
         converted from the bucket, or from ``value`` laid out as the bucket (an optimizer
-        state of it): a collective."""
+        state of it): a collective. ``home``: on the device the bucket lives on (the host
+        under offload), else on the compute device."""
         value = self.param.detach() if value is None else value
-        # the all-to-all on the compute device (its backend's), the result where the
-        # bucket lives
-        locals_ = [self.offload.home(t) for t in from_ragged(
-            self.offload.on_compute(value.to_local()), self.layout, self.shard_group())]
+        # the all-to-all on the compute device (its backend's)
+        locals_ = from_ragged(self.offload.on_compute(value.to_local()), self.layout,
+                              self.shard_group())
+        if home:
+            locals_ = [self.offload.home(t) for t in locals_]
         return [DTensor.from_local(t, self.mesh, placements, run_check=False, shape=shape,
                                    stride=_contiguous_stride(shape))
                 for t, placements, shape in zip(locals_, self.member_placements,
@@ -523,7 +526,8 @@ def members_as_shards(model: nn.Module) -> Iterator[None]:
     members = {bucket: slots for bucket, slots in _members(model).items()
                if slots[0][0]._parameters[slots[0][1]] is bucket.members[0]}
     for bucket, slots in members.items():
-        for (module, name), shard in zip(slots, bucket.member_shards()):
+        # on the compute device, as without offload: an init draws its values there
+        for (module, name), shard in zip(slots, bucket.member_shards(home=False)):
             module._parameters[name] = nn.Parameter(shard, requires_grad=False)
     try:
         yield
