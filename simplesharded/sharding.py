@@ -36,8 +36,7 @@ from simplesharded.storage.grad_sync import _GradSync
 from simplesharded.storage.choice import (NOT_GIVEN, check_offload, check_storage,
                                           chosen_storage, pack, resolved)
 from simplesharded.storage.offload import offload_choice
-from simplesharded.storage.ragged_shards import refresh_resident
-from simplesharded.storage.ragged_shards import members_as_shards
+from simplesharded.storage.ragged_shards import members_as_shards, refresh_resident
 from simplesharded.storage.layout import _DPView, _mode_placements, _shard_param
 from simplesharded.mesh import EP_DIM, dense_mesh, ep_dim, expert_dp_mesh, stage_mesh
 from simplesharded.mesh import dp_mesh as _dp_mesh
