@@ -244,6 +244,9 @@ class RaggedShards:
         for i, t in enumerate(locals_):
             start, stop = self.runs[i]
             local[start:stop] = t.detach().reshape(-1)
+        # an offloaded bucket stays on the host, whatever device the move named (FSDP2's
+        # to_empty(device=...) after wrapping a meta model)
+        local = self.offload.home(local)
         self.param = nn.Parameter(self._dtensor(local))
         self.param.register_post_accumulate_grad_hook(self._hand_out_grad)
         for i, (member, spec) in enumerate(zip(self.members, self.member_specs)):
