@@ -156,7 +156,7 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     storage = resolved(chosen_storage(storage, flat_buckets), mode, dp.ndim)
     check_storage(storage, mode, dp.ndim, mesh)
     offload = offload_choice(offload)
-    check_offload(offload[0], storage)
+    check_offload(offload[0], storage, mode)
     if grad_reduction not in GRAD_REDUCTIONS:
         raise ValueError(f"grad_reduction={grad_reduction!r} is not one of {sorted(GRAD_REDUCTIONS)}")
     if any(sharded_state(m) is not None for m in model.modules()):

@@ -80,7 +80,8 @@ def test_refusals_are_one_line():
         (lambda: wrap(offload="params", storage="param"),
          "offload='params' takes storage='ragged'.*got storage='param'"),
         (lambda: wrap(offload="optimizer", mode="replicate"),
-         "offload='optimizer' takes storage='ragged'"),
+         "offload='optimizer' takes storage='ragged'.*got storage='param' under "
+         "mode='replicate'"),
         (step_graph, "compile_step does not take a model wrapped with offload='params'"),
         (lambda: load_config(None, ["--parallelism.offload", "cpu"]),
          r"parallelism.offload='cpu' is not one of \['none', 'optimizer', 'params'\]"),

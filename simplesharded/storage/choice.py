@@ -84,12 +84,14 @@ def takes_offload(storage: str) -> bool:
     return storage == "ragged"
 
 
-def check_offload(offload: str, storage: str) -> None:
+def check_offload(offload: str, storage: str, mode: str) -> None:
     """One line naming what ``offload`` (offload.py) does not take: a storage other than
-    ragged buckets, whose bucket is what moves to the host."""
+    ragged buckets, whose bucket is what moves to the host (``storage`` as resolved, under
+    ``mode``)."""
     if offload != "none" and not takes_offload(storage):
         raise ValueError(f"offload={offload!r} takes storage='ragged' (or 'auto' where it is "
-                         f"ragged: mode fully_shard or hybrid_shard); got storage={storage!r}")
+                         f"ragged: mode fully_shard or hybrid_shard); got storage={storage!r} "
+                         f"under mode={mode!r}")
 
 
 def pack(storage: str, model, shards: dict, scope, views: tuple,
