@@ -195,7 +195,9 @@ def test_each_gather_reads_its_copy_made_right_before_it(kind):
         assert copy_.target is TO_COMPUTE and _bucket(copy_) == _bucket(g)
         assert annotations(copy_)[OFFLOAD_KEY] == "to_compute"
         assert list(copy_.users) == [g] and copy_.next is g  # prefetched with its gather
-        assert copy_.args[0].op == "placeholder" or copy_.args[0].args[0].op == "placeholder"
+        # it copies the host shard: the bucket's input, or the 1-D view of it to_local took
+        source = copy_.args[0]
+        assert source.op == "placeholder" or source.args[0].op == "placeholder"
     # reordering issued gathers ahead of earlier buckets' waits: the copies went with them
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     waits = sorted(order[pu.the_wait(g)] for g in gathers)
