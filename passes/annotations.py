@@ -51,6 +51,11 @@ Written by ragged buckets (simplesharded/storage/ragged_shards.py):
                      reduce-scatter: every member is a view of the gathered buffer, and a
                      merge with another collective would copy it out again, so no plan
                      merges it (plans.py); grads_in_place.py finds the split's backward by it
+Written by host offload (simplesharded/storage/offload.py), with the bucket's annotation:
+  OFFLOAD_KEY        "to_compute" on the copy of a host shard to the compute device that its
+                     all-gather reads ("resident": the view of the shard's resident copy it
+                     reads instead, offload "optimizer"), "to_host" on the copy of its
+                     reduced gradient back
 """
 from __future__ import annotations
 
@@ -72,6 +77,7 @@ UPDATE_KEY = "ss_update"
 RAGGED_KEY = "ss_ragged"
 QUANT_KEY = "ss_quant"
 FLOAT8_KEY = "ss_float8"
+OFFLOAD_KEY = "ss_offload"
 # Graph-level, in GraphModule.meta: lines a pass leaves about what it did not do and why; a
 # graph dump (pipeline.py) prints them at its top.
 NOTES_KEY = "ss_notes"

@@ -33,9 +33,10 @@ from simplesharded.blocks import BlockSpec, block_of
 from simplesharded.storage.eager_reshard import _EagerReshard
 from simplesharded.storage.gather import _GatherScope, _sharded_property
 from simplesharded.storage.grad_sync import _GradSync
-from simplesharded.storage.choice import (NOT_GIVEN, check_storage, chosen_storage, pack,
-                                          resolved)
-from simplesharded.storage.ragged_shards import members_as_shards
+from simplesharded.storage.choice import (NOT_GIVEN, check_offload, check_storage,
+                                          chosen_storage, pack, resolved)
+from simplesharded.storage.offload import offload_choice
+from simplesharded.storage.ragged_shards import members_as_shards, refresh_resident
 from simplesharded.storage.layout import _DPView, _mode_placements, _shard_param
 from simplesharded.mesh import EP_DIM, dense_mesh, ep_dim, expert_dp_mesh, stage_mesh
 from simplesharded.mesh import dp_mesh as _dp_mesh
@@ -77,7 +78,8 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
                   reshard_after_forward: bool | str = "auto",
                   grad_reduction: str = "avg",
                   blocks: Sequence[BlockSpec] | None = None,
-                  storage: str | None = None, *, flat_buckets=NOT_GIVEN) -> nn.Module:
+                  storage: str | None = None, *, flat_buckets=NOT_GIVEN,
+                  offload="none") -> nn.Module:
     """Shard ``model`` in place over ``mesh`` and return it.
 
     mode: ``replicate`` (DDP-like), ``fully_shard`` (FSDP/ZeRO-3) or ``hybrid_shard``
@@ -119,6 +121,16 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     follows the bucket's reduce-scatter), with or without tp and ep dims (a block's TP shards,
     its parameters replicated over tp and its expert weights are separate buckets); another
     mode: a ValueError. Tied parameters, and those frozen before wrapping, stay on their own.
+    offload: where the shards live between uses (simplesharded/storage/offload.py):
+    ``"none"`` (the compute device, the mesh's device type); ``"optimizer"`` (ZeRO-Offload:
+    gradients reduced on the device, then copied to the host, where the parameters the
+    optimizer steps and its state live; a resident copy on the device, refreshed before each
+    forward, is what the gathers read); ``"params"`` (the shards, their gradients and the
+    optimizer's state on the host, pinned for an accelerator; each gather reads a copy made
+    right before it, each reduced gradient is copied back). FSDP2's ``CPUOffloadPolicy`` is
+    ``"params"`` (with its ``pin_memory``), its base ``OffloadPolicy`` ``"none"``. It takes
+    ragged buckets (``storage`` ragged or auto where that is ragged); tied parameters and
+    those frozen before wrapping, which stay out of buckets, stay on the device.
     ``flat_buckets``: storage's former name, deprecated: ``False`` is ``"param"``, ``"ragged"``
     is ``"ragged"``; ``True`` (flat buffers) is retired, a ValueError.
     A parameter read more than once in one forward of ``model`` (tied weights, a module called
@@ -143,6 +155,8 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
                          f"{list(RESHARD_CHOICES)}")
     storage = resolved(chosen_storage(storage, flat_buckets), mode, dp.ndim)
     check_storage(storage, mode, dp.ndim, mesh)
+    offload = offload_choice(offload)
+    check_offload(offload[0], storage, mode)
     if grad_reduction not in GRAD_REDUCTIONS:
         raise ValueError(f"grad_reduction={grad_reduction!r} is not one of {sorted(GRAD_REDUCTIONS)}")
     if any(sharded_state(m) is not None for m in model.modules()):
@@ -191,7 +205,7 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
                     ShardedParam(fqn, param_spec, layout, block_of_module.get(mod_name)))
             else:
                 scope.tied.add(shards[id(param)][1].fqn)
-    pack(storage, model, shards, scope, tuple(views.values()))
+    pack(storage, model, shards, scope, tuple(views.values()), offload)
     for mod_name, module, names in owners:
         records = {}
         for name in names:
@@ -205,6 +219,8 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     _scope_root_forward(model, scope, mp_policy.output_dtype,
                         InitCheck(mesh) if from_meta else None)
     compile_checkpoint_wrappers(model)
+    if offload[0] == "optimizer":
+        model.register_forward_pre_hook(refresh_resident)
     for module in model.modules():  # buffers are replicated plain tensors on the mesh device
         for name, buf in list(module._buffers.items()):
             if buf is not None and buf.device.type != mesh.device_type:

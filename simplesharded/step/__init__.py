@@ -28,6 +28,7 @@ from simplesharded.step.grad_clip import clip_coefficient, global_norm, scaled
 from simplesharded.passes.annotations import UPDATE_KEY
 from simplesharded.passes.torch_compat import STEP_GRAPH, needs
 from simplesharded.storage.step_routes import StepRoutes
+from simplesharded.storage.ragged_shards import offload_of
 from simplesharded.step.optim_update import (apply_update, hyperparameters, prepare,
                                              step_inputs, update_kind)
 
@@ -68,6 +69,10 @@ def compile_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     backward: compiling takes about N times as long.
     """
     needs(STEP_GRAPH)
+    if offload_of(model) != "none":
+        raise ValueError(f"compile_step does not take a model wrapped with offload="
+                         f"{offload_of(model)!r} (the traced update steps the shards on the "
+                         f"compute device): use offload='none' or the split step")
     if clip_norm not in CLIP_NORMS:
         raise ValueError(f"compile_step: clip_norm={clip_norm!r} is not one of {CLIP_NORMS}")
     if not (isinstance(accumulation_steps, int) and accumulation_steps >= 1):

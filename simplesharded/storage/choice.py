@@ -20,8 +20,9 @@ from simplesharded.storage.ragged_pack import pack_ragged
 NOT_GIVEN = object()  # flat_buckets, storage's deprecated name, left out
 
 
-def _shards_as_they_are(model, shards, scope, views) -> None:
-    """One shard per parameter: what layout.py made is the storage."""
+def _shards_as_they_are(model, shards, scope, views, offload) -> None:
+    """One shard per parameter: what layout.py made is the storage (on the compute device:
+    :func:`check_offload` refuses another place)."""
 
 
 # storage name -> (the modes it takes, the numbers of dp dims fully_shard takes it on (None:
@@ -77,12 +78,30 @@ def check_storage(storage: str, mode: str, dp_dims: int, mesh) -> None:
                          f"use storage='param'")
 
 
-def pack(storage: str, model, shards: dict, scope, views: tuple) -> None:
+def takes_offload(storage: str) -> bool:
+    """Whether ``storage`` can live on the host (offload.py): ragged buckets, each one tensor
+    that moves with its two copies; a per-parameter shard has no copy op yet."""
+    return storage == "ragged"
+
+
+def check_offload(offload: str, storage: str, mode: str) -> None:
+    """One line naming what ``offload`` (offload.py) does not take: a storage other than
+    ragged buckets, whose bucket is what moves to the host (``storage`` as resolved, under
+    ``mode``)."""
+    if offload != "none" and not takes_offload(storage):
+        raise ValueError(f"offload={offload!r} takes storage='ragged' (or 'auto' where it is "
+                         f"ragged: mode fully_shard or hybrid_shard); got storage={storage!r} "
+                         f"under mode={mode!r}")
+
+
+def pack(storage: str, model, shards: dict, scope, views: tuple,
+         offload: tuple[str, bool] = ("none", True)) -> None:
     """Lay ``shards`` (id(original parameter) -> (shard, record), module order) out in
     ``storage``: a storage may replace a shard and its record (ragged buckets' members).
     ``views``: the model's sets of dp dims (layout.py's ``_DPView``), the same on every
-    rank."""
-    _STORAGES[storage][2](model, shards, scope, views)
+    rank. ``offload``: (kind, pin_memory) of where the shards live between uses
+    (offload.py)."""
+    _STORAGES[storage][2](model, shards, scope, views, offload)
 
 
 def chosen_storage(storage: str | None, flat_buckets) -> str:

@@ -36,11 +36,13 @@ def _bucket_groups(shards: dict[int, tuple[nn.Parameter, ShardedParam]], eligibl
 
 
 def pack_ragged(model: nn.Module, shards: dict[int, tuple[nn.Parameter, ShardedParam]],
-                 scope: GatherScopeProtocol, views: tuple) -> None:
+                 scope: GatherScopeProtocol, views: tuple,
+                 offload: tuple[str, bool] = ("none", True)) -> None:
     """Move the eligible shards of each bucket (_bucket_groups) into one ragged bucket
     registered on the bucket's owner (its block; the root for "pre" and "post"); their slots
     in ``shards`` become None and their records gain the bucket. ``views``: the model's sets
-    of dp dims (layout.py's ``_DPView``)."""
+    of dp dims (layout.py's ``_DPView``); ``offload``: (kind, pin_memory), every bucket's
+    (offload.py)."""
     for view in views:
         # A bucket cut over two dp dims gathers over one group of both (mesh.flat_dp_mesh),
         # whose creation is collective over the world: made here for every set of dp dims,
@@ -77,7 +79,7 @@ def pack_ragged(model: nn.Module, shards: dict[int, tuple[nn.Parameter, ShardedP
         ragged = RaggedShards(f"{bucket}/{kind}", owner, members,
                               first[1].dp_view(first[0]).mesh, scope, spec.grad_scale,
                               spec.reshard_after_forward, spec.dp_groups, first[1].block,
-                              precision, spec.grad_sync)
+                              precision, spec.grad_sync, *offload)
         owned[owner_fqn][1].append(ragged)
         for i, k in enumerate(keys):
             shards[k] = (ragged.members[i],

@@ -78,6 +78,7 @@ from simplesharded.passes.annotations import (BLOCK_KEY, BUCKET_PARAMS_KEY, DP_G
                                              PARAM_KEY, RAGGED_KEY, RESHARD_KEY)
 from simplesharded.storage.ragged import (Precision, RaggedLayout, from_ragged, gather_buffer,
                                   reduce_gathered, to_ragged)
+from simplesharded.storage.offload import Offload
 from simplesharded.storage.ragged_member import Cut, RaggedMember
 from simplesharded.storage.sharded_state import (GatherScopeProtocol, GradSyncProtocol, ShardedParam,
                                          sharded_state)
@@ -103,10 +104,12 @@ class RaggedShards:
                  members: list[tuple[str, str, DTensor, ShardedParam]],
                  dp_mesh: DeviceMesh, scope: GatherScopeProtocol, grad_scale: float, reshard,
                  dp_groups: tuple, block: str | None, precision: Precision,
-                 grad_sync: GradSyncProtocol | None = None):
+                 grad_sync: GradSyncProtocol | None = None, offload: str = "none",
+                 pin_memory: bool = True):
         """``members``: (FQN, FQN relative to ``owner``, shard, its record) in module order,
         all on one mesh whose leading dims are ``dp_mesh``'s, with the same
-        placement kind (sharded or replicated) on each dim after them."""
+        placement kind (sharded or replicated) on each dim after them. ``offload``: where
+        the bucket lives between uses (simplesharded/storage/offload.py)."""
         self.precision, self.grad_sync = precision, grad_sync
         self.name, self.owner, self.scope = name, owner, scope
         self.fqns = [fqn for fqn, _, _, _ in members]
@@ -147,6 +150,8 @@ class RaggedShards:
                            if p.is_shard())
         self.shape = (self.layout.total * copies,)  # the bucket's global shape
         local = to_ragged([s.to_local() for s in shards], self.layout, self.shard_group())
+        # the host copy under offload: what the members view and the optimizer steps
+        self.offload, local = Offload.place(offload, local, pin_memory)
         # The bucket: what forward gathers and backward differentiates. Not registered on
         # any module: the members below are the parameters users and optimizers see.
         self.param = nn.Parameter(self._dtensor(local))
@@ -197,7 +202,7 @@ class RaggedShards:
         bucket's own is dropped, so ``zero_grad`` on the members is all a loop does."""
         grad, bucket.grad = bucket.grad, None
         if grad is not None:  # None: a no-sync backward, whose gradient went to its accumulator
-            self.add_grad(grad.to_local())
+            self.add_grad(self.offload.home(grad.to_local()))
 
     def add_grad(self, local: torch.Tensor) -> None:
         """Add ``local``, a gradient laid out as this rank's ``[L]``, to the members'."""
@@ -239,6 +244,9 @@ class RaggedShards:
         for i, t in enumerate(locals_):
             start, stop = self.runs[i]
             local[start:stop] = t.detach().reshape(-1)
+        # an offloaded bucket stays on the host, whatever device the move named (FSDP2's
+        # to_empty(device=...) after wrapping a meta model)
+        local = self.offload.home(local)
         self.param = nn.Parameter(self._dtensor(local))
         self.param.register_post_accumulate_grad_hook(self._hand_out_grad)
         for i, (member, spec) in enumerate(zip(self.members, self.member_specs)):
@@ -300,7 +308,8 @@ class RaggedShards:
         if held is not None:  # gathered once for several forwards
             views = self.layout.views(self._route(held))
         else:
-            views = self.layout.gather(self.param.to_local(), self.group_name,
+            local = self.offload.read(self.param.to_local(), self.annotation)
+            views = self.layout.gather(local, self.group_name,
                                        self.grad_scale, self.annotation, self.precision,
                                        self.replicas,
                                        self._route if self.grad_sync is not None else None)
@@ -322,7 +331,8 @@ class RaggedShards:
         in backward (simplesharded/storage/eager_reshard.py). One all-gather over the shard dim
         (replicas hold the same range)."""
         with torch.no_grad():
-            return gather_buffer(self.param.to_local(), self.layout.world, self.group_name,
+            return gather_buffer(self.offload.copy_in(self.param.to_local()),
+                                 self.layout.world, self.group_name,
                                  self.precision)
 
     def _route(self, full: torch.Tensor) -> torch.Tensor:
@@ -332,7 +342,7 @@ class RaggedShards:
     def accumulator(self) -> torch.Tensor:
         """A no-sync accumulator leaf for the gathered buffer: an expanded zero scalar in the
         bucket's dtype (simplesharded/storage/grad_sync.py)."""
-        zero = torch.zeros((), dtype=self.param.dtype, device=self.param.device)
+        zero = torch.zeros((), dtype=self.param.dtype, device=self.offload.compute)
         return zero.expand(self.layout.total).requires_grad_()
 
     def reduce_accumulated(self, full: torch.Tensor) -> int:
@@ -340,7 +350,7 @@ class RaggedShards:
         backward would and add it to the bucket's ``.grad``; returns the collectives issued."""
         out = reduce_gathered(full, self.layout.world, self.group_name, self.param.dtype,
                               self.grad_scale, self.precision, self.replicas)
-        self.add_grad(out)
+        self.add_grad(self.offload.home(out))
         return 1 + (self.replicas is not None)
 
     def shards_of_runs(self, runs: list[torch.Tensor | None]) -> list[DTensor]:
@@ -348,7 +358,7 @@ class RaggedShards:
         as the members' runs (a member's gradient or optimizer state; None: zeros). A
         collective."""
         local = torch.zeros(self.layout.shard_numel, dtype=self.param.dtype,
-                            device=self.param.device)
+                            device=self.offload.compute)
         for i, run in enumerate(runs):
             if run is not None:
                 start, stop = self.runs[i]
@@ -356,12 +366,18 @@ class RaggedShards:
                                      ).reshape(-1)
         return self.member_shards(self._dtensor(local))
 
-    def member_shards(self, value: DTensor | None = None) -> list[DTensor]:
+    def member_shards(self, value: DTensor | None = None, home: bool = True
+                      ) -> list[DTensor]:
         """Each member's DTensor as without ragged storage (its placements and shape),
         converted from the bucket, or from ``value`` laid out as the bucket (an optimizer
-        state of it): a collective."""
+        state of it): a collective. ``home``: on the device the bucket lives on (the host
+        under offload), else on the compute device."""
         value = self.param.detach() if value is None else value
-        locals_ = from_ragged(value.to_local(), self.layout, self.shard_group())
+        # the all-to-all on the compute device (its backend's)
+        locals_ = from_ragged(self.offload.on_compute(value.to_local()), self.layout,
+                              self.shard_group())
+        if home:
+            locals_ = [self.offload.home(t) for t in locals_]
         return [DTensor.from_local(t, self.mesh, placements, run_check=False, shape=shape,
                                    stride=_contiguous_stride(shape))
                 for t, placements, shape in zip(locals_, self.member_placements,
@@ -386,8 +402,9 @@ class RaggedShards:
                                           src_data_rank=None).to_local()
                 start, stop = self.layout.shard0_rows(v.shape[0], me)
                 v = v[start:stop]
-            locals_.append(v.to(device=self.param.device, dtype=self.param.dtype))
-        return self._dtensor(to_ragged(locals_, self.layout, self.shard_group()))
+            locals_.append(v.to(device=self.offload.compute, dtype=self.param.dtype))
+        return self._dtensor(self.offload.home(to_ragged(locals_, self.layout,
+                                                         self.shard_group())))
 
 
 def _in_backward() -> bool:
@@ -512,7 +529,8 @@ def members_as_shards(model: nn.Module) -> Iterator[None]:
     members = {bucket: slots for bucket, slots in _members(model).items()
                if slots[0][0]._parameters[slots[0][1]] is bucket.members[0]}
     for bucket, slots in members.items():
-        for (module, name), shard in zip(slots, bucket.member_shards()):
+        # on the compute device, as without offload: an init draws its values there
+        for (module, name), shard in zip(slots, bucket.member_shards(home=False)):
             module._parameters[name] = nn.Parameter(shard, requires_grad=False)
     try:
         yield
@@ -566,6 +584,20 @@ def optim_state_by_bucket(model: nn.Module, state: dict) -> dict:
                 if present[i]:
                     out[k] = bucket.member(bucket.run_of(local, i).clone(), i)
     return out
+
+
+def offload_of(model: nn.Module) -> str:
+    """The offload ``model``'s ragged buckets were wrapped with (offload.py): one for all."""
+    return next((b.offload.kind for b in model_buckets(model)), "none")
+
+
+@torch.compiler.disable  # eager, before the compiled forward: what the optimizer wrote is data
+def refresh_resident(model: nn.Module, args=None) -> None:
+    """Every ragged bucket's resident copy on the compute device made its host shard's values
+    again where an optimizer step (or a load) wrote it since (offload "optimizer",
+    simplesharded/storage/offload.py); ``model``'s forward pre-hook."""
+    for bucket in model_buckets(model):
+        bucket.offload.refresh(bucket.param.to_local())
 
 
 def model_buckets(model: nn.Module) -> Iterator[RaggedShards]:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from simplesharded.storage.choice import resolved
+from simplesharded.storage.offload import OFFLOADS
 from simplesharded.trainer.config_checks import PIPELINE_SCHEDULES, validate
 from simplesharded.trainer.config_parse import flatten, read, sections, set_key, type_name
 
@@ -178,6 +179,14 @@ class Parallelism:
         "parameter; auto = ragged wherever it takes the mode (data_parallel's default too), "
         "else param. Checkpoints are the same "
         "either way (see docs/zero_copy.md)", ("auto", "param", "ragged"))
+    offload: str = _opt(
+        "none", "where the shards live between uses: none = the compute device; optimizer = "
+        "gradients reduced on the device, then copied to the host, where the optimizer steps "
+        "(the parameters and its state live there; a resident copy on the device is what "
+        "the gathers read, refreshed before each forward); params = shards, gradients and "
+        "optimizer state on the host, each gather's shard copied to the device right before "
+        "it (FSDP2's CPUOffloadPolicy). Needs ragged buckets (storage auto or ragged; see "
+        "data_parallel)", OFFLOADS)
     pipeline_parallel_degree: int = _opt(
         1, "pipeline stages over this many rank groups (outermost mesh dim, pp); the other "
         "degrees fill world / pp ranks; 1 = no pipeline")

@@ -13,7 +13,8 @@ import copy
 import dataclasses
 from typing import Any, Iterable
 
-from simplesharded.storage.choice import gathers_each_parameter, modes_taken, resolved
+from simplesharded.storage.choice import (gathers_each_parameter, modes_taken, resolved,
+                                          takes_offload)
 from simplesharded.trainer.config_parse import sections
 
 # Stand-ins for config.py's Config and its parallelism section (not imported: see above).
@@ -142,6 +143,7 @@ def validate(cfg: _Config, backends: Iterable[str] | None = None) -> None:
                          f"(got {cfg.compile.scope!r}): the split step clips with this step's "
                          f"norm")
     _check_float8(cfg)
+    _check_offload(cfg)
     for key in ("quantize_gathers", "quantize_grads"):
         value = getattr(cfg.compile, key)
         if value != "none" and not cfg.compile.enable:
@@ -203,6 +205,27 @@ def _check_float8(cfg: _Config) -> None:
     if c.enable and c.scope == "step":
         raise ValueError("training.float8 does not take compile.scope='step' (its step graph "
                          "is not checked with float8 layers)")
+
+
+def _check_offload(cfg: _Config) -> None:
+    """parallelism.offload with what it does not take yet: one error naming the other key.
+    The host holds ragged buckets (simplesharded/storage/offload.py)."""
+    p, c = cfg.parallelism, cfg.compile
+    if p.offload == "none":
+        return
+    head = f"parallelism.offload={p.offload!r}"
+    if not takes_offload(cfg.dp_storage()):
+        raise ValueError(f"{head} moves ragged buckets to the host: it needs "
+                         f"parallelism.storage 'auto' or 'ragged' with mode 'fully_shard' or "
+                         f"'hybrid_shard' (and no training.float8 under compile); got storage="
+                         f"{p.storage!r}, mode={p.mode!r}")
+    if c.scope == "step":
+        raise ValueError(f"{head} does not take compile.scope='step' (the step graph updates "
+                         f"the shards on the compute device)")
+    if p.pipeline_parallel_degree > 1:
+        raise ValueError(f"{head} does not take parallelism.pipeline_parallel_degree="
+                         f"{p.pipeline_parallel_degree} (a stage's held and deferred buffers "
+                         f"are not checked with host shards)")
 
 
 def _check_step_scope(cfg: _Config) -> None:

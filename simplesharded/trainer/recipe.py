@@ -163,7 +163,8 @@ def parallelize(model: torch.nn.Module, mesh, cfg: Config, backend=None, observe
         # rank's loss divided by the global token count (train_step), so the reduced gradient
         # is the exact global mean whatever the ranks' token counts.
         data_parallel(part, mesh, p.mode, mp_policy=mp, reshard_after_forward=p.reshard,
-                      grad_reduction=t.grad_reduction, storage=cfg.dp_storage())
+                      grad_reduction=t.grad_reduction, storage=cfg.dp_storage(),
+                      offload=p.offload)
         if not c.enable:
             return part
         return _compiled(part, mesh, cfg, backend, observer, pipeline_stages(p) // pp)

@@ -1,0 +1,175 @@
+"""Host placement of a ragged bucket's shard (``data_parallel(..., offload=...)``,
+``--parallelism.offload``): where the bucket's ``[L]`` lives between uses, and the two copies
+that cross between the host and the compute device.
+
+- ``"none"``: the shard on the compute device (the mesh's device type), no copy.
+- ``"params"`` (FSDP2's ``CPUOffloadPolicy``): the shard, and so its members, their gradients
+  and the optimizer's state, on the host (pinned when the compute device is an accelerator);
+  each gather reads a copy on the compute device made right before it (:func:`to_compute`),
+  and the reduced gradient is copied back to the host right after its reduction
+  (:func:`to_host`, the first copy's backward).
+- ``"optimizer"`` (ZeRO-Offload): the members, their gradients and the optimizer's state on
+  the host as under ``"params"``, but the compute device keeps a resident copy of the shard
+  that the gathers read: no copy before a gather; the reduced gradient is copied to the host
+  as under ``"params"``, and the host shard, once stepped, is copied back to the resident
+  one at the start of every forward (:meth:`Offload.refresh`, run by a forward pre-hook
+  outside any compiled graph: one copy per forward, so per micro-batch under gradient
+  accumulation).
+
+The host is the CPU. Where the compute device is the CPU too, host and device are the same
+device, yet the copies are still made, by the same ops: what a CPU run tests is the program an
+accelerator runs. Under ``torch.compile`` each copy is one node of its own custom op (dynamo
+and aot_autograd keep an op opaque, so the copy stays a copy on CPU), annotated with the
+bucket's annotation and ``OFFLOAD_KEY`` (passes/annotations.py); the reordering pass moves a
+``to_compute`` copy with the all-gather it feeds (the pure ops building a gather's input move
+with it), so a prefetched gather's copy is prefetched too.
+
+Invariant: the host shard is the one the members view, so ``named_parameters()``,
+``state_dict()``, parameter groups and checkpoints read what the optimizer steps, whatever the
+offload; the resident copy is only ever read by gathers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx.traceback as fx_traceback
+
+from simplesharded.passes.annotations import OFFLOAD_KEY
+
+OFFLOADS = ("none", "optimizer", "params")
+HOST = torch.device("cpu")
+
+
+def offload_choice(offload) -> tuple[str, bool]:
+    """(kind, pin_memory) of what ``data_parallel(offload=...)`` takes: one of
+    :data:`OFFLOADS`, or an FSDP2 offload policy (``CPUOffloadPolicy`` is ``"params"`` with
+    its ``pin_memory``; the base ``OffloadPolicy`` is ``"none"``)."""
+    if isinstance(offload, str):
+        if offload not in OFFLOADS:
+            raise ValueError(f"offload={offload!r} is not one of {list(OFFLOADS)} (or an FSDP2 "
+                             f"OffloadPolicy)")
+        return offload, True
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    if isinstance(offload, CPUOffloadPolicy):
+        return "params", bool(offload.pin_memory)
+    if type(offload) is OffloadPolicy:
+        return "none", True
+    raise ValueError(f"offload={offload!r} is not one of {list(OFFLOADS)} (or an FSDP2 "
+                     f"OffloadPolicy)")
+
+
+@torch.library.custom_op("simplesharded::to_compute", mutates_args=())
+def to_compute(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A copy of host tensor ``x`` on ``device`` (a new tensor even on the same device)."""
+    # From pinned memory the copy may overlap the host: the tensor it fills is read on the
+    # device's stream, after it
+    return x.to(device, copy=True, non_blocking=x.is_pinned())
+
+
+@to_compute.register_fake
+def _(x, device):
+    return torch.empty_like(x, device=device)
+
+
+@torch.library.custom_op("simplesharded::to_host", mutates_args=())
+def to_host(x: torch.Tensor, pin: bool) -> torch.Tensor:
+    """A copy of ``x`` on the host, pinned if ``pin`` (a new tensor even from the host)."""
+    out = torch.empty_like(x, device=HOST, pin_memory=pin)
+    # Blocking: the host reads it next (the optimizer), with no stream to order it
+    out.copy_(x)
+    return out
+
+
+@to_host.register_fake
+def _(x, pin):
+    return torch.empty_like(x, device=HOST)
+
+
+class _ToCompute(torch.autograd.Function):
+    """The gather's input on the compute device: a copy of the host shard (``resident`` None)
+    or a view of the resident copy; the gradient, whatever the forward, copied to the host,
+    under the bucket's annotation (the backward is traced after the forward's annotation has
+    ended, so it sets its own)."""
+
+    @staticmethod
+    def forward(ctx, host, device, pin, annotation, resident):
+        ctx.pin, ctx.annotation = pin, annotation
+        if resident is not None:
+            return resident.view_as(resident)
+        return to_compute(host, device)
+
+    @staticmethod
+    def backward(ctx, grad):
+        with fx_traceback.annotate({**ctx.annotation, OFFLOAD_KEY: "to_host"}):
+            return to_host(grad, ctx.pin), None, None, None, None
+
+
+@dataclass(eq=False)
+class Offload:
+    """One bucket's offload: ``kind`` (:data:`OFFLOADS`), its compute device, whether its host
+    tensors are pinned, and under ``"optimizer"`` the resident copy."""
+
+    kind: str
+    compute: torch.device
+    pin: bool = False
+    resident: torch.Tensor | None = None
+
+    @classmethod
+    def place(cls, kind: str, local: torch.Tensor, pin_memory: bool = True
+              ) -> tuple["Offload", torch.Tensor]:
+        """The offload of a bucket whose ``[L]`` is ``local`` (on the compute device), and the
+        tensor the bucket holds: ``local`` itself, or its host copy."""
+        if kind == "none":
+            return cls(kind, local.device), local
+        # pinned host memory only speaks to an accelerator, and needs one to allocate
+        pin = pin_memory and local.device.type != HOST.type and torch.cuda.is_available()
+        host = to_host(local.detach(), pin)
+        off = cls(kind, local.device, pin)
+        if kind == "optimizer":
+            off.resident = local.detach().clone()
+        return off, host
+
+    @property
+    def on_host(self) -> bool:
+        return self.kind != "none"
+
+    def read(self, host: torch.Tensor, annotation: dict) -> torch.Tensor:
+        """The gather's input from the bucket's ``host`` ``[L]``: itself without offload; else
+        on the compute device, its gradient copied to the host."""
+        if not self.on_host:
+            return host
+        role = "to_compute" if self.resident is None else "resident"
+        with fx_traceback.annotate({**annotation, OFFLOAD_KEY: role}):
+            return _ToCompute.apply(host, self.compute, self.pin, annotation, self.resident)
+
+    def copy_in(self, host: torch.Tensor) -> torch.Tensor:
+        """``host`` on the compute device, without autograd (a gather outside the graph:
+        eager resharding's, ``gather_once``'s; a collective of the boundary)."""
+        if not self.on_host:
+            return host
+        if self.resident is not None:
+            return self.resident
+        return host.to(self.compute)
+
+    def on_compute(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (a tensor laid out as the bucket) on the compute device, for a collective."""
+        return t if t.device == self.compute else t.to(self.compute)
+
+    def home(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` where the bucket's tensors live (a gradient or state from the compute
+        device)."""
+        if not self.on_host or t.device == HOST:
+            return t
+        return to_host(t, self.pin)
+
+    def refresh(self, host: torch.Tensor) -> None:
+        """Under ``"optimizer"``: the resident copy made the host shard's values again. Every
+        time: a write to the host shard (an optimizer step on the members, a load) leaves no
+        trace to test, as the members' in-place updates run below autograd, on tensors that
+        share no version counter with the bucket's."""
+        if self.resident is None:
+            return
+        with torch.no_grad():
+            self.resident.copy_(host, non_blocking=host.is_pinned())

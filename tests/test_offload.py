@@ -1,0 +1,295 @@
+"""Tests of host offload (simplesharded/storage/offload.py, ``data_parallel(offload=...)``,
+``--parallelism.offload``); all single-process but the last:
+
+1. what ``offload=`` takes (the three names, FSDP2's offload policies) and the one-line
+   refusals: another value, a storage without ragged buckets, ``compile_step``, the trainer's
+   key and the keys it does not take yet (through the trainer's preflight, as run_train.sh
+   runs it);
+2. the compiled graphs of the toy model on a fake process group of 2 ranks
+   (aot_eager_blockbucketing): under ``params`` one ``to_compute`` copy per bucket gather,
+   feeding its all-gather alone and right before it in forward and in backward's regathers
+   (the reordering pass moved each with its gather); one ``to_host`` copy per bucket
+   reduce-scatter, after its wait; under ``optimizer`` the gathers read the resident copy
+   (no copy before them) and the reduced gradients are copied to the host as under
+   ``params``;
+3. (slow, one spawn) two gloo ranks train the toy model 10 steps, eager and under
+   aot_eager_blockbucketing, with each offload: the losses, the parameters, the optimizer's
+   state and the ``state_dict()`` (keys and values) bit for bit those without offload, the
+   parameters' names and the param groups unchanged, and a DCP checkpoint saved with
+   ``params`` offload loads into a model without offload bit for bit.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from simplesharded.passes.annotations import OFFLOAD_KEY, RAGGED_KEY, annotations
+
+import pass_utils as pu
+import toy_blocks
+from dist_utils import memo
+
+# autouse, as in every file that makes process groups: none may be left behind
+from traced_graphs import _no_leaked_process_group  # noqa: F401
+
+LAYERS = 2
+STEPS = 10
+LR = 1e-2
+BACKEND = "aot_eager_blockbucketing"
+# The toy model's ragged buckets: before the first block, each block, after the last
+BUCKETS = ["pre", "layers.0", "layers.1", "post"]
+TO_COMPUTE = torch.ops.simplesharded.to_compute.default
+TO_HOST = torch.ops.simplesharded.to_host.default
+
+
+# ------------------------------------------------------------------ what it takes, refusals
+
+
+def test_offload_takes_names_and_fsdp2_policies():
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    from simplesharded.storage.offload import offload_choice
+
+    assert [offload_choice(k) for k in ("none", "optimizer", "params")] == [
+        ("none", True), ("optimizer", True), ("params", True)]
+    assert offload_choice(CPUOffloadPolicy()) == ("params", True)
+    assert offload_choice(CPUOffloadPolicy(pin_memory=False)) == ("params", False)
+    assert offload_choice(OffloadPolicy()) == ("none", True)
+
+
+def test_refusals_are_one_line():
+    import simplesharded as ss
+    from simplesharded.trainer.config import load_config
+
+    def wrap(**kwargs):
+        with pu.fake_world(2) as mesh:
+            ss.data_parallel(toy_blocks.make_model(n_layers=1), mesh, **kwargs)
+
+    def step_graph():
+        with pu.fake_world(2) as mesh:
+            model = ss.data_parallel(toy_blocks.make_model(n_layers=1), mesh, offload="params")
+            ss.compile_step(model, torch.optim.AdamW(model.parameters()),
+                            lambda m, x: m(x).sum(), backend=BACKEND)
+
+    cases = [
+        (lambda: wrap(offload="cpu"), r"offload='cpu' is not one of \['none', 'optimizer', "
+                                      r"'params'\] \(or an FSDP2 OffloadPolicy\)"),
+        (lambda: wrap(offload=object()), "is not one of"),
+        (lambda: wrap(offload="params", storage="param"),
+         "offload='params' takes storage='ragged'.*got storage='param'"),
+        (lambda: wrap(offload="optimizer", mode="replicate"),
+         "offload='optimizer' takes storage='ragged'.*got storage='param' under "
+         "mode='replicate'"),
+        (step_graph, "compile_step does not take a model wrapped with offload='params'"),
+        (lambda: load_config(None, ["--parallelism.offload", "cpu"]),
+         r"parallelism.offload='cpu' is not one of \['none', 'optimizer', 'params'\]"),
+        (lambda: load_config(None, ["--parallelism.offload", "params", "--parallelism.storage",
+                                    "param"]),
+         "parallelism.offload='params' moves ragged buckets to the host"),
+        (lambda: load_config(None, ["--parallelism.offload", "optimizer", "--compile.enable",
+                                    "--compile.scope", "step"]),
+         "parallelism.offload='optimizer' does not take compile.scope='step'"),
+        (lambda: load_config(None, ["--parallelism.offload", "params",
+                                    "--parallelism.pipeline_parallel_degree", "2"]),
+         "parallelism.offload='params' does not take parallelism.pipeline_parallel_degree=2"),
+    ]
+    for make, match in cases:
+        with pytest.raises(ValueError, match=match) as info:
+            make()
+        assert "\n" not in str(info.value)
+    assert load_config(None, ["--parallelism.offload", "params"]).parallelism.offload == "params"
+
+
+def test_trainer_preflight_refuses_in_one_line(monkeypatch, capsys):
+    """run_train.sh's preflight (``python -m simplesharded.trainer --check-only``): a bad
+    value is one line and exit status 2, no traceback."""
+    from simplesharded.trainer import main as train_main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert train_main(["--check-only", "--parallelism.offload", "disk"]) == 2
+    assert capsys.readouterr().err == ("error: parallelism.offload='disk' is not one of "
+                                       "['none', 'optimizer', 'params']\n")
+    assert train_main(["--check-only", "--parallelism.offload", "optimizer"]) == 0
+
+
+# ------------------------------------------------------------------------- compiled graphs
+
+
+@memo
+def _graphs(offload: str) -> dict:
+    """The final forward and backward graphs of one step of the toy model compiled on 2 fake
+    ranks, every parameter resharded after forward (backward gathers again)."""
+    import simplesharded as ss
+
+    seen = {}
+
+    def observe(kind, stage, gm):
+        if kind in ("fw", "bw") and stage == "agreement":
+            seen[kind] = copy.deepcopy(gm)
+
+    with pu.fake_world(2) as mesh:
+        torch._dynamo.reset()
+        model = ss.data_parallel(toy_blocks.make_model(n_layers=LAYERS), mesh,
+                                 reshard_after_forward=True, offload=offload)
+        compiled = torch.compile(model, fullgraph=True,
+                                 backend=ss.make_backend(BACKEND, observer=observe))
+        tokens, targets = toy_blocks.batch(0)
+        toy_blocks.loss_fn(compiled(tokens), targets, 2 * tokens.numel()).backward()
+        torch._dynamo.reset()
+    return seen
+
+
+def _bucket(node) -> str:
+    return annotations(node)[RAGGED_KEY].split("/")[0]
+
+
+def _copies(gm, target) -> list:
+    return [n for n in gm.graph.nodes if n.target is target]
+
+
+def _inputs(node) -> set:
+    """What ``node`` reads, directly or not."""
+    seen, stack = set(), [node]
+    while stack:
+        for n in stack.pop().all_input_nodes:
+            if n not in seen:
+                seen.add(n)
+                stack.append(n)
+    return seen
+
+
+def _gathers(gm) -> list:
+    return [n for n in gm.graph.nodes if n.target is pu.AG]
+
+
+@pytest.mark.parametrize("offload", ["params", "optimizer"])
+def test_reduced_gradients_copied_to_the_host_after_their_reduction(offload):
+    bw = _graphs(offload)["bw"]
+    copies = _copies(bw, TO_HOST)
+    order = {n: i for i, n in enumerate(bw.graph.nodes)}
+    reductions = [n for n in bw.graph.nodes if n.target is pu.RS]
+    # one copy per bucket, in the order of the reductions, each after its reduction's wait
+    # and reading what the reduction produced (through the 1/dp scaling)
+    assert [_bucket(c) for c in copies] == [_bucket(r) for r in reductions]
+    assert sorted(map(_bucket, copies)) == sorted(BUCKETS)
+    for copy_, rs in zip(copies, reductions):
+        wait = pu.the_wait(rs)
+        assert order[wait] < order[copy_]
+        assert annotations(copy_)[OFFLOAD_KEY] == "to_host"
+        assert wait in _inputs(copy_)
+
+
+@pytest.mark.parametrize("kind", ["fw", "bw"])
+def test_each_gather_reads_its_copy_made_right_before_it(kind):
+    gm = _graphs("params")[kind]
+    copies, gathers = _copies(gm, TO_COMPUTE), _gathers(gm)
+    # forward gathers every bucket; backward gathers again all but the embeddings' ("pre":
+    # the embedding's backward reads no weight)
+    want = BUCKETS if kind == "fw" else ["post", "layers.1", "layers.0"]
+    assert sorted(map(_bucket, gathers)) == sorted(want)
+    assert len(copies) == len(gathers)
+    for g in gathers:
+        (copy_,) = g.all_input_nodes
+        assert copy_.target is TO_COMPUTE and _bucket(copy_) == _bucket(g)
+        assert annotations(copy_)[OFFLOAD_KEY] == "to_compute"
+        assert list(copy_.users) == [g] and copy_.next is g  # prefetched with its gather
+        # it copies the host shard: the bucket's input, or the 1-D view of it to_local took
+        source = copy_.args[0]
+        assert source.op == "placeholder" or source.args[0].op == "placeholder"
+    # reordering issued gathers ahead of earlier buckets' waits: the copies went with them
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    waits = sorted(order[pu.the_wait(g)] for g in gathers)
+    assert any(order[g] < waits[0] for g in gathers[1:]), "no gather was prefetched"
+
+
+def test_optimizer_offload_gathers_read_the_resident_copy():
+    for kind in ("fw", "bw"):
+        gm = _graphs("optimizer")[kind]
+        assert _copies(gm, TO_COMPUTE) == []
+        for g in _gathers(gm):
+            (source,) = g.all_input_nodes
+            assert annotations(source)[OFFLOAD_KEY] == "resident"
+            assert source.args[0].op == "placeholder"
+
+
+# --------------------------------------------------------------- two ranks, bit for bit
+
+
+def _wrapped(world: int, offload: str, seed: int = 0):
+    import simplesharded as ss
+    from simplesharded.mesh import build_mesh
+
+    mesh = build_mesh(dp_replicate=1, dp_shard=world, device="cpu")
+    return ss.data_parallel(toy_blocks.make_model(seed, n_layers=LAYERS), mesh,
+                            offload=offload)
+
+
+def _train(rank: int, world: int, offload: str, backend: str | None):
+    """The toy model trained ``STEPS`` steps with ``offload``: (model, optimizer, losses)."""
+    import simplesharded as ss
+
+    torch._dynamo.reset()
+    model = _wrapped(world, offload)
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight") and "norm" not in n]
+    rest = [p for n, p in model.named_parameters() if not any(p is q for q in decay)]
+    opt = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=LR)
+    run = model if backend is None else torch.compile(model, backend=ss.make_backend(backend))
+    losses = toy_blocks.train(run, opt, rank, world, STEPS)
+    torch._dynamo.reset()
+    return model, opt, losses
+
+
+def _train_job(rank, world):
+    """Every (offload, backend) case's losses, parameters, optimizer state and state_dict as
+    full tensors, compared with offload "none"'s here; a DCP round trip from "params" into
+    "none"."""
+    import torch.distributed.checkpoint as dcp
+
+    from dist_utils import by_member, shared_tmpdir
+    from simplesharded.storage.ragged_shards import optim_state_by_member
+
+    def full(t):
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+    def summary(model, opt, losses):
+        names = {id(p): n for n, p in model.named_parameters()}
+        flat = {f"state.{names[id(p)]}.{k}": v for p, s in opt.state.items()
+                for k, v in s.items()}
+        state = {k: full(v) for k, v in optim_state_by_member(model, flat).items()}
+        return dict(losses=losses, params=by_member(model), optim=state,
+                    sd={k: full(v) for k, v in model.state_dict().items()},
+                    names=[n for n, _ in model.named_parameters()],
+                    groups=[[names[id(p)] for p in g["params"]] for g in opt.param_groups])
+
+    def same(a, b):
+        return (a["losses"] == b["losses"] and a["names"] == b["names"]
+                and a["groups"] == b["groups"] and list(a["sd"]) == list(b["sd"])
+                and all(pu.bitwise_equal(a[k], b[k]) for k in ("params", "optim", "sd")))
+
+    out = {}
+    for backend in (None, BACKEND):
+        base = summary(*_train(rank, world, "none", backend))
+        for offload in ("optimizer", "params"):
+            model, opt, losses = _train(rank, world, offload, backend)
+            out[(offload, backend)] = same(summary(model, opt, losses), base)
+            if offload == "params" and backend is None:
+                path = shared_tmpdir()
+                dcp.save(model.state_dict(), checkpoint_id=path)
+                fresh = _wrapped(world, "none", seed=1)  # other values, same layout
+                loaded = fresh.state_dict()
+                dcp.load(loaded, checkpoint_id=path)
+                fresh.load_state_dict(loaded)
+                out["dcp"] = pu.bitwise_equal(by_member(fresh), base["params"])
+    return out
+
+
+@pytest.mark.slow
+def test_two_ranks_offload_is_bitwise_no_offload():
+    from dist_utils import spawn
+
+    for result in spawn(2, _train_job, timeout_s=600):
+        assert result == {("optimizer", None): True, ("params", None): True,
+                          ("optimizer", BACKEND): True, ("params", BACKEND): True,
+                          "dcp": True}
