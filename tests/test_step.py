@@ -179,12 +179,85 @@ def _ac_case(rank, mesh):
     return out
 
 
+SKIP_STEPS = 4
+# (rank, step) -> (loss scale, loss shift) where a step goes non-finite, on one rank only:
+# step 1's gradients (a loss times inf) and step 2's loss alone (plus an inf that no
+# gradient sees, so the gradient norm stays finite and only the loss's all-reduce tells).
+SKIP_INJECTED = {(1, 1): (float("inf"), 0.0), (0, 2): (1.0, float("inf"))}
+# (name, optimizer class, its options, (max_norm, clip_norm) or None)
+SKIP_CASES = [
+    ("skip_adamw", "AdamW", {"weight_decay": 0.1}, None),
+    ("skip_sgd_momentum_clip_previous", "SGD", {"weight_decay": 0.01, "momentum": 0.9},
+     (MAX_NORM, "previous")),
+]
+
+
+def _scaled_loss(model, tokens, labels, scale, shift):
+    return _loss(model, tokens, labels) * scale[0] + shift[0]
+
+
+def _skip_case(rank, mesh, opt_name, options, clip):
+    """``training.on_nonfinite skip`` both ways: the split step as the trainer's model scope
+    runs it (the loss all-reduced and the norm read on the host, the optimizer's step not
+    taken when either is not finite, the gradients dropped) against compile_step's
+    ``skip_nonfinite``, over SKIP_STEPS steps with SKIP_INJECTED's non-finite steps."""
+    import torch.distributed as dist
+
+    import simplesharded as ss
+
+    opt_cls = getattr(torch.optim, opt_name)
+    batches = _batches(rank)[:SKIP_STEPS]
+    extras = [tuple(torch.tensor([v]) for v in SKIP_INJECTED.get((rank, i), (1.0, 0.0)))
+              for i in range(SKIP_STEPS)]
+    max_norm, clip_norm = clip or (None, "current")
+    ref = _model(mesh)
+    ref_c = torch.compile(ref, backend=ss.make_backend("aot_eager"), fullgraph=True)
+    ref_opt = opt_cls(ref.parameters(), lr=_lr(0), foreach=False, **options)
+    ref_taken, last_norm = [], None
+    for i, (b, extra) in enumerate(zip(batches, extras)):
+        ref_opt.param_groups[0]["lr"] = _lr(i)
+        loss = _scaled_loss(ref_c, b, b, *extra)
+        loss.backward()
+        norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]).full_tensor()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        ref_taken.append(bool(torch.isfinite(total) and torch.isfinite(norm)))
+        if ref_taken[-1]:
+            if max_norm is not None:  # clip_norm "previous": the last taken step's norm
+                if last_norm is not None:
+                    torch.nn.utils.clip_grads_with_norm_(ref.parameters(), max_norm, last_norm)
+                last_norm = norm
+            ref_opt.step()
+        ref_opt.zero_grad()
+    torch._dynamo.reset()
+    model = _model(mesh)
+    opt = opt_cls(model.parameters(), lr=_lr(0), **options)
+    step = ss.compile_step(model, opt, _scaled_loss, backend="aot_eager", max_norm=max_norm,
+                           clip_norm=clip_norm, skip_nonfinite=True)
+    taken = []
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for i, (b, extra) in enumerate(zip(batches, extras)):
+        opt.param_groups[0]["lr"] = _lr(i)
+        taken.append(bool(step(b, b, *extra)[1]))
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
+    ref_state, state = ref_opt.state_dict()["state"], opt.state_dict()["state"]
+    return {
+        "taken": taken, "ref_taken": ref_taken, "graphs": graphs,
+        "params_equal": [torch.equal(a.to_local(), b.to_local())
+                         for a, b in zip(ref.parameters(), model.parameters())],
+        "state_equal": all(torch.equal(_local(ref_state[k][n]), _local(state[k][n]))
+                           for k in ref_state for n in ref_state[k]),
+        "state_keys": sorted({n for k in state for n in state[k]}),
+    }
+
+
 def _job(rank, world):
     from simplesharded.mesh import build_mesh
 
     mesh = build_mesh(dp_replicate=1, dp_shard=world, device="cpu")
     out = {name: _case(rank, mesh, *case) for name, *case in CASES}
     out["ac"] = _ac_case(rank, mesh)
+    out.update({name: _skip_case(rank, mesh, *case) for name, *case in SKIP_CASES})
     return out
 
 
@@ -243,6 +316,25 @@ def test_step_graph_with_activation_checkpointing_trains_alike_in_less_memory():
         assert len(got["losses"]) == AC_STEPS and not bad, (rank, bad)
         assert r["param_rel"] <= 1e-5, (rank, r["param_rel"])
         assert got["peak"] < plain["peak"], (rank, got["peak"], plain["peak"])
+
+
+@needs_torch(STEP_GRAPH)
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [c[0] for c in SKIP_CASES])
+def test_step_graph_skips_a_nonfinite_step_as_the_split_step(case):
+    """skip_nonfinite: a step whose gradients (one rank's loss times inf), or one rank's loss
+    alone, are not finite is skipped on both ranks alike, and after the later finite steps
+    every parameter shard and optimizer state tensor (step counts, momentum) is bitwise the
+    split step's that skipped the same steps, in one graph (the flag is a graph output: no
+    recompile when a step goes non-finite). With clip_norm="previous" the skipped steps'
+    norm is not kept for the next step."""
+    for rank, res in enumerate(_results()):
+        r = res[case]
+        assert r["ref_taken"] == [True, False, False, True], (rank, r["ref_taken"])
+        assert r["taken"] == r["ref_taken"], (rank, r["taken"])
+        assert all(r["params_equal"]), (rank, r["params_equal"])
+        assert r["state_keys"] and r["state_equal"], rank
+        assert r["graphs"] == 1, (rank, r["graphs"])
 
 
 # ------------------------------------------------------------------------- single process
@@ -718,7 +810,6 @@ def test_step_scope_refuses_what_it_does_not_do():
 
     for extra, key in ((["--training.gradient_sync", "last_microbatch"],
                         "training.gradient_sync"),
-                       (["--training.on_nonfinite", "skip"], "training.on_nonfinite"),
                        (["--compile.backend", "eager"], "compile.backend")):
         with pytest.raises(ValueError, match=key):
             load_config("configs/llama3_debug.toml",
