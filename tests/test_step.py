@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 import warnings
 
 import pytest
@@ -754,7 +755,10 @@ TRAINER_ARGS = ["--training.seq_len", "32", "--training.global_batch_size", "4",
                 "--optimizer.implementation", "for-loop", "--compile.enable",
                 "--compile.backend", "aot_eager_blockbucketing",
                 "--training.gradient_accumulation_steps", "2",
-                "--activation_checkpoint.mode", "full"]
+                "--activation_checkpoint.mode", "full", "--training.on_nonfinite", "skip"]
+# The step (0-based) whose forward reads an inf that rank 0 writes into one of its shards
+# and puts back after the step: both scopes must skip it, and the runs go on alike.
+TRAINER_INF_STEP = 4
 
 
 def _trainer_job(rank, world):
@@ -773,9 +777,22 @@ def _trainer_job(rank, world):
         cfg = check_static(load_config(None, ["--job.config_file", config, *TRAINER_ARGS,
                                               *extra]), world)
         trainer = Trainer(cfg, "cpu")
+        # the first parameter that every token reads (an embedding row may go unread) with
+        # elements on this rank (a ragged member's run may be empty)
+        shard = next(p.to_local() for n, p in trainer.model.named_parameters()
+                     if "embed" not in n and p.to_local().numel())
+        records = []
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            records = [trainer.train_step() for _ in range(TRAINER_STEPS)]
+            for i in range(TRAINER_STEPS):
+                if i == TRAINER_INF_STEP and rank == 0:
+                    kept = shard.view(-1)[0].clone()
+                    with torch.no_grad():
+                        shard.view(-1)[0] = float("inf")
+                records.append(trainer.train_step())
+                if i == TRAINER_INF_STEP and rank == 0:
+                    with torch.no_grad():
+                        shard.view(-1)[0] = kept
         out[run] = {"loss": [r["loss"] for r in records],
                       "grad_norm": [r["grad_norm"] for r in records],
                       "scheduler_warnings": sum("lr_scheduler.step()" in str(w.message)
@@ -793,13 +810,19 @@ def _trainer_results():
 def test_trainer_step_scope_trains_as_model_scope():
     """compile.scope=step against scope=model, both over ragged buckets with activation
     checkpointing of every block, on llama3 debug, 10 steps (warmup and cosine schedule,
-    max_norm 1.0): the same losses and gradient norms up to
-    the clipping's rounding (measured: bit for bit, both sum the norm bucket by bucket;
-    asserted ≤ 1e-6 relative, as another order of that sum moves the last bits)."""
+    max_norm 1.0), under on_nonfinite skip with one step made non-finite on rank 0 (an inf
+    in one of its shards for that step): both scopes skip that step on both ranks, and the
+    losses and gradient norms of the others are the same up to the clipping's rounding
+    (measured: bit for bit, both sum the norm bucket by bucket; asserted ≤ 1e-6 relative, as
+    another order of that sum moves the last bits)."""
     for rank, res in enumerate(_trainer_results()):
+        for run in ("model", "step"):
+            bad = [i for i, x in enumerate(res[run]["loss"]) if not math.isfinite(x)]
+            assert bad == [TRAINER_INF_STEP], (rank, run, res[run]["loss"])
         for key in ("loss", "grad_norm"):
             a, b = res["step"][key], res["model"][key]
-            assert all(abs(x - y) <= 1e-6 * abs(y) for x, y in zip(a, b)), (rank, key, a, b)
+            assert all(abs(x - y) <= 1e-6 * abs(y) for i, (x, y) in enumerate(zip(a, b))
+                       if i != TRAINER_INF_STEP), (rank, key, a, b)
         # the graph takes the optimizer's step: torch's scheduler must not warn that it saw none
         assert res["step"]["scheduler_warnings"] == 0, rank
 
