@@ -43,7 +43,7 @@ from simplesharded.passes.bucketing import bucketable
 from simplesharded.passes.collectives import find_collectives
 
 from dist_utils import by_member, max_rel_diff, memo, spawn, storage_and_backend
-from simplesharded.passes.torch_compat import CONTEXT_PARALLEL
+from simplesharded.passes.torch_compat import CONTEXT_PARALLEL, STEP_GRAPH
 from torch_range import needs_torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -516,6 +516,55 @@ def test_reordering_overlaps_each_cp_collective_with_compute_that_does_not_need_
         again = pu.fresh(stages[kind]["reordering"])
         reorder_for_overlap(again, BlockPlan())
         assert pu.graph_signature(again) == pu.graph_signature(stages[kind]["reordering"])
+
+
+@needs_torch(STEP_GRAPH)
+def test_step_graph_leaves_cp_collectives_apart_and_overlaps_them(fake_world):
+    """compile_step's one graph (passes/traced_backward.py): forward's K/V all-gathers and, in
+    its traced backward, their reduce-scatters over the cp group, one per block, none taken
+    for a parameter's (so no plan offers them to bucketing, and every pass keeps their start
+    and wait); the reduce-scatters carry ``ss_cp`` as a joint graph's backward does, so
+    reordering overlaps each with compute, as it does the gathers."""
+    import copy
+
+    import simplesharded as ss
+    from simplesharded.passes.annotations import UPDATE_KEY
+
+    seen = {}
+
+    def observe(kind, stage, gm):
+        seen.setdefault(stage, []).append(copy.deepcopy(gm))
+
+    torch._dynamo.reset()
+    mesh = ss.build_mesh(1, 2, "cpu", cp=2)
+    model = make_model()
+    cpm.apply_context_parallel(model, mesh["cp"])
+    ss.data_parallel(model, mesh, storage="param")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = ss.compile_step(model, opt, lambda m, t, y: m(t, y) / y.numel(),
+                           backend="aot_eager_blockbucketing", observer=observe)
+    tokens = torch.randint(0, ARGS["vocab_size"], (2, SEQ // CP))
+    step(tokens, tokens)
+    torch._dynamo.reset()
+    cp_group, n = mesh.get_group("cp").group_name, ARGS["n_layers"]
+    assert len(seen["input"]) == 1 and any(UPDATE_KEY in annotations(x)
+                                           for x in seen["input"][0].graph.nodes)
+    traced = _cp_collectives(seen["input"][0])
+    assert [c.kind for c in traced] == ["all_gather"] * n + ["reduce_scatter"] * n, traced
+    assert all(c.group_name == cp_group and not c.ours and c.wait is not None for c in traced)
+    assert [bool(c.start.meta.get("autograd_backward")) for c in traced] == [False] * n + [True] * n
+    assert not {c.start for c in bucketable(seen["input"][0].graph)} & {c.start for c in traced}
+    final = seen["agreement"][0]
+    after = _cp_collectives(final)
+    assert [(c.kind, c.start.name, c.wait.name) for c in after] == \
+        [(c.kind, c.start.name, c.wait.name) for c in traced]
+    nodes = list(final.graph.nodes)
+    pos = {x: i for i, x in enumerate(nodes)}
+    mm = torch.ops.aten.mm.default
+    for c in after:
+        assert BUCKET_KEY not in annotations(c.start)
+        between = nodes[pos[c.start] + 1:pos[c.wait]]
+        assert any(x.target is mm for x in between), (c.kind, [x.name for x in between])
 
 
 def _views_of(node):
