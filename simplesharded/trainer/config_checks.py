@@ -212,7 +212,6 @@ def _check_step_scope(cfg: _Config) -> None:
     unsupported = [
         ("compile.enable", c.enable, True),
         ("training.gradient_sync", t.gradient_sync, "every_microbatch"),
-        ("parallelism.context_parallel_degree", p.context_parallel_degree, 1),
         ("parallelism.pipeline_parallel_degree", p.pipeline_parallel_degree, 1),
         ("compile.fullgraph", c.fullgraph, True)]
     for key, value, ok in unsupported:
