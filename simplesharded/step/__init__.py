@@ -51,10 +51,11 @@ def compile_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     takes; ``backend_options`` go to it. ``with_grad_norm``: ``step`` returns ``(loss,
     norm)``, the gradients' global norm before clipping (computed in the graph).
 
-    ``skip_nonfinite``: a step whose loss (on any rank) or global gradient norm is not finite
-    changes nothing: parameters, optimizer state (step counts included) and, with
-    ``clip_norm="previous"``, the norm kept for the next step stay bitwise as they were, on
-    every rank alike (the flag: simplesharded/step/finite.py; the conditional update:
+    ``skip_nonfinite``: a step whose loss (on any rank of the default process group, all of
+    which must run ``step``, as they do for the gradients' reductions) or global gradient
+    norm is not finite changes nothing: parameters, optimizer state (step counts included)
+    and, with ``clip_norm="previous"``, the norm kept for the next step stay bitwise as they
+    were, on every rank alike (the flag: simplesharded/step/finite.py; the conditional update:
     optim_update.apply_update). ``step`` then returns a 0-d bool tensor last, True when the
     update was taken: ``(loss, taken)``, or ``(loss, norm, taken)`` with ``with_grad_norm``.
     The decision stays in the graph (no host read), at the price of one all-reduce of one
