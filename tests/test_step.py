@@ -5,7 +5,9 @@ model compiled with the same backend, ``loss.backward()``, eager ``optimizer.ste
 
 One spawn of 2 gloo ranks runs every case (``_job``), each on its model: a small Llama 3 (2
 blocks), the GPT whose blocks sit in a ModuleDict and whose output projection is tied to the
-embedding (models/gpt.py), or transformers' LlamaForCausalLM; the tests read its results.
+embedding (models/gpt.py), or transformers' LlamaForCausalLM, and the skipping of
+non-finite steps (``skip_nonfinite``) against the split step that skips the same ones; the
+tests read its results.
 Graph tests on a fake world of 2: the step graph's collectives, update placement, resharding
 and notes. Single-process tests: the traced update alone against torch's eager one, and the
 errors.
