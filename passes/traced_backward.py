@@ -15,6 +15,16 @@ annotation of that op, found up the reduction's input. It reads one of torch's n
 (``autograd_backward``), the one place that does. Under inductor it runs on the graph its
 joint passes get (passes/pipeline.py), before they drop no-op views such as a 1-D gradient's
 ``view(-1)``, which can be the op that carries the annotation.
+
+Context parallelism's K/V all-gather (``ss_cp``, models/context_parallel.py) has a
+reduce-scatter over cp as its backward, traced without the annotation too. It reduces an
+activation's gradient, no parameter's, so no parameter annotation is found for it and the
+data-parallel passes leave it where it was traced; but cp_overlap.py finds CP's collectives
+by ``ss_cp``, as a joint graph's copy gives it to that reduce-scatter. So a traced backward's
+reduce-scatter without a parameter, on a group that a forward all-gather annotated ``ss_cp``
+runs on, gets that all-gather's ``ss_cp``: the backward of such a gather is the only
+reduce-scatter a model issues on the cp group (a parameter's gradient is reduced over the dp
+and cp ranks together, another group).
 """
 from __future__ import annotations
 
@@ -22,9 +32,9 @@ import copy
 
 from torch import fx
 
-from .annotations import annotations
-from .collectives import (ALL_REDUCE, REDUCE_SCATTER, is_collective, node_params,
-                          param_source, wait_of)
+from .annotations import CP_KEY, annotations
+from .collectives import (ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, group_args, is_collective,
+                          node_params, param_source, wait_of)
 
 
 def annotate_traced_backward(gm: fx.GraphModule) -> fx.GraphModule:
@@ -34,16 +44,23 @@ def annotate_traced_backward(gm: fx.GraphModule) -> fx.GraphModule:
     hybrid all-reduce after a reduce-scatter finds the reduce-scatter's wait, annotated just
     before). A collective with none stays as it is: not ours (TP's, CP's). A graph without a
     traced backward (every graph aot_autograd partitions) is unchanged; a second run changes
-    nothing."""
+    nothing. A reduce-scatter with none on a group a forward ``ss_cp`` all-gather runs on
+    gets that ``ss_cp`` (module doc)."""
+    cp_groups = {group_args(n)[1]: annotations(n)[CP_KEY] for n in gm.graph.nodes
+                 if n.target is ALL_GATHER and CP_KEY in annotations(n)
+                 and not n.meta.get("autograd_backward")}
     for node in gm.graph.nodes:
         if not (node.meta.get("autograd_backward") and is_collective(node)):
             continue
-        if node_params(node):
+        if node_params(node) or CP_KEY in annotations(node):
             continue
         source = param_source(node)
-        if source is None:
+        if source is not None:
+            custom = annotations(source)
+        elif node.target is REDUCE_SCATTER and group_args(node)[1] in cp_groups:
+            custom = {CP_KEY: cp_groups[group_args(node)[1]]}
+        else:
             continue
-        custom = annotations(source)
         for n in (node, wait_of(node)):
             if n is not None:
                 n.meta["custom"] = copy.deepcopy(custom)

@@ -5,7 +5,9 @@ model compiled with the same backend, ``loss.backward()``, eager ``optimizer.ste
 
 One spawn of 2 gloo ranks runs every case (``_job``), each on its model: a small Llama 3 (2
 blocks), the GPT whose blocks sit in a ModuleDict and whose output projection is tied to the
-embedding (models/gpt.py), or transformers' LlamaForCausalLM; the tests read its results.
+embedding (models/gpt.py), or transformers' LlamaForCausalLM, and the skipping of
+non-finite steps (``skip_nonfinite``) against the split step that skips the same ones; the
+tests read its results.
 Graph tests on a fake world of 2: the step graph's collectives, update placement, resharding
 and notes. Single-process tests: the traced update alone against torch's eager one, and the
 errors.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 import warnings
 
 import pytest
@@ -179,12 +182,85 @@ def _ac_case(rank, mesh):
     return out
 
 
+SKIP_STEPS = 4
+# (rank, step) -> (loss scale, loss shift) where a step goes non-finite, on one rank only:
+# step 1's gradients (a loss times inf) and step 2's loss alone (plus an inf that no
+# gradient sees, so the gradient norm stays finite and only the loss's all-reduce tells).
+SKIP_INJECTED = {(1, 1): (float("inf"), 0.0), (0, 2): (1.0, float("inf"))}
+# (name, optimizer class, its options, (max_norm, clip_norm) or None)
+SKIP_CASES = [
+    ("skip_adamw", "AdamW", {"weight_decay": 0.1}, None),
+    ("skip_sgd_momentum_clip_previous", "SGD", {"weight_decay": 0.01, "momentum": 0.9},
+     (MAX_NORM, "previous")),
+]
+
+
+def _scaled_loss(model, tokens, labels, scale, shift):
+    return _loss(model, tokens, labels) * scale[0] + shift[0]
+
+
+def _skip_case(rank, mesh, opt_name, options, clip):
+    """``training.on_nonfinite skip`` both ways: the split step as the trainer's model scope
+    runs it (the loss all-reduced and the norm read on the host, the optimizer's step not
+    taken when either is not finite, the gradients dropped) against compile_step's
+    ``skip_nonfinite``, over SKIP_STEPS steps with SKIP_INJECTED's non-finite steps."""
+    import torch.distributed as dist
+
+    import simplesharded as ss
+
+    opt_cls = getattr(torch.optim, opt_name)
+    batches = _batches(rank)[:SKIP_STEPS]
+    extras = [tuple(torch.tensor([v]) for v in SKIP_INJECTED.get((rank, i), (1.0, 0.0)))
+              for i in range(SKIP_STEPS)]
+    max_norm, clip_norm = clip or (None, "current")
+    ref = _model(mesh)
+    ref_c = torch.compile(ref, backend=ss.make_backend("aot_eager"), fullgraph=True)
+    ref_opt = opt_cls(ref.parameters(), lr=_lr(0), foreach=False, **options)
+    ref_taken, last_norm = [], None
+    for i, (b, extra) in enumerate(zip(batches, extras)):
+        ref_opt.param_groups[0]["lr"] = _lr(i)
+        loss = _scaled_loss(ref_c, b, b, *extra)
+        loss.backward()
+        norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]).full_tensor()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        ref_taken.append(bool(torch.isfinite(total) and torch.isfinite(norm)))
+        if ref_taken[-1]:
+            if max_norm is not None:  # clip_norm "previous": the last taken step's norm
+                if last_norm is not None:
+                    torch.nn.utils.clip_grads_with_norm_(ref.parameters(), max_norm, last_norm)
+                last_norm = norm
+            ref_opt.step()
+        ref_opt.zero_grad()
+    torch._dynamo.reset()
+    model = _model(mesh)
+    opt = opt_cls(model.parameters(), lr=_lr(0), **options)
+    step = ss.compile_step(model, opt, _scaled_loss, backend="aot_eager", max_norm=max_norm,
+                           clip_norm=clip_norm, skip_nonfinite=True)
+    taken = []
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for i, (b, extra) in enumerate(zip(batches, extras)):
+        opt.param_groups[0]["lr"] = _lr(i)
+        taken.append(bool(step(b, b, *extra)[1]))
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
+    ref_state, state = ref_opt.state_dict()["state"], opt.state_dict()["state"]
+    return {
+        "taken": taken, "ref_taken": ref_taken, "graphs": graphs,
+        "params_equal": [torch.equal(a.to_local(), b.to_local())
+                         for a, b in zip(ref.parameters(), model.parameters())],
+        "state_equal": all(torch.equal(_local(ref_state[k][n]), _local(state[k][n]))
+                           for k in ref_state for n in ref_state[k]),
+        "state_keys": sorted({n for k in state for n in state[k]}),
+    }
+
+
 def _job(rank, world):
     from simplesharded.mesh import build_mesh
 
     mesh = build_mesh(dp_replicate=1, dp_shard=world, device="cpu")
     out = {name: _case(rank, mesh, *case) for name, *case in CASES}
     out["ac"] = _ac_case(rank, mesh)
+    out.update({name: _skip_case(rank, mesh, *case) for name, *case in SKIP_CASES})
     return out
 
 
@@ -243,6 +319,25 @@ def test_step_graph_with_activation_checkpointing_trains_alike_in_less_memory():
         assert len(got["losses"]) == AC_STEPS and not bad, (rank, bad)
         assert r["param_rel"] <= 1e-5, (rank, r["param_rel"])
         assert got["peak"] < plain["peak"], (rank, got["peak"], plain["peak"])
+
+
+@needs_torch(STEP_GRAPH)
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [c[0] for c in SKIP_CASES])
+def test_step_graph_skips_a_nonfinite_step_as_the_split_step(case):
+    """skip_nonfinite: a step whose gradients (one rank's loss times inf), or one rank's loss
+    alone, are not finite is skipped on both ranks alike, and after the later finite steps
+    every parameter shard and optimizer state tensor (step counts, momentum) is bitwise the
+    split step's that skipped the same steps, in one graph (the flag is a graph output: no
+    recompile when a step goes non-finite). With clip_norm="previous" the skipped steps'
+    norm is not kept for the next step."""
+    for rank, res in enumerate(_results()):
+        r = res[case]
+        assert r["ref_taken"] == [True, False, False, True], (rank, r["ref_taken"])
+        assert r["taken"] == r["ref_taken"], (rank, r["taken"])
+        assert all(r["params_equal"]), (rank, r["params_equal"])
+        assert r["state_keys"] and r["state_equal"], rank
+        assert r["graphs"] == 1, (rank, r["graphs"])
 
 
 # ------------------------------------------------------------------------- single process
@@ -662,7 +757,10 @@ TRAINER_ARGS = ["--training.seq_len", "32", "--training.global_batch_size", "4",
                 "--optimizer.implementation", "for-loop", "--compile.enable",
                 "--compile.backend", "aot_eager_blockbucketing",
                 "--training.gradient_accumulation_steps", "2",
-                "--activation_checkpoint.mode", "full"]
+                "--activation_checkpoint.mode", "full", "--training.on_nonfinite", "skip"]
+# The step (0-based) whose forward reads an inf that rank 0 writes into one of its shards
+# and puts back after the step: both scopes must skip it, and the runs go on alike.
+TRAINER_INF_STEP = 4
 
 
 def _trainer_job(rank, world):
@@ -681,9 +779,22 @@ def _trainer_job(rank, world):
         cfg = check_static(load_config(None, ["--job.config_file", config, *TRAINER_ARGS,
                                               *extra]), world)
         trainer = Trainer(cfg, "cpu")
+        # the first parameter that every token reads (an embedding row may go unread) with
+        # elements on this rank (a ragged member's run may be empty)
+        shard = next(p.to_local() for n, p in trainer.model.named_parameters()
+                     if "embed" not in n and p.to_local().numel())
+        records = []
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            records = [trainer.train_step() for _ in range(TRAINER_STEPS)]
+            for i in range(TRAINER_STEPS):
+                if i == TRAINER_INF_STEP and rank == 0:
+                    kept = shard.view(-1)[0].clone()
+                    with torch.no_grad():
+                        shard.view(-1)[0] = float("inf")
+                records.append(trainer.train_step())
+                if i == TRAINER_INF_STEP and rank == 0:
+                    with torch.no_grad():
+                        shard.view(-1)[0] = kept
         out[run] = {"loss": [r["loss"] for r in records],
                       "grad_norm": [r["grad_norm"] for r in records],
                       "scheduler_warnings": sum("lr_scheduler.step()" in str(w.message)
@@ -701,13 +812,19 @@ def _trainer_results():
 def test_trainer_step_scope_trains_as_model_scope():
     """compile.scope=step against scope=model, both over ragged buckets with activation
     checkpointing of every block, on llama3 debug, 10 steps (warmup and cosine schedule,
-    max_norm 1.0): the same losses and gradient norms up to
-    the clipping's rounding (measured: bit for bit, both sum the norm bucket by bucket;
-    asserted ≤ 1e-6 relative, as another order of that sum moves the last bits)."""
+    max_norm 1.0), under on_nonfinite skip with one step made non-finite on rank 0 (an inf
+    in one of its shards for that step): both scopes skip that step on both ranks, and the
+    losses and gradient norms of the others are the same up to the clipping's rounding
+    (measured: bit for bit, both sum the norm bucket by bucket; asserted ≤ 1e-6 relative, as
+    another order of that sum moves the last bits)."""
     for rank, res in enumerate(_trainer_results()):
+        for run in ("model", "step"):
+            bad = [i for i, x in enumerate(res[run]["loss"]) if not math.isfinite(x)]
+            assert bad == [TRAINER_INF_STEP], (rank, run, res[run]["loss"])
         for key in ("loss", "grad_norm"):
             a, b = res["step"][key], res["model"][key]
-            assert all(abs(x - y) <= 1e-6 * abs(y) for x, y in zip(a, b)), (rank, key, a, b)
+            assert all(abs(x - y) <= 1e-6 * abs(y) for i, (x, y) in enumerate(zip(a, b))
+                       if i != TRAINER_INF_STEP), (rank, key, a, b)
         # the graph takes the optimizer's step: torch's scheduler must not warn that it saw none
         assert res["step"]["scheduler_warnings"] == 0, rank
 
@@ -718,7 +835,6 @@ def test_step_scope_refuses_what_it_does_not_do():
 
     for extra, key in ((["--training.gradient_sync", "last_microbatch"],
                         "training.gradient_sync"),
-                       (["--training.on_nonfinite", "skip"], "training.on_nonfinite"),
                        (["--compile.backend", "eager"], "compile.backend")):
         with pytest.raises(ValueError, match=key):
             load_config("configs/llama3_debug.toml",

@@ -24,6 +24,7 @@ import torch.fx.traceback as fx_traceback
 from torch import nn
 
 from simplesharded.backends import make_backend
+from simplesharded.step.finite import all_finite
 from simplesharded.step.grad_clip import clip_coefficient, global_norm, scaled
 from simplesharded.passes.annotations import UPDATE_KEY
 from simplesharded.passes.torch_compat import STEP_GRAPH, needs
@@ -40,7 +41,7 @@ def compile_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                  loss_fn: Callable[..., torch.Tensor], *, backend: str,
                  max_norm: float | None = None, clip_norm: str = "current",
                  accumulation_steps: int = 1, with_grad_norm: bool = False,
-                 **backend_options) -> Callable[..., torch.Tensor]:
+                 skip_nonfinite: bool = False, **backend_options) -> Callable[..., torch.Tensor]:
     """A callable ``step(*batch) -> loss`` that runs ``loss_fn(model, *batch)``, its backward,
     global-norm clipping of the gradients to ``max_norm`` (None: none), the optimizer's step
     and the zeroing of the gradients as one ``torch.compile(fullgraph=True)`` graph.
@@ -50,6 +51,18 @@ def compile_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     it; simplesharded/step/optim_update.py). ``backend``: a name :func:`simplesharded.make_backend`
     takes; ``backend_options`` go to it. ``with_grad_norm``: ``step`` returns ``(loss,
     norm)``, the gradients' global norm before clipping (computed in the graph).
+
+    ``skip_nonfinite``: a step whose loss (on any rank of the default process group, all of
+    which must run ``step``, as they do for the gradients' reductions) or global gradient
+    norm is not finite changes nothing: parameters, optimizer state (step counts included)
+    and, with ``clip_norm="previous"``, the norm kept for the next step stay bitwise as they
+    were, on every rank alike (the flag: simplesharded/step/finite.py; the conditional update:
+    optim_update.apply_update). ``step`` then returns a 0-d bool tensor last, True when the
+    update was taken: ``(loss, taken)``, or ``(loss, norm, taken)`` with ``with_grad_norm``.
+    The decision stays in the graph (no host read), at the price of one all-reduce of one
+    element, the norm computed even without clipping, every update's commit waiting for the
+    last gradient (the flag needs them all), and the update's new values computed into copies
+    (each parameter's shard and state once more, alive until its commit).
 
     ``clip_norm``: which norm the clipping divides by. ``"current"`` (torch's
     ``clip_grad_norm_``): this step's, so every update waits for the norm's all-reduce, which
@@ -112,10 +125,12 @@ def compile_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                     b if a is None else a if b is None else a + b
                     for a, b in zip(grads, part_grads)]
         with torch.no_grad():
-            norm = None
-            if max_norm is not None or with_grad_norm:
+            norm = taken = None
+            if max_norm is not None or with_grad_norm or skip_nonfinite:
                 present = [i for i, g in enumerate(grads) if g is not None]
                 norm = global_norm([grads[i] for i in present], [flat_names[i] for i in present])
+            if skip_nonfinite:
+                taken = all_finite(loss, norm)
             if max_norm is not None:
                 if clip_norm == "current":
                     coef = clip_coefficient(norm, max_norm)
@@ -125,12 +140,14 @@ def compile_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                         clipped.append(None if g is None else scaled(g, coef))
                 grads = clipped
                 if clip_norm == "previous":
-                    last_norm.copy_(norm)
+                    last_norm.copy_(norm if taken is None else torch.where(taken, norm,
+                                                                           last_norm))
             it = iter(grads)
             nested = [[next(it) for _ in g] for g in groups]
             apply_update(kind, routes.update_targets(groups), hypers, nested, lrs, states,
-                         names)
-        return (loss, norm) if with_grad_norm else loss
+                         names, flag=taken)
+        out = (loss, *((norm,) if with_grad_norm else ()), *((taken,) if skip_nonfinite else ()))
+        return out if len(out) > 1 else loss
 
     compiled = torch.compile(step_graph, backend=make_backend(backend, **backend_options),
                              fullgraph=True)

@@ -130,7 +130,8 @@ def step_inputs(optimizer: torch.optim.Optimizer) -> tuple[list, list]:
 
 def apply_update(kind: str, groups: list[list], hypers: list[tuple], grads: list,
                  lrs: list[torch.Tensor], states: list[list],
-                 names: list[list[str]] | None = None) -> None:
+                 names: list[list[str]] | None = None,
+                 flag: torch.Tensor | None = None) -> None:
     """One optimizer step on the local shards, traced. ``kind``: :func:`update_kind`'s.
     ``groups``: per param group its
     parameters (as :func:`prepare` returned them, grouped), ``grads`` the same nesting with
@@ -140,22 +141,53 @@ def apply_update(kind: str, groups: list[list], hypers: list[tuple], grads: list
     param_groups, learning rate included, and recompile when a schedule changes it.
     ``names``: the same nesting, each parameter's FQN; every op of its update is annotated
     with it (``ss_update``; its index in the optimizer without ``names``), so a pass can move
-    the update next to its gradient's reduction (passes/update_placement.py)."""
+    the update next to its gradient's reduction (passes/update_placement.py).
+
+    ``flag``: a 0-d bool tensor (simplesharded/step/finite.py) or None. Given, the update is
+    taken only where it is True: each parameter's new values and state are computed into
+    copies, the same ops on the same values, and written back selected by the flag
+    (``torch.where``), so a False flag leaves parameters and state, step count included,
+    bitwise as they were, and a True one gives the unconditional update's bits. A state
+    tensor on another device than the flag (Adam's step count on the host, as torch keeps
+    it, under an accelerator's flag) is written last, after every other update is issued:
+    reading the flag there is a device-to-host copy, which waits for the flag."""
     # Last parameter first: backward reduces the gradients roughly in reverse parameter
     # order, so this is the order their gradients arrive in; without clipping our passes then
     # move each update up to its own reduction (passes/update_placement.py). Each update is
     # on its own parameter and state, so the order changes no value.
     if names is None:
         names = [[f"{i}.{j}" for j in range(len(ps))] for i, ps in enumerate(groups)]
+    elsewhere = []  # (name, target, new value): written after the loop (see flag above)
     for params, gs, hyper, lr, sts, ns in reversed(list(zip(groups, grads, hypers, lrs,
                                                              states, names))):
         for p, g, st, name in reversed(list(zip(params, gs, sts, ns))):
-            if g is not None:
-                with fx_traceback.annotate({UPDATE_KEY: name}):
-                    if kind == "sgd":
-                        _sgd(p, g, st, hyper, lr.view(()))
+            if g is None:
+                continue
+            with fx_traceback.annotate({UPDATE_KEY: name}):
+                if flag is None:
+                    _update(kind, p, g, st, hyper, lr.view(()))
+                    continue
+                targets = [local(p), *(local(s) for s in st)]
+                work = [t.clone() for t in targets]
+                _update(kind, work[0], g, tuple(work[1:]), hyper, lr.view(()))
+                for t, w in zip(targets, work):
+                    if t.device == flag.device:
+                        t.copy_(torch.where(flag, w, t))
                     else:
-                        _adam(p, g, st, hyper, lr.view(()), kind == "adamw")
+                        elsewhere.append((name, t, w))
+    copies = {}  # device -> the flag there, read once, unannotated: it stays after the loop
+    for name, t, w in elsewhere:
+        if t.device not in copies:
+            copies[t.device] = flag.to(t.device)
+        with fx_traceback.annotate({UPDATE_KEY: name}):
+            t.copy_(torch.where(copies[t.device], w, t))
+
+
+def _update(kind: str, p, g, state, hyper, lr) -> None:
+    if kind == "sgd":
+        _sgd(p, g, state, hyper, lr)
+    else:
+        _adam(p, g, state, hyper, lr, kind == "adamw")
 
 
 def _adam(p, g, state, hyper, lr, decoupled: bool) -> None:

@@ -235,8 +235,6 @@ def _check_step_scope(cfg: _Config) -> None:
     unsupported = [
         ("compile.enable", c.enable, True),
         ("training.gradient_sync", t.gradient_sync, "every_microbatch"),
-        ("training.on_nonfinite", t.on_nonfinite, "stop"),
-        ("parallelism.context_parallel_degree", p.context_parallel_degree, 1),
         ("parallelism.pipeline_parallel_degree", p.pipeline_parallel_degree, 1),
         ("compile.fullgraph", c.fullgraph, True)]
     for key, value, ok in unsupported:

@@ -165,7 +165,7 @@ class Trainer:
                             max_norm=t.max_norm if t.max_norm > 0 else None,
                             clip_norm=t.clip_norm,
                             accumulation_steps=t.gradient_accumulation_steps,
-                            with_grad_norm=True,
+                            with_grad_norm=True, skip_nonfinite=t.on_nonfinite == "skip",
                             **_backend_options(c, observer, t.mixed_precision_param))
         if ep_dim(self.mesh):  # the token exchange's split sizes: as the compiled model's
             from simplesharded.models.ep_dispatch import ep_compile_config
@@ -174,22 +174,28 @@ class Trainer:
 
     def _train_whole_step(self) -> dict[str, float]:
         """One step of compile.scope=step: the graph has taken the optimizer's step when it
-        returns, so a non-finite loss or norm stops training after it (validated:
-        training.on_nonfinite=stop)."""
+        returns. A non-finite loss or norm stops training after it under
+        training.on_nonfinite=stop; under skip the graph took the update only if both were
+        finite on every rank (compile_step's skip_nonfinite), and says whether it did."""
         # The step's micro-batches in one batch: the graph splits it again (compile_step)
         micro = [next(self.data.train)
                  for _ in range(self.cfg.training.gradient_accumulation_steps)]
         inputs, labels = (torch.cat(parts) for parts in zip(*micro))
         with self._loss_context():  # the loss's backward is in the graph too
-            scaled, norm = self.whole_step(inputs.to(self.device), labels.to(self.device))
+            scaled, norm, *taken = self.whole_step(inputs.to(self.device),
+                                                   labels.to(self.device))
         loss_sum = local_loss(scaled) * self._denominator()
         dist.all_reduce(loss_sum)
         loss = (loss_sum / (self.tokens_per_step * self.tp)).item()
         norm = norm.item()
-        if not (math.isfinite(loss) and math.isfinite(norm)):
-            raise NonFiniteError(f"non-finite loss={loss} or grad_norm={norm} at step "
-                                 f"{self.step + 1}; training stopped, checkpoints untouched")
-        if hasattr(self.model, "update_expert_bias"):
+        # under skip the graph's own decision, the same on every rank (not re-derived here)
+        updated = taken[0].item() if taken else math.isfinite(loss) and math.isfinite(norm)
+        if not updated:
+            if not taken:
+                raise NonFiniteError(f"non-finite loss={loss} or grad_norm={norm} at step "
+                                     f"{self.step + 1}; training stopped, checkpoints untouched")
+            self._print(f"step {self.step + 1}: non-finite loss/grad norm, step skipped")
+        elif hasattr(self.model, "update_expert_bias"):
             self.model.update_expert_bias()
         with warnings.catch_warnings():
             # The graph took the optimizer's step; torch's scheduler, which watches calls to
