@@ -687,7 +687,8 @@ def _case(rank, world, dp, tp, backend, ac, name="llama3"):
 TRAINER = ["--training.seq_len", "32", "--training.global_batch_size", "4",
            "--training.steps", "3", "--training.val_every", "3", "--training.val_steps", "1",
            "--no-metrics.progress_bar", "--lr_scheduler.warmup_steps", "15",
-           "--lr_scheduler.decay_type", "constant"]
+           "--lr_scheduler.decay_type", "constant",
+           "--model.n_layers", "2"]  # of the debug model's 6: what compiles scales with them
 # The compiled runs take the for-loop update, the one compile_step writes: the whole step in
 # one graph (compile.scope step) is then compared with the split step exactly.
 _CP2 = ["--parallelism.context_parallel_degree", "2", "--compile.enable",

@@ -124,7 +124,7 @@ class Offload:
         if kind == "none":
             return cls(kind, local.device), local
         # pinned host memory only speaks to an accelerator, and needs one to allocate
-        pin = pin_memory and local.device.type != HOST.type and torch.cuda.is_available()
+        pin = pin_memory and local.device.type != HOST.type and torch.accelerator.is_available()
         host = to_host(local.detach(), pin)
         off = cls(kind, local.device, pin)
         if kind == "optimizer":
