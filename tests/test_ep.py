@@ -324,7 +324,8 @@ DEEPSEEK = str(Path(__file__).resolve().parents[1] / "configs" / "deepseek_v3_de
 # The trainer on the debug config, small: seq 32, global batch 4, constant lr after warmup.
 TRAINER = ["--training.seq_len", "32", "--training.global_batch_size", "4",
            "--training.val_every", "0", "--no-metrics.progress_bar",
-           "--lr_scheduler.warmup_steps", "15", "--lr_scheduler.decay_type", "constant"]
+           "--lr_scheduler.warmup_steps", "15", "--lr_scheduler.decay_type", "constant",
+           "--model.n_layers", "2"]  # of the debug model's 4: one dense block, one MoE
 EAGER = ["--no-compile.enable"]
 TRAINER_RUNS = {  # name → (steps, arguments); the folder is per test session
     # saves at step 2 (and at its last, 3), run on to step 3

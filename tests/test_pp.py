@@ -198,10 +198,13 @@ def _case(mesh, schedule: str, backend: str, policy: str, microbatches: int = MI
             "peers": (agreement._PEERS[0], tuple(pipeline_peers(mesh)))}
 
 
+TRAINER_BLOCKS = 4
 TRAINER = ["--training.seq_len", "32", "--training.global_batch_size", "8",
            "--no-metrics.progress_bar", "--no-compile.enable", "--training.val_every", "100",
            "--training.val_steps", "1", "--lr_scheduler.warmup_steps", "15",
-           "--lr_scheduler.decay_type", "constant"]
+           "--lr_scheduler.decay_type", "constant",
+           # 4 of llama3 debug's 6 blocks: Interleaved1F1B's 4 stages take one each
+           "--model.n_layers", str(TRAINER_BLOCKS)]
 TRAINER_RUNS = {  # name → (steps, arguments); the folder is per test session
     # saves at step 2 (and at its last, 3), run on to step 3
     "pp2": (3, ["--parallelism.pipeline_parallel_degree", "2", "--checkpoint.enable",
@@ -403,7 +406,7 @@ def test_trainer_pp2_cp2_matches_no_pp():
     micro-batch forward, and reduce-scatters their gradient once in backward; the pp group,
     whose ranks the schedule sends activations between, joins the ranks of one cp index (rank
     r and r + 2), the cp group the two cp ranks of one stage."""
-    per_step = (6 // PP) * 8  # llama3 debug: 6 blocks over 2 stages; 8 micro-batches
+    per_step = (TRAINER_BLOCKS // PP) * 8  # the blocks over 2 stages; 8 micro-batches
     for rank, r in enumerate(run()):
         (got, val, issued, pp_ranks, cp_ranks), (ref, ref_val) = r["pp2_cp2"], r["pp1"]
         assert len(got) == len(ref) == 3
