@@ -24,7 +24,8 @@
    aot_eager_blockbucketing: losses those of one process training it uncompiled in float8,
    each rank's batch on its own (the same casts), to fp32 rounding, and within float8's
    precision of fp32's; the compiled graphs send one uint8 gather per block
-   (and in forward one amax all-reduce).
+   (and in forward one amax all-reduce); the same training as one step graph
+   (``compile_step``) gathers in float8 too and is bit for bit the compiled model's.
 """
 from __future__ import annotations
 
@@ -518,16 +519,34 @@ def _train_job(rank, world):
                 (c.kind, str(c.dtype), (c.start.meta.get("custom") or {}).get(FLOAT8_KEY))
                 for c in find_collectives(gm) if c.kind in ("all_gather", "all_reduce"))
 
-    torch._dynamo.reset()
-    model = toy_blocks.make_model(n_layers=LAYERS)
-    convert_to_float8(model)
-    ss.data_parallel(model, mesh, storage="param", reshard_after_forward="auto")
-    opt = torch.optim.AdamW(model.parameters(), lr=TRAIN_LR)
+    def converted():
+        torch._dynamo.reset()
+        model = toy_blocks.make_model(n_layers=LAYERS)
+        convert_to_float8(model)
+        ss.data_parallel(model, mesh, storage="param", reshard_after_forward="auto")
+        # for-loop AdamW: the update compile_step traces
+        return model, torch.optim.AdamW(model.parameters(), lr=TRAIN_LR, foreach=False)
+
+    model, opt = converted()
     compiled = torch.compile(model, fullgraph=True, backend=ss.make_backend(
         "aot_eager_blockbucketing", observer=observe))
     losses = toy_blocks.train(compiled, opt, rank, world, TRAIN_STEPS)
+    params = {n: p.to_local().clone() for n, p in model.named_parameters()}
+    # the same training as one step graph (compile_step): forward, backward and update
+    model, opt = converted()
+    numel = world * toy_blocks.BATCH_PER_RANK * toy_blocks.SEQ
+    step_graph = {}
+    step = ss.compile_step(model, opt, lambda m, x, y: toy_blocks.loss_fn(m(x), y, numel),
+                           backend="aot_eager_blockbucketing",
+                           observer=lambda kind, stage, gm: step_graph.update(
+                               {stage: collections.Counter(str(c.dtype) for c in
+                                                           find_collectives(gm)
+                                                           if c.kind == "all_gather")}))
+    step_losses = [step(*toy_blocks.batch(rank, s)).item() for s in range(TRAIN_STEPS)]
     torch._dynamo.reset()
-    return dict(losses=losses, graphs=graphs)
+    return dict(losses=losses, graphs=graphs, step_losses=step_losses,
+                step_gathers=step_graph["agreement"], same_params=all(
+                    torch.equal(p.to_local(), params[n]) for n, p in model.named_parameters()))
 
 
 def _one_process(float8: bool, world: int) -> list[float]:
@@ -577,3 +596,8 @@ def test_two_ranks_train_close_to_one_process():
             assert set(per) == {("all_gather", torch.uint8, "payload"),
                                 ("all_reduce", torch.float32, "amax_reduce"),
                                 }, (fqn, per)
+        # compile_step: the weights gathered in float8 in the step graph too, and the same
+        # training bit for bit (for-loop AdamW on both sides)
+        assert res["step_losses"] == res["losses"], (rank, res["step_losses"], res["losses"])
+        assert res["same_params"], rank
+        assert res["step_gathers"]["torch.uint8"] >= LAYERS, (rank, res["step_gathers"])

@@ -202,9 +202,6 @@ def _check_float8(cfg: _Config) -> None:
         raise ValueError(f"training.float8 gathers each weight in float8, and "
                          f"parallelism.storage={p.storage!r} gathers a block as one buffer: "
                          f"set storage param or auto")
-    if c.enable and c.scope == "step":
-        raise ValueError("training.float8 does not take compile.scope='step' (its step graph "
-                         "is not checked with float8 layers)")
 
 
 def _check_offload(cfg: _Config) -> None:
