@@ -378,9 +378,10 @@ def test_forecast_costs_the_kv_gathers_and_memory_by_sequence_length():
         [sys.executable, "-m", "simplesharded.tools.forecast", "--config", LLAMA,
          "--world-size", "4", "--hardware", "h100-ib400", "--backends",
          "aot_eager_blockbucketing", "--timeline-backend", "aot_eager_blockbucketing",
-         "--parallelism.context_parallel_degree", "2", "--seq-lens", "64", "256"],
+         "--parallelism.context_parallel_degree", "2", "--seq-lens", "64", "256",
+         "--model.n_layers", "2"],  # of the debug model's 6: three traces, each of 2 blocks
         capture_output=True, text=True, check=True, cwd=ROOT).stdout
-    args = get_model_spec("llama3", "debug")[1]
+    args = get_model_spec("llama3", "debug", n_layers=2)[1]
     local_batch, seq = 8 // 2, 128  # the debug config: global batch 8 over dp 2, fp32
     per_layer = 2 * local_batch * seq * args.n_kv_heads * (args.dim // args.n_heads) * 4
     line = next(x for x in out.splitlines() if x.startswith("context parallel:"))
