@@ -23,9 +23,15 @@ Forward views of a gathered parameter (the transposes a matmul saves) are annota
 ``ss_gathered`` with its FQN: the backward graph receives whichever of them the partitioner
 saves as placeholders, and the memory cap counts those too.
 
-What is never recomputed, with or without activation checkpointing: a collective that is not
-ours (expert parallelism's all-to-alls, TP's collectives: recomputing one would run it again
-in backward, and an all-to-all's result depends on the other ranks' tokens) and the routing
+Inside a checkpointed block, tensor parallelism's all-gathers of activations (sequence
+parallelism's, before attention and the MLP: each holds tp x the block's sharded input) run
+again in backward rather than being saved, as torchtitan's activation checkpointing re-runs
+them: every rank of the tp group recomputes the same gathers in the same order.
+
+What is never recomputed, with or without activation checkpointing: any other collective that
+is not ours (expert parallelism's all-to-alls, TP's reduce-scatters and all-reduces:
+recomputing one would run it again in backward, and an all-to-all's result depends on the
+other ranks' tokens) and the routing
 decisions of a MoE layer (nodes annotated ``ss_routing`` by models/moe.py and
 models/ep_dispatch.py: the top-k choice, the exchanged counts, the split sizes and the orders
 built from them). They are MUST_SAVE, so
@@ -41,7 +47,8 @@ from __future__ import annotations
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .annotations import AC_KEY, GATHERED_KEY, PARAM_KEY, RESHARD_KEY, ROUTING_KEY, annotations
+from .annotations import (AC_KEY, CP_KEY, GATHERED_KEY, PARAM_KEY, RESHARD_KEY, ROUTING_KEY,
+                          annotations)
 from .collectives import find_collectives, node_block, tangent_dependent, tensor_nbytes
 from .graph_utils import draws_random
 from .plan_protocol import Plan
@@ -65,10 +72,16 @@ def tag_gathers_for_recompute(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     backward = tangent_dependent(gm.graph)
     kept = kept_gathered(gm.graph, backward, plan.keep_gathered_bytes, plan.memory_cap_bytes)
     _annotate_views(gm.graph, backward)
-    foreign = {n for c in find_collectives(gm.graph) if not c.ours for n in (c.start, c.wait)}
+    collectives = [c for c in find_collectives(gm.graph) if not c.ours]
+    foreign = {n for c in collectives for n in (c.start, c.wait)}
+    regathered = {n for c in collectives if _regathered_under_ac(c) for n in (c.start, c.wait)}
     for node in gm.graph.nodes:
         custom = annotations(node)
         if node.op != "call_function" or node in backward:
+            continue
+        if node in regathered:
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            node.meta["ac_graph_id"] = custom[AC_KEY] + 1
             continue
         if node in foreign or ROUTING_KEY in custom:
             node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
@@ -93,6 +106,17 @@ def tag_gathers_for_recompute(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
                      for u in node.users):
             node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
     return gm
+
+
+def _regathered_under_ac(c) -> bool:
+    """A tensor-parallel all-gather of activations inside a checkpointed block: gathered
+    again in backward rather than saved (sequence parallelism's gather before attention and
+    the MLP holds tp x the block's input; torchtitan's full AC re-runs it too). Every rank of
+    the group recomputes the same gathers in the same order. Context parallelism's K/V gather
+    and the MoE's routing exchanges stay saved (module doc)."""
+    custom = annotations(c.start)
+    return (c.kind == "all_gather" and AC_KEY in custom and CP_KEY not in custom
+            and ROUTING_KEY not in custom)
 
 
 def kept_gathered(graph: fx.Graph, backward: set[fx.Node], budget: int | None,

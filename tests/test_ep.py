@@ -81,9 +81,10 @@ LAYOUTS = {
     (1, 1, 2, 6): (("eager", False), ("aot_eager_blockbucketing", False)),
     # 2 experts per rank, efsdp 1
     (1, 1, 4, 8): (("eager", False), ("aot_eager_blockbucketing", True)),
-    # TP 2 x EP 2 (dp_shard 2 = efsdp 1 x ep 2): the MoE runs on whole sequences per tp rank
-    (1, 2, 2, 8): (("eager", False), ("aot_eager_blockbucketing", False),
-                   ("ragged:aot_eager_blockbucketing", False)),
+    # TP 2 x EP 2 (dp_shard 2 = efsdp 1 x ep 2): the MoE runs on whole sequences per tp rank;
+    # compiled with activation checkpointing, TP's activation gathers run again in backward
+    (1, 2, 2, 8): (("eager", False), ("aot_eager_blockbucketing", True),
+                   ("ragged:aot_eager_blockbucketing", True)),
     # HSDP x EP: (dp_replicate 2, efsdp 1, ep 2); expert weights (Replicate, Shard) on
     # (dp_replicate, efsdp)
     (2, 1, 2, 8): (("eager", False),),
@@ -432,7 +433,8 @@ def test_all_to_alls_counted_never_recomputed_and_fingerprinted(key, case):
 
 
 def test_ragged_buckets_under_tp_and_ep_train_bitwise_as_without():
-    """storage="ragged" on TP 2 x EP 2 (dp_shard 2 = efsdp 1 x ep 2): a block's dense TP
+    """storage="ragged" on TP 2 x EP 2 (dp_shard 2 = efsdp 1 x ep 2), both with activation
+    checkpointing: a block's dense TP
     shards, its parameters replicated over tp and its expert weights (sharded over ep,
     gathered over efsdp) are three buckets, and training is bitwise the run without them. (At
     efsdp 2 x ep 2 the parity test against one process holds it: a reduce-scatter over 4 ranks
@@ -440,8 +442,8 @@ def test_ragged_buckets_under_tp_and_ep_train_bitwise_as_without():
     moves the last bit.)"""
     key = (1, 2, 2, 8)
     for rank, r in enumerate(run()):
-        plain = r[(key, ("aot_eager_blockbucketing", False))]
-        ragged = r[(key, ("ragged:aot_eager_blockbucketing", False))]
+        plain = r[(key, ("aot_eager_blockbucketing", True))]
+        ragged = r[(key, ("ragged:aot_eager_blockbucketing", True))]
         assert ragged["ragged"] == {
             "pre/float32_tp": 1, "layers.0/float32": 6, "layers.0/float32_tp": 4,
             "layers.0/float32_ep": 3, "post/float32": 1, "post/float32_tp": 1}, rank

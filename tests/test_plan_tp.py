@@ -144,6 +144,36 @@ def test_plan_traces_tp_and_dp_groups():
     assert set(plain_links) == {"dp_shard"}
 
 
+def test_activation_checkpointing_gathers_tp_activations_again_in_backward():
+    """Under full activation checkpointing each block's sequence-parallel all-gathers (before
+    attention and before the MLP) run again in backward instead of being saved, as
+    torchtitan's AC re-runs them (passes/recompute.py); TP's reduce-scatters and forward are
+    unchanged, and forward hands backward fewer bytes."""
+    from simplesharded.tools import cluster_trace as dry_run
+    from simplesharded.trainer import check_static
+    from simplesharded.trainer.config import load_config
+    from simplesharded.passes.collectives import count_by_group
+
+    got = {}
+    for ac in ("none", "full"):
+        cfg = check_static(load_config(DEBUG_CONFIG, [
+            "--activation_checkpoint.mode", ac, "--parallelism.tensor_parallel_degree", "2",
+            "--training.global_batch_size", "2", "--parallelism.storage", "param"]), 4)
+        with dry_run.fake_world(4):
+            traced = dry_run.trace(cfg, cfg.training.local_batch_size, n_layers=2)
+            fw, bw = dry_run.apply_backend_passes(traced, "aot_eager_blockbucketing",
+                                                  "h100-ib400", None)
+            got[ac] = ({k[1]: n for k, n in count_by_group(fw, traced.group_labels).items()
+                        if k[0] == "tp"},
+                       {k[1]: n for k, n in count_by_group(bw, traced.group_labels).items()
+                        if k[0] == "tp"},
+                       dry_run.saved_bytes(fw, bw))
+    (fw0, bw0, saved0), (fw1, bw1, saved1) = got["none"], got["full"]
+    assert fw1 == fw0
+    assert bw1 == {**bw0, "all_gather": bw0["all_gather"] + 2 * 2}, (bw0, bw1)  # 2 per block
+    assert saved1 < saved0
+
+
 def test_plan_cli_reports_communication_per_group(capsys):
     """`python -m simplesharded.tools.forecast` on dp 2 x tp 2 (loss parallel, as the trainer runs it):
     the mesh in the header, one row per process group, TP's on the intra-node link."""
