@@ -157,6 +157,17 @@ def edits_observed(graph: fx.Graph) -> bool:
             or not isinstance(getattr(ns, "_base_count", None), dict))
 
 
+def ancestors(nodes) -> set[fx.Node]:
+    """What ``nodes`` read, directly or not (not themselves, unless one reads another)."""
+    seen, stack = set(), list(nodes)
+    while stack:
+        for n in stack.pop().all_input_nodes:
+            if n not in seen:
+                seen.add(n)
+                stack.append(n)
+    return seen
+
+
 def draws_random(node: fx.Node) -> bool:
     """An op that may draw random numbers (dropout, CPU attention's dropout path): running it
     again, or elsewhere, would draw other numbers."""

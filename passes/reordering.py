@@ -35,7 +35,7 @@ from .annotations import BUCKET_KEY, annotations
 from .collectives import Collective, find_collectives, is_collective_or_wait
 from .cp_overlap import overlap_cp_collectives
 from .gathered_spans import GatheredSpans
-from .graph_utils import NodeOrder, hoist_before
+from .graph_utils import NodeOrder, ancestors, hoist_before
 from .plan_protocol import Plan
 from .wait_chains import first_use, gather_chain, reduction_epilogue
 
@@ -162,13 +162,7 @@ class _Prefetch:
 
     def _cone(self) -> set[fx.Node]:
         """What the all-gather starts read, directly or not: all that hoisting moves."""
-        cone, stack = set(), [c.start for c in self.ags]
-        while stack:
-            for node in stack.pop().all_input_nodes:
-                if node not in cone:
-                    cone.add(node)
-                    stack.append(node)
-        return cone
+        return ancestors(c.start for c in self.ags)
 
     def run(self) -> None:
         order = self.order

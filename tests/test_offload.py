@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from simplesharded.passes.annotations import OFFLOAD_KEY, RAGGED_KEY, annotations
+from simplesharded.passes.graph_utils import ancestors
 
 import pass_utils as pu
 import toy_blocks
@@ -151,13 +152,7 @@ def _copies(gm, target) -> list:
 
 def _inputs(node) -> set:
     """What ``node`` reads, directly or not."""
-    seen, stack = set(), [node]
-    while stack:
-        for n in stack.pop().all_input_nodes:
-            if n not in seen:
-                seen.add(n)
-                stack.append(n)
-    return seen
+    return ancestors([node])
 
 
 def _gathers(gm) -> list:
