@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # this checkout, installed or not
+    sys.path.insert(0, str(ROOT))
 FLAVORS = {"8B": "configs/llama3_8b.toml", "70B": "configs/llama3_70b.toml"}
 # One GPU: no tensor parallelism, one sequence per step
 ONE_GPU = ["--parallelism.tensor_parallel_degree", "1",
