@@ -32,18 +32,38 @@ class Hardware:
     gpus_per_node: int = 1
     intra_node_alpha_s: float = 0.0
     intra_node_bandwidth_Bps: float = 0.0
+    # Host offload (simplesharded/tools/offload_cost.py): the link between host memory and the
+    # device (PCIe for a discrete GPU), per direction, as pinned-memory copies reach it; and
+    # the host memory bandwidth one rank's optimizer step streams at on the host. 0: not
+    # stated, and the planner refuses to forecast offload on this profile.
+    host_link_Bps: float = 0.0
+    host_mem_bw_Bps: float = 0.0
 
     def __post_init__(self):
         for f in ("flops_per_s", "alpha_s", "bandwidth_Bps", "mem_bw_Bps", "memory_bytes",
                   "gpus_per_node"):
             if not getattr(self, f) > 0:
                 raise ValueError(f"Hardware.{f}={getattr(self, f)!r} must be > 0")
-        for f in ("intra_node_alpha_s", "intra_node_bandwidth_Bps"):
+        for f in ("intra_node_alpha_s", "intra_node_bandwidth_Bps", "host_link_Bps",
+                  "host_mem_bw_Bps"):
             if getattr(self, f) < 0:
                 raise ValueError(f"Hardware.{f}={getattr(self, f)!r} must be >= 0")
 
 
 GPU_EFFICIENCY = 0.5  # sustained / peak dense matmul throughput assumed for large-model training
+
+# Host side of an H100 SXM node (DGX H100: two Xeon Platinum 8480C, 2 TB of DDR5-4800, each GPU
+# on PCIe Gen5 x16). Link: 32 GT/s x 16 lanes with 128b/130b encoding = 63 GB/s per direction
+# nominal; we assume 50 GB/s for pinned-memory copies, about 80 % of it, the achieved figure
+# commonly reported for H100 hosts. Host memory: 8 DDR5-4800 channels per socket = 307 GB/s
+# peak per socket, 614 GB/s for the node; we assume one rank's host AdamW streams 50 GB/s
+# (an assumption, not a measurement: an even eighth of the node's peak is 77 GB/s, and a CPU
+# optimizer reaches a fraction of peak).
+H100_HOST = {"host_link_Bps": 50e9, "host_mem_bw_Bps": 50e9}
+# DGX A100: two AMD EPYC 7742, 8 DDR4-3200 channels each (205 GB/s peak per socket), each GPU
+# on PCIe Gen4 x16: 16 GT/s x 16 x 128/130 = 31.5 GB/s per direction nominal; assumed 25 GB/s
+# achieved, and 40 GB/s of host memory for one rank's AdamW (as above, assumptions).
+A100_HOST = {"host_link_Bps": 25e9, "host_mem_bw_Bps": 40e9}
 
 HARDWARE: dict[str, Hardware] = {
     # This CPU machine, gloo over loopback. Matmul: measured once with torch 2.13, 1 thread,
@@ -59,7 +79,10 @@ HARDWARE: dict[str, Hardware] = {
     # the other rank and gloo also stream memory.
     "local": Hardware("local", flops_per_s=1.5e11, alpha_s=5e-4, bandwidth_Bps=3e8,
                       mem_bw_Bps=5e9, comm_overlap=0.85, collective_overhead_s=1e-3,
-                      transport="gloo", memory_bytes=24 * 2**30),
+                      transport="gloo", memory_bytes=24 * 2**30,
+                      # host and device are one memory: a copy or an optimizer step streams
+                      # it as an elementwise op does
+                      host_link_Bps=5e9, host_mem_bw_Bps=5e9),
     # H100 SXM: 989 TFLOP/s bf16 dense peak, 3.35 TB/s HBM3, 80 GB; one 400 Gb/s IB NIC per GPU
     # (= 50 GB/s) for a group spanning nodes; NCCL inter-node latency ~30 us. 8 GPUs per node
     # on NVLink 4 + NVSwitch: 18 links x 25 GB/s = 450 GB/s per direction per GPU; we assume
@@ -68,13 +91,13 @@ HARDWARE: dict[str, Hardware] = {
     "h100-ib400": Hardware("h100-ib400", flops_per_s=989e12 * GPU_EFFICIENCY, alpha_s=30e-6,
                            bandwidth_Bps=50e9, mem_bw_Bps=3.35e12, memory_bytes=80 * 2**30,
                            gpus_per_node=8, intra_node_alpha_s=10e-6,
-                           intra_node_bandwidth_Bps=360e9),
+                           intra_node_bandwidth_Bps=360e9, **H100_HOST),
     # A100 SXM 80GB: 312 TFLOP/s bf16 dense peak, 2.0 TB/s HBM2e; 200 Gb/s IB per GPU (25 GB/s).
     # 8 GPUs per node on NVLink 3: 12 links x 25 GB/s = 300 GB/s per direction; 80% = 240 GB/s.
     "a100-ib200": Hardware("a100-ib200", flops_per_s=312e12 * GPU_EFFICIENCY, alpha_s=30e-6,
                            bandwidth_Bps=25e9, mem_bw_Bps=2.0e12, memory_bytes=80 * 2**30,
                            gpus_per_node=8, intra_node_alpha_s=10e-6,
-                           intra_node_bandwidth_Bps=240e9),
+                           intra_node_bandwidth_Bps=240e9, **A100_HOST),
     # A low-bandwidth cluster: H100 nodes as above joined by one 100 Gb/s Ethernet NIC per
     # node (12.5 GB/s shared by its 8 GPUs: ~1.56 GB/s each for a group spanning nodes),
     # latency ~50 us; inside a node NVLink as h100-ib400. The setting quantized collectives
@@ -82,7 +105,8 @@ HARDWARE: dict[str, Hardware] = {
     "h100-eth100": Hardware("h100-eth100", flops_per_s=989e12 * GPU_EFFICIENCY, alpha_s=50e-6,
                             bandwidth_Bps=100e9 / 8 / 8, mem_bw_Bps=3.35e12,
                             memory_bytes=80 * 2**30, gpus_per_node=8,
-                            intra_node_alpha_s=10e-6, intra_node_bandwidth_Bps=360e9),
+                            intra_node_alpha_s=10e-6, intra_node_bandwidth_Bps=360e9,
+                            **H100_HOST),
 }
 
 

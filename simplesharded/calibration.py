@@ -16,7 +16,13 @@ there is none. What is measured, on the real device and the real process group:
   passes/lowering.py);
 * with concurrent compute: the compute-stream time a transfer costs (``comm_overlap``) and
   the cost per collective of issuing and waiting (``collective_overhead_s``), the two numbers
-  the simulator charges to the compute stream.
+  the simulator charges to the compute stream;
+* the host, for the planner's model of host offload (simplesharded/tools/offload_cost.py): on
+  an accelerator, a copy between pinned host memory and the device each way (256 MiB; the
+  harmonic mean of the two directions is ``host_link_Bps``) and the bandwidth an elementwise
+  op sees in host memory (``host_mem_bw_Bps``); on a CPU device host and device are one
+  memory, and both are the elementwise bandwidth measured above. A cache written before
+  these were measured has neither (0: the planner refuses to forecast offload on it).
 
 Timing: on CPU the median of single calls (wall clock); on an accelerator device events around
 windows of back-to-back calls, one synchronisation per window (a synchronisation per call would
@@ -65,6 +71,9 @@ _CPU_STREAM_ELEMENTS = 8 * 2**20  # 32 MiB: past a CPU's caches, like an activat
 _STREAM_MIN_BYTES, _STREAM_L2_MULTIPLE = 2**30, 8
 _COLLECTIVE_BYTES = 256 * 2**20  # the gathered / reduced buffer of the bandwidth point
 _WINDOWS, _WINDOW_REPS = 3, 20  # accelerator timing: windows of back-to-back calls
+# Accelerator: the pinned host buffer of the host figures, past a server socket's last-level
+# cache (about 100 MiB on current ones) so that host memory, not the cache, is timed
+_HOST_BYTES = 256 * 2**20
 
 
 MATMUL_KINDS = ("bfloat16", "float16", "tf32", "float32")
@@ -209,6 +218,24 @@ def measure_compute(device: torch.device, dtype=None) -> dict:
     del x, y
     return {"flops_per_s": flops, "mem_bw_Bps": mem_bw, "matmul_dtype": str(dtype),
             "matmul_kind": matmul_kind(dtype, device)}
+
+
+def measure_host(device: torch.device, compute: dict) -> dict:
+    """The host's figures (see the module doc) next to ``compute`` (:func:`measure_compute`'s
+    figures on ``device``)."""
+    if not _accelerator(device):  # one memory: a copy streams it as an elementwise op does
+        return {"host_link_Bps": compute["mem_bw_Bps"], "host_mem_bw_Bps": compute["mem_bw_Bps"]}
+    host = torch.empty(_HOST_BYTES // 4, pin_memory=True)
+    on_device = torch.empty_like(host, device=device)
+    to_device = host.nbytes / _device_time(
+        lambda: on_device.copy_(host, non_blocking=True), device)
+    to_host = host.nbytes / _device_time(
+        lambda: host.copy_(on_device, non_blocking=True), device)
+    del on_device
+    out = torch.empty_like(host)
+    host.fill_(1.0)
+    host_bw = 2 * host.nbytes / _median(lambda: torch.add(host, 1.0, out=out), 9)
+    return {"host_link_Bps": 2 / (1 / to_device + 1 / to_host), "host_mem_bw_Bps": host_bw}
 
 
 def device_memory(device: torch.device) -> int:
@@ -357,13 +384,16 @@ def _profile(measured: dict, transport: str) -> Hardware:
                  "intra_node_alpha_s": statistics.fmean(p["alpha_s"] for p in pair),
                  "intra_node_bandwidth_Bps": 2 / sum(1 / p["bandwidth_Bps"] for p in pair)}
     overlap = measured.get("overlap", {"comm_overlap": 1.0, "collective_overhead_s": 0.0})
+    host = measured.get("host", {})  # absent from caches written before it was measured
     return Hardware(CALIBRATED, flops_per_s=measured["compute"]["flops_per_s"],
                     alpha_s=alpha, bandwidth_Bps=bandwidth,
                     mem_bw_Bps=measured["compute"]["mem_bw_Bps"],
                     memory_bytes=int(measured["memory_bytes"]),
                     comm_overlap=overlap["comm_overlap"],
                     collective_overhead_s=overlap["collective_overhead_s"],
-                    transport=transport, **intra)
+                    transport=transport,
+                    host_link_Bps=host.get("host_link_Bps", 0.0),
+                    host_mem_bw_Bps=host.get("host_mem_bw_Bps", 0.0), **intra)
 
 
 def calibrate(group=None, device: torch.device | str | None = None, dtype=None,
@@ -383,6 +413,7 @@ def calibrate(group=None, device: torch.device | str | None = None, dtype=None,
     transport = str(dist.get_backend(group)) if distributed else \
         dist.get_default_backend_for_device(device)
     measured = {"compute": measure_compute(device, dtype), "memory_bytes": device_memory(device)}
+    measured["host"] = measure_host(device, measured["compute"])
     hosts = _hosts(group)
     if distributed and dist.get_world_size(group) > 1:
         if reuse is not None:

@@ -21,6 +21,8 @@ def test_single_process_measures_compute_then_reads_the_cache(tmp_path, monkeypa
     first = calibrate.calibrated()
     hw = Hardware(**first["hardware"])
     assert 1e8 < hw.flops_per_s < 1e16 and hw.mem_bw_Bps > 1e8 and hw.memory_bytes > 2**28
+    # on a CPU device host and device are one memory: its figures are the elementwise one
+    assert hw.host_link_Bps == hw.host_mem_bw_Bps == hw.mem_bw_Bps
     path = calibrate.cache_path(first["key"])
     assert path.exists() and json.loads(path.read_text()) == first
 

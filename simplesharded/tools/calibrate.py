@@ -28,6 +28,9 @@ def format_report(result: dict, path: Path | None = None) -> str:
              f"({m['compute'].get('matmul_kind', m['compute']['matmul_dtype'])})",
              f"  elementwise   {hw['mem_bw_Bps'] / 1e9:8.2f} GB/s",
              f"  memory        {hw['memory_bytes'] / 2**30:8.1f} GiB"]
+    if hw.get("host_link_Bps"):  # caches written before the host was measured lack it
+        lines.append(f"  host link     {hw['host_link_Bps'] / 1e9:8.2f} GB/s   host memory "
+                     f"{hw['host_mem_bw_Bps'] / 1e9:.2f} GB/s")
     for kind, c in m.get("collectives", {}).items():
         lines.append(f"  {kind:<15}latency {c['alpha_s'] * 1e3:7.3f} ms   bus bandwidth "
                      f"{c['bandwidth_Bps'] / 1e9:7.3f} GB/s")

@@ -6,8 +6,9 @@ parallelizes it as the trainer does (trainer/recipe.py parallelize: tensor paral
 checkpointing, data_parallel) and captures rank 0's forward and backward graphs after
 partitioning; the shards of the meta model are never written, so they take no memory.
 ``apply_backend_passes`` runs a backend's graph passes on copies of those graphs, and
-``memory_report`` adds the per-rank static state to their peak. ``python -m
-simplesharded.tools.forecast`` reports on them; tests use them directly.
+``memory_report`` adds the per-rank static state to their peak (under host offload too, which
+the trace leaves out: offload_cost.py). ``python -m simplesharded.tools.forecast`` reports on
+them; tests use them directly.
 """
 from __future__ import annotations
 
@@ -67,6 +68,9 @@ def trace(cfg, local_batch: int, n_layers: int | None = None,
 
     cfg = copy.deepcopy(cfg)
     cfg.compile.enable = True  # the compiled step is what the passes plan
+    # Host offload is modelled from the graphs without it (offload_cost.py): an offloaded
+    # bucket's host shard is a real host tensor, even of a meta model
+    cfg.parallelism.offload = "none"
     p, t = cfg.parallelism, cfg.training
     graphs: dict[str, torch.fx.GraphModule] = {}
     recompute_s = 0.0
@@ -170,11 +174,27 @@ class MemoryReport:
         return self.params + self.grads + self.optimizer + self.peak_activations
 
 
-def static_memory(local_numel: int, optimizer: str) -> tuple[int, int, int]:
-    """Per-rank bytes of (fp32 parameter shards, fp32 gradients, optimizer states) of a rank
-    holding ``local_numel`` parameter elements (Traced.local_numel)."""
+def static_memory(local_numel: int, optimizer: str, offload: str = "none"
+                  ) -> tuple[int, int, int]:
+    """Per-rank device bytes of (fp32 parameter shards, fp32 gradients, optimizer states) of
+    a rank holding ``local_numel`` parameter elements (Traced.local_numel), under host
+    ``offload`` (simplesharded/storage/offload.py): ``"optimizer"`` leaves on the device only
+    the resident copy of the shard the gathers read, ``"params"`` nothing; the host holds
+    the rest (:func:`host_memory`). The one place offload changes the static state."""
     states = {"AdamW": 2, "SGD": 1}.get(optimizer, 2)
+    if offload == "params":
+        return 0, 0, 0
+    if offload == "optimizer":
+        return 4 * local_numel, 0, 0
     return 4 * local_numel, 4 * local_numel, states * 4 * local_numel
+
+
+def host_memory(local_numel: int, optimizer: str, offload: str) -> int:
+    """Host bytes per rank of what ``offload`` keeps there: the shards, their gradients and
+    the optimizer's state (none without offload)."""
+    if offload == "none":
+        return 0
+    return sum(static_memory(local_numel, optimizer))
 
 
 def saved_bytes(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule) -> int:
@@ -195,14 +215,24 @@ def saved_bytes(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule) -> int:
         sum(tensor_nbytes(n) for n in saved if n.name not in forward)
 
 
-def memory_report(traced: Traced, optimizer: str, fw_bw=None) -> MemoryReport:
-    """Per-rank bytes: static state (see static_memory) + the transient peak of the graphs:
-    the forward's, or what forward saves for backward (saved_bytes) held throughout backward
-    plus the backward's own peak."""
+def memory_report(traced: Traced, optimizer: str, fw_bw=None,
+                  offload: str = "none") -> MemoryReport:
+    """Per-rank device bytes: static state (see static_memory) + the transient peak of the
+    graphs: the forward's, or what forward saves for backward (saved_bytes) held throughout
+    backward plus the backward's own peak. Under host ``offload`` (the graphs are traced
+    without it, offload_cost.py) backward's reduced gradients leave the device at their
+    reduction, and under ``"params"`` the largest bucket's shard copy is added."""
     from simplesharded.passes.memory import peak_memory
+    from simplesharded.tools import offload_cost
 
     fw, bw = fw_bw or (traced.fw, traced.bw)
-    params, grads, opt = static_memory(traced.local_numel, optimizer)
+    params, grads, opt = static_memory(traced.local_numel, optimizer, offload)
     fw_peak, _ = peak_memory(fw, include_inputs=False)
-    bw_peak, _ = peak_memory(bw, include_inputs=False)
-    return MemoryReport(params, grads, opt, int(max(fw_peak, saved_bytes(fw, bw) + bw_peak)))
+    bw_peak, _ = peak_memory(bw if offload == "none" else offload_cost.reduced_grads_on_host(bw),
+                             include_inputs=False)
+    copy = 0
+    if offload == "params":
+        largest = offload_cost.bucket_shards(traced.fw, traced.bw)["largest"]
+        copy = offload_cost.in_flight_copy_bytes({"offload:largest": largest}, offload)
+    return MemoryReport(params, grads, opt,
+                        int(max(fw_peak, saved_bytes(fw, bw) + bw_peak) + copy))

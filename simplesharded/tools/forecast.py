@@ -12,6 +12,9 @@ all-gathers found in the traced graphs (their ``ss_cp`` annotation) next to thei
 the model's shapes, 2 · tokens · kv_heads · head_dim · bytes per layer; --seq-lens reports the
 peak memory per rank at each of several sequence lengths; --timeline draws the timeline of
 one backend's step. With pipeline parallelism the step is the schedule's (pp_forecast.py).
+Host offload (``--parallelism.offload``, as the trainer takes it) is modelled from the same
+traces (offload_cost.py): the state it moves off the device, its copies over the profile's
+host link and the optimizer step on the host.
 """
 from __future__ import annotations
 
@@ -23,8 +26,10 @@ import time
 import traceback
 
 from simplesharded.backends import BackendName
+from simplesharded.tools import offload_cost
 from simplesharded.tools.cluster_trace import (Traced, apply_backend_passes, fake_world,
-                                               memory_report, static_memory, trace)
+                                               host_memory, memory_report, static_memory,
+                                               trace)
 
 # The backends forecast here: their inductor twins run the same passes (forecast_backend).
 BACKENDS = ("aot_eager", "aot_eager_blockbucketing", "aot_eager_autobucketing")
@@ -114,6 +119,7 @@ def main(argv=None) -> int:
             t.local_batch_size = ns.local_batch
             t.global_batch_size = ns.local_batch * dp * t.gradient_accumulation_steps
         cfg = check_static(cfg, ns.world_size)  # the trainer's checks: degrees, batch, tp
+        offload_cost.check_hardware(hw, cfg.parallelism.offload)
         if ns.seq_lens:
             if ns.timeline_backend not in ns.backends:
                 raise ValueError(f"--seq-lens reports --timeline-backend "
@@ -175,13 +181,13 @@ def _report_seq_lens(ns, cfg, hw, cap, sizes, n_layers) -> None:
         c = _with_seq_len(cfg, n)
         evaluated, keeps = evaluate_backends(c, ns, hw, cap, [name], sizes)
         m = _numbers(name, evaluated[keeps[name]], n_layers)
-        static = sum(static_memory(m["local_numel"], c.optimizer.name))
-        peak = static + m["peak_act"]
+        static, act = device_memory(m, c)
+        peak = static + act
         tokens = c.training.local_batch_size * n // (c.parallelism.tensor_parallel_degree
                                                       * c.parallelism.context_parallel_degree)
         fits = ("–" if not cfg.job.gpu_memory_gib else
                 "yes" if peak <= room else "NO")
-        print(f"| {n} | {tokens} | {m['peak_act'] / 2**30:.2f} | {peak / 2**30:.1f} | {fits} |")
+        print(f"| {n} | {tokens} | {act / 2**30:.2f} | {peak / 2**30:.1f} | {fits} |")
 
 
 def evaluate_backends(cfg, ns, hw, cap, backends, sizes) -> tuple[dict, dict]:
@@ -214,8 +220,9 @@ def predicted_peak_bytes(cfg, world_size: int, backends, hardware: str = "local"
     """{backend: per-rank peak bytes the planner predicts} for ``cfg``'s compiled step on
     ``world_size`` ranks (``n_layers`` blocks; None: the flavor's), under the config's memory
     cap: fp32 shards, gradients and optimizer state plus the graphs' peak of gathered buffers
-    and activations. Every block is traced, or with ``full_trace_layers`` a deeper model is
-    extrapolated from traces of 4 and 6 blocks, as ``python -m simplesharded.tools.forecast`` does."""
+    and activations (under the config's host offload: device_memory). Every block is traced,
+    or with ``full_trace_layers`` a deeper model is extrapolated from traces of 4 and 6
+    blocks, as ``python -m simplesharded.tools.forecast`` does."""
     from simplesharded.models import get_model_spec
     from simplesharded.passes.hardware import get_hardware
     depth = n_layers or get_model_spec(cfg.model.name, cfg.model.flavor,
@@ -227,10 +234,31 @@ def predicted_peak_bytes(cfg, world_size: int, backends, hardware: str = "local"
     evaluated, keeps = evaluate_backends(cfg, ns, get_hardware(hardware), cap, backends, sizes)
     out = {}
     for name in backends:
-        m = _numbers(name, evaluated[keeps[name]], depth)
-        out[name] = int(sum(static_memory(m["local_numel"], cfg.optimizer.name))
-                        + m["peak_act"])
+        out[name] = int(sum(device_memory(_numbers(name, evaluated[keeps[name]], depth), cfg)))
     return out
+
+
+def device_memory(m: dict, cfg) -> tuple[float, float]:
+    """(static, transient) device bytes per rank of a backend's numbers ``m`` under ``cfg``'s
+    optimizer and host offload: the fp32 shards, gradients and optimizer state the device
+    keeps (static_memory), and the graphs' peak of gathered buffers and activations, which
+    under offload lets the reduced gradients go at their reduction and, under ``params``,
+    holds the bucket copy a gather reads (offload_cost.py). Every peak the planner prints is
+    their sum."""
+    offload = cfg.parallelism.offload
+    static = sum(static_memory(m["local_numel"], cfg.optimizer.name, offload))
+    if offload == "none":
+        return static, m["peak_act"]
+    return static, m["peak_act_grads_on_host"] + offload_cost.in_flight_copy_bytes(m, offload)
+
+
+def step_seconds(m: dict, cfg, hw) -> float:
+    """Seconds of one step of a backend's numbers ``m``: forward and backward as simulated,
+    offload's copies (serialised on the compute stream, offload_cost.py) and the optimizer's
+    step (memory bound: on the device, or on the host under offload)."""
+    offload = cfg.parallelism.offload
+    return (m["fw_s"] + m["bw_s"] + offload_cost.copy_seconds(m, offload, hw)
+            + offload_cost.optimizer_seconds(m["local_numel"], offload, hw))
 
 
 def forecast_backend(backend: str) -> str:
@@ -339,15 +367,14 @@ def _report(ns, cfg, hw, evaluated, keeps, sizes, n_layers, t0) -> None:
     for name in ns.backends:
         m = numbers[name] = _numbers(name, evaluated[keeps[name]], n_layers)
         last = evaluated[keeps[name]][-1][name]  # the deepest trace: its links and timeline
-        shard = m["local_numel"]
-        static = sum(static_memory(shard, cfg.optimizer.name))
-        step = m["fw_s"] + m["bw_s"] + 7 * 4 * shard / hw.mem_bw_Bps  # + AdamW, memory bound
+        static, act = device_memory(m, cfg)
+        step = step_seconds(m, cfg, hw)
         print(f"| {name} | {step:.3f} | {m['exposed_s']:.3f} | {m['comm_bytes'] / 1e9:.2f} | "
               f"{m['collectives']:.0f} | {tokens / step:,.0f} | "
-              f"{(static + m['peak_act']) / 2**30:.1f} |")
+              f"{(static + act) / 2**30:.1f} |")
         rows += [(name, label, link, m) for label, link in last["links"].items()]
         if drawn is None or name == ns.timeline_backend:
-            drawn = (name, last, static, m["peak_act"])
+            drawn = (name, last, static, act, m)
     print("\ncommunication per process group, per rank and step (comm s: transfer time on the "
           "group's link; exposed s: compute waiting for it)\n\n"
           "| backend | group | link | collectives | GB/rank | comm s | exposed s |\n"
@@ -367,10 +394,12 @@ def _report(ns, cfg, hw, evaluated, keeps, sizes, n_layers, t0) -> None:
     m = numbers[ns.backends[0]]
     if m.get("cp:count"):
         print("\n" + _cp_line(cfg, m))
-    name, last, static, act = drawn
+    name, last, static, act, m = drawn
     print(f"\nmemory per rank ({name}): params + grads + optimizer {static / 2**30:.2f} GiB "
-          f"(fp32 shards), gathered buffers + activations {act / 2**30:.2f} GiB; the device "
-          f"has {hw.memory_bytes / 2**30:.0f} GiB")
+          f"(fp32 shards on the device), gathered buffers + activations "
+          f"{act / 2**30:.2f} GiB; the device has {hw.memory_bytes / 2**30:.0f} GiB")
+    if p.offload != "none":
+        print(_offload_line(cfg, hw, m))
     print(_stated_fit(cfg, ns.world_size, static + act))
     if ns.timeline:
         shown = "" if sizes == [None] else f" (first {sizes[-1]} blocks)"
@@ -378,6 +407,20 @@ def _report(ns, cfg, hw, evaluated, keeps, sizes, n_layers, t0) -> None:
                       f"{cfg.model.name}/{cfg.model.flavor}{shown}, {ns.world_size} × "
                       f"{hw.name}, backend {name}")
         print(f"timeline written to {ns.timeline}")
+
+
+def _offload_line(cfg, hw, m: dict) -> str:
+    """What host offload costs per rank and step: its copies and the host's optimizer step."""
+    offload = cfg.parallelism.offload
+    to_device, to_host = offload_cost.copy_bytes(m, offload)
+    host = host_memory(m["local_numel"], cfg.optimizer.name, offload)
+    return (f"offload {offload}: the host holds {host / 2**30:.2f} GiB per rank (fp32 shards, "
+            f"gradients, optimizer state); host to device {to_device / 1e9:.2f} GB, device to "
+            f"host {to_host / 1e9:.2f} GB per step at {hw.host_link_Bps / 1e9:.0f} GB/s, "
+            f"{offload_cost.copy_seconds(m, offload, hw):.3f} s serialised with compute; the "
+            f"optimizer step on the host "
+            f"{offload_cost.optimizer_seconds(m['local_numel'], offload, hw):.3f} s at "
+            f"{hw.host_mem_bw_Bps / 1e9:.0f} GB/s")
 
 
 def kv_gather_bytes(cfg) -> int:
@@ -467,12 +510,20 @@ def _evaluate(traced: Traced, name: str, ns, cfg, hw, cap) -> dict:
                                   **quantize_options(cfg.compile))
     fs, bs = (simulate(gm, hw, labels=traced.group_labels) for gm in (fw, bw))
     mem = memory_report(traced, cfg.optimizer.name, (fw, bw))
+    # under either offload: the reduced gradients leave the device (device_memory adds
+    # params' bucket copy)
+    on_host = memory_report(traced, cfg.optimizer.name, (fw, bw), offload="optimizer")
     out = {"fw_s": fs.makespan, "bw_s": bs.makespan,
            "exposed_s": fs.exposed_comm_s + bs.exposed_comm_s,
            "comm_bytes": fs.comm_bytes + bs.comm_bytes,
            "collectives": len(find_collectives(fw)) + len(find_collectives(bw)),
            "peak_act": int(mem.peak_activations), "local_numel": traced.local_numel,
+           "peak_act_grads_on_host": int(on_host.peak_activations),
            "fw_sched": fs, "bw_sched": bs, "links": {}}
+    # the buckets' shards offload would copy: of the traced graphs, whose ragged buckets are
+    # every backend's
+    out.update({f"offload:{k}": v for k, v in
+                offload_cost.bucket_shards(traced.fw, traced.bw).items()})
     # per graph, mesh dim and kind: the pipeline model (pp_forecast.py) tells FSDP's gathers
     # from its reductions per micro-batch
     for graph, gm in (("fw", fw), ("bw", bw)):
