@@ -6,9 +6,9 @@ parallelizes it as the trainer does (trainer/recipe.py parallelize: tensor paral
 checkpointing, data_parallel) and captures rank 0's forward and backward graphs after
 partitioning; the shards of the meta model are never written, so they take no memory.
 ``apply_backend_passes`` runs a backend's graph passes on copies of those graphs, and
-``memory_report`` adds the per-rank static state to their peak (under host offload too, which
-the trace leaves out: offload_cost.py). ``python -m simplesharded.tools.forecast`` reports on
-them; tests use them directly.
+``memory_report`` adds the per-rank static state to their peak (and gives the peak as host
+offload, which the trace leaves out, changes it: offload_cost.py). ``python -m
+simplesharded.tools.forecast`` reports on them; tests use them directly.
 """
 from __future__ import annotations
 
@@ -168,6 +168,9 @@ class MemoryReport:
     grads: int
     optimizer: int
     peak_activations: int  # fw/bw transient peak: gathered buffers + activations
+    # the same with backward's reduced gradients leaving the device at their reduction, as
+    # under host offload (offload_cost.reduced_grads_on_host)
+    peak_activations_grads_on_host: int
 
     @property
     def total(self) -> int:
@@ -215,24 +218,21 @@ def saved_bytes(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule) -> int:
         sum(tensor_nbytes(n) for n in saved if n.name not in forward)
 
 
-def memory_report(traced: Traced, optimizer: str, fw_bw=None,
-                  offload: str = "none") -> MemoryReport:
-    """Per-rank device bytes: static state (see static_memory) + the transient peak of the
-    graphs: the forward's, or what forward saves for backward (saved_bytes) held throughout
-    backward plus the backward's own peak. Under host ``offload`` (the graphs are traced
-    without it, offload_cost.py) backward's reduced gradients leave the device at their
-    reduction, and under ``"params"`` the largest bucket's shard copy is added."""
+def memory_report(traced: Traced, optimizer: str, fw_bw=None) -> MemoryReport:
+    """Per-rank device bytes without offload: static state (see static_memory) + the
+    transient peak of the graphs: the forward's, or what forward saves for backward
+    (saved_bytes) held throughout backward plus the backward's own peak; that peak also with
+    backward's reduced gradients sent to the host at their reduction, as host offload does
+    (the graphs are traced without it: offload_cost.py; forecast.device_memory adds the rest
+    of offload's device bytes)."""
     from simplesharded.passes.memory import peak_memory
     from simplesharded.tools import offload_cost
 
     fw, bw = fw_bw or (traced.fw, traced.bw)
-    params, grads, opt = static_memory(traced.local_numel, optimizer, offload)
+    params, grads, opt = static_memory(traced.local_numel, optimizer)
     fw_peak, _ = peak_memory(fw, include_inputs=False)
-    bw_peak, _ = peak_memory(bw if offload == "none" else offload_cost.reduced_grads_on_host(bw),
-                             include_inputs=False)
-    copy = 0
-    if offload == "params":
-        largest = offload_cost.bucket_shards(traced.fw, traced.bw)["largest"]
-        copy = offload_cost.in_flight_copy_bytes({"offload:largest": largest}, offload)
-    return MemoryReport(params, grads, opt,
-                        int(max(fw_peak, saved_bytes(fw, bw) + bw_peak) + copy))
+    saved = saved_bytes(fw, bw)
+    bw_peak, _ = peak_memory(bw, include_inputs=False)
+    bw_peak_host, _ = peak_memory(offload_cost.reduced_grads_on_host(bw), include_inputs=False)
+    return MemoryReport(params, grads, opt, int(max(fw_peak, saved + bw_peak)),
+                        int(max(fw_peak, saved + bw_peak_host)))

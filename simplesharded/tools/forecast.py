@@ -509,16 +509,15 @@ def _evaluate(traced: Traced, name: str, ns, cfg, hw, cap) -> dict:
     fw, bw = apply_backend_passes(traced, name, ns.hardware, cap,
                                   **quantize_options(cfg.compile))
     fs, bs = (simulate(gm, hw, labels=traced.group_labels) for gm in (fw, bw))
+    # with the peak under either offload, whose reduced gradients leave the device
+    # (device_memory adds params' bucket copy)
     mem = memory_report(traced, cfg.optimizer.name, (fw, bw))
-    # under either offload: the reduced gradients leave the device (device_memory adds
-    # params' bucket copy)
-    on_host = memory_report(traced, cfg.optimizer.name, (fw, bw), offload="optimizer")
     out = {"fw_s": fs.makespan, "bw_s": bs.makespan,
            "exposed_s": fs.exposed_comm_s + bs.exposed_comm_s,
            "comm_bytes": fs.comm_bytes + bs.comm_bytes,
            "collectives": len(find_collectives(fw)) + len(find_collectives(bw)),
            "peak_act": int(mem.peak_activations), "local_numel": traced.local_numel,
-           "peak_act_grads_on_host": int(on_host.peak_activations),
+           "peak_act_grads_on_host": mem.peak_activations_grads_on_host,
            "fw_sched": fs, "bw_sched": bs, "links": {}}
     # the buckets' shards offload would copy: of the traced graphs, whose ragged buckets are
     # every backend's
