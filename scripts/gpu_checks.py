@@ -733,14 +733,13 @@ def check_cp_attention(device: str, opts: dict) -> list[Row]:
     import torch.distributed as dist
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from simplesharded.models import get_model_spec
     from simplesharded.models.context_parallel import ContextParallel
     from simplesharded.tools.cluster_trace import fake_world
     from simplesharded.trainer.config import load_config
 
     cfg = load_config(None, ["--job.config_file", os.path.join(ROOT, CP_CONFIG)])
     cp, seq = cfg.parallelism.context_parallel_degree, cfg.training.seq_len
-    _, args = get_model_spec(cfg.model.name, cfg.model.flavor)
+    _, args = cfg.model.spec()
     h, hkv, d = args.n_heads, args.n_kv_heads, args.dim // args.n_heads
     dtype = torch.bfloat16
     probe = CP_PROBE_SEQ if device != "cpu" else 1024

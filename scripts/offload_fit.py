@@ -37,7 +37,6 @@ ZERO_OFFLOAD = ("ZeRO-Offload (Ren et al., USENIX ATC 2021): models of up to 13B
 
 
 def main(argv=None) -> int:
-    from simplesharded.models import get_model_spec
     from simplesharded.passes.hardware import get_hardware
     from simplesharded.storage.offload import OFFLOADS
     from simplesharded.tools import forecast
@@ -71,7 +70,7 @@ def main(argv=None) -> int:
         cap = int(cfg.compile.memory_cap_mb * 2**20) or None
         evaluated, keeps = forecast.evaluate_backends(cfg, ns, hw, cap, [backend], [4, 6])
         runs = evaluated[keeps[backend]]
-        depth = get_model_spec(cfg.model.name, cfg.model.flavor)[1].n_layers
+        depth = cfg.model.spec()[1].n_layers
         tokens = cfg.training.local_batch_size * cfg.training.seq_len
         for offload in OFFLOADS:
             c = copy.deepcopy(cfg)

@@ -208,14 +208,13 @@ def test_model_n_layers():
     """model.n_layers builds the zoo model with that many blocks (0: the flavor's); the
     planner and the pipeline split read the same depth; negative, or with a Hugging Face
     model, one error naming the key."""
-    from simplesharded.models import build_model
     from simplesharded.tools.forecast import _meta_params
     from simplesharded.trainer import check_static
 
     cfg = check_static(load(None, ["--model.n_layers", "2"]), 2)
     assert cfg.model.overrides() == {"n_layers": 2} and Config().model.overrides() == {}
-    shallow = {n for n, _ in build_model("llama3", "debug", **cfg.model.overrides())
-               .named_parameters()}
+    assert cfg.model.spec()[1].n_layers == 2 and Config().model.spec()[1].n_layers > 2
+    shallow = {n for n, _ in cfg.model.build().named_parameters()}
     assert {n.split(".")[1] for n in shallow if n.startswith("layers.")} == {"0", "1"}
     assert len(_meta_params(cfg)) == len(shallow)
     with pytest.raises(ValueError, match=r"^model.n_layers=-1: a zoo model's number of blocks"):

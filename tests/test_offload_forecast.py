@@ -80,19 +80,35 @@ def test_params_offload_lowers_the_peak_by_the_static_bytes_it_moves(traced):
     assert static_none - static_params == moved and static_params == 0
     assert static_opt == 4 * n  # the resident shard the gathers read
     copy_bytes = 4 * m["offload:largest"]
-    released = m["peak_act"] - m["peak_act_grads_on_host"]
-    assert released >= 0
-    assert (static_none + act_none) - (static_params + act_params) == \
-        moved - copy_bytes + released
-    assert act_opt == m["peak_act_grads_on_host"]
-    # what backward's peak no longer holds is the reduced gradients, all of them
+    # the graphs' peak counts the reduced gradients once, in the static state, with or
+    # without offload: params adds only the copy a gather reads
+    assert act_none == act_opt == m["peak_act"]
+    assert (static_none + act_none) - (static_params + act_params) == moved - copy_bytes
+    # accumulating on the device, backward's gradients live beside the static ones to its
+    # end; under offload they leave at their reduction all the same
+    accumulating = _with(cfg, "none")
+    accumulating.training.gradient_accumulation_steps = 2
+    assert device_memory(m, accumulating)[1] == m["peak_act_accumulating"] > m["peak_act"]
+    accumulating.parallelism.offload = "optimizer"
+    assert device_memory(m, accumulating)[1] == m["peak_act"]
+
+
+def test_the_peak_leaves_out_the_gradients_the_static_state_holds(traced):
+    """Backward's outputs are the parameters' gradients, as many bytes as static_memory's
+    gradients: the transient peak is taken without them (each counted once)."""
+    from simplesharded.passes.memory import peak_memory
+    from simplesharded.passes.node_meta import node_value, value_bytes
+    from simplesharded.tools.cluster_trace import static_memory, without_gradients
+
+    _, _, t, m = traced
     outputs = [a for a in next(iter(reversed(t.bw.graph.nodes))).args[0]
                if isinstance(a, torch.fx.Node)]
-    kept = [a for a in next(iter(reversed(offload_cost.reduced_grads_on_host(t.bw).nodes))
-                            ).args[0] if a is not None]
-    dropped = sum(value_bytes(node_value(a)) for a in outputs) - \
-        sum(value_bytes(node_value(a)) for a in kept)
-    assert dropped == 4 * m["offload:reduced"]
+    _, grads, _ = static_memory(t.local_numel, "AdamW")
+    assert sum(value_bytes(node_value(a)) for a in outputs) == grads == 4 * m["offload:reduced"]
+    assert next(iter(reversed(without_gradients(t.bw).nodes))).args[0] is None
+    with_outputs, _ = peak_memory(t.bw, include_inputs=False)
+    without, _ = peak_memory(without_gradients(t.bw), include_inputs=False)
+    assert with_outputs - without > grads // 2  # most of them were alive at the peak
 
 
 def test_copies_add_time_at_the_host_link_bandwidth(traced):

@@ -184,10 +184,10 @@ def test_p2p_crosses_nodes_when_the_pipeline_spans_them():
 def test_stage_costs_from_per_block_numbers():
     from simplesharded.passes.hardware import get_hardware
     from simplesharded.tools.pp_forecast import stage_costs
-    block = {"fw_s": 1.0, "bw_s": 2.0, "peak_act": 10, "group:dp_shard:exposed_s": 0.1,
+    block = {"fw_s": 1.0, "bw_s": 2.0, "peak_act": 10, "saved": 6, "group:dp_shard:exposed_s": 0.1,
              "fw:dp_shard:all_gather": 1, "bw:dp_shard:all_gather": 1,
              "bw:dp_shard:reduce_scatter": 1, "fw:tp:all_gather": 5}
-    rest = {"fw_s": 0.5, "bw_s": 0.5, "peak_act": 7, "group:dp_shard:exposed_s": 0.0,
+    rest = {"fw_s": 0.5, "bw_s": 0.5, "peak_act": 7, "saved": 2, "group:dp_shard:exposed_s": 0.0,
             "fw:dp_shard:all_gather": 2, "bw:dp_shard:all_gather": 0,
             "bw:dp_shard:reduce_scatter": 2}
     hw = get_hardware("h100-ib400")
@@ -198,7 +198,10 @@ def test_stage_costs_from_per_block_numbers():
     assert (last.fw_s, last.bw_s) == (2.5, 4.5)  # norm, head and loss on the last stage
     assert first.gathers == 6 and last.gathers == 6  # tp's gathers are not FSDP's
     assert first.reductions == 3 and last.reductions == 4
-    assert first.act_bytes == 30 and first.working_bytes == 7
+    # held per micro-batch in flight: what forward saves; the rest of the peak once, with
+    # the unsharded gradients (param dtype) a deferred policy's backward returns
+    assert first.act_bytes == 18 and first.working_bytes == 3 * 4 + 5 + 2 * 30 * 4
+    assert last.act_bytes == 2 * 6 + 2 and last.working_bytes == 2 * 4 + 5 + 2 * 20 * 4
     assert first.static_bytes == 16 * 30 and last.static_bytes == 16 * 20  # AdamW fp32
     assert first.grad_sum_bytes == 4 * 30 * 4  # unsharded over dp_shard 4
     assert first.reduce_s > last.reduce_s > 0
@@ -211,6 +214,7 @@ def test_stage_costs_from_per_block_numbers():
     assert once.gather_s > 0 and once.gathered_bytes == 2 * 30 * 4
     assert once.reduce_s == first.reduce_s
     assert (each.gathers, each.step_gathers, each.reduce_s) == (6, 0, 0.0)
+    assert each.working_bytes == 2 * 4 + 5 + 4 * 20  # the reduced shards, reduce dtype
 
 
 def test_timeline_has_one_row_per_stage_and_a_memory_curve_each():

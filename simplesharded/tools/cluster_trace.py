@@ -56,7 +56,6 @@ def trace(cfg, local_batch: int, n_layers: int | None = None,
     flavor's; ``keep_gathered_bytes`` and ``memory_cap_bytes``: the plan's, which decide what
     reshard_after_forward="auto" keeps (passes/recompute.py)."""
     from simplesharded.mesh import build_mesh, group_labels
-    from simplesharded.models import build_model
     from simplesharded.trainer import loss_chunks, parallelize, uses_loss_parallel
 
     from functorch.compile import min_cut_rematerialization_partition
@@ -99,8 +98,8 @@ def trace(cfg, local_batch: int, n_layers: int | None = None,
         mesh = build_mesh(p.data_parallel_replicate_degree, p.data_parallel_shard_degree,
                           "cpu", p.tensor_parallel_degree, p.expert_parallel_degree,
                           p.context_parallel_degree)
-        extra = {"n_layers": n_layers} if n_layers else cfg.model.overrides()
-        model = build_model(cfg.model.name, cfg.model.flavor, device="meta", **extra)
+        cfg.model.n_layers = n_layers or cfg.model.n_layers  # cfg is this call's copy
+        model = cfg.model.build()
         # Not under FakeTensorMode: the mesh slicing in TP and data_parallel runs tensor ops
         # on the rank layout that fake tensors cannot (nonzero). The shards data_parallel
         # makes of a meta model are uninitialised (torch.empty: no page is touched), and
@@ -168,9 +167,11 @@ class MemoryReport:
     grads: int
     optimizer: int
     peak_activations: int  # fw/bw transient peak: gathered buffers + activations
-    # the same with backward's reduced gradients leaving the device at their reduction, as
-    # under host offload (offload_cost.reduced_grads_on_host)
-    peak_activations_grads_on_host: int
+    saved: int  # what forward hands to backward (saved_bytes), inside peak_activations
+    # the peak when backward's reduced gradients live beside the static ones to its end, as
+    # in every micro-batch of an accumulating step but the first (autograd adds them to the
+    # shards' .grad once the compiled backward returns)
+    peak_activations_accumulating: int
 
     @property
     def total(self) -> int:
@@ -218,21 +219,33 @@ def saved_bytes(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule) -> int:
         sum(tensor_nbytes(n) for n in saved if n.name not in forward)
 
 
+def without_gradients(bw: torch.fx.GraphModule | torch.fx.Graph) -> torch.fx.Graph:
+    """A copy of backward whose outputs, the parameters' gradients, are dropped: each is
+    freed after its last use inside the graph. Their bytes are the gradients static_memory
+    counts (or, under host offload, copied to the host at their reduction), so a peak of
+    this copy counts them once. The copy's nodes keep their metadata (what
+    passes/memory.py reads)."""
+    graph = bw.graph if isinstance(bw, torch.fx.GraphModule) else bw
+    copy_, env = torch.fx.Graph(), {}
+    copy_.graph_copy(graph, env)
+    copy_.output(None)
+    return copy_
+
+
 def memory_report(traced: Traced, optimizer: str, fw_bw=None) -> MemoryReport:
     """Per-rank device bytes without offload: static state (see static_memory) + the
     transient peak of the graphs: the forward's, or what forward saves for backward
-    (saved_bytes) held throughout backward plus the backward's own peak; that peak also with
-    backward's reduced gradients sent to the host at their reduction, as host offload does
-    (the graphs are traced without it: offload_cost.py; forecast.device_memory adds the rest
-    of offload's device bytes)."""
+    (saved_bytes) held throughout backward plus backward's own peak; without the gradients it
+    outputs (:func:`without_gradients`: one micro-batch per step, whose gradients become the
+    shards' ``.grad``, or offload's, which leave at their reduction) and with them (an
+    accumulating step). forecast.device_memory picks one and adds offload's device bytes."""
     from simplesharded.passes.memory import peak_memory
-    from simplesharded.tools import offload_cost
 
     fw, bw = fw_bw or (traced.fw, traced.bw)
     params, grads, opt = static_memory(traced.local_numel, optimizer)
     fw_peak, _ = peak_memory(fw, include_inputs=False)
     saved = saved_bytes(fw, bw)
-    bw_peak, _ = peak_memory(bw, include_inputs=False)
-    bw_peak_host, _ = peak_memory(offload_cost.reduced_grads_on_host(bw), include_inputs=False)
-    return MemoryReport(params, grads, opt, int(max(fw_peak, saved + bw_peak)),
-                        int(max(fw_peak, saved + bw_peak_host)))
+    bw_peak, _ = peak_memory(without_gradients(bw), include_inputs=False)
+    bw_peak_outputs, _ = peak_memory(bw, include_inputs=False)
+    return MemoryReport(params, grads, opt, int(max(fw_peak, saved + bw_peak)), int(saved),
+                        int(max(fw_peak, saved + bw_peak_outputs)))

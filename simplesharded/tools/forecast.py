@@ -146,9 +146,7 @@ def main(argv=None) -> int:
             return pp_forecast.run(cfg, ns, hw, cap, t0, traced_numbers)
         except ValueError as e:
             ap.error(str(e))
-    from simplesharded.models import get_model_spec
-    n_layers = get_model_spec(cfg.model.name, cfg.model.flavor,
-                              **cfg.model.overrides())[1].n_layers
+    n_layers = cfg.model.spec()[1].n_layers
     # Blocks are identical, so the schedule is periodic: for deep models trace two short
     # versions and extrapolate linearly (exact for the per-block part, and 10x faster).
     sizes = [None] if n_layers <= ns.full_trace_layers else [4, 6]
@@ -223,10 +221,8 @@ def predicted_peak_bytes(cfg, world_size: int, backends, hardware: str = "local"
     and activations (under the config's host offload: device_memory). Every block is traced,
     or with ``full_trace_layers`` a deeper model is extrapolated from traces of 4 and 6
     blocks, as ``python -m simplesharded.tools.forecast`` does."""
-    from simplesharded.models import get_model_spec
     from simplesharded.passes.hardware import get_hardware
-    depth = n_layers or get_model_spec(cfg.model.name, cfg.model.flavor,
-                                       **cfg.model.overrides())[1].n_layers
+    depth = n_layers or cfg.model.spec()[1].n_layers
     sizes = ([4, 6] if full_trace_layers is not None and depth > full_trace_layers
              else [n_layers])
     ns = argparse.Namespace(world_size=world_size, hardware=hardware)
@@ -241,15 +237,16 @@ def predicted_peak_bytes(cfg, world_size: int, backends, hardware: str = "local"
 def device_memory(m: dict, cfg) -> tuple[float, float]:
     """(static, transient) device bytes per rank of a backend's numbers ``m`` under ``cfg``'s
     optimizer and host offload: the fp32 shards, gradients and optimizer state the device
-    keeps (static_memory), and the graphs' peak of gathered buffers and activations, which
-    under offload lets the reduced gradients go at their reduction and, under ``params``,
-    holds the bucket copy a gather reads (offload_cost.py). Every peak the planner prints is
-    their sum."""
+    keeps (static_memory), and the graphs' peak of gathered buffers and activations: with
+    backward's reduced gradients beside the static ones when the step accumulates
+    micro-batches on the device (cluster_trace.memory_report), and under ``params`` with the
+    bucket copy a gather reads (offload_cost.py). Every peak the planner prints is their
+    sum."""
     offload = cfg.parallelism.offload
     static = sum(static_memory(m["local_numel"], cfg.optimizer.name, offload))
-    if offload == "none":
-        return static, m["peak_act"]
-    return static, m["peak_act_grads_on_host"] + offload_cost.in_flight_copy_bytes(m, offload)
+    accumulating = cfg.training.gradient_accumulation_steps > 1 and offload == "none"
+    peak = m["peak_act_accumulating"] if accumulating else m["peak_act"]
+    return static, peak + offload_cost.in_flight_copy_bytes(m, offload)
 
 
 def step_seconds(m: dict, cfg, hw) -> float:
@@ -428,8 +425,7 @@ def kv_gather_bytes(cfg) -> int:
     K and V of every token of a dp rank's micro-batch (2 · tokens · kv_heads · head_dim ·
     the parameters' compute dtype's bytes), tp ranks holding their share of the heads."""
     import torch
-    from simplesharded.models import get_model_spec
-    args = get_model_spec(cfg.model.name, cfg.model.flavor, **cfg.model.overrides())[1]
+    args = cfg.model.spec()[1]
     t, p = cfg.training, cfg.parallelism
     dtype = getattr(torch, t.mixed_precision_param)
     head_dim = args.dim // args.n_heads
@@ -491,9 +487,7 @@ def _extrapolate(per_trace: list[dict], n_layers: int) -> dict:
 
 
 def _meta_params(cfg):
-    from simplesharded.models import build_model
-    return list(build_model(cfg.model.name, cfg.model.flavor, device="meta",
-                            **cfg.model.overrides()).parameters())
+    return list(cfg.model.build().parameters())
 
 
 def _evaluate(traced: Traced, name: str, ns, cfg, hw, cap) -> dict:
@@ -509,15 +503,14 @@ def _evaluate(traced: Traced, name: str, ns, cfg, hw, cap) -> dict:
     fw, bw = apply_backend_passes(traced, name, ns.hardware, cap,
                                   **quantize_options(cfg.compile))
     fs, bs = (simulate(gm, hw, labels=traced.group_labels) for gm in (fw, bw))
-    # with the peak under either offload, whose reduced gradients leave the device
-    # (device_memory adds params' bucket copy)
+    # device_memory adds params' bucket copy
     mem = memory_report(traced, cfg.optimizer.name, (fw, bw))
     out = {"fw_s": fs.makespan, "bw_s": bs.makespan,
            "exposed_s": fs.exposed_comm_s + bs.exposed_comm_s,
            "comm_bytes": fs.comm_bytes + bs.comm_bytes,
            "collectives": len(find_collectives(fw)) + len(find_collectives(bw)),
            "peak_act": int(mem.peak_activations), "local_numel": traced.local_numel,
-           "peak_act_grads_on_host": mem.peak_activations_grads_on_host,
+           "saved": mem.saved, "peak_act_accumulating": mem.peak_activations_accumulating,
            "fw_sched": fs, "bw_sched": bs, "links": {}}
     # the buckets' shards offload would copy: of the traced graphs, whose ragged buckets are
     # every backend's

@@ -11,9 +11,9 @@ offloads), and under ``optimizer`` one copy of the whole shard to its resident c
 forward.
 
 Memory (device bytes per rank): the static state is cluster_trace.static_memory's (it takes
-the offload); of the graphs' transient peak, backward's reduced gradients leave the device at
-their reduction (:func:`reduced_grads_on_host`: the gradient outputs are dropped from backward
-before its peak is taken), and under ``params`` the largest bucket's fp32 shard copy is added,
+the offload); the graphs' transient peak counts backward's reduced gradients once, in the
+static state (cluster_trace.without_gradients), so with or without offload it is the same; under
+``params`` the largest bucket's fp32 shard copy is added,
 the copy a gather reads while it is cast and gathered (an upper bound: added to the peak
 wherever the peak is; the reordering pass moves a copy with its gather, so one copy at a time
 feeds the cast).
@@ -61,28 +61,6 @@ def bucket_shards(fw: fx.GraphModule | fx.Graph, bw: fx.GraphModule | fx.Graph
             else:  # produced: this rank's [L]
                 out["reduced"] += produced
     return out
-
-
-def reduced_grads_on_host(bw: fx.GraphModule | fx.Graph) -> fx.Graph:
-    """A copy of backward without the outputs computed from ragged reduce-scatters: under
-    offload each reduced gradient is copied to the host right after its reduction and leaves
-    the device, where the plain graph holds it as an output to the end. The copy's nodes keep
-    their metadata (what passes/memory.py reads)."""
-    graph = bw.graph if isinstance(bw, fx.GraphModule) else bw
-    reduced: set[fx.Node] = {c.wait for c in find_collectives(graph)
-                             if c.prebucketed and c.kind == "reduce_scatter"
-                             and c.wait is not None}
-    output = None
-    for node in graph.nodes:  # in order: a node computed from a reduced gradient is one too
-        if node.op == "output":
-            output = node
-        elif any(a in reduced for a in node.all_input_nodes):
-            reduced.add(node)
-    copy, env = fx.Graph(), {}
-    copy.graph_copy(graph, env)
-    copy.output(fx.node.map_arg(output.args[0],
-                                lambda n: None if n in reduced else env[n]))
-    return copy
 
 
 def copy_bytes(m: dict, offload: str) -> tuple[float, float]:

@@ -88,6 +88,9 @@ def stage_costs(per_block: dict, rest: dict, blocks: list[int], stage_numel: lis
             return sum(m.get(f"group:{d}:exposed_s", 0.0) for d in _FSDP_DIMS)
         return sum(m.get(f"{graph}:exposed:{d}", 0.0) for d in _FSDP_DIMS)
 
+    def working(m):  # the graphs' peak above what forward saves
+        return m["peak_act"] - m["saved"]
+
     reduce_kinds = ("reduce_scatter", "all_reduce", "all_to_all")
     policies = [policy] * len(blocks) if isinstance(policy, str) else policy
     out = []
@@ -103,6 +106,10 @@ def stage_costs(per_block: dict, rest: dict, blocks: list[int], stage_numel: lis
                               hw, dp_link) if pol in DEFERRED else 0.0)
         fw_s, bw_s, exposed = (mix(lambda m: m["fw_s"]), mix(lambda m: m["bw_s"]),
                                mix(fsdp_exposed))
+        # every_microbatch: the stage's reduced shards; deferred: its unsharded gradients in
+        # the gathered dtype (storage/grad_sync.py), both added to the sums after backward
+        grads_returned = (param_bytes * local * dp_shard if pol in DEFERRED
+                          else reduce_bytes * local)
         gather_s, step_gathers = 0.0, 0
         if pol == "gather_once":  # held parameters: no FSDP collective in any micro-batch
             fw_wait, bw_wait = (mix(lambda m, g=g: fsdp_exposed(m, g)) for g in ("fw", "bw"))
@@ -114,8 +121,12 @@ def stage_costs(per_block: dict, rest: dict, blocks: list[int], stage_numel: lis
             fw_s=fw_s, bw_s=bw_s, reduce_s=reduce_s, gather_s=gather_s,
             step_gathers=step_gathers,
             fsdp_exposed_s=max(0.0, exposed),
-            act_bytes=int(n * per_block["peak_act"]),
-            working_bytes=int(max(0.0, rest["peak_act"])),
+            # held per micro-batch in flight: what forward saves for backward; the rest of
+            # the graphs' peak is one action's own, the output head's included on every stage,
+            # with the gradients a backward returns beside the accumulated ones
+            act_bytes=int(mix(lambda m: m["saved"])),
+            working_bytes=int(max(0.0, n * working(per_block) + working(rest))
+                              + grads_returned),
             static_bytes=int(sum(static_memory(int(local), optimizer))),
             grad_sum_bytes=int(4 * local * dp_shard),  # fp32 sums of the unsharded gradients
             gathered_bytes=int(param_bytes * local * dp_shard),
@@ -145,9 +156,8 @@ def policy_label(policy: str, policies: list[str]) -> str:
 
 def stage_numels(cfg, n_stages: int, blocks: list[int]) -> tuple[list[int], int]:
     """(parameters of each stage, of the whole model), from the meta model's FQNs."""
-    from simplesharded.models import build_model
     from simplesharded.pipeline.stage_split import plan_stages
-    model = build_model(cfg.model.name, cfg.model.flavor, device="meta", **cfg.model.overrides())
+    model = cfg.model.build()
     plans = plan_stages(model, n_stages, blocks)
     numel = {n: p.numel() for n, p in model.named_parameters()}
     out = []
@@ -165,7 +175,6 @@ def run(cfg, ns, hw, cap, t0, traced_numbers) -> int:
     traced groups (passed in: forecast.py imports this module)."""
     import time
 
-    from simplesharded.models import get_model_spec
     from simplesharded.pipeline.stage_split import even_split
     from simplesharded.trainer import check_static
     from simplesharded.trainer.config_checks import PIPELINE_SCHEDULES
@@ -173,7 +182,7 @@ def run(cfg, ns, hw, cap, t0, traced_numbers) -> int:
     p, t = cfg.parallelism, cfg.training
     pp, tp, world = p.pipeline_parallel_degree, p.tensor_parallel_degree, ns.world_size
     cp = p.context_parallel_degree  # a stage's cp ranks split its sequences
-    args = get_model_spec(cfg.model.name, cfg.model.flavor, **cfg.model.overrides())[1]
+    args = cfg.model.spec()[1]
     name = ns.pp_backend
     mb, local_batch = p.pipeline_parallel_microbatch_size, t.local_batch_size
     m = local_batch // mb

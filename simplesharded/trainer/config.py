@@ -78,6 +78,16 @@ class Model:
         """What replaces the flavor's args (models.get_model_spec)."""
         return {"n_layers": self.n_layers} if self.n_layers else {}
 
+    def spec(self):
+        """(class, args) of the zoo model this names, at its depth."""
+        from simplesharded.models import get_model_spec
+        return get_model_spec(self.name, self.flavor, **self.overrides())
+
+    def build(self, device="meta"):
+        """The zoo model this names, at its depth, on ``device``."""
+        from simplesharded.models import build_model
+        return build_model(self.name, self.flavor, device=device, **self.overrides())
+
 
 @dataclass
 class Optimizer:

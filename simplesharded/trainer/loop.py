@@ -21,7 +21,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from simplesharded.storage.grad_sync import set_requires_gradient_sync
 from simplesharded.storage.init import init_sharded
 from simplesharded.mesh import PP_DIM, build_mesh, ep_dim
-from simplesharded.models import build_model, hf_loading, hf_source
+from simplesharded.models import hf_loading, hf_source
 from simplesharded.trainer import checkpoint as ckpt
 from simplesharded.trainer.config import Config
 from simplesharded.trainer.data import build_data
@@ -84,8 +84,7 @@ class Trainer:
         if hf:
             model = hf_source.build_hf_model(cfg.model.path)
         else:
-            model = build_model(cfg.model.name, cfg.model.flavor, device="meta",
-                                **cfg.model.overrides())
+            model = cfg.model.build()
         if self.data.tokenizer.vocab_size > model.args.vocab_size:
             raise ValueError(f"model.tokenizer_path: vocabulary {self.data.tokenizer.vocab_size} "
                              f"does not fit the model's vocab_size {model.args.vocab_size}")

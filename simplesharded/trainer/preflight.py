@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from simplesharded.models import get_model_spec, hf_source
+from simplesharded.models import hf_source
 from simplesharded.models.context_parallel import supports_context_parallel
 from simplesharded.passes.torch_compat import (CONTEXT_PARALLEL, EXPERT_PARALLEL, STEP_GRAPH,
                                                refusal)
@@ -62,8 +62,7 @@ def check_static(cfg: Config, world_size: int) -> Config:
         except ValueError as e:
             raise ValueError(f"parallelism.context_parallel_degree={cp} with "
                              f"model.path={cfg.model.path!r}: {e}") from None
-    elif cp > 1 and not supports_context_parallel(get_model_spec(cfg.model.name,
-                                                                 cfg.model.flavor)[0]):
+    elif cp > 1 and not supports_context_parallel(cfg.model.spec()[0]):
         raise ValueError(f"parallelism.context_parallel_degree={cp} needs a model whose "
                          f"attention runs under context parallelism (llama3, deepseek_v3, "
                          f"--model.name hf of the Llama family); {what} has none")
@@ -108,7 +107,6 @@ def check_torch(cfg: Config) -> None:
 def _check_pipeline(cfg: Config) -> None:
     """The model can be cut into the stages the config asks for (simplesharded/pipeline/stage_split.py
     cuts the model the trainer builds, on the meta device here)."""
-    from simplesharded.models import build_model
     from simplesharded.pipeline.stage_split import plan_stages
     from simplesharded.trainer.config_checks import pipeline_stages
 
@@ -117,7 +115,7 @@ def _check_pipeline(cfg: Config) -> None:
     if cfg.model.name == HF:
         raise ValueError(f"{key}: Hugging Face models (model.name='hf') cannot be cut into "
                          f"pipeline stages yet; use 1")
-    model = build_model(cfg.model.name, cfg.model.flavor, device="meta", **cfg.model.overrides())
+    model = cfg.model.build()
     split = p.pipeline_parallel_layers_per_stage
     try:
         plan_stages(model, pipeline_stages(p), split or None)
@@ -133,7 +131,7 @@ def _check_zoo(cfg: Config):
 
     if cfg.model.name not in MODELS:  # the trainer's choices: the zoo and HF
         raise ValueError(f"model.name={cfg.model.name!r} is not one of {sorted([*MODELS, HF])}")
-    cls, args = get_model_spec(cfg.model.name, cfg.model.flavor, **cfg.model.overrides())
+    cls, args = cfg.model.spec()
     if not hasattr(cls, "num_flops_per_token"):  # the trainer's model protocol (zoo models)
         trainable = sorted(n for n, (c, _) in MODELS.items() if hasattr(c, "num_flops_per_token"))
         raise ValueError(f"model.name={cfg.model.name!r} is not trainable here yet (bench it with "
