@@ -9,7 +9,11 @@ Every gathered byte is a span (first node, last node, bytes):
 * its copy-outs (the per-parameter copies a bucket makes): each from the copy to its last
   reader, so while they are made the bucket's bytes are there twice over;
 * in backward, the gathered parameters forward saved (placeholders annotated with their
-  FQN): from the start to their last use.
+  FQN): from the start to their last use;
+* under host offload, the copy of the bucket's shard on the compute device that the gather
+  reads (annotated ``ss_offload="to_compute"``, simplesharded/storage/offload.py): counted with
+  its gather's span (it moves with the start), an upper bound of the copy's own life, which
+  ends once the gather has read it. On one rank a float32 copy is twice a bfloat16 gather.
 
 ``GatheredSpans.peak`` is the most of those bytes alive at once over a range of positions.
 Only the all-gather starts (and what they read) move while prefetching; once ``freeze`` is
@@ -20,7 +24,8 @@ every span, so a fit test costs what is alive around it.
 Invariant: nothing here edits the graph, and what ``freeze`` reads once stays true: after
 ``freeze(moving)`` the caller moves only nodes in ``moving`` and tells ``moved`` of every start
 it hoists. The spans count the bytes ``memory.py``'s ``gathered_timeline`` counts (the same
-three kinds); tests/test_memory_cap.py checks the reordered graphs with that sweep. It is not
+kinds, the offload copy over a longer span); tests/test_memory_cap.py checks the reordered
+graphs with that sweep. It is not
 that sweep, nor in memory.py: it follows positions while nodes move, where memory.py sweeps
 one fixed order, and keeping the two apart keeps the check independent of what it checks.
 """
@@ -31,7 +36,7 @@ import math
 
 from torch import fx
 
-from .annotations import gathered_param
+from .annotations import OFFLOAD_KEY, annotations, gathered_param
 from .collectives import Collective
 from .graph_utils import NodeOrder
 from .node_meta import alias_kind, node_bytes
@@ -56,6 +61,12 @@ class GatheredSpans:
         # gathered parameters; their nodes never move while prefetching.
         self.fixed = [span for c in self.ags for span in self._copy_outs(c)]
         self.fixed += saved_gathered(graph, order)
+        # bytes issued with each start: its gathered buffer and the offload copy it reads
+        self._bytes = {c.start: c.nbytes + offload_copy_bytes(c.start) for c in ags}
+
+    def nbytes(self, c: Collective) -> int:
+        """The bytes ``c``'s span counts: its gathered buffer and its offload copy."""
+        return self._bytes[c.start]
 
     def _copy_outs(self, c: Collective) -> list[tuple[fx.Node, fx.Node, int]]:
         """The copies ``c``'s chain makes (a bucket's per-parameter copy-outs): each from the
@@ -82,7 +93,7 @@ class GatheredSpans:
         self.static = self._static_positions(moving)
         if self.static is not None:
             last_pos, fixed = self.static
-            self.index = SpanIndex([(order[c.start], last_pos[c.start], c.nbytes, c.start)
+            self.index = SpanIndex([(order[c.start], last_pos[c.start], self.nbytes(c), c.start)
                                     for c in self.ags] + [(*span, None) for span in fixed])
 
     def _fixed_last_uses(self, cone: set[fx.Node]) -> dict[fx.Node, fx.Node] | None:
@@ -118,12 +129,12 @@ class GatheredSpans:
             last_pos, fixed = self.static
             for c in self.ags:
                 if c is not skip:
-                    yield order[c.start], last_pos[c.start], c.nbytes
+                    yield order[c.start], last_pos[c.start], self.nbytes(c)
             yield from fixed
             return
         for c in self.ags:
             if c is not skip:
-                yield order[c.start], order[self.last_use(c)], c.nbytes
+                yield order[c.start], order[self.last_use(c)], self.nbytes(c)
         for first, last, nbytes in self.fixed:
             yield order[first], order[last], nbytes
 
@@ -217,3 +228,20 @@ def held_until(node: fx.Node, order: NodeOrder, output: bool = True) -> fx.Node:
                 held.add(user)
                 frontier.append(user)
     return last
+
+
+def offload_copy_bytes(start: fx.Node, hops: int = 4) -> int:
+    """Bytes of the host offload copies (``ss_offload="to_compute"``) an all-gather ``start``
+    reads, through the few ops that build its input (a cast, a view)."""
+    total, frontier, seen = 0, [(start, 0)], set()
+    while frontier:
+        node, depth = frontier.pop()
+        for a in node.all_input_nodes:
+            if a in seen or a.op != "call_function":
+                continue
+            seen.add(a)
+            if annotations(a).get(OFFLOAD_KEY) == "to_compute":
+                total += node_bytes(a)
+            elif depth + 1 < hops:
+                frontier.append((a, depth + 1))
+    return total

@@ -9,7 +9,7 @@ import operator
 
 from torch import fx
 
-from .annotations import gathered_param
+from .annotations import OFFLOAD_KEY, annotations, gathered_param
 from .collectives import find_collectives, is_collective, is_wait
 from .node_meta import alias_kind, aliased_inputs, node_value, value_bytes
 
@@ -82,9 +82,10 @@ def memory_timeline(graph, include_inputs: bool = True) -> list[int]:
 
 def gathered_timeline(graph) -> list[int]:
     """Bytes of gathered parameters alive while each node runs, in graph order: the buffers
-    data-parallel all-gathers write, every copy made from them (a bucket's copy-outs), and the
+    data-parallel all-gathers write, every copy made from them (a bucket's copy-outs), the
     gathered parameters a backward graph receives from forward (placeholders annotated with
-    their FQN, passes/recompute.py). Liveness as in :func:`memory_timeline`."""
+    their FQN, passes/recompute.py), and under host offload the shards' copies on the compute
+    device that the gathers read. Liveness as in :func:`memory_timeline`."""
     g = _graph(graph)
     nodes, alloc, frees, size, _, _ = _liveness(g)
     gathered = _gathered_nodes(g)
@@ -98,8 +99,9 @@ def gathered_timeline(graph) -> list[int]:
 
 
 def _gathered_nodes(graph: fx.Graph) -> set[fx.Node]:
-    """Our all-gathers, the annotated nodes computed from them, and saved gathered inputs."""
-    out = set()
+    """Our all-gathers, the annotated nodes computed from them, saved gathered inputs, and
+    host offload's copies that gathers read."""
+    out = {n for n in graph.nodes if annotations(n).get(OFFLOAD_KEY) == "to_compute"}
     for c in find_collectives(graph):
         if c.kind == "all_gather" and c.ours:
             out.update(n for n in (c.start, c.wait) if n is not None)

@@ -170,7 +170,7 @@ class _Prefetch:
             _sink_to_wait(c, order)
         self.spans.freeze(self._cone())
         if self.cap is None:
-            self.cap = self.spans.peak() + max((c.nbytes for c in self.ags), default=0)
+            self.cap = self.spans.peak() + max((self.spans.nbytes(c) for c in self.ags), default=0)
         use_of = {c.start: first_use(self.chain[c.start], order) for c in self.ags}
         ags = [c for c in self.ags if use_of[c.start] is not None]
         ags.sort(key=lambda c: order[use_of[c.start]])
@@ -236,7 +236,7 @@ class _Prefetch:
     def fits(self, c, candidate) -> bool:
         """Would issuing ``c`` right before ``candidate`` keep gathered bytes alive ≤ cap?"""
         lo, hi = self.order[candidate], self.order[self.spans.last_use(c)]
-        return c.nbytes + self.spans.peak(lo, hi, skip=c) <= self.cap
+        return self.spans.nbytes(c) + self.spans.peak(lo, hi, skip=c) <= self.cap
 
 
 def _bucket(c: Collective):

@@ -10,7 +10,8 @@ from the same initial shards, in one spawned job per compiler.
   2-rank reduce-scatter adds the same two numbers per element whatever buffer they sit in.
 * inductor: over ragged buckets, ``inductor_autobucketing`` (the trainer's default), and the
   step graph under ``inductor_blockbucketing``, vs plain ``aot_eager`` within a
-  relative tolerance (SGD). Inductor's kernels fuse and vectorise the aten program (the
+  relative tolerance (SGD); with host offload of the shards (``offload="params"``) bitwise
+  the same as without it, one copy per gather and per reduction in inductor's code. Inductor's kernels fuse and vectorise the aten program (the
   concatenation and copy-out nodes of a bucket change its fusion groups), and its C++
   reductions reassociate fp32 sums: a few ulps per step. C++
   vectorisation is on, as in production: we observed, for this exact run, loss rel. diff
@@ -63,6 +64,9 @@ RAGGED_BF16 = ("bf16:aot_eager_blockbucketing", "bf16+ragged:aot_eager_blockbuck
 # which runs last, after torch's own inductor on another model. Per-parameter shards
 # bucketed under inductor: the fake8 TP case of tests/test_gpu_check.py.
 INDUCTOR = ("ragged:inductor_autobucketing",)
+# ... and with host offload of the shards, bitwise the same training as without under inductor
+# (the copies are opaque ops that copy: simplesharded/storage/offload.py)
+INDUCTOR_OFFLOAD = "offload+ragged:inductor_autobucketing"
 
 # compile_step under inductor against the same step graph under aot_eager (itself bitwise
 # the split step: tests/test_step.py)
@@ -83,7 +87,7 @@ def _train(rank, world, backend, n_layers, opt_name, get_code=False, mode="fully
     and the order of collectives among matmuls (tests/support/inductor_code.py) of the graphs our
     pipeline produced (kind → ...) and, optionally, the same of inductor's code. ``backend``
     may carry options before a colon: ``ragged`` (storage="ragged"), ``bf16``
-    (param_dtype). Parameters are read from ``state_dict()``,
+    (param_dtype), ``offload`` (offload="params"). Parameters are read from ``state_dict()``,
     which lists a ragged bucket's members."""
     options, _, backend = backend.rpartition(":")
     options = set(options.split("+")) - {""}
@@ -116,13 +120,14 @@ def _train(rank, world, backend, n_layers, opt_name, get_code=False, mode="fully
     mp = ss.MixedPrecisionPolicy(param_dtype=torch.bfloat16) if "bf16" in options else None
     model = ss.data_parallel(toy_blocks.make_model(n_layers=n_layers), mesh, mode,
                              reshard_after_forward=True, mp_policy=mp,
-                             storage="ragged" if "ragged" in options else "param")
+                             storage="ragged" if "ragged" in options else "param",
+                             offload="params" if "offload" in options else "none")
     opt = (torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
            if opt_name == "adamw" else torch.optim.SGD(model.parameters(), lr=0.1))
     compiled = model if backend == "eager" else torch.compile(
         model, fullgraph=True, backend=ss.make_backend(backend, observer=observe))
     numel = world * toy_blocks.BATCH_PER_RANK * toy_blocks.SEQ
-    losses, code_counts, code_orders = [], None, None
+    losses, code_counts, code_orders, copies = [], None, None, None
     for step in range(STEPS):
         tokens, targets = toy_blocks.batch(rank, step)
 
@@ -138,6 +143,8 @@ def _train(rank, world, backend, n_layers, opt_name, get_code=False, mode="fully
             loss, codes = run_and_get_code(fwd_bwd)
             code_counts = [_code_counts(c) for c in codes]
             code_orders = [code_order(c) for c in codes]
+            copies = [{op: len(re.findall(rf"simplesharded\.{op}\.default\(", c))
+                       for op in ("to_compute", "to_host")} for c in codes]
         else:
             loss = fwd_bwd()
         opt.step()
@@ -145,7 +152,7 @@ def _train(rank, world, backend, n_layers, opt_name, get_code=False, mode="fully
     params = {n: p.to_local().detach().clone() for n, p in model.state_dict().items()}
     torch._dynamo.reset()
     return dict(losses=losses, params=params, graph_counts=graph_counts, code_counts=code_counts,
-                graph_orders=graph_orders, code_orders=code_orders)
+                graph_orders=graph_orders, code_orders=code_orders, copies=copies)
 
 
 def aot_job(rank, world, tmp):
@@ -276,7 +283,7 @@ def inductor_job(rank, world):
     out = {"hooks_after": {}}
     out["step"] = {be: _step_graph_train(rank, world, be) for be in STEP_BACKENDS
                    if has(STEP_GRAPH)}  # where this torch has it (passes/torch_compat.py)
-    for be in INDUCTOR:
+    for be in (*INDUCTOR, INDUCTOR_OFFLOAD):
         out[be] = _train(rank, world, be, INDUCTOR_LAYERS, "sgd", get_code=True)
         out["hooks_after"][be] = (inductor_config.post_grad_custom_post_pass,
                                   inductor_config.joint_custom_pre_pass)
@@ -471,6 +478,24 @@ def test_inductor_bucketing_matches_aot_eager():
                 assert abs(a - b) <= INDUCTOR_TOL * abs(b), (rank, be, s, a, b)
             for name, p in ref["params"].items():
                 assert max_rel_diff(got["params"][name], p) <= INDUCTOR_TOL, (rank, be, name)
+
+
+def test_offload_under_inductor_trains_bitwise_as_without():
+    """offload="params" under inductor_autobucketing: every loss and final parameter bit for
+    bit those of the same run without offload, and inductor's code copies each bucket's shard
+    to the compute device once per gather and each reduced gradient to the host once per
+    reduction (the copies stay the custom ops the passes placed)."""
+    for rank, res in enumerate(_run("inductor_job")):
+        got, ref = res[INDUCTOR_OFFLOAD], res["ragged:inductor_autobucketing"]
+        assert got["losses"] == ref["losses"], rank
+        assert got["params"].keys() == ref["params"].keys()
+        for name, p in ref["params"].items():
+            assert torch.equal(got["params"][name], p), (rank, name)
+        assert got["code_counts"] == ref["code_counts"], rank
+        fw, bw = got["copies"]
+        assert fw == {"to_compute": ref["code_counts"][0]["all_gather"], "to_host": 0}, rank
+        assert bw == {"to_compute": ref["code_counts"][1]["all_gather"],
+                      "to_host": ref["code_counts"][1]["reduce_scatter"]}, rank
 
 
 def test_ragged_buckets_under_inductor():

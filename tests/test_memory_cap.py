@@ -75,3 +75,43 @@ def test_saved_gathered_weights_count_until_the_graph_ends():
         pu.check_waits_before_use(out)
         assert max(gathered_timeline(out)) == 4 * one
         assert [d for _, d in pu.prefetch_depths(out)] == depths, cap
+
+
+def _with_offload_copies(gm):
+    """``gm`` with each gather reading a copy of its shard on the compute device, as host
+    offload's graphs do (simplesharded/storage/offload.py): ``to_compute`` annotated
+    ``ss_offload``, between the shard and the all-gather."""
+    import simplesharded.storage.offload  # noqa: F401  (registers simplesharded::to_compute)
+
+    copy_op = torch.ops.simplesharded.to_compute.default
+    for start in pu.starts(gm, pu.AG):
+        shard = start.args[0]
+        with gm.graph.inserting_before(start):
+            copy = gm.graph.call_function(copy_op, (shard, torch.device("cpu")))
+        copy.meta["val"] = shard.meta["val"]  # same shape, dtype and fake mode
+        copy.meta["custom"] = {**start.meta["custom"], "ss_offload": "to_compute"}
+        start.replace_input_with(shard, copy)
+    gm.recompile()
+    return gm
+
+
+def test_offload_copies_count_against_the_cap():
+    """Host offload's copies of the shards (what a gather reads, on the compute device) are
+    gathered bytes too: on 2 ranks a float32 copy is half its gathered buffer. A cap of two
+    gathered buffers fits one prefetch without copies, none with them; a cap of two gathers
+    and their copies fits one again, and the sweep sees every copy byte within it."""
+    gm = pu.chain_graph(4)
+    one = pu._nbytes(pu.starts(gm, pu.AG)[0])
+    offloaded = _with_offload_copies(pu.fresh(gm))
+    shard = one // 2
+    assert max(gathered_timeline(offloaded)) == one + shard  # one at a time, unordered
+    plain = reorder_for_overlap(pu.fresh(gm), BlockPlan(memory_cap_bytes=2 * one))
+    assert [d for _, d in pu.prefetch_depths(plain)] == [0, 1, 1, 1]
+    for cap, depths in ((2 * one, [0, 0, 0, 0]), (2 * (one + shard), [0, 1, 1, 1])):
+        out = reorder_for_overlap(pu.fresh(offloaded), BlockPlan(memory_cap_bytes=cap))
+        pu.check_waits_before_use(out)
+        assert [d for _, d in pu.prefetch_depths(out)] == depths, cap
+        assert max(gathered_timeline(out)) <= cap
+        # each copy moved with its gather: right before the start that reads it
+        for start in pu.starts(out, pu.AG):
+            assert start.prev.target is torch.ops.simplesharded.to_compute.default

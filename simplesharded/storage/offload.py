@@ -22,7 +22,8 @@ accelerator runs. Under ``torch.compile`` each copy is one node of its own custo
 and aot_autograd keep an op opaque, so the copy stays a copy on CPU), annotated with the
 bucket's annotation and ``OFFLOAD_KEY`` (passes/annotations.py); the reordering pass moves a
 ``to_compute`` copy with the all-gather it feeds (the pure ops building a gather's input move
-with it), so a prefetched gather's copy is prefetched too.
+with it), so a prefetched gather's copy is prefetched too, and the memory cap counts it with
+the gather (docs/memory_cap.md).
 
 Invariant: the host shard is the one the members view, so ``named_parameters()``,
 ``state_dict()``, parameter groups and checkpoints read what the optimizer steps, whatever the
