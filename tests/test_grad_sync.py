@@ -7,11 +7,16 @@ One spawn of 2 gloo ranks runs every case (``_job``) and the tests read its resu
   all, the process group's sequence number does not move) and leaves every shard's ``.grad``
   None; the sync backward after it runs the reductions of one synced backward and gives the
   ``.grad`` of two synced backwards. Eager with sum and avg, tied weights, mixed precision
-  (bf16 reduce; bf16 param + fp32 reduce); compiled with block bucketing (tied, avg): one
-  reduction per bucket, and no-sync and sync-with-pending are two graphs, compiled once each.
+  (bf16 reduce; bf16 param + fp32 reduce; bf16 both); compiled with block bucketing (tied,
+  avg): one reduction per bucket, and no-sync and sync-with-pending are two graphs, compiled
+  once each. The sums are kept in the reduction's dtype (bf16 under a bf16 ``reduce_dtype``).
 - the trainer on llama3 debug (in-process, eager, 5 steps, global batch 8): 4 micro-batches
   with ``last_microbatch`` against 1 micro-batch: the same losses and the same reductions per
   step, counted at runtime by the profiler (gloo events).
+
+In this process, a gloo world of one rank (no spawn): the accumulators' dtype under each mixed
+precision policy, per-parameter shards and ragged buckets, eager (and compiled for bf16), with
+the sync backward or a pipeline stage's deferred reduction finishing the step.
 """
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 import toy
-from dist_utils import max_rel_diff, spawn
+from dist_utils import max_rel_diff, spawn, world_of_one
 
 pytestmark = pytest.mark.slow
 
@@ -36,6 +41,7 @@ TOY_CASES = [
     ("eager_avg_tied", "eager", "avg", None, True),
     ("eager_reduce_bf16", "eager", "sum", (None, torch.bfloat16), False),
     ("eager_param_bf16", "eager", "avg", (torch.bfloat16, torch.float32), True),
+    ("eager_bf16", "eager", "avg", (torch.bfloat16, torch.bfloat16), False),
     ("blockbucketing_avg_tied", "aot_eager_blockbucketing", "avg", None, True),
 ]
 
@@ -61,6 +67,7 @@ def _toy_case(rank, world, mesh, backend, reduction, mp, tied):
     errors."""
     import simplesharded as ss
     from simplesharded.sharding import MixedPrecisionPolicy
+    from simplesharded.storage.sharded_state import root_state
 
     from torch._dynamo.utils import counters
 
@@ -89,10 +96,12 @@ def _toy_case(rank, world, mesh, backend, reduction, mp, tied):
             seq = pg._get_sequence_number_for_group()
             events = _gloo_events(loss.backward)
             gathers = sum(events.values()) - _reductions(events)
+            sums = root_state(model)[1].grad_sync.acc.values()
             for key, value in (("nosync_other_collectives",
                                 pg._get_sequence_number_for_group() - seq - gathers),
                                ("nosync_reductions", _reductions(events)),
-                               ("grad_none", all(p.grad is None for p in model.parameters()))):
+                               ("grad_none", all(p.grad is None for p in model.parameters())),
+                               ("sum_dtypes", {leaf.grad.dtype for leaf in sums})):
                 out.setdefault(key, []).append(value)
         x, y = batches[1]
         loss = toy.loss_fn(run(x), y, numel)
@@ -170,6 +179,16 @@ def test_no_sync_backward_reduces_nothing_and_sync_reduces_the_sum(case):
         assert r["err0"] <= tol and r["err1"] <= tol, (rank, r)
 
 
+@pytest.mark.parametrize("case", [c[0] for c in TOY_CASES])
+def test_no_sync_sums_are_kept_in_the_reduction_dtype(case):
+    """The accumulators' sums are in the dtype the sync backward reduces in: reduce_dtype,
+    else param_dtype, else the parameter's own (fp32)."""
+    (mp,) = [c[3] for c in TOY_CASES if c[0] == case]
+    want = (mp[1] or mp[0]) if mp is not None else torch.float32
+    for rank, res in enumerate(_results()):
+        assert res[case]["sum_dtypes"] == [{want}] * 2, (rank, res[case]["sum_dtypes"])
+
+
 def test_compiled_modes_are_separate_graphs_compiled_once():
     """Compiled: no-sync and sync (with the pending gradients as inputs) are two graphs, and
     the second round of no-sync + sync compiles nothing new (guards select them)."""
@@ -192,3 +211,80 @@ def test_trainer_last_microbatch_reduces_once_per_step():
         n = ref["reduced"]
         assert _reductions(ref["events"]) == n + 2, (rank, ref["events"])
         assert _reductions(last["events"]) == n + 2, (rank, last["events"])
+
+
+# (param_dtype, reduce_dtype) or None → the dtype the no-sync sums are kept in
+SUM_DTYPES = [(None, torch.float32),
+              ((torch.bfloat16, torch.bfloat16), torch.bfloat16),
+              ((torch.bfloat16, torch.float32), torch.float32),
+              ((torch.bfloat16, None), torch.bfloat16),
+              ((None, torch.bfloat16), torch.bfloat16)]
+
+
+def _one_rank_sums(mesh, storage, mp, backend, finish):
+    """Three micro-batches of the toy model on one rank: synced each (the reference), then two
+    no-sync and a third finished by the sync backward (``finish="sync"``) or, no-sync too, by
+    a pipeline stage's deferred reduction. The sums' dtypes and bytes after the two no-sync
+    backwards, and the largest relative gradient error."""
+    import simplesharded as ss
+    from simplesharded.storage.deferred_reduce import reduce_accumulated
+    from simplesharded.storage.ragged_shards import model_buckets
+    from simplesharded.storage.sharded_state import root_state
+
+    torch._dynamo.reset()
+    policy = None if mp is None else ss.MixedPrecisionPolicy(*mp)
+    model = ss.data_parallel(toy.make_model(), mesh, mp_policy=policy, storage=storage)
+    assert bool(list(model_buckets(model))) == (storage == "ragged")
+    run = model if backend == "eager" else torch.compile(
+        model, backend=ss.make_backend(backend), fullgraph=True)
+    batches = [toy.rank_batch(0, i) for i in range(3)]
+    numel = 3 * toy.BATCH_PER_RANK * toy.D_OUT
+
+    def backward(i):
+        toy.loss_fn(run(batches[i][0]), batches[i][1], numel).backward()
+
+    def grads():
+        return {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+
+    for i in range(3):
+        backward(i)
+    want = grads()
+    model.zero_grad(set_to_none=True)
+    ss.set_requires_gradient_sync(run, False)
+    backward(0)
+    backward(1)
+    sums = [leaf.grad for leaf in root_state(model)[1].grad_sync.acc.values()]
+    out = {"dtypes": {g.dtype for g in sums},
+           "bytes": sum(g.numel() * g.element_size() for g in sums)}
+    if finish == "sync":
+        ss.set_requires_gradient_sync(run, True)
+        backward(2)
+    else:
+        backward(2)
+        reduce_accumulated(model)
+        ss.set_requires_gradient_sync(run, True)
+    got = grads()
+    out["err"] = max(max_rel_diff(got[n], want[n]) for n in want)
+    return out
+
+
+@pytest.mark.parametrize("storage", ["param", "ragged"])
+def test_sums_in_the_reduction_dtype_one_rank(storage):
+    """One rank, per-parameter shards or ragged buckets: the no-sync sums are kept in
+    reduce_dtype, else param_dtype, else the shard's dtype (FSDP2's rule); bf16 sums take half
+    the bytes of fp32 ones. The accumulated step's gradients against the synced one's: bit for
+    bit without mixed precision (the same sums in the same order); with bf16 in the path within
+    2e-2 relative (observed ≤ 6e-3; a missing or doubled micro-batch is O(1)), both for the sync
+    backward and the deferred reduction. Compiled (block bucketing), bf16 sums too."""
+    with world_of_one() as mesh:
+        runs = {(mp, finish): _one_rank_sums(mesh, storage, mp, "eager", finish)
+                for mp, _ in SUM_DTYPES for finish in ("sync", "deferred")}
+        bf16 = (torch.bfloat16, torch.bfloat16)
+        compiled = _one_rank_sums(mesh, storage, bf16, "aot_eager_blockbucketing", "sync")
+    fp32_bytes = runs[(None, "sync")]["bytes"]
+    for (mp, finish), r in runs.items():
+        dtype = dict(SUM_DTYPES)[mp]
+        assert r["dtypes"] == {dtype}, (mp, finish, r)
+        assert r["bytes"] == fp32_bytes * dtype.itemsize // 4, (mp, finish, r)
+        assert r["err"] == 0 if mp is None else r["err"] <= 2e-2, (mp, finish, r)
+    assert compiled["dtypes"] == {torch.bfloat16} and compiled["err"] <= 2e-2, compiled

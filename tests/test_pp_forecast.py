@@ -203,7 +203,11 @@ def test_stage_costs_from_per_block_numbers():
     assert first.act_bytes == 18 and first.working_bytes == 3 * 4 + 5 + 2 * 30 * 4
     assert last.act_bytes == 2 * 6 + 2 and last.working_bytes == 2 * 4 + 5 + 2 * 20 * 4
     assert first.static_bytes == 16 * 30 and last.static_bytes == 16 * 20  # AdamW fp32
-    assert first.grad_sum_bytes == 4 * 30 * 4  # unsharded over dp_shard 4
+    assert first.grad_sum_bytes == 4 * 30 * 4  # unsharded over dp_shard 4, fp32 reductions
+    # bf16 reductions: the sums are bf16 (grad_sync.py), half the bytes
+    (bf16,) = stage_costs(block, rest, [3], [300], 500, 50.0, 4, "reduce_once", hw,
+                          "inter-node", "AdamW", 2, 2)
+    assert bf16.grad_sum_bytes == 2 * 30 * 4
     assert first.reduce_s > last.reduce_s > 0
     # gather_once: the micro-batches lose the traced FSDP waits, one gather per step
     block["fw:exposed:dp_shard"], block["bw:exposed:dp_shard"] = 0.04, 0.06

@@ -16,8 +16,9 @@ each rank cuts its chunks back out onto its shards' ``.grad``. On gloo, whose re
 all-reduces the whole buffer, the reduce-scatter is an all-to-all of the rows and a sum of what
 arrives, in rank order (half the bytes; passes/lowering.py lowers the compiled ones alike).
 Per parameter the result is the reduction the sync backward would run: the same dtype
-(``reduce_dtype``, else the gathered dtype), the same scaling (``grad_reduction="avg"``),
-added to a ``.grad`` already there.
+(``reduce_dtype``, else the gathered dtype: the dtype the accumulators already sum in,
+grad_sync.py, so no cast), the same scaling (``grad_reduction="avg"``), added to a ``.grad``
+already there.
 Placements the flat layout does not cover (a parameter sharded over two dp dims) are reduced
 one by one through DTensor. A ragged bucket (simplesharded/storage/ragged_shards.py) accumulates its
 gathered buffer's gradient in one leaf, reduced as its sync backward would reduce it: one
@@ -56,7 +57,7 @@ def reduce_accumulated(model: nn.Module) -> int:
             continue
         seen.add(param.fqn)
         mesh, placements = param.dp_view(shard)[:2]
-        rdt = param.spec.reduce_dtype or param.spec.param_dtype or leaf.grad.dtype
+        rdt = param.spec.accumulation_dtype(shard.dtype)  # the sum's own: no cast
         kind = _kind(placements)
         groups[(id(mesh), kind, rdt)].append((mesh, placements, shard, param, leaf))
     issued = 0

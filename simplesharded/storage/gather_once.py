@@ -20,8 +20,9 @@ over two dp dims) are gathered one by one through DTensor. A ragged bucket
 (simplesharded/storage/ragged_shards.py) is its own collective: its ``[L]`` gathered into the ``[w·L]``
 its members are views of, held under the bucket's name.
 
-Memory: the held parameters, unsharded, from the first forward to the release, on top of the
-unsharded gradients that reducing once costs. Every rank of the dp groups must call both at the
+Memory: the held parameters (in ``param_dtype``), unsharded, from the first forward to the
+release, on top of the unsharded gradients that reducing once costs (in the reduction's dtype:
+simplesharded/storage/grad_sync.py). Every rank of the dp groups must call both at the
 same points (the gathers are collectives).
 """
 from __future__ import annotations

@@ -22,16 +22,26 @@ parameter's gradient elsewhere:
   that backward has used it.
 
 Memory: between the first no-sync backward and the sync backward every rank holds one
-full-size (unsharded) gradient per parameter in the parameter's own dtype: the whole model's
-gradients, unsharded, as DDP's and FSDP2's ``no_sync`` do. That is the price of reducing once;
-with sync on every backward the gradients stay sharded.
+full-size (unsharded) gradient per parameter (per ragged bucket: its gathered buffer's) in the
+accumulation dtype below: the whole model's gradients, unsharded, as DDP's and FSDP2's
+``no_sync`` do; under bf16 reductions half the bytes of fp32 sums. That is the price of
+reducing once; with sync on every backward the gradients stay sharded.
 
-Dtype: the accumulation is in the parameter's own dtype (the shard's, fp32 under mixed
-precision: the dtype its ``.grad`` has), never in ``param_dtype``. The sync backward adds the
-sum to the current gradient and hands the total to the reduction in the gathered tensor's dtype
-(``param_dtype``; autograd casts a gradient to its tensor's dtype), which then casts it to
-``reduce_dtype`` as usual: under bf16 ``param_dtype`` the accumulated sum is rounded to bf16
-once, as each micro-batch's own gradient is.
+Dtype: the sums are kept in the dtype the gradient is reduced in, as FSDP2 keeps them:
+``reduce_dtype``, else ``param_dtype`` (the gathered tensor's, its gradient's), else the
+parameter's own (``_GatherSpec.accumulation_dtype``; a ragged bucket's
+``Precision.accumulation_dtype``). :class:`_DeferGrad` casts each micro-batch's gradient to it
+(a no-op unless ``reduce_dtype`` differs from the gathered dtype) and autograd sums it there.
+The sync backward adds the sum to the current gradient and hands the total to the reduction in
+the gathered tensor's dtype (autograd casts a gradient to its tensor's dtype), which then casts
+it to ``reduce_dtype`` as usual: under bf16 ``param_dtype`` and fp32 ``reduce_dtype`` the fp32
+sum is rounded to bf16 once, as each micro-batch's own gradient is; under bf16 ``reduce_dtype``
+the sum is bf16 throughout, each micro-batch rounded to bf16 as it is added. With bf16
+``param_dtype`` and no ``reduce_dtype`` the sum is bf16 too (FSDP2's), though a ragged bucket,
+and DTensor in the torch versions that reduce a gradient in its shard's dtype (2.13 does), then
+reduce it in fp32, as they reduce a synced bf16 gradient. A pipeline stage's deferred reduction
+(simplesharded/storage/deferred_reduce.py) reduces a parameter's sum in its own dtype, without a
+cast, and a bucket's as the bucket's sync backward would.
 
 Compiled: the mode is read while tracing (``sync``, and the keys of the accumulator and pending
 dicts), so dynamo guards on it: sync, no-sync and sync-with-pending are separate graphs,
@@ -54,7 +64,7 @@ from simplesharded.storage.sharded_state import root_state, sharded_params
 
 class _DeferGrad(torch.autograd.Function):
     """Identity on ``x`` (a detached gathered tensor); its gradient goes to ``acc`` (the
-    accumulator leaf), in the leaf's dtype."""
+    accumulator leaf), in the leaf's dtype (the accumulation dtype: module doc)."""
 
     @staticmethod
     def forward(ctx, x, acc):
@@ -135,7 +145,8 @@ class _GradSync:
             if param.fqn in self.acc or not shard.requires_grad:
                 continue
             shape = param.dp_view(shard).shape
-            zero = torch.zeros((), dtype=shard.dtype, device=shard.device)
+            dtype = param.spec.accumulation_dtype(shard.dtype)
+            zero = torch.zeros((), dtype=dtype, device=shard.device)
             self.acc[param.fqn] = zero.expand(shape).requires_grad_()
         for bucket in self.ragged_buckets(model):  # one leaf per gathered buffer
             if bucket.name not in self.acc:

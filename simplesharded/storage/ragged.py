@@ -184,6 +184,12 @@ class Precision:
     reduce_dtype: torch.dtype | None = None
     scale_first: bool = False
 
+    def accumulation_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a no-sync backward sums the gathered buffer's gradient in, for a bucket
+        of ``dtype`` (simplesharded/storage/grad_sync.py): as a parameter's
+        (``_GatherSpec.accumulation_dtype``)."""
+        return self.reduce_dtype or self.gather_dtype or dtype
+
 
 class _Gather(torch.autograd.Function):
     """All-gather on dim 0 whose backward is the reduce-scatter (sum) scaled, both under the

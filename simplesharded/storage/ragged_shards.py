@@ -341,8 +341,9 @@ class RaggedShards:
 
     def accumulator(self) -> torch.Tensor:
         """A no-sync accumulator leaf for the gathered buffer: an expanded zero scalar in the
-        bucket's dtype (simplesharded/storage/grad_sync.py)."""
-        zero = torch.zeros((), dtype=self.param.dtype, device=self.offload.compute)
+        dtype its reduction runs in (simplesharded/storage/grad_sync.py)."""
+        dtype = self.precision.accumulation_dtype(self.param.dtype)
+        zero = torch.zeros((), dtype=dtype, device=self.offload.compute)
         return zero.expand(self.layout.total).requires_grad_()
 
     def reduce_accumulated(self, full: torch.Tensor) -> int:

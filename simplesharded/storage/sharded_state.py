@@ -115,6 +115,12 @@ class _GatherSpec:
         otherwise once it is reduced, on the shard (1/dp of the elements)."""
         return (self.reduce_dtype or self.param_dtype or dtype) == torch.float16
 
+    def accumulation_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a no-sync backward sums a ``dtype`` parameter's unsharded gradient in
+        (grad_sync.py): ``reduce_dtype``, else ``param_dtype`` (its gradient's), else its own.
+        FSDP2's rule: the sums are kept in the dtype they are reduced in."""
+        return self.reduce_dtype or self.param_dtype or dtype
+
 
 @dataclass(frozen=True)
 class _MPLayout:

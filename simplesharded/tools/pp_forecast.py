@@ -128,7 +128,9 @@ def stage_costs(per_block: dict, rest: dict, blocks: list[int], stage_numel: lis
             working_bytes=int(max(0.0, n * working(per_block) + working(rest))
                               + grads_returned),
             static_bytes=int(sum(static_memory(int(local), optimizer))),
-            grad_sum_bytes=int(4 * local * dp_shard),  # fp32 sums of the unsharded gradients
+            # the unsharded gradients' sums, kept in the reduction's dtype (grad_sync.py): the
+            # trainer always sets reduce_dtype (training.mixed_precision_reduce)
+            grad_sum_bytes=int(reduce_bytes * local * dp_shard),
             gathered_bytes=int(param_bytes * local * dp_shard),
             gathers=round(gathers), reductions=round(reductions)))
     return out
