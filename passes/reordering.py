@@ -18,11 +18,19 @@
   are freed a block later at most. On a process group collectives run in issue order, so a
   prefetch issued after the previous reduce-scatter hides both under the same compute
   (SimpleFSDP's backward schedule).
-* Collectives that are not ours (expert parallelism's all-to-alls, TP's) never move and are
-  never delayed: nothing that came after one's start in the graph this pass gets is moved
-  ahead of it (a prefetch, an early reduction or a copy-out that would be is placed right
-  after that start instead, where it overlaps the transfer), so the compute and waits before
-  it stay exactly those of the traced graph.
+* Collectives that are not ours (expert parallelism's all-to-alls, TP's) never move. No wait,
+  copy-out, reduction or compute that came after one's start in the graph this pass gets is
+  moved ahead of it, so the compute and waits before it stay those of the traced graph.
+  Only a prefetched all-gather's start is, with what moves with it (the pure ops building
+  its input, a host shard's copy ``ss_offload``): it passes the starts of foreign collectives
+  on other process groups, but never one on its own group nor a foreign start or wait it
+  reads; where it would, it is issued right after that one instead, overlapping the
+  transfer. So a foreign collective is delayed at most by the input ops of the gathers
+  issued ahead of it (a shard's cast). Safe: every rank compiles the same graph with the
+  same deterministic passes, so each group still sees one issue order on all its ranks, and
+  on its own group no start of ours passes a foreign one; another group runs on its own
+  communicator and stream (its own link's lane in simulate.py), so issuing ours before its
+  collective takes nothing from it.
 * The one exception, moved first: context parallelism's K/V all-gather and the reduce-scatter
   of its gradient (annotated ``ss_cp``), each issued before the compute of its layer that does
   not need it and waited right before its first use (cp_overlap.py).
@@ -32,7 +40,8 @@ from __future__ import annotations
 from torch import fx
 
 from .annotations import BUCKET_KEY, annotations
-from .collectives import Collective, find_collectives, is_collective_or_wait
+from .collectives import (Collective, find_collectives, is_collective_or_wait, is_wait,
+                          started_by)
 from .cp_overlap import overlap_cp_collectives
 from .gathered_spans import GatheredSpans
 from .graph_utils import NodeOrder, ancestors, hoist_before
@@ -67,7 +76,8 @@ def reorder_graph(graph: fx.Graph, memory_cap_bytes: int | None,
     ``collectives``: the graph's (find_collectives), when the caller has them."""
     # Only data-parallel collectives move: anything else (TP) keeps its place in the graph,
     # so every process group sees the same issue order on every rank, and a collective on the
-    # critical path (TP's) is never pushed behind a prefetch.
+    # critical path (TP's) waits for a prefetch issued ahead of it (on another group) at most
+    # while the ops building the gather's input run.
     if collectives is None:
         collectives = find_collectives(graph)
     order = NodeOrder(graph)
@@ -80,33 +90,73 @@ def reorder_graph(graph: fx.Graph, memory_cap_bytes: int | None,
 
 
 class _Behind:
-    """The starts of collectives that are not ours, and which of them each node came after in
-    the graph the pass got: moves keep every node behind that one (module doc)."""
+    """What each node must stay behind (module doc), as the graph the pass got had it: the
+    last foreign start before it (``floor``: for all that moves but a prefetch), the last one
+    on each group (``on_group``: a prefetch passes those of other groups), and the latest
+    foreign start or wait a prefetch reads (``_reads``: hoisted past that one, the start would
+    drag it along)."""
 
     def __init__(self, graph: fx.Graph, collectives: list[Collective], order: NodeOrder):
-        foreign = {c.start for c in collectives if not c.ours}
+        foreign = {c.start: c.group_name for c in collectives if not c.ours}
         self.order, self.floor, last = order, {}, None
-        self.hoisted: dict[fx.Node, fx.Node] = {}  # foreign start → last start issued after it
+        self.on_group: dict[fx.Node, dict[str, fx.Node]] = {}  # shared snapshots
+        self.hoisted: dict[fx.Node, fx.Node] = {}  # barrier → last start issued after it
+        # {node: the latest foreign node it reads, or None}: seeded with the foreign starts
+        # and each of their waits (a coalesced one's every wait), filled in by _reads
+        self.read: dict[fx.Node, fx.Node | None] = {}
+        on_group: dict[str, fx.Node] = {}
         for node in graph.nodes if foreign else ():  # none: no node has one to stay behind
             if last is not None:
                 self.floor[node] = last
+                self.on_group[node] = on_group
             if node in foreign:
                 last = node
+                on_group = {**on_group, foreign[node]: node}
+                self.read[node] = node
+            elif is_wait(node) and started_by(node) in foreign:
+                self.read[node] = node
 
-    def anchor(self, start: fx.Node, target: fx.Node) -> fx.Node:
-        """``target`` (to hoist ``start`` right before it), or, when ``target`` is ahead of
-        the foreign start ``start`` must stay behind, the node right after that start and the
-        starts already issued there (issue order = the order of these calls)."""
-        f = self.floor.get(start)
+    def _reads(self, start: fx.Node) -> fx.Node | None:
+        """The latest foreign start or wait ``start`` reads, directly or not: a walk up its
+        inputs that stops at those (what they read is earlier) and at what an earlier walk
+        answered."""
+        read, order, stack = self.read, self.order, [start]
+        while stack:
+            node = stack[-1]
+            todo = [a for a in node.all_input_nodes if a not in read]
+            if todo:
+                stack.extend(todo)
+                continue
+            stack.pop()
+            if node not in read:
+                found = [read[a] for a in node.all_input_nodes if read[a] is not None]
+                read[node] = max(found, key=order.__getitem__) if found else None
+        return read[start]
+
+    def _barrier(self, c: Collective) -> fx.Node | None:
+        """What ``c``'s start must stay behind: the last foreign start on its own group or
+        the foreign node it reads, whichever came later."""
+        same = self.on_group.get(c.start, {}).get(c.group_name)
+        read = self._reads(c.start) if self.read else None
+        if same is None or read is None:
+            return same if read is None else read
+        return max(same, read, key=self.order.__getitem__)
+
+    def anchor(self, c: Collective, target: fx.Node) -> fx.Node:
+        """``target`` (to hoist ``c``'s start right before it), or, when ``target`` is ahead
+        of what the start must stay behind, the node right after that one and the starts
+        already issued there (issue order = the order of these calls)."""
+        f = self._barrier(c)
         if f is None or self.order[target] > self.order[f]:
             return target
         anchor = self.hoisted.get(f, f).next
-        self.hoisted[f] = start
+        self.hoisted[f] = c.start
         return anchor
 
     def move_before(self, nodes: list[fx.Node], target: fx.Node) -> None:
         """Move ``nodes`` (in their order) right before ``target``; those that would so pass
-        their foreign start go right after it instead, in their order."""
+        their foreign start (``floor``: of any group) go right after it instead, in their
+        order."""
         after: dict[fx.Node, fx.Node] = {}  # foreign start → last node put right after it
         for node in nodes:
             f = self.floor.get(node)
@@ -199,7 +249,7 @@ class _Prefetch:
             if target is None:  # not even one bucket ahead: as early as memory frees up
                 target = self.after_release(ags, j, c)
             if target is not None:  # issued later than checked: still fits
-                target = self.behind.anchor(c.start, target)
+                target = self.behind.anchor(c, target)
             if target is not None and order[c.start] > order[target]:
                 hoist_before(c.start, target, order)
                 self.spans.moved(c.start)
@@ -246,7 +296,10 @@ def _bucket(c: Collective):
 
 def _place_reductions(collectives: list[Collective], order: NodeOrder, behind: _Behind) -> None:
     reds = [c for c in collectives if c.kind != "all_gather"]
-    for c in reds:  # issue as soon as the input exists
+    # Issued as soon as the input exists, but behind every foreign start it came after, of
+    # any group: the previous reduction's wait cannot pass that start, so a start issued
+    # ahead of it would have two reductions in flight.
+    for c in reds:
         last_input = max(c.start.all_input_nodes, key=order.__getitem__)
         if last_input.next is not c.start:
             behind.move_before([c.start], last_input.next)

@@ -247,6 +247,82 @@ def test_handbuilt_foreign_all_to_all_is_never_delayed():
     assert [n.name for n in reorder_for_overlap(out, BlockPlan()).graph.nodes] == names
 
 
+def _gather_of(gm, layer: int):
+    return next(n for n in pu.starts(gm, pu.AG)
+                if pu.node_params(n) == [f"layers.{layer}.weight"])
+
+
+def _foreign_and_compute(gm) -> list[str]:
+    """The all-to-all, its wait and the compute around them (matmuls, relu), in graph order."""
+    a2a = pu.starts(gm, pu.A2A)[0]
+    return [n.name for n in gm.graph.nodes
+            if n is a2a or n is pu.the_wait(a2a)
+            or n.target in (torch.ops.aten.mm.default, torch.ops.aten.relu.default)]
+
+
+def test_handbuilt_prefetch_crosses_foreign_collective_of_another_group():
+    """The same all-to-all on another process group than the gathers' (as TP's collectives on
+    the tp group): layer 2's gather is prefetched one bucket ahead as in the plain chain,
+    which issues it ahead of the all-to-all's start; the all-to-all, its wait and the compute
+    keep their order, and a second run changes nothing."""
+    gm = pu.chain_graph(4, all_to_all_after=1, all_to_all_group="1")
+    around = _foreign_and_compute(gm)
+    out = reorder_for_overlap(pu.fresh(gm), BlockPlan())
+    pu.check_waits_before_use(out)
+    assert [d for _, d in pu.prefetch_depths(out)] == [0, 1, 1, 1]  # as without the all-to-all
+    names = [n.name for n in out.graph.nodes]
+    assert names.index(_gather_of(out, 2).name) < names.index(pu.starts(out, pu.A2A)[0].name)
+    assert _foreign_and_compute(out) == around
+    assert [n.name for n in reorder_for_overlap(out, BlockPlan()).graph.nodes] == names
+
+
+def test_handbuilt_prefetch_stays_behind_foreign_collective_of_its_group():
+    """On the gathers' own group the all-to-all stays a barrier, as before: layer 2's gather
+    is issued right after its start (as in test_handbuilt_foreign_all_to_all_is_never_delayed),
+    a bucket less ahead than on another group."""
+    out = reorder_for_overlap(pu.chain_graph(4, all_to_all_after=1, all_to_all_group="0"),
+                              BlockPlan())
+    names = [n.name for n in out.graph.nodes]
+    a2a = pu.starts(out, pu.A2A)[0].name
+    assert names.index(_gather_of(out, 2).name) == names.index(a2a) + 1
+    assert [d for _, d in pu.prefetch_depths(out)] == [0, 1, 0, 1]
+
+
+def test_handbuilt_prefetch_never_drags_a_foreign_collective_it_reads():
+    """A gather whose input reads the result of another group's all-to-all (through pure ops,
+    which move with the start) is hoisted no further than right after that all-to-all's wait:
+    hoisted ahead of layer 1's wait as in the plain chain, it would take them along."""
+    aten = torch.ops.aten
+    gm = pu.chain_graph(4)
+    gather2 = _gather_of(gm, 2)
+    x, shard = next(iter(gm.graph.nodes)), gather2.args[0]
+
+    def op(target, *args, val):
+        node = gm.graph.call_function(target, args)
+        node.meta["val"] = val
+        return node
+
+    with gm.graph.inserting_before(gather2):  # reads x alone: layer 1's wait is no input
+        a2a = op(pu.A2A, x, [1, 1], [1, 1], "1", val=x.meta["val"] + 0)
+        wait = op(pu.WAIT, a2a, val=x.meta["val"] + 0)
+        total = op(aten.sum.default, wait, val=x.meta["val"].sum())
+        fed = op(aten.add.Tensor, shard, total, val=shard.meta["val"] + 0)
+    gather2.args = (fed, *gather2.args[1:])
+    gm.recompile()
+
+    def kept(gm):  # what must keep its order: the all-to-all, its wait, the matmuls
+        return [n.name for n in gm.graph.nodes
+                if n is a2a or n is wait or n.target is aten.mm.default]
+
+    around = kept(gm)
+    out = reorder_for_overlap(gm, BlockPlan())
+    pu.check_waits_before_use(out)
+    assert kept(out) == around
+    names = [n.name for n in out.graph.nodes]
+    at = names.index(wait.name)
+    assert names[at + 1:at + 4] == [total.name, fed.name, gather2.name]
+
+
 # ----------------------------------------------------------------------- idempotence
 
 

@@ -370,12 +370,14 @@ def reduction_intervals(gm: fx.GraphModule) -> list[tuple[int, int, fx.Node]]:
 
 
 def chain_graph(n_layers: int, world_size: int = 2, save_gathered: bool = False,
-                rows: int = 4, all_to_all_after: int | None = None) -> fx.GraphModule:
+                rows: int = 4, all_to_all_after: int | None = None,
+                all_to_all_group: str = "0") -> fx.GraphModule:
     """A minimal FSDP-like forward: ``h = h @ all_gather(shard_i)`` for each layer, with fake
     tensor metadata as in traced graphs. ``save_gathered``: also return every gathered weight
     (what the partitioner does with reshard_after_forward=False). ``all_to_all_after``: after
     that layer's matmul, ``h`` goes through an all-to-all that is not ours (as expert
-    parallelism's token exchange: no ``ss_param``), then ``h = relu(h)``."""
+    parallelism's token exchange: no ``ss_param``), then ``h = relu(h)``; on the gathers'
+    process group "0" unless ``all_to_all_group`` names another."""
     from torch._subclasses import FakeTensorMode
 
     mode = FakeTensorMode()
@@ -404,7 +406,7 @@ def chain_graph(n_layers: int, world_size: int = 2, save_gathered: bool = False,
         h = op(aten.mm.default, h, w)
         gathered.append(w)
         if i == all_to_all_after:
-            h = op(WAIT, op(A2A, h, [1] * world_size, [1] * world_size, "0"))
+            h = op(WAIT, op(A2A, h, [1] * world_size, [1] * world_size, all_to_all_group))
             h = op(aten.relu.default, h)
     g.output((h, *gathered) if save_gathered else (h,))
     return fx.GraphModule(torch.nn.Module(), g)
