@@ -52,9 +52,7 @@ else
         if ! _ss_current; then
             echo "[bootstrap] installing simplesharded (editable) with dev extras and" \
                  "$TORCH_SPEC into $VENV" >&2
-            # --no-compile: byte-compiling all of torch at install took 25 of its 45 s here;
-            # Python compiles the modules a run imports as it first imports them (5 s)
-            "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile \
+            "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
                 -e "$ROOT[dev]" "$TORCH_SPEC"
             _ss_stamp > "$STAMP"
         fi
