@@ -40,7 +40,7 @@ from .annotations import OFFLOAD_KEY, annotations, gathered_param
 from .collectives import Collective
 from .graph_utils import NodeOrder
 from .node_meta import alias_kind, node_bytes
-from .wait_chains import chain_uses
+from .wait_chains import chain_uses, input_ops
 
 
 class GatheredSpans:
@@ -230,18 +230,8 @@ def held_until(node: fx.Node, order: NodeOrder, output: bool = True) -> fx.Node:
     return last
 
 
-def offload_copy_bytes(start: fx.Node, hops: int = 4) -> int:
-    """Bytes of the host offload copies (``ss_offload="to_compute"``) an all-gather ``start``
-    reads, through the few ops that build its input (a cast, a view)."""
-    total, frontier, seen = 0, [(start, 0)], set()
-    while frontier:
-        node, depth = frontier.pop()
-        for a in node.all_input_nodes:
-            if a in seen or a.op != "call_function":
-                continue
-            seen.add(a)
-            if annotations(a).get(OFFLOAD_KEY) == "to_compute":
-                total += node_bytes(a)
-            elif depth + 1 < hops:
-                frontier.append((a, depth + 1))
-    return total
+def offload_copy_bytes(start: fx.Node) -> int:
+    """Bytes of the host offload copies (``ss_offload="to_compute"``) among the ops that build
+    an all-gather ``start``'s input (those that move with it)."""
+    return sum(node_bytes(n) for n in input_ops(start)
+               if annotations(n).get(OFFLOAD_KEY) == "to_compute")

@@ -40,13 +40,12 @@ from __future__ import annotations
 from torch import fx
 
 from .annotations import BUCKET_KEY, annotations
-from .collectives import (Collective, find_collectives, is_collective_or_wait, is_wait,
-                          started_by)
+from .collectives import Collective, find_collectives, is_wait, started_by
 from .cp_overlap import overlap_cp_collectives
 from .gathered_spans import GatheredSpans
 from .graph_utils import NodeOrder, ancestors, hoist_before
 from .plan_protocol import Plan
-from .wait_chains import first_use, gather_chain, reduction_epilogue
+from .wait_chains import first_use, gather_chain, input_ops, reduction_epilogue
 
 # A gather is issued at most this many buckets ahead of its use. Simulated on Llama 3 8B at
 # 64 ranks (h100-ib400), one bucket ahead left forward 8 % slower where blocks are small next
@@ -186,16 +185,7 @@ def _place_gather_waits(collectives: list[Collective], order: NodeOrder, behind:
 def _sink_to_wait(c: Collective, order: NodeOrder) -> None:
     """Start right before its wait (no prefetch), with the pure ops that only build its input:
     the baseline prefetch starts from, whatever order bucketing or tracing left."""
-    moved, members = [c.start], {c.start}
-    frontier = list(c.start.all_input_nodes)
-    while frontier:
-        node = frontier.pop()
-        if (node.op == "call_function" and len(node.users) == 1
-                and next(iter(node.users)) in members and not is_collective_or_wait(node)):
-            moved.append(node)
-            members.add(node)
-            frontier.extend(node.all_input_nodes)
-    for node in sorted(moved, key=order.__getitem__):
+    for node in sorted([c.start, *input_ops(c.start)], key=order.__getitem__):
         order.move_before(node, c.wait)
 
 

@@ -1,4 +1,7 @@
-"""What travels with a collective's wait when the reorderer moves it.
+"""What travels with a collective's start or wait when the reorderer moves it.
+
+* ``input_ops``: the pure ops that only build a start's input (a shard's cast, a host
+  offload copy), which move with the start.
 
 * ``gather_chain``: an all-gather's wait and the copy-out/view nodes computed from it alone
   (the per-parameter copies a bucket makes, and their reshapes into parameter form).
@@ -78,3 +81,18 @@ def chain_uses(chain: list[fx.Node]) -> list[fx.Node]:
 
 def first_use(chain: list[fx.Node], order: NodeOrder) -> fx.Node | None:
     return min(chain_uses(chain), key=order.__getitem__, default=None)
+
+
+def input_ops(start: fx.Node) -> list[fx.Node]:
+    """The ops that only build ``start``'s input: call_functions, not collectives or waits,
+    each read by ``start`` or by another of them alone (unordered)."""
+    found, members = [], {start}
+    frontier = list(start.all_input_nodes)
+    while frontier:
+        node = frontier.pop()
+        if (node.op == "call_function" and len(node.users) == 1
+                and next(iter(node.users)) in members and not is_collective_or_wait(node)):
+            found.append(node)
+            members.add(node)
+            frontier.extend(node.all_input_nodes)
+    return found
