@@ -6,8 +6,9 @@ parallelizes it as the trainer does (trainer/recipe.py parallelize: tensor paral
 checkpointing, data_parallel) and captures rank 0's forward and backward graphs after
 partitioning; the shards of the meta model are never written, so they take no memory.
 ``apply_backend_passes`` runs a backend's graph passes on copies of those graphs, and
-``memory_report`` adds the per-rank static state to their peak (and gives the peak as host
-offload, which the trace leaves out, changes it: offload_cost.py). ``python -m
+``memory_report`` gives the per-rank static state and their peak, with backward's reduced
+gradients counted once or, for an accumulating step, twice (host offload, which the trace
+leaves out, is added by forecast.device_memory: offload_cost.py). ``python -m
 simplesharded.tools.forecast`` reports on them; tests use them directly.
 """
 from __future__ import annotations

@@ -11,9 +11,10 @@ offloads), and under ``optimizer`` one copy of the whole shard to its resident c
 forward.
 
 Memory (device bytes per rank): the static state is cluster_trace.static_memory's (it takes
-the offload); the graphs' transient peak counts backward's reduced gradients once, in the
-static state (cluster_trace.without_gradients), so with or without offload it is the same; under
-``params`` the largest bucket's fp32 shard copy is added,
+the offload); the graphs' transient peak counts backward's reduced gradients once
+(cluster_trace.without_gradients: they leave at their reduction, as in a step of one
+micro-batch without offload, whose gradients become the static ones); under ``params`` the
+largest bucket's fp32 shard copy is added,
 the copy a gather reads while it is cast and gathered (an upper bound: added to the peak
 wherever the peak is; the reordering pass moves a copy with its gather, so one copy at a time
 feeds the cast).
