@@ -112,10 +112,13 @@ def spawn(world_size: int, fn: Callable, *args, timeout_s: float = 300.0,
         return _spawn_once(world_size, fn, args, timeout_s, env)
 
 
-# What the forkserver imports before it forks any rank (a module it cannot import is skipped).
+# What the forkserver imports before it forks any rank (a module it cannot import is skipped):
+# what most ranks import, the compiler's (aot_autograd, inductor's entry) included, so that a
+# rank does not pay ~1 s of imports at its first compile.
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo",
+            "torch._functorch.aot_autograd", "torch._inductor.compile_fx",
             "simplesharded", "simplesharded.passes", "simplesharded.models",
-            "simplesharded.tools.forecast", "dist_utils"]
+            "simplesharded.tools.forecast", "simplesharded.trainer", "dist_utils"]
 
 
 def start_forkserver() -> None:
