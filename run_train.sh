@@ -18,19 +18,11 @@ if [ -n "${NGPU:-}" ] && ! [[ "$NGPU" =~ ^[1-9][0-9]*$ ]]; then
     echo "error: NGPU='$NGPU' must be a positive integer" >&2
     exit 2
 fi
-# NGPU's default, the device and the ranks' environment for it (simplesharded/shims/launch_env.py;
-# a variable already set wins).
-eval "$("$PY" -m simplesharded.shims.launch_env)"
 NNODES="${NNODES:-1}"
 if ! [[ "$NNODES" =~ ^[1-9][0-9]*$ ]]; then
     echo "error: NNODES='$NNODES' must be a positive integer" >&2
     exit 2
 fi
-# Preflight: a config or degree error is one line and exit 2 here, before torchrun starts any
-# rank (each rank would print it again, then torchrun its ChildFailedError traceback). The
-# ranks repeat these checks for direct torchrun users.
-WORLD_SIZE=$((NGPU * NNODES)) "$PY" -m simplesharded.trainer --check-only \
-    --job.config_file "$CONFIG_FILE" "$@" || exit
 if [ "$NNODES" -eq 1 ] && [ -z "${MASTER_ADDR:-}" ]; then
     rdzv=(--standalone)
 else
@@ -38,6 +30,8 @@ else
           --master_addr="${MASTER_ADDR:?set MASTER_ADDR for multi-node}"
           --master_port="${MASTER_PORT:-29500}")
 fi
-# the preflight printed the config's warnings (a deprecated key): the ranks do not again
-SIMPLESHARDED_PREFLIGHT_DONE=1 exec "$PY" -m torch.distributed.run "${rdzv[@]}" --nproc_per_node="$NGPU" ${TORCHRUN_ARGS:-} \
-    -m simplesharded.trainer --job.config_file "$CONFIG_FILE" "$@"
+# One Python start (simplesharded/trainer/launch.py): NGPU's default and the ranks'
+# environment (a variable already set wins), the preflight against NGPU x NNODES (a config or
+# degree error is one line and exit 2, before any rank starts), then torchrun in-process.
+exec "$PY" -m simplesharded.trainer.launch "${rdzv[@]}" ${TORCHRUN_ARGS:-} -- \
+    --job.config_file "$CONFIG_FILE" "$@"

@@ -1,8 +1,7 @@
 """run_train.sh's rank environment (simplesharded/shims/launch_env.py): what each device's ranks get,
-that a variable the user set wins, and the launcher's own output on this (CPU) machine."""
+that a variable the user set wins; its launcher (simplesharded/trainer/launch.py): the
+preflight, then torchrun in-process with that environment."""
 import os
-import subprocess
-import sys
 
 from simplesharded.shims.host_malloc import TUNABLES, caching_env
 from simplesharded.shims.launch_env import ALLOC_CONF, SHARE_STORE, allocator_env, launch_env
@@ -47,12 +46,40 @@ def test_every_launcher_of_accelerator_ranks_sets_expandable_segments(monkeypatc
         assert ALLOC_CONF[0] not in os.environ
 
 
-def test_launcher_prints_exports_for_this_machine():
-    env = {k: v for k, v in os.environ.items()
-           if k not in (TUNABLES, "NGPU", "OMP_NUM_THREADS", SHARE_STORE)}
-    out = subprocess.run([sys.executable, "-m", "simplesharded.shims.launch_env"], env=env,
-                         capture_output=True, text=True, check=True).stdout
-    lines = dict(line.removeprefix("export ").split("=", 1) for line in out.splitlines())
-    assert lines["NGPU"] == "2" and lines["LAUNCH_DEVICE"] == "cpu"  # no accelerator here
-    assert lines[SHARE_STORE] == "1"
-    assert lines[TUNABLES] == caching_env({})[TUNABLES]
+def test_processes_per_node():
+    from simplesharded.trainer.launch import CPU_PROCESSES, processes_per_node
+
+    assert processes_per_node("cpu", {}) == CPU_PROCESSES == 2
+    assert processes_per_node("cpu", {"NGPU": "3"}) == 3
+    assert processes_per_node("cuda", {"NGPU": "8"}) == 8
+
+
+def test_launcher_checks_once_then_runs_torchrun_in_process(monkeypatch, capsys):
+    """run_train.sh's one Python start: a config error is one line and exit 2 with no rank
+    started; otherwise torchrun runs here with NGPU's processes, the trainer's arguments and
+    the ranks' environment (the caching malloc, the preflight marked done)."""
+    import torch.distributed.run
+
+    from simplesharded.trainer import launch
+    from simplesharded.trainer.config_parse import PREFLIGHT_DONE
+
+    started = []
+    monkeypatch.setattr(torch.distributed.run, "main",
+                        lambda args: started.append((args, dict(os.environ))))
+    for name in ("NGPU", "NNODES", TUNABLES, SHARE_STORE, PREFLIGHT_DONE, "OMP_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    # 2 processes x 2 nodes: a shard degree of 3 does not divide the world of 4
+    monkeypatch.setenv("NNODES", "2")
+    assert launch.main(["--standalone", "--", "--parallelism.data_parallel_shard_degree",
+                        "3"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "4" in err[0], err
+    assert not started and PREFLIGHT_DONE not in os.environ
+    monkeypatch.setenv("NNODES", "1")
+    assert launch.main(["--standalone", "--max-restarts", "1", "--", "--training.steps",
+                        "2"]) == 0
+    (args, env), = started
+    assert args == ["--standalone", "--max-restarts", "1", "--nproc_per_node=2", "-m",
+                    "simplesharded.trainer", "--training.steps", "2"]
+    assert env[PREFLIGHT_DONE] == "1" and env[SHARE_STORE] == "1"
+    assert env[TUNABLES] == caching_env({})[TUNABLES]

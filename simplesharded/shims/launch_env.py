@@ -1,9 +1,6 @@
-"""The environment ``run_train.sh`` starts its ranks with, decided in one Python start.
-
-``python -m simplesharded.shims.launch_env`` prints ``export`` lines for the shell: the number of
-processes per node (``NGPU``: the accelerator count, else 2 CPU processes), the device they
-will train on, and the variables that device's ranks need. A variable the user already set
-always wins.
+"""The environment run_train.sh starts its ranks with (simplesharded/trainer/launch.py sets it
+before torchrun starts them), the bench's and calibration's too. A variable the user already
+set always wins.
 
 - CPU ranks (gloo): the caching malloc of :mod:`simplesharded.shims.host_malloc`; one share of the
   cores each (``OMP_NUM_THREADS``); ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, so that ranks
@@ -18,8 +15,6 @@ always wins.
 from __future__ import annotations
 
 import os
-import shlex
-import sys
 
 from simplesharded.shims.host_malloc import caching_env
 
@@ -50,24 +45,3 @@ def launch_env(device: str, nproc: int, environ: dict[str, str] | None = None,
         out[SHARE_STORE] = "1"
     out.update(allocator_env(device, environ))
     return {k: v for k, v in out.items() if k not in environ or k == "GLIBC_TUNABLES"}
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``export`` lines: NGPU (unless set), LAUNCH_DEVICE, then :func:`launch_env`'s."""
-    from simplesharded.mesh import device_type
-
-    device = device_type()
-    ngpu = os.environ.get("NGPU") or ""
-    if not ngpu:
-        import torch
-        ngpu = str(torch.accelerator.device_count() if device != "cpu" else 2)
-    lines = {"NGPU": ngpu, "LAUNCH_DEVICE": device}
-    if ngpu.isdigit() and int(ngpu) > 0:
-        lines.update(launch_env(device, int(ngpu)))
-    for key, value in lines.items():
-        print(f"export {key}={shlex.quote(value)}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
