@@ -68,6 +68,8 @@ def test_launcher_checks_once_then_runs_torchrun_in_process(monkeypatch, capsys)
                         lambda args: started.append((args, dict(os.environ))))
     for name in ("NGPU", "NNODES", TUNABLES, SHARE_STORE, PREFLIGHT_DONE, "OMP_NUM_THREADS"):
         monkeypatch.delenv(name, raising=False)
+    # the launcher sets the ranks' environment in this process: restored after the test
+    monkeypatch.setattr(os, "environ", dict(os.environ))
     # 2 processes x 2 nodes: a shard degree of 3 does not divide the world of 4
     monkeypatch.setenv("NNODES", "2")
     assert launch.main(["--standalone", "--", "--parallelism.data_parallel_shard_degree",

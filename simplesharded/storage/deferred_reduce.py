@@ -57,7 +57,7 @@ def reduce_accumulated(model: nn.Module) -> int:
             continue
         seen.add(param.fqn)
         mesh, placements = param.dp_view(shard)[:2]
-        rdt = param.spec.accumulation_dtype(shard.dtype)  # the sum's own: no cast
+        rdt = param.spec.reduction_dtype(shard.dtype)  # the sum's own: no cast
         kind = _kind(placements)
         groups[(id(mesh), kind, rdt)].append((mesh, placements, shard, param, leaf))
     issued = 0

@@ -29,8 +29,8 @@ reducing once; with sync on every backward the gradients stay sharded.
 
 Dtype: the sums are kept in the dtype the gradient is reduced in, as FSDP2 keeps them:
 ``reduce_dtype``, else ``param_dtype`` (the gathered tensor's, its gradient's), else the
-parameter's own (``_GatherSpec.accumulation_dtype``; a ragged bucket's
-``Precision.accumulation_dtype``). :class:`_DeferGrad` casts each micro-batch's gradient to it
+parameter's own (``_GatherSpec.reduction_dtype``; a ragged bucket's
+``Precision.reduction_dtype``). :class:`_DeferGrad` casts each micro-batch's gradient to it
 (a no-op unless ``reduce_dtype`` differs from the gathered dtype) and autograd sums it there.
 The sync backward adds the sum to the current gradient and hands the total to the reduction in
 the gathered tensor's dtype (autograd casts a gradient to its tensor's dtype), which then casts
@@ -145,7 +145,7 @@ class _GradSync:
             if param.fqn in self.acc or not shard.requires_grad:
                 continue
             shape = param.dp_view(shard).shape
-            dtype = param.spec.accumulation_dtype(shard.dtype)
+            dtype = param.spec.reduction_dtype(shard.dtype)
             zero = torch.zeros((), dtype=dtype, device=shard.device)
             self.acc[param.fqn] = zero.expand(shape).requires_grad_()
         for bucket in self.ragged_buckets(model):  # one leaf per gathered buffer

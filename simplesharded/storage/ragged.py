@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.fx.traceback as fx_traceback
 
+from simplesharded.storage.sharded_state import reduction_dtype
+
 _c10d = torch.ops._c10d_functional
 
 
@@ -184,11 +186,10 @@ class Precision:
     reduce_dtype: torch.dtype | None = None
     scale_first: bool = False
 
-    def accumulation_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """The dtype a no-sync backward sums the gathered buffer's gradient in, for a bucket
-        of ``dtype`` (simplesharded/storage/grad_sync.py): as a parameter's
-        (``_GatherSpec.accumulation_dtype``)."""
-        return self.reduce_dtype or self.gather_dtype or dtype
+    def reduction_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a bucket of ``dtype`` has its gradient reduced (and no-sync sums kept)
+        in: a parameter's rule (sharded_state.reduction_dtype)."""
+        return reduction_dtype(self.reduce_dtype, self.gather_dtype, dtype)
 
 
 class _Gather(torch.autograd.Function):

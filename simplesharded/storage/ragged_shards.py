@@ -342,7 +342,7 @@ class RaggedShards:
     def accumulator(self) -> torch.Tensor:
         """A no-sync accumulator leaf for the gathered buffer: an expanded zero scalar in the
         dtype its reduction runs in (simplesharded/storage/grad_sync.py)."""
-        dtype = self.precision.accumulation_dtype(self.param.dtype)
+        dtype = self.precision.reduction_dtype(self.param.dtype)
         zero = torch.zeros((), dtype=dtype, device=self.offload.compute)
         return zero.expand(self.layout.total).requires_grad_()
 

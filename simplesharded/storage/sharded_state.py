@@ -92,6 +92,14 @@ class GatherScopeProtocol(Protocol):
 # ------------------------------------------------------------------- the record's parts
 
 
+def reduction_dtype(reduce_dtype: torch.dtype | None, compute_dtype: torch.dtype | None,
+                    dtype: torch.dtype) -> torch.dtype:
+    """The dtype a gradient is reduced in: ``reduce_dtype``, else the compute dtype the
+    parameter was gathered in (its gradient's), else the parameter's own. FSDP2's rule, and
+    also the dtype a no-sync backward keeps its sums in until the reduction."""
+    return reduce_dtype or compute_dtype or dtype
+
+
 @dataclass(frozen=True)
 class _GatherSpec:
     """What one parameter needs to turn its shard into a full parameter: one per set of dp
@@ -109,17 +117,16 @@ class _GatherSpec:
     dp_groups: tuple[str, ...] = ()  # process-group names of the dp dims (see DP_GROUPS_KEY)
     grad_sync: GradSyncProtocol | None = None  # the model's set_requires_gradient_sync state
 
+    def reduction_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a ``dtype`` parameter's gradient is reduced in (:func:`reduction_dtype`),
+        which a no-sync backward also sums it in (grad_sync.py)."""
+        return reduction_dtype(self.reduce_dtype, self.param_dtype, dtype)
+
     def scales_before_reduction(self, dtype: torch.dtype) -> bool:
         """Whether "avg" scales a gradient of a ``dtype`` parameter before its reduction:
         only when it is reduced in float16, whose sum over ranks could overflow first;
         otherwise once it is reduced, on the shard (1/dp of the elements)."""
-        return (self.reduce_dtype or self.param_dtype or dtype) == torch.float16
-
-    def accumulation_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """The dtype a no-sync backward sums a ``dtype`` parameter's unsharded gradient in
-        (grad_sync.py): ``reduce_dtype``, else ``param_dtype`` (its gradient's), else its own.
-        FSDP2's rule: the sums are kept in the dtype they are reduced in."""
-        return self.reduce_dtype or self.param_dtype or dtype
+        return self.reduction_dtype(dtype) == torch.float16
 
 
 @dataclass(frozen=True)
