@@ -10,6 +10,8 @@ Written by data_parallel (simplesharded/storage/gather.py) on every op that gath
   RESHARD_KEY        its reshard_after_forward: True, False or "auto" (passes/recompute.py)
 Written by activation checkpointing under compile (simplesharded/trainer/recipe.py):
   AC_KEY             index of the checkpointed block a forward op belongs to
+  AC_TP_KEY          True when that block's tensor-parallel reduce-scatters run again in
+                     backward (activation_checkpoint.recompute_tp_outputs; recompute.py)
 Written by the MoE layer (models/moe.py; its token dispatch: models/ep_dispatch.py):
   ROUTING_KEY        on the ops that decide where tokens go (the top-k choice, and under
                      expert parallelism the exchanged counts, split sizes and the orders built
@@ -66,6 +68,7 @@ DP_GROUPS_KEY = "ss_dp_groups"
 BLOCK_KEY = "ss_block"
 RESHARD_KEY = "ss_reshard"
 AC_KEY = "ss_ac"
+AC_TP_KEY = "ss_ac_tp"
 ROUTING_KEY = "ss_routing"
 CP_KEY = "ss_cp"
 BUCKET_KEY = "ss_bucket"

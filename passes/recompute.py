@@ -26,12 +26,15 @@ saves as placeholders, and the memory cap counts those too.
 Inside a checkpointed block, tensor parallelism's all-gathers of activations (sequence
 parallelism's, before attention and the MLP: each holds tp x the block's sharded input) run
 again in backward rather than being saved, as torchtitan's activation checkpointing re-runs
-them: every rank of the tp group recomputes the same gathers in the same order.
+them: every rank of the tp group recomputes the same gathers in the same order. With
+``ss_ac_tp`` (activation_checkpoint.recompute_tp_outputs) the block's TP reduce-scatters run
+again too, as torchtitan's full AC and eager checkpointing do: attention's and the MLP's
+outputs are not saved, for one more reduce-scatter each in backward.
 
 What is never recomputed, with or without activation checkpointing: any other collective that
-is not ours (expert parallelism's all-to-alls, TP's reduce-scatters and all-reduces:
-recomputing one would run it again in backward, and an all-to-all's result depends on the
-other ranks' tokens) and the routing
+is not ours (expert parallelism's all-to-alls, TP's reduce-scatters but for ``ss_ac_tp``, its
+all-reduces: recomputing one would run it again in backward, and an all-to-all's result
+depends on the other ranks' tokens) and the routing
 decisions of a MoE layer (nodes annotated ``ss_routing`` by models/moe.py and
 models/ep_dispatch.py: the top-k choice, the exchanged counts, the split sizes and the orders
 built from them). They are MUST_SAVE, so
@@ -47,8 +50,8 @@ from __future__ import annotations
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .annotations import (AC_KEY, CP_KEY, GATHERED_KEY, PARAM_KEY, RESHARD_KEY, ROUTING_KEY,
-                          annotations)
+from .annotations import (AC_KEY, AC_TP_KEY, CP_KEY, GATHERED_KEY, PARAM_KEY, RESHARD_KEY,
+                          ROUTING_KEY, annotations)
 from .collectives import find_collectives, node_block, tangent_dependent, tensor_nbytes
 from .graph_utils import draws_random
 from .plan_protocol import Plan
@@ -74,7 +77,7 @@ def tag_gathers_for_recompute(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     _annotate_views(gm.graph, backward)
     collectives = [c for c in find_collectives(gm.graph) if not c.ours]
     foreign = {n for c in collectives for n in (c.start, c.wait)}
-    regathered = {n for c in collectives if _regathered_under_ac(c) for n in (c.start, c.wait)}
+    regathered = {n for c in collectives if _recomputed_under_ac(c) for n in (c.start, c.wait)}
     for node in gm.graph.nodes:
         custom = annotations(node)
         if node.op != "call_function" or node in backward:
@@ -108,14 +111,16 @@ def tag_gathers_for_recompute(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     return gm
 
 
-def _regathered_under_ac(c) -> bool:
+def _recomputed_under_ac(c) -> bool:
     """A tensor-parallel all-gather of activations inside a checkpointed block: gathered
     again in backward rather than saved (sequence parallelism's gather before attention and
-    the MLP holds tp x the block's input; torchtitan's full AC re-runs it too). Every rank of
-    the group recomputes the same gathers in the same order. Context parallelism's K/V gather
-    and the MoE's routing exchanges stay saved (module doc)."""
+    the MLP holds tp x the block's input; torchtitan's full AC re-runs it too); with
+    ``ss_ac_tp`` also its reduce-scatters (attention's and the MLP's outputs). Every rank of
+    the group recomputes the same collectives in the same order. Context parallelism's K/V
+    gather and the MoE's routing exchanges stay saved (module doc)."""
     custom = annotations(c.start)
-    return (c.kind == "all_gather" and AC_KEY in custom and CP_KEY not in custom
+    kinds = ("all_gather", "reduce_scatter") if custom.get(AC_TP_KEY) else ("all_gather",)
+    return (c.kind in kinds and AC_KEY in custom and CP_KEY not in custom
             and ROUTING_KEY not in custom)
 
 

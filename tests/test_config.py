@@ -1,6 +1,7 @@
 import glob
 import json
 import os
+import re
 
 import pytest
 
@@ -537,3 +538,24 @@ def test_shipped_config_states_the_gpu_counts_it_fits(path):
         check_static(cfg, n)
     if len(counts) > 1:
         assert cfg.training.local_batch_size == -1
+
+
+def test_recompute_tp_outputs_needs_checkpointed_tp_blocks_in_a_joint_graph():
+    """activation_checkpoint.recompute_tp_outputs where it has nothing to act on (no
+    checkpointing, no TP, the step graph, which saves every collective) is one line."""
+    from simplesharded.trainer import check_static
+
+    base = ["--activation_checkpoint.recompute_tp_outputs", "--training.global_batch_size", "4"]
+    ok = check_static(load(None, [*base, "--activation_checkpoint.mode", "full",
+                                  "--parallelism.tensor_parallel_degree", "2"]), 4)
+    assert ok.activation_checkpoint.recompute_tp_outputs
+    for extra, bad in ((["--parallelism.tensor_parallel_degree", "2"],
+                        "activation_checkpoint.mode='none'"),
+                       (["--activation_checkpoint.mode", "full"],
+                        "parallelism.tensor_parallel_degree=1"),
+                       (["--activation_checkpoint.mode", "full",
+                         "--parallelism.tensor_parallel_degree", "2", "--compile.enable",
+                         "--compile.scope", "step"], "compile.scope='step'")):
+        with pytest.raises(ValueError, match="^activation_checkpoint.recompute_tp_outputs needs "
+                                             ".*; got " + re.escape(bad) + "$"):
+            check_static(load(None, [*base, *extra]), 4)

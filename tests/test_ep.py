@@ -206,9 +206,10 @@ def _case(rank, world, rep, tp, ep, n_experts, backend, ac):
     if tp > 1:
         parallelize_module(model, mesh["tp"], model.tp_styles(sequence_parallel=True))
     parallelize_module(model, mesh["ep"], model.ep_styles())
-    if ac:
+    if ac:  # ragged under TP: TP's reduce-scatters re-run in backward too
         apply_activation_checkpointing(model, "full", 1, compiled=backend != "eager",
-                                       expert_parallel=True)
+                                       expert_parallel=True,
+                                       recompute_tp_outputs=tp > 1 and storage == "ragged")
     mode = "hybrid_shard" if rep > 1 else "fully_shard"
     ss.data_parallel(model, mesh, mode, grad_reduction="sum",  # train(): global token count
                      storage=storage)
@@ -436,7 +437,10 @@ def test_ragged_buckets_under_tp_and_ep_train_bitwise_as_without():
     """storage="ragged" on TP 2 x EP 2 (dp_shard 2 = efsdp 1 x ep 2), both with activation
     checkpointing: a block's dense TP
     shards, its parameters replicated over tp and its expert weights (sharded over ep,
-    gathered over efsdp) are three buckets, and training is bitwise the run without them. (At
+    gathered over efsdp) are three buckets, and training is bitwise the run without them,
+    whose activation checkpointing saves TP's reduce-scatters where the ragged run's re-runs
+    them in backward (activation_checkpoint.recompute_tp_outputs: the same ops on the same
+    inputs, so the same bits). (At
     efsdp 2 x ep 2 the parity test against one process holds it: a reduce-scatter over 4 ranks
     sums an element in an order that depends on which rank it lands on, so a new layout
     moves the last bit.)"""

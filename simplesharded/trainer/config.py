@@ -268,6 +268,12 @@ class Compile:
 class ActivationCheckpoint:
     mode: str = _opt("none", "activation checkpointing", ("full", "none", "selective"))
     selective_every: int = _opt(2, "selective: checkpoint every Nth block")
+    recompute_tp_outputs: bool = _opt(False, "compiled: also run a checkpointed block's "
+                                      "tensor-parallel reduce-scatters again in backward "
+                                      "instead of saving their outputs (less memory, one more "
+                                      "reduce-scatter each; torchtitan's full AC and eager AC "
+                                      "do); needs tensor_parallel_degree > 1 and "
+                                      "compile.scope='model'")
 
 
 @dataclass

@@ -144,6 +144,7 @@ def validate(cfg: _Config, backends: Iterable[str] | None = None) -> None:
                          f"norm")
     _check_float8(cfg)
     _check_offload(cfg)
+    _check_tp_recompute(cfg)
     for key in ("quantize_gathers", "quantize_grads"):
         value = getattr(cfg.compile, key)
         if value != "none" and not cfg.compile.enable:
@@ -223,6 +224,25 @@ def _check_offload(cfg: _Config) -> None:
         raise ValueError(f"{head} does not take parallelism.pipeline_parallel_degree="
                          f"{p.pipeline_parallel_degree} (a stage's held and deferred buffers "
                          f"are not checked with host shards)")
+
+
+def _check_tp_recompute(cfg: _Config) -> None:
+    """activation_checkpoint.recompute_tp_outputs acts on checkpointed blocks' TP
+    reduce-scatters in a joint graph (passes/recompute.py): where there are none, or the step
+    graph saves every collective (passes/step_recompute.py), it is one error line."""
+    a = cfg.activation_checkpoint
+    if not a.recompute_tp_outputs:
+        return
+    for key, value, ok in (("activation_checkpoint.mode", a.mode, a.mode != "none"),
+                           ("parallelism.tensor_parallel_degree",
+                            cfg.parallelism.tensor_parallel_degree,
+                            cfg.parallelism.tensor_parallel_degree > 1),
+                           ("compile.scope", cfg.compile.scope, cfg.compile.scope == "model")):
+        if not ok:
+            raise ValueError(f"activation_checkpoint.recompute_tp_outputs needs "
+                             f"activation_checkpoint.mode full or selective, "
+                             f"parallelism.tensor_parallel_degree > 1 and "
+                             f"compile.scope='model'; got {key}={value!r}")
 
 
 def _check_step_scope(cfg: _Config) -> None:

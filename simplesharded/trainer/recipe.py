@@ -17,7 +17,7 @@ from simplesharded.float8 import convert_to_float8
 from simplesharded.mesh import cp_mesh, ep_dim, tp_dim
 from simplesharded.models.context_parallel import apply_context_parallel
 from simplesharded.passes.agreement import set_agreement_peers
-from simplesharded.passes.annotations import AC_KEY
+from simplesharded.passes.annotations import AC_KEY, AC_TP_KEY
 from simplesharded.passes.torch_compat import EXPERT_PARALLEL, needs
 from simplesharded.sharding import MixedPrecisionPolicy, data_parallel
 from simplesharded.trainer.config import Config
@@ -25,7 +25,8 @@ from simplesharded.trainer.config_checks import pipeline_stages
 
 
 def apply_activation_checkpointing(model: torch.nn.Module, mode: str, every: int,
-                                   compiled: bool = True, expert_parallel: bool = False) -> None:
+                                   compiled: bool = True, expert_parallel: bool = False,
+                                   recompute_tp_outputs: bool = False) -> None:
     """Recompute block activations in backward (``full``: every block; ``selective``: every
     ``every``-th block). Blocks are the ones data_parallel buckets (simplesharded/blocks.py).
     FQNs stay unchanged.
@@ -37,14 +38,22 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str, every: int
     all-to-all or a routing decision. Eager: torch.utils.checkpoint; with
     ``expert_parallel``, selectively: the all-to-alls' results and the top-k routing are
     saved from forward (:func:`_save_routing`), so the recomputation re-runs neither.
+    ``recompute_tp_outputs`` (compiled): the block's tensor-parallel reduce-scatters run again
+    in backward too (annotated ``ss_ac_tp``), where they are otherwise saved; eager
+    checkpointing re-runs them anyway.
     """
     if mode == "none":
         return
     for i, (_, block) in enumerate(find_blocks(model)):
-        if mode == "full" or i % every == 0:
-            wrap = _annotated if compiled else functools.partial(
-                _checkpointed, context_fn=_save_routing if expert_parallel else None)
-            block.forward = functools.partial(wrap, block.forward, i)
+        if mode != "full" and i % every:
+            continue
+        if compiled:
+            annotation = {AC_KEY: i, **({AC_TP_KEY: True} if recompute_tp_outputs else {})}
+            block.forward = functools.partial(_annotated, block.forward, annotation)
+        else:
+            block.forward = functools.partial(
+                _checkpointed, block.forward, context_fn=_save_routing if expert_parallel
+                else None)
 
 
 # Ops whose results eager activation checkpointing keeps from forward under expert
@@ -64,13 +73,13 @@ def _save_routing():
     return create_selective_checkpoint_contexts(policy)
 
 
-def _checkpointed(fn, index, *args, context_fn=None, **kwargs):
+def _checkpointed(fn, *args, context_fn=None, **kwargs):
     extra = {"context_fn": context_fn} if context_fn is not None else {}
     return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **extra, **kwargs)
 
 
-def _annotated(fn, index, *args, **kwargs):
-    with fx_traceback.annotate({AC_KEY: index}):
+def _annotated(fn, annotation, *args, **kwargs):
+    with fx_traceback.annotate(annotation):
         return fn(*args, **kwargs)
 
 
@@ -158,7 +167,9 @@ def parallelize(model: torch.nn.Module, mesh, cfg: Config, backend=None, observe
             apply_context_parallel(part, cp)
         apply_activation_checkpointing(part, cfg.activation_checkpoint.mode,
                                        cfg.activation_checkpoint.selective_every,
-                                       compiled=c.enable, expert_parallel=bool(ep_dim(mesh)))
+                                       compiled=c.enable, expert_parallel=bool(ep_dim(mesh)),
+                                       recompute_tp_outputs=(
+                                           cfg.activation_checkpoint.recompute_tp_outputs))
         # Explicit: the trainer's own default is "sum" (data_parallel's is "avg"), with every
         # rank's loss divided by the global token count (train_step), so the reduced gradient
         # is the exact global mean whatever the ranks' token counts.
