@@ -61,30 +61,44 @@ def make_deterministic(device: str) -> None:
     torch.use_deterministic_algorithms(True)
 
 
+def _checked(argv: list[str], world_size: int):
+    """The config of ``argv`` checked for ``world_size`` ranks, or None once its error is
+    printed (one line)."""
+    try:
+        cfg = check_static(load_config(None, argv), world_size)
+        check_packages(cfg)
+        check_torch(cfg)
+        return cfg
+    except ValueError as e:
+        _error(e)
+        return None
+
+
+def preflight(argv: list[str], world_size: int) -> int:
+    """run_train.sh's preflight (simplesharded/trainer/launch.py, ``--check-only``): the
+    trainer's checks once, in one process, before torchrun starts any rank (otherwise every
+    rank prints the error, then torchrun a traceback). The exit code."""
+    if _checked(argv, world_size) is None:
+        return EXIT_CONFIG
+    from simplesharded.passes.torch_compat import outside_range
+
+    warning = outside_range()  # a warning: a release outside the range may still work
+    if warning is not None:
+        print(f"warning: {warning}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
         print(help_text("python -m simplesharded.trainer | ./run_train.sh [--section.key VALUE ...]"))
         return 0
-    # --check-only: run_train.sh's preflight. The same checks once, in one process, before
-    # torchrun starts any rank (otherwise every rank prints the error, then torchrun a traceback).
-    check_only = "--check-only" in argv
-    argv = [a for a in argv if a != "--check-only"]
-    try:
-        cfg = load_config(None, argv)
-        cfg = check_static(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-        check_packages(cfg)
-        check_torch(cfg)
-    except ValueError as e:
-        _error(e)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if "--check-only" in argv:
+        return preflight([a for a in argv if a != "--check-only"], world_size)
+    cfg = _checked(argv, world_size)
+    if cfg is None:
         return EXIT_CONFIG
-    if check_only:
-        from simplesharded.passes.torch_compat import outside_range
-
-        warning = outside_range()  # a warning: a release outside the range may still work
-        if warning is not None:
-            print(f"warning: {warning}", file=sys.stderr)
-        return 0
     code = 0
     try:
         device = init_distributed()
