@@ -505,21 +505,59 @@ def free_port() -> int:
 
 
 def spawn_local(fn: Callable, nprocs: int, args: tuple = (), *, join: bool = True,
-                env: dict[str, str] | None = None):
-    """Run ``fn(rank, *args)`` in ``nprocs`` fresh processes (torch.multiprocessing, spawn)
-    that meet on a free local port: MASTER_ADDR and MASTER_PORT (and ``env``) are in their
-    environment, so ``init_process_group(backend, rank=rank, world_size=nprocs)`` in each
-    finds the others. This process's environment is as it was on return. ``join``: wait for
-    them (a rank's exception is raised here); else return their ProcessContext."""
+                env: dict[str, str | None] | None = None, fork: bool = False,
+                read_at_start: tuple[str, ...] = ()):
+    """Run ``fn(rank, *args)`` in ``nprocs`` new processes (torch.multiprocessing) that meet on
+    a free local port: MASTER_ADDR and MASTER_PORT and ``env`` (a ``None`` value unsets a
+    variable) are in their environment, so ``init_process_group(backend, rank=rank,
+    world_size=nprocs)`` in each finds the others. This process's environment is as it was on
+    return. ``join``: wait for them (a rank's exception is raised here); else return their
+    ProcessContext.
+
+    The processes are fresh interpreters (spawn), or with ``fork`` forked from this process's
+    fork server (``shims/forkserver.py``), which imported ``fn``'s module once: a fresh
+    interpreter spends ~2.5 s of CPU importing torch and this library. ``read_at_start`` names
+    the variables a process reads only when it starts (glibc's malloc tunables): the server is
+    started with their values here, and when it already runs without them the processes are
+    spawned."""
     import torch.multiprocessing as mp
     from unittest import mock
 
+    from simplesharded.shims import forkserver
+
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), **(env or {})}
-    with mock.patch.dict(os.environ, env):  # children copy the environment when they start
-        context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False,
-                                     start_method="spawn")
+    environ = {k: v for k, v in {**os.environ, **env}.items() if v is not None}
+    at_start = {k: environ.get(k) for k in read_at_start}
+    if fork and forkserver.start(at_start, [fn.__module__]) and forkserver.started_with(at_start):
+        context = mp.start_processes(_in_environment, args=(environ, _CallersStdio(), fn, args),
+                                     nprocs=nprocs, join=False, start_method="forkserver")
+    else:
+        with mock.patch.dict(os.environ, environ, clear=True):  # spawned: copied at start
+            context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False,
+                                         start_method="spawn")
     if not join:
         return context
     while not context.join():
         pass
     return None
+
+
+class _CallersStdio:
+    """This process's standard output and error (file descriptors 1 and 2), handed to a
+    process forked from the fork server as multiprocessing hands it a pipe: duplicated when
+    the process starts, as a spawned process inherits them."""
+
+    def __reduce__(self):
+        from multiprocessing.reduction import DupFd
+        return tuple, ((DupFd(1), DupFd(2)),)
+
+
+def _in_environment(rank: int, environ: dict[str, str], stdio: tuple, fn: Callable,
+                    args: tuple) -> None:
+    """A forked process's start: the caller's environment, standard output and error, not
+    the fork server's."""
+    os.environ.clear()
+    os.environ.update(environ)
+    for fd, dup in zip((1, 2), stdio):
+        os.dup2(dup.detach(), fd)
+    fn(rank, *args)

@@ -12,6 +12,11 @@ import torch
 from simplesharded.tools import (bench, bench_collectives, bench_passes, bench_run, bench_table,
                                  bench_variants)
 
+# glibc's malloc defaults in the ranks, so that they fork from the test worker's fork server
+# (started without the caching tunables: tests/conftest.py) instead of starting fresh
+# interpreters; test_tiny_bench_runs_end_to_end keeps the default (spawned) path
+FORKED = ("--host-malloc", "system")
+
 
 def _run(variant, ms):
     return bench_run.RunResult(variant, step_s=[ms / 1e3] * 3, first_step_s=ms / 1e3 + 1.0,
@@ -398,7 +403,8 @@ def test_tiny_hf_llama_bench_runs_end_to_end(tmp_path, capsys):
     variants = ["compute_floor", "ss_aot_eager_blockbucketing", "fsdp2_eager"]
     assert bench.main(["--model", "hf_llama", "--flavor", "debug", "--n-layers", "2",
                        "--seq-len", "32", "--warmup", "1", "--steps", "2", "--reps", "1",
-                       "--no-predict-memory", "--json", str(out), "--variants", *variants]) == 0
+                       "--no-predict-memory", *FORKED, "--json", str(out),
+                       "--variants", *variants]) == 0
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
     assert list(rows) == variants and not any("error" in r for r in rows.values()), rows
     # two blocks (model.layers.0/1): forward gathers embeddings + 2 blocks + head (4),
@@ -424,7 +430,7 @@ def test_tiny_tp_bench_runs_end_to_end(tmp_path, capsys):
     # the planner's prediction is test_tiny_bench_runs_end_to_end's (test_plan_tp.py plans TP)
     assert bench.main(["--tp", "2", "--flavor", "debug", "--n-layers", "1", "--seq-len", "16",
                        "--warmup", "1", "--steps", "1", "--reps", "1", "--no-predict-memory",
-                       "--json", str(out), "--variants", *variants]) == 0
+                       *FORKED, "--json", str(out), "--variants", *variants]) == 0
     report = json.loads(out.read_text())
     assert (report["args"]["world_size"], report["args"]["tp"]) == (4, 2)
     rows = {r["variant"]: r for r in report["rows"]}
@@ -503,7 +509,8 @@ def test_tiny_cp_bench_runs_end_to_end(tmp_path, capsys):
     variants = ["compute_floor", "ss_aot_eager_blockbucketing"]
     assert bench.main(["--cp", "2", "--world-size", "2", "--flavor", "debug", "--n-layers", "1",
                        "--seq-len", "32", "--warmup", "1", "--steps", "1", "--reps", "1",
-                       "--no-predict-memory", "--json", str(out), "--variants", *variants]) == 0
+                       "--no-predict-memory", *FORKED, "--json", str(out),
+                       "--variants", *variants]) == 0
     report = json.loads(out.read_text())
     assert (report["args"]["world_size"], report["args"]["cp"]) == (2, 2)
     rows = {r["variant"]: r for r in report["rows"]}

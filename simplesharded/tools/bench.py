@@ -1,6 +1,7 @@
 """``python -m simplesharded.tools.bench``: our backends vs FSDP2, DDP and a compute floor.
 
-Every variant trains the same model on the same synthetic batch in its own spawned process
+Every variant trains the same model on the same synthetic batch in its own processes (CPU
+ranks forked from a fork server that imported torch once, accelerator ranks spawned) and process
 group; variants alternate within each repetition so drift hits all of them alike. Reported:
 median step time, ratios, collectives per step counted at runtime from the process groups'
 sequence numbers (the same way for eager and compiled variants), compile seconds (first step minus a steady step, first

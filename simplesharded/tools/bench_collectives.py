@@ -139,7 +139,7 @@ def main(argv=None) -> int:
         ap.error(f"--world-size {ns.world_size} must be at least 2")
     # sizes from the parent: the workers import nothing but torch
     numels = block_numels(ns.world_size)
-    spawn_local(_worker, ns.world_size, (ns.world_size, ns.reps, numels))
+    spawn_local(_worker, ns.world_size, (ns.world_size, ns.reps, numels), fork=True)
     return 0
 
 

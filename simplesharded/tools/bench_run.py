@@ -1,5 +1,5 @@
 """Running one variant of ``python -m simplesharded.tools.bench`` and timing it: its ranks
-spawned in their own process group (``run_variant``), each training warmup and timed steps on
+started in their own process group (``run_variant``), each training warmup and timed steps on
 the same synthetic batch, and what a rank measures (``RunResult``): step times, collectives per
 step from the process groups' sequence numbers, CPU time per thread, page faults, peak tensor
 memory, rank 0's first losses, or the error that stopped it."""
@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from simplesharded.mesh import spawn_local
+from simplesharded.shims.host_malloc import TUNABLES
 from simplesharded.tools.bench_variants import BenchArgs, loss_parallel_on, prepare, world_of
 
 # Rank 0's losses of the first PARITY_STEPS steps are recorded for the parity check
@@ -365,7 +366,7 @@ def _rank_environment(args: BenchArgs):
     caching malloc settings (host_malloc.py) unless --host-malloc system asks for glibc's
     defaults; accelerator ranks the launcher's expandable segments (launch_env.py), unless
     the user set the allocator's configuration."""
-    from simplesharded.shims.host_malloc import TUNABLES, caching_env
+    from simplesharded.shims.host_malloc import caching_env
     from simplesharded.shims.launch_env import allocator_env
     if args.device != "cpu":
         with mock.patch.dict(os.environ, allocator_env(args.device)):
@@ -383,7 +384,11 @@ def run_variant(variant: str, args: BenchArgs) -> RunResult:
     world = world_of(variant, args)
     with tempfile.TemporaryDirectory() as out_dir:
         with _rank_environment(args):
-            spawn_local(_worker, world, (variant, args, out_dir))
+            # CPU ranks fork from the fork server (torch imported once, not per variant) when
+            # it started with their malloc tunables, which glibc reads only at a start;
+            # accelerator ranks start fresh, in a process that never touched the device
+            spawn_local(_worker, world, (variant, args, out_dir), fork=args.device == "cpu",
+                        read_at_start=(TUNABLES,))
         ranks = [RunResult(**json.load(open(os.path.join(out_dir, f"rank{r}.json"))))
                  for r in range(world)]
     res = ranks[0]

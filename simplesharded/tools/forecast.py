@@ -329,9 +329,9 @@ def _children_context():
     segmentation fault, and under a CUDA build autograd refuses to run in such a child
     ("Unable to handle autograd's threading in combination with fork-based
     multiprocessing")."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])
-    return ctx
+    from simplesharded.shims import forkserver
+    forkserver.start(preload=[__name__])  # this process's: whoever started it, it imported torch
+    return multiprocessing.get_context("forkserver")
 
 
 def _report(ns, cfg, hw, evaluated, keeps, sizes, n_layers, t0) -> None:

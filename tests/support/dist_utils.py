@@ -126,13 +126,9 @@ def start_forkserver() -> None:
     check that it still does). A process has one forkserver, whoever asks first: the ranks
     and the planner's trace children (simplesharded/tools/forecast.py) share it, so the test
     session starts it before any test can, with the ranks' environment."""
-    import multiprocessing
-    from multiprocessing import forkserver
-    from unittest import mock
+    from simplesharded.shims import forkserver
 
-    multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
-    with mock.patch.dict(os.environ, BASE_ENV):
-        forkserver.ensure_running()
+    forkserver.start(BASE_ENV, _PRELOAD)
 
 
 def _forked(world_size, entry_args, env):
