@@ -14,7 +14,7 @@ from simplesharded.tools import (bench, bench_collectives, bench_passes, bench_r
 
 # glibc's malloc defaults in the ranks, so that they fork from the test worker's fork server
 # (started without the caching tunables: tests/conftest.py) instead of starting fresh
-# interpreters; test_tiny_bench_runs_end_to_end keeps the default (spawned) path
+# interpreters (the default's ranks would be spawned here: tests/test_forkserver.py)
 FORKED = ("--host-malloc", "system")
 
 
@@ -231,7 +231,8 @@ def test_unknown_variant_is_an_error(capsys):
 def test_tiny_bench_runs_end_to_end(tmp_path, capsys):
     out = tmp_path / "r.json"
     assert bench.main(["--flavor", "debug", "--n-layers", "2", "--seq-len", "32", "--warmup",
-                       "1", "--steps", "2", "--reps", "1", "--json", str(out), "--variants",
+                       "1", "--steps", "2", "--reps", "1", *FORKED, "--json", str(out),
+                       "--variants",
                        "compute_floor",
                        "ss_aot_eager_blockbucketing", "ss_ragged_aot_eager_blockbucketing",
                        "ss_ragged_aot_eager_blockbucketing+qw_int8+qg_int8"]) == 0
