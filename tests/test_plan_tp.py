@@ -2,6 +2,7 @@
 mesh: the fake-process-group trace carries TP's collectives on the tp group and our dp
 collectives bucketed per block as without TP."""
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -207,3 +208,27 @@ def test_plan_cli_reports_communication_per_group(capsys):
     assert "(mesh dp_shard 2 × tp 2)" in out and "4 × 128 tokens per dp rank" in out
     # the config's own claim beside the prediction (configs/llama3_debug.toml: 1-8, 15 GiB)
     assert "job.gpu_counts [1, 2, 4, 8] of job.gpu_memory_gib 15: world size 4 is one of" in out
+    assert "recompute_tp_outputs" not in out  # within the room, and no AC: nothing to offer
+
+
+def test_forecast_offers_tp_recompute_when_the_peak_is_above_the_room(capsys):
+    """A TP step under full activation checkpointing whose peak is above what the config says
+    a rank has: the forecast traces it again with activation_checkpoint.recompute_tp_outputs
+    and prints that plan's peak and tokens/s beside the config's (the recomputed
+    reduce-scatters cost time)."""
+    from simplesharded.tools import forecast as plan
+
+    assert plan.main(["--config", DEBUG_CONFIG, "--world-size", "4", "--hardware", "h100-ib400",
+                      "--backends", "aot_eager_blockbucketing",
+                      "--parallelism.tensor_parallel_degree", "2",
+                      "--activation_checkpoint.mode", "full", "--model.n_layers", "2",
+                      "--job.gpu_memory_gib", "0.01"]) == 0
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if "recompute_tp_outputs" in ln)
+    got = re.search(r"peak ([0-9.]+) GiB/rank, ([0-9,]+) tokens/s/rank \(without: ([0-9.]+) "
+                    r"GiB, ([0-9,]+) tokens/s; room 0.01 GiB\)", line)
+    assert got, line
+    peak, rate, peak0, rate0 = (float(g.replace(",", "")) for g in got.groups())
+    # the peak at this size moves below the printed precision (the saved bytes' drop is
+    # test_activation_checkpointing_gathers_tp_activations_again_in_backward's)
+    assert peak <= peak0 and rate < rate0, line

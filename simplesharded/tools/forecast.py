@@ -19,6 +19,7 @@ host link and the optimizer step on the host.
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import multiprocessing
 import os
@@ -151,14 +152,14 @@ def main(argv=None) -> int:
     # versions and extrapolate linearly (exact for the per-block part, and 10x faster).
     sizes = [None] if n_layers <= ns.full_trace_layers else [4, 6]
     evaluated, keeps = evaluate_backends(cfg, ns, hw, cap, ns.backends, sizes)
-    _report(ns, cfg, hw, evaluated, keeps, sizes, n_layers, t0)
+    drawn = _report(ns, cfg, hw, evaluated, keeps, sizes, n_layers, t0)
+    _advise_tp_recompute(ns, cfg, hw, cap, sizes, n_layers, *drawn)
     if ns.seq_lens:
         _report_seq_lens(ns, cfg, hw, cap, sizes, n_layers)
     return 0
 
 
 def _with_seq_len(cfg, seq_len: int):
-    import copy
     cfg = copy.deepcopy(cfg)
     cfg.training.seq_len = seq_len
     return cfg
@@ -334,13 +335,14 @@ def _children_context():
     return multiprocessing.get_context("forkserver")
 
 
-def _report(ns, cfg, hw, evaluated, keeps, sizes, n_layers, t0) -> None:
+def _report(ns, cfg, hw, evaluated, keeps, sizes, n_layers, t0) -> tuple[str, float, float]:
+    """Print the forecast's tables and lines; return the drawn backend (the timeline's, else
+    the first), its peak bytes per rank and its tokens/s per rank."""
     from simplesharded.mesh import resolve_degrees
 
     p, t = cfg.parallelism, cfg.training
     local_batch, tp = t.local_batch_size, p.tensor_parallel_degree
-    # per rank: a dp rank's tp ranks share its tokens, its cp ranks split them
-    tokens = local_batch * t.seq_len // (tp * p.context_parallel_degree)
+    tokens = _tokens_per_rank(cfg)
     how = ("traced in full" if sizes == [None] else
            f"extrapolated from traces of {sizes[0]} and {sizes[1]} blocks")
     full_numel = sum(math.prod(q.shape) for q in _meta_params(cfg))
@@ -371,7 +373,7 @@ def _report(ns, cfg, hw, evaluated, keeps, sizes, n_layers, t0) -> None:
               f"{(static + act) / 2**30:.1f} |")
         rows += [(name, label, link, m) for label, link in last["links"].items()]
         if drawn is None or name == ns.timeline_backend:
-            drawn = (name, last, static, act, m)
+            drawn = (name, last, static, act, m, tokens / step)
     print("\ncommunication per process group, per rank and step (comm s: transfer time on the "
           "group's link; exposed s: compute waiting for it)\n\n"
           "| backend | group | link | collectives | GB/rank | comm s | exposed s |\n"
@@ -391,7 +393,7 @@ def _report(ns, cfg, hw, evaluated, keeps, sizes, n_layers, t0) -> None:
     m = numbers[ns.backends[0]]
     if m.get("cp:count"):
         print("\n" + _cp_line(cfg, m))
-    name, last, static, act, m = drawn
+    name, last, static, act, m, rate = drawn
     print(f"\nmemory per rank ({name}): params + grads + optimizer {static / 2**30:.2f} GiB "
           f"(fp32 shards on the device), gathered buffers + activations "
           f"{act / 2**30:.2f} GiB; the device has {hw.memory_bytes / 2**30:.0f} GiB")
@@ -404,6 +406,43 @@ def _report(ns, cfg, hw, evaluated, keeps, sizes, n_layers, t0) -> None:
                       f"{cfg.model.name}/{cfg.model.flavor}{shown}, {ns.world_size} × "
                       f"{hw.name}, backend {name}")
         print(f"timeline written to {ns.timeline}")
+    return name, static + act, rate
+
+
+def _tokens_per_rank(cfg) -> int:
+    """Tokens a rank trains on per step: a dp rank's tp ranks share its tokens, its cp ranks
+    split them."""
+    t, p = cfg.training, cfg.parallelism
+    return (t.local_batch_size * t.seq_len
+            // (p.tensor_parallel_degree * p.context_parallel_degree))
+
+
+def _advise_tp_recompute(ns, cfg, hw, cap, sizes, n_layers, name: str, peak: float,
+                         rate: float) -> None:
+    """When backend ``name``'s peak is above the room a rank has (MEMORY_HEADROOM of the
+    config's job.gpu_memory_gib, else of the hardware's memory) and the config could run its
+    checkpointed blocks' TP reduce-scatters again in backward instead of saving them
+    (activation_checkpoint.recompute_tp_outputs, off), the same step traced with it: its peak
+    and tokens/s beside these, one line. A second trace, only then."""
+    from simplesharded.trainer.config import MEMORY_HEADROOM
+    from simplesharded.trainer.config_checks import validate
+
+    room = MEMORY_HEADROOM * (cfg.job.gpu_memory_gib * 2**30 or hw.memory_bytes)
+    if cfg.activation_checkpoint.recompute_tp_outputs or peak <= room:
+        return
+    alt = copy.deepcopy(cfg)
+    alt.activation_checkpoint.recompute_tp_outputs = True
+    try:
+        validate(alt)
+    except ValueError:  # no checkpointed TP blocks, or the step graph
+        return
+    evaluated, keeps = evaluate_backends(alt, ns, hw, cap, [name], sizes)
+    m = _numbers(name, evaluated[keeps[name]], n_layers)
+    print(f"{name} with --activation_checkpoint.recompute_tp_outputs (the checkpointed blocks' "
+          f"TP reduce-scatters run again in backward, not saved): peak "
+          f"{sum(device_memory(m, alt)) / 2**30:.2f} GiB/rank, "
+          f"{_tokens_per_rank(alt) / step_seconds(m, alt, hw):,.0f} tokens/s/rank (without: "
+          f"{peak / 2**30:.2f} GiB, {rate:,.0f} tokens/s; room {room / 2**30:.2f} GiB)")
 
 
 def _offload_line(cfg, hw, m: dict) -> str:
