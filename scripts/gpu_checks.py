@@ -45,6 +45,9 @@ its code at CPU sizes, then says SKIP with why and what it saw.
 - parity_gloo2: the parity check on 2 gloo processes with device tensors (both on device 0),
   real collectives through our passes; SKIP, with the reason, where gloo cannot run the
   functional collectives DTensor issues on that device.
+- float8, offload: the bench's run beside the same with ``--training.float8`` (float8 matmuls
+  and gathers; sm_89 or newer) or ``--parallelism.offload params``: tokens/s, and for offload
+  the peak device memory, side by side.
 """
 from __future__ import annotations
 
@@ -805,8 +808,11 @@ def check_cp_attention(device: str, opts: dict) -> list[Row]:
 
 
 # ----------------------------------------------------------------------------------- bench
-def check_bench(device: str, opts: dict) -> list[Row]:
-    """The trainer in this process at one rank (a 1-rank group, as without torchrun)."""
+def _bench_run(device: str, extra: tuple[str, ...] = ()) -> dict:
+    """llama3 1B through the trainer in this process at one rank (a 1-rank group, as without
+    torchrun), bf16 params, TF32 on, inductor, with the trainer arguments ``extra``; on CPU
+    llama3 debug, small and uncompiled. Its steady tokens/s, TFLOP/s, MFU, memory, losses and
+    wall time, and a figure saying them."""
     from simplesharded.trainer import Trainer, check_static
     from simplesharded.trainer.config import load_config
     from simplesharded.trainer.metrics import peak_flops
@@ -823,7 +829,7 @@ def check_bench(device: str, opts: dict) -> list[Row]:
         "--training.val_every", "0", "--training.mixed_precision_param", "bfloat16",
         "--compile.enable", "false" if cpu else "true", "--compile.backend",
         "inductor_autobucketing", "--lr_scheduler.warmup_steps", "2",
-        "--metrics.progress_bar", "false", "--job.dump_folder", dump])
+        "--metrics.progress_bar", "false", "--job.dump_folder", dump, *extra])
     cfg = check_static(cfg, 1)
     torch._dynamo.reset()
     with _one_rank(device):
@@ -836,28 +842,78 @@ def check_bench(device: str, opts: dict) -> list[Row]:
     torch._dynamo.reset()
     records = [json.loads(line) for line in open(os.path.join(dump, "metrics.jsonl"))]
     steady = records[2:] or records  # after compile and the first steps
-    tps = statistics.median(r["tps"] for r in steady)
-    tflops = statistics.median(r["tflops"] for r in steady)
     mfu = [r["mfu_pct"] for r in steady if r.get("mfu_pct") is not None]
-    mfu = statistics.median(mfu) if mfu else None
-    losses = [r["loss"] for r in records]
-    last = records[-1]
+    out = {"tps": statistics.median(r["tps"] for r in steady),
+           "tflops": statistics.median(r["tflops"] for r in steady),
+           "mfu": statistics.median(mfu) if mfu else None,
+           "losses": [r["loss"] for r in records], "wall": wall,
+           "sizes": f"llama3 {flavor}, 1 rank, batch {batch} x {seq}", **{
+               k: v for k, v in records[-1].items() if k.startswith("mem_max_")}}
+    out["figure"] = (
+        f"{out['tps']:,.0f} tokens/s per device, {out['tflops']:.1f} TFLOP/s, "
+        + (f"MFU {out['mfu']:.1f}% of {name}'s bf16 peak {peak / 1e12:.0f} TFLOP/s"
+           if out["mfu"] is not None else f"MFU unknown ({name} is not in the peak table)")
+        + (f", memory active {out['mem_max_active_gib']:.1f} GiB "
+           f"({out.get('mem_max_active_pct', 0):.0f}%), reserved "
+           f"{out['mem_max_reserved_gib']:.1f} GiB ({out.get('mem_max_reserved_pct', 0):.0f}%)"
+           if "mem_max_reserved_gib" in out else "")
+        + f"; loss {out['losses'][0]:.3f} -> {out['losses'][-1]:.3f} in "
+          f"{len(out['losses'])} steps, {wall:.0f}s with compile")
+    return out
+
+
+def check_bench(device: str, opts: dict) -> list[Row]:
+    run = _bench_run(device)
     tag = "bench[llama3 1B, 1 rank, batch 4 x 2048, bf16, TF32 on, inductor_autobucketing]"
-    figure = (f"{tps:,.0f} tokens/s per device, {tflops:.1f} TFLOP/s, "
-              + (f"MFU {mfu:.1f}% of {name}'s bf16 peak {peak / 1e12:.0f} TFLOP/s"
-                 if mfu is not None else f"MFU unknown ({name} is not in the peak table)")
-              + (f", memory active {last['mem_max_active_gib']:.1f} GiB "
-                 f"({last.get('mem_max_active_pct', 0):.0f}%), reserved "
-                 f"{last['mem_max_reserved_gib']:.1f} GiB "
-                 f"({last.get('mem_max_reserved_pct', 0):.0f}%)"
-                 if "mem_max_reserved_gib" in last else "")
-              + f"; loss {losses[0]:.3f} -> {losses[-1]:.3f} in {len(losses)} steps, "
-                f"{wall:.0f}s with compile")
-    if cpu:
+    if device == "cpu":
         return [("SKIP", tag, f"a 1B model is an accelerator's bench; the same code on CPU "
-                 f"at llama3 debug, batch {batch} x {seq}, uncompiled: {figure}")]
-    ok = all(map(math.isfinite, losses)) and (mfu is None or 0 < mfu < 100)
-    return [("PASS" if ok else "FAIL", tag, figure)]
+                 f"at {run['sizes']}, uncompiled: {run['figure']}")]
+    ok = all(map(math.isfinite, run["losses"])) and (run["mfu"] is None or 0 < run["mfu"] < 100)
+    return [("PASS" if ok else "FAIL", tag, run["figure"])]
+
+
+def _side_by_side(device: str, tag: str, variant: tuple[str, ...], why_cpu: str,
+                  ok) -> list[Row]:
+    """The bench's run and the same with the trainer arguments ``variant``, paired in this
+    process: both figures and the variant's tokens/s over the plain run's. ``ok(plain, run)``
+    decides PASS; on CPU a SKIP saying ``why_cpu`` and what the CPU sizes gave."""
+    plain, run = _bench_run(device), _bench_run(device, variant)
+    figure = (f"{' '.join(variant)}: {run['figure']}; without: {plain['figure']}; "
+              f"tokens/s x{run['tps'] / plain['tps']:.2f}")
+    if device == "cpu":
+        return [("SKIP", tag, f"{why_cpu}; the same code on CPU at {run['sizes']}, "
+                 f"uncompiled: {figure}")]
+    finite = all(map(math.isfinite, plain["losses"] + run["losses"]))
+    return [("PASS" if finite and ok(plain, run) else "FAIL", tag, figure)]
+
+
+def check_float8(device: str, opts: dict) -> list[Row]:
+    """The bench's 1B in bf16 against the same with its blocks' Linears in float8
+    (training.float8: float8 matmuls, the weights gathered in float8): tokens/s side by side.
+    Float8 matmuls need sm_89 or newer; a loss more than 5 % off bf16's after 10 steps is a
+    FAIL."""
+    tag = "float8[llama3 1B, 1 rank, bf16 vs float8 Linears, inductor_autobucketing]"
+    if device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        return [("SKIP", tag, f"float8 matmuls need sm_89 or newer; this device is sm_"
+                 f"{''.join(map(str, torch.cuda.get_device_capability()))}")]
+    return _side_by_side(
+        device, tag, ("--training.float8",), "float8 matmuls are an accelerator's",
+        lambda plain, run: abs(run["losses"][-1] - plain["losses"][-1])
+        <= 0.05 * abs(plain["losses"][-1]))
+
+
+def check_offload(device: str, opts: dict) -> list[Row]:
+    """The bench's 1B without offload against ``parallelism.offload params`` (shards,
+    gradients and the optimizer step on the host, pinned; copies per bucket as graph nodes):
+    peak device memory and tokens/s side by side. The offloaded run must hold less device
+    memory at its peak and log the same losses (1e-3 relative: the host's optimizer step)."""
+    tag = "offload[llama3 1B, 1 rank, params on the host vs none, inductor_autobucketing]"
+
+    def ok(plain, run):
+        same = all(abs(a - b) <= 1e-3 * abs(b) for a, b in zip(run["losses"], plain["losses"]))
+        return same and run["mem_max_active_gib"] < plain["mem_max_active_gib"]
+    return _side_by_side(device, tag, ("--parallelism.offload", "params"),
+                         "the host and the device are one memory on CPU", ok)
 
 
 # ------------------------------------------------------------------------------- calibrate
@@ -1025,7 +1081,8 @@ def check_init(device: str, opts: dict) -> list[Row]:
 # -------------------------------------------------------------------------------- the child
 CHECKS = {"parity": check_parity, "fake8": check_fake8, "train": check_train,
           "moe": check_moe, "cp_attention": check_cp_attention, "bench": check_bench,
-          "calibrate": check_calibrate, "init": check_init, "parity_gloo2": check_parity_gloo2}
+          "calibrate": check_calibrate, "init": check_init, "parity_gloo2": check_parity_gloo2,
+          "float8": check_float8, "offload": check_offload}
 
 
 def child(name: str, device: str, opts: dict) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 
@@ -60,9 +61,10 @@ def test_cpu_run_uninstalled(tmp_path):
     # parity_gloo2: real collectives through our passes, ragged buckets uncompiled and under
     # one aot_eager compile; calibrate: a tool started with -m from the checkout's root; fake8: the
     # trainer's step with TP 2 (bf16) lowered by inductor with our collective order checked in
-    # its code: the suite's one TP x inductor compile, on one process
+    # its code: the suite's one TP x inductor compile, on one process; float8 and offload:
+    # their side-by-side trainer runs at CPU sizes (their answer is an accelerator's)
     out = tmp_path / "results.md"
-    p = _check(tmp_path, "--checks", "parity_gloo2", "calibrate", "fake8",
+    p = _check(tmp_path, "--checks", "parity_gloo2", "calibrate", "fake8", "float8", "offload",
                "--cases", "bf16_tp2_block", "--storages", "ragged", "--out", str(out))
     assert p.returncode == 0, p.stdout + p.stderr
     for rank in (0, 1):  # ragged buckets, the trainer's default (per parameter: --storages)
@@ -73,14 +75,20 @@ def test_cpu_run_uninstalled(tmp_path):
     for kind in ("fw", "bw"):
         assert (f"PASS fake8[bf16_tp2_block, inductor_blockbucketing] {kind} collective order"
                 in p.stdout), p.stdout
-    assert "9 passed, 0 failed, 2 skipped of 11" in p.stdout, p.stdout
+    assert "9 passed, 0 failed, 4 skipped of 13" in p.stdout, p.stdout
     rows = _load("gpu_check").read_results(str(out))
-    assert len(rows) == 11 and {r[1] for r in rows} == {"parity_gloo2", "calibrate", "fake8"}
+    assert len(rows) == 13 and {r[1] for r in rows} == {"parity_gloo2", "calibrate", "fake8",
+                                                        "float8", "offload"}
     skipped = [r for r in rows if r[0] == "SKIP"]
-    assert [r[2] for r in skipped] == [
-        "fake8[bf16_tp2_block, inductor_blockbucketing] fused attention",
-        "fake8[bf16_tp2_block, inductor_blockbucketing] memory"]
-    assert all("accelerator" in r[3] for r in skipped), skipped
+    assert [r[2].split("[")[0] + (r[2].rsplit("] ", 1)[1] if "] " in r[2] else "")
+            for r in skipped] == ["fake8fused attention", "fake8memory", "float8", "offload"]
+    assert all("accelerator" in r[3] for r in skipped[:3]), skipped
+    # the runs side by side, each with its own figure; offload keeps the losses bit for bit
+    for r in skipped[2:]:
+        assert "tokens/s per device" in r[3] and "without: " in r[3] and "tokens/s x" in r[3]
+    offload = skipped[3][3]
+    losses = re.findall(r"loss (\S+ -> \S+) in", offload)
+    assert len(losses) == 2 and losses[0] == losses[1], offload
 
 
 def test_gloo_on_a_device_that_crashes_it_is_a_skip(monkeypatch):
