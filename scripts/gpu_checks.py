@@ -52,6 +52,7 @@ its code at CPU sizes, then says SKIP with why and what it saw.
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib.util
 import json
 import math
@@ -832,6 +833,9 @@ def _bench_run(device: str, extra: tuple[str, ...] = ()) -> dict:
         "--metrics.progress_bar", "false", "--job.dump_folder", dump, *extra])
     cfg = check_static(cfg, 1)
     torch._dynamo.reset()
+    if device == "cuda":  # reserved memory as this run's alone, not an earlier run's cache
+        gc.collect()
+        torch.cuda.empty_cache()
     with _one_rank(device):
         t0 = time.perf_counter()
         trainer = Trainer(cfg, device)
