@@ -529,8 +529,9 @@ def spawn_local(fn: Callable, nprocs: int, args: tuple = (), *, join: bool = Tru
     environ = {k: v for k, v in {**os.environ, **env}.items() if v is not None}
     at_start = {k: environ.get(k) for k in read_at_start}
     if fork and forkserver.start(at_start, [fn.__module__]) and forkserver.started_with(at_start):
-        context = mp.start_processes(_in_environment, args=(environ, _CallersStdio(), fn, args),
-                                     nprocs=nprocs, join=False, start_method="forkserver")
+        context = mp.start_processes(forkserver.entry, nprocs=nprocs, join=False,
+                                     args=forkserver.entry_args(environ, fn, args),
+                                     start_method="forkserver")
     else:
         with mock.patch.dict(os.environ, environ, clear=True):  # spawned: copied at start
             context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False,
@@ -540,24 +541,3 @@ def spawn_local(fn: Callable, nprocs: int, args: tuple = (), *, join: bool = Tru
     while not context.join():
         pass
     return None
-
-
-class _CallersStdio:
-    """This process's standard output and error (file descriptors 1 and 2), handed to a
-    process forked from the fork server as multiprocessing hands it a pipe: duplicated when
-    the process starts, as a spawned process inherits them."""
-
-    def __reduce__(self):
-        from multiprocessing.reduction import DupFd
-        return tuple, ((DupFd(1), DupFd(2)),)
-
-
-def _in_environment(rank: int, environ: dict[str, str], stdio: tuple, fn: Callable,
-                    args: tuple) -> None:
-    """A forked process's start: the caller's environment, standard output and error, not
-    the fork server's."""
-    os.environ.clear()
-    os.environ.update(environ)
-    for fd, dup in zip((1, 2), stdio):
-        os.dup2(dup.detach(), fd)
-    fn(rank, *args)

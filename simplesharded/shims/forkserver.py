@@ -7,7 +7,9 @@ the environment the server *started* in. What a process reads only when it start
 malloc tunables) reaches a forked child only through the server's own start, never through the
 caller's environment at the fork. So the library starts the server through :func:`start`, which
 records that environment, and a caller asks :func:`started_with` before it forks a child that
-needs such a variable (``mesh.spawn_local(..., fork=True)``: else it spawns).
+needs such a variable (``mesh.spawn_local(..., fork=True)``: else it spawns). A forked child
+then runs in the caller's environment, standard output and error (:func:`entry`), as a spawned
+one would, not the server's.
 """
 from __future__ import annotations
 
@@ -43,3 +45,28 @@ def started_with(env: dict[str, str | None]) -> bool:
     """Whether children forked from this process's server (started here) see ``env``'s
     variables at their start: each set to its value, or unset where it is ``None``."""
     return bool(_STARTED) and all(_STARTED[0].get(k) == v for k, v in env.items())
+
+
+def entry_args(environ: dict[str, str], fn, args: tuple) -> tuple:
+    """The arguments of :func:`entry` that run ``fn(rank, *args)`` in a process forked from
+    the server with ``environ`` and this process's standard output and error."""
+    return environ, _CallersStdio(), fn, args
+
+
+def entry(rank: int, environ: dict[str, str], stdio: tuple, fn, args: tuple) -> None:
+    """A forked process's start: the caller's environment, standard output and error (as a
+    spawned process inherits them), not the server's."""
+    os.environ.clear()
+    os.environ.update(environ)
+    for fd, dup in zip((1, 2), stdio):
+        os.dup2(dup.detach(), fd)
+    fn(rank, *args)
+
+
+class _CallersStdio:
+    """This process's file descriptors 1 and 2, handed to a forked process as multiprocessing
+    hands it a pipe: duplicated into it when it starts."""
+
+    def __reduce__(self):
+        from multiprocessing.reduction import DupFd
+        return tuple, ((DupFd(1), DupFd(2)),)
