@@ -141,11 +141,65 @@ def _layout(rank, world, rep, shard, tp, mode, cases):
     return out
 
 
+def _float8_job(rank, world):
+    """float8 Linears (training.float8's recipe: converted first) under TP on dp 2 x tp 2,
+    compiled with aot_eager_blockbucketing: losses, and the forward graph's collectives by
+    (group, kind, dtype) after the float8 gather pass."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import simplesharded as ss
+    from simplesharded.float8 import convert_to_float8
+    from simplesharded.passes.collectives import find_collectives, group_label
+
+    torch._dynamo.reset()
+    counts = {}
+
+    def observe(kind, stage, gm):
+        if kind == "fw" and stage == "float8":
+            counts.clear()
+            for c in find_collectives(gm):
+                key = (group_label(c.group_name), c.kind, str(c.dtype))
+                counts[key] = counts.get(key, 0) + 1
+
+    mesh = ss.build_mesh(1, 2, "cpu", 2)
+    model = make_model()
+    convert_to_float8(model)
+    parallelize_module(model, mesh["tp"], model.tp_styles(sequence_parallel=True))
+    ss.data_parallel(model, mesh, "fully_shard", grad_reduction="sum", storage="param")
+    step_fn = torch.compile(model, backend=ss.make_backend("aot_eager_blockbucketing",
+                                                           observer=observe), fullgraph=True)
+    losses, _, _ = train(model, step_fn, rank // 2, 2, 2)
+    torch._dynamo.reset()
+    return losses, counts
+
+
+def float8_reference(dp: int) -> list[float]:
+    """float8 Linears in one process, uncompiled: each dp rank's rows through the model on
+    their own (its activations and gradients cast with their own scales, as on that rank),
+    the losses and gradients summed."""
+    from simplesharded.float8 import convert_to_float8
+
+    model = make_model()
+    convert_to_float8(model)
+    opt = torch.optim.SGD(model.parameters(), **SGD)
+    rows, losses = GLOBAL_BATCH // dp, []
+    for step in range(STEPS):
+        x, y = batch(step)
+        loss = sum(loss_fn(model(x[r * rows:(r + 1) * rows]), y[r * rows:(r + 1) * rows])
+                   for r in range(dp))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def _job(rank, world):
     out = {key: _layout(rank, world, *key, cases) for key, cases in LAYOUTS.items()
            if _world(key) == world}
     if world == 4:
         out["uneven"] = _uneven_job(rank, world)
+        out["float8"] = _float8_job(rank, world)
     return out
 
 
@@ -323,3 +377,20 @@ def test_uneven_strided_shards(backend):
         assert max_rel_diff(grads[n], p.grad) <= tol, n
     # the layout really is uneven: dp ranks 0 and 1 of TP shard 0 hold 3 and 2 rows of up
     assert results[0][1]["up.weight"] == (3, 6) and results[2][1]["up.weight"] == (2, 6)
+
+
+def test_float8_under_tp_trains_as_one_process_and_gathers_in_float8():
+    """training.float8 with TP (dp 2 x tp 2, sequence parallel, compiled): the losses of the
+    one-process float8 model (fp32 rounding apart, which a float8 cast can turn into one
+    float8 step: 1e-3), and the weights gathered over dp as float8 bytes, their scale's amax
+    all-reduced over dp and then over tp (TP's own reduction of the sharded weight's amax)."""
+    results = _run(4)
+    want = float8_reference(2)
+    for rank, (losses, counts) in enumerate(r["float8"] for r in results):
+        assert all(abs(a - b) <= 1e-3 * abs(b) for a, b in zip(losses, want)), (losses, want)
+        assert counts == results[0]["float8"][1], rank  # every rank the same collectives
+    counts = results[0]["float8"][1]
+    # 7 Linears per block (wq, wk, wv, wo, w1, w2, w3), 2 blocks: one float8 gather each
+    assert counts[("dp_shard", "all_gather", "torch.uint8")] == 7 * 2, counts
+    assert counts[("dp_shard", "all_reduce", "torch.float32")] >= 7 * 2, counts
+    assert counts[("tp", "all_reduce", "torch.float32")] >= 7 * 2, counts

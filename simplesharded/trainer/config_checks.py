@@ -194,10 +194,6 @@ def _check_float8(cfg: _Config) -> None:
     if c.quantize_gathers != "none":
         raise ValueError(f"training.float8 and compile.quantize_gathers={c.quantize_gathers!r} "
                          f"both quantize the weights' gathers: set one")
-    if p.tensor_parallel_degree > 1:
-        raise ValueError(f"training.float8 does not take parallelism.tensor_parallel_degree="
-                         f"{p.tensor_parallel_degree} (Float8Linear casts plain tensors, not "
-                         f"tensor-parallel DTensors)")
     if c.enable and not gathers_each_parameter(resolved(p.storage, p.mode,
                                                          each_parameter=True)):
         raise ValueError(f"training.float8 gathers each weight in float8, and "
