@@ -174,16 +174,14 @@ def _report_seq_lens(ns, cfg, hw, cap, sizes, n_layers) -> None:
           f"{cfg.parallelism.context_parallel_degree})\n\n| seq_len | tokens/rank | "
           f"gathered buffers + activations GiB | peak GiB/rank | within "
           f"job.gpu_memory_gib |\n|---:|---:|---:|---:|---|")
-    from simplesharded.trainer.config import MEMORY_HEADROOM
-    room = MEMORY_HEADROOM * cfg.job.gpu_memory_gib * 2**30
+    room = _room_bytes(cfg)
     for n in ns.seq_lens:
         c = _with_seq_len(cfg, n)
         evaluated, keeps = evaluate_backends(c, ns, hw, cap, [name], sizes)
         m = _numbers(name, evaluated[keeps[name]], n_layers)
         static, act = device_memory(m, c)
         peak = static + act
-        tokens = c.training.local_batch_size * n // (c.parallelism.tensor_parallel_degree
-                                                      * c.parallelism.context_parallel_degree)
+        tokens = _tokens_per_rank(c)
         fits = ("–" if not cfg.job.gpu_memory_gib else
                 "yes" if peak <= room else "NO")
         print(f"| {n} | {tokens} | {act / 2**30:.2f} | {peak / 2**30:.1f} | {fits} |")
@@ -427,7 +425,7 @@ def _advise_tp_recompute(ns, cfg, hw, cap, sizes, n_layers, name: str, peak: flo
     from simplesharded.trainer.config import MEMORY_HEADROOM
     from simplesharded.trainer.config_checks import validate
 
-    room = MEMORY_HEADROOM * (cfg.job.gpu_memory_gib * 2**30 or hw.memory_bytes)
+    room = _room_bytes(cfg) or MEMORY_HEADROOM * hw.memory_bytes
     if cfg.activation_checkpoint.recompute_tp_outputs or peak <= room:
         return
     alt = copy.deepcopy(cfg)
@@ -485,6 +483,13 @@ def _cp_line(cfg, m: dict) -> str:
             f"((cp − 1) / cp of each, cp {cp})")
 
 
+def _room_bytes(cfg) -> float:
+    """The peak a rank's memory may reach: MEMORY_HEADROOM of the config's job.gpu_memory_gib
+    (0 when the config states none)."""
+    from simplesharded.trainer.config import MEMORY_HEADROOM
+    return MEMORY_HEADROOM * cfg.job.gpu_memory_gib * 2**30
+
+
 def _stated_fit(cfg, world_size: int, peak: float) -> str:
     """The config's own claim (job.gpu_counts, job.gpu_memory_gib) next to this prediction."""
     from simplesharded.trainer.config import MEMORY_HEADROOM
@@ -492,7 +497,7 @@ def _stated_fit(cfg, world_size: int, peak: float) -> str:
     j = cfg.job
     if not j.gpu_counts:
         return "the config states no job.gpu_counts"
-    room = MEMORY_HEADROOM * j.gpu_memory_gib
+    room = _room_bytes(cfg) / 2**30
     count = "is one of" if world_size in j.gpu_counts else "is not one of"
     fits = "within" if peak <= room * 2**30 else "ABOVE"
     return (f"the config is sized for job.gpu_counts {j.gpu_counts} of job.gpu_memory_gib "
