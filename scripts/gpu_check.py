@@ -74,7 +74,8 @@ CHECKS = {
                 "device memory and tokens/s side by side, the same losses", 360, 120),
 }
 # What a run without --checks runs: all but the side-by-side feature runs, which would start
-# late in the budget, where a timeout is a FAIL
+# late in the budget, where a timeout is a FAIL. `--checks all` adds them after the bench,
+# whose plain run they reuse within one driver run
 DEFAULT_CHECKS = [name for name in CHECKS if name not in ("float8", "offload")]
 BUDGET_S = {"accelerator": 480, "cpu": 1200}
 MIN_START_S = 20  # a check is not started with less of the budget left than this
@@ -254,7 +255,10 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cpu", action="store_true", help="CPU run even if an accelerator is present")
-    ap.add_argument("--checks", nargs="+", default=DEFAULT_CHECKS, choices=list(CHECKS))
+    ap.add_argument("--checks", nargs="+", default=DEFAULT_CHECKS, choices=[*CHECKS, "all"],
+                    help="the checks to run, in this order; 'all': every check, the default "
+                         "run's then float8 and offload (default: " + " ".join(DEFAULT_CHECKS)
+                         + ")")
     ap.add_argument("--backends", nargs="+", default=None, choices=gpu_checks.BACKENDS,
                     help="parity's backends (default: all on an accelerator, the aot_eager "
                          "ones and eager on CPU)")
@@ -273,6 +277,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", help=argparse.SUPPRESS)
     ap.add_argument("--opts", default="{}", help=argparse.SUPPRESS)
     ns = ap.parse_args(argv)
+    if "all" in ns.checks:
+        ns.checks = list(CHECKS)
     if ns.child:
         return gpu_checks.child(ns.child, ns.device, json.loads(ns.opts))
     accelerator = torch.accelerator.current_accelerator()
