@@ -50,7 +50,13 @@ EXPERT_PARALLEL = Feature(
     "compiling its token exchange needs torch._dynamo.override_optimization_hint, new in 2.13, "
     "for the all-to-all's data-dependent sizes")
 
-FEATURES = (STEP_GRAPH, CONTEXT_PARALLEL, EXPERT_PARALLEL)
+RAGGED_STORAGE = Feature(
+    "ragged buckets (storage='ragged', parallelism.storage ragged, and offload, which moves "
+    "them)", "2.12",
+    "before 2.12 DTensor's C++ dispatch never calls a DTensor subclass's __torch_dispatch__, "
+    "so a ragged member's ops (the optimizer's) lose its runs; storage 'auto' is one shard per "
+    "parameter there")
+FEATURES = (STEP_GRAPH, CONTEXT_PARALLEL, EXPERT_PARALLEL, RAGGED_STORAGE)
 
 
 def installed() -> TorchVersion:
@@ -112,5 +118,6 @@ def override_optimization_hint(value, hint: int) -> None:
 
 
 __all__ = ["CONTEXT_PARALLEL", "DEFAULT", "EXPERT_PARALLEL", "FEATURES", "Feature",
-           "STEP_GRAPH", "SUPPORTED", "TorchTooOld", "has", "installed", "needs",
-           "optimization_hint", "outside_range", "override_optimization_hint", "refusal"]
+           "RAGGED_STORAGE", "STEP_GRAPH", "SUPPORTED", "TorchTooOld", "has", "installed",
+           "needs", "optimization_hint", "outside_range", "override_optimization_hint",
+           "refusal"]
