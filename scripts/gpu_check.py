@@ -87,8 +87,11 @@ def _mode(device: str) -> str:
 
 # ------------------------------------------------------------------------------ versions
 def git_commit() -> str:
-    """The checkout's short commit (+ "-dirty" with local changes); $GPU_CHECK_COMMIT where
-    the copy has no git (a machine the checkout was copied to), else "nogit"."""
+    """$GPU_CHECK_COMMIT when set (a copy of the checkout on another machine: its .git, if it
+    travelled, may be another commit's), else the checkout's short commit (+ "-dirty" with
+    local changes), else "nogit"."""
+    if os.environ.get("GPU_CHECK_COMMIT"):
+        return os.environ["GPU_CHECK_COMMIT"]
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
                                 capture_output=True, timeout=10).stdout.strip()
@@ -99,7 +102,7 @@ def git_commit() -> str:
             return commit + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         pass
-    return os.environ.get("GPU_CHECK_COMMIT") or "nogit"
+    return "nogit"
 
 
 def versions(device: str) -> list[str]:

@@ -62,6 +62,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 
 import torch
@@ -1154,8 +1155,9 @@ def child(name: str, device: str, opts: dict) -> int:
         torch.accelerator.set_device_index(0)
     try:
         rows = CHECKS[name](device, opts)
-    except Exception as e:  # a check that crashes is a failed check
+    except Exception as e:  # a check that crashes is a failed check, its traceback in the log
         rows = [("FAIL", name, _first_line(e))]
+        traceback.print_exc()
     for row in rows:
         print(ROW + json.dumps(list(row)), flush=True)
     return 0

@@ -12,7 +12,8 @@ test process: a fresh interpreter per rank spent ~2 s of CPU importing them, and
 starts a few hundred ranks on two cores. A rank's environment is the parent's at the call,
 plus ``BASE_ENV`` (also the server's own environment, for what torch reads when imported);
 ``spawn(..., env=...)`` starts fresh interpreters instead, for variables read when a process
-starts (glibc's malloc tunables) that a fork would not apply.
+starts (glibc's malloc tunables) that a fork would not apply, and so does a machine with an
+accelerator, whose ranks could not use it if forked (see ``_spawn_once``).
 """
 from __future__ import annotations
 
@@ -144,7 +145,10 @@ def _forked(world_size, entry_args, env):
 
 
 def _spawn_once(world_size, fn, args, timeout_s, env):
-    fresh = env is not None
+    # Fresh interpreters where an accelerator is present: torch refuses CUDA in a process
+    # forked after its parent counted the devices, which the server did importing inductor
+    # (torch.cuda.is_available() in torch/_inductor/runtime/benchmarking.py)
+    fresh = env is not None or torch.accelerator.is_available()
     env = {**BASE_ENV, **(env or {})}
     with tempfile.TemporaryDirectory(prefix="ss_spawn_") as outdir:
         env.setdefault("TORCHINDUCTOR_CACHE_DIR", _session_cache_dir())
