@@ -4,7 +4,7 @@
 # default), and one results file (markdown: --out, default $OUT/<date>_<commit>.md when $OUT
 # is set, else benchmarks/gpu/<date>_<commit>.md). Without an accelerator, or with --cpu, the
 # same checks run on CPU (gloo, fake process groups), what needs an accelerator saying SKIP and
-# why. Other arguments: --checks, --backends, --storages, --cases, --timeout (--help).
+# why. Other arguments: --checks, --jobs, --backends, --storages, --cases, --timeout (--help).
 #
 # Meant for a fresh machine with python3 and torch and nothing else: the project is not
 # installed there; the checkout is importable from its root as it is (simplesharded/__init__.py

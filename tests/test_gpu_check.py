@@ -147,6 +147,35 @@ def test_results_file_and_exit_status(monkeypatch, tmp_path, capsys):
     assert all(r[3].startswith("not started: ") and "budget" in r[3] for r in got)
 
 
+def test_checks_side_by_side_then_the_timed_ones_alone(monkeypatch, tmp_path):
+    """--jobs 2: the untimed checks run two at a time, a timed one (bench) only once they have
+    all ended; the results file lists them in the order asked for."""
+    import threading
+
+    check = _load("gpu_check")
+    lock, events, running = threading.Lock(), [], []
+    both = threading.Barrier(2, timeout=10)  # both untimed checks must be running at once
+
+    def run_check(name, device, opts, timeout, env):
+        with lock:
+            events.append(("start", name, len(running)))
+            running.append(name)
+        if name != "bench":
+            both.wait()
+        with lock:
+            running.remove(name)
+            events.append(("end", name))
+        return [["PASS", f"{name}[x]", "ok"]], ""
+
+    monkeypatch.setattr(check, "run_check", run_check)
+    out = tmp_path / "r.md"
+    assert check.main(["--cpu", "--jobs", "2", "--checks", "bench", "parity", "moe",
+                       "--out", str(out)]) == 0
+    assert events[-2:] == [("start", "bench", 0), ("end", "bench")]
+    assert [r[1] for r in check.read_results(str(out))] == ["bench", "parity", "moe"]
+    assert "- checks side by side: 2 (the timed ones, bench," in out.read_text()
+
+
 def test_cp_attention_on_cpu_says_skip_and_why():
     """On CPU the context-parallel attention check runs its code at CPU sizes (eager, and
     compiled by aot_eager) on a fake cp group, then says SKIP: the kernel choice that counts
