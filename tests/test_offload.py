@@ -27,13 +27,18 @@ import torch
 
 from simplesharded.passes.annotations import OFFLOAD_KEY, RAGGED_KEY, annotations
 from simplesharded.passes.graph_utils import ancestors
+from simplesharded.passes.torch_compat import RAGGED_STORAGE
 
 import pass_utils as pu
 import toy_blocks
 from dist_utils import memo
+from torch_range import needs_torch
 
 # autouse, as in every file that makes process groups: none may be left behind
 from traced_graphs import _no_leaked_process_group  # noqa: F401
+
+# offload moves ragged buckets: torch >= 2.12 (passes/torch_compat.py)
+pytestmark = needs_torch(RAGGED_STORAGE)
 
 LAYERS = 2
 STEPS = 10
