@@ -50,13 +50,7 @@ EXPERT_PARALLEL = Feature(
     "compiling its token exchange needs torch._dynamo.override_optimization_hint, new in 2.13, "
     "for the all-to-all's data-dependent sizes")
 
-RAGGED_STORAGE = Feature(
-    "ragged buckets (storage='ragged', parallelism.storage ragged, and offload, which moves "
-    "them)", "2.12",
-    "before 2.12 DTensor's C++ dispatch never calls a DTensor subclass's __torch_dispatch__, "
-    "so a ragged member's ops (the optimizer's) lose its runs; storage 'auto' is one shard per "
-    "parameter there")
-FEATURES = (STEP_GRAPH, CONTEXT_PARALLEL, EXPERT_PARALLEL, RAGGED_STORAGE)
+FEATURES = (STEP_GRAPH, CONTEXT_PARALLEL, EXPERT_PARALLEL)
 
 
 def installed() -> TorchVersion:
@@ -107,6 +101,13 @@ except ImportError:  # before 2.12: the same non-guarding hint under its older n
     from torch.fx.experimental.symbolic_shapes import size_hint as optimization_hint
 
 
+def dtensor_subclass_dispatch() -> bool:
+    """Whether DTensor's dispatch calls a DTensor subclass's own ``__torch_dispatch__`` (2.12
+    on); before, its C++ path computes the subclass's ops as a DTensor's, and a subclass that
+    must see them (storage/ragged_member.py) overrides ``__torch_function__`` instead."""
+    return TorchVersion(torch.__version__) >= "2.12"
+
+
 def override_optimization_hint(value, hint: int) -> None:
     """Tell the compiler the size a data-dependent value will usually have (cost model and
     memory estimates). Releases before 2.13 have no such hint, and a compiled graph whose
@@ -118,6 +119,6 @@ def override_optimization_hint(value, hint: int) -> None:
 
 
 __all__ = ["CONTEXT_PARALLEL", "DEFAULT", "EXPERT_PARALLEL", "FEATURES", "Feature",
-           "RAGGED_STORAGE", "STEP_GRAPH", "SUPPORTED", "TorchTooOld", "has", "installed",
-           "needs", "optimization_hint", "outside_range", "override_optimization_hint",
-           "refusal"]
+           "STEP_GRAPH", "SUPPORTED", "TorchTooOld", "dtensor_subclass_dispatch", "has",
+           "installed", "needs", "optimization_hint", "outside_range",
+           "override_optimization_hint", "refusal"]

@@ -16,8 +16,6 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 import simplesharded as ss
 from dist_utils import world_of_one
 from simplesharded.models import build_model, logits_of
-from simplesharded.passes.torch_compat import RAGGED_STORAGE
-from torch_range import param_needing
 
 
 def _train(base, mesh, wrapped: bool, storage, compiled: bool):
@@ -49,7 +47,7 @@ def _train(base, mesh, wrapped: bool, storage, compiled: bool):
     return model, losses, saved[-1] if saved else None
 
 
-@pytest.mark.parametrize("storage", ["param", param_needing(RAGGED_STORAGE, "ragged")])
+@pytest.mark.parametrize("storage", ["param", "ragged"])
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
 def test_checkpoint_wrapper_trains_as_without_and_keeps_the_keys(storage, compiled):
     torch.manual_seed(0)

@@ -372,21 +372,16 @@ def test_gradient_sync_choices():
 
 def test_storage_key(tmp_path):
     """parallelism.storage: param, ragged, or auto (the default): data_parallel gets its
-    storage; auto is ragged (where this torch has ragged buckets), or param where the mode is
-    replicate (given, or resolved from the degrees). A bad value is one line listing the
-    choices."""
-    from simplesharded.passes.torch_compat import RAGGED_STORAGE, has
-
-    ragged = "ragged" if has(RAGGED_STORAGE) else "param"
-
+    storage; auto is ragged, or param where the mode is replicate (given, or resolved from the
+    degrees). A bad value is one line listing the choices."""
     def storage(path=None, argv=None):
         p = load(path, argv).parallelism
         return p.storage, p.dp_storage
 
-    assert storage() == ("auto", ragged)
+    assert storage() == ("auto", "ragged")
     assert storage(None, ["--parallelism.mode", "hybrid_shard",
                           "--parallelism.data_parallel_replicate_degree", "2"]) == (
-        "auto", ragged)
+        "auto", "ragged")
     assert storage(None, ["--parallelism.mode", "replicate"]) == ("auto", "param")
     assert storage(None, ["--parallelism.data_parallel_replicate_degree", "2",
                           "--parallelism.data_parallel_shard_degree", "1"]) == ("auto", "param")

@@ -23,8 +23,6 @@ from torch.multiprocessing.reductions import StorageWeakRef
 import toy
 import toy_blocks
 from dist_utils import build_mesh_for, max_rel_diff, memo, spawn
-from simplesharded.passes.torch_compat import RAGGED_STORAGE
-from torch_range import param_needing
 
 TIGHT = 1e-6  # eager vs the 1-process reference: only the order of the gradient sum differs
 
@@ -320,8 +318,7 @@ def _fake_case(case: str, reshard):
                             storage=storage or "param"), x
 
 
-@pytest.mark.parametrize("case", ["fully_shard", "hybrid_shard", "tp",
-                                  param_needing(RAGGED_STORAGE, "hybrid_shard+ragged")])
+@pytest.mark.parametrize("case", ["fully_shard", "hybrid_shard", "tp", "hybrid_shard+ragged"])
 def test_eager_reshard_layouts(fake_world, case):
     """Hybrid (2-D dp mesh; also with ragged buckets, whose members are views of the bucket's
     gather),

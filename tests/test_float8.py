@@ -45,12 +45,10 @@ from simplesharded.passes.collectives import find_collectives
 from simplesharded.passes.float8_gather import float8_gathers
 from simplesharded.passes.plans import BlockPlan
 from simplesharded.passes.reordering import reorder_for_overlap
-from simplesharded.passes.torch_compat import RAGGED_STORAGE, has
 
 import pass_utils as pu
 import toy_blocks
 from dist_utils import memo
-from torch_range import needs_torch
 
 # autouse, as in every pass test file: no test may leave a process group behind
 from traced_graphs import _no_leaked_process_group  # noqa: F401
@@ -365,7 +363,6 @@ def test_a_weight_read_elsewhere_keeps_its_gather_with_a_note():
     assert pu.graph_signature(float8_gathers(pu.fresh(plain))) == pu.graph_signature(plain)
 
 
-@needs_torch(RAGGED_STORAGE)
 def test_ragged_buckets_keep_their_gather_with_a_note():
     """A ragged bucket gathers its block as one buffer, every member a view of it: the pass
     cannot cast one member's part of it (and the trainer takes per-parameter storage)."""
@@ -424,11 +421,10 @@ def test_trainer_key_and_backend_wiring():
 
     cfg = load_config(None, [])
     assert cfg.training.float8 is False
-    ragged = "ragged" if has(RAGGED_STORAGE) else "param"  # storage auto, on this torch
     on = load_config(None, ["--training.float8", "--compile.enable"])
-    assert on.dp_storage() == "param" and on.parallelism.dp_storage == ragged
+    assert on.dp_storage() == "param" and on.parallelism.dp_storage == "ragged"
     # uncompiled: trains in float8, gathers in full precision (ragged buckets are fine)
-    assert load_config(None, ["--training.float8"]).dp_storage() == ragged
+    assert load_config(None, ["--training.float8"]).dp_storage() == "ragged"
     for name in ("aot_eager", "aot_eager_blockbucketing", "inductor_autobucketing"):
         pipeline = pass_pipeline(name, BackendOptions(hardware="local"))
         assert [stage for stage, _ in pipeline.float8] == ["float8"]

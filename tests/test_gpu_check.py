@@ -176,6 +176,39 @@ def test_checks_side_by_side_then_the_timed_ones_alone(monkeypatch, tmp_path):
     assert "- checks side by side: 2 (the timed ones, bench," in out.read_text()
 
 
+def test_inductor_memory_is_checked_through_its_aot_eager_twin(monkeypatch):
+    """The planner models the aot_eager backends: an inductor case's memory row runs the
+    aot_eager twin of its config and holds the twin's peak within the tolerance; the inductor
+    peak itself need only stay under the planner's figure. Figures of the H200's bf16 + full AC
+    case: inductor 85 MiB less 64 MiB of workspaces, planner 47 MiB."""
+    checks = _load("gpu_checks")
+    cfg = checks._fake_cfg("configs/llama3_debug.toml",
+                           ["--compile.backend", "inductor_autobucketing"], "cpu")
+    mib = 2**20
+    ran = []
+
+    def twin_steps(peak):
+        def steps(twin_cfg, device, observe=None):
+            ran.append(twin_cfg.compile.backend)
+            return {"peak": peak * mib, "workspace": 64 * mib, "held": 0, "stepped": True}, {}, []
+        return steps
+
+    inductor = {"peak": 85 * mib, "workspace": 64 * mib, "held": 0, "stepped": True}
+    for twin_peak, inductor_peak, want in ((100, 85, "PASS"), (85, 85, "FAIL"),
+                                           (100, 64 + 70, "FAIL")):
+        monkeypatch.setattr(checks, "_fake_steps", twin_steps(twin_peak))
+        status, name, detail = checks._memory_row(
+            "fake8[x]", cfg, "cuda", 47 * mib, {**inductor, "peak": inductor_peak * mib}, True)
+        assert status == want, (twin_peak, inductor_peak, detail)
+        assert "aot_eager_autobucketing's max_memory_allocated" in detail
+    assert ran == ["aot_eager_autobucketing"] * 3
+    assert cfg.compile.backend == "inductor_autobucketing"  # the case's config is left as it was
+    # a case under aot_eager is its own twin
+    status, _, detail = checks._memory_row("fake8[y]", cfg, "cuda", 47 * mib,
+                                           {**inductor, "peak": 100 * mib}, False)
+    assert status == "PASS" and "x0.77" in detail and len(ran) == 3
+
+
 def test_cp_attention_on_cpu_says_skip_and_why():
     """On CPU the context-parallel attention check runs its code at CPU sizes (eager, and
     compiled by aot_eager) on a fake cp group, then says SKIP: the kernel choice that counts

@@ -12,13 +12,11 @@ from simplesharded.passes.annotations import gathered_param
 from simplesharded.passes.memory import gathered_timeline
 from simplesharded.passes.plans import BlockPlan
 from simplesharded.passes.reordering import reorder_for_overlap
-from simplesharded.passes.torch_compat import RAGGED_STORAGE
-from torch_range import param_needing
 
 DEBUG_CONFIG = "configs/llama3_debug.toml"
 
 
-@pytest.mark.parametrize("storage", ["param", param_needing(RAGGED_STORAGE, "ragged")])
+@pytest.mark.parametrize("storage", ["param", "ragged"])
 @pytest.mark.parametrize("backend,blocks", [("aot_eager_blockbucketing", 4),
                                             ("aot_eager_blockbucketing", 2.5),
                                             ("aot_eager_autobucketing", 6)])

@@ -23,14 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from simplesharded.passes.torch_compat import RAGGED_STORAGE
-from torch_range import needs_torch
-
 # autouse, as in every file that makes process groups: none may be left behind
 from traced_graphs import _no_leaked_process_group  # noqa: F401
-
-# offload moves ragged buckets: torch >= 2.12 (passes/torch_compat.py)
-pytestmark = needs_torch(RAGGED_STORAGE)
 
 CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "llama3_debug.toml")
 WORLD = 2

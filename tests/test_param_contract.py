@@ -22,8 +22,6 @@ from __future__ import annotations
 import torch
 
 from dist_utils import optim_state_through_dcp, spawn
-from simplesharded.passes.torch_compat import RAGGED_STORAGE
-from torch_range import needs_torch
 
 STEPS = 10
 FROZEN = "layers.0.attention.wk.weight"
@@ -89,7 +87,6 @@ def _ranks(rank: int, world: int) -> dict:
     return out
 
 
-@needs_torch(RAGGED_STORAGE)
 def test_ragged_buckets_keep_the_per_parameter_contract():
     for rank, res in enumerate(spawn(2, _ranks)):
         for key in [("eager", False), ("aot_eager_autobucketing", False), ("eager", True)]:

@@ -21,12 +21,8 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from dist_utils import max_rel_diff, spawn
 
-from simplesharded.passes.torch_compat import RAGGED_STORAGE, STEP_GRAPH, has
+from simplesharded.passes.torch_compat import STEP_GRAPH, has
 from simplesharded.storage.ragged import RaggedLayout, from_ragged, shard0_rows, to_ragged
-from torch_range import needs_torch
-
-# ragged buckets: torch >= 2.12 (passes/torch_compat.py)
-pytestmark = needs_torch(RAGGED_STORAGE)
 
 SHAPES = [(7, 5), (7,), (3, 7), (3,), (1, 4), (2,)]  # uneven rows, a parameter smaller than w
 aten = torch.ops.aten

@@ -34,11 +34,6 @@ import torch.distributed as dist
 from torch import nn
 
 from dist_utils import optim_state_through_dcp, shared_tmpdir, spawn
-from simplesharded.passes.torch_compat import RAGGED_STORAGE
-from torch_range import needs_torch
-
-# ragged buckets: torch >= 2.12 (passes/torch_compat.py)
-pytestmark = needs_torch(RAGGED_STORAGE)
 
 STEPS = 3
 TOL = 1e-6

@@ -23,11 +23,6 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from pass_utils import fake_world
 
 from simplesharded.storage.ragged_member import RaggedMember, _row_major_boxes
-from simplesharded.passes.torch_compat import RAGGED_STORAGE
-from torch_range import needs_torch
-
-# ragged buckets: torch >= 2.12 (passes/torch_compat.py)
-pytestmark = needs_torch(RAGGED_STORAGE)
 
 
 def _spec(mesh, shape):

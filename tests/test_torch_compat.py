@@ -1,9 +1,8 @@
 """passes/torch_compat.py, the supported torch range and what each feature needs of it: the
 table refuses a feature on a torch older than its row in one line (the version it reads is
-replaced here), the trainer's preflight refuses the step graph, context parallelism, expert
-parallelism and ragged buckets the same way before any rank starts, storage 'auto' is one shard
-per parameter where ragged buckets are refused, and the range agrees with pyproject.toml and
-scripts/bootstrap.sh."""
+replaced here), the trainer's preflight refuses the step graph, context parallelism
+and expert parallelism the same way before any rank starts, and the range agrees with
+pyproject.toml and scripts/bootstrap.sh."""
 from __future__ import annotations
 
 import os
@@ -14,7 +13,7 @@ from torch.torch_version import TorchVersion
 
 from simplesharded.passes import torch_compat
 from simplesharded.passes.torch_compat import (CONTEXT_PARALLEL, EXPERT_PARALLEL, FEATURES,
-                                               RAGGED_STORAGE, STEP_GRAPH, TorchTooOld)
+                                               STEP_GRAPH, TorchTooOld)
 from simplesharded.trainer.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -83,11 +82,10 @@ PREFLIGHT = [
      CONTEXT_PARALLEL),
     (["--parallelism.expert_parallel_degree", "2", "--model.name", "deepseek_v3"],
      "parallelism.expert_parallel_degree=2", EXPERT_PARALLEL),
-    (["--parallelism.storage", "ragged"], "parallelism.storage='ragged'", RAGGED_STORAGE),
 ]
 
 
-@pytest.mark.parametrize("argv,key,feature", PREFLIGHT, ids=["step", "cp", "ep", "ragged"])
+@pytest.mark.parametrize("argv,key,feature", PREFLIGHT, ids=["step", "cp", "ep"])
 def test_preflight_checks_refuse_what_this_torch_lacks(torch_at, argv, key, feature):
     """trainer/preflight.py's check_torch (run_train.sh's preflight, and every rank, runs it
     after check_static): on 2.11 one line naming the setting and the table's refusal; on the
@@ -99,8 +97,7 @@ def test_preflight_checks_refuse_what_this_torch_lacks(torch_at, argv, key, feat
     with pytest.raises(ValueError) as e:
         check_torch(cfg)
     assert str(e.value) == f"{key}: {torch_compat.refusal(feature)}"
-    assert re.search(rf"needs torch >= {re.escape(feature.minimum)}; this is torch "
-                     rf"2\.11\.0\+cu130 \(", str(e.value))
+    assert re.search(r"needs torch >= 2\.13; this is torch 2\.11\.0\+cu130 \(", str(e.value))
     torch_at(torch_compat.DEFAULT + ".0")
     check_torch(cfg)
 
@@ -141,43 +138,3 @@ def test_library_entry_points_refuse_through_the_table(torch_at, fake_world):
         apply_context_parallel(model, None)
     with pytest.raises(TorchTooOld, match=r"^expert parallelism .* needs torch >= 2\.13;"):
         apply_expert_parallel(model, ep_mesh)
-
-
-def test_ragged_buckets_on_a_torch_without_them(torch_at, fake_world):
-    """Before 2.12 a DTensor subclass's ``__torch_dispatch__`` is never called, so ragged
-    buckets are one row of the table: storage 'auto' (data_parallel's and the trainer's default)
-    resolves to one shard per parameter there; naming 'ragged', or an offload (which moves
-    ragged buckets), is refused in one line, by data_parallel and by the trainer's config."""
-    import torch
-    from torch.distributed.tensor import DTensor
-
-    import simplesharded as ss
-    from simplesharded.storage.choice import resolved
-    from simplesharded.storage.ragged_member import RaggedMember
-
-    torch_at("2.12.0")
-    assert resolved("auto", "fully_shard", 1) == "ragged"
-    torch_at("2.11.0+cu130")
-    assert resolved("auto", "fully_shard", 1) == "param"
-    assert resolved("auto", "hybrid_shard") == "param"
-    mesh = ss.init_mesh(dp_shard=-1, device="cpu")
-
-    def model():
-        return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
-    line = torch_compat.refusal(RAGGED_STORAGE)
-    for kwargs in (dict(storage="ragged"), dict(offload="params"), dict(offload="optimizer")):
-        m = model()
-        with pytest.raises(TorchTooOld) as e:
-            ss.data_parallel(m, mesh, "fully_shard", **kwargs)
-        assert str(e.value) == line, kwargs
-        assert all(type(p) is torch.nn.Parameter for p in m.parameters())  # left unchanged
-    m = model()
-    ss.data_parallel(m, mesh, "fully_shard")
-    assert [n for n, _ in m.named_parameters()] == ["0.weight", "0.bias", "1.weight", "1.bias"]
-    assert all(isinstance(p, DTensor) and not isinstance(p, RaggedMember)
-               for p in m.parameters())
-    with pytest.raises(ValueError) as e:
-        load_config(None, ["--parallelism.offload", "params"])
-    assert str(e.value) == f"parallelism.offload='params': {line}"
-    torch_at(torch_compat.DEFAULT + ".0")
-    assert load_config(None, ["--parallelism.offload", "params"]).parallelism.offload == "params"

@@ -30,9 +30,6 @@ from pathlib import Path
 
 import pytest
 
-from simplesharded.passes.torch_compat import RAGGED_STORAGE
-from torch_range import needs_torch
-
 ROOT = Path(__file__).resolve().parents[1]
 _BIN = ROOT / ".venv" / "bin"
 PYTHON = str(_BIN / "python") if (_BIN / "python").exists() else sys.executable
@@ -335,7 +332,6 @@ def test_checkpoint_reshards_on_load(tmp_path, eager2, nproc):
     assert step_dirs(tmp_path / "checkpoint") == ["step-10", "step-12"]
 
 
-@needs_torch(RAGGED_STORAGE)
 def test_ragged_buckets_resume_from_and_into_per_parameter_checkpoints(tmp_path, eager2):
     """parallelism.storage=ragged: the 2-rank per-parameter checkpoint (step 10) resumes
     into ragged buckets, whose steps 11-12 are the uninterrupted run's (the same sums: eager

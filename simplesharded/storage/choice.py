@@ -9,14 +9,12 @@ asks :func:`modes_taken`, ``data_parallel`` calls :func:`check_storage` and :fun
   members are still the model's parameters (ragged_member.py); under ``fully_shard`` on one
   or two dp dims (two: the bucket is cut over their ranks as one) or ``hybrid_shard``.
 - ``"auto"`` (the default of both ``data_parallel`` and the trainer): ``"ragged"`` where it
-  takes the mode and mesh and this torch runs it (``RAGGED_STORAGE`` in
-  passes/torch_compat.py), else ``"param"`` (:func:`resolved`).
+  takes the mode and mesh, else ``"param"`` (:func:`resolved`).
 """
 from __future__ import annotations
 
 import warnings
 
-from simplesharded.passes.torch_compat import RAGGED_STORAGE, has, needs
 from simplesharded.storage.ragged_pack import pack_ragged
 
 NOT_GIVEN = object()  # flat_buckets, storage's deprecated name, left out
@@ -52,15 +50,14 @@ def resolved(storage: str, mode: str, dp_dims: int | None = None,
              each_parameter: bool = False) -> str:
     """The storage ``storage`` names for ``mode`` over ``dp_dims`` data-parallel mesh dims
     (None: not known yet): ``"auto"`` is ragged buckets (the fewest copies, docs/zero_copy.md)
-    wherever they take the mode and mesh and this torch runs them, else one shard per
-    parameter (the same on every rank: one torch per job). ``each_parameter``:
+    wherever they take the mode and mesh, else one shard per parameter. ``each_parameter``:
     ``"auto"`` takes a storage that gathers each parameter on its own
     (:func:`gathers_each_parameter`)."""
     if storage != "auto":
         return storage
     if each_parameter:
         return "param"
-    return "ragged" if has(RAGGED_STORAGE) and _takes("ragged", mode, dp_dims) else "param"
+    return "ragged" if _takes("ragged", mode, dp_dims) else "param"
 
 
 def gathers_each_parameter(storage: str) -> bool:
@@ -73,9 +70,7 @@ def gathers_each_parameter(storage: str) -> bool:
 def check_storage(storage: str, mode: str, dp_dims: int, mesh) -> None:
     """One line naming what ``storage`` does not take: ``mode``, or ``fully_shard`` over a
     number of data-parallel dims it does not take (on ``mesh``, named by its dim names or
-    count), or this torch's refusal of it (passes/torch_compat.py)."""
-    if storage == "ragged":
-        needs(RAGGED_STORAGE)
+    count)."""
     if not _takes(storage, mode, dp_dims):
         raise ValueError(f"storage={storage!r} takes mode='fully_shard' (on one or two "
                          f"data-parallel mesh dims) or 'hybrid_shard' (on two); got "
@@ -92,9 +87,7 @@ def takes_offload(storage: str) -> bool:
 def check_offload(offload: str, storage: str, mode: str) -> None:
     """One line naming what ``offload`` (offload.py) does not take: a storage other than
     ragged buckets, whose bucket is what moves to the host (``storage`` as resolved, under
-    ``mode``), or this torch's refusal of ragged buckets."""
-    if offload != "none":
-        needs(RAGGED_STORAGE)
+    ``mode``)."""
     if offload != "none" and not takes_offload(storage):
         raise ValueError(f"offload={offload!r} takes storage='ragged' (or 'auto' where it is "
                          f"ragged: mode fully_shard or hybrid_shard); got storage={storage!r} "

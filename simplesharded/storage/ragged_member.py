@@ -25,6 +25,10 @@ An op that makes DTensor move a member's data itself (a matmul of a member with 
 tensor, say) would treat the run as a ``Shard(0)`` chunk: gather with ``full_tensor()``
 first.
 
+Before torch 2.12 DTensor's C++ dispatch never calls a subclass's ``__torch_dispatch__``: there
+the same rewrapping runs in ``__torch_function__`` (passes/torch_compat.py:
+``dtensor_subclass_dispatch``), on each op's result as the C++ path computed it.
+
 Invariant: a member's runs are the bucket layout's, a function of global shapes and the world
 size, so every rank holds the same runs.
 """
@@ -41,6 +45,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.optim.optimizer import _foreach_supported_types as _optim_foreach_types
 from torch.utils._foreach_utils import _foreach_supported_types as _util_foreach_types
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from simplesharded.passes.torch_compat import dtensor_subclass_dispatch
 
 REFUSAL = ("a parameter in a ragged bucket holds a ragged run of its elements: it gathers "
            "with full_tensor() or redistribute(placements=[Replicate()]) only; "
@@ -119,17 +125,7 @@ class RaggedMember(DTensor):
         # a plain DTensor an op returns as it is (in place, out=) stands for its member
         member_of = {id(p): t for t, p in zip(flat, plain) if p is not t}
         call_args, call_kwargs = tree_unflatten(plain, tree)
-        out = func(*call_args, **call_kwargs)
-        # A result laid out as a member takes that member's runs: for a foreach op the member
-        # at its index in the first list argument holding one, else the first member argument.
-        # By position, not by shape: two members of one shape have different runs.
-        lists = [a for a in args if isinstance(a, (list, tuple))
-                 and any(isinstance(t, RaggedMember) for t in a)]
-        if isinstance(out, (list, tuple)) and lists:
-            return type(out)(_rewrap(o, next((l[i] for l in lists if i < len(l)), None),
-                                     member_of) for i, o in enumerate(out))
-        first = next((t for t in flat if isinstance(t, RaggedMember)), None)
-        return tree_map(lambda o: _rewrap(o, first, member_of), out)
+        return _as_members(func(*call_args, **call_kwargs), args, flat, member_of)
 
     def _gathered(self) -> DTensor:
         """Every rank's run laid end to end (one all-gather of the longest run's length on
@@ -138,7 +134,7 @@ class RaggedMember(DTensor):
         longest = max(self.runs)
         run = self._local_tensor.reshape(-1)
         run = torch.nn.functional.pad(run, (0, longest - run.numel()))
-        gathered = funcol.all_gather_single(run, gather_dim=0,
+        gathered = funcol.all_gather_tensor(run, gather_dim=0,
                                             group=self.cut.group_of(mesh))
         gathered = funcol.wait_tensor(gathered)
         pieces = [gathered[r * longest:r * longest + n] for r, n in enumerate(self.runs)]
@@ -212,9 +208,38 @@ for _supported in (_optim_foreach_types, _util_foreach_types):
         _supported.append(RaggedMember)
 
 
-def _rewrap(out, member, member_of: dict):
+def _as_members(out, args, flat, member_of: dict, in_place: bool = False):
+    """An op's result with each DTensor laid out as a member made a ``RaggedMember`` of its
+    runs: for a foreach op the member at its index in the first list argument holding one,
+    else the first member among the arguments (``flat``). By position, not by shape: two
+    members of one shape have different runs."""
+    lists = [a for a in args if isinstance(a, (list, tuple))
+             and any(isinstance(t, RaggedMember) for t in a)]
+    if isinstance(out, (list, tuple)) and lists:
+        return type(out)(_rewrap(o, next((l[i] for l in lists if i < len(l)), None),
+                                 member_of, in_place) for i, o in enumerate(out))
+    first = next((t for t in flat if isinstance(t, RaggedMember)), None)
+    return tree_map(lambda o: _rewrap(o, first, member_of, in_place), out)
+
+
+def _torch_function(cls, func, types, args=(), kwargs=None):
+    """Where DTensor's C++ dispatch computes a subclass's ops without its
+    ``__torch_dispatch__`` (torch before 2.12), a member's results are made members here, one
+    level up, as that dispatch would: each op runs as on a DTensor (``Shard(0)`` on the local
+    runs), and a result laid out as a member takes its runs."""
+    kwargs = kwargs or {}
+    with torch._C.DisableTorchFunctionSubclass():
+        out = func(*args, **kwargs)
+    if func in torch.overrides.get_default_nowrap_functions():  # .grad and the like as they are
+        return out
+    return _as_members(out, args, tree_flatten((args, kwargs))[0], {}, in_place=True)
+
+
+def _rewrap(out, member, member_of: dict, in_place: bool = False):
     """``out`` as a ``RaggedMember`` of ``member``'s runs when it is laid out as ``member``
-    (global shape, placements, local size); the member itself when ``out`` is its plain face."""
+    (global shape, placements, local size); the member itself when ``out`` is its plain face.
+    ``in_place``: ``out`` itself made one (its class changed), keeping its autograd history,
+    which a new wrapper above autograd would lose."""
     if type(out) is not DTensor:
         return out
     if id(out) in member_of:
@@ -222,7 +247,10 @@ def _rewrap(out, member, member_of: dict):
     if (isinstance(member, RaggedMember) and out.shape == member.shape
             and out._spec.placements == member._spec.placements
             and out._local_tensor.numel() == member._local_tensor.numel()):
-        return RaggedMember.make(out._local_tensor, out._spec, member.runs, member.cut)
+        if not in_place:
+            return RaggedMember.make(out._local_tensor, out._spec, member.runs, member.cut)
+        out.__class__ = RaggedMember
+        out.runs, out.cut = member.runs, member.cut
     return out
 
 
@@ -251,3 +279,7 @@ def _row_major_boxes(shape: tuple[int, ...], start: int, stop: int):
     if stop % row and last >= first:
         within(last, last * row, stop)
     return boxes
+
+
+if not dtensor_subclass_dispatch():
+    RaggedMember.__torch_function__ = classmethod(_torch_function)

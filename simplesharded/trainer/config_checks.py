@@ -13,7 +13,6 @@ import copy
 import dataclasses
 from typing import Any, Iterable
 
-from simplesharded.passes.torch_compat import RAGGED_STORAGE, refusal
 from simplesharded.storage.choice import (gathers_each_parameter, modes_taken, resolved,
                                           takes_offload)
 from simplesharded.trainer.config_parse import sections
@@ -209,9 +208,6 @@ def _check_offload(cfg: _Config) -> None:
     if p.offload == "none":
         return
     head = f"parallelism.offload={p.offload!r}"
-    # the torch first: on one without ragged buckets, storage 'auto' is one shard per parameter
-    if (line := refusal(RAGGED_STORAGE)) is not None:
-        raise ValueError(f"{head}: {line}")
     if not takes_offload(cfg.dp_storage()):
         raise ValueError(f"{head} moves ragged buckets to the host: it needs "
                          f"parallelism.storage 'auto' or 'ragged' with mode 'fully_shard' or "

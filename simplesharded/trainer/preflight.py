@@ -10,8 +10,8 @@ import os
 
 from simplesharded.models import hf_source
 from simplesharded.models.context_parallel import supports_context_parallel
-from simplesharded.passes.torch_compat import (CONTEXT_PARALLEL, EXPERT_PARALLEL,
-                                               RAGGED_STORAGE, STEP_GRAPH, refusal)
+from simplesharded.passes.torch_compat import (CONTEXT_PARALLEL, EXPERT_PARALLEL, STEP_GRAPH,
+                                               refusal)
 from simplesharded.trainer.config import Config
 from simplesharded.trainer.config_checks import resolve
 from simplesharded.trainer.data import load_tokenizer
@@ -98,8 +98,7 @@ def check_torch(cfg: Config) -> None:
             ("parallelism.context_parallel_degree", p.context_parallel_degree,
              p.context_parallel_degree > 1, CONTEXT_PARALLEL),
             ("parallelism.expert_parallel_degree", p.expert_parallel_degree,
-             p.expert_parallel_degree > 1, EXPERT_PARALLEL),
-            ("parallelism.storage", p.storage, p.storage == "ragged", RAGGED_STORAGE)):
+             p.expert_parallel_degree > 1, EXPERT_PARALLEL)):
         line = refusal(feature) if used else None
         if line is not None:
             raise ValueError(f"{key}={value!r}: {line}")

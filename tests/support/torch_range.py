@@ -11,9 +11,3 @@ def needs_torch(feature: Feature) -> pytest.MarkDecorator:
     """``@needs_torch(STEP_GRAPH)``: skip the test where this torch lacks ``feature``."""
     line = refusal(feature)
     return pytest.mark.skipif(line is not None, reason=line or "")
-
-
-def param_needing(feature: Feature, *values, id: str | None = None):
-    """A parametrized case (``pytest.param`` of ``values``) that skips where this torch lacks
-    ``feature``."""
-    return pytest.param(*values, marks=needs_torch(feature), id=id)
