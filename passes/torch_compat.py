@@ -108,6 +108,14 @@ def dtensor_subclass_dispatch() -> bool:
     return TorchVersion(torch.__version__) >= "2.12"
 
 
+def eager_backend() -> str:
+    """The torch backend our ``eager`` names: dynamo's ``eager`` (the captured graph run as it
+    is), except before 2.12, where under it an autograd.Function whose forward returns a
+    functional collective's waited result gets a zero gradient (seen on 2.11.0: a ragged
+    bucket's gather); ``aot_eager`` there, which runs no pass of ours either."""
+    return "eager" if TorchVersion(torch.__version__) >= "2.12" else "aot_eager"
+
+
 def override_optimization_hint(value, hint: int) -> None:
     """Tell the compiler the size a data-dependent value will usually have (cost model and
     memory estimates). Releases before 2.13 have no such hint, and a compiled graph whose
@@ -119,6 +127,6 @@ def override_optimization_hint(value, hint: int) -> None:
 
 
 __all__ = ["CONTEXT_PARALLEL", "DEFAULT", "EXPERT_PARALLEL", "FEATURES", "Feature",
-           "STEP_GRAPH", "SUPPORTED", "TorchTooOld", "dtensor_subclass_dispatch", "has",
-           "installed", "needs", "optimization_hint", "outside_range",
+           "STEP_GRAPH", "SUPPORTED", "TorchTooOld", "dtensor_subclass_dispatch",
+           "eager_backend", "has", "installed", "needs", "optimization_hint", "outside_range",
            "override_optimization_hint", "refusal"]

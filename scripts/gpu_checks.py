@@ -940,9 +940,10 @@ def _bench_run(device: str, extra: tuple[str, ...] = ()) -> dict:
 
 
 def _plain_bench(device: str) -> dict:
-    """The bench's plain run, once per driver run: the bench check saves it in the run's temp
-    directory and the side-by-side checks read it back (a 1B compile and 10 steps each spared;
-    on one device, runs in turn in processes of their own are comparable)."""
+    """The bench's plain run, once per driver run: the first check that needs it (bench,
+    float8, offload) saves it in the run's temp directory and the later ones read it back (a
+    1B compile and 10 steps each spared; on one device, runs in turn in processes of their own
+    are comparable)."""
     root = os.environ.get("GPU_CHECK_TMP")
     path = os.path.join(root, f"bench_plain_{device}.json") if root else None
     if path and os.path.exists(path):
@@ -971,8 +972,8 @@ def _side_by_side(device: str, tag: str, variant: tuple[str, ...], why_cpu: str,
     ``variant``: both figures and the variant's tokens/s over the plain run's. ``ok(plain, run)``
     decides PASS; on CPU a SKIP saying ``why_cpu`` and what the CPU sizes gave."""
     plain, run = _plain_bench(device), _bench_run(device, variant)
-    without = "without (the bench check's run)" if plain.get("reused") else "without"
-    figure = (f"{' '.join(variant)}: {run['figure']}; {without}: {plain['figure']}; "
+    figure = (f"{' '.join(variant)}: {run['figure']}; without: {plain['figure']}"
+              + (" (an earlier check's run, reused)" if plain.get("reused") else "") + "; "
               f"tokens/s x{run['tps'] / plain['tps']:.2f}")
     if device == "cpu":
         return [("SKIP", tag, f"{why_cpu}; the same code on CPU at {run['sizes']}, "
@@ -1071,11 +1072,14 @@ def _init_cases() -> tuple:
 
 
 def _regions(model) -> dict:
-    """fqn → (this rank's region of the parameter or buffer, on the CPU; its box)."""
+    """fqn → (this rank's region of the parameter or buffer, on the CPU; its box). Parameters
+    as ``state_dict()`` gives them (a ragged bucket's member as its per-parameter shard)."""
     from simplesharded.storage.init import local_box
 
     out = {}
-    for fqn, t in [*model.named_parameters(), *model.named_buffers()]:
+    state = model.state_dict()
+    params = [(fqn, state[fqn]) for fqn, _ in model.named_parameters()]
+    for fqn, t in [*params, *model.named_buffers()]:
         local, box = local_box(t.detach())
         out[fqn] = (local.cpu().clone(), box, tuple(t.shape))
     return out

@@ -36,6 +36,7 @@ from simplesharded.passes.plan_protocol import Plan
 from simplesharded.passes.plans import AutoPlan, BlockPlan
 from simplesharded.passes.recompute import tag_gathers_for_recompute
 from simplesharded.passes.step_regather import regather_for_backward
+from simplesharded.passes.torch_compat import eager_backend
 from simplesharded.passes.reordering import reorder_for_overlap
 from simplesharded.passes.replica_padding import pad_replica_all_reduces
 from simplesharded.passes.update_inplace import reinplace_updates
@@ -288,7 +289,7 @@ def make_backend(name: str, **options) -> Callable | str:
     if backend.compiler == "eager":
         if quantized:
             raise ValueError(f"{needs} a compiled backend: 'eager' runs no pass")
-        return "eager"
+        return eager_backend()
     pipeline = pass_pipeline(backend, opts)
     return aot_backend(pipeline) if backend.compiler == "aot_eager" else inductor_backend(pipeline)
 

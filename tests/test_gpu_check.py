@@ -62,10 +62,11 @@ def test_cpu_run_uninstalled(tmp_path):
     # one aot_eager compile; calibrate: a tool started with -m from the checkout's root; fake8: the
     # trainer's step with TP 2 (bf16) lowered by inductor with our collective order checked in
     # its code: the suite's one TP x inductor compile, on one process; float8 and offload:
-    # their side-by-side trainer runs at CPU sizes (their answer is an accelerator's)
+    # their side-by-side trainer runs at CPU sizes (their answer is an accelerator's); init:
+    # the model's init on ragged shards, 1 and 2 ranks
     out = tmp_path / "results.md"
     p = _check(tmp_path, "--checks", "parity_gloo2", "calibrate", "fake8", "float8", "offload",
-               "--cases", "bf16_tp2_block", "--storages", "ragged", "--out", str(out))
+               "init", "--cases", "bf16_tp2_block", "--storages", "ragged", "--out", str(out))
     assert p.returncode == 0, p.stdout + p.stderr
     for rank in (0, 1):  # ragged buckets, the trainer's default (per parameter: --storages)
         for row in ("ragged:uncompiled", "ragged:aot_eager_blockbucketing"):
@@ -75,10 +76,13 @@ def test_cpu_run_uninstalled(tmp_path):
     for kind in ("fw", "bw"):
         assert (f"PASS fake8[bf16_tp2_block, inductor_blockbucketing] {kind} collective order"
                 in p.stdout), p.stdout
-    assert "9 passed, 0 failed, 4 skipped of 13" in p.stdout, p.stdout
+    # init: ragged buckets (the default) on 1 and 2 ranks, their regions read through
+    # state_dict(), bit for bit
+    assert "PASS init[2 ranks on cpu] llama3 tp=2 ep=1: 58 of 58 tensors equal" in p.stdout
+    assert "16 passed, 0 failed, 4 skipped of 20" in p.stdout, p.stdout
     rows = _load("gpu_check").read_results(str(out))
-    assert len(rows) == 13 and {r[1] for r in rows} == {"parity_gloo2", "calibrate", "fake8",
-                                                        "float8", "offload"}
+    assert len(rows) == 20 and {r[1] for r in rows} == {"parity_gloo2", "calibrate", "fake8",
+                                                        "float8", "offload", "init"}
     skipped = [r for r in rows if r[0] == "SKIP"]
     assert [r[2].split("[")[0] + (r[2].rsplit("] ", 1)[1] if "] " in r[2] else "")
             for r in skipped] == ["fake8fused attention", "fake8memory", "float8", "offload"]

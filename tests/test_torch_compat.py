@@ -138,3 +138,17 @@ def test_library_entry_points_refuse_through_the_table(torch_at, fake_world):
         apply_context_parallel(model, None)
     with pytest.raises(TorchTooOld, match=r"^expert parallelism .* needs torch >= 2\.13;"):
         apply_expert_parallel(model, ep_mesh)
+
+
+def test_our_eager_is_aot_eager_before_2_12(monkeypatch):
+    """Under dynamo's eager backend torch 2.11 gives an autograd.Function whose forward returns
+    a functional collective's waited result a zero gradient (a ragged bucket's gather): our
+    ``eager`` is torch's ``aot_eager`` there, which runs no pass of ours either."""
+    import torch
+
+    import simplesharded as ss
+
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    assert ss.make_backend("eager") == "aot_eager"
+    monkeypatch.setattr(torch, "__version__", "2.12.1")
+    assert ss.make_backend("eager") == "eager"
