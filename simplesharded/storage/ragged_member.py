@@ -230,7 +230,7 @@ def _torch_function(cls, func, types, args=(), kwargs=None):
     kwargs = kwargs or {}
     with torch._C.DisableTorchFunctionSubclass():
         out = func(*args, **kwargs)
-    if torch.compiler.is_compiling() or func in torch.overrides.get_default_nowrap_functions():  # .grad and the like as they are
+    if func in torch.overrides.get_default_nowrap_functions():  # .grad and the like as they are
         return out
     return _as_members(out, args, tree_flatten((args, kwargs))[0], {}, in_place=True)
 
