@@ -45,6 +45,7 @@ from simplesharded.passes.collectives import find_collectives
 from simplesharded.passes.float8_gather import float8_gathers
 from simplesharded.passes.plans import BlockPlan
 from simplesharded.passes.reordering import reorder_for_overlap
+from simplesharded.passes.torch_compat import STEP_GRAPH, has
 
 import pass_utils as pu
 import toy_blocks
@@ -529,6 +530,9 @@ def _train_job(rank, world):
         "aot_eager_blockbucketing", observer=observe))
     losses = toy_blocks.train(compiled, opt, rank, world, TRAIN_STEPS)
     params = {n: p.to_local().clone() for n, p in model.named_parameters()}
+    if not has(STEP_GRAPH):  # the step graph's part where this torch has it
+        torch._dynamo.reset()
+        return dict(losses=losses, graphs=graphs)
     # the same training as one step graph (compile_step): forward, backward and update
     model, opt = converted()
     numel = world * toy_blocks.BATCH_PER_RANK * toy_blocks.SEQ
@@ -595,6 +599,8 @@ def test_two_ranks_train_close_to_one_process():
                                 }, (fqn, per)
         # compile_step: the weights gathered in float8 in the step graph too, and the same
         # training bit for bit (for-loop AdamW on both sides)
+        if not has(STEP_GRAPH):
+            continue
         assert res["step_losses"] == res["losses"], (rank, res["step_losses"], res["losses"])
         assert res["same_params"], rank
         assert res["step_gathers"]["torch.uint8"] >= LAYERS, (rank, res["step_gathers"])
