@@ -79,8 +79,11 @@ def test_cpu_run_uninstalled(tmp_path):
     # init: ragged buckets (the default) on 1 and 2 ranks, their regions read through
     # state_dict(), bit for bit
     assert "PASS init[2 ranks on cpu] llama3 tp=2 ep=1: 58 of 58 tensors equal" in p.stdout
-    assert "16 passed, 0 failed, 4 skipped of 20" in p.stdout, p.stdout
-    rows = _load("gpu_check").read_results(str(out))
+    # init's ep=2 case is one SKIP row where this torch lacks expert parallelism
+    from simplesharded.passes.torch_compat import EXPERT_PARALLEL, has
+    no_ep = 0 if has(EXPERT_PARALLEL) else 1
+    assert f"16 passed, 0 failed, {4 + no_ep} skipped of {20 + no_ep}" in p.stdout, p.stdout
+    rows = [r for r in _load("gpu_check").read_results(str(out)) if r[2] != "init ep=2"]
     assert len(rows) == 20 and {r[1] for r in rows} == {"parity_gloo2", "calibrate", "fake8",
                                                         "float8", "offload", "init"}
     skipped = [r for r in rows if r[0] == "SKIP"]
