@@ -469,7 +469,9 @@ def _memory_row(tag: str, cfg, device: str, predicted: int, mem: dict, inductor:
                 f"max_memory_allocated {mem['peak'] / 2**20:.0f} MiB per step, less the cuBLAS "
                 f"workspaces ({workspace}), vs planner {predicted / 2**20:.0f} MiB: "
                 f"x{ratio:.2f} (tol ±{MEMORY_TOL:.0%}); {held}")
-    twin_backend = "aot_eager_" + cfg.compile.backend.removeprefix("inductor_")
+    from simplesharded.tools.forecast import forecast_backend
+
+    twin_backend = forecast_backend(cfg.compile.backend)  # the one the planner's figure is of
     twin_cfg = copy.deepcopy(cfg)
     twin_cfg.compile.backend = twin_backend
     twin, _, _ = _fake_steps(twin_cfg, device)
