@@ -50,6 +50,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dist_utils import max_rel_diff, memo, spawn
+from simplesharded.passes.torch_compat import CONTEXT_PARALLEL, has
+from torch_range import needs_torch
 
 pytestmark = pytest.mark.slow
 
@@ -272,7 +274,8 @@ def job(rank, world, folder):
     mesh = build_mesh(1, -1, "cpu", pp=PP)
     out = {case: _case(mesh, *case, evaluate=case in EVALUATED) for case in ALL}
     for name in TRAINER_RUNS:
-        out[name] = _trainer_run(folder, name)
+        if name != "pp2_cp2" or has(CONTEXT_PARALLEL):
+            out[name] = _trainer_run(folder, name)
     return out
 
 
@@ -398,6 +401,7 @@ def test_trainer_pp2_tp2_matches_one_process():
         assert abs(val - ref_val) <= TOL * abs(ref_val), (val, ref_val)
 
 
+@needs_torch(CONTEXT_PARALLEL)
 def test_trainer_pp2_cp2_matches_no_pp():
     """Context parallelism inside pipeline stages (pp 2 x cp 2, 1F1B, 8 micro-batches a step,
     eager): the losses and validation loss of the run on dp 4 without either (<= 1e-5 rel),

@@ -128,6 +128,14 @@ class ShardedStage(PipelineStage):
         result = stage_backward(outputs, grads, bwd_kwargs["input_values"])
         return result, ([] if backward_type == "input" else None)
 
+    def _get_init_p2p_neighbors_ops(self) -> list:
+        # torch 2.11's schedules warm the pp group up by sending to each neighbour stage (2.12
+        # on: a vote this method takes no part in), the V's middle stages' neighbour on this
+        # very rank too; gloo has no pair to itself ("Pair is not connected"), and a stage on
+        # this rank needs no warm-up
+        return [op for op in super()._get_init_p2p_neighbors_ops()
+                if op.group_peer != self.group_rank]
+
     def perform_reduce_grad(self, grad_scale_factor: int):
         if self.policy in DEFERRED:
             self.reductions += reduce_accumulated(self.root)
@@ -247,7 +255,9 @@ class Pipeline:
     def _run(self, schedule_call, inputs, labels) -> list[torch.Tensor] | None:
         """``schedule_call`` with the inputs on the first stage and the labels on the last."""
         losses = [] if self.has_last else None
-        schedule_call(*((inputs,) if self.has_first else ()),
+        # contiguous: torch 2.11's stages check a micro-batch's strides against the example's,
+        # and a window cut from a longer batch (tokens[:, :-1]) has the longer row's stride
+        schedule_call(*((inputs.contiguous(),) if self.has_first else ()),
                       target=labels if self.has_last else None, losses=losses)
         return losses
 
