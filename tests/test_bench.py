@@ -11,6 +11,8 @@ import torch
 
 from simplesharded.tools import (bench, bench_collectives, bench_passes, bench_run, bench_table,
                                  bench_variants)
+from simplesharded.passes.torch_compat import CONTEXT_PARALLEL
+from torch_range import needs_torch
 
 # glibc's malloc defaults in the ranks, so that they fork from the test worker's fork server
 # (started without the caching tunables: tests/conftest.py) instead of starting fresh
@@ -502,6 +504,7 @@ def test_one_rank_per_accelerator(monkeypatch, capsys):
 
 
 @pytest.mark.slow
+@needs_torch(CONTEXT_PARALLEL)
 def test_tiny_cp_bench_runs_end_to_end(tmp_path, capsys):
     """cp 2 on 2 ranks (dp 1), one block: the floor is the cp group itself, whose only
     collectives are the K/V gather forward and its reduce-scatter backward; ours adds the

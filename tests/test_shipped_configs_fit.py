@@ -24,10 +24,15 @@ CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.toml")))
 def test_shipped_config_fits_its_smallest_gpu_count(path):
     from simplesharded.tools import forecast as plan
     from simplesharded.trainer import check_static
+    from simplesharded.trainer.preflight import check_torch
 
     cfg = load_config(path, ["--training.dataset_path", ""])
     n = cfg.job.gpu_counts[0]
     cfg = check_static(cfg, n)
+    try:
+        check_torch(cfg)
+    except ValueError as refused:  # a feature this torch lacks: the trainer's own line
+        pytest.skip(str(refused))
     name = plan.forecast_backend(cfg.compile.backend)
     # the H100 profile: what the auto plan sizes its buckets and keep budget by
     peak = plan.predicted_peak_bytes(cfg, n, [name], "h100-ib400", full_trace_layers=8)[name]

@@ -9,6 +9,8 @@ from torch import fx
 from simplesharded.passes.collectives import ALL_GATHER, REDUCE_SCATTER, WAIT
 from simplesharded.passes.hardware import get_hardware
 from simplesharded.passes.simulate import simulate
+from simplesharded.passes.torch_compat import EXPERT_PARALLEL
+from torch_range import needs_torch
 
 HW = get_hardware("h100-ib400")  # transfers beside compute, no per-collective overhead
 
@@ -173,9 +175,10 @@ def test_plan_extrapolation_from_4_and_6_blocks_equals_a_full_trace_of_8():
     """`plan` traces models deeper than --full-trace-layers at 4 and 6 blocks and extrapolates
     (blocks repeat, so the step is periodic in depth; autobucketing's counts and peak are scaled
     from the block plan). An 8-block model traced in full must give the same numbers; those of
-    autobucketing within 3 %: its buckets (here about two blocks each, the output weight's
-    size) are not periodic in depth (measured: 1.9 % off in exposed time, 0.5 % in
-    collectives, 0.6 % in backward time, exact in peak memory). The others' forward time and
+    autobucketing within 3 % (exposed time 7 %): its buckets (here about two blocks each, the
+    output weight's size) are not periodic in depth (measured on torch 2.13: 1.9 % off in
+    exposed time, 0.5 % in collectives, 0.6 % in backward time, exact in peak memory; on 2.11,
+    whose traces differ, 5.6 % in exposed time). The others' forward time and
     exposed communication within 0.2 %: at 4 blocks the forward's first gathers have not yet
     settled into the period (measured for the block plan: the forward grows 0.023016 s from 4
     to 6 blocks, then 0.023197 s per 2 blocks from 6 on)."""
@@ -208,7 +211,8 @@ def test_plan_extrapolation_from_4_and_6_blocks_equals_a_full_trace_of_8():
         full = plan._numbers(name, [traces[8]], 8)
         extrapolated = plan._numbers(name, [traces[4], traces[6]], 8)
         for key in keys:
-            rel = 3e-2 if "auto" in name else 2e-3 if key in ("fw_s", "exposed_s") else 1e-6
+            rel = ((7e-2 if key == "exposed_s" else 3e-2) if "auto" in name
+                   else 2e-3 if key in ("fw_s", "exposed_s") else 1e-6)
             assert extrapolated[key] == pytest.approx(full[key], rel=rel), (name, key)
 
 
@@ -234,6 +238,7 @@ def test_plan_applies_gloo_lowerings_only_for_gloo_profiles():
 
 
 @pytest.mark.slow
+@needs_torch(EXPERT_PARALLEL)
 def test_saved_exchange_counted_once():
     """Activation checkpointing keeps a MoE layer's token all-to-alls' results for backward,
     and the partitioner hands backward both each all-to-all's output and its wait: one buffer,
