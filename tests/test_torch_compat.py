@@ -152,3 +152,25 @@ def test_our_eager_is_aot_eager_before_2_12(monkeypatch):
     assert ss.make_backend("eager") == "aot_eager"
     monkeypatch.setattr(torch, "__version__", "2.12.1")
     assert ss.make_backend("eager") == "eager"
+
+
+def test_tools_refuse_what_this_torch_lacks_in_one_line(torch_at, capsys):
+    """The planner (``python -m simplesharded.tools.forecast``) and the bench refuse a config or
+    flag this torch lacks with the trainer's line, after the input's own errors, before any
+    trace or rank."""
+    from simplesharded.tools import bench, forecast
+
+    torch_at("2.11.0")
+    with pytest.raises(SystemExit):
+        forecast.main(["--config", os.path.join(ROOT, "configs", "deepseek_v3_16b.toml"),
+                       "--world-size", "16"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.endswith(f"error: parallelism.expert_parallel_degree=8: "
+                        f"{torch_compat.refusal(EXPERT_PARALLEL)}"), err
+    with pytest.raises(SystemExit):
+        bench.main(["--cp", "2", "--flavor", "debug"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.endswith(f"error: --cp 2: {torch_compat.refusal(CONTEXT_PARALLEL)}"), err
+    with pytest.raises(SystemExit):  # the flag's own error first
+        bench.main(["--cp", "4", "--seq-len", "36"])
+    assert "--seq-len 36 does not split" in capsys.readouterr().err

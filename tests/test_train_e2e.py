@@ -31,8 +31,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-_BIN = ROOT / ".venv" / "bin"
-PYTHON = str(_BIN / "python") if (_BIN / "python").exists() else sys.executable
+# The runs use this test's own python and its torchrun: run_tests.sh's venv, whichever torch
+# (SIMPLESHARDED_VENV), as run_train.sh's launches below do; another venv's torch initialises
+# and trains the same seed differently
+_BIN = Path(sys.executable).parent
+PYTHON = sys.executable
 TORCHRUN = str(_BIN / "torchrun") if (_BIN / "torchrun").exists() else shutil.which("torchrun")
 LLAMA = "configs/llama3_debug.toml"
 DEEPSEEK = "configs/deepseek_v3_debug.toml"

@@ -37,6 +37,7 @@ from dataclasses import asdict
 
 import torch
 
+from simplesharded.passes.torch_compat import CONTEXT_PARALLEL, refusal
 from simplesharded.tools.bench_run import RunResult, run_variant
 from simplesharded.tools.bench_table import (FORECAST, forecast_peaks, format_table, parity,
                                              summarize, targets)
@@ -164,6 +165,8 @@ def main(argv=None) -> int:
     if tp > 1 and ns.sequence_parallel and ns.seq_len % tp:
         ap.error(f"--tp {tp} does not divide --seq-len {ns.seq_len} (sequence parallelism "
                  f"splits the sequence; or --no-sequence-parallel)")
+    if cp > 1 and refusal(CONTEXT_PARALLEL):  # after the flags' own errors, as the trainer
+        ap.error(f"--cp {cp}: {refusal(CONTEXT_PARALLEL)}")
     args = BenchArgs(model=ns.model, flavor=ns.flavor, n_layers=ns.n_layers, world_size=world,
                      tp=tp, cp=cp, sequence_parallel=ns.sequence_parallel,
                      loss_parallel=ns.loss_parallel, global_batch=ns.global_batch,

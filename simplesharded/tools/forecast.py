@@ -75,6 +75,7 @@ def main(argv=None) -> int:
     from simplesharded.pipeline.pipelining import AUTO as AUTO_POLICY
     from simplesharded.pipeline.pipelining import POLICIES
     from simplesharded.trainer import check_static
+    from simplesharded.trainer.preflight import check_torch
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True, help="a configs/*.toml file")
     ap.add_argument("--world-size", type=int, required=True)
@@ -120,6 +121,7 @@ def main(argv=None) -> int:
             t.local_batch_size = ns.local_batch
             t.global_batch_size = ns.local_batch * dp * t.gradient_accumulation_steps
         cfg = check_static(cfg, ns.world_size)  # the trainer's checks: degrees, batch, tp
+        check_torch(cfg)  # the planner traces what the trainer would run: its torch's features
         offload_cost.check_hardware(hw, cfg.parallelism.offload)
         if ns.seq_lens:
             if ns.timeline_backend not in ns.backends:
