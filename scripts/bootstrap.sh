@@ -13,6 +13,7 @@
 # oldest supported torch (docs/torch_internals.md, "Torch versions"):
 #   SIMPLESHARDED_VENV=.venv-torch2.11 SIMPLESHARDED_TORCH='torch==2.11.*' \
 #       ./run_tests.sh -m "not slow"
+# Once made, SIMPLESHARDED_VENV alone keeps it on its torch (the stamp names it).
 #
 # SIMPLESHARDED_PYTHON=/path/to/python: use that interpreter as it is (a cluster's own
 # environment, or a machine with no package index): nothing is created or installed; it needs
@@ -40,8 +41,11 @@ else
     VENV="${SIMPLESHARDED_VENV:-.venv}"
     case "$VENV" in /*) ;; *) VENV="$ROOT/$VENV" ;; esac
     VENV="${VENV%/}"
-    TORCH_SPEC="${SIMPLESHARDED_TORCH:-torch==2.13.*}"
     STAMP="$VENV/.simplesharded-installed"
+    # Without SIMPLESHARDED_TORCH, the torch the venv was made with: a venv made for another
+    # torch stays on it (SIMPLESHARDED_VENV=.venv-torch2.11 ./run_train.sh trains on 2.11)
+    MADE_WITH="$( { [ -f "$STAMP" ] && sed -n 's/^# installed with: //p' "$STAMP"; } || true)"
+    TORCH_SPEC="${SIMPLESHARDED_TORCH:-${MADE_WITH:-torch==2.13.*}}"
     _ss_stamp() { cat "$ROOT/pyproject.toml"; echo "# installed with: $TORCH_SPEC"; }
     _ss_current() { [ -f "$STAMP" ] && [ "$(_ss_stamp)" = "$(cat "$STAMP")" ]; }
     _ss_install() {

@@ -8,6 +8,8 @@ import textwrap
 
 import pytest
 
+from simplesharded.passes.torch_compat import DEFAULT
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -48,3 +50,42 @@ def test_a_given_python_is_taken_as_it_is():
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == shutil.which(sys.executable), (p.stdout, p.stderr)
     assert "Traceback" not in p.stderr, p.stderr
+
+
+def test_a_venv_keeps_the_torch_it_was_made_with(tmp_path):
+    """SIMPLESHARDED_VENV alone (no SIMPLESHARDED_TORCH) keeps a venv made for another torch on
+    it: unchanged, nothing installs; after pyproject.toml changes, the re-install asks for the
+    stamp's torch, not the default. A new venv takes the default."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(os.path.join(ROOT, "scripts", "bootstrap.sh"), tmp_path / "scripts")
+    shutil.copy(os.path.join(ROOT, "pyproject.toml"), tmp_path)
+    log = tmp_path / "installs.log"
+    for name in ("old", "new"):
+        python = tmp_path / name / "bin" / "python"
+        python.parent.mkdir(parents=True)
+        python.write_text(f'#!/usr/bin/env bash\necho "{name} $*" >> {log}\n')
+        python.chmod(0o755)
+    pyproject = (tmp_path / "pyproject.toml").read_text()
+    (tmp_path / "old" / ".simplesharded-installed").write_text(
+        pyproject + "# installed with: torch==2.11.*\n")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("SIMPLESHARDED_PYTHON", "SIMPLESHARDED_VENV", "SIMPLESHARDED_TORCH")}
+
+    def bootstrap(venv: str) -> None:
+        p = subprocess.run(["bash", "-c", f"source {tmp_path}/scripts/bootstrap.sh"],
+                           env={**env, "SIMPLESHARDED_VENV": venv}, capture_output=True,
+                           text=True, timeout=60)
+        assert p.returncode == 0, p.stderr
+
+    bootstrap("old")
+    assert not log.exists()  # current: nothing installed
+    (tmp_path / "pyproject.toml").write_text(pyproject + "\n# a changed dependency list\n")
+    bootstrap("old")
+    bootstrap("new")
+    installs = log.read_text().splitlines()
+    assert len(installs) == 2 and installs[0].startswith("old ") and \
+        installs[1].startswith("new "), installs
+    assert installs[0].endswith(" torch==2.11.*"), installs
+    assert installs[1].endswith(f" torch=={DEFAULT}.*"), installs
+    assert (tmp_path / "old" / ".simplesharded-installed").read_text().endswith(
+        "# installed with: torch==2.11.*\n")

@@ -19,7 +19,8 @@ node computes both); backends eager and ``aot_eager_blockbucketing``; policies
 ``every_microbatch``, ``reduce_once`` and ``gather_once``: 1F1B runs every policy eager and
 the two not compiled elsewhere compiled, each other schedule every backend and, between them,
 every policy (so every policy meets every backend; and gather_once with 2
-micro-batches a step, 1F1B, eager). The last step of each runs under torch.profiler, which
+micro-batches a step, 1F1B, eager; ragged buckets in two cases, and offloaded to the host in two
+more). The last step of each runs under torch.profiler, which
 counts the gradient reductions and the parameter gathers the process groups ran (gloo's
 reduce-scatter, all-to-all or all-reduce calls; its all-gathers: eager, compiled and lowered
 ones alike): reduce_once and gather_once must run exactly one reduction per stage and step,
@@ -29,8 +30,8 @@ micro-batch and stage.
 
 The trainer runs in the same job (eager, llama3 debug): pp 2 gives the losses and validation
 loss of the same run without pp, pp 2 x tp 2 (two stages per rank) those of the run on one
-process (gather_once), and a checkpoint pp 2 saves loads into a run without pp and into one
-at pp 2 x tp 2 (the FQN-keyed DCP checkpoint reshards across pp and tp degrees). Context
+process (gather_once), pp 2 with host offload those of pp 2 without it, bit for bit, and a
+checkpoint pp 2 saves loads into a run without pp and into one at pp 2 x tp 2 (the FQN-keyed DCP checkpoint reshards across pp and tp degrees). Context
 parallelism in the stages (pp 2 x cp 2, eager): the losses and validation loss of the run
 without either, each stage's K/V gathers over its cp group (counted as they are issued), and
 the pp group joining the ranks of one cp index.
@@ -81,7 +82,14 @@ FEWER = [("1F1B", "eager", "gather_once", 2)]
 # gather_once act per bucket (eager 1F1B holding, compiled ZBV's split backward reducing once)
 RAGGED = [("1F1B", "eager", "gather_once", MICROBATCHES, "ragged"),
           ("ZBVZeroBubble", "aot_eager_blockbucketing", "reduce_once", MICROBATCHES, "ragged")]
-ALL = CASES + FEWER + RAGGED
+# Host offload of the ragged buckets (simplesharded/storage/offload.py) in the stages: gather_once's
+# held gather reads the resident copy, which must hold the last step's host shard before the
+# forward's pre-hook refreshes it ("optimizer"); compiled, each micro-batch's graphs copy the
+# shards in and the reduced gradients out ("params")
+OFFLOADED = [("1F1B", "eager", "gather_once", MICROBATCHES, "ragged", "optimizer"),
+             ("Interleaved1F1B", "aot_eager_blockbucketing", "every_microbatch", MICROBATCHES,
+              "ragged", "params")]
+ALL = CASES + FEWER + RAGGED + OFFLOADED
 # The forward-only pass after training (the schedule's eval, as the trainer validates) runs in
 # every eager case and in one compiled one: compiled, it is one more (inference) compile per
 # stage, the same in every case.
@@ -134,7 +142,7 @@ def reference():
 
 
 def _case(mesh, schedule: str, backend: str, policy: str, microbatches: int = MICROBATCHES,
-          storage: str = "param", *, evaluate: bool) -> dict:
+          storage: str = "param", offload: str = "none", *, evaluate: bool) -> dict:
     import simplesharded as ss
     from simplesharded.passes import agreement
     from simplesharded.pipeline.pipelining import pipeline, pipeline_peers
@@ -147,7 +155,7 @@ def _case(mesh, schedule: str, backend: str, policy: str, microbatches: int = MI
 
     def prepare(stage):
         ss.data_parallel(stage, mesh, grad_reduction="sum",  # loss_fn: global token count
-                         storage=storage)
+                         storage=storage, offload=offload)
         if backend == "eager":
             return stage
         return torch.compile(stage, backend=ss.make_backend(backend), fullgraph=True)
@@ -221,6 +229,9 @@ TRAINER_RUNS = {  # name → (steps, arguments); the folder is per test session
     # ragged buckets in the stages, the pipeline FSDP policy the trainer picks by default
     "pp2_ragged": (3, ["--parallelism.pipeline_parallel_degree", "2",
                        "--parallelism.storage", "ragged"]),
+    # and on the host (the shards, their gradients and the optimizer's state)
+    "pp2_offload": (3, ["--parallelism.pipeline_parallel_degree", "2",
+                        "--parallelism.storage", "ragged", "--parallelism.offload", "params"]),
     # context parallelism in the stages (dp 1: 8 micro-batches of one sequence's chunks)
     "pp2_cp2": (3, ["--parallelism.pipeline_parallel_degree", "2",
                     "--parallelism.context_parallel_degree", "2"]),
@@ -386,6 +397,13 @@ def test_trainer_pp2_with_ragged_buckets_matches_no_pp():
         assert len(got) == 3
         assert max(abs(a - b) / abs(b) for a, b in zip(got, pp1)) <= TOL, (got, pp1)
         assert abs(val - val1) <= TOL * abs(val1), (val, val1)
+
+
+def test_trainer_pp2_with_offload_equals_without():
+    """--parallelism.offload params in pipeline stages: on CPU the copies change no value, so
+    the losses and validation loss are those of the same run without offload, bit for bit."""
+    for r in run():
+        assert r["pp2_offload"] == r["pp2_ragged"], (r["pp2_offload"], r["pp2_ragged"])
 
 
 def test_trainer_pp2_tp2_matches_one_process():

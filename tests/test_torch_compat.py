@@ -67,7 +67,7 @@ def test_rows_lie_inside_the_range_that_pyproject_and_bootstrap_install():
     with open(os.path.join(ROOT, "pyproject.toml")) as f:
         assert f'"torch>={low},<{high}"' in f.read()
     with open(os.path.join(ROOT, "scripts", "bootstrap.sh")) as f:
-        assert f'SIMPLESHARDED_TORCH:-torch=={torch_compat.DEFAULT}.*' in f.read()
+        assert f'SIMPLESHARDED_TORCH:-${{MADE_WITH:-torch=={torch_compat.DEFAULT}.*}}' in f.read()
     assert low <= TorchVersion(torch_compat.DEFAULT) < high
     for feature in FEATURES:
         assert low <= TorchVersion(feature.minimum) < high, feature

@@ -49,6 +49,9 @@ def gather_held(model: nn.Module) -> int:
     issued = 0
     for bucket in sync.ragged_buckets(model):  # its gathered buffer, held whole
         if bucket.name not in sync.held:
+            # before the root's forward pre-hook runs: a resident copy ("optimizer" offload)
+            # must hold what the last step wrote to the host shard
+            bucket.offload.refresh(bucket.param.to_local())
             sync.held[bucket.name] = bucket.gather_whole()
             issued += 1
     buckets: dict[tuple, list] = defaultdict(list)

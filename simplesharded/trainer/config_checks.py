@@ -216,10 +216,6 @@ def _check_offload(cfg: _Config) -> None:
     if c.scope == "step":
         raise ValueError(f"{head} does not take compile.scope='step' (the step graph updates "
                          f"the shards on the compute device)")
-    if p.pipeline_parallel_degree > 1:
-        raise ValueError(f"{head} does not take parallelism.pipeline_parallel_degree="
-                         f"{p.pipeline_parallel_degree} (a stage's held and deferred buffers "
-                         f"are not checked with host shards)")
 
 
 def _check_tp_recompute(cfg: _Config) -> None:
