@@ -116,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{_quantized_text(cfg)}"
                   f"{' scope=step' if trainer.whole_step is not None else ''}"
                   f" storage={cfg.dp_storage()}"
+                  f"{'' if cfg.parallelism.offload == 'none' else ' offload=' + cfg.parallelism.offload}"
                   f"{_pipeline_text(cfg, trainer.pipeline)}", flush=True)
         trainer.run()
     except ValueError as e:
