@@ -26,6 +26,12 @@ def _quantized_text(cfg) -> str:
                    if getattr(c, key) != "none")
 
 
+def _offload_text(cfg) -> str:
+    """The launch line's words on host offload (only when on)."""
+    offload = cfg.parallelism.offload
+    return "" if offload == "none" else f" offload={offload}"
+
+
 def _mesh_text(mesh) -> str:
     """``pp=2,dp_shard=2``: the degrees by name (a user's unnamed mesh by position); an ep
     mesh's cp sibling after it (simplesharded/mesh.py)."""
@@ -116,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{_quantized_text(cfg)}"
                   f"{' scope=step' if trainer.whole_step is not None else ''}"
                   f" storage={cfg.dp_storage()}"
-                  f"{'' if cfg.parallelism.offload == 'none' else ' offload=' + cfg.parallelism.offload}"
+                  f"{_offload_text(cfg)}"
                   f"{_pipeline_text(cfg, trainer.pipeline)}", flush=True)
         trainer.run()
     except ValueError as e:
