@@ -16,25 +16,25 @@ activations is an O(1) error.
 Schedules ``1F1B``, ``Interleaved1F1B`` and ``ZBVZeroBubble`` (split backward: its weight part
 runs on the rank-local accumulators under reduce_once, on the shards otherwise; compiled, one
 node computes both); backends eager and ``aot_eager_blockbucketing``; policies
-``every_microbatch``, ``reduce_once`` and ``gather_once``: 1F1B runs every policy eager and
-the two not compiled elsewhere compiled, each other schedule every backend and, between them,
-every policy (so every policy meets every backend; and gather_once with 2
-micro-batches a step, 1F1B, eager; ragged buckets in two cases, and offloaded to the host in two
-more). The last step of each runs under torch.profiler, which
-counts the gradient reductions and the parameter gathers the process groups ran (gloo's
-reduce-scatter, all-to-all or all-reduce calls; its all-gathers: eager, compiled and lowered
-ones alike): reduce_once and gather_once must run exactly one reduction per stage and step,
-every_microbatch at least one per micro-batch and stage; gather_once exactly one gather per
-bucket and stage and step, whatever the number of micro-batches, the others at least one per
-micro-batch and stage.
+``every_microbatch``, ``reduce_once`` and ``gather_once``: 1F1B runs every policy eager and the
+two not compiled elsewhere compiled, each other schedule every backend and, between them, every
+policy (so every policy meets every backend; and gather_once with 2 micro-batches a step, 1F1B,
+eager; ragged buckets in two cases, and offloaded to the host in two more). The last step of
+each runs under torch.profiler, which counts the gradient reductions and the parameter gathers
+the process groups ran (gloo's reduce-scatter, all-to-all or all-reduce calls; its all-gathers:
+eager, compiled and lowered ones alike): reduce_once and gather_once must run exactly one
+reduction per stage and step, every_microbatch at least one per micro-batch and stage;
+gather_once exactly one gather per bucket and stage and step, whatever the number of micro-batches,
+the others at least one per micro-batch and stage.
 
 The trainer runs in the same job (eager, llama3 debug): pp 2 gives the losses and validation
 loss of the same run without pp, pp 2 x tp 2 (two stages per rank) those of the run on one
 process (gather_once), pp 2 with host offload those of pp 2 without it, bit for bit, and a
-checkpoint pp 2 saves loads into a run without pp and into one at pp 2 x tp 2 (the FQN-keyed DCP checkpoint reshards across pp and tp degrees). Context
-parallelism in the stages (pp 2 x cp 2, eager): the losses and validation loss of the run
-without either, each stage's K/V gathers over its cp group (counted as they are issued), and
-the pp group joining the ranks of one cp index.
+checkpoint pp 2 saves loads into a run without pp and into one at pp 2 x tp 2 (the FQN-keyed
+DCP checkpoint reshards across pp and tp degrees). Context parallelism in the stages (pp 2 x cp
+2, eager): the losses and validation loss of the run without either, each stage's K/V gathers
+over its cp group (counted as they are issued), and the pp group joining the ranks of one cp
+index.
 
 One spawn of 4 ranks runs it all (the mesh is built once per rank: DTensor reuses a cached
 plan of an equal mesh built earlier, whose groups would not be the ones data_parallel
@@ -82,10 +82,10 @@ FEWER = [("1F1B", "eager", "gather_once", 2)]
 # gather_once act per bucket (eager 1F1B holding, compiled ZBV's split backward reducing once)
 RAGGED = [("1F1B", "eager", "gather_once", MICROBATCHES, "ragged"),
           ("ZBVZeroBubble", "aot_eager_blockbucketing", "reduce_once", MICROBATCHES, "ragged")]
-# Host offload of the ragged buckets (simplesharded/storage/offload.py) in the stages: gather_once's
-# held gather reads the resident copy, which must hold the last step's host shard before the
-# forward's pre-hook refreshes it ("optimizer"); compiled, each micro-batch's graphs copy the
-# shards in and the reduced gradients out ("params")
+# Host offload of the ragged buckets (simplesharded/storage/offload.py) in the stages:
+# gather_once's held gather reads the resident copy, which must hold the last step's host shard
+# before the forward's pre-hook refreshes it ("optimizer"); compiled, each micro-batch's graphs
+# copy the shards in and the reduced gradients out ("params")
 OFFLOADED = [("1F1B", "eager", "gather_once", MICROBATCHES, "ragged", "optimizer"),
              ("Interleaved1F1B", "aot_eager_blockbucketing", "every_microbatch", MICROBATCHES,
               "ragged", "params")]
