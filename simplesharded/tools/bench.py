@@ -165,8 +165,9 @@ def main(argv=None) -> int:
     if tp > 1 and ns.sequence_parallel and ns.seq_len % tp:
         ap.error(f"--tp {tp} does not divide --seq-len {ns.seq_len} (sequence parallelism "
                  f"splits the sequence; or --no-sequence-parallel)")
-    if cp > 1 and refusal(CONTEXT_PARALLEL):  # after the flags' own errors, as the trainer
-        ap.error(f"--cp {cp}: {refusal(CONTEXT_PARALLEL)}")
+    lacks = refusal(CONTEXT_PARALLEL) if cp > 1 else None  # after the flags' own errors
+    if lacks:
+        ap.error(f"--cp {cp}: {lacks}")
     args = BenchArgs(model=ns.model, flavor=ns.flavor, n_layers=ns.n_layers, world_size=world,
                      tp=tp, cp=cp, sequence_parallel=ns.sequence_parallel,
                      loss_parallel=ns.loss_parallel, global_batch=ns.global_batch,
