@@ -16,7 +16,9 @@
    aot_eager_blockbucketing, with each offload: the losses, the parameters, the optimizer's
    state and the ``state_dict()`` (keys and values) bit for bit those without offload, the
    parameters' names and the param groups unchanged, and a DCP checkpoint saved with
-   ``params`` offload loads into a model without offload bit for bit.
+   ``params`` offload loads into a model without offload bit for bit; torch's full state
+   dicts of a model without offload, broadcast from rank 0 (``set_model_state_dict`` and
+   ``set_optimizer_state_dict``), load into each offloaded model, and the next step is equal.
 """
 from __future__ import annotations
 
@@ -242,10 +244,10 @@ def _train(rank: int, world: int, offload: str, backend: str | None):
 def _train_job(rank, world):
     """Every (offload, backend) case's losses, parameters, optimizer state and state_dict as
     full tensors, compared with offload "none"'s here; a DCP round trip from "params" into
-    "none"."""
+    "none"; torch's full state dicts from "none" into each offload."""
     import torch.distributed.checkpoint as dcp
 
-    from dist_utils import by_member, shared_tmpdir
+    from dist_utils import by_member, full_state_through_torch, shared_tmpdir
     from simplesharded.storage.ragged_shards import optim_state_by_member
 
     def full(t):
@@ -268,10 +270,13 @@ def _train_job(rank, world):
 
     out = {}
     for backend in (None, BACKEND):
-        base = summary(*_train(rank, world, "none", backend))
+        plain = _train(rank, world, "none", backend)
+        base = summary(*plain)
+        offloaded = {}
         for offload in ("optimizer", "params"):
             model, opt, losses = _train(rank, world, offload, backend)
             out[(offload, backend)] = same(summary(model, opt, losses), base)
+            offloaded[offload] = model, opt
             if offload == "params" and backend is None:
                 path = shared_tmpdir()
                 dcp.save(model.state_dict(), checkpoint_id=path)
@@ -280,6 +285,11 @@ def _train_job(rank, world):
                 dcp.load(loaded, checkpoint_id=path)
                 fresh.load_state_dict(loaded)
                 out["dcp"] = pu.bitwise_equal(by_member(fresh), base["params"])
+        if backend is None:  # FSDP2's full checkpoint, from rank 0, into host shards (last:
+            # it steps the models, and `base` holds the optimizer's step counts themselves)
+            for offload, pair in offloaded.items():
+                got = full_state_through_torch(plain[:2], pair, broadcast=True)
+                out[("full_state", offload)] = got["loaded"] and got["stepped"]
     return out
 
 
@@ -290,4 +300,5 @@ def test_two_ranks_offload_is_bitwise_no_offload():
     for result in spawn(2, _train_job, timeout_s=600):
         assert result == {("optimizer", None): True, ("params", None): True,
                           ("optimizer", BACKEND): True, ("params", BACKEND): True,
-                          "dcp": True}
+                          "dcp": True, ("full_state", "optimizer"): True,
+                          ("full_state", "params"): True}

@@ -15,13 +15,19 @@ DTensor whose local tensor is this rank's run of the parameter, a view of its bu
   storage, to rounding: the ranks' partial sums are over other ranges);
 - the optimizer's state, saved with DCP through torch's ``get_optimizer_state_dict`` (a
   member's state is laid out as the member), loads into the other storage's optimizer, each
-  way, equal by name.
+  way, equal by name;
+- FSDP2's full-checkpoint round trip through torch's state-dict API (``get_model_state_dict``
+  and ``get_optimizer_state_dict`` with ``full_state_dict=True``, loaded with
+  ``set_model_state_dict`` / ``set_optimizer_state_dict``, every rank given the full dicts or
+  rank 0 alone with ``broadcast_from_rank0=True``), each way between the storages: the
+  parameters and states equal by name, a member's state still laid out as the member, and
+  the next step equal.
 """
 from __future__ import annotations
 
 import torch
 
-from dist_utils import optim_state_through_dcp, spawn
+from dist_utils import full_state_through_torch, optim_state_through_dcp, spawn
 
 STEPS = 10
 FROZEN = "layers.0.attention.wk.weight"
@@ -84,6 +90,10 @@ def _ranks(rank: int, world: int) -> dict:
         out[(storage, "eager", True)] = _train(rank, world, storage, "eager", True)
     out["optim_dcp"] = [optim_state_through_dcp(_KEPT[src], _KEPT[dst])
                         for src, dst in (("ragged", "param"), ("param", "ragged"))]
+    out["full_state"] = {(src, dst, broadcast): full_state_through_torch(_KEPT[src], _KEPT[dst],
+                                                                         broadcast)
+                         for broadcast in (False, True)
+                         for src, dst in (("ragged", "param"), ("param", "ragged"))}
     return out
 
 
@@ -104,5 +114,10 @@ def test_ragged_buckets_keep_the_per_parameter_contract():
                 assert ragged["frozen_grad_none"] and ragged["frozen_kept"], (rank, key)
                 assert plain["frozen_grad_none"] and plain["frozen_kept"], (rank, key)
         assert res["optim_dcp"] == [True, True], rank
+        for (src, dst, broadcast), got in res["full_state"].items():
+            assert got["loaded"] and got["stepped"], (rank, src, dst, broadcast, got)
+            # the optimizer's state of a member is laid out as the member, as before the load
+            assert got["kinds"] == (["RaggedMember", "Tensor"] if dst == "ragged"
+                                    else ["DTensor", "Tensor"]), (rank, dst, got)
         # freezing changed the training (the test would not see a frozen member trained)
         assert res[("ragged", "eager", True)]["losses"] != res[("ragged", "eager", False)]["losses"]

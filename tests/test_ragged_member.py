@@ -9,7 +9,9 @@ fake group of 2 (this process is rank 0).
   a foreach op's by index; in-place ops return the member itself; reductions are plain
   DTensors;
 - a redistribution other than to ``Replicate()`` is refused in one line;
-- a run is cut into the boxes DCP writes, row-major and at most ``2·ndim - 1`` of them.
+- a run is cut into the boxes DCP writes, row-major and at most ``2·ndim - 1`` of them;
+- a full state dict's tensor that torch's state-dict API distributes to a member becomes the
+  member's run of it (full_state_dict.py), a tensor of another shape one line naming its key.
 """
 from __future__ import annotations
 
@@ -72,3 +74,25 @@ def test_a_run_is_cut_into_row_major_boxes(shape, data):
         assert torch.equal(box.reshape(-1), torch.arange(lo, hi))
         seen.append((lo, hi))
     assert [x for lo, hi in seen for x in range(lo, hi)] == list(range(start, stop))
+
+
+def test_a_full_tensor_distributed_to_a_member_is_its_run():
+    from torch.distributed.checkpoint import state_dict as dsd
+
+    from simplesharded.storage import full_state_dict
+
+    full_state_dict.install()
+    with fake_world(2) as mesh:
+        # rank 0 of 2 holds the first 9 of the 15 elements, rank 1 the other 6
+        a = RaggedMember.make(torch.zeros(9), _spec(mesh, (3, 5)), (9, 6), 0)
+        full = torch.arange(15.0).view(3, 5)
+        assert torch.equal(a.run_from(full), torch.arange(9.0))
+        local = {"w": a, "step": torch.tensor(0.0)}
+        dsd._distribute_state_dict({"w": full, "step": torch.tensor(3.0)}, local,
+                                   torch.device("cpu"))
+        assert type(local["w"]) is RaggedMember and local["w"].runs == (9, 6)
+        assert torch.equal(local["w"].to_local(), torch.arange(9.0))
+        assert local["step"].item() == 3.0  # torch's own code for the rest
+        with pytest.raises(ValueError, match=r"^w: the full state dict's tensor has shape "
+                                             r"\(4, 5\), the model's is \(3, 5\)$"):
+            dsd._distribute_state_dict({"w": torch.zeros(4, 5)}, {"w": a}, torch.device("cpu"))

@@ -193,6 +193,14 @@ class RaggedMember(DTensor):
         return [ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
                 for offsets, sizes, _, _ in self._boxes()]
 
+    def run_from(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's run of ``full``, a tensor of the member's global shape (a full state
+        dict's value): its boxes read in element order, on ``full``'s device. No
+        collective: every rank holds ``full``."""
+        pieces = [full[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))].reshape(-1)
+                  for offsets, sizes, _, _ in self._boxes()]
+        return torch.cat(pieces) if pieces else full.new_empty(0)
+
     def __get_tensor_shard__(self, index):
         for offsets, sizes, start, stop in self._boxes():
             if index.offset is None or torch.Size(offsets) == index.offset:

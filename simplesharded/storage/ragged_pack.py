@@ -43,6 +43,9 @@ def pack_ragged(model: nn.Module, shards: dict[int, tuple[nn.Parameter, ShardedP
     in ``shards`` become None and their records gain the bucket. ``views``: the model's sets
     of dp dims (layout.py's ``_DPView``); ``offload``: (kind, pin_memory), every bucket's
     (offload.py)."""
+    from simplesharded.storage import full_state_dict  # only where ragged buckets are made
+
+    full_state_dict.install()  # torch's full-state-dict loads cut a member's run
     for view in views:
         # A bucket cut over two dp dims gathers over one group of both (mesh.flat_dp_mesh),
         # whose creation is collective over the world: made here for every set of dp dims,

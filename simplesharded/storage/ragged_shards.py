@@ -472,9 +472,17 @@ def _load_members(module, state_dict, prefix, local_metadata, strict, missing, u
         if absent:
             errors.append(f"ragged bucket {b.name}: missing {absent}")
             continue
-        value = b.bucket_from([state_dict[k] for k in keys])
+        values = [state_dict[k] for k in keys]
         with torch.no_grad():
-            b.param.to_local().copy_(value.to_local())
+            if all(isinstance(v, RaggedMember) and v.runs == b.member_runs[i] and v.cut == b.cut
+                   for i, v in enumerate(values)):
+                # laid out as the members already (a full state dict torch distributed into
+                # them, full_state_dict.py): each run copied into place, no collective
+                local = b.param.to_local()
+                for i, v in enumerate(values):
+                    b.run_of(local, i).copy_(v.to_local())
+            else:
+                b.param.to_local().copy_(b.bucket_from(values).to_local())
         # the load then copies each member into itself: its values are in the bucket already
         for k, member in zip(keys, b.members):
             state_dict[k] = member.detach()

@@ -311,3 +311,55 @@ def optim_state_through_dcp(src: tuple, dst: tuple) -> bool:
 
     return all(torch.equal(full(v), full(want[names[id(p)]][k]))
                for p, state in dst_opt.state.items() for k, v in state.items())
+
+
+def full_state_through_torch(src: tuple, dst: tuple, broadcast: bool) -> dict:
+    """FSDP2's full-checkpoint round trip: ``src`` = (model, optimizer)'s full state dicts
+    from torch's ``get_model_state_dict`` / ``get_optimizer_state_dict``
+    (``full_state_dict=True``; with ``broadcast``, ``cpu_offload=True``: rank 0 alone holds
+    them) loaded into ``dst``'s, zeroed first, with ``set_model_state_dict`` /
+    ``set_optimizer_state_dict`` (``broadcast_from_rank0=broadcast``), then one step of each
+    on the same batch. Whether the parameters and the optimizer states are equal by name
+    after the load and after the step, and the type of each ``dst`` state."""
+    import copy
+
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict,
+                                                         set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    import toy_blocks
+
+    (src_model, src_opt), (dst_model, dst_opt) = src, dst
+    save = StateDictOptions(full_state_dict=True, cpu_offload=broadcast)
+    load = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast)
+    # a copy, as a file would give: torch hands back a state's `step` tensor itself
+    model_sd = copy.deepcopy(get_model_state_dict(src_model, options=save))
+    optim_sd = copy.deepcopy(get_optimizer_state_dict(src_model, src_opt, options=save))
+    assert bool(model_sd) == (not broadcast or dist.get_rank() == 0)
+    with torch.no_grad():
+        for p in dst_model.parameters():
+            p.zero_()
+        for state in dst_opt.state.values():
+            for v in state.values():
+                v.zero_()
+    set_model_state_dict(dst_model, model_sd, options=load)
+    set_optimizer_state_dict(dst_model, dst_opt, optim_sd, options=load)
+
+    def full(t):
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+    def same() -> bool:
+        names = {id(p): n for n, p in dst_model.named_parameters()}
+        want = {n: (p, src_opt.state[p]) for n, p in src_model.named_parameters()}
+        return all(torch.equal(full(p), full(want[names[id(p)]][0]))
+                   and all(torch.equal(full(v), full(want[names[id(p)]][1][k]))
+                           for k, v in dst_opt.state[p].items())
+                   for p in dst_model.parameters())
+
+    kinds = sorted({type(v).__name__ for s in dst_opt.state.values() for v in s.values()})
+    loaded = same()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = [toy_blocks.train(m, o, rank, world, 1)
+              for m, o in ((src_model, src_opt), (dst_model, dst_opt))]
+    return dict(loaded=loaded, stepped=losses[0] == losses[1] and same(), kinds=kinds)
