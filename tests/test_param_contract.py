@@ -21,7 +21,12 @@ DTensor whose local tensor is this rank's run of the parameter, a view of its bu
   ``set_model_state_dict`` / ``set_optimizer_state_dict``, every rank given the full dicts or
   rank 0 alone with ``broadcast_from_rank0=True``), each way between the storages: the
   parameters and states equal by name, a member's state still laid out as the member, and
-  the next step equal.
+  the next step equal;
+- ``load_state_dict(..., assign=True)`` keeps the members the model's parameters (the same
+  objects, the next step equal);
+- the optimizer-in-backward habit (one optimizer per parameter, stepped by its
+  post-accumulate-grad hook): the hooks run once per parameter per backward and train as on
+  per-parameter storage, eager and compiled.
 """
 from __future__ import annotations
 
@@ -81,8 +86,67 @@ def _train(rank: int, world: int, storage: str, backend: str, freeze: bool) -> d
                 kinds=[type(p).__name__ for _, p in model.named_parameters()])
 
 
+def _optimizer_in_backward(rank: int, world: int, storage: str, backend: str) -> dict:
+    """The optimizer-in-backward habit: one AdamW per parameter, stepped by the parameter's
+    post-accumulate-grad hook, no step after backward: the parameters after 3 steps, and how
+    often the hooks ran."""
+    import toy_blocks
+
+    import simplesharded as ss
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,))
+    model = ss.data_parallel(toy_blocks.make_model(n_layers=2), mesh, storage=storage)
+    opts = {p: torch.optim.AdamW([p], lr=1e-2) for p in model.parameters()}
+    calls = []
+
+    def step(p):
+        calls.append(p)
+        opts[p].step()
+        opts[p].zero_grad()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(step)
+    run = model if backend == "eager" else torch.compile(
+        model, fullgraph=True, backend=ss.make_backend(backend))
+    numel = world * toy_blocks.BATCH_PER_RANK * toy_blocks.SEQ
+    for i in range(3):
+        tokens, targets = toy_blocks.batch(rank, i)
+        toy_blocks.loss_fn(run(tokens), targets, numel).backward()
+    return dict(calls=len(calls), n=len(opts),
+                params={n: p.full_tensor() for n, p in model.named_parameters()})
+
+
+def _assign_keeps_the_parameters(rank: int, world: int) -> bool:
+    """``load_state_dict(..., assign=True)`` (torchtune's way of loading sharded weights)
+    into ragged buckets keeps each member the parameter the bucket's gradients reach: the same
+    objects, and a step after it equal to the source model's."""
+    import copy
+
+    import toy_blocks
+
+    src_model, src_opt = _KEPT["ragged"]
+    model, opt = copy.deepcopy((src_model, src_opt))  # the optimizer's state comes along
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    before = [id(p) for p in model.parameters()]
+    model.load_state_dict(src_model.state_dict(), assign=True)
+    same_objects = [id(p) for p in model.parameters()] == before
+    losses = [toy_blocks.train(m, o, rank, world, 1) for m, o in ((src_model, src_opt),
+                                                                  (model, opt))]
+    return same_objects and losses[0] == losses[1] and all(
+        torch.equal(p.full_tensor(), q.full_tensor())
+        for p, q in zip(src_model.parameters(), model.parameters()))
+
+
 def _ranks(rank: int, world: int) -> dict:
     out = {}
+    for backend in ("eager", "aot_eager_autobucketing"):
+        for storage in ("param", "ragged"):
+            out[("in_backward", storage, backend)] = _optimizer_in_backward(rank, world,
+                                                                            storage, backend)
     for backend in ("eager", "aot_eager_autobucketing"):
         for storage in ("param", "ragged"):
             out[(storage, backend, False)] = _train(rank, world, storage, backend, False)
@@ -90,6 +154,7 @@ def _ranks(rank: int, world: int) -> dict:
         out[(storage, "eager", True)] = _train(rank, world, storage, "eager", True)
     out["optim_dcp"] = [optim_state_through_dcp(_KEPT[src], _KEPT[dst])
                         for src, dst in (("ragged", "param"), ("param", "ragged"))]
+    out["assign"] = _assign_keeps_the_parameters(rank, world)
     out["full_state"] = {(src, dst, broadcast): full_state_through_torch(_KEPT[src], _KEPT[dst],
                                                                          broadcast)
                          for broadcast in (False, True)
@@ -114,6 +179,13 @@ def test_ragged_buckets_keep_the_per_parameter_contract():
                 assert ragged["frozen_grad_none"] and ragged["frozen_kept"], (rank, key)
                 assert plain["frozen_grad_none"] and plain["frozen_kept"], (rank, key)
         assert res["optim_dcp"] == [True, True], rank
+        for backend in ("eager", "aot_eager_autobucketing"):
+            plain = res[("in_backward", "param", backend)]
+            ragged = res[("in_backward", "ragged", backend)]
+            assert ragged["calls"] == plain["calls"] == 3 * plain["n"], (rank, backend)
+            for k, v in plain["params"].items():
+                assert torch.equal(ragged["params"][k], v), (rank, backend, k)
+        assert res["assign"], rank
         for (src, dst, broadcast), got in res["full_state"].items():
             assert got["loaded"] and got["stepped"], (rank, src, dst, broadcast, got)
             # the optimizer's state of a member is laid out as the member, as before the load

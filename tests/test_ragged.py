@@ -148,6 +148,11 @@ def test_ragged_model_lists_its_parameters_and_state_dict_converts_them():
         start, stop = bucket.runs[record.ragged.index]
         member = twin.layers[0].attention.wq._parameters["weight"].to_local()
         assert member.numel() == 0 or member.data_ptr() == local[start:stop].data_ptr()
+        # and trains: its backward hands the twin's gradients to the twin's members
+        twin(toy_blocks.batch(0)[0]).sum().backward()
+        missing = [n for n, p in twin.named_parameters() if p.grad is None]
+        assert not missing and all(p.grad is None for p in model.parameters()), missing
+        assert len(bucket.param._post_accumulate_grad_hooks) == 1  # handed out once
 
 
 def test_what_ragged_does_not_take_says_so():

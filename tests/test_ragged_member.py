@@ -5,13 +5,15 @@ fake group of 2 (this process is rank 0).
   tensor, so neither a per-parameter ``Shard(0)`` shard nor another member of the same shape
   is handed a member's runs by an op seen before (the bug a ``Shard(0)`` subclass carrying
   the runs had);
-- results laid out as a member (``detach``, ``zeros_like``, elementwise ops) keep its runs,
-  a foreach op's by index; in-place ops return the member itself; reductions are plain
-  DTensors;
+- results laid out as a member (``detach``, ``zeros_like``, elementwise ops, a deep copy) keep
+  its runs, a foreach op's by index; in-place ops return the member itself; reductions are
+  plain DTensors;
 - a redistribution other than to ``Replicate()`` is refused in one line;
 - a run is cut into the boxes DCP writes, row-major and at most ``2·ndim - 1`` of them;
 - a full state dict's tensor that torch's state-dict API distributes to a member becomes the
-  member's run of it (full_state_dict.py), a tensor of another shape one line naming its key.
+  member's run of it (full_state_dict.py), a tensor of another shape one line naming its key;
+- an optimizer state dict holding members saves and loads with ``torch.load``'s default
+  (``weights_only``) unpickler, the members keeping their runs.
 """
 from __future__ import annotations
 
@@ -55,6 +57,13 @@ def test_members_keep_their_own_runs_through_dispatch():
         assert type(total) is DTensor and total.placements[0].is_partial()
         p = torch.nn.Parameter(a)
         assert type(p) is RaggedMember and p.runs == (9, 6) and p.requires_grad
+        import copy
+
+        for twin, of in ((copy.deepcopy(a), a), (copy.deepcopy(p), p)):  # state, parameter
+            assert type(twin) is RaggedMember and twin.runs == of.runs
+            assert twin.requires_grad == of.requires_grad
+            assert torch.equal(twin.to_local(), of.to_local())
+            assert twin.to_local().data_ptr() != of.to_local().data_ptr()
         with pytest.raises(ValueError, match="ragged run"):
             a.redistribute(mesh, [Shard(1)])
 
@@ -96,3 +105,26 @@ def test_a_full_tensor_distributed_to_a_member_is_its_run():
         with pytest.raises(ValueError, match=r"^w: the full state dict's tensor has shape "
                                              r"\(4, 5\), the model's is \(3, 5\)$"):
             dsd._distribute_state_dict({"w": torch.zeros(4, 5)}, {"w": a}, torch.device("cpu"))
+
+
+def test_an_optimizer_state_of_members_loads_with_torch_loads_defaults():
+    import io
+
+    import toy_blocks
+
+    import simplesharded as ss
+
+    with fake_world(2) as mesh:
+        model = ss.data_parallel(toy_blocks.make_model(n_layers=1), mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+        buffer = io.BytesIO()
+        torch.save(opt.state_dict(), buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer)  # weights_only=True, torch's default
+        for i, state in opt.state_dict()["state"].items():
+            got = loaded["state"][i]["exp_avg"]
+            assert type(got) is RaggedMember and got.runs == state["exp_avg"].runs
+            assert torch.equal(got.to_local(), state["exp_avg"].to_local())

@@ -100,6 +100,21 @@ class RaggedMember(DTensor):
             self.__dict__["_plain"] = plain
         return plain[1]
 
+    def __deepcopy__(self, memo):
+        """A copy of the run, with the same runs (an optimizer's state, deep-copied with its
+        optimizer; a model's members are copied with their bucket instead:
+        ragged_shards.py's ``copy_into``). Torch's default clones through the subclass's
+        dispatch, which before 2.12 gives a plain DTensor."""
+        if id(self) in memo:
+            return memo[id(self)]
+        with torch.no_grad():
+            out = RaggedMember.make(self._local_tensor.clone(), self._spec, self.runs,
+                                    self.cut)
+        if isinstance(self, torch.nn.Parameter) or self.requires_grad:
+            out = torch.nn.Parameter(out, requires_grad=self.requires_grad)
+        memo[id(self)] = out
+        return out
+
     def __repr__(self) -> str:
         return (f"RaggedMember(local_tensor={self._local_tensor}, device_mesh="
                 f"{self._spec.mesh}, placements={self._spec.placements}, runs={self.runs})")
@@ -207,6 +222,9 @@ class RaggedMember(DTensor):
                 return self._local_tensor.reshape(-1)[start:stop].view(sizes)
         raise ValueError(f"{index.fqn}: no box of this rank's run at {index.offset}")
 
+
+# torch.load's default (weights_only) unpickler takes an optimizer state dict holding members
+torch.serialization.add_safe_globals([RaggedMember, Cut])
 
 # As DTensor registers itself: optimizers and clip_grad_norm_ take their foreach paths (one op
 # per step for all members) only for types listed here, and step one tensor at a time

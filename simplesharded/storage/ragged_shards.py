@@ -155,7 +155,7 @@ class RaggedShards:
         # The bucket: what forward gathers and backward differentiates. Not registered on
         # any module: the members below are the parameters users and optimizers see.
         self.param = nn.Parameter(self._dtensor(local))
-        self.param.register_post_accumulate_grad_hook(self._hand_out_grad)
+        self.hook_grads()
         me = self.cut.rank(dp_mesh)
         # member i's run of this rank's [L]: [start, stop)
         self.runs = [self._run(i, me) for i in range(len(shards))]
@@ -204,8 +204,19 @@ class RaggedShards:
         if grad is not None:  # None: a no-sync backward, whose gradient went to its accumulator
             self.add_grad(self.offload.home(grad.to_local()))
 
+    def hook_grads(self) -> None:
+        """Hand the bucket's gradient to the members after each backward (its
+        post-accumulate-grad hook), once: a deep copy of the bucket has no hooks (torch does
+        not copy them), so a copied model registers its own."""
+        hooks = self.param._post_accumulate_grad_hooks or {}
+        if not any(getattr(h, "__self__", None) is self for h in hooks.values()):
+            self.param.register_post_accumulate_grad_hook(self._hand_out_grad)
+
     def add_grad(self, local: torch.Tensor) -> None:
-        """Add ``local``, a gradient laid out as this rank's ``[L]``, to the members'."""
+        """Add ``local``, a gradient laid out as this rank's ``[L]``, to the members', then
+        run each member's post-accumulate-grad hooks, as autograd runs a parameter's once its
+        ``.grad`` is accumulated (the optimizer-in-backward habit; FSDP2 runs them after its
+        reduce-scatter too)."""
         for i, p in enumerate(self.members):
             if not p.requires_grad:
                 continue
@@ -216,6 +227,8 @@ class RaggedShards:
                 p.grad = self.member(run, i)
             else:
                 p.grad.to_local().add_(run)
+            for hook in list((getattr(p, "_post_accumulate_grad_hooks", None) or {}).values()):
+                hook(p)
 
     def copy_into(self, memo: dict) -> None:
         """For ``copy.deepcopy`` of the model: the bucket copied, and each member's copy a
@@ -248,7 +261,7 @@ class RaggedShards:
         # to_empty(device=...) after wrapping a meta model)
         local = self.offload.home(local)
         self.param = nn.Parameter(self._dtensor(local))
-        self.param.register_post_accumulate_grad_hook(self._hand_out_grad)
+        self.hook_grads()
         for i, (member, spec) in enumerate(zip(self.members, self.member_specs)):
             spec = self.member_specs[i] = DTensorSpec(
                 spec.mesh, spec.placements, tensor_meta=TensorMeta(
@@ -483,9 +496,12 @@ def _load_members(module, state_dict, prefix, local_metadata, strict, missing, u
                     b.run_of(local, i).copy_(v.to_local())
             else:
                 b.param.to_local().copy_(b.bucket_from(values).to_local())
-        # the load then copies each member into itself: its values are in the bucket already
+        # the load then copies each member into itself: its values are in the bucket already;
+        # with assign=True it sets the member itself, which stays the parameter the bucket's
+        # gradients are handed to (a new one, a view of the bucket, would get none)
+        assign = local_metadata.get("assign_to_params_buffers", False)
         for k, member in zip(keys, b.members):
-            state_dict[k] = member.detach()
+            state_dict[k] = member if assign else member.detach()
 
 
 def keep_buckets_whole(model: nn.Module) -> None:
@@ -509,6 +525,8 @@ def keep_buckets_whole(model: nn.Module) -> None:
         memo[id(self)] = twin
         for key, value in self.__dict__.items():
             object.__setattr__(twin, key, copy.deepcopy(value, memo))
+        for bucket in model_buckets(twin):
+            bucket.hook_grads()
         return twin
 
     model.__class__ = type(cls.__name__, (cls,), {"_apply": _apply,
