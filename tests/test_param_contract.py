@@ -9,8 +9,9 @@ DTensor whose local tensor is this rank's run of the parameter, a view of its bu
 - AdamW with two parameter groups chosen by name (no weight decay on norms and biases) trains
   10 steps bitwise as on per-parameter storage, eager and under ``aot_eager_autobucketing``
   (losses, and every parameter through ``state_dict()`` and ``full_tensor()``);
-- a member frozen after wrapping keeps its value and gets no gradient, and the rest trains
-  as per-parameter storage with the same parameter frozen;
+- a member frozen after wrapping, and a whole bucket's (the embedding), keep their values
+  and get no gradient, and the rest trains as per-parameter storage with the same
+  parameters frozen;
 - torch's ``clip_grad_norm_`` on the members gives the global norm (as on per-parameter
   storage, to rounding: the ranks' partial sums are over other ranges);
 - the optimizer's state, saved with DCP through torch's ``get_optimizer_state_dict`` (a
@@ -35,7 +36,8 @@ import torch
 from dist_utils import full_state_through_torch, optim_state_through_dcp, spawn
 
 STEPS = 10
-FROZEN = "layers.0.attention.wk.weight"
+FROZEN = "layers.0.attention.wk.weight"  # one member of its block's bucket
+FROZEN_BUCKET = "tok_embeddings.weight"  # the whole bucket before the first block
 
 
 def _groups(model):
@@ -63,14 +65,16 @@ def _train(rank: int, world: int, storage: str, backend: str, freeze: bool) -> d
     params = dict(model.named_parameters())
     if freeze:
         params[FROZEN].requires_grad_(False)
+        params[FROZEN_BUCKET].requires_grad_(False)
     frozen_before = params[FROZEN].full_tensor()
+    bucket_before = params[FROZEN_BUCKET].full_tensor()
     opt = torch.optim.AdamW(_groups(model), lr=1e-2)
     run = model if backend == "eager" else torch.compile(
         model, fullgraph=True, backend=ss.make_backend(backend))
     norms, frozen_grads = [], []
 
     def first_step():
-        frozen_grads.append(params[FROZEN].grad)
+        frozen_grads.append(params[FROZEN].grad is None and params[FROZEN_BUCKET].grad is None)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
         norms.append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item())
 
@@ -79,8 +83,9 @@ def _train(rank: int, world: int, storage: str, backend: str, freeze: bool) -> d
     if backend == "eager" and not freeze:
         _KEPT[storage] = model, opt
     return dict(raw_names=raw_names, names=names, losses=losses, norms=norms,
-                frozen_grad_none=frozen_grad is None,
-                frozen_kept=torch.equal(frozen_before, params[FROZEN].full_tensor()),
+                frozen_grad_none=frozen_grad,
+                frozen_kept=torch.equal(frozen_before, params[FROZEN].full_tensor())
+                and torch.equal(bucket_before, params[FROZEN_BUCKET].full_tensor()),
                 full={k: v.full_tensor() for k, v in model.state_dict().items()},
                 members={n: p.full_tensor() for n, p in model.named_parameters()},
                 kinds=[type(p).__name__ for _, p in model.named_parameters()])

@@ -155,6 +155,41 @@ def test_ragged_model_lists_its_parameters_and_state_dict_converts_them():
         assert len(bucket.param._post_accumulate_grad_hooks) == 1  # handed out once
 
 
+def test_a_bucket_whose_members_are_all_frozen_is_read_without_autograd():
+    """Frozen after wrapping, as per-parameter shards that do not require grad: a bucket none
+    of whose members requires grad gives no gradient and no reduce-scatter (the compiled
+    backward has one fewer), and a model frozen whole gives an output that needs none; the
+    flags are guarded, so unfreezing compiles the gradient back."""
+    import toy_blocks
+    from pass_utils import capture_backend, fake_world
+
+    import simplesharded as ss
+
+    def reduce_scatters(gm):
+        return sum(n.target is c10d.reduce_scatter_tensor.default for n in gm.graph.nodes)
+
+    counts = {}
+    for frozen in (False, True):
+        torch._dynamo.reset()
+        with fake_world(2) as mesh:
+            model = ss.data_parallel(toy_blocks.make_model(n_layers=2), mesh, storage="ragged")
+            embedding = dict(model.named_parameters())["tok_embeddings.weight"]
+            embedding.requires_grad_(not frozen)  # the bucket before the first block, alone
+            backend, captured = capture_backend()
+            run = torch.compile(model, backend=backend, fullgraph=True)
+            run(toy_blocks.batch(0)[0]).sum().backward()
+            assert (embedding.grad is None) == frozen
+            counts[frozen] = reduce_scatters(captured[1])
+            if frozen:
+                embedding.requires_grad_(True)
+                run(toy_blocks.batch(0)[0]).sum().backward()
+                assert embedding.grad is not None and len(captured) == 4  # recompiled
+                model.requires_grad_(False)
+                for forward in (model, run):
+                    assert not forward(toy_blocks.batch(0)[0]).requires_grad
+    assert counts[True] == counts[False] - 1, counts
+
+
 def test_what_ragged_does_not_take_says_so():
     import toy_blocks
     from pass_utils import fake_world

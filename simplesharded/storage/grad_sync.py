@@ -149,7 +149,7 @@ class _GradSync:
             zero = torch.zeros((), dtype=dtype, device=shard.device)
             self.acc[param.fqn] = zero.expand(shape).requires_grad_()
         for bucket in self.ragged_buckets(model):  # one leaf per gathered buffer
-            if bucket.name not in self.acc:
+            if bucket.name not in self.acc and bucket.trains:
                 self.acc[bucket.name] = bucket.accumulator()
 
     def take_accumulated(self) -> None:

@@ -9,9 +9,10 @@ under its own name (FSDP2's contract, as FSDP1's ``use_orig_params`` kept it ove
 parameters): a DTensor of the member's global shape whose local tensor is this rank's run of it,
 a view of the bucket's ``[L]`` (``RaggedMember``, simplesharded/storage/ragged_member.py).
 Optimizers step the members, so parameter groups by name, per-parameter learning rates and
-freezing a member after wrapping (``requires_grad_(False)``: it gets no gradient) work as on
-per-parameter shards; torch's ``clip_grad_norm_`` reduces their norms over the ranks. After
-backward the bucket's gradient is handed to the members as views of it
+freezing a member after wrapping (``requires_grad_(False)``: it gets no gradient; a bucket
+whose members are all frozen is read without autograd, so its gradient is neither computed nor
+reduced) work as on per-parameter shards; torch's ``clip_grad_norm_`` reduces their norms
+over the ranks. After backward the bucket's gradient is handed to the members as views of it
 (:meth:`RaggedShards.add_grad`), so ``zero_grad`` on the members is all a loop does.
 
 ``state_dict()`` is what it is without: the members by FQN, each the ``Shard(0)`` DTensor it
@@ -204,6 +205,11 @@ class RaggedShards:
         if grad is not None:  # None: a no-sync backward, whose gradient went to its accumulator
             self.add_grad(self.offload.home(grad.to_local()))
 
+    @property
+    def trains(self) -> bool:
+        """Whether any member takes a gradient (``requires_grad``)."""
+        return any(m.requires_grad for m in self.members)
+
     def hook_grads(self) -> None:
         """Hand the bucket's gradient to the members after each backward (its
         post-accumulate-grad hook), once: a deep copy of the bucket has no hooks (torch does
@@ -318,14 +324,18 @@ class RaggedShards:
                     and cached[1] == self.param.to_local()._version):
                 return cached[2]
         held = self.grad_sync.held_for(self.name) if self.grad_sync is not None else None
+        # every member frozen: read without autograd, as a frozen per-parameter shard is (no
+        # gradient computed for it, no reduction, no accumulator)
+        trains = self.trains
+        route = self._route if self.grad_sync is not None and trains else None
         if held is not None:  # gathered once for several forwards
-            views = self.layout.views(self._route(held))
+            views = self.layout.views(held if route is None else route(held))
         else:
-            local = self.offload.read(self.param.to_local(), self.annotation)
+            param = self.param if trains else self.param.detach()
+            local = self.offload.read(param.to_local(), self.annotation)
             views = self.layout.gather(local, self.group_name,
                                        self.grad_scale, self.annotation, self.precision,
-                                       self.replicas,
-                                       self._route if self.grad_sync is not None else None)
+                                       self.replicas, route)
             if scope.eager is not None and scope.active and eager:
                 scope.eager.note_bucket(self, views[0])  # freed after forward
             elif recompute:
