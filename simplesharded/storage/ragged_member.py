@@ -48,6 +48,9 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from simplesharded.passes.torch_compat import dtensor_subclass_dispatch
 
+# all_gather_tensor's name from 2.13 on (the old one warns there); the same op
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
 REFUSAL = ("a parameter in a ragged bucket holds a ragged run of its elements: it gathers "
            "with full_tensor() or redistribute(placements=[Replicate()]) only; "
            "state_dict() gives it as a per-parameter Shard(0) DTensor")
@@ -149,8 +152,7 @@ class RaggedMember(DTensor):
         longest = max(self.runs)
         run = self._local_tensor.reshape(-1)
         run = torch.nn.functional.pad(run, (0, longest - run.numel()))
-        gathered = funcol.all_gather_tensor(run, gather_dim=0,
-                                            group=self.cut.group_of(mesh))
+        gathered = _all_gather(run, gather_dim=0, group=self.cut.group_of(mesh))
         gathered = funcol.wait_tensor(gathered)
         pieces = [gathered[r * longest:r * longest + n] for r, n in enumerate(self.runs)]
         placements, shape, _ = self._rebuilt()
