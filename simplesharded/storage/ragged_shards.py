@@ -214,7 +214,7 @@ class RaggedShards:
         """Hand the bucket's gradient to the members after each backward (its
         post-accumulate-grad hook), once: a deep copy of the bucket has no hooks (torch does
         not copy them), so a copied model registers its own."""
-        hooks = self.param._post_accumulate_grad_hooks or {}
+        hooks = getattr(self.param, "_post_accumulate_grad_hooks", None) or {}
         if not any(getattr(h, "__self__", None) is self for h in hooks.values()):
             self.param.register_post_accumulate_grad_hook(self._hand_out_grad)
 
