@@ -32,7 +32,7 @@ from simplesharded.ac_wrappers import compile_checkpoint_wrappers
 from simplesharded.blocks import BlockSpec, block_of
 from simplesharded.storage.eager_reshard import _EagerReshard
 from simplesharded.storage.gather import _GatherScope, _sharded_property
-from simplesharded.storage.grad_sync import _GradSync
+from simplesharded.storage.grad_sync import _GradSync, set_requires_gradient_sync
 from simplesharded.storage.choice import (NOT_GIVEN, check_offload, check_storage,
                                           chosen_storage, pack, resolved)
 from simplesharded.storage.offload import offload_choice
@@ -285,7 +285,18 @@ def _scope_root_forward(model: nn.Module, scope: _GatherScope,
         return tree_map(lambda t: t.to(output_dtype) if isinstance(t, torch.Tensor)
                         and t.is_floating_point() else t, out)
 
-    model.__class__ = type(cls.__name__, (cls,), {"forward": forward})
+    model.__class__ = type(cls.__name__, (cls,), {
+        "forward": forward, "set_requires_gradient_sync": _set_requires_gradient_sync})
+
+
+def _set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
+                                recurse: bool = True) -> None:
+    """FSDP2's method on the root: :func:`set_requires_gradient_sync` for the whole model
+    (one setting per model here, so ``recurse=False`` has nothing to narrow)."""
+    if not recurse:
+        raise ValueError("set_requires_gradient_sync(recurse=False): gradient sync is one "
+                         "setting for the whole data_parallel model; use recurse=True")
+    set_requires_gradient_sync(self, requires_gradient_sync)
 
 
 @contextlib.contextmanager

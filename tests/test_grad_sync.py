@@ -9,7 +9,9 @@ One spawn of 2 gloo ranks runs every case (``_job``) and the tests read its resu
   ``.grad`` of two synced backwards. Eager with sum and avg, tied weights, mixed precision
   (bf16 reduce; bf16 param + fp32 reduce; bf16 both); compiled with block bucketing (tied,
   avg): one reduction per bucket, and no-sync and sync-with-pending are two graphs, compiled
-  once each. The sums are kept in the reduction's dtype (bf16 under a bf16 ``reduce_dtype``).
+  once each (the second time through the root's ``set_requires_gradient_sync`` method, as
+  FSDP2 users call it). The sums are kept in the reduction's dtype (bf16 under a bf16
+  ``reduce_dtype``).
 - the trainer on llama3 debug (in-process, eager, 5 steps, global batch 8): 4 micro-batches
   with ``last_microbatch`` against 1 micro-batch: the same losses and the same reductions per
   step, counted at runtime by the profiler (gloo events).
@@ -21,6 +23,7 @@ the sync backward or a pipeline stage's deferred reduction finishing the step.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import os
 
@@ -90,8 +93,15 @@ def _toy_case(rank, world, mesh, backend, reduction, mp, tied):
     want = grads()
     graphs0 = counters["stats"]["unique_graphs"]
     model.zero_grad(set_to_none=True)
+    @contextlib.contextmanager
+    def fsdp2_method():  # FSDP2's way: the root's method, here through the compiled wrapper
+        run.set_requires_gradient_sync(False)
+        yield
+        run.set_requires_gradient_sync(True)
+
     for repeat in range(2):  # twice: the second time must reuse the graphs of the first
-        with ss.no_gradient_sync(run):  # the compiled wrapper is accepted too
+        # the compiled wrapper is accepted too; the second time through FSDP2's method
+        with ss.no_gradient_sync(run) if repeat == 0 else fsdp2_method():
             loss = toy.loss_fn(run(batches[0][0]), batches[0][1], numel)
             seq = pg._get_sequence_number_for_group()
             events = _gloo_events(loss.backward)

@@ -92,6 +92,23 @@ def test_reshard_after_forward_rejects_bad_values(fake_pg):
                          reshard_after_forward="sometimes", storage="param")
 
 
+def test_the_root_has_fsdp2s_gradient_sync_method(fake_pg):
+    """``model.set_requires_gradient_sync(flag)`` as on an FSDP2 root (through a compiled
+    wrapper too): the same setting as ``ss.set_requires_gradient_sync``; ``recurse=False``
+    (per module in FSDP2) is one line (tests/test_grad_sync.py trains with it)."""
+    from simplesharded.storage.sharded_state import root_state
+
+    model = ss.data_parallel(torch.nn.Linear(4, 4), ss.build_mesh(1, -1, "cpu"))
+    sync = root_state(model)[1].grad_sync
+    compiled = torch.compile(model)
+    for target, flag in ((model, False), (model, True), (compiled, False), (compiled, True)):
+        target.set_requires_gradient_sync(flag)
+        assert sync.sync is flag
+    with pytest.raises(ValueError, match=r"^set_requires_gradient_sync\(recurse=False\): "
+                                         r"gradient sync is one setting .*; use recurse=True$"):
+        model.set_requires_gradient_sync(False, recurse=False)
+
+
 def test_no_regather_without_reshard(fake_pg):
     counts = trace_counts("llama3", "debug", "aot_eager_blockbucketing",
                           reshard_after_forward=False, n_layers=2)
