@@ -339,8 +339,9 @@ class Llama3(nn.Module):
         return ffn_tp_styles(prefix, sequence_parallel)
 
     def num_params(self, exclude_embedding: bool = False) -> int:
-        n = sum(p.numel() for p in self.parameters())
-        return n - self.tok_embeddings.weight.numel() if exclude_embedding else n
+        # named_parameters, not the attribute: a sharded model's read would gather it
+        return sum(p.numel() for name, p in self.named_parameters()
+                   if not (exclude_embedding and name.startswith("tok_embeddings.")))
 
     def num_flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token: 6 per weight (fwd+bwd matmuls) + attention scores.

@@ -216,8 +216,7 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
             root=module is model))
         if names:
             _swap_class(module, names)
-    _scope_root_forward(model, scope, mp_policy.output_dtype,
-                        InitCheck(mesh) if from_meta else None)
+    _scope_root_forward(model, mp_policy.output_dtype, InitCheck(mesh) if from_meta else None)
     compile_checkpoint_wrappers(model)
     if offload[0] == "optimizer":
         model.register_forward_pre_hook(refresh_resident)
@@ -245,10 +244,10 @@ def _swap_class(module: nn.Module, names: list[str]) -> None:
     module.__class__ = type(f"Sharded{cls.__name__}", (cls,), props)
 
 
-def _scope_root_forward(model: nn.Module, scope: _GatherScope,
-                        output_dtype: torch.dtype | None = None,
+def _scope_root_forward(model: nn.Module, output_dtype: torch.dtype | None = None,
                         init_check: InitCheck | None = None) -> None:
-    """Open ``scope`` for the duration of ``model.forward`` and cast its floating-point
+    """Open the model's gather scope (its root's state's: a deep copy's own) for the duration
+    of ``model.forward`` and cast its floating-point
     outputs to ``output_dtype`` (if set); uncompiled, run ``init_check`` first (a meta-built
     model's shards are initialised, simplesharded/storage/uninitialised.py). Inside forward, not in
     hooks: torch.compile runs a compiled module's hooks outside the traced frame, where the
@@ -259,6 +258,7 @@ def _scope_root_forward(model: nn.Module, scope: _GatherScope,
     def forward(self, *args, **kwargs):
         if init_check is not None and not torch.compiler.is_compiling():
             init_check(self)
+        scope = sharded_state(self).scope
         scope.gathered.clear()
         scope.bucket_views.clear()
         scope.drop_backward_views()  # left by a backward that raised before its end

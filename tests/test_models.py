@@ -355,3 +355,21 @@ def test_hf_llama_without_transformers(monkeypatch):
     assert str(e.value) == ("model hf_llama needs transformers: "
                             "pip install 'simplesharded[hf]'")
     build_model("llama3", "debug")  # the rest of the zoo does not need it
+
+
+@pytest.mark.parametrize("name", ["llama3", "gpt"])
+def test_flop_count_of_a_sharded_model_gathers_nothing(name):
+    """``num_flops_per_token`` (the trainer's MFU) counts a sharded model's parameters without
+    reading one through its module (a read outside forward would all-gather it), and counts
+    what the unsharded model counts."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    import simplesharded as ss
+    from simplesharded.tools.cluster_trace import fake_world
+
+    want = tiny(name).num_flops_per_token(32)
+    with fake_world(2):
+        model = ss.data_parallel(tiny(name), ss.build_mesh(1, -1, "cpu"))
+        with CommDebugMode() as comm:
+            got = model.num_flops_per_token(32)
+    assert comm.get_total_counts() == 0 and got == want, (comm.get_comm_counts(), got, want)

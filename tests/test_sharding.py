@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import types
+import warnings
 
 import pytest
 import torch
@@ -188,9 +189,37 @@ def test_reading_a_param_gathers_and_disable_gather_returns_shard(mesh1d):
 
 def test_replicate_read_does_not_communicate(mesh1d):
     model = ss.data_parallel(toy.make_model(), mesh1d, mode="replicate", storage="param")
-    with CommDebugMode() as comm:
+    with CommDebugMode() as comm, warnings.catch_warnings():
+        warnings.simplefilter("error")  # no gather, nothing to warn of
         w = model.blocks[0].fc1.weight
     assert comm.get_total_counts() == 0 and w.shape == (7, 8)
+
+
+@pytest.mark.parametrize("storage", ["param", "ragged"])
+def test_a_read_outside_forward_says_it_gathers_once(mesh1d, storage):
+    """Outside forward a read all-gathers, which FSDP2's does not: one rank's read alone would
+    hang. The first such read of a model warns (once per model, a deep copy's own), naming
+    the parameter and ``disable_gather``; reads in forward and within ``disable_gather`` do
+    not."""
+    import copy
+
+    model = ss.data_parallel(toy.make_model(), mesh1d, storage=storage)
+    x = toy.rank_batch(0, 0)[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(x)  # in forward
+        with ss.disable_gather(model):
+            model.blocks[0].fc1.weight
+    for twin in (model, copy.deepcopy(model)):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            twin(x)  # a deep copy's forward opens its own scope
+            twin.blocks[0].fc1.weight
+            twin.blocks[0].fc2.weight
+        assert [str(w.message).split(":")[0] for w in seen] == [
+            "blocks.0.fc1.weight read outside forward"], [str(w.message) for w in seen]
+        assert "disable_gather" in str(seen[0].message)
+        assert seen[0].filename == __file__  # said at the user's line
 
 
 def test_meta_model_gets_cpu_shards(mesh1d):

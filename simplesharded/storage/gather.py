@@ -15,12 +15,15 @@ of dynamo's time.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.fx.traceback as fx_traceback
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from simplesharded.storage.layout import _is_hybrid
+from simplesharded.storage.ragged_shards import _in_backward
 from simplesharded.passes.annotations import BLOCK_KEY, DP_GROUPS_KEY, PARAM_KEY, RESHARD_KEY
 from simplesharded.storage.sharded_state import (EagerReshardProtocol, ShardedParam, read_record,
                                          sharded_state)
@@ -191,6 +194,7 @@ class _GatherScope:
         # (name, shard version, views) of the ragged bucket gathered last (ragged_shards.py)
         self.backward_views: tuple | None = None
         self.tied: set[str] = set()  # FQNs of parameters held by more than one module
+        self.warned_outside = False  # a read outside forward said what it costs
         self.reshard_after_forward = reshard_after_forward
         self.last_block = last_block  # the last block in module order (blocks.py), if any
         # eager_reshard.py's _EagerReshard, set during an uncompiled forward with grad
@@ -200,10 +204,34 @@ class _GatherScope:
         self.backward_views = None
 
 
+def _warn_outside_forward(scope, fqn: str) -> None:
+    """Once per model: a read outside forward (and outside a backward's recompute) gathers, a
+    collective that FSDP2's reads do not make: one rank's read alone hangs, and a write to
+    what it returns is lost. Said where a user can see it before the hang."""
+    if scope.warned_outside or torch.compiler.is_compiling() or _in_backward():
+        return
+    scope.warned_outside = True
+    warnings.warn(f"{fqn} read outside forward: simplesharded all-gathers it, a collective "
+                  f"every rank must make together (a read on one rank alone hangs), and "
+                  f"returns a copy (writes to it are lost); within `with "
+                  f"simplesharded.disable_gather(model):` a read is this rank's shard, as "
+                  f"FSDP2's is", stacklevel=3)
+
+
+def _gathers(module: nn.Module, name: str, param: ShardedParam) -> bool:
+    """Whether a read of ``module.<name>`` gathers (a replicated shard is read locally)."""
+    shard = module._parameters[name]
+    return param.ragged is not None or (
+        shard is not None and any(p.is_shard() for p in param.dp_view(shard).placements))
+
+
 def _sharded_property(name: str) -> property:
     def get(self):
         state = sharded_state(self)
         param = state.params.get(name)
+        if (param is not None and state.gather_enabled and not state.scope.active
+                and not state.scope.warned_outside and _gathers(self, name, param)):
+            _warn_outside_forward(state.scope, param.fqn)
         if param is not None and param.ragged is not None and state.gather_enabled:
             return param.ragged.read()  # a view of its bucket's gather (ragged_shards.py)
         shard = self._parameters[name]
