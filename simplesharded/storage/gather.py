@@ -205,10 +205,11 @@ class _GatherScope:
 
 
 def _warn_outside_forward(scope, fqn: str) -> None:
-    """Once per model: a read outside forward (and outside a backward's recompute) gathers, a
-    collective that FSDP2's reads do not make: one rank's read alone hangs, and a write to
-    what it returns is lost. Said where a user can see it before the hang."""
-    if scope.warned_outside or torch.compiler.is_compiling() or _in_backward():
+    """Once per model (the caller reads ``scope.warned_outside``): a read outside forward
+    (and outside a backward's recompute) gathers, a collective that FSDP2's reads do not
+    make: one rank's read alone hangs, and a write to what it returns is lost. Said where a
+    user can see it before the hang."""
+    if torch.compiler.is_compiling() or _in_backward():
         return
     scope.warned_outside = True
     warnings.warn(f"{fqn} read outside forward: simplesharded all-gathers it, a collective "

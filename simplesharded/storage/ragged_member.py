@@ -112,8 +112,8 @@ class RaggedMember(DTensor):
             return memo[id(self)]
         with torch.no_grad():
             out = RaggedMember.make(self._local_tensor.clone(), self._spec, self.runs,
-                                    self.cut)
-        if isinstance(self, torch.nn.Parameter) or self.requires_grad:
+                                    self.cut, requires_grad=self.requires_grad)
+        if isinstance(self, torch.nn.Parameter):
             out = torch.nn.Parameter(out, requires_grad=self.requires_grad)
         memo[id(self)] = out
         return out
