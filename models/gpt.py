@@ -106,7 +106,6 @@ class GPT(nn.Module):
         """Training FLOPs per token: 6 per matrix weight (the tied head counts: it is a matmul;
         position embeddings do not) + attention scores, 12 * L * D * T as llama3 counts them."""
         a = self.args
-        # named_parameters, not the attribute: a sharded model's read would gather it
         n = sum(p.numel() for name, p in self.named_parameters() if not name.startswith("wpe."))
         return 6 * n + 12 * a.n_layers * a.dim * seq_len
 

@@ -339,7 +339,6 @@ class Llama3(nn.Module):
         return ffn_tp_styles(prefix, sequence_parallel)
 
     def num_params(self, exclude_embedding: bool = False) -> int:
-        # named_parameters, not the attribute: a sharded model's read would gather it
         return sum(p.numel() for name, p in self.named_parameters()
                    if not (exclude_embedding and name.startswith("tok_embeddings.")))
 

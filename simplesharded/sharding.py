@@ -3,9 +3,10 @@
 
 Each parameter is replaced, under the same name, by a DTensor shard on the whole mesh
 (simplesharded/storage/layout.py). The owning module's class is swapped for a subclass with one
-property per parameter name, so ``module.weight`` inside ``forward`` returns the parameter
-gathered over its data-parallel dims (simplesharded/storage/gather.py); ``_parameters`` still holds
-the shards, so ``named_parameters()`` and ``state_dict()`` keep their keys and never gather.
+property per parameter name, so ``module.weight`` inside the root's ``forward`` returns the
+parameter gathered over its data-parallel dims and outside it the shard, as FSDP2's reads
+(simplesharded/storage/gather.py); ``_parameters`` holds the shards, so ``named_parameters()``
+and ``state_dict()`` keep their keys and never gather.
 The root's forward opens the model's gather scope and, uncompiled, eager resharding
 (simplesharded/storage/eager_reshard.py).
 
@@ -301,10 +302,11 @@ def _set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
 
 @contextlib.contextmanager
 def disable_gather(model: nn.Module) -> Iterator[nn.Module]:
-    """Within this context, reading a parameter of ``model`` returns its local DTensor shard
-    (for init, in-place updates, inspection) instead of gathering it. A ragged bucket's
-    members are per-parameter ``Shard(0)`` DTensors within, written back into the bucket at the
-    end (ragged_shards.members_as_shards: every rank enters it together)."""
+    """Within this context, reading a parameter of ``model`` returns its DTensor shard in
+    forward too (outside forward a read always does), and a ragged bucket's members are
+    per-parameter ``Shard(0)`` DTensors, written back into the bucket at the end
+    (ragged_shards.members_as_shards: every rank enters it together): for code that writes
+    ``Shard(0)`` chunks (``distribute_tensor``'s, a loader's), which a member's run is not."""
     states = [s for s in map(sharded_state, model.modules()) if s is not None]
     previous = [s.gather_enabled for s in states]
     for s in states:

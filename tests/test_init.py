@@ -9,8 +9,10 @@ with tp 2 as well), initialises it with the same seed and gathers every paramete
 At 2 and 4 ranks llama3 is also built with ragged buckets (``storage="ragged"``, its
 members read from ``state_dict()``): the init writes through to the buckets. At 2 ranks,
 the user's own ways too: a first forward before any init raises on every rank (the shards
-hold NaN, simplesharded/storage/uninitialised.py), and ``model.init_weights()`` inside
-``disable_gather`` writes the shards, per-parameter and ragged alike.
+hold NaN, simplesharded/storage/uninitialised.py), and ``model.init_weights()`` writes the
+shards, inside ``disable_gather`` (the same values per-parameter and ragged) or not (FSDP2's
+way: outside forward ``module.weight`` is the shard; values that depend on the sharding, as
+FSDP2's do).
 Fast: at one rank the shards equal a plain, unsharded model given the same init, and the
 init never holds more than one group's parameters at once.
 """
@@ -65,15 +67,18 @@ def _job(rank: int, world: int) -> dict | None:
         full = {k: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
                 for k, p in params.items()}
         out[case] = {**full, **{k: b.clone() for k, b in model.named_buffers()}}
-    users = ({storage: _users_own_init(world, storage) for storage in ("param", "ragged")}
+    users = ({(storage, within): _users_own_init(world, storage, within)
+              for storage in ("param", "ragged") for within in (True, False)}
              if world == 2 else {})
     return (out, users) if rank == 0 else None
 
 
-def _users_own_init(world: int, storage) -> dict:
+def _users_own_init(world: int, storage, within_disable_gather: bool) -> dict:
     """A first forward before the init raises (here: every rank gets past it or none would,
     so the spawn would hang instead of fail); then FSDP2's habit, ``model.init_weights()``,
-    inside ``disable_gather``; the full parameters after it."""
+    inside ``disable_gather`` or not; the full parameters after it."""
+    import contextlib
+
     import simplesharded as ss
 
     model = _sharded("llama3", world, 1, 1, storage)
@@ -81,8 +86,8 @@ def _users_own_init(world: int, storage) -> dict:
     with pytest.raises(ValueError, match="holds NaN at the model's first forward: the model "
                                          "was built on the meta device"):
         model(tokens)
-    torch.manual_seed(SEED)  # DTensor's random ops draw from it: the same for both layouts
-    with ss.disable_gather(model):
+    torch.manual_seed(SEED)  # the random ops draw from it: the same for both layouts
+    with ss.disable_gather(model) if within_disable_gather else contextlib.nullcontext():
         model.init_weights(buffer_device="cpu")
     assert torch.isfinite(model(tokens)).all()
     return {k: v.full_tensor() for k, v in model.state_dict().items()}
@@ -108,14 +113,15 @@ def test_same_full_parameters_at_any_world_size_and_layout(world):
 
 
 @pytest.mark.slow
-def test_users_own_init_inside_disable_gather_reaches_every_layout():
+def test_users_own_init_reaches_every_layout():
     users = _full(2)[1]
-    plain, ragged = users["param"], users["ragged"]
+    plain, ragged = users["param", True], users["ragged", True]
     assert sorted(plain) == sorted(ragged)
     bad = [k for k in plain if not torch.equal(plain[k], ragged[k])]
     assert not bad, bad
-    assert plain["norm.weight"].eq(1).all()
-    assert 0.01 < float(plain["layers.0.attention.wq.weight"].std()) < 0.03
+    for got in users.values():  # inside disable_gather or not: the init ran
+        assert got["norm.weight"].eq(1).all()
+        assert 0.01 < float(got["layers.0.attention.wq.weight"].std()) < 0.03
 
 
 # ---------------------------------------------------------------------------- one rank

@@ -360,8 +360,8 @@ def test_hf_llama_without_transformers(monkeypatch):
 @pytest.mark.parametrize("name", ["llama3", "gpt"])
 def test_flop_count_of_a_sharded_model_gathers_nothing(name):
     """``num_flops_per_token`` (the trainer's MFU) counts a sharded model's parameters without
-    reading one through its module (a read outside forward would all-gather it), and counts
-    what the unsharded model counts."""
+    gathering one (no collective: every rank need not call it), and counts what the
+    unsharded model counts."""
     from torch.distributed.tensor.debug import CommDebugMode
 
     import simplesharded as ss

@@ -25,6 +25,10 @@ DTensor whose local tensor is this rank's run of the parameter, a view of its bu
   the next step equal;
 - ``load_state_dict(..., assign=True)`` keeps the members the model's parameters (the same
   objects, the next step equal);
+- outside forward, ``module.weight`` is the parameter itself, as under FSDP2: one rank reads
+  it alone (no collective), an init run after sharding and ``to_empty`` on a meta-built model
+  writes the shards through it (training then as from the same values written before sharding), and its
+  ``.grad`` is the parameter's gradient;
 - the optimizer-in-backward habit (one optimizer per parameter, stepped by its
   post-accumulate-grad hook): the hooks run once per parameter per backward and train as on
   per-parameter storage, eager and compiled.
@@ -123,6 +127,51 @@ def _optimizer_in_backward(rank: int, world: int, storage: str, backend: str) ->
                 params={n: p.full_tensor() for n, p in model.named_parameters()})
 
 
+def _init_in_place(model) -> None:
+    """An init through the modules' own attributes, in place (``reset_parameters``' way):
+    a value per module, then arithmetic on it."""
+    with torch.no_grad():
+        for i, module in enumerate(model.modules()):
+            if isinstance(getattr(module, "weight", None), torch.nn.Parameter):
+                module.weight.fill_(0.05 * (i % 7) - 0.1).mul_(1.5).add_(0.01 * i)
+
+
+def _outside_forward(rank: int, world: int, storage: str) -> dict:
+    """FSDP2's reads outside forward: the model built on the meta device and initialised
+    after ``data_parallel`` through ``module.weight``, against the same init run before it;
+    3 eager steps each."""
+    import toy_blocks
+
+    import simplesharded as ss
+
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,))
+    with torch.device("meta"):
+        model = toy_blocks.ToyBlocks(2)
+    model = ss.data_parallel(model, mesh, storage=storage)
+    model.to_empty(device="cpu")  # FSDP2's step before the init: new storage, same objects
+    _init_in_place(model)
+    reference = toy_blocks.ToyBlocks(2)
+    _init_in_place(reference)
+    reference = ss.data_parallel(reference, mesh, storage="param")
+    params = dict(model.named_parameters())
+    read = model.layers[1].feed_forward.w2.weight
+    if rank == 0:  # one rank alone: a read that gathered would pair with the forward's
+        float(read.to_local().sum())
+    grads = []
+
+    def grads_are_the_parameters():
+        grads.append(all(m.weight.grad is params[f"{n}.weight"].grad is not None
+                         for n, m in model.named_modules() if n and hasattr(m, "weight")))
+
+    losses = [toy_blocks.train(m, torch.optim.AdamW(m.parameters(), lr=1e-2), rank, world, 3,
+                               grads_are_the_parameters if m is model else None)
+              for m in (model, reference)]
+    return dict(same_object=read is params["layers.1.feed_forward.w2.weight"],
+                kind=type(read).__name__, losses=losses, grads=grads,
+                equal=all(torch.equal(p.full_tensor(), q.full_tensor())
+                          for p, q in zip(model.parameters(), reference.parameters())))
+
+
 def _assign_keeps_the_parameters(rank: int, world: int) -> bool:
     """``load_state_dict(..., assign=True)`` (torchtune's way of loading sharded weights)
     into ragged buckets keeps each member the parameter the bucket's gradients reach: the same
@@ -157,6 +206,8 @@ def _ranks(rank: int, world: int) -> dict:
             out[(storage, backend, False)] = _train(rank, world, storage, backend, False)
     for storage in ("param", "ragged"):
         out[(storage, "eager", True)] = _train(rank, world, storage, "eager", True)
+    for storage in ("param", "ragged"):
+        out[("outside", storage)] = _outside_forward(rank, world, storage)
     out["optim_dcp"] = [optim_state_through_dcp(_KEPT[src], _KEPT[dst])
                         for src, dst in (("ragged", "param"), ("param", "ragged"))]
     out["assign"] = _assign_keeps_the_parameters(rank, world)
@@ -190,6 +241,11 @@ def test_ragged_buckets_keep_the_per_parameter_contract():
             assert ragged["calls"] == plain["calls"] == 3 * plain["n"], (rank, backend)
             for k, v in plain["params"].items():
                 assert torch.equal(ragged["params"][k], v), (rank, backend, k)
+        for storage, kind in (("param", "DTensor"), ("ragged", "RaggedMember")):
+            got = res[("outside", storage)]
+            assert got["same_object"] and got["kind"] == kind, (rank, storage, got)
+            assert got["losses"][0] == got["losses"][1] and got["equal"], (rank, storage, got)
+            assert got["grads"] == [True], (rank, storage)
         assert res["assign"], rank
         for (src, dst, broadcast), got in res["full_state"].items():
             assert got["loaded"] and got["stepped"], (rank, src, dst, broadcast, got)

@@ -163,63 +163,93 @@ def test_state_dict_holds_shards_and_saving_does_not_gather(mesh1d):
     assert local_bytes < full_bytes / 2
 
 
-def test_reading_a_param_gathers_and_disable_gather_returns_shard(mesh1d):
-    model = ss.data_parallel(toy.make_model(), mesh1d, mode="fully_shard", storage="param")
+@pytest.mark.parametrize("storage", ["param", "ragged"])
+def test_a_read_gathers_in_forward_and_is_the_shard_outside(mesh1d, storage):
+    """FSDP2's reads: inside the root's forward ``module.weight`` is gathered (one all-gather;
+    a ragged bucket's gather serves its members), outside it is the parameter
+    ``named_parameters()`` lists, with no collective; ``disable_gather`` makes reads in
+    forward the shard too and restores the gathers on exit, an exception's included."""
+    import copy
+
+    model = ss.data_parallel(toy.make_model(), mesh1d, mode="fully_shard", storage=storage)
+    x = toy.rank_batch(0, 0)[0]
     fc1 = model.blocks[0].fc1
     with CommDebugMode() as comm:
         w = fc1.weight
-    assert comm.get_total_counts() == 1  # one all-gather
-    assert not isinstance(w, DTensor) and w.shape == (7, 8)
+        w.to_local().sum()
+    assert comm.get_total_counts() == 0
+    assert w is dict(model.named_parameters())["blocks.0.fc1.weight"]
+    assert isinstance(w, DTensor) and w.shape == (7, 8)
+    for twin in (model, copy.deepcopy(model)):  # a deep copy's forward opens its own scope
+        seen = []
+        hook = twin.blocks[0].fc1.register_forward_pre_hook(
+            lambda m, args: seen.append((type(m.weight), tuple(m.weight.shape))))
+        with CommDebugMode() as comm:
+            twin(x)
+        hook.remove()
+        assert seen == [(torch.Tensor, (7, 8))]
+        assert comm.get_total_counts() >= 1  # the gathers
+
+    def read_in_forward():  # in the forward's first module
+        seen = []
+        hook = model.inp.register_forward_pre_hook(lambda m, args: seen.append(type(m.weight)))
+        try:
+            model(x)
+        except RuntimeError:  # the shard in a matmul with a plain tensor
+            pass
+        hook.remove()
+        return seen[0]
+
     with ss.disable_gather(model) as m:
         assert m is model
-        with CommDebugMode() as comm:
-            shard = fc1.weight
-        assert comm.get_total_counts() == 0
-        assert shard is fc1._parameters["weight"] and isinstance(shard, DTensor)
-        assert shard.to_local().shape == (2, 8) and shard.shape == (7, 8)
+        assert issubclass(read_in_forward(), DTensor)
         with ss.disable_gather(model):  # nesting keeps it disabled, restores to disabled
             pass
-        assert isinstance(fc1.weight, DTensor)
-    assert not isinstance(fc1.weight, DTensor)  # restored
+        assert issubclass(read_in_forward(), DTensor)
+    assert read_in_forward() is torch.Tensor  # restored
     with pytest.raises(RuntimeError, match="boom"):
         with ss.disable_gather(model):
             raise RuntimeError("boom")
-    assert not isinstance(fc1.weight, DTensor)  # restored after an exception too
+    assert read_in_forward() is torch.Tensor  # restored after an exception too
 
 
-def test_replicate_read_does_not_communicate(mesh1d):
-    model = ss.data_parallel(toy.make_model(), mesh1d, mode="replicate", storage="param")
-    with CommDebugMode() as comm, warnings.catch_warnings():
-        warnings.simplefilter("error")  # no gather, nothing to warn of
-        w = model.blocks[0].fc1.weight
-    assert comm.get_total_counts() == 0 and w.shape == (7, 8)
+def test_a_ragged_member_refuses_a_chunked_dtensor(mesh1d):
+    """A ragged member's local tensor is a run, not ``Shard(0)``'s chunk: an op mixing the
+    two (a copy from ``distribute_tensor``, say) is one ValueError naming the way that
+    works, not a silent pairing of different elements; ops among members and with
+    replicated or plain scalars run."""
+    from torch.distributed.tensor import distribute_tensor
+
+    model = ss.data_parallel(toy.make_model(), mesh1d, storage="ragged")
+    w = model.blocks[0].fc1.weight
+    chunked = distribute_tensor(torch.ones(7, 8), w.device_mesh, [Shard(0)])
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="disable_gather.*Shard\\(0\\)"):
+            w.copy_(chunked)
+        w.fill_(2.0).mul_(distribute_tensor(torch.tensor(1.5), w.device_mesh, [Replicate()]))
+    assert type(w).__name__ == "RaggedMember"
+    assert torch.equal(w.to_local(), torch.full_like(w.to_local(), 3.0))
 
 
-@pytest.mark.parametrize("storage", ["param", "ragged"])
-def test_a_read_outside_forward_says_it_gathers_once(mesh1d, storage):
-    """Outside forward a read all-gathers, which FSDP2's does not: one rank's read alone would
-    hang. The first such read of a model warns (once per model, a deep copy's own), naming
-    the parameter and ``disable_gather``; reads in forward and within ``disable_gather`` do
-    not."""
-    import copy
-
-    model = ss.data_parallel(toy.make_model(), mesh1d, storage=storage)
-    x = toy.rank_batch(0, 0)[0]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        model(x)  # in forward
-        with ss.disable_gather(model):
-            model.blocks[0].fc1.weight
-    for twin in (model, copy.deepcopy(model)):
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            twin(x)  # a deep copy's forward opens its own scope
-            twin.blocks[0].fc1.weight
-            twin.blocks[0].fc2.weight
-        assert [str(w.message).split(":")[0] for w in seen] == [
-            "blocks.0.fc1.weight read outside forward"], [str(w.message) for w in seen]
-        assert "disable_gather" in str(seen[0].message)
-        assert seen[0].filename == __file__  # said at the user's line
+def test_a_random_init_of_a_ragged_member_is_the_full_tensors_run(mesh1d):
+    """FSDP2's init after sharding on ragged buckets: a random in-place op on a member
+    (``trunc_normal_``'s ``normal_``, ``normal_``) leaves it this rank's run of what the op
+    draws on the unsharded tensor from the same generator state, as ``run_from`` cuts it:
+    not DTensor's draw for its local tensor alone (on CPU a draw of fewer than 16 normals
+    takes another path than the first 16 of a longer one)."""
+    model = ss.data_parallel(toy.make_model(), mesh1d, storage="ragged")
+    checked = 0
+    for name, p in model.named_parameters():
+        for init in (lambda t: nn.init.trunc_normal_(t, std=0.02), lambda t: t.normal_(1, 2)):
+            torch.manual_seed(3)
+            with torch.no_grad():
+                init(p)
+            torch.manual_seed(3)
+            full = init(torch.empty(p.shape))
+            assert type(p).__name__ == "RaggedMember", name
+            assert torch.equal(p.to_local(), p.run_from(full)), name
+            checked += p.to_local().numel() > 0
+    assert checked >= 4  # runs this rank holds
 
 
 def test_meta_model_gets_cpu_shards(mesh1d):

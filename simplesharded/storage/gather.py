@@ -1,9 +1,13 @@
 """Reading a sharded parameter: the gather on read and the reduction of its gradient.
 
-``module.weight`` inside ``forward`` of a wrapped module is a property (:func:`_sharded_property`)
-that returns the parameter gathered over its dp dims: under ``torch.compile`` a traced
-all-gather, whose gradient (a ``Partial`` placement) autograd turns into a traced
-reduce-scatter (all-reduce for replicated mesh dims). ``_parameters`` still holds the shards.
+``module.weight`` of a wrapped module is a property (:func:`_sharded_property`). Inside the
+root's forward (and in a backward's recompute of it) it returns the parameter gathered over its
+dp dims: under ``torch.compile`` a traced all-gather, whose gradient (a ``Partial`` placement)
+autograd turns into a traced reduce-scatter (all-reduce for replicated mesh dims). Outside, it
+returns what ``_parameters`` holds, as FSDP2's reads do: the sharded parameter (a DTensor, or a
+ragged bucket's member), the leaf the optimizer steps, so a read makes no collective (one rank
+may read alone), writes reach the shard (``model.init_weights()`` after sharding) and
+``.grad`` is the shard's gradient; ``full_tensor()`` gathers it when every rank asks.
 
 Invariant: every dp op a read issues is annotated with the parameter's FQN, dp groups,
 reshard choice and block (passes/annotations.py), so the graph passes find the gathers and
@@ -14,8 +18,6 @@ whose body is the eager read: the same aten ops in the graphs aot_autograd makes
 of dynamo's time.
 """
 from __future__ import annotations
-
-import warnings
 
 import torch
 import torch.fx.traceback as fx_traceback
@@ -174,9 +176,9 @@ def regather(module: nn.Module, name: str) -> torch.Tensor:
 class _GatherScope:
     """Parameters gathered during one forward of the wrapped root, by FQN: a parameter read
     twice (tied weights, a module called twice) is gathered once, and autograd sums its
-    gradients at full size before the one reduction. Inactive outside the root's forward (a
-    submodule called on its own, activation-checkpoint recomputation in backward): each read
-    then gathers.
+    gradients at full size before the one reduction. Inactive outside the root's forward: a
+    read in a backward (activation checkpointing's recompute) gathers on its own, a read
+    elsewhere is the shard.
 
     One dict for the model's life, emptied at both ends of the forward: under torch.compile
     the traced forward then ends with the dict as it began (empty), so no gathered tensor
@@ -194,7 +196,6 @@ class _GatherScope:
         # (name, shard version, views) of the ragged bucket gathered last (ragged_shards.py)
         self.backward_views: tuple | None = None
         self.tied: set[str] = set()  # FQNs of parameters held by more than one module
-        self.warned_outside = False  # a read outside forward said what it costs
         self.reshard_after_forward = reshard_after_forward
         self.last_block = last_block  # the last block in module order (blocks.py), if any
         # eager_reshard.py's _EagerReshard, set during an uncompiled forward with grad
@@ -204,42 +205,22 @@ class _GatherScope:
         self.backward_views = None
 
 
-def _warn_outside_forward(scope, fqn: str) -> None:
-    """Once per model (the caller reads ``scope.warned_outside``): a read outside forward
-    (and outside a backward's recompute) gathers, a collective that FSDP2's reads do not
-    make: one rank's read alone hangs, and a write to what it returns is lost. Said where a
-    user can see it before the hang."""
-    if torch.compiler.is_compiling() or _in_backward():
-        return
-    scope.warned_outside = True
-    warnings.warn(f"{fqn} read outside forward: simplesharded all-gathers it, a collective "
-                  f"every rank must make together (a read on one rank alone hangs), and "
-                  f"returns a copy (writes to it are lost); within `with "
-                  f"simplesharded.disable_gather(model):` a read is this rank's shard, as "
-                  f"FSDP2's is", stacklevel=3)
-
-
-def _gathers(module: nn.Module, name: str, param: ShardedParam) -> bool:
-    """Whether a read of ``module.<name>`` gathers (a replicated shard is read locally)."""
-    shard = module._parameters[name]
-    return param.ragged is not None or (
-        shard is not None and any(p.is_shard() for p in param.dp_view(shard).placements))
+def _reads_gathered(scope) -> bool:
+    """Whether a read gathers: inside the root's forward (its scope; compiled, the traced
+    forward) or in a backward (torch.utils.checkpoint's recompute of part of it)."""
+    return scope.active or torch.compiler.is_compiling() or _in_backward()
 
 
 def _sharded_property(name: str) -> property:
     def get(self):
         state = sharded_state(self)
-        param = state.params.get(name)
-        if (param is not None and state.gather_enabled and not state.scope.active
-                and not state.scope.warned_outside and _gathers(self, name, param)):
-            _warn_outside_forward(state.scope, param.fqn)
-        if param is not None and param.ragged is not None and state.gather_enabled:
-            return param.ragged.read()  # a view of its bucket's gather (ragged_shards.py)
-        shard = self._parameters[name]
-        if shard is None or not state.gather_enabled:
+        param, shard, scope = state.params.get(name), self._parameters[name], state.scope
+        if (param is None or shard is None or not state.gather_enabled
+                or not _reads_gathered(scope)):
             return shard
+        if param.ragged is not None:
+            return param.ragged.read()  # a view of its bucket's gather (ragged_shards.py)
         fqn = param.fqn
-        scope = state.scope
         # Compiled, the graph decides what stays alive, so every read is cached. Eager, a
         # cached gather would outlive its block (and defeat torch.utils.checkpoint there):
         # only tied parameters, whose full tensor two modules need anyway, are cached.
@@ -256,4 +237,4 @@ def _sharded_property(name: str) -> property:
             scope.eager.note(self, name, full)
         return full
 
-    return property(get, doc=f"{name}: gathered on read (simplesharded)")
+    return property(get, doc=f"{name}: gathered in forward, the shard outside (simplesharded)")

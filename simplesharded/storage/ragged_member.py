@@ -122,11 +122,48 @@ class RaggedMember(DTensor):
         return (f"RaggedMember(local_tensor={self._local_tensor}, device_mesh="
                 f"{self._spec.mesh}, placements={self._spec.placements}, runs={self.runs})")
 
+    def fill_random(self, func, args=(), kwargs=None) -> "RaggedMember":
+        """``func``, an in-place random op (``normal_``, ``uniform_``, ...), on this member:
+        drawn on a full temporary of its global shape from the default generator, of which
+        this rank keeps its run. So every rank's run is its part of one draw (with
+        generators seeded alike), as for the unsharded tensor, where DTensor's own random ops
+        would draw for a ``Shard(0)`` chunk, not this run: the same numbers on every rank
+        on CPU, overlapping offsets with CUDA's tracker. An init whose draws depend on
+        values (torch 2.13's ``trunc_normal_`` resamples until this rank's part is in
+        range) advances the generators by a per-rank amount from then on."""
+        full = torch.empty(self.shape, dtype=self.dtype, device=self._local_tensor.device)
+        func(full, *args, **(kwargs or {}))
+        with torch.no_grad():
+            self._local_tensor.copy_(self.run_from(full))
+        return self
+
+    def same_view(self, shape) -> "RaggedMember | None":
+        """A view of this member as its own shape (``view_as(self)``: autograd's and
+        ``swap_tensors``' way to a leaf's gradient edge), or None for another shape. DTensor
+        would view the run as a ``Shard(0)`` chunk's shape, which it is not."""
+        if tuple(shape) != tuple(self.shape):
+            return None
+        return RaggedMember.make(self._local_tensor.view(self._local_tensor.shape), self._spec,
+                                 self.runs, self.cut)
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        own = _OWN_OPS.get(func)
+        if own is None:
+            own = _OWN_OPS[func] = _own_op(func)
+        if own and isinstance(args[0], RaggedMember):
+            if own == "random":
+                return args[0].fill_random(func, args[1:], kwargs)
+            same = args[0].same_view(args[1])
+            if same is not None:
+                return same
         if not kwargs and not any(isinstance(a, (list, tuple, dict)) for a in args):
             # one tensor op (an optimizer's per-parameter path on CPU): no pytree
             first = next((a for a in args if isinstance(a, RaggedMember)), None)
+            for a in args:
+                if type(a) is DTensor:  # a plain one: it may pair with the member (rare)
+                    _refuse_pair(func, args)
+                    break
             plain = [a.as_dtensor() if isinstance(a, RaggedMember) else a for a in args]
             out = func(*plain)
             if type(out) is DTensor:
@@ -139,6 +176,7 @@ class RaggedMember(DTensor):
                 return type(out)(_rewrap(o, first, member_of) for o in out)
             return out
         flat, tree = tree_flatten((args, kwargs or {}))
+        _refuse_chunks(func, args, kwargs)
         plain = [t.as_dtensor() if isinstance(t, RaggedMember) else t for t in flat]
         # a plain DTensor an op returns as it is (in place, out=) stands for its member
         member_of = {id(p): t for t, p in zip(flat, plain) if p is not t}
@@ -236,6 +274,59 @@ for _supported in (_optim_foreach_types, _util_foreach_types):
         _supported.append(RaggedMember)
 
 
+_RANDOM_IN_PLACE = frozenset({"uniform_", "normal_", "bernoulli_", "exponential_", "random_",
+                              "log_normal_", "cauchy_", "geometric_"})
+
+
+def _random_in_place(func) -> bool:
+    """An in-place random fill: an aten op (its packet's name) or, before 2.12, the method."""
+    return getattr(getattr(func, "overloadpacket", func), "__name__", "") in _RANDOM_IN_PLACE
+
+
+def _own_op(func) -> str:
+    """What a member does itself rather than through DTensor: "random" (``fill_random``),
+    "view" (``same_view``), or "" for every other op."""
+    if _random_in_place(func):
+        return "random"
+    return "view" if func is torch.ops.aten.view.default else ""
+
+
+_OWN_OPS: dict = {}  # op → _own_op(op), looked up once per op (an optimizer's every op)
+
+
+def _refuse_chunks(func, args, kwargs=None) -> None:
+    """A ValueError when an op pairs a member with a plain DTensor sharded where the member is
+    cut and laid out otherwise (``distribute_tensor``'s ``Shard(0)`` chunk of a matrix, say):
+    DTensor would pair the member's run with the other's chunk, different elements, silently
+    where they broadcast. One laid out as the member (its local tensor the run's shape: a
+    gradient made from a member's local tensor) pairs as a member does. A foreach
+    op pairs its lists' tensors by index (a list of members and per-parameter shards, as
+    ``clip_grad_norm_`` takes, pairs nothing). Every rank raises alike: whether it does
+    depends on placements only."""
+    lists = [a for a in args if isinstance(a, (list, tuple))]
+    single = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)]
+    if not any(type(t) is DTensor for t in (*single, *(t for a in lists for t in a))):
+        return  # members only (an optimizer's every op): nothing to pair
+    for paired in (zip(*lists) if lists else [()]):
+        _refuse_pair(func, [*paired, *single])
+
+
+def _refuse_pair(func, tensors) -> None:
+    member = next((t for t in tensors if isinstance(t, RaggedMember)), None)
+    if member is None:
+        return
+    for t in tensors:
+        if (type(t) is DTensor and t.ndim and t.device_mesh == member.device_mesh
+                and any(t.placements[d].is_shard() for d in member.cut.dims)
+                and t._local_tensor.shape != member._local_tensor.shape):
+            name = getattr(func, "__name__", func)
+            raise ValueError(
+                f"{name}: a parameter in a ragged bucket (its local tensor a run of its "
+                f"elements) mixed with a DTensor sharded as {tuple(t.placements)} (chunks): "
+                f"write parameters within `with simplesharded.disable_gather(model):`, where "
+                f"they are per-parameter Shard(0) DTensors, or load them with load_state_dict")
+
+
 def _as_members(out, args, flat, member_of: dict, in_place: bool = False):
     """An op's result with each DTensor laid out as a member made a ``RaggedMember`` of its
     runs: for a foreach op the member at its index in the first list argument holding one,
@@ -256,11 +347,15 @@ def _torch_function(cls, func, types, args=(), kwargs=None):
     level up, as that dispatch would: each op runs as on a DTensor (``Shard(0)`` on the local
     runs), and a result laid out as a member takes its runs."""
     kwargs = kwargs or {}
+    if _random_in_place(func) and args and isinstance(args[0], RaggedMember):
+        return args[0].fill_random(func, args[1:], kwargs)
+    _refuse_chunks(func, args, kwargs)
+    flat = tree_flatten((args, kwargs))[0]
     with torch._C.DisableTorchFunctionSubclass():
         out = func(*args, **kwargs)
     if func in torch.overrides.get_default_nowrap_functions():  # .grad and the like as they are
         return out
-    return _as_members(out, args, tree_flatten((args, kwargs))[0], {}, in_place=True)
+    return _as_members(out, args, flat, {}, in_place=True)
 
 
 def _rewrap(out, member, member_of: dict, in_place: bool = False):

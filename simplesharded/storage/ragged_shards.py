@@ -27,7 +27,8 @@ checkpoint is keyed and laid out as without ragged buckets.
 
 A module's first read of a member in a forward gathers the whole bucket (one annotated
 all-gather, which passes/bucketing.py finds already bucketed) and caches the views in the
-gather scope for the forward's other reads; outside the forward each read gathers.
+gather scope for the forward's other reads; outside the forward (and a backward's recompute)
+a read is the member itself.
 
 Taken: trained parameters of at least one dim, read by one module, under ``fully_shard`` on a
 mesh of one data-parallel dim or of two, or ``hybrid_shard`` on two (the bucket
@@ -272,8 +273,13 @@ class RaggedShards:
             spec = self.member_specs[i] = DTensorSpec(
                 spec.mesh, spec.placements, tensor_meta=TensorMeta(
                     spec.tensor_meta.shape, spec.tensor_meta.stride, first.dtype))
-            torch.utils.swap_tensors(member, nn.Parameter(
-                self.member(self.run_of(local, i), i), requires_grad=member.requires_grad))
+            new = self.member(self.run_of(local, i), i)
+            if (new.dtype, new.device) == (member.dtype, member.device):
+                # the same object on new storage, its autograd node and hooks kept
+                member._local_tensor, member._spec = new._local_tensor, new._spec
+            else:  # another dtype or device: a new wrapper's
+                torch.utils.swap_tensors(member, nn.Parameter(
+                    new, requires_grad=member.requires_grad))
 
     def shard_group(self):
         """The process group the bucket is cut over."""

@@ -4,11 +4,9 @@ uncompiled forward checks that they no longer do.
 ``data_parallel`` gives a meta-built model storage on the mesh's device; ``init_sharded``, a
 checkpoint load or the user's own writes to the shards give it values. Filled with NaN rather
 than left as whatever the allocator returned (often zeros, which train without a sound), a
-tensor nobody initialised is told apart, and the first forward raises naming it. The common
-way to miss it is FSDP2's habit, ``model.init_weights()`` after sharding: outside forward,
-``module.weight`` is the gathered parameter, a copy, so an init through it never reaches the
-shard (``ss.disable_gather(model)`` makes it the shard). Compiled, the graph cannot branch on
-the values: the first loss is NaN instead.
+tensor nobody initialised is told apart, and the first forward raises naming it (an init that
+skipped a parameter, a forgotten ``init_sharded``). Compiled, the graph cannot branch on the
+values: the first loss is NaN instead.
 
 Invariant: every rank raises or none does. Each rank's finding is reduced over every dim of
 the model's mesh before anyone raises, so a rank whose part of the tensor is empty raises with
@@ -67,6 +65,6 @@ class InitCheck:
         raise ValueError(
             f"{where} at the model's first forward: the model was built on the meta device and "
             f"data_parallel gave it uninitialised shards (NaN). Initialise them first: "
-            f"ss.init_sharded(model, seed=0) runs the model's init, or load a checkpoint; "
-            f"outside forward module.weight is a gathered copy, so write the shards inside "
-            f"`with ss.disable_gather(model):`")
+            f"ss.init_sharded(model, seed=0) runs the model's init, or load a checkpoint, or "
+            f"run an init of your own after data_parallel (outside forward module.weight is "
+            f"the shard, as under FSDP2)")
