@@ -11,8 +11,8 @@ members read from ``state_dict()``): the init writes through to the buckets. At 
 the user's own ways too: a first forward before any init raises on every rank (the shards
 hold NaN, simplesharded/storage/uninitialised.py), and ``model.init_weights()`` writes the
 shards, inside ``disable_gather`` (the same values per-parameter and ragged) or not (FSDP2's
-way: outside forward ``module.weight`` is the shard; values that depend on the sharding, as
-FSDP2's do).
+way: outside forward ``module.weight`` is the shard; on ragged buckets the unsharded model's
+values).
 Fast: at one rank the shards equal a plain, unsharded model given the same init, and the
 init never holds more than one group's parameters at once.
 """
@@ -122,6 +122,18 @@ def test_users_own_init_reaches_every_layout():
     for got in users.values():  # inside disable_gather or not: the init ran
         assert got["norm.weight"].eq(1).all()
         assert 0.01 < float(got["layers.0.attention.wq.weight"].std()) < 0.03
+    # FSDP2's way, after sharding, outside forward, on ragged buckets: a member's random fill
+    # is its run of one full draw and trunc_normal_'s "any out of range?" is the whole
+    # tensor's, so the members hold the unsharded model's values (per-parameter shards hold
+    # DTensor's per-chunk draws on CPU)
+    from simplesharded.models import build_model
+
+    unsharded = build_model("llama3", "debug", device="cpu")
+    torch.manual_seed(SEED)
+    unsharded.init_weights(buffer_device="cpu")
+    got = users["ragged", False]
+    bad = [k for k, v in unsharded.state_dict().items() if not torch.equal(got[k], v)]
+    assert not bad, bad
 
 
 # ---------------------------------------------------------------------------- one rank

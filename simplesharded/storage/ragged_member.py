@@ -15,7 +15,13 @@ do:
   local runs; a result laid out as a member (same global shape, placements and local size)
   is a ``RaggedMember`` of the same runs, so optimizer state is one too;
 - reductions (``vector_norm``, ``sum``) are partial per rank and reduced over the mesh, as
-  for ``Shard(0)``: a sum of the runs' partial results, whatever their lengths;
+  for ``Shard(0)``: a sum of the runs' partial results, whatever their lengths; ``any()`` and
+  ``all()`` of the whole member are reduced at once (``reduce_whole``);
+- in-place random fills draw the full tensor and keep the run (``fill_random``), and a view
+  as the member's own shape is a member (``same_view``): DTensor would take the run for a
+  ``Shard(0)`` chunk in both;
+- an op pairing a member with a plain DTensor chunked where the member is cut is one
+  ``ValueError`` (``_refuse_chunks``);
 - ``full_tensor()`` and ``redistribute`` to ``Replicate()`` gather the runs in rank order;
   any other redistribution raises one line (on every rank alike);
 - DCP saves and loads it as up to ``2·ndim - 1`` boxes of the global tensor per rank (a run
@@ -128,9 +134,9 @@ class RaggedMember(DTensor):
         this rank keeps its run. So every rank's run is its part of one draw (with
         generators seeded alike), as for the unsharded tensor, where DTensor's own random ops
         would draw for a ``Shard(0)`` chunk, not this run: the same numbers on every rank
-        on CPU, overlapping offsets with CUDA's tracker. An init whose draws depend on
-        values (torch 2.13's ``trunc_normal_`` resamples until this rank's part is in
-        range) advances the generators by a per-rank amount from then on."""
+        on CPU, overlapping offsets with CUDA's tracker. With ``reduce_whole`` (the
+        resampling test of ``trunc_normal_``), a model's init after sharding gives the
+        unsharded model's values."""
         full = torch.empty(self.shape, dtype=self.dtype, device=self._local_tensor.device)
         func(full, *args, **(kwargs or {}))
         with torch.no_grad():
@@ -146,6 +152,23 @@ class RaggedMember(DTensor):
         return RaggedMember.make(self._local_tensor.view(self._local_tensor.shape), self._spec,
                                  self.runs, self.cut)
 
+    def reduce_whole(self, func, op: str) -> DTensor | None:
+        """``any()`` / ``all()`` of the whole member: its run's, reduced over the cut ranks by
+        ``op`` (one all-reduce, as DTensor's own reduction would make every rank join), and
+        replicated. DTensor would take the run for a ``Shard(0)`` chunk (torch 2.15 gathers it
+        as one) or leave each rank its own run's answer (2.13: ``bool()`` of the ``Partial``
+        result reads the local value), so ``trunc_normal_``'s resampling would loop a
+        per-rank number of times. None (DTensor's way) for a member also sharded on a dim
+        it is not cut over (a TP shard)."""
+        mesh = self._spec.mesh
+        if any(p.is_shard() for d, p in enumerate(self._spec.placements)
+               if d not in self.cut.dims):
+            return None
+        local = func(self._local_tensor).to(torch.int32)
+        total = funcol.wait_tensor(funcol.all_reduce(local, op, self.cut.group_of(mesh)))
+        return DTensor.from_local(total.bool(), mesh, [Replicate()] * mesh.ndim,
+                                  run_check=False)
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         own = _OWN_OPS.get(func)
@@ -154,9 +177,10 @@ class RaggedMember(DTensor):
         if own and isinstance(args[0], RaggedMember):
             if own == "random":
                 return args[0].fill_random(func, args[1:], kwargs)
-            same = args[0].same_view(args[1])
-            if same is not None:
-                return same
+            done = (args[0].same_view(args[1]) if own == "view"
+                    else args[0].reduce_whole(func, own))
+            if done is not None:
+                return done
         if not kwargs and not any(isinstance(a, (list, tuple, dict)) for a in args):
             # one tensor op (an optimizer's per-parameter path on CPU): no pytree
             first = next((a for a in args if isinstance(a, RaggedMember)), None)
@@ -285,10 +309,13 @@ def _random_in_place(func) -> bool:
 
 def _own_op(func) -> str:
     """What a member does itself rather than through DTensor: "random" (``fill_random``),
-    "view" (``same_view``), or "" for every other op."""
+    "view" (``same_view``), "max" / "min" (``reduce_whole``: ``any()`` / ``all()``), or ""
+    for every other op."""
     if _random_in_place(func):
         return "random"
-    return "view" if func is torch.ops.aten.view.default else ""
+    aten = torch.ops.aten
+    return {aten.view.default: "view", aten.any.default: "max",
+            aten.all.default: "min"}.get(func, "")
 
 
 _OWN_OPS: dict = {}  # op → _own_op(op), looked up once per op (an optimizer's every op)
