@@ -171,9 +171,7 @@ class RaggedMember(DTensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        own = _OWN_OPS.get(func)
-        if own is None:
-            own = _OWN_OPS[func] = _own_op(func)
+        own = _own_op(func)
         if own and isinstance(args[0], RaggedMember):
             if own == "random":
                 return args[0].fill_random(func, args[1:], kwargs)
@@ -310,15 +308,17 @@ def _random_in_place(func) -> bool:
 def _own_op(func) -> str:
     """What a member does itself rather than through DTensor: "random" (``fill_random``),
     "view" (``same_view``), "max" / "min" (``reduce_whole``: ``any()`` / ``all()``), or ""
-    for every other op."""
-    if _random_in_place(func):
-        return "random"
-    aten = torch.ops.aten
-    return {aten.view.default: "view", aten.any.default: "max",
+    for every other op. Worked out once per op (an optimizer calls a few, many times)."""
+    own = _OWN_OPS.get(func)
+    if own is None:
+        aten = torch.ops.aten
+        own = _OWN_OPS[func] = "random" if _random_in_place(func) else {
+            aten.view.default: "view", aten.any.default: "max",
             aten.all.default: "min"}.get(func, "")
+    return own
 
 
-_OWN_OPS: dict = {}  # op → _own_op(op), looked up once per op (an optimizer's every op)
+_OWN_OPS: dict = {}
 
 
 def _refuse_chunks(func, args, kwargs=None) -> None:
@@ -374,7 +374,7 @@ def _torch_function(cls, func, types, args=(), kwargs=None):
     level up, as that dispatch would: each op runs as on a DTensor (``Shard(0)`` on the local
     runs), and a result laid out as a member takes its runs."""
     kwargs = kwargs or {}
-    if _random_in_place(func) and args and isinstance(args[0], RaggedMember):
+    if _own_op(func) == "random" and args and isinstance(args[0], RaggedMember):
         return args[0].fill_random(func, args[1:], kwargs)
     _refuse_chunks(func, args, kwargs)
     flat = tree_flatten((args, kwargs))[0]
