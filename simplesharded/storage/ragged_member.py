@@ -300,19 +300,16 @@ _RANDOM_IN_PLACE = frozenset({"uniform_", "normal_", "bernoulli_", "exponential_
                               "log_normal_", "cauchy_", "geometric_"})
 
 
-def _random_in_place(func) -> bool:
-    """An in-place random fill: an aten op (its packet's name) or, before 2.12, the method."""
-    return getattr(getattr(func, "overloadpacket", func), "__name__", "") in _RANDOM_IN_PLACE
-
-
 def _own_op(func) -> str:
-    """What a member does itself rather than through DTensor: "random" (``fill_random``),
-    "view" (``same_view``), "max" / "min" (``reduce_whole``: ``any()`` / ``all()``), or ""
-    for every other op. Worked out once per op (an optimizer calls a few, many times)."""
+    """What a member does itself rather than through DTensor: "random" (``fill_random``: an
+    in-place random fill, an aten op by its packet's name or, before 2.12, the method), "view"
+    (``same_view``), "max" / "min" (``reduce_whole``: ``any()`` / ``all()``), or "" for every
+    other op. Worked out once per op (an optimizer calls a few, many times)."""
     own = _OWN_OPS.get(func)
     if own is None:
         aten = torch.ops.aten
-        own = _OWN_OPS[func] = "random" if _random_in_place(func) else {
+        name = getattr(getattr(func, "overloadpacket", func), "__name__", "")
+        own = _OWN_OPS[func] = "random" if name in _RANDOM_IN_PLACE else {
             aten.view.default: "view", aten.any.default: "max",
             aten.all.default: "min"}.get(func, "")
     return own
