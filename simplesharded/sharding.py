@@ -7,8 +7,8 @@ property per parameter name, so ``module.weight`` inside the root's ``forward`` 
 parameter gathered over its data-parallel dims and outside it the shard, as FSDP2's reads
 (simplesharded/storage/gather.py); ``_parameters`` holds the shards, so ``named_parameters()``
 and ``state_dict()`` keep their keys and never gather.
-The root's forward opens the model's gather scope and, uncompiled, eager resharding
-(simplesharded/storage/eager_reshard.py).
+The root's forward, and the forward of a submodule called on its own outside it, opens the
+model's gather scope and, uncompiled, eager resharding (simplesharded/storage/forward_scope.py).
 
 Invariant: a module is wrapped at most once; wrapping changes its class and its parameters,
 and everything else it records about the module goes into that module's one state object
@@ -25,13 +25,12 @@ from typing import Iterator, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_map
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate
 
 from simplesharded.ac_wrappers import compile_checkpoint_wrappers
 from simplesharded.blocks import BlockSpec, block_of
-from simplesharded.storage.eager_reshard import _EagerReshard
+from simplesharded.storage.forward_scope import call_forward, cast_floats, root_forward
 from simplesharded.storage.gather import _GatherScope, _sharded_property
 from simplesharded.storage.grad_sync import _GradSync, set_requires_gradient_sync
 from simplesharded.storage.choice import (NOT_GIVEN, check_offload, check_storage,
@@ -160,8 +159,7 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     check_offload(offload[0], storage, mode)
     if grad_reduction not in GRAD_REDUCTIONS:
         raise ValueError(f"grad_reduction={grad_reduction!r} is not one of {sorted(GRAD_REDUCTIONS)}")
-    if any(sharded_state(m) is not None for m in model.modules()):
-        raise ValueError("model is already wrapped by data_parallel; wrap it once")
+    _check_unwrapped(model)
     _check_device(model, mesh)
     from_meta = any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
     if any(dist.get_backend(dp.get_group(i)) == "gloo" for i in range(dp.ndim)):
@@ -191,9 +189,12 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     # block of the first owner, as named_parameters() reports it)
     shards: dict[int, tuple[nn.Parameter, ShardedParam]] = {}
     owners = []  # (module name, module, its parameter names), in module order
+    # what a submodule called on its own casts its inputs to, as the root's pre-hook does
+    input_dtype = mp_policy.param_dtype if mp_policy.cast_forward_inputs else None
     for mod_name, module in list(model.named_modules()):
         names = [n for n, p in module._parameters.items() if p is not None]
-        if not names and module is not model:
+        # a module holding none, itself or below it, neither reads nor calls a sharded one
+        if module is not model and next(module.parameters(), None) is None:
             continue
         owners.append((mod_name, module, names))
         for name in names:
@@ -215,8 +216,7 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
             params=records, scope=scope, grad_sync=spec.grad_sync,
             original_class=type(module), read_block=block_of_module.get(mod_name),
             root=module is model))
-        if names:
-            _swap_class(module, names)
+        _swap_class(module, names, None if module is model else input_dtype)
     _scope_root_forward(model, mp_policy.output_dtype, InitCheck(mesh) if from_meta else None)
     compile_checkpoint_wrappers(model)
     if offload[0] == "optimizer":
@@ -230,64 +230,53 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     return model
 
 
+def _check_unwrapped(model: nn.Module) -> None:
+    """One line for a model, or a module of it, that ``data_parallel`` wrapped already: FSDP2's
+    habit of one ``fully_shard`` per layer, then the root's, is one call here."""
+    wrapped = next(((n, m) for n, m in model.named_modules() if sharded_state(m) is not None),
+                   None)
+    if wrapped is None:
+        return
+    name, module = wrapped
+    if not name:
+        raise ValueError("model is already wrapped by data_parallel; wrap it once")
+    cls = sharded_state(module).original_class.__name__
+    raise ValueError(f"{name} ({cls}) is already wrapped by data_parallel: call it once, on "
+                     f"the root, with a model not yet wrapped. FSDP2's fully_shard per layer "
+                     f"and then the root is data_parallel(model, mesh, blocks=[{cls}]) here "
+                     f"(blocks are found without it too): each block gathers and reduces as "
+                     f"one unit")
+
+
 def _input_caster(dtype: torch.dtype):
     def cast(module, args, kwargs):
-        def one(t):
-            return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-        return tree_map(one, args), tree_map(one, kwargs)
+        return cast_floats(dtype, args), cast_floats(dtype, kwargs)
 
     return cast
 
 
-def _swap_class(module: nn.Module, names: list[str]) -> None:
+def _swap_class(module: nn.Module, names: list[str], input_dtype: torch.dtype | None) -> None:
+    """Give ``module`` a subclass of its class: a property per sharded parameter in ``names``
+    (gather.py) and, below the root, a forward that gathers when the module is called on its
+    own (forward_scope.py), casting its floating-point inputs to ``input_dtype`` (if set)."""
     cls = module.__class__
-    props = {n: _sharded_property(n) for n in names}
-    module.__class__ = type(f"Sharded{cls.__name__}", (cls,), props)
+    attrs: dict = {n: _sharded_property(n) for n in names}
+    if not sharded_state(module).root and cls.forward is not nn.Module.forward:
+        attrs["forward"] = call_forward(cls.forward, input_dtype)  # (a ModuleList has none)
+    if not attrs:
+        return
+    name = f"Sharded{cls.__name__}" if names else cls.__name__
+    module.__class__ = type(name, (cls,), attrs)
 
 
 def _scope_root_forward(model: nn.Module, output_dtype: torch.dtype | None = None,
                         init_check: InitCheck | None = None) -> None:
-    """Open the model's gather scope (its root's state's: a deep copy's own) for the duration
-    of ``model.forward`` and cast its floating-point
-    outputs to ``output_dtype`` (if set); uncompiled, run ``init_check`` first (a meta-built
-    model's shards are initialised, simplesharded/storage/uninitialised.py). Inside forward, not in
-    hooks: torch.compile runs a compiled module's hooks outside the traced frame, where the
-    dict's contents would become graph outputs and a cast would be a graph of its own."""
+    """Make ``model.forward`` the root's (forward_scope.py), with FSDP2's
+    ``set_requires_gradient_sync`` method."""
     cls = model.__class__
-    inner = cls.forward
-
-    def forward(self, *args, **kwargs):
-        if init_check is not None and not torch.compiler.is_compiling():
-            init_check(self)
-        scope = sharded_state(self).scope
-        scope.gathered.clear()
-        scope.bucket_views.clear()
-        scope.drop_backward_views()  # left by a backward that raised before its end
-        scope.active = True
-        hooks = contextlib.nullcontext()
-        # Uncompiled with grad: free gathered parameters after forward (_EagerReshard).
-        # Compiled, the partitioner decides (passes/recompute.py) and no hook is traced; no
-        # grad, autograd saves nothing and each gather dies after its use.
-        if (not torch.compiler.is_compiling() and scope.reshard_after_forward is not False
-                and torch.is_grad_enabled()):
-            scope.eager = _EagerReshard(scope)
-            hooks = torch.autograd.graph.saved_tensors_hooks(scope.eager.pack,
-                                                             _EagerReshard.unpack)
-        try:
-            with hooks:
-                out = inner(self, *args, **kwargs)
-        finally:
-            scope.gathered.clear()
-            scope.bucket_views.clear()
-            scope.active = False
-            scope.eager = None
-        if output_dtype is None:
-            return out
-        return tree_map(lambda t: t.to(output_dtype) if isinstance(t, torch.Tensor)
-                        and t.is_floating_point() else t, out)
-
     model.__class__ = type(cls.__name__, (cls,), {
-        "forward": forward, "set_requires_gradient_sync": _set_requires_gradient_sync})
+        "forward": root_forward(cls.forward, output_dtype, init_check),
+        "set_requires_gradient_sync": _set_requires_gradient_sync})
 
 
 def _set_requires_gradient_sync(self, requires_gradient_sync: bool, *,

@@ -172,6 +172,50 @@ def _outside_forward(rank: int, world: int, storage: str) -> dict:
                           for p, q in zip(model.parameters(), reference.parameters())))
 
 
+def _called_alone(rank: int, world: int, storage: str, backend: str) -> dict:
+    """Submodules called on their own, outside the root's forward (FSDP2's units gather in
+    their own forward): the embedding, then block 1 on its output, compiled or not, with a
+    bf16 ``param_dtype`` (so the block's fp32 input must be cast, as the root's is), against
+    the unsharded model called the same way on each rank's batch; the gradients are the mean
+    of the ranks' as a root's forward reduces them. Then 2 steps of the root."""
+    import toy_blocks
+
+    import simplesharded as ss
+
+    torch._dynamo.reset()
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,))
+    bf16 = torch.bfloat16
+    model = ss.data_parallel(toy_blocks.make_model(n_layers=2), mesh, storage=storage,
+                             mp_policy=ss.MixedPrecisionPolicy(param_dtype=bf16))
+    block = model.layers[1] if backend == "eager" else torch.compile(
+        model.layers[1], fullgraph=True, backend=ss.make_backend(backend))
+
+    def alone(embed, layer, r):
+        h = embed(toy_blocks.batch(r)[0])
+        out = layer(h)
+        out.float().square().mean().backward()
+        return h, out
+
+    h, out = alone(model.tok_embeddings, block, rank)
+    reference = toy_blocks.make_model(n_layers=2).to(bf16)
+    expected, expected_grads = [], {}
+    for r in range(world):  # each rank's bf16 gradient, their mean in the shards' fp32
+        expected.append(alone(reference.tok_embeddings, reference.layers[1], r))
+        for n, p in reference.named_parameters():
+            if p.grad is not None:
+                expected_grads[n] = expected_grads.get(n, 0) + p.grad.float() / world
+        reference.zero_grad()
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+    losses = toy_blocks.train(model, torch.optim.AdamW(model.parameters(), lr=1e-2), rank,
+                              world, 2)
+    return dict(h=torch.equal(h, expected[rank][0]), out=torch.equal(out, expected[rank][1]),
+                dtype=out.dtype, names=sorted(grads) == sorted(expected_grads),
+                grads=all(torch.equal(grads[n], g) for n, g in expected_grads.items()
+                          if n in grads),
+                diff={n: (grads[n] - g).abs().max().item() for n, g in expected_grads.items()},
+                n_grads=len(grads), losses=losses)
+
+
 def _assign_keeps_the_parameters(rank: int, world: int) -> bool:
     """``load_state_dict(..., assign=True)`` (torchtune's way of loading sharded weights)
     into ragged buckets keeps each member the parameter the bucket's gradients reach: the same
@@ -208,6 +252,9 @@ def _ranks(rank: int, world: int) -> dict:
         out[(storage, "eager", True)] = _train(rank, world, storage, "eager", True)
     for storage in ("param", "ragged"):
         out[("outside", storage)] = _outside_forward(rank, world, storage)
+    for backend in ("eager", "aot_eager_autobucketing"):
+        for storage in ("param", "ragged"):
+            out[("alone", storage, backend)] = _called_alone(rank, world, storage, backend)
     out["optim_dcp"] = [optim_state_through_dcp(_KEPT[src], _KEPT[dst])
                         for src, dst in (("ragged", "param"), ("param", "ragged"))]
     out["assign"] = _assign_keeps_the_parameters(rank, world)
@@ -246,6 +293,13 @@ def test_ragged_buckets_keep_the_per_parameter_contract():
             assert got["same_object"] and got["kind"] == kind, (rank, storage, got)
             assert got["losses"][0] == got["losses"][1] and got["equal"], (rank, storage, got)
             assert got["grads"] == [True], (rank, storage)
+        for backend in ("eager", "aot_eager_autobucketing"):
+            for storage in ("param", "ragged"):
+                got = res[("alone", storage, backend)]
+                assert got["h"] and got["out"] and got["dtype"] == torch.bfloat16, (rank, got)
+                # the embedding's and block 1's parameters, equal to the ranks' mean
+                assert got["names"] and got["grads"] and got["n_grads"] == 10, (rank, got["diff"])
+                assert all(loss == loss for loss in got["losses"]), got  # the root still trains
         assert res["assign"], rank
         for (src, dst, broadcast), got in res["full_state"].items():
             assert got["loaded"] and got["stepped"], (rank, src, dst, broadcast, got)

@@ -24,6 +24,12 @@ import toy
 from conftest import FAKE_WORLD as WORLD  # the fake_world fixture's ranks
 
 
+def _count(comm: CommDebugMode, kind: str) -> int:
+    """Collectives of ``kind`` (``all_gather``, ``reduce_scatter``) counted by ``comm``, under
+    both namespaces it keys them by."""
+    return sum(n for op, n in comm.get_comm_counts().items() if kind in str(op))
+
+
 @pytest.fixture
 def mesh1d(fake_world):
     return ss.build_mesh(dp_replicate=1, dp_shard=WORLD, device="cpu")
@@ -61,6 +67,14 @@ def test_already_wrapped(mesh1d):
         ss.data_parallel(model, mesh1d, mode="fully_shard", storage="param")
     with pytest.raises(ValueError, match="already"):
         ss.data_parallel(model, mesh1d, mode="replicate", storage="param")
+    # FSDP2's habit, one call per layer and then the root's: the line names the layer and
+    # the one call that does it here
+    model = toy.make_model()
+    for block in model.blocks:
+        ss.data_parallel(block, mesh1d)
+    with pytest.raises(ValueError, match=r"^blocks\.0 \(Block\) is already wrapped.*"
+                                         r"data_parallel\(model, mesh, blocks=\[Block\]\)"):
+        ss.data_parallel(model, mesh1d)
 
 
 def test_mesh_device_differs_from_params():
@@ -211,6 +225,38 @@ def test_a_read_gathers_in_forward_and_is_the_shard_outside(mesh1d, storage):
         with ss.disable_gather(model):
             raise RuntimeError("boom")
     assert read_in_forward() is torch.Tensor  # restored after an exception too
+
+
+@pytest.mark.parametrize("storage", ["param", "ragged"])
+def test_a_submodule_called_on_its_own_gathers_for_its_call(mesh1d, storage):
+    """FSDP2's units gather in their own forward: a block called outside the root's forward
+    gathers what it reads, once per call (one all-gather per parameter, or one for its ragged
+    bucket), and its parameters are the shards again after it; its backward reduces what it
+    gathered. Inside the root's forward it opens no call of its own: the root's forward
+    gathers each parameter (or bucket) once."""
+    model = ss.data_parallel(toy.make_model(), mesh1d, mode="fully_shard", storage=storage)
+    block = model.blocks[0]
+    h = torch.randn(2, toy.DIM, requires_grad=True)
+    with CommDebugMode() as comm:
+        out = block(h)
+    gathers = _count(comm, "all_gather")
+    assert gathers == (1 if storage == "ragged" else 4), comm.get_comm_counts()
+    assert isinstance(block.fc1.weight, DTensor)  # the call is over: the shard again
+    assert out.shape == h.shape and not isinstance(out, DTensor)
+    with CommDebugMode() as comm:
+        out.sum().backward()
+    assert _count(comm, "reduce_scatter") == gathers
+    assert block.fc1.weight.grad is not None and model.head.weight.grad is None
+
+    def root_gathers():
+        with CommDebugMode() as comm:
+            model(toy.rank_batch(0, 0)[0])
+        return _count(comm, "all_gather")
+
+    # each parameter, or each bucket (before the blocks, each block, after them), once
+    n_blocks = len(model.blocks)
+    assert root_gathers() == (n_blocks + 2 if storage == "ragged"
+                              else len(list(model.parameters())))
 
 
 def test_a_ragged_member_refuses_a_chunked_dtensor(mesh1d):

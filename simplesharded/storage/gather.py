@@ -1,7 +1,8 @@
 """Reading a sharded parameter: the gather on read and the reduction of its gradient.
 
 ``module.weight`` of a wrapped module is a property (:func:`_sharded_property`). Inside the
-root's forward (and in a backward's recompute of it) it returns the parameter gathered over its
+root's forward, or a submodule's called on its own (forward_scope.py), and in a backward's
+recompute of either, it returns the parameter gathered over its
 dp dims: under ``torch.compile`` a traced all-gather, whose gradient (a ``Partial`` placement)
 autograd turns into a traced reduce-scatter (all-reduce for replicated mesh dims). Outside, it
 returns what ``_parameters`` holds, as FSDP2's reads do: the sharded parameter (a DTensor, or a
@@ -174,11 +175,11 @@ def regather(module: nn.Module, name: str) -> torch.Tensor:
 
 
 class _GatherScope:
-    """Parameters gathered during one forward of the wrapped root, by FQN: a parameter read
-    twice (tied weights, a module called twice) is gathered once, and autograd sums its
-    gradients at full size before the one reduction. Inactive outside the root's forward: a
-    read in a backward (activation checkpointing's recompute) gathers on its own, a read
-    elsewhere is the shard.
+    """Parameters gathered during one forward of the wrapped root (or of a submodule called on
+    its own: forward_scope.py), by FQN: a parameter read twice (tied weights, a module called
+    twice) is gathered once, and autograd sums its gradients at full size before the one
+    reduction. Inactive outside such a forward: a read in a backward (activation
+    checkpointing's recompute) gathers on its own, a read elsewhere is the shard.
 
     One dict for the model's life, emptied at both ends of the forward: under torch.compile
     the traced forward then ends with the dict as it began (empty), so no gathered tensor
@@ -206,8 +207,9 @@ class _GatherScope:
 
 
 def _reads_gathered(scope) -> bool:
-    """Whether a read gathers: inside the root's forward (its scope; compiled, the traced
-    forward) or in a backward (torch.utils.checkpoint's recompute of part of it)."""
+    """Whether a read gathers: inside a forward that opened the scope (forward_scope.py;
+    compiled, the traced forward) or in a backward (torch.utils.checkpoint's recompute of part
+    of it)."""
     return scope.active or torch.compiler.is_compiling() or _in_backward()
 
 

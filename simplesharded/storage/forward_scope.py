@@ -1,0 +1,95 @@
+"""Which forwards gather: the root's, and a wrapped module's called on its own.
+
+``data_parallel`` gives the root, and every module below it that holds sharded parameters
+(itself or in its children), a forward that opens the model's gather scope (gather.py's
+``_GatherScope``) for the call when no call has it open: the root's every forward, a
+submodule's only when it is called outside the root's forward (``model.model(ids)``,
+``model.layers[0](h, ...)``, ``model.get_input_embeddings()(ids)``), as FSDP2 gathers a
+``fully_shard`` unit in that unit's own forward. Such a call reads gathered parameters,
+reduces their gradients, reshards after forward and casts its inputs as the root's does; a
+read outside every call is the shard (gather.py). Like any FSDP2 unit's forward, it is a
+collective: every rank of the dp groups makes it.
+
+Inside forward, not in hooks: torch.compile runs a compiled module's hooks outside the traced
+frame, where the scope's dicts would become graph outputs and a cast a graph of its own. Not
+in a backward: torch.utils.checkpoint's recompute of a module reads gathered parameters
+without the scope (gather.py's ``_reads_gathered``).
+
+Invariant: the scope is open for the outermost wrapped call only, and emptied at both ends of
+it, so no gathered tensor outlives the call (compiled: none escapes the graph as an output).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from simplesharded.storage.eager_reshard import _EagerReshard
+from simplesharded.storage.ragged_shards import _in_backward
+from simplesharded.storage.sharded_state import sharded_state
+
+
+def cast_floats(dtype: torch.dtype | None, tree):
+    """``tree`` with its floating-point tensors in ``dtype`` (None: as they are)."""
+    if dtype is None:
+        return tree
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor)
+                    and t.is_floating_point() else t, tree)
+
+
+def _gathering_call(module: nn.Module, inner: Callable, args, kwargs):
+    """``inner(module, *args, **kwargs)`` with the model's gather scope open."""
+    scope = sharded_state(module).scope
+    scope.gathered.clear()
+    scope.bucket_views.clear()
+    scope.drop_backward_views()  # left by a backward that raised before its end
+    scope.active = True
+    hooks = contextlib.nullcontext()
+    # Uncompiled with grad: free gathered parameters after forward (_EagerReshard).
+    # Compiled, the partitioner decides (passes/recompute.py) and no hook is traced; no
+    # grad, autograd saves nothing and each gather dies after its use.
+    if (not torch.compiler.is_compiling() and scope.reshard_after_forward is not False
+            and torch.is_grad_enabled()):
+        scope.eager = _EagerReshard(scope)
+        hooks = torch.autograd.graph.saved_tensors_hooks(scope.eager.pack, _EagerReshard.unpack)
+    try:
+        with hooks:
+            return inner(module, *args, **kwargs)
+    finally:
+        scope.gathered.clear()
+        scope.bucket_views.clear()
+        scope.active = False
+        scope.eager = None
+
+
+def root_forward(inner: Callable, output_dtype: torch.dtype | None,
+                 init_check: Callable[[nn.Module], None] | None) -> Callable:
+    """The root's forward: ``inner`` with the scope open and its floating-point outputs cast
+    to ``output_dtype`` (if set); uncompiled, ``init_check`` first (a meta-built model's shards
+    are initialised, uninitialised.py)."""
+
+    def forward(self, *args, **kwargs):
+        if init_check is not None and not torch.compiler.is_compiling():
+            init_check(self)
+        return cast_floats(output_dtype, _gathering_call(self, inner, args, kwargs))
+
+    return forward
+
+
+def call_forward(inner: Callable, input_dtype: torch.dtype | None) -> Callable:
+    """A submodule's forward: ``inner`` as it is inside a call that has the scope open (the
+    root's, or an enclosing submodule's) and in a backward; otherwise ``inner`` with the scope
+    open and its floating-point inputs cast to ``input_dtype`` (if set), as the root's are
+    (``MixedPrecisionPolicy.cast_forward_inputs``)."""
+
+    def forward(self, *args, **kwargs):
+        if (sharded_state(self).scope.active
+                or (not torch.compiler.is_compiling() and _in_backward())):
+            return inner(self, *args, **kwargs)
+        return _gathering_call(self, inner, cast_floats(input_dtype, args),
+                               cast_floats(input_dtype, kwargs))
+
+    return forward
