@@ -271,12 +271,40 @@ def _swap_class(module: nn.Module, names: list[str], input_dtype: torch.dtype | 
 
 def _scope_root_forward(model: nn.Module, output_dtype: torch.dtype | None = None,
                         init_check: InitCheck | None = None) -> None:
-    """Make ``model.forward`` the root's (forward_scope.py), with FSDP2's
-    ``set_requires_gradient_sync`` method."""
+    """Make ``model.forward`` the root's (forward_scope.py), with FSDP2's methods
+    ``set_requires_gradient_sync``, ``unshard`` and ``reshard``."""
     cls = model.__class__
     model.__class__ = type(cls.__name__, (cls,), {
         "forward": root_forward(cls.forward, output_dtype, init_check),
-        "set_requires_gradient_sync": _set_requires_gradient_sync})
+        "set_requires_gradient_sync": _set_requires_gradient_sync,
+        "unshard": _unshard, "reshard": _reshard})
+
+
+class _Unsharded:
+    """What FSDP2's ``unshard(async_op=True)`` returns: its gathers have already run."""
+
+    def wait(self) -> None:
+        return None
+
+
+def _unshard(self, async_op: bool = False) -> _Unsharded | None:
+    """FSDP2's method: gather every sharded parameter of the model once and hold it, so the
+    forwards until :func:`_reshard` gather nothing (a ``generate()`` loop's every step). The
+    held parameters carry no gradient to the shards: forwards without grad, or with gradient
+    sync off (its backward then adds to the no-sync accumulators), read them; one with grad
+    and sync on is a RuntimeError. The optimizer's steps reach the shards, not the held
+    copies: reshard and unshard again to read them. A collective: every rank calls it."""
+    from simplesharded.storage.gather_once import gather_held  # loaded when first used
+
+    gather_held(self)
+    return _Unsharded() if async_op else None
+
+
+def _reshard(self) -> None:
+    """FSDP2's method: drop what :func:`_unshard` held; forwards gather again."""
+    from simplesharded.storage.gather_once import release_held
+
+    release_held(self)
 
 
 def _set_requires_gradient_sync(self, requires_gradient_sync: bool, *,

@@ -29,6 +29,11 @@ DTensor whose local tensor is this rank's run of the parameter, a view of its bu
   it alone (no collective), an init run after sharding and ``to_empty`` on a meta-built model
   writes the shards through it (training then as from the same values written before sharding), and its
   ``.grad`` is the parameter's gradient;
+- a submodule called on its own outside the root's forward (the embedding, a block; eager and
+  compiled; bf16 ``param_dtype``) gives the unsharded model's outputs and the mean of the
+  ranks' gradients, as FSDP2's units gather in their own forward;
+- FSDP2's ``unshard()`` / ``reshard()``: forwards without grad between them gather nothing
+  and give the gathering forwards' outputs; one with grad and sync on is refused;
 - the optimizer-in-backward habit (one optimizer per parameter, stepped by its
   post-accumulate-grad hook): the hooks run once per parameter per backward and train as on
   per-parameter storage, eager and compiled.
@@ -216,6 +221,47 @@ def _called_alone(rank: int, world: int, storage: str, backend: str) -> dict:
                 n_grads=len(grads), losses=losses)
 
 
+def _unsharded(rank: int, world: int, storage: str, backend: str) -> dict:
+    """FSDP2's ``model.unshard()`` / ``model.reshard()`` on the root: between them, forwards
+    without grad (a generation loop) read the parameters gathered once (eager: no collective)
+    and give what gathering forwards give; one with grad and sync on is refused; after
+    ``reshard()`` forwards gather again."""
+    import contextlib
+
+    import pytest
+    import toy_blocks
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import simplesharded as ss
+
+    class Collectives(TorchDispatchMode):  # eager only: dynamo skips frames under a mode
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func.namespace in ("c10d", "_c10d_functional", "c10d_functional")
+            return func(*args, **(kwargs or {}))
+
+    torch._dynamo.reset()
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,))
+    model = ss.data_parallel(toy_blocks.make_model(n_layers=2), mesh, storage=storage)
+    run = model if backend == "eager" else torch.compile(
+        model, fullgraph=True, backend=ss.make_backend(backend))
+    tokens = toy_blocks.batch(rank)[0]
+    with torch.no_grad():
+        expected = run(tokens)
+        assert model.unshard(async_op=True).wait() is None
+        with Collectives() if backend == "eager" else contextlib.nullcontext() as comm:
+            outs = [run(tokens) for _ in range(3)]
+    held = comm.count if comm else None
+    with pytest.raises(RuntimeError, match="held gathered.*model.reshard"):
+        run(tokens)
+    model.reshard()
+    with Collectives() if backend == "eager" else contextlib.nullcontext() as comm:
+        run(tokens).sum().backward()
+    return dict(equal=all(torch.equal(o, expected) for o in outs), held=held,
+                again=comm.count if comm else None)
+
+
 def _assign_keeps_the_parameters(rank: int, world: int) -> bool:
     """``load_state_dict(..., assign=True)`` (torchtune's way of loading sharded weights)
     into ragged buckets keeps each member the parameter the bucket's gradients reach: the same
@@ -255,6 +301,9 @@ def _ranks(rank: int, world: int) -> dict:
     for backend in ("eager", "aot_eager_autobucketing"):
         for storage in ("param", "ragged"):
             out[("alone", storage, backend)] = _called_alone(rank, world, storage, backend)
+    for backend in ("eager", "aot_eager_autobucketing"):
+        for storage in ("param", "ragged"):
+            out[("unshard", storage, backend)] = _unsharded(rank, world, storage, backend)
     out["optim_dcp"] = [optim_state_through_dcp(_KEPT[src], _KEPT[dst])
                         for src, dst in (("ragged", "param"), ("param", "ragged"))]
     out["assign"] = _assign_keeps_the_parameters(rank, world)
@@ -300,6 +349,12 @@ def test_ragged_buckets_keep_the_per_parameter_contract():
                 # the embedding's and block 1's parameters, equal to the ranks' mean
                 assert got["names"] and got["grads"] and got["n_grads"] == 10, (rank, got["diff"])
                 assert all(loss == loss for loss in got["losses"]), got  # the root still trains
+        for backend in ("eager", "aot_eager_autobucketing"):
+            for storage in ("param", "ragged"):
+                got = res[("unshard", storage, backend)]
+                assert got["equal"], (rank, storage, backend)
+                if backend == "eager":
+                    assert got["held"] == 0 and got["again"] > 0, (rank, storage, got)
         assert res["assign"], rank
         for (src, dst, broadcast), got in res["full_state"].items():
             assert got["loaded"] and got["stepped"], (rank, src, dst, broadcast, got)

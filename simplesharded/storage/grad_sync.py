@@ -121,8 +121,10 @@ class _GradSync:
         accumulators only, so sync must be off."""
         held = self.held.get(key)
         if held is not None and self.sync and torch.is_grad_enabled():
-            raise RuntimeError(f"{key} is held gathered (gather_once) while gradient sync "
-                               f"is on: its gradient would never be reduced")
+            raise RuntimeError(f"{key} is held gathered (model.unshard(), or the pipeline's "
+                               f"gather_once) while gradient sync is on: its gradient would "
+                               f"never be reduced; call model.reshard() first, or turn "
+                               f"gradient sync off")
         return held
 
     def sharded_params(self, model: nn.Module) -> Iterator[tuple]:
