@@ -41,7 +41,7 @@ from simplesharded.storage.layout import _DPView, _mode_placements, _shard_param
 from simplesharded.mesh import EP_DIM, dense_mesh, ep_dim, expert_dp_mesh, stage_mesh
 from simplesharded.mesh import dp_mesh as _dp_mesh
 from simplesharded.storage.sharded_state import (ShardedModuleState, ShardedParam, _GatherSpec,
-                                         attach_sharded_state, sharded_state)
+                                         attach_sharded_state, sharded_state, swap_class)
 from simplesharded.shims import gloo_gather
 from simplesharded.storage.uninitialised import InitCheck, uninitialised_like
 
@@ -265,8 +265,7 @@ def _swap_class(module: nn.Module, names: list[str], input_dtype: torch.dtype | 
         attrs["forward"] = call_forward(cls.forward, input_dtype)  # (a ModuleList has none)
     if not attrs:
         return
-    name = f"Sharded{cls.__name__}" if names else cls.__name__
-    module.__class__ = type(name, (cls,), attrs)
+    swap_class(module, f"Sharded{cls.__name__}" if names else cls.__name__, attrs)
 
 
 def _scope_root_forward(model: nn.Module, output_dtype: torch.dtype | None = None,
@@ -274,7 +273,7 @@ def _scope_root_forward(model: nn.Module, output_dtype: torch.dtype | None = Non
     """Make ``model.forward`` the root's (forward_scope.py), with FSDP2's methods
     ``set_requires_gradient_sync``, ``unshard`` and ``reshard``."""
     cls = model.__class__
-    model.__class__ = type(cls.__name__, (cls,), {
+    swap_class(model, cls.__name__, {
         "forward": root_forward(cls.forward, output_dtype, init_check),
         "set_requires_gradient_sync": _set_requires_gradient_sync,
         "unshard": _unshard, "reshard": _reshard})

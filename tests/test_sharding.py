@@ -236,6 +236,9 @@ def test_a_submodule_called_on_its_own_gathers_for_its_call(mesh1d, storage):
     gathers each parameter (or bucket) once."""
     model = ss.data_parallel(toy.make_model(), mesh1d, mode="fully_shard", storage=storage)
     block = model.blocks[0]
+    # the classes data_parallel gives stay in the model's module (transformers reads it)
+    assert {type(m).__module__ for m in model.modules()} == {
+        type(m).__module__ for m in toy.make_model().modules()}
     h = torch.randn(2, toy.DIM, requires_grad=True)
     with CommDebugMode() as comm:
         out = block(h)

@@ -83,7 +83,7 @@ from simplesharded.storage.ragged import (Precision, RaggedLayout, from_ragged, 
 from simplesharded.storage.offload import Offload
 from simplesharded.storage.ragged_member import Cut, RaggedMember
 from simplesharded.storage.sharded_state import (GatherScopeProtocol, GradSyncProtocol, ShardedParam,
-                                         sharded_state)
+                                         sharded_state, swap_class)
 
 ALIGN_BYTES = 128  # every member starts 128-byte aligned in the gathered buffer
 
@@ -545,8 +545,7 @@ def keep_buckets_whole(model: nn.Module) -> None:
             bucket.hook_grads()
         return twin
 
-    model.__class__ = type(cls.__name__, (cls,), {"_apply": _apply,
-                                                  "__deepcopy__": __deepcopy__})
+    swap_class(model, cls.__name__, {"_apply": _apply, "__deepcopy__": __deepcopy__})
 
 
 def _members(model: nn.Module) -> dict[RaggedShards, list[tuple[nn.Module, str]]]:

@@ -238,6 +238,15 @@ def attach_sharded_state(module: nn.Module, state: ShardedModuleState) -> None:
     setattr(module, _ATTR, state)
 
 
+def swap_class(module: nn.Module, name: str, attrs: dict) -> None:
+    """Make ``module`` an instance of a new subclass of its class, named ``name``, with
+    ``attrs``, in its class's module: code that reads a class's module (transformers tells
+    its own models from custom code by it, and picks their checkpoint conversions by it)
+    sees the model's."""
+    cls = module.__class__
+    module.__class__ = type(name, (cls,), {"__module__": cls.__module__, **attrs})
+
+
 def sharded_params(model: nn.Module) -> Iterator[tuple[ShardedParam, nn.Parameter]]:
     """(record, shard) of every sharded parameter of ``model``, in module order (a tied
     parameter once per module that holds it; a slot set to None skipped)."""
