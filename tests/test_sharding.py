@@ -250,6 +250,9 @@ def test_a_submodule_called_on_its_own_gathers_for_its_call(mesh1d, storage):
         out.sum().backward()
     assert _count(comm, "reduce_scatter") == gathers
     assert block.fc1.weight.grad is not None and model.head.weight.grad is None
+    with pytest.raises(RuntimeError):  # a call that raises closes its gathers too
+        block(torch.randn(2, toy.DIM + 1))
+    assert isinstance(block.fc1.weight, DTensor)
 
     def root_gathers():
         with CommDebugMode() as comm:
