@@ -265,6 +265,27 @@ def test_a_submodule_called_on_its_own_gathers_for_its_call(mesh1d, storage):
                               else len(list(model.parameters())))
 
 
+@pytest.mark.parametrize("storage", ["param", "ragged"])
+def test_blocks_compiled_inside_an_uncompiled_forward_keep_no_gathers(mesh1d, storage):
+    """Blocks compiled one by one under an uncompiled root: each block's gathers are its
+    graph's own, so none is left in the model's scope once the block has run (the root's
+    forward would otherwise keep every block's until it ends). The last uncompiled ragged
+    gather, the input layer's, is cached as in any uncompiled forward."""
+    from simplesharded.storage.sharded_state import sharded_state
+
+    torch._dynamo.reset()
+    model = ss.data_parallel(toy.make_model(), mesh1d, mode="fully_shard", storage=storage)
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = torch.compile(block, backend="aot_eager", fullgraph=True)
+    scope = sharded_state(model).scope
+    seen = []
+    model.head.register_forward_pre_hook(
+        lambda m, args: seen.append((len(scope.gathered), list(scope.bucket_views))))
+    model(toy.rank_batch(0, 0)[0]).sum().backward()
+    assert seen == [(0, ["pre/float32"] if storage == "ragged" else [])], seen
+    assert all(p.grad is not None for p in model.parameters())
+
+
 def test_a_ragged_member_refuses_a_chunked_dtensor(mesh1d):
     """A ragged member's local tensor is a run, not ``Shard(0)``'s chunk: an op mixing the
     two (a copy from ``distribute_tensor``, say) is one ValueError naming the way that

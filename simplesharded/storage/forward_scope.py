@@ -47,6 +47,7 @@ def _gathering_call(module: nn.Module, inner: Callable, args, kwargs):
     scope.bucket_views.clear()
     scope.drop_backward_views()  # left by a backward that raised before its end
     scope.active = True
+    scope.traced = torch.compiler.is_compiling()
     hooks = contextlib.nullcontext()
     # Uncompiled with grad: free gathered parameters after forward (_EagerReshard).
     # Compiled, the partitioner decides (passes/recompute.py) and no hook is traced; no
@@ -62,6 +63,7 @@ def _gathering_call(module: nn.Module, inner: Callable, args, kwargs):
         scope.gathered.clear()
         scope.bucket_views.clear()
         scope.active = False
+        scope.traced = False
         scope.eager = None
 
 
@@ -86,10 +88,26 @@ def call_forward(inner: Callable, input_dtype: torch.dtype | None) -> Callable:
     (``MixedPrecisionPolicy.cast_forward_inputs``)."""
 
     def forward(self, *args, **kwargs):
-        if (sharded_state(self).scope.active
-                or (not torch.compiler.is_compiling() and _in_backward())):
+        scope = sharded_state(self).scope
+        if scope.active and torch.compiler.is_compiling() and not scope.traced:
+            return _compiled_inside_uncompiled(scope, self, inner, args, kwargs)
+        if scope.active or (not torch.compiler.is_compiling() and _in_backward()):
             return inner(self, *args, **kwargs)
         return _gathering_call(self, inner, cast_floats(input_dtype, args),
                                cast_floats(input_dtype, kwargs))
 
     return forward
+
+
+def _compiled_inside_uncompiled(scope, module: nn.Module, inner: Callable, args, kwargs):
+    """``inner`` traced inside a forward that opened the scope uncompiled (a block compiled on
+    its own, the root not): its gathers are cached in dicts of its own, dropped when it ends,
+    so none becomes an output of its graph and outlives the module (the uncompiled forward's
+    dicts would keep every compiled module's gathers until that forward ends)."""
+    outer = scope.gathered, scope.bucket_views
+    scope.gathered, scope.bucket_views, scope.traced = {}, {}, True
+    try:
+        return inner(module, *args, **kwargs)
+    finally:
+        scope.gathered, scope.bucket_views = outer
+        scope.traced = False

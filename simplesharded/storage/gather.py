@@ -189,6 +189,7 @@ class _GatherScope:
     def __init__(self, reshard_after_forward: bool | str = "auto",
                  last_block: str | None = None):
         self.active = False
+        self.traced = False  # opened inside a traced frame (forward_scope.py)
         self.gathered: dict = {}
         # ragged bucket name → its gathered members' views (ragged_shards.py)
         self.bucket_views: dict = {}

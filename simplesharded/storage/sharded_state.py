@@ -79,6 +79,7 @@ class GatherScopeProtocol(Protocol):
     parameters and of ragged buckets use it."""
 
     active: bool
+    traced: bool  # opened inside a traced frame
     gathered: dict  # FQN → its gather in this forward
     tied: set[str]
     bucket_views: dict  # ragged bucket name → its gathered members' views
