@@ -189,7 +189,8 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     # block of the first owner, as named_parameters() reports it)
     shards: dict[int, tuple[nn.Parameter, ShardedParam]] = {}
     owners = []  # (module name, module, its parameter names), in module order
-    # what a submodule called on its own casts its inputs to, as the root's pre-hook does
+    # what a submodule called on its own casts its inputs to, as the root's pre-hook does (and
+    # its outputs to, as the root's forward does)
     input_dtype = mp_policy.param_dtype if mp_policy.cast_forward_inputs else None
     for mod_name, module in list(model.named_modules()):
         names = [n for n, p in module._parameters.items() if p is not None]
@@ -216,7 +217,7 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
             params=records, scope=scope, grad_sync=spec.grad_sync,
             original_class=type(module), read_block=block_of_module.get(mod_name),
             root=module is model))
-        _swap_class(module, names, None if module is model else input_dtype)
+        _swap_class(module, names, input_dtype, mp_policy.output_dtype)
     _scope_root_forward(model, mp_policy.output_dtype, InitCheck(mesh) if from_meta else None)
     compile_checkpoint_wrappers(model)
     if offload[0] == "optimizer":
@@ -255,14 +256,17 @@ def _input_caster(dtype: torch.dtype):
     return cast
 
 
-def _swap_class(module: nn.Module, names: list[str], input_dtype: torch.dtype | None) -> None:
+def _swap_class(module: nn.Module, names: list[str], input_dtype: torch.dtype | None,
+                output_dtype: torch.dtype | None) -> None:
     """Give ``module`` a subclass of its class: a property per sharded parameter in ``names``
     (gather.py) and, below the root, a forward that gathers when the module is called on its
-    own (forward_scope.py), casting its floating-point inputs to ``input_dtype`` (if set)."""
+    own (forward_scope.py), casting its floating-point inputs to ``input_dtype`` and its
+    outputs to ``output_dtype`` (each if set)."""
     cls = module.__class__
     attrs: dict = {n: _sharded_property(n) for n in names}
     if not sharded_state(module).root and cls.forward is not nn.Module.forward:
-        attrs["forward"] = call_forward(cls.forward, input_dtype)  # (a ModuleList has none)
+        # (a ModuleList has none)
+        attrs["forward"] = call_forward(cls.forward, input_dtype, output_dtype)
     if not attrs:
         return
     swap_class(module, f"Sharded{cls.__name__}" if names else cls.__name__, attrs)

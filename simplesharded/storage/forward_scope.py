@@ -6,7 +6,8 @@
 submodule's only when it is called outside the root's forward (``model.model(ids)``,
 ``model.layers[0](h, ...)``, ``model.get_input_embeddings()(ids)``), as FSDP2 gathers a
 ``fully_shard`` unit in that unit's own forward. Such a call reads gathered parameters,
-reduces their gradients, reshards after forward and casts its inputs as the root's does; a
+reduces their gradients, reshards after forward and casts its inputs and outputs as the
+root's does; a
 read outside every call is the shard (gather.py). Like any FSDP2 unit's forward, it is a
 collective: every rank of the dp groups makes it.
 
@@ -81,11 +82,13 @@ def root_forward(inner: Callable, output_dtype: torch.dtype | None,
     return forward
 
 
-def call_forward(inner: Callable, input_dtype: torch.dtype | None) -> Callable:
+def call_forward(inner: Callable, input_dtype: torch.dtype | None,
+                 output_dtype: torch.dtype | None) -> Callable:
     """A submodule's forward: ``inner`` as it is inside a call that has the scope open (the
     root's, or an enclosing submodule's) and in a backward; otherwise ``inner`` with the scope
-    open and its floating-point inputs cast to ``input_dtype`` (if set), as the root's are
-    (``MixedPrecisionPolicy.cast_forward_inputs``)."""
+    open, its floating-point inputs cast to ``input_dtype`` and its outputs to
+    ``output_dtype`` (each if set), as the root's are (``MixedPrecisionPolicy``'s
+    ``cast_forward_inputs`` and ``output_dtype``)."""
 
     def forward(self, *args, **kwargs):
         scope = sharded_state(self).scope
@@ -93,8 +96,8 @@ def call_forward(inner: Callable, input_dtype: torch.dtype | None) -> Callable:
             return _compiled_inside_uncompiled(scope, self, inner, args, kwargs)
         if scope.active or (not torch.compiler.is_compiling() and _in_backward()):
             return inner(self, *args, **kwargs)
-        return _gathering_call(self, inner, cast_floats(input_dtype, args),
-                               cast_floats(input_dtype, kwargs))
+        return cast_floats(output_dtype, _gathering_call(
+            self, inner, cast_floats(input_dtype, args), cast_floats(input_dtype, kwargs)))
 
     return forward
 
