@@ -267,14 +267,17 @@ def test_a_submodule_called_on_its_own_gathers_for_its_call(mesh1d, storage):
 
 @pytest.mark.parametrize("storage", ["param", "ragged"])
 def test_blocks_compiled_inside_an_uncompiled_forward_keep_no_gathers(mesh1d, storage):
-    """Blocks compiled one by one under an uncompiled root: each block's gathers are its
+    """Blocks compiled one by one under an uncompiled root (torchtitan's habit), 10 of them
+    with ``fullgraph=True``: each compiles once, past dynamo's recompile limit of 8 for one
+    code object (each block's graph names its own parameters), and its gathers are its
     graph's own, so none is left in the model's scope once the block has run (the root's
     forward would otherwise keep every block's until it ends). The last uncompiled ragged
     gather, the input layer's, is cached as in any uncompiled forward."""
     from simplesharded.storage.sharded_state import sharded_state
 
     torch._dynamo.reset()
-    model = ss.data_parallel(toy.make_model(), mesh1d, mode="fully_shard", storage=storage)
+    model = toy.Toy(n_blocks=10)
+    model = ss.data_parallel(model, mesh1d, mode="fully_shard", storage=storage)
     for i, block in enumerate(model.blocks):
         model.blocks[i] = torch.compile(block, backend="aot_eager", fullgraph=True)
     scope = sharded_state(model).scope

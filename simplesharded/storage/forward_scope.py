@@ -99,6 +99,11 @@ def call_forward(inner: Callable, input_dtype: torch.dtype | None,
         return cast_floats(output_dtype, _gathering_call(
             self, inner, cast_floats(input_dtype, args), cast_floats(input_dtype, kwargs)))
 
+    # A code object of its own: dynamo keeps its compiled graphs, and counts recompiles
+    # against its limit, per code object, and a block's graph names the block's parameters,
+    # so blocks compiled one by one (torchtitan's habit) each compile once without sharing
+    # one limit (8) that a deeper model would exceed.
+    forward.__code__ = forward.__code__.replace()
     return forward
 
 
