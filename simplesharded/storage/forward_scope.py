@@ -7,9 +7,10 @@ submodule's only when it is called outside the root's forward (``model.model(ids
 ``model.layers[0](h, ...)``, ``model.get_input_embeddings()(ids)``), as FSDP2 gathers a
 ``fully_shard`` unit in that unit's own forward. Such a call reads gathered parameters,
 reduces their gradients, reshards after forward and casts its inputs and outputs as the
-root's does; a
-read outside every call is the shard (gather.py). Like any FSDP2 unit's forward, it is a
-collective: every rank of the dp groups makes it.
+root's does; a read outside every call is the shard (gather.py). Like any FSDP2 unit's
+forward, it is a collective: every rank of the dp groups makes it. A module compiled on its
+own inside an uncompiled forward (blocks compiled one by one) caches its gathers for its own
+graph only.
 
 Inside forward, not in hooks: torch.compile runs a compiled module's hooks outside the traced
 frame, where the scope's dicts would become graph outputs and a cast a graph of its own. Not
@@ -17,7 +18,8 @@ in a backward: torch.utils.checkpoint's recompute of a module reads gathered par
 without the scope (gather.py's ``_reads_gathered``).
 
 Invariant: the scope is open for the outermost wrapped call only, and emptied at both ends of
-it, so no gathered tensor outlives the call (compiled: none escapes the graph as an output).
+it, so no gathered tensor outlives the call; a traced frame ends with the scope's dicts as it
+found them, so none escapes its graph as an output (docs/torch_internals.md).
 """
 from __future__ import annotations
 
