@@ -374,12 +374,11 @@ def _torch_function(cls, func, types, args=(), kwargs=None):
     if _own_op(func) == "random" and args and isinstance(args[0], RaggedMember):
         return args[0].fill_random(func, args[1:], kwargs)
     _refuse_chunks(func, args, kwargs)
-    flat = tree_flatten((args, kwargs))[0]
     with torch._C.DisableTorchFunctionSubclass():
         out = func(*args, **kwargs)
     if func in torch.overrides.get_default_nowrap_functions():  # .grad and the like as they are
         return out
-    return _as_members(out, args, flat, {}, in_place=True)
+    return _as_members(out, args, tree_flatten((args, kwargs))[0], {}, in_place=True)
 
 
 def _rewrap(out, member, member_of: dict, in_place: bool = False):
