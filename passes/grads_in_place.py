@@ -25,7 +25,9 @@ inductor does not get this pass (it plans its own buffers).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 
 import torch
 from torch import fx
@@ -74,10 +76,12 @@ def _is_flat_cat(cat: fx.Node) -> bool:
 
 def _rewrite(graph: fx.Graph, cat: fx.Node) -> bool:
     val = cat.meta["val"]
+    fake_mode = fake_mode_of(graph, [cat])
     plan, offset = [], 0
     for piece in cat.args[0]:
         n = piece.meta["val"].numel()
-        producer = None if _is_zeros(piece) else _writable_producer(piece, cat, val.dtype)
+        producer = (None if _is_zeros(piece)
+                    else _writable_producer(piece, cat, val.dtype, fake_mode))
         kind = "zero" if _is_zeros(piece) else ("out" if producer is not None else "copy")
         plan.append((piece, kind, producer, offset, n))
         offset += n
@@ -86,7 +90,6 @@ def _rewrite(graph: fx.Graph, cat: fx.Node) -> bool:
         return False  # nothing saved, or one tensor read twice: leave the cat
     position = {node: i for i, node in enumerate(graph.nodes)}
     first = min(writers, key=position.__getitem__)
-    fake_mode = fake_mode_of(graph, [cat])
     custom = annotations(cat)
 
     def piece_of(o, n, shape=None):
@@ -129,7 +132,8 @@ def _is_zeros(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in ZEROS
 
 
-def _writable_producer(piece: fx.Node, cat: fx.Node, dtype: torch.dtype) -> fx.Node | None:
+def _writable_producer(piece: fx.Node, cat: fx.Node, dtype: torch.dtype,
+                       fake_mode) -> fx.Node | None:
     """The node whose result is ``piece``'s elements in order, reached through views each
     read only by the next (``piece`` only by ``cat``), when it can write into the buffer."""
     if set(piece.users) != {cat}:
@@ -149,7 +153,34 @@ def _writable_producer(piece: fx.Node, cat: fx.Node, dtype: torch.dtype) -> fx.N
                   and base.storage_offset() == 0 and flat.storage_offset() == 0)
     if not same_order or base.dtype != dtype or _out_variant(node.target) is None:
         return None
-    return node
+    return node if _out_form_traces(node, fake_mode) else None
+
+
+def _out_form_traces(node: fx.Node, fake_mode) -> bool:
+    """Whether ``node``'s ``out=`` form runs on its fake inputs. Some have a kernel but no
+    fake one: the meta function registered for ``embedding_dense_backward`` (an embedding's
+    gradient) takes no ``out``, so its ``out=`` form fails in every compile; such a piece
+    is copied instead. Fake tensor mode logs the failure as an error before raising it, which
+    would read as a failed compile: its logger is quiet for the trial."""
+    if fake_mode is None:
+        return True
+    vals, kwvals = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+    with fake_mode, _quiet(logging.getLogger("torch._subclasses.fake_tensor")):
+        try:
+            _out_variant(node.target)(*vals, **kwvals, out=torch.empty_like(node.meta["val"]))
+        except Exception:  # any failure means: not this way
+            return False
+    return True
+
+
+@contextlib.contextmanager
+def _quiet(logger: logging.Logger):
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 @functools.cache

@@ -1,8 +1,8 @@
 """passes/grads_in_place.py on hand-built graphs (make_fx, fake values): a ragged bucket's
 gradient cat becomes one buffer its pieces' producers write into (``out=``), its gaps
-zeroed in place, and a piece no producer can write copied; bitwise the cat's result. A cat
-that is not a ragged bucket's, or whose producers are read by anything else, is left as it
-is."""
+zeroed in place, and a piece no producer can write copied (also one whose ``out=`` form has
+no fake kernel); bitwise the cat's result. A cat that is not a ragged bucket's, or whose
+producers are read by anything else, is left as it is."""
 from __future__ import annotations
 
 import torch
@@ -83,3 +83,52 @@ def test_elements_in_another_order_are_copied_into_the_buffer_once():
     assert aten.cat.default not in targets and aten.clone.out in targets
     assert aten.mm.default in targets and aten.mm.out not in targets
     assert torch.equal(gm(*_inputs()), transposed(*_inputs()))
+
+
+def test_a_producer_whose_out_form_has_no_fake_kernel_is_copied(caplog):
+    """An embedding's gradient (``embedding_dense_backward``) has an ``out=`` kernel but no
+    fake one: its piece is copied, the mm's still written in place, and no error is logged
+    (compiling a model with an embedding in a ragged bucket failed on it)."""
+    def with_embedding(a, b, x, leaf):
+        ids = torch.tensor([1, 0, 1, 5, 2, 0])
+        emb = aten.embedding_dense_backward(x, ids, 7, -1, False)
+        return torch.cat([torch.mm(a, b).reshape(-1), emb.view(-1), leaf.view(-1)])
+
+    gm = write_grads_in_place(_graph(with_embedding))
+    gm.graph.lint()
+    targets = _targets(gm)
+    assert aten.cat.default not in targets and aten.mm.out in targets
+    assert aten.embedding_dense_backward.default in targets
+    assert aten.embedding_dense_backward.out not in targets
+    assert targets.count(aten.copy_.default) == 2  # the embedding's gradient, the graph input
+    assert torch.equal(gm(*_inputs()), with_embedding(*_inputs()))
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
+def test_a_bucket_of_embeddings_compiles_and_matches_eager():
+    """A module of two embeddings and a norm (BERT's input layer: one ragged bucket) under
+    aot_eager_autobucketing, one rank: its gradients equal the uncompiled model's."""
+    import simplesharded as ss
+    from dist_utils import world_of_one
+
+    class Embeddings(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.words, self.positions = torch.nn.Embedding(11, 8), torch.nn.Embedding(6, 8)
+            self.norm = torch.nn.LayerNorm(8)
+
+        def forward(self, ids):
+            return self.norm(self.words(ids) + self.positions(torch.arange(ids.shape[1])))
+
+    def grads(compiled: bool):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(Embeddings(), torch.nn.Linear(8, 3))
+        with world_of_one() as mesh:
+            model = ss.data_parallel(model, mesh)
+            run = torch.compile(model, backend="aot_eager_autobucketing") if compiled else model
+            run(torch.tensor([[1, 4, 4, 10, 0, 3]])).square().sum().backward()
+            return {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+
+    eager, compiled = grads(False), grads(True)
+    assert eager.keys() == compiled.keys() and "0.words.weight" in eager
+    assert all(torch.equal(compiled[n], eager[n]) for n in eager)
