@@ -30,9 +30,10 @@ from torch.distributed.tensor import Partial, Replicate
 
 from simplesharded.ac_wrappers import compile_checkpoint_wrappers
 from simplesharded.blocks import BlockSpec, block_of
+from simplesharded.fsdp2_methods import ROOT_METHODS, UNIT_METHODS
 from simplesharded.storage.forward_scope import call_forward, cast_floats, root_forward
 from simplesharded.storage.gather import _GatherScope, _sharded_property
-from simplesharded.storage.grad_sync import _GradSync, set_requires_gradient_sync
+from simplesharded.storage.grad_sync import _GradSync
 from simplesharded.storage.choice import (NOT_GIVEN, check_offload, check_storage,
                                           chosen_storage, pack, resolved)
 from simplesharded.storage.offload import offload_choice
@@ -261,7 +262,8 @@ def _swap_class(module: nn.Module, names: list[str], input_dtype: torch.dtype | 
     """Give ``module`` a subclass of its class: a property per sharded parameter in ``names``
     (gather.py) and, below the root, a forward that gathers when the module is called on its
     own (forward_scope.py), casting its floating-point inputs to ``input_dtype`` and its
-    outputs to ``output_dtype`` (each if set)."""
+    outputs to ``output_dtype`` (each if set); and FSDP2's per-unit methods
+    (fsdp2_methods.py)."""
     cls = module.__class__
     attrs: dict = {n: _sharded_property(n) for n in names}
     if not sharded_state(module).root and cls.forward is not nn.Module.forward:
@@ -269,55 +271,23 @@ def _swap_class(module: nn.Module, names: list[str], input_dtype: torch.dtype | 
         attrs["forward"] = call_forward(cls.forward, input_dtype, output_dtype)
     if not attrs:
         return
+    attrs.update(_fsdp2_methods(cls, UNIT_METHODS))
     swap_class(module, f"Sharded{cls.__name__}" if names else cls.__name__, attrs)
 
 
 def _scope_root_forward(model: nn.Module, output_dtype: torch.dtype | None = None,
                         init_check: InitCheck | None = None) -> None:
     """Make ``model.forward`` the root's (forward_scope.py), with FSDP2's methods
-    ``set_requires_gradient_sync``, ``unshard`` and ``reshard``."""
+    (fsdp2_methods.py)."""
     cls = model.__class__
     swap_class(model, cls.__name__, {
         "forward": root_forward(cls.forward, output_dtype, init_check),
-        "set_requires_gradient_sync": _set_requires_gradient_sync,
-        "unshard": _unshard, "reshard": _reshard})
+        **_fsdp2_methods(cls, ROOT_METHODS)})
 
 
-class _Unsharded:
-    """What FSDP2's ``unshard(async_op=True)`` returns: its gathers have already run."""
-
-    def wait(self) -> None:
-        return None
-
-
-def _unshard(self, async_op: bool = False) -> _Unsharded | None:
-    """FSDP2's method: gather every sharded parameter of the model once and hold it, so the
-    forwards until :func:`_reshard` gather nothing (a ``generate()`` loop's every step). The
-    held parameters carry no gradient to the shards: forwards without grad, or with gradient
-    sync off (its backward then adds to the no-sync accumulators), read them; one with grad
-    and sync on is a RuntimeError. The optimizer's steps reach the shards, not the held
-    copies: reshard and unshard again to read them. A collective: every rank calls it."""
-    from simplesharded.storage.gather_once import gather_held  # loaded when first used
-
-    gather_held(self)
-    return _Unsharded() if async_op else None
-
-
-def _reshard(self) -> None:
-    """FSDP2's method: drop what :func:`_unshard` held; forwards gather again."""
-    from simplesharded.storage.gather_once import release_held
-
-    release_held(self)
-
-
-def _set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
-                                recurse: bool = True) -> None:
-    """FSDP2's method on the root: :func:`set_requires_gradient_sync` for the whole model
-    (one setting per model here, so ``recurse=False`` has nothing to narrow)."""
-    if not recurse:
-        raise ValueError("set_requires_gradient_sync(recurse=False): gradient sync is one "
-                         "setting for the whole data_parallel model; use recurse=True")
-    set_requires_gradient_sync(self, requires_gradient_sync)
+def _fsdp2_methods(cls: type, methods: dict) -> dict:
+    """FSDP2's methods the class does not define itself (a model's own method wins)."""
+    return {name: fn for name, fn in methods.items() if getattr(cls, name, fn) is fn}
 
 
 @contextlib.contextmanager
