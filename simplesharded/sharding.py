@@ -163,6 +163,7 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     _check_unwrapped(model)
     _check_device(model, mesh)
     from_meta = any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
+    init_check = InitCheck(mesh) if from_meta else None
     if any(dist.get_backend(dp.get_group(i)) == "gloo" for i in range(dp.ndim)):
         gloo_gather.install()  # gloo's plain all-gather, not its racy coalesced one
     mp_policy = mp_policy or MixedPrecisionPolicy()
@@ -218,8 +219,8 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
             params=records, scope=scope, grad_sync=spec.grad_sync,
             original_class=type(module), read_block=block_of_module.get(mod_name),
             root=module is model))
-        _swap_class(module, names, input_dtype, mp_policy.output_dtype)
-    _scope_root_forward(model, mp_policy.output_dtype, InitCheck(mesh) if from_meta else None)
+        _swap_class(module, names, input_dtype, mp_policy.output_dtype, init_check)
+    _scope_root_forward(model, mp_policy.output_dtype, init_check)
     compile_checkpoint_wrappers(model)
     if offload[0] == "optimizer":
         model.register_forward_pre_hook(refresh_resident)
@@ -258,17 +259,18 @@ def _input_caster(dtype: torch.dtype):
 
 
 def _swap_class(module: nn.Module, names: list[str], input_dtype: torch.dtype | None,
-                output_dtype: torch.dtype | None) -> None:
+                output_dtype: torch.dtype | None, init_check: InitCheck | None) -> None:
     """Give ``module`` a subclass of its class: a property per sharded parameter in ``names``
     (gather.py) and, below the root, a forward that gathers when the module is called on its
     own (forward_scope.py), casting its floating-point inputs to ``input_dtype`` and its
-    outputs to ``output_dtype`` (each if set); and FSDP2's per-unit methods
+    outputs to ``output_dtype`` (each if set) and checking a meta-built model's shards were
+    initialised (``init_check``); and FSDP2's per-unit methods
     (fsdp2_methods.py)."""
     cls = module.__class__
     attrs: dict = {n: _sharded_property(n) for n in names}
     if not sharded_state(module).root and cls.forward is not nn.Module.forward:
         # (a ModuleList has none)
-        attrs["forward"] = call_forward(cls.forward, input_dtype, output_dtype)
+        attrs["forward"] = call_forward(cls.forward, input_dtype, output_dtype, init_check)
     if not attrs:
         return
     attrs.update(_fsdp2_methods(cls, UNIT_METHODS))

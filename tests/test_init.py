@@ -215,7 +215,14 @@ def test_a_forward_before_the_init_names_what_holds_nan(one_rank):
         model(tokens)
     init_sharded(model, lambda m: nn.init.normal_(m.weight), seed=SEED,
                  modules=[model.tok_embeddings])
+    # a block called on its own (FSDP2's unit) checks its own parameters
+    h = torch.randn(1, 8, model.layers["0"].attention_norm.weight.shape[0])
+    with pytest.raises(ValueError, match=r"^'attention_norm\.weight' holds NaN at a call of "
+                                         r"TransformerBlock: the model was built on the meta"):
+        model.layers["0"](h, model.freqs_cis[:8])
+    assert model.tok_embeddings(tokens).isfinite().all()  # initialised: it runs
     with pytest.raises(ValueError, match=r"^'layers\.0\.attention_norm\.weight' holds NaN"):
         model(tokens)
     init_sharded(model, seed=SEED)
     assert torch.isfinite(model(tokens)).all()
+    assert model.layers["0"](h, model.freqs_cis[:8]).isfinite().all()

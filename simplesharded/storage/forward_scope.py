@@ -85,12 +85,14 @@ def root_forward(inner: Callable, output_dtype: torch.dtype | None,
 
 
 def call_forward(inner: Callable, input_dtype: torch.dtype | None,
-                 output_dtype: torch.dtype | None) -> Callable:
+                 output_dtype: torch.dtype | None,
+                 init_check: Callable[..., None] | None) -> Callable:
     """A submodule's forward: ``inner`` as it is inside a call that has the scope open (the
     root's, or an enclosing submodule's) and in a backward; otherwise ``inner`` with the scope
     open, its floating-point inputs cast to ``input_dtype`` and its outputs to
     ``output_dtype`` (each if set), as the root's are (``MixedPrecisionPolicy``'s
-    ``cast_forward_inputs`` and ``output_dtype``)."""
+    ``cast_forward_inputs`` and ``output_dtype``); uncompiled, ``init_check`` first, on this
+    module's own parameters."""
 
     def forward(self, *args, **kwargs):
         scope = sharded_state(self).scope
@@ -98,6 +100,8 @@ def call_forward(inner: Callable, input_dtype: torch.dtype | None,
             return _compiled_inside_uncompiled(scope, self, inner, args, kwargs)
         if scope.active or (not torch.compiler.is_compiling() and _in_backward()):
             return inner(self, *args, **kwargs)
+        if init_check is not None and not torch.compiler.is_compiling():
+            init_check(self, root=False)
         return cast_floats(output_dtype, _gathering_call(
             self, inner, cast_floats(input_dtype, args), cast_floats(input_dtype, kwargs)))
 

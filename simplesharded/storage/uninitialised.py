@@ -43,27 +43,34 @@ def _first_nan(model: nn.Module) -> str | None:
 
 
 class InitCheck:
-    """Called by the root's forward (uncompiled) until one call finds nothing: raises a
-    ValueError on every rank of ``mesh`` when any rank holds a NaN parameter or buffer."""
+    """Called by the root's forward (uncompiled) until one call finds nothing, and by a
+    submodule's called on its own (forward_scope.py) until one finds nothing in it or the
+    root's has passed: raises a ValueError on every rank of ``mesh`` when any rank holds a NaN
+    parameter or buffer of the module called."""
 
     def __init__(self, mesh: DeviceMesh):
         self.groups = [mesh.get_group(i) for i in range(mesh.ndim)]
         self.device = torch.device(mesh.device_type)
-        self.passed = False
+        self.passed = False  # the whole model's
+        self.passed_parts: set[int] = set()  # ids of submodules found initialised
 
-    def __call__(self, model: nn.Module) -> None:
-        if self.passed:
+    def __call__(self, module: nn.Module, root: bool = True) -> None:
+        if self.passed or id(module) in self.passed_parts:
             return
-        mine = _first_nan(model)
+        mine = _first_nan(module)
         found = torch.tensor([mine is not None], dtype=torch.int32, device=self.device)
         for group in self.groups:  # the max over each dim in turn: over the whole mesh
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
         if not found.item():
-            self.passed = True
+            if root:
+                self.passed = True
+            else:
+                self.passed_parts.add(id(module))
             return
         where = f"{mine} holds NaN" if mine is not None else "a tensor holds NaN on another rank"
+        call = "the model's first forward" if root else f"a call of {type(module).__name__}"
         raise ValueError(
-            f"{where} at the model's first forward: the model was built on the meta device and "
+            f"{where} at {call}: the model was built on the meta device and "
             f"data_parallel gave it uninitialised shards (NaN). Initialise them first: "
             f"ss.init_sharded(model, seed=0) runs the model's init, or load a checkpoint, or "
             f"run an init of your own after data_parallel (outside forward module.weight is "
