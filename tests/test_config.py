@@ -205,6 +205,23 @@ def test_expert_parallel_degree_checks():
         check_static(load(None, [*ep, "2"]), 2)
 
 
+def test_expert_parallel_degree_with_a_hugging_face_moe(tmp_path):
+    """A Hugging Face MoE has routed experts, but expert parallelism runs on the zoo's model
+    only: the line says so, naming the path (not the flavor a Hugging Face model lacks)."""
+    transformers = pytest.importorskip("transformers")
+    from simplesharded.trainer import check_static
+
+    transformers.MixtralConfig(vocab_size=300, hidden_size=64, intermediate_size=64,
+                               num_hidden_layers=1, num_attention_heads=4,
+                               num_key_value_heads=2).save_pretrained(tmp_path)
+    with pytest.raises(ValueError) as e:
+        check_static(load(None, ["--model.name", "hf", "--model.path", str(tmp_path),
+                                 "--parallelism.expert_parallel_degree", "2"]), 2)
+    assert str(e.value).startswith(
+        "parallelism.expert_parallel_degree=2: expert parallelism runs on the zoo's MoE model "
+        f"(--model.name deepseek_v3), not on a Hugging Face model (model.path='{tmp_path}')")
+
+
 def test_model_n_layers():
     """model.n_layers builds the zoo model with that many blocks (0: the flavor's); the
     planner and the pipeline split read the same depth; negative, or with a Hugging Face
