@@ -159,8 +159,11 @@ class HFSourceArgs:
                    n_layers=_get(text, "num_hidden_layers", "n_layer"), dim=dim)
 
     def check_tp(self, tp: int) -> None:
-        raise ValueError(f"tensor_parallel_degree={tp}: model.name='hf' has no tensor-parallel "
-                         f"styles here (use 1)")
+        """ValueError when the model cannot split over ``tp`` ranks
+        (models/hf_tensor_parallel.py)."""
+        from .hf_tensor_parallel import check_tp
+
+        check_tp(load_hf_config(self.path), tp)
 
 
 def read_args(path: str) -> HFSourceArgs:
@@ -180,6 +183,13 @@ class _Trainable:
         if labels is None:
             return head(hidden)
         return lm_loss(hidden, head, labels, loss_chunks)
+
+    def tp_styles(self, sequence_parallel: bool = False, loss_parallel: bool = False) -> dict:
+        """Tensor parallelism as ``parallelize_module(model, mesh["tp"], styles)`` takes it:
+        transformers' own plan (models/hf_tensor_parallel.py)."""
+        from .hf_tensor_parallel import tp_styles
+
+        return tp_styles(self, sequence_parallel, loss_parallel)
 
     def num_flops_per_token(self, seq_len: int) -> int:
         """6 FLOPs per non-embedding weight (forward + backward matmuls) plus attention

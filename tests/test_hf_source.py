@@ -45,7 +45,7 @@ TRAIN = ["--training.seq_len", "32", "--training.global_batch_size", "4",
 
 
 def _configs():
-    from transformers import GPT2Config, LlamaConfig, MixtralConfig, Qwen2Config
+    from transformers import GPT2Config, LlamaConfig, MixtralConfig, Qwen2Config, Qwen3Config
 
     # One block each but Llama's two (bucketing across blocks, a tied embedding and head in
     # different buckets): every compiled case costs suite time.
@@ -63,6 +63,10 @@ def _configs():
         # layout, which it fuses into experts.gate_up_proj / down_proj when loading
         "mixtral": (MixtralConfig(vocab_size=300, num_local_experts=4, num_experts_per_tok=2,
                                   **{**small, "intermediate_size": 64}), "20KB"),
+        # tensor parallel degree 2 only: norms of each rank's heads (q_norm, k_norm), an
+        # untied head split by vocabulary
+        "qwen3": (Qwen3Config(vocab_size=300, head_dim=16, tie_word_embeddings=False, **small),
+                  None),
         # only loaded (peak memory): ~40 MB of weights in one file, no tensor over 2 MB
         "big": (LlamaConfig(vocab_size=1000, hidden_size=512, intermediate_size=1024,
                             num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
@@ -299,6 +303,12 @@ def _job(rank: int, world: int, dirs: dict[str, Path], dump: str) -> dict:
                            [*RUNS["llama"], "--parallelism.context_parallel_degree", "2"])
         out["llama_cp2"] = [trainer.train_step()["loss"] for _ in range(STEPS)]
         torch._dynamo.reset()
+    # tensor parallel degree 2 (dp 1), compiled, against one eager process
+    tp = ([*RUNS["llama"], "--parallelism.tensor_parallel_degree", "2",
+           "--no-parallelism.enable_sequence_parallel"] if world > 1 else [])
+    trainer = _trainer(dirs["qwen3"], dirs["data"], Path(dump) / "qwen3", world, tp)
+    out["qwen3"] = [trainer.train_step()["loss"] for _ in range(STEPS)]
+    torch._dynamo.reset()
     if world > 1:
         out["slices"] = {arch: _read_slices(str(dirs[arch]), world) for arch in SLICED}
         out["ragged"] = {arch: _ragged_loaded(str(dirs[arch]), world)
@@ -366,6 +376,43 @@ def test_llama_at_context_parallel_2_matches_one_process(zoo):
     want, got = _results(1, dirs)[0]["llama"], _results(2, dirs)[0]["llama_cp2"]
     bad = [(s + 1, g, w) for s, (g, w) in enumerate(zip(got, want)) if not rel(g, w) <= 1e-5]
     assert len(got) == STEPS and not bad, f"(step, cp 2, 1 process) beyond 1e-5 rel: {bad}"
+
+
+@pytest.mark.slow
+def test_qwen3_at_tensor_parallel_2_matches_one_process(zoo):
+    """transformers' Qwen3 trained by the trainer at tensor parallel degree 2, compiled, with
+    transformers' own plan as torch's styles (models/hf_tensor_parallel.py: attention and MLP
+    split, the per-head norms' gradients summed over tp, the head split by vocabulary with
+    loss parallelism): the losses of one process."""
+    dirs = tuple(sorted(zoo.items()))
+    want, got = _results(1, dirs)[0]["qwen3"], _results(2, dirs)[0]["qwen3"]
+    bad = [(s + 1, g, w) for s, (g, w) in enumerate(zip(got, want)) if not rel(g, w) <= 1e-5]
+    assert len(got) == STEPS and not bad, f"(step, tp 2, 1 process) beyond 1e-5 rel: {bad}"
+    assert want[-1] < want[0], want
+
+
+def test_tensor_parallel_refusals_name_what_stops_it():
+    """Before any rank starts: a plan style not translated, a size the degree does not
+    divide, a model without a plan; the vocabulary need not split when the head is tied."""
+    from transformers import GPT2Config, MixtralConfig, Qwen2Config
+
+    from simplesharded.models.hf_tensor_parallel import check_tp
+
+    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                 num_attention_heads=4, num_key_value_heads=2)
+    check_tp(Qwen2Config(vocab_size=301, tie_word_embeddings=True, **small), 2)
+    with pytest.raises(ValueError, match=r"^tensor_parallel_degree=2 does not divide "
+                                         r"vocab_size=301$"):
+        check_tp(Qwen2Config(vocab_size=301, tie_word_embeddings=False, **small), 2)
+    with pytest.raises(ValueError, match=r"^tensor_parallel_degree=4 does not divide "
+                                         r"num_key_value_heads=2$"):
+        check_tp(Qwen2Config(vocab_size=300, **small), 4)
+    with pytest.raises(ValueError, match=r"MixtralConfig's plan splits "
+                                         r"layers\.\*\.mlp\.experts\.gate_up_proj as "
+                                         r"'packed_colwise', which is not translated here"):
+        check_tp(MixtralConfig(vocab_size=300, **small), 2)
+    with pytest.raises(ValueError, match=r"GPT2Config has no tensor-parallel plan"):
+        check_tp(GPT2Config(), 2)
 
 
 @pytest.mark.slow
@@ -520,11 +567,18 @@ def test_bad_paths_name_the_key(tmp_path, zoo):
 def test_unknown_name_and_tensor_parallel_are_one_line(zoo):
     with pytest.raises(ValueError, match=r"^model.name='hff' is not one of \[.*'hf'"):
         _check("--model.name", "hff")
-    with pytest.raises(ValueError, match=r"^parallelism.tensor_parallel_degree=2: model.name='hf' "
-                                         r"has no tensor-parallel styles here \(use 1\) "
-                                         r"\(model.path='.*qwen2'\)$"):
-        _check("--model.name", "hf", "--model.path", str(zoo["qwen2"]),
-               "--parallelism.tensor_parallel_degree", "2")
+    tp = ["--parallelism.tensor_parallel_degree", "2"]
+    with pytest.raises(ValueError, match=r"^parallelism.tensor_parallel_degree=2 does not divide "
+                                         r"vocab_size=301 \(model.path='.*qwen2'\)$"):
+        _check("--model.name", "hf", "--model.path", str(zoo["qwen2"]), *tp)
+    with pytest.raises(ValueError, match=r"^parallelism.enable_sequence_parallel=true with "
+                                         r"parallelism.tensor_parallel_degree=2: a Hugging Face "
+                                         r"model's tensor parallelism runs without sequence "
+                                         r"parallelism here; add "
+                                         r"--no-parallelism.enable_sequence_parallel$"):
+        _check("--model.name", "hf", "--model.path", str(zoo["llama"]), *tp)
+    _check("--model.name", "hf", "--model.path", str(zoo["llama"]), *tp,
+           "--no-parallelism.enable_sequence_parallel")
 
 
 def test_weights_that_would_not_load_are_one_line(tmp_path, zoo):
