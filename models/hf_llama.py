@@ -26,9 +26,9 @@ class HFLlamaArgs(Llama3Args):
     """Llama3Args' fields and checks, so overrides (``n_layers=2``) mean the same for both."""
 
     def check_tp(self, tp: int) -> None:
-        # transformers' config carries TP styles of its own ("colwise"/"rowwise" strings for
-        # its from_pretrained(tp_plan=...) path), not parallelize_module styles for our mesh;
-        # none are translated here, so the trainer/bench refuse TP up front.
+        # This zoo entry (the bench's peer of llama3) has no tp_styles; a Hugging Face
+        # model read with --model.name hf has transformers' plan translated
+        # (models/hf_tensor_parallel.py).
         raise ValueError(f"tensor_parallel_degree={tp}: hf_llama has no tensor-parallel styles "
                          f"here (use --tp 1, or model llama3 for TP)")
 
