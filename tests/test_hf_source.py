@@ -664,3 +664,15 @@ def test_flops_per_token(zoo, arch):
         n -= sum(v for k, v in params.items() if ".experts." in k) / 2
     layers = 2 if arch == "llama" else 1
     assert model.num_flops_per_token(32) == int(6 * n + 12 * layers * 64 * 32)
+
+
+def test_the_forecast_refuses_a_hugging_face_model_in_one_line(zoo, tmp_path, capsys):
+    from simplesharded.tools import forecast
+
+    config = tmp_path / "hf.toml"
+    config.write_text(f'[model]\nname = "hf"\npath = "{zoo["llama"]}"\n')
+    with pytest.raises(SystemExit):
+        forecast.main(["--config", str(config), "--world-size", "8"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].split(": error: ")[1].startswith(
+        "model.name='hf': the forecast traces the zoo's models"), err

@@ -76,6 +76,7 @@ def main(argv=None) -> int:
     from simplesharded.pipeline.pipelining import POLICIES
     from simplesharded.trainer import check_static
     from simplesharded.trainer.preflight import check_torch
+    from simplesharded.models import MODELS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True, help="a configs/*.toml file")
     ap.add_argument("--world-size", type=int, required=True)
@@ -108,6 +109,11 @@ def main(argv=None) -> int:
     try:
         hw = get_hardware(ns.hardware)
         cfg = load_config(ns.config, rest)
+        if cfg.model.name == "hf":  # traced at 4 and 6 blocks: a depth of the zoo's models
+            raise ValueError(f"model.name='hf': the forecast traces the zoo's models at a "
+                             f"depth of its choosing, which a Hugging Face model's config.json "
+                             f"fixes; forecast the zoo model of the same shape instead "
+                             f"(model.name one of {sorted(MODELS)})")
         bad = sorted(set(ns.backends) - set(BACKENDS))
         if bad:
             raise ValueError(f"--backends {bad} not one of {list(BACKENDS)}")
