@@ -318,6 +318,29 @@ def test_checkpoint_stop_resume_and_retention(tmp_path, eager2):
 
 
 @pytest.mark.slow
+def test_async_checkpoints_resume_exactly(tmp_path, eager2):
+    """checkpoint.async_mode async, 10 steps saving every 5: training goes on while each save
+    is written, and both saves are committed (the last one before the run ends). Resumed
+    from step 5 alone (the save written while steps 6-10 ran), steps 6-12 are the
+    uninterrupted run's, exactly."""
+    _, ref = eager2
+    first = tmp_path / "first"
+    run_ok(train_cmd(2, *COMMON, "--training.steps", "10", "--checkpoint.enable",
+                     "--checkpoint.interval", "5", "--checkpoint.async_mode", "async",
+                     "--job.dump_folder", str(first)), first)
+    assert step_dirs(first / "checkpoint") == ["step-5", "step-10"]
+    assert_close(read_losses(first), ref, range(1, 11), 1e-6, "async saves vs none")
+    second = tmp_path / "second"
+    copy_checkpoint(first, 5, second)
+    r = run_ok(train_cmd(2, *COMMON, "--training.steps", "12", "--checkpoint.enable",
+                         "--checkpoint.interval", "100", "--checkpoint.async_mode", "async",
+                         "--job.dump_folder", str(second)), second)
+    assert "[checkpoint] resumed from step 5" in r.stdout, r
+    assert_close(read_losses(second), ref, range(6, 13), 1e-6, "resumed from the async step 5")
+    assert step_dirs(second / "checkpoint") == ["step-5", "step-12"]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 4])
 def test_checkpoint_reshards_on_load(tmp_path, eager2, nproc):
     """A 2-rank checkpoint (step 10) resumes on 1 rank and on 4 ranks; same global batch and

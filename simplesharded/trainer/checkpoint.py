@@ -74,16 +74,70 @@ def save(folder: str, step: int, model, optimizer, loader_state: dict, keep_late
          meta: dict | None = None) -> str:
     """Save step ``step`` atomically; then delete all but the newest ``keep_latest_k``.
     ``meta`` (model_meta) is written as the step's model.json."""
-    final, tmp = step_dir(folder, step), step_dir(folder, step) + ".tmp"
-    rank0 = dist.get_rank() == 0
-    if rank0:
+    tmp = _begin(folder, step)
+    dcp.save(_app_state(model, optimizer, _train_state(step, loader_state)), checkpoint_id=tmp)
+    return _commit(folder, step, keep_latest_k, meta)
+
+
+class AsyncSaver:
+    """``checkpoint.async_mode async``: a save copies the state to the host (DCP's staging)
+    and returns; DCP writes the copy from a thread while training goes on, and
+    the checkpoint is committed (renamed from ``.tmp``, then retention) once every rank has
+    written it: at the next save, or at :meth:`wait` after the last step. A run that stops
+    before then leaves the ``.tmp`` directory, never a half-written ``step-N``.
+
+    Rank agreement: DCP's thread coordinates the ranks (its plan, its metadata) over a gloo
+    group of its own, made here by every rank at once; the training step's collectives run
+    meanwhile on the default group, and one group's collectives issued from two threads would
+    interleave in a different order on different ranks. The commit's barriers run on the
+    main thread, at the same step on every rank."""
+
+    def __init__(self):
+        self.group = dist.new_group(backend="gloo")
+        self.pending: tuple | None = None  # (future, folder, step, keep_latest_k, meta)
+
+    def save(self, folder: str, step: int, model, optimizer, loader_state: dict,
+             keep_latest_k: int, meta: dict | None = None) -> None:
+        self.wait()
+        tmp = _begin(folder, step)
+        # DCP's default stager copies every tensor into new host storage before async_save
+        # returns (docs/torch_internals.md): the thread writes the copies while the optimizer
+        # updates the originals.
+        state = _app_state(model, optimizer, _train_state(step, loader_state))
+        future = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group)
+        self.pending = (future, folder, step, keep_latest_k, meta)
+
+    def wait(self) -> str | None:
+        """Commit the save in flight, once written; its directory (None: none in flight)."""
+        if self.pending is None:
+            return None
+        future, folder, step, keep_latest_k, meta = self.pending
+        self.pending = None
+        # torch's newer async_save answers a response holding the upload's future
+        getattr(future, "upload_completion", future).result()
+        return _commit(folder, step, keep_latest_k, meta)
+
+
+def _train_state(step: int, loader_state: dict) -> dict:
+    return {"step": step, "loader": dict(loader_state), "rng": torch.get_rng_state()}
+
+
+def _begin(folder: str, step: int) -> str:
+    """A fresh ``step-<N>.tmp`` for every rank to write into."""
+    tmp = step_dir(folder, step) + ".tmp"
+    if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp, exist_ok=True)
     dist.barrier()
-    extra = {"step": step, "loader": dict(loader_state), "rng": torch.get_rng_state()}
-    dcp.save(_app_state(model, optimizer, extra), checkpoint_id=tmp)
+    return tmp
+
+
+def _commit(folder: str, step: int, keep_latest_k: int, meta: dict | None) -> str:
+    """Once every rank has written ``step-<N>.tmp``: rename it to ``step-<N>`` (rank 0),
+    with ``meta`` as its model.json, and keep the newest ``keep_latest_k``."""
+    final, tmp = step_dir(folder, step), step_dir(folder, step) + ".tmp"
     dist.barrier()  # every rank's shards are on disk before the commit
-    if rank0:
+    if dist.get_rank() == 0:
         if meta is not None:
             with open(os.path.join(tmp, MODEL_JSON), "w") as f:
                 json.dump(meta, f, indent=2)

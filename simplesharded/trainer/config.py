@@ -283,6 +283,10 @@ class Checkpoint:
     interval: int = _opt(10, "save every N steps")
     keep_latest_k: int = _opt(2, "checkpoints kept; 0 = keep all")
     load_step: int = _opt(-1, "-1 = latest available, 0 = do not load, N = step N")
+    async_mode: str = _opt("disabled", "async: a save copies the state and returns, DCP "
+                           "writes it from a thread while training goes on, committed at the "
+                           "next save or the run's end (torchtitan's key)",
+                           ("async", "disabled"))
 
 
 @dataclass

@@ -118,6 +118,9 @@ class Trainer:
             cfg.compile.enable and cfg.compile.scope == "step") else None
         self.peak = peak_flops(device, cfg.metrics.peak_tflops, t.mixed_precision_param)
         self.ckpt_folder = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
+        # every rank makes the async saver's group here, at once (checkpoint.py AsyncSaver)
+        self.saver = (ckpt.AsyncSaver() if cfg.checkpoint.enable
+                      and cfg.checkpoint.async_mode == "async" else None)
         self.step = 0
 
     # ------------------------------------------------------------------ steps
@@ -324,7 +327,12 @@ class Trainer:
         with profiler or contextlib.nullcontext():
             while self.step < cfg.training.steps:
                 t0 = time.perf_counter()
-                record = self.train_step()
+                try:
+                    record = self.train_step()
+                except NonFiniteError:  # every rank alike: the last good save still commits
+                    if self.saver:
+                        self.saver.wait()
+                    raise
                 self.step += 1
                 dt = time.perf_counter() - t0
                 losses.append(record["loss"])
@@ -346,12 +354,14 @@ class Trainer:
                     bar.update(1)
                 if cfg.checkpoint.enable and (self.step % cfg.checkpoint.interval == 0
                                               or self.step == cfg.training.steps):
-                    ckpt.save(self.ckpt_folder, self.step, self.model, self.optimizer,
-                              self.data.train.state_dict(), cfg.checkpoint.keep_latest_k,
-                              ckpt.model_meta(self.model_info, cfg.model.name,
-                                              cfg.model.flavor))
+                    (self.saver.save if self.saver else ckpt.save)(
+                        self.ckpt_folder, self.step, self.model, self.optimizer,
+                        self.data.train.state_dict(), cfg.checkpoint.keep_latest_k,
+                        ckpt.model_meta(self.model_info, cfg.model.name, cfg.model.flavor))
                 if profiler:
                     profiler.step()
+        if self.saver:
+            self.saver.wait()  # the last save, committed before the run ends
         if bar:
             bar.close()
         logger.close()
