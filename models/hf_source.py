@@ -145,6 +145,8 @@ class HFSourceArgs:
     max_seq_len: int
     n_layers: int
     dim: int  # attention width: heads * head_dim (hidden_size unless the config says)
+    n_heads: int
+    n_kv_heads: int
 
     @classmethod
     def from_config(cls, path: str, config) -> "HFSourceArgs":
@@ -156,7 +158,8 @@ class HFSourceArgs:
         return cls(path=path, vocab_size=text.vocab_size,
                    max_seq_len=_get(text, "max_position_embeddings", "n_positions",
                                     default=2**31 - 1),
-                   n_layers=_get(text, "num_hidden_layers", "n_layer"), dim=dim)
+                   n_layers=_get(text, "num_hidden_layers", "n_layer"), dim=dim,
+                   n_heads=heads, n_kv_heads=_get(text, "num_key_value_heads", default=heads))
 
     def check_tp(self, tp: int) -> None:
         """ValueError when the model cannot split over ``tp`` ranks
@@ -166,8 +169,23 @@ class HFSourceArgs:
         check_tp(load_hf_config(self.path), tp)
 
 
-def read_args(path: str) -> HFSourceArgs:
-    return HFSourceArgs.from_config(path, load_hf_config(path))
+def read_args(path: str, n_layers: int = 0) -> HFSourceArgs:
+    """The args of ``path``'s model, ``n_layers`` blocks deep if set (:func:`build_hf_model`)."""
+    return HFSourceArgs.from_config(path, _at_depth(load_hf_config(path), n_layers))
+
+
+def _at_depth(config, n_layers: int):
+    """``config`` with ``n_layers`` blocks (0: as it is): the planner traces a model 4 and 6
+    blocks deep and extrapolates (simplesharded/tools/forecast.py); the trainer trains the
+    config's depth."""
+    if n_layers:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        key = "num_hidden_layers" if hasattr(text, "num_hidden_layers") else "n_layer"
+        setattr(text, key, n_layers)
+        types = getattr(text, "layer_types", None)  # one entry per block (sliding, full)
+        if isinstance(types, list):
+            text.layer_types = [types[i % len(types)] for i in range(n_layers)]
+    return config
 
 
 class _Trainable:
@@ -216,10 +234,11 @@ class _Trainable:
         return int(6 * n + 12 * a.n_layers * a.dim * seq_len)
 
 
-def build_hf_model(path: str) -> nn.Module:
+def build_hf_model(path: str, n_layers: int = 0) -> nn.Module:
     """The model of ``path``'s config.json on the meta device, with the trainer's protocol
-    (:class:`_Trainable`) and ``model.args`` (:class:`HFSourceArgs`)."""
-    config = load_hf_config(path)
+    (:class:`_Trainable`) and ``model.args`` (:class:`HFSourceArgs`); ``n_layers`` blocks
+    deep if set (:func:`_at_depth`)."""
+    config = _at_depth(load_hf_config(path), n_layers)
     from transformers import AutoModelForCausalLM
 
     try:

@@ -666,13 +666,33 @@ def test_flops_per_token(zoo, arch):
     assert model.num_flops_per_token(32) == int(6 * n + 12 * layers * 64 * 32)
 
 
-def test_the_forecast_refuses_a_hugging_face_model_in_one_line(zoo, tmp_path, capsys):
+def test_the_forecast_plans_a_hugging_face_model(zoo, tmp_path, capsys):
+    """``python -m simplesharded.tools.forecast`` on a config naming a model directory: the
+    model is built from its config.json (no weights read) and planned at tp 2 as the trainer
+    would run it, its parameters counted as transformers' model has them."""
+    from transformers import AutoModelForCausalLM
+
     from simplesharded.tools import forecast
 
     config = tmp_path / "hf.toml"
-    config.write_text(f'[model]\nname = "hf"\npath = "{zoo["llama"]}"\n')
-    with pytest.raises(SystemExit):
-        forecast.main(["--config", str(config), "--world-size", "8"])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].split(": error: ")[1].startswith(
-        "model.name='hf': the forecast traces the zoo's models"), err
+    config.write_text(f'[model]\nname = "hf"\npath = "{zoo["qwen3"]}"\n'
+                      f'[parallelism]\ntensor_parallel_degree = 2\n'
+                      f'enable_sequence_parallel = false\n[training]\nseq_len = 32\n')
+    forecast.main(["--config", str(config), "--world-size", "4", "--backends", "aot_eager"])
+    out = capsys.readouterr().out
+    n = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(zoo["qwen3"]).parameters())
+    assert f"hf:{zoo['qwen3']} ({n / 1e6:.1f}M params, 1 blocks) on 4 ranks" in out, out
+    assert "(mesh dp_shard 2 × tp 2)" in out and "| aot_eager | tp |" in out, out
+
+
+def test_a_shallower_copy_keeps_the_per_block_layer_types():
+    """The planner traces a model 4 and 6 blocks deep (models/hf_source.py _at_depth): a
+    config listing a type per block (Gemma 3's sliding and full attention) gets as many."""
+    from transformers import Gemma3TextConfig
+
+    from simplesharded.models.hf_source import _at_depth
+
+    config = Gemma3TextConfig(num_hidden_layers=8, sliding_window_pattern=3)
+    types = list(config.layer_types)
+    shallow = _at_depth(config, 4)
+    assert shallow.num_hidden_layers == 4 and shallow.layer_types == types[:4]

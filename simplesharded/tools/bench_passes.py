@@ -70,7 +70,7 @@ def main(argv=None) -> int:
         traced = trace(cfg, cfg.training.local_batch_size, ns.n_layers)
         rows = [(name, pass_times(traced, name, ns.hardware)) for name in BACKENDS]
     depth = ns.n_layers or "all"
-    print(f"{cfg.model.name}/{cfg.model.flavor} ({depth} blocks) on {ns.world_size} ranks: "
+    print(f"{cfg.model.label()} ({depth} blocks) on {ns.world_size} ranks: "
           f"fw {len(traced.fw.graph.nodes)} nodes, bw {len(traced.bw.graph.nodes)} nodes; "
           f"compile up to our graph passes {traced.trace_s:.1f} CPU s (of which our recompute "
           f"pass {traced.recompute_s:.2f} s)\n")

@@ -76,7 +76,6 @@ def main(argv=None) -> int:
     from simplesharded.pipeline.pipelining import POLICIES
     from simplesharded.trainer import check_static
     from simplesharded.trainer.preflight import check_torch
-    from simplesharded.models import MODELS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True, help="a configs/*.toml file")
     ap.add_argument("--world-size", type=int, required=True)
@@ -109,11 +108,6 @@ def main(argv=None) -> int:
     try:
         hw = get_hardware(ns.hardware)
         cfg = load_config(ns.config, rest)
-        if cfg.model.name == "hf":  # traced at 4 and 6 blocks: a depth of the zoo's models
-            raise ValueError(f"model.name='hf': the forecast traces the zoo's models at a "
-                             f"depth of its choosing, which a Hugging Face model's config.json "
-                             f"fixes; forecast the zoo model of the same shape instead "
-                             f"(model.name one of {sorted(MODELS)})")
         bad = sorted(set(ns.backends) - set(BACKENDS))
         if bad:
             raise ValueError(f"--backends {bad} not one of {list(BACKENDS)}")
@@ -359,7 +353,7 @@ def _report(ns, cfg, hw, evaluated, keeps, sizes, n_layers, t0) -> tuple[str, fl
     mesh = " × ".join(f"{name} {n}" for name, n in degrees.dims())
     if degrees.ep > 1 and degrees.cp > 1:  # the ep mesh; cp is its sibling (mesh.py)
         mesh += f", cp {degrees.cp} beside ep (both over dp_shard {degrees.shard} × cp)"
-    print(f"{cfg.model.name}/{cfg.model.flavor} ({size} params, {n_layers} "
+    print(f"{cfg.model.label()} ({size} params, {n_layers} "
           f"blocks) on {ns.world_size} ranks of {hw.name} (mesh {mesh}), mode {p.mode}, "
           f"{local_batch} × {t.seq_len} tokens per dp rank, AC "
           f"{cfg.activation_checkpoint.mode}; {how}, traced and simulated in "
@@ -409,7 +403,7 @@ def _report(ns, cfg, hw, evaluated, keeps, sizes, n_layers, t0) -> tuple[str, fl
     if ns.timeline:
         shown = "" if sizes == [None] else f" (first {sizes[-1]} blocks)"
         draw_timeline(ns.timeline, last["fw_sched"], last["bw_sched"],
-                      f"{cfg.model.name}/{cfg.model.flavor}{shown}, {ns.world_size} × "
+                      f"{cfg.model.label()}{shown}, {ns.world_size} × "
                       f"{hw.name}, backend {name}")
         print(f"timeline written to {ns.timeline}")
     return name, static + act, rate

@@ -219,7 +219,7 @@ def run(cfg, ns, hw, cap, t0, traced_numbers) -> int:
     # cp rank its head-tail chunks of them
     nbytes = mb * (t.seq_len // cp) * args.dim * act_bytes
     link = p2p_link(world, pp, hw)
-    print(f"{cfg.model.name}/{cfg.model.flavor} ({args.n_layers} blocks) on {world} ranks of "
+    print(f"{cfg.model.label()} ({args.n_layers} blocks) on {world} ranks of "
           f"{hw.name}: pp {pp} x dp {dp} (shard {sp.data_parallel_shard_degree}) x cp {cp} x tp "
           f"{tp}; {m} micro-batches of {mb} x {t.seq_len} tokens per pipeline step (local batch "
           f"{local_batch}), AC {cfg.activation_checkpoint.mode}, backend {name}; per-block "
@@ -277,7 +277,7 @@ def run(cfg, ns, hw, cap, t0, traced_numbers) -> int:
     if ns.timeline:
         from simplesharded.tools.pp_timeline import draw_pipeline
         plan, _, step = results[0]
-        draw_pipeline(ns.timeline, step, f"{cfg.model.name}/{cfg.model.flavor}, {world} x "
+        draw_pipeline(ns.timeline, step, f"{cfg.model.label()}, {world} x "
                       f"{hw.name}, pp {pp} {plan.schedule} ({plan.policy}), {m} micro-batches")
         print(f"\ntimeline written to {ns.timeline}")
     return 0

@@ -79,14 +79,27 @@ class Model:
         return {"n_layers": self.n_layers} if self.n_layers else {}
 
     def spec(self):
-        """(class, args) of the zoo model this names, at its depth."""
+        """(class, args) of the zoo model this names, at its depth; for name 'hf', the
+        builder and args of the model in ``path`` (models/hf_source.py)."""
+        if self.name == "hf":
+            from simplesharded.models import hf_source
+            return hf_source.build_hf_model, hf_source.read_args(self.path, self.n_layers)
         from simplesharded.models import get_model_spec
         return get_model_spec(self.name, self.flavor, **self.overrides())
 
     def build(self, device="meta"):
-        """The zoo model this names, at its depth, on ``device``."""
+        """The model this names, at its depth, on ``device`` (name 'hf': on meta only, its
+        weights read by the trainer)."""
+        if self.name == "hf":
+            from simplesharded.models import hf_source
+            assert device == "meta", device
+            return hf_source.build_hf_model(self.path, self.n_layers)
         from simplesharded.models import build_model
         return build_model(self.name, self.flavor, device=device, **self.overrides())
+
+    def label(self) -> str:
+        """The model as logs name it: ``hf:<path>``, or ``<name>/<flavor>``."""
+        return f"hf:{self.path}" if self.name == "hf" else f"{self.name}/{self.flavor}"
 
 
 @dataclass
