@@ -35,7 +35,7 @@ from unittest import mock
 import torch
 from torch import nn
 
-from simplesharded.models.loss import lm_loss
+from simplesharded.models.loss import IGNORE_INDEX, lm_loss
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
@@ -195,12 +195,42 @@ class _Trainable:
     def forward(self, tokens, labels=None, loss_chunks: int = 0):
         """Summed cross-entropy of the next-token logits against ``labels`` (already shifted
         by the data loader), or the logits when ``labels`` is None. The head is applied by
-        ``lm_loss``, so long sequences never hold full fp32 logits (training.loss_chunks)."""
-        hidden = self.base_model(input_ids=tokens, use_cache=False)[0]
+        ``lm_loss``, so long sequences never hold full fp32 logits (training.loss_chunks).
+        A MoE whose config asks for its router's load-balancing loss
+        (``output_router_logits``) adds it as transformers' own causal LM does
+        (:meth:`_router_loss`), from the router logits :func:`_record_router_logits`'s hooks
+        collect during this forward."""
+        routers = getattr(self, "_routers", 0)
+        balance = labels is not None and routers > 0
+        if balance:
+            self._router_logits = []
+        # transformers' own collection off (its hooks would break the graph): ours collect
+        hidden = self.base_model(input_ids=tokens, use_cache=False,
+                                 **({"output_router_logits": False} if routers else {}))[0]
         head = self.get_output_embeddings()
         if labels is None:
             return head(hidden)
-        return lm_loss(hidden, head, labels, loss_chunks)
+        loss = lm_loss(hidden, head, labels, loss_chunks)
+        if not balance:
+            return loss
+        logits, self._router_logits = tuple(self._router_logits), None
+        return loss + self._router_loss(logits, labels)
+
+    def _router_loss(self, router_logits, labels):
+        """transformers' load-balancing loss of the model's own module
+        (``load_balancing_loss_func``: Mixtral's, Qwen-MoE's, ...) times the config's
+        ``router_aux_loss_coef``, as its causal LM adds it to the mean cross-entropy. Here the
+        loss is a sum the trainer divides by the step's token count, so it is weighted by this
+        rank's tokens: one process gets transformers' loss exactly, data-parallel ranks the
+        token-weighted mean of their batches' balancing losses."""
+        import sys
+
+        func = next(vars(sys.modules[c.__module__])["load_balancing_loss_func"]
+                    for c in type(self).__mro__
+                    if "load_balancing_loss_func" in vars(sys.modules[c.__module__]))
+        balance = func(router_logits, self.num_experts, self.num_experts_per_tok)
+        tokens = (labels != IGNORE_INDEX).sum()
+        return self.config.router_aux_loss_coef * balance.float() * tokens
 
     def tp_styles(self, sequence_parallel: bool = False, loss_parallel: bool = False) -> dict:
         """Tensor parallelism as ``parallelize_module(model, mesh["tp"], styles)`` takes it:
@@ -255,7 +285,34 @@ def build_hf_model(path: str, n_layers: int = 0) -> nn.Module:
     cls = type(model)
     model.__class__ = type(cls.__name__, (_Trainable, cls), {})
     model.args = HFSourceArgs.from_config(path, config)
+    if getattr(config.get_text_config(), "output_router_logits", False):
+        _record_router_logits(model, path)
     return model
+
+
+def _record_router_logits(model: nn.Module, path: str) -> None:
+    """Forward hooks on the model's routers that hand their logits to the forward that asks
+    (``model._router_logits``, a list while a training forward runs). transformers collects
+    them itself when called with ``output_router_logits=True``, but installs its hooks under a
+    lock that dynamo cannot trace (a graph break); these are installed once, here, and trace.
+    Which module is a router, and which of its outputs are the logits, is transformers' own
+    record of them (``_can_record_outputs["router_logits"]``)."""
+    recorder = getattr(type(model), "_can_record_outputs", {}).get("router_logits")
+    target = getattr(recorder, "target_class", None)
+    routers = [m for m in model.modules() if target is not None and isinstance(m, target)]
+    if not routers:
+        raise ValueError(f"model.path={path!r}: config.json sets output_router_logits, but "
+                         f"{type(model).__name__} names no router module whose logits the "
+                         f"load-balancing loss reads; set it to false")
+    index = recorder.index
+
+    def hook(module, args, out):
+        if model._router_logits is not None:
+            model._router_logits.append(out[index] if isinstance(out, tuple) else out)
+
+    for m in routers:
+        m.register_forward_hook(hook)
+    model._routers, model._router_logits = len(routers), None
 
 
 def check_context_parallel(path: str) -> None:

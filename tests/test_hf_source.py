@@ -696,3 +696,36 @@ def test_a_shallower_copy_keeps_the_per_block_layer_types():
     types = list(config.layer_types)
     shallow = _at_depth(config, 4)
     assert shallow.num_hidden_layers == 4 and shallow.layer_types == types[:4]
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_moe_asking_for_its_balancing_loss_gets_transformers_loss(tmp_path, compiled):
+    """A Mixtral whose config sets output_router_logits: the trainer's forward gives, per
+    token, transformers' own loss (cross-entropy plus router_aux_loss_coef times its
+    load-balancing loss), also compiled with fullgraph (transformers' own collection of the
+    router logits would break the graph)."""
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    from simplesharded.models import hf_source
+
+    torch.manual_seed(0)
+    config = MixtralConfig(vocab_size=300, hidden_size=64, intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           num_local_experts=4, num_experts_per_tok=2,
+                           output_router_logits=True, router_aux_loss_coef=0.05)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path)
+    ours = hf_source.build_hf_model(str(tmp_path))
+    ours.to_empty(device="cpu")
+    ours.load_state_dict(ref.state_dict())
+    for name, buf in ref.named_buffers():  # RoPE's, not in the state dict
+        ours.get_buffer(name).copy_(buf)
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(1))
+    want = ref(input_ids=ids, labels=ids)
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)  # shifted, as the loader
+    run = torch.compile(ours, backend="aot_eager", fullgraph=True) if compiled else ours
+    got = run(ids, labels) / (labels != -100).sum()
+    torch._dynamo.reset()
+    assert 0.05 * want.aux_loss > 1e-2  # the balancing loss is there to see
+    assert abs(got.item() - want.loss.item()) <= 1e-5, (got, want.loss)
+    assert ours._router_logits is None  # nothing kept after the forward
