@@ -147,6 +147,7 @@ class HFSourceArgs:
     dim: int  # attention width: heads * head_dim (hidden_size unless the config says)
     n_heads: int
     n_kv_heads: int
+    hidden_size: int  # the width of the hidden states between blocks
 
     @classmethod
     def from_config(cls, path: str, config) -> "HFSourceArgs":
@@ -159,7 +160,8 @@ class HFSourceArgs:
                    max_seq_len=_get(text, "max_position_embeddings", "n_positions",
                                     default=2**31 - 1),
                    n_layers=_get(text, "num_hidden_layers", "n_layer"), dim=dim,
-                   n_heads=heads, n_kv_heads=_get(text, "num_key_value_heads", default=heads))
+                   n_heads=heads, n_kv_heads=_get(text, "num_key_value_heads", default=heads),
+                   hidden_size=hidden)
 
     def check_tp(self, tp: int) -> None:
         """ValueError when the model cannot split over ``tp`` ranks
@@ -204,10 +206,15 @@ class _Trainable:
         balance = labels is not None and routers > 0
         if balance:
             self._router_logits = []
+        # A pipeline stage without the embedding takes the previous stage's hidden states.
+        first = self.get_input_embeddings() is not None
         # transformers' own collection off (its hooks would break the graph): ours collect
-        hidden = self.base_model(input_ids=tokens, use_cache=False,
+        hidden = self.base_model(**{"input_ids" if first else "inputs_embeds": tokens},
+                                 use_cache=False,
                                  **({"output_router_logits": False} if routers else {}))[0]
         head = self.get_output_embeddings()
+        if head is None:  # a pipeline stage before the last: its hidden states
+            return hidden
         if labels is None:
             return head(hidden)
         loss = lm_loss(hidden, head, labels, loss_chunks)
@@ -231,6 +238,14 @@ class _Trainable:
         balance = func(router_logits, self.num_experts, self.num_experts_per_tok)
         tokens = (labels != IGNORE_INDEX).sum()
         return self.config.router_aux_loss_coef * balance.float() * tokens
+
+    def stage_stand_in(self, fqn: str) -> nn.Module | None:
+        """What a pipeline stage keeps where the modules after the last block were cut
+        (simplesharded/pipeline/stage_split.py): the base model's forward applies its final
+        norm unconditionally, so a stage before the last gets an identity there (no
+        parameters: the stage's names stay the model's)."""
+        prefix = self.base_model_prefix
+        return nn.Identity() if fqn == f"{prefix}.norm" else None
 
     def tp_styles(self, sequence_parallel: bool = False, loss_parallel: bool = False) -> dict:
         """Tensor parallelism as ``parallelize_module(model, mesh["tp"], styles)`` takes it:
@@ -313,6 +328,34 @@ def _record_router_logits(model: nn.Module, path: str) -> None:
     for m in routers:
         m.register_forward_hook(hook)
     model._routers, model._router_logits = len(routers), None
+
+
+# Families whose base model's forward runs a stage's blocks unchanged: input_ids or
+# inputs_embeds in, the same mask and rotary embedding for every block, the final norm, and no
+# other module outside the blocks (GPT-2's position embedding, Gemma's embedding scale in the
+# forward, per-block attention types indexed by position in the stage would not).
+PIPELINE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def check_pipeline(path: str) -> None:
+    """ValueError when the model of ``path`` cannot be cut into pipeline stages here, from its
+    config alone: a family not in :data:`PIPELINE_FAMILIES`, attention types that differ
+    between blocks, or a head tied to the embedding (two stages would share it)."""
+    config = load_hf_config(path)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    kind = getattr(text, "model_type", type(config).__name__)
+    if kind not in PIPELINE_FAMILIES:
+        raise ValueError(f"{type(config).__name__} (model_type {kind!r}) is not cut into "
+                         f"pipeline stages here (families: {list(PIPELINE_FAMILIES)}); use 1")
+    types = set(getattr(text, "layer_types", None) or ())
+    if len(types) > 1:
+        raise ValueError(f"{type(config).__name__}: its blocks' attention differs "
+                         f"(layer_types {sorted(types)}), which a stage would index wrongly; "
+                         f"use 1")
+    if getattr(text, "tie_word_embeddings", False):
+        raise ValueError(f"{type(config).__name__}: tie_word_embeddings=true ties the head "
+                         f"to the embedding, which the first and last stages cannot share; "
+                         f"use 1")
 
 
 def check_context_parallel(path: str) -> None:

@@ -180,17 +180,19 @@ def test_preflight_error_lines(argv, world, expected, capsys, monkeypatch):
     assert _error(argv, world, capsys, monkeypatch) == expected
 
 
-def test_preflight_refuses_hugging_face_models(tmp_path, capsys, monkeypatch):
+def test_preflight_refuses_hugging_face_models_it_cannot_cut(tmp_path, capsys, monkeypatch):
+    """A Hugging Face model outside the families cut here is one line naming its path
+    (models/hf_source.py check_pipeline; a Llama is cut: tests/test_hf_source.py)."""
     import json
 
     (tmp_path / "config.json").write_text(json.dumps({
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
-        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "num_hidden_layers": 2, "vocab_size": 512, "max_position_embeddings": 256}))
+        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 64,
+        "n_head": 4, "n_layer": 2, "vocab_size": 512, "n_positions": 256}))
     got = _error([*PP2, "--model.name", "hf", "--model.path", str(tmp_path),
                   "--training.seq_len", "128"], 4, capsys, monkeypatch)
-    assert got == ("parallelism.pipeline_parallel_degree=2: Hugging Face models "
-                   "(model.name='hf') cannot be cut into pipeline stages yet; use 1")
+    assert got == (f"parallelism.pipeline_parallel_degree=2 with model.path='{tmp_path}': "
+                   f"GPT2Config (model_type 'gpt2') is not cut into pipeline stages here "
+                   f"(families: ['llama', 'mistral', 'qwen2', 'qwen3']); use 1")
 
 
 def test_preflight_passes_the_readme_command(capsys, monkeypatch):

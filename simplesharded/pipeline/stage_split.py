@@ -12,7 +12,9 @@ a stage the values the whole model would have.
 
 The model's forward must accept a stage's input: tokens where it has its embedding, hidden
 states otherwise, and return hidden states where it has no output head (the zoo models do:
-``tok_embeddings is None`` / ``output is None``). Parameters and buffers of the root itself
+``tok_embeddings is None`` / ``output is None``). A model whose forward calls a module after
+the blocks unconditionally names what stands in for it where it was cut
+(``model.stage_stand_in(fqn)``: a Hugging Face model's final norm becomes an identity). Parameters and buffers of the root itself
 stay on every stage (a RoPE table); a parameter-holding module between two blocks, or a
 parameter tied across stages (GPT's embedding and head), cannot be staged: a ``ValueError``
 names it.
@@ -165,7 +167,8 @@ def cut_stage(model: nn.Module, plan: StagePlan, all_blocks: Sequence[str],
         if fqn in all_blocks:
             del parent._modules[child]  # the other keys keep their names: FQNs unchanged
         else:
-            setattr(parent, child, None)
+            stand_in = getattr(model, "stage_stand_in", lambda _: None)(fqn)
+            setattr(parent, child, stand_in)
     return stage
 
 
@@ -205,9 +208,9 @@ def _merge(dst: nn.Module, src: nn.Module) -> None:
         if b is not None and name not in src._non_persistent_buffers_set:
             dst._buffers.setdefault(name, b)
     for name, child in src._modules.items():
-        if child is None:
-            continue
-        if dst._modules.get(name) is None:
+        if child is None or _holds_nothing(child) and dst._modules.get(name) is not None:
+            continue  # a stage's stand-in for what another stage holds adds nothing
+        if dst._modules.get(name) is None or _holds_nothing(dst._modules[name]):
             # a container of blocks gets its own merged copy; any other module is shared
             if any(c is not None for c in child._modules.values()) and not child._parameters:
                 dst._modules[name] = nn.Module()
@@ -216,3 +219,10 @@ def _merge(dst: nn.Module, src: nn.Module) -> None:
                 dst._modules[name] = child
         elif dst._modules[name] is not child:
             _merge(dst._modules[name], child)
+
+
+def _holds_nothing(module: nn.Module) -> bool:
+    """No parameter in ``module`` or below (a stage's stand-in, ``stage_stand_in``): the view
+    takes another stage's module in its place rather than merging into it, which would give
+    the stand-in that stage's parameters."""
+    return next(module.parameters(), None) is None

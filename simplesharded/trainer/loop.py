@@ -91,20 +91,22 @@ class Trainer:
         self.step_fn = parallelize(model, self.mesh, cfg, observer=observer,
                                    loss_fn=pipeline_loss(self._denominator()))
         self.pipeline = self.step_fn if isinstance(self.step_fn, Pipeline) else None
-        if self.pipeline is not None:
-            for stage in self.pipeline.modules:  # each the model's values for its tensors
-                init_sharded(stage, seed=cfg.job.seed)
-            self.model_info = model  # the whole model (meta): what a checkpoint says it is
-            model = self.pipeline.model  # this rank's stages, under the model's names
-        elif hf:
-            how = hf_loading.materialize(model, cfg.job.seed)
+        # Each rank fills only its shards (or its stages'), on the mesh's device: a Hugging
+        # Face model's from its files (or its init), by name; a zoo model's with its slice of
+        # the same full values at any world size and tp / ep degree (storage/init.py).
+        parts = self.pipeline.modules if self.pipeline is not None else [model]
+        for part in parts:
+            if hf:
+                how = hf_loading.materialize(part, cfg.job.seed)
+            else:
+                init_sharded(part, seed=cfg.job.seed)
+        if hf:
             tok = cfg.model.tokenizer_path or "built-in bytes"
             self._print(f"[simplesharded] model.path={cfg.model.path!r}: weights {how}, "
                         f"tokenizer {tok}")
-        else:
-            # Each rank fills only its shards, on the mesh's device, with its slice of the
-            # same full values at any world size and tp / ep degree (simplesharded/storage/init.py).
-            init_sharded(model, seed=cfg.job.seed)
+        if self.pipeline is not None:
+            self.model_info = model  # the whole model (meta): what a checkpoint says it is
+            model = self.pipeline.model  # this rank's stages, under the model's names
         self.model = model
         if self.pipeline is None:
             self.model_info = model

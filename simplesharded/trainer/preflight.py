@@ -123,8 +123,10 @@ def _check_pipeline(cfg: Config) -> None:
     p = cfg.parallelism
     key = f"parallelism.pipeline_parallel_degree={p.pipeline_parallel_degree}"
     if cfg.model.name == HF:
-        raise ValueError(f"{key}: Hugging Face models (model.name='hf') cannot be cut into "
-                         f"pipeline stages yet; use 1")
+        try:
+            hf_source.check_pipeline(cfg.model.path)
+        except ValueError as e:
+            raise ValueError(f"{key} with model.path={cfg.model.path!r}: {e}") from None
     model = cfg.model.build()
     split = p.pipeline_parallel_layers_per_stage
     try:
@@ -133,7 +135,7 @@ def _check_pipeline(cfg: Config) -> None:
         if split:
             key = f"parallelism.pipeline_parallel_layers_per_stage={split}"
         raise ValueError(f"{key} (schedule {p.pipeline_parallel_schedule}, model "
-                         f"{cfg.model.name}/{cfg.model.flavor}): {e}") from None
+                         f"{cfg.model.label()}): {e}") from None
 
 
 def _check_zoo(cfg: Config):

@@ -195,7 +195,8 @@ def parallelize(model: torch.nn.Module, mesh, cfg: Config, backend=None, observe
         model, mesh, schedule=p.pipeline_parallel_schedule,
         n_microbatches=t.local_batch_size // mb, loss_fn=loss_fn, prepare=prepare,
         microbatch=torch.empty(mb, tokens, dtype=torch.long, device="meta"),
-        hidden=torch.empty(mb, tokens, a.dim, dtype=act, device="meta"),
+        hidden=torch.empty(mb, tokens, getattr(a, "hidden_size", a.dim), dtype=act,
+                           device="meta"),
         output=torch.empty(mb, tokens, a.vocab_size, dtype=act, device="meta"),
         n_stages=pipeline_stages(p), layers_per_stage=p.pipeline_parallel_layers_per_stage or None,
         policy=p.pipeline_fsdp_policy, memory_cap_mb=c.memory_cap_mb, param_dtype=pdt)
