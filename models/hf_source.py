@@ -34,6 +34,7 @@ from unittest import mock
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from simplesharded.models.loss import IGNORE_INDEX, lm_loss
 
@@ -213,8 +214,8 @@ class _Trainable:
                                  use_cache=False,
                                  **({"output_router_logits": False} if routers else {}))[0]
         head = self.get_output_embeddings()
-        if head is None:  # a pipeline stage before the last: its hidden states
-            return hidden
+        if head is None:  # a pipeline stage before the last: its hidden states, whole
+            return hidden.full_tensor() if isinstance(hidden, DTensor) else hidden
         if labels is None:
             return head(hidden)
         loss = lm_loss(hidden, head, labels, loss_chunks)

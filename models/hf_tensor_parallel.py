@@ -4,29 +4,41 @@ A transformers config names how its model splits over tensor-parallel ranks
 (``base_model_tp_plan``: module patterns such as ``layers.*.self_attn.q_proj`` → ``"colwise"``),
 for transformers' ``from_pretrained(tp_plan=...)``. Its ``"colwise"`` and ``"rowwise"`` are
 torch's ``ColwiseParallel`` and ``RowwiseParallel`` (Megatron's split of attention by heads and
-of the MLP by hidden units: one all-reduce after each ``rowwise``), so :func:`tp_styles` hands
-the same plan to ``parallelize_module`` on the trainer's tp mesh. The attention modules
-reshape by ``-1`` heads and keep their query-per-key-value ratio, so each rank runs its own
-heads unchanged. The output head splits by vocabulary (its logits gathered, or kept sharded
-for ``loss_parallel``) unless it is tied to the input embedding, which, like the embedding
-and every norm, stays whole on each tp rank (their gradients are equal there: their inputs
-are).
+of the MLP by hidden units), so :func:`tp_styles` hands the same plan to ``parallelize_module``
+on the trainer's tp mesh. The attention modules reshape by ``-1`` heads and keep their
+query-per-key-value ratio, so each rank runs its own heads unchanged. A norm over each rank's
+heads (``q_norm``, ``k_norm``: transformers' ``"replicated_with_grad_allreduce"``) keeps its
+weight whole and sums its gradient over tp (:func:`_norm_of_heads`).
 
-A norm over each rank's heads (``q_norm``, ``k_norm``: transformers'
-``"replicated_with_grad_allreduce"``) keeps its weight whole and sums its gradient over tp
-(:func:`_norm_of_heads`).
+Sequence parallelism (the trainer's default, torchtitan's plan for its Llama): the hidden
+states between the blocks' matmuls are DTensors sharded on the sequence dim, so the residual
+adds and every norm outside attention run on 1/tp of the tokens; each attention and MLP
+gathers its input once (:class:`_HiddenStates`), and each ``rowwise`` output is
+reduce-scattered back to sequence shards instead of all-reduced. The base model's own code
+(mask, positions, rotary embedding) reads the DTensor's global shape, so it is unchanged.
+Without it, each ``rowwise`` output is all-reduced and the rest is whole on every tp rank.
+
+The embedding splits by vocabulary and the head by vocabulary too (its logits gathered, or
+kept sharded for ``loss_parallel``), unless they are tied: then both stay whole on each tp
+rank (under sequence parallelism the embedding's output is cut to this rank's tokens, and the
+head's input gathered). A pipeline stage without the embedding cuts its input to this rank's
+tokens; one without the head returns its hidden states whole (models/hf_source.py).
 
 Not covered, refused before training (:func:`check_tp`): any other style of transformers'
-(packed or grouped experts, its own sequence parallelism), and sequence parallelism of ours:
-activations between blocks stay whole on each tp rank.
+(packed or grouped experts, its own sequence parallelism).
 """
 from __future__ import annotations
 
 import re
 
+import torch
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle,
+                                               PrepareModuleInput, PrepareModuleOutput,
+                                               RowwiseParallel, SequenceParallel)
+
+SEQ = Shard(1)  # hidden states [batch, seq, hidden] under sequence parallelism
 
 
 def _norm_of_heads() -> SequenceParallel:
@@ -74,21 +86,89 @@ def check_tp(config, tp: int) -> None:
                          + ", ".join(f"{k}={v}" for k, v in bad.items()))
 
 
+class _HiddenStates(ParallelStyle):
+    """A module's hidden-state input (its first positional argument, or ``hidden_states=``:
+    transformers calls attention by keyword and the MLP positionally) redistributed from
+    ``src`` to ``dst``, a DTensor; a plain tensor is taken as laid out as ``src``."""
+
+    def __init__(self, src, dst):
+        super().__init__()
+        self.src, self.dst = src, dst
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def convert(t):
+            if not isinstance(t, torch.Tensor):
+                return t
+            if not isinstance(t, DTensor):
+                t = DTensor.from_local(t, device_mesh, (self.src,), run_check=False)
+            return t.redistribute(device_mesh, (self.dst,))
+
+        def hook(_, args, kwargs):
+            if args:
+                return (convert(args[0]), *args[1:]), kwargs
+            if "hidden_states" in kwargs:
+                return args, {**kwargs, "hidden_states": convert(kwargs["hidden_states"])}
+            return None
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return isinstance(module, nn.LayerNorm) or type(module).__name__.endswith(
+        ("RMSNorm", "LayerNorm"))
+
+
 def tp_styles(model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> dict:
-    """``parallelize_module``'s plan for ``model``: module FQN → torch ParallelStyle."""
-    if sequence_parallel:  # refused earlier, in the trainer's preflight
-        raise ValueError("a Hugging Face model's tensor parallelism runs without sequence "
-                         "parallelism here (--no-parallelism.enable_sequence_parallel)")
+    """``parallelize_module``'s plan for ``model`` (or a pipeline stage of it, whose other
+    modules are absent): module FQN → torch ParallelStyle (module doc)."""
     prefix = model.base_model_prefix
-    names = [n for n, _ in model.get_submodule(prefix).named_modules()]
-    styles = {}
+    base = model.get_submodule(prefix)
+    names = [n for n, _ in base.named_modules()]
+    seq = sequence_parallel
+    styles, split_parents, norms = {}, set(), set()
     for pattern, style in _plan(model.config).items():
         regex = re.compile(re.escape(pattern).replace(r"\*", r"\d+"))
         for n in filter(regex.fullmatch, names):
-            styles[f"{prefix}.{n}"] = STYLES[style]()
+            if style == "rowwise" and seq:  # reduce-scattered to this rank's tokens
+                styles[f"{prefix}.{n}"] = RowwiseParallel(output_layouts=SEQ,
+                                                          use_local_output=False)
+            else:
+                styles[f"{prefix}.{n}"] = STYLES[style]()
+            if style == "colwise":
+                split_parents.add(n.rpartition(".")[0])
+            if style == "replicated_with_grad_allreduce":
+                norms.add(n)
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
-    if head.weight is not embedding.weight:
-        head_name = next(n for n, m in model.named_modules() if m is head)
-        styles[head_name] = (ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
-                             if loss_parallel else ColwiseParallel(output_layouts=Replicate()))
+    tied = head is not None and embedding is not None and head.weight is embedding.weight
+    if seq:
+        for parent in split_parents:  # one gather of the input per attention and MLP
+            styles[f"{prefix}.{parent}"] = _HiddenStates(SEQ, Replicate())
+        for n, m in base.named_modules():  # residual-stream norms on this rank's tokens
+            if _is_norm(m) and n not in norms and n.rpartition(".")[0] not in split_parents:
+                styles[f"{prefix}.{n}"] = SequenceParallel()
+        blocks = [n for n in names if re.fullmatch(r"layers\.\d+", n)]
+        if embedding is None and blocks:  # a later pipeline stage: cut its whole input
+            styles[f"{prefix}.{blocks[0]}"] = _HiddenStates(Replicate(), SEQ)
+    if embedding is not None:
+        name = next(n for n, m in model.named_modules() if m is embedding)
+        if not tied:
+            styles[name] = RowwiseParallel(input_layouts=Replicate(),
+                                           output_layouts=SEQ if seq else Replicate(),
+                                           use_local_output=not seq)
+        elif seq:
+            styles[name] = PrepareModuleOutput(output_layouts=Replicate(),
+                                               desired_output_layouts=SEQ,
+                                               use_local_output=False)
+    if head is not None:
+        name = next(n for n, m in model.named_modules() if m is head)
+        into = SEQ if seq else Replicate()
+        if not tied:
+            styles[name] = (ColwiseParallel(input_layouts=into, output_layouts=Shard(-1),
+                                            use_local_output=False) if loss_parallel else
+                            ColwiseParallel(input_layouts=into, output_layouts=Replicate()))
+        elif seq:
+            styles[name] = PrepareModuleInput(input_layouts=(SEQ,),
+                                              desired_input_layouts=(Replicate(),),
+                                              use_local_output=True)
     return styles

@@ -305,8 +305,7 @@ def _job(rank: int, world: int, dirs: dict[str, Path], dump: str) -> dict:
         out["llama_cp2"] = [trainer.train_step()["loss"] for _ in range(STEPS)]
         torch._dynamo.reset()
     # tensor parallel degree 2 (dp 1), compiled, against one eager process
-    tp = ([*RUNS["llama"], "--parallelism.tensor_parallel_degree", "2",
-           "--no-parallelism.enable_sequence_parallel"] if world > 1 else [])
+    tp = ([*RUNS["llama"], "--parallelism.tensor_parallel_degree", "2"] if world > 1 else [])
     trainer = _trainer(dirs["qwen3"], dirs["data"], Path(dump) / "qwen3", world, tp)
     out["qwen3"] = [trainer.train_step()["loss"] for _ in range(STEPS)]
     torch._dynamo.reset()
@@ -386,9 +385,10 @@ def test_llama_at_context_parallel_2_matches_one_process(zoo):
 @pytest.mark.slow
 def test_qwen3_at_tensor_parallel_2_matches_one_process(zoo):
     """transformers' Qwen3 trained by the trainer at tensor parallel degree 2, compiled, with
-    transformers' own plan as torch's styles (models/hf_tensor_parallel.py: attention and MLP
-    split, the per-head norms' gradients summed over tp, the head split by vocabulary with
-    loss parallelism): the losses of one process."""
+    transformers' own plan as torch's styles and sequence parallelism (the trainer's default;
+    models/hf_tensor_parallel.py: attention and MLP split, the residual stream and its norms
+    on sequence shards, the per-head norms' gradients summed over tp, embedding and head
+    split by vocabulary, loss parallelism): the losses of one process."""
     dirs = tuple(sorted(zoo.items()))
     want, got = _results(1, dirs)[0]["qwen3"], _results(2, dirs)[0]["qwen3"]
     bad = [(s + 1, g, w) for s, (g, w) in enumerate(zip(got, want)) if not rel(g, w) <= 1e-5]
@@ -429,6 +429,49 @@ def test_pipeline_refusals_name_what_stops_it(tmp_path):
             check_pipeline(str(tmp_path / str(i)))
     LlamaConfig(**small).save_pretrained(tmp_path / "ok")
     check_pipeline(str(tmp_path / "ok"))
+
+
+def _tp_gradients(rank: int, world: int, dirs: dict) -> dict:
+    """The worst relative gradient difference, parameter by parameter, of transformers'
+    models at tp 2 (our styles on a plain model, no data_parallel) against the same model
+    whole, for an untied Qwen3 (norms of heads) and a tied Llama, with and without sequence
+    parallelism."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+    from transformers import AutoModelForCausalLM
+
+    from simplesharded.models.hf_tensor_parallel import tp_styles
+
+    mesh = init_device_mesh("cpu", (world,))
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for arch in ("qwen3", "llama"):
+        for sp in (True, False):
+            ref = AutoModelForCausalLM.from_pretrained(dirs[arch], attn_implementation="sdpa")
+            model = copy.deepcopy(ref)
+            parallelize_module(model, mesh, tp_styles(model, sp, loss_parallel=False))
+            ref(input_ids=ids, labels=ids).loss.backward()
+            model(input_ids=ids, labels=ids).loss.backward()
+            worst = 0.0
+            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                worst = max(worst, ((g - q.grad).abs().max() / q.grad.abs().max()).item())
+            out[(arch, sp)] = worst
+    dist.barrier()
+    return out
+
+
+@pytest.mark.slow
+def test_tensor_parallel_gradients_are_the_whole_models(zoo):
+    results = spawn(2, _tp_gradients, {k: str(v) for k, v in zoo.items()})
+    for rank, worst in enumerate(results):
+        assert sorted(worst) == [("llama", False), ("llama", True), ("qwen3", False),
+                                 ("qwen3", True)]
+        assert all(w <= 1e-5 for w in worst.values()), (rank, worst)
 
 
 def test_tensor_parallel_refusals_name_what_stops_it():
@@ -611,14 +654,7 @@ def test_unknown_name_and_tensor_parallel_are_one_line(zoo):
     with pytest.raises(ValueError, match=r"^parallelism.tensor_parallel_degree=2 does not divide "
                                          r"vocab_size=301 \(model.path='.*qwen2'\)$"):
         _check("--model.name", "hf", "--model.path", str(zoo["qwen2"]), *tp)
-    with pytest.raises(ValueError, match=r"^parallelism.enable_sequence_parallel=true with "
-                                         r"parallelism.tensor_parallel_degree=2: a Hugging Face "
-                                         r"model's tensor parallelism runs without sequence "
-                                         r"parallelism here; add "
-                                         r"--no-parallelism.enable_sequence_parallel$"):
-        _check("--model.name", "hf", "--model.path", str(zoo["llama"]), *tp)
-    _check("--model.name", "hf", "--model.path", str(zoo["llama"]), *tp,
-           "--no-parallelism.enable_sequence_parallel")
+    _check("--model.name", "hf", "--model.path", str(zoo["llama"]), *tp)  # tied: vocab whole
 
 
 def test_weights_that_would_not_load_are_one_line(tmp_path, zoo):

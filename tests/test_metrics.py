@@ -222,7 +222,7 @@ def test_trainer_resets_the_peak_after_its_first_step(tmp_path, monkeypatch):
     opt = torch.optim.SGD(params, lr=0.1)
     trainer.__dict__.update(cfg=cfg, device="cpu", rank=0, world=4, step=0,
                             tokens_per_step=4096, flops_per_token=1e6, peak=0.0,
-                            optimizer=opt,
+                            optimizer=opt, saver=None,
                             scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))
     events = []
     monkeypatch.setattr(trainer, "train_step",

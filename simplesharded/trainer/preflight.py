@@ -43,11 +43,6 @@ def check_static(cfg: Config, world_size: int) -> Config:
             args.check_tp(tp)
         except ValueError as e:
             raise ValueError(f"parallelism.{e} ({what})") from None
-    if tp > 1 and cfg.model.name == HF and cfg.parallelism.enable_sequence_parallel:
-        raise ValueError(f"parallelism.enable_sequence_parallel=true with "
-                         f"parallelism.tensor_parallel_degree={tp}: a Hugging Face model's "
-                         f"tensor parallelism runs without sequence parallelism here; add "
-                         f"--no-parallelism.enable_sequence_parallel")
     ep = cfg.parallelism.expert_parallel_degree
     if ep > 1:
         if cfg.model.name == HF:
