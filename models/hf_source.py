@@ -28,6 +28,7 @@ import contextlib
 import json
 import os
 import re
+import sys
 from dataclasses import dataclass
 from typing import Iterator
 from unittest import mock
@@ -231,8 +232,6 @@ class _Trainable:
         loss is a sum the trainer divides by the step's token count, so it is weighted by this
         rank's tokens: one process gets transformers' loss exactly, data-parallel ranks the
         token-weighted mean of their batches' balancing losses."""
-        import sys
-
         func = next(vars(sys.modules[c.__module__])["load_balancing_loss_func"]
                     for c in type(self).__mro__
                     if "load_balancing_loss_func" in vars(sys.modules[c.__module__]))

@@ -14,10 +14,10 @@ The model's forward must accept a stage's input: tokens where it has its embeddi
 states otherwise, and return hidden states where it has no output head (the zoo models do:
 ``tok_embeddings is None`` / ``output is None``). A model whose forward calls a module after
 the blocks unconditionally names what stands in for it where it was cut
-(``model.stage_stand_in(fqn)``: a Hugging Face model's final norm becomes an identity). Parameters and buffers of the root itself
-stay on every stage (a RoPE table); a parameter-holding module between two blocks, or a
-parameter tied across stages (GPT's embedding and head), cannot be staged: a ``ValueError``
-names it.
+(``model.stage_stand_in(fqn)``: a Hugging Face model's final norm becomes an identity).
+Parameters and buffers of the root itself stay on every stage (a RoPE table); a
+parameter-holding module between two blocks, or a parameter tied across stages (GPT's
+embedding and head), cannot be staged: a ``ValueError`` names it.
 
 Which stages a pp rank holds: "loop" puts stage ``s`` on rank ``s % pp`` (1F1B, the
 interleaved schedules), "v" folds the second half back (ZBV: rank ``r`` holds ``r`` and
