@@ -183,9 +183,8 @@ def _at_depth(config, n_layers: int):
     blocks deep and extrapolates (simplesharded/tools/forecast.py); the trainer trains the
     config's depth."""
     if n_layers:
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        key = "num_hidden_layers" if hasattr(text, "num_hidden_layers") else "n_layer"
-        setattr(text, key, n_layers)
+        text = config.get_text_config()
+        text.num_hidden_layers = n_layers  # (GPT-2's n_layer through its attribute map)
         types = getattr(text, "layer_types", None)  # one entry per block (sliding, full)
         if isinstance(types, list):
             text.layer_types = [types[i % len(types)] for i in range(n_layers)]
@@ -204,8 +203,8 @@ class _Trainable:
         (``output_router_logits``) adds it as transformers' own causal LM does
         (:meth:`_router_loss`), from the router logits :func:`_record_router_logits`'s hooks
         collect during this forward."""
-        routers = getattr(self, "_routers", 0)
-        balance = labels is not None and routers > 0
+        recording = getattr(self, "_balance", None) is not None
+        balance = labels is not None and recording
         if balance:
             self._router_logits = []
         # A pipeline stage without the embedding takes the previous stage's hidden states.
@@ -213,7 +212,7 @@ class _Trainable:
         # transformers' own collection off (its hooks would break the graph): ours collect
         hidden = self.base_model(**{"input_ids" if first else "inputs_embeds": tokens},
                                  use_cache=False,
-                                 **({"output_router_logits": False} if routers else {}))[0]
+                                 **({"output_router_logits": False} if recording else {}))[0]
         head = self.get_output_embeddings()
         if head is None:  # a pipeline stage before the last: its hidden states, whole
             return hidden.full_tensor() if isinstance(hidden, DTensor) else hidden
@@ -226,16 +225,13 @@ class _Trainable:
         return loss + self._router_loss(logits, labels)
 
     def _router_loss(self, router_logits, labels):
-        """transformers' load-balancing loss of the model's own module
-        (``load_balancing_loss_func``: Mixtral's, Qwen-MoE's, ...) times the config's
-        ``router_aux_loss_coef``, as its causal LM adds it to the mean cross-entropy. Here the
-        loss is a sum the trainer divides by the step's token count, so it is weighted by this
-        rank's tokens: one process gets transformers' loss exactly, data-parallel ranks the
-        token-weighted mean of their batches' balancing losses."""
-        func = next(vars(sys.modules[c.__module__])["load_balancing_loss_func"]
-                    for c in type(self).__mro__
-                    if "load_balancing_loss_func" in vars(sys.modules[c.__module__]))
-        balance = func(router_logits, self.num_experts, self.num_experts_per_tok)
+        """transformers' load-balancing loss of the model's own module (``self._balance``,
+        :func:`_record_router_logits`) times the config's ``router_aux_loss_coef``, as its
+        causal LM adds it to the mean cross-entropy. Here the loss is a sum the trainer
+        divides by the step's token count, so it is weighted by this rank's tokens: one
+        process gets transformers' loss exactly, data-parallel ranks the token-weighted mean
+        of their batches' balancing losses."""
+        balance = self._balance(router_logits, self.num_experts, self.num_experts_per_tok)
         tokens = (labels != IGNORE_INDEX).sum()
         return self.config.router_aux_loss_coef * balance.float() * tokens
 
@@ -311,11 +307,16 @@ def _record_router_logits(model: nn.Module, path: str) -> None:
     them itself when called with ``output_router_logits=True``, but installs its hooks under a
     lock that dynamo cannot trace (a graph break); these are installed once, here, and trace.
     Which module is a router, and which of its outputs are the logits, is transformers' own
-    record of them (``_can_record_outputs["router_logits"]``)."""
+    record of them (``_can_record_outputs["router_logits"]``); the loss is the
+    ``load_balancing_loss_func`` of the model's own module (Mixtral's, Qwen-MoE's, ...), kept
+    as ``model._balance``."""
     recorder = getattr(type(model), "_can_record_outputs", {}).get("router_logits")
     target = getattr(recorder, "target_class", None)
     routers = [m for m in model.modules() if target is not None and isinstance(m, target)]
-    if not routers:
+    balance = next((vars(sys.modules[c.__module__])["load_balancing_loss_func"]
+                    for c in type(model).__mro__
+                    if "load_balancing_loss_func" in vars(sys.modules[c.__module__])), None)
+    if not routers or balance is None:
         raise ValueError(f"model.path={path!r}: config.json sets output_router_logits, but "
                          f"{type(model).__name__} names no router module whose logits the "
                          f"load-balancing loss reads; set it to false")
@@ -327,7 +328,7 @@ def _record_router_logits(model: nn.Module, path: str) -> None:
 
     for m in routers:
         m.register_forward_hook(hook)
-    model._routers, model._router_logits = len(routers), None
+    model._balance, model._router_logits = balance, None
 
 
 # Families whose base model's forward runs a stage's blocks unchanged: input_ids or
@@ -342,7 +343,7 @@ def check_pipeline(path: str) -> None:
     config alone: a family not in :data:`PIPELINE_FAMILIES`, attention types that differ
     between blocks, or a head tied to the embedding (two stages would share it)."""
     config = load_hf_config(path)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = config.get_text_config()
     kind = getattr(text, "model_type", type(config).__name__)
     if kind not in PIPELINE_FAMILIES:
         raise ValueError(f"{type(config).__name__} (model_type {kind!r}) is not cut into "

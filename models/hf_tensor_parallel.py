@@ -55,16 +55,16 @@ STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
           "replicated_with_grad_allreduce": _norm_of_heads}
 
 
-def _plan(config) -> dict[str, str]:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+def _plan(text) -> dict[str, str]:
+    """The plan of a model's text config (``config.get_text_config()``)."""
     return dict(getattr(text, "base_model_tp_plan", None) or {})
 
 
 def check_tp(config, tp: int) -> None:
     """ValueError naming what keeps the model of ``config`` from splitting over ``tp``
     ranks: no plan, a style not translated here, or a size ``tp`` does not divide."""
-    name = type(config).__name__
-    plan = _plan(config)
+    name, text = type(config).__name__, config.get_text_config()
+    plan = _plan(text)
     if not plan:
         raise ValueError(f"tensor_parallel_degree={tp}: {name} has no tensor-parallel plan "
                          f"(base_model_tp_plan) in transformers (use 1)")
@@ -75,7 +75,6 @@ def check_tp(config, tp: int) -> None:
         raise ValueError(f"tensor_parallel_degree={tp}: {name}'s plan splits {k} as {v!r}, "
                          f"which is not translated here (only 'colwise', 'rowwise', and "
                          f"'replicated_with_grad_allreduce' of a norm; use 1)")
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
     # the vocabulary splits with an untied head only (a tied one stays whole)
     keys = ("num_attention_heads", "num_key_value_heads", "intermediate_size",
             *(() if getattr(text, "tie_word_embeddings", False) else ("vocab_size",)))
@@ -127,7 +126,7 @@ def tp_styles(model: nn.Module, sequence_parallel: bool, loss_parallel: bool) ->
     names = [n for n, _ in base.named_modules()]
     seq = sequence_parallel
     styles, split_parents, norms = {}, set(), set()
-    for pattern, style in _plan(model.config).items():
+    for pattern, style in _plan(model.config.get_text_config()).items():
         regex = re.compile(re.escape(pattern).replace(r"\*", r"\d+"))
         for n in filter(regex.fullmatch, names):
             if style == "rowwise" and seq:  # reduce-scattered to this rank's tokens

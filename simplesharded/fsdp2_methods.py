@@ -85,10 +85,9 @@ def _prefetch_setter(direction: str) -> Callable:
     return setter
 
 
-def _hint(method: str, arg: str | None) -> Callable:
+def _hint(method: str, arg: str) -> Callable:
     def taken(self, value=None, *, recurse: bool = True) -> None:
-        if arg is not None:
-            _check_bool(method, arg, value)
+        _check_bool(method, arg, value)
 
     taken.__name__ = method
     taken.__doc__ = f"FSDP2's {method}: taken, nothing to do here (module docstring)."

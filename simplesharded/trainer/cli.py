@@ -14,7 +14,7 @@ import torch.distributed as dist
 from simplesharded.mesh import cp_dim, cp_mesh, init_distributed
 from simplesharded.trainer.config import help_text, load_config
 from simplesharded.trainer.loop import NonFiniteError, Trainer
-from simplesharded.trainer.preflight import HF, check_packages, check_static, check_torch
+from simplesharded.trainer.preflight import check_packages, check_static, check_torch
 
 EXIT_CONFIG, EXIT_NONFINITE = 2, 3
 
@@ -112,8 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             make_deterministic(device)
         trainer = Trainer(cfg, device)
         if trainer.rank == 0:
-            model = (f"hf:{cfg.model.path}" if cfg.model.name == HF
-                     else f"{cfg.model.name}/{cfg.model.flavor}")
+            model = cfg.model.label()
             if cfg.model.n_layers:
                 model += f" n_layers={cfg.model.n_layers}"
             print(f"[simplesharded] {model} world={trainer.world} "

@@ -8,8 +8,8 @@ once (the trainer's checks against ``NGPU × NNODES``: a config or degree error 
 add a traceback), then runs torchrun in this process with ``--nproc_per_node`` and
 ``-m simplesharded.trainer``; a rank that stops on an error of the run's own (a checkpoint
 that does not load, a non-finite loss: exit 2 or 3, one ``error:`` line) ends the launch with
-its code, without torchrun's traceback. One start instead of three (the environment, the preflight,
-torchrun's): a 3-step debug run on 2 CPU ranks took 7.1 s instead of 10.5.
+its code, without torchrun's traceback. One start instead of three (the environment, the
+preflight, torchrun's): a 3-step debug run on 2 CPU ranks took 7.1 s instead of 10.5.
 """
 from __future__ import annotations
 
