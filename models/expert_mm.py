@@ -1,8 +1,10 @@
-"""The grouped expert matmul of a MoE layer's "sorted" path (models/moe.py): our op
+"""The grouped expert matmul of a MoE layer's "sorted" path (models/moe.py, and a Hugging
+Face MoE's experts under expert parallelism, models/hf_expert_parallel.py): our op
 ``simplesharded::expert_mm`` (x's rows grouped by expert, each group times its expert's
 matrix), its gradient for the weights, the FLOP formulas that count both (and torch's
-``_grouped_mm``) for FlopCounterMode and the cost model, and ``uses_grouped_mm``: where
-torch's own grouped GEMM runs instead.
+``_grouped_mm``) for FlopCounterMode and the cost model, ``grouped_mm``: torch's own grouped
+GEMM where it runs (``uses_grouped_mm``), else ours, and ``by_expert``: rows laid out by
+expert for it and back.
 
 The op is a loop of one matmul per expert over its rows, opaque to the compiler (static output
 shape, data-dependent offsets read only inside), which is what lets a loop over data-dependent
@@ -97,3 +99,39 @@ def uses_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
     checks accept only bf16, with rows 16-byte aligned (dims multiple of 8)."""
     return (hasattr(torch, "_grouped_mm") and x.dtype == w.dtype == torch.bfloat16
             and x.shape[-1] % 8 == 0 and w.shape[-1] % 8 == 0)
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """x [N, d_in] grouped by expert times w [E, d_in, d_out] per group (``offs``: int32
+    group ends): torch._grouped_mm where it runs (:func:`uses_grouped_mm`), else expert_mm."""
+    if uses_grouped_mm(x, w):
+        return torch._grouped_mm(x, w, offs=offs)
+    return expert_mm(x, w, offs)
+
+
+def row_align(x: torch.Tensor, w: torch.Tensor) -> int:
+    """Row multiple each expert's group must start at: CUDA's grouped GEMM wants 16."""
+    return 16 if x.is_cuda and uses_grouped_mm(x, w) else 1
+
+
+def by_expert(src: torch.Tensor, flat: torch.Tensor, pos: torch.Tensor, kept: torch.Tensor,
+              align: int, fn, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """``fn(buf, offs)`` on ``src``'s rows laid out by expert, and its rows back in src order.
+
+    ``flat``: each src row's expert (one of ``kept.shape[0]``), ``pos`` its rank among that
+    expert's rows, ``kept`` the rows kept per expert, ``keep`` (None: all) whether a row is
+    kept. Expert e's group starts at a multiple of ``align``; T*k + E*(align-1) bounds the rows
+    used, so the buffer's size is static (no data-dependent shape). Its last row is never a
+    destination: dropped rows all land there, and the last group runs to the end so every
+    output row is defined. ``fn``: [N, dim], int32 group ends [E] -> [N, d_out]. Returns
+    [T*k, d_out], row i = fn's row for src row i."""
+    E, (Tk, D) = kept.shape[0], src.shape
+    N = Tk + E * (align - 1) + 1
+    size = (kept + align - 1) // align * align
+    ends = size.cumsum(0)
+    offs = torch.cat([ends[:-1], ends.new_full((1,), N)]).to(torch.int32)
+    dest = (ends - size)[flat] + pos
+    if keep is not None:
+        dest = torch.where(keep, dest, N - 1)
+    buf = src.new_zeros(N, D).index_add(0, dest, src)
+    return fn(buf, offs)[dest]

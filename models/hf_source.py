@@ -172,6 +172,13 @@ class HFSourceArgs:
 
         check_tp(load_hf_config(self.path), tp)
 
+    def check_ep(self, ep: int) -> None:
+        """ValueError when the model's experts cannot split over ``ep`` ranks
+        (models/hf_expert_parallel.py), read from the model built on the meta device."""
+        from .hf_expert_parallel import check_ep
+
+        check_ep(build_hf_model(self.path), ep)
+
 
 def read_args(path: str, n_layers: int = 0) -> HFSourceArgs:
     """The args of ``path``'s model, ``n_layers`` blocks deep if set (:func:`build_hf_model`)."""
@@ -249,6 +256,13 @@ class _Trainable:
         from .hf_tensor_parallel import tp_styles
 
         return tp_styles(self, sequence_parallel, loss_parallel)
+
+    def ep_styles(self) -> dict:
+        """Expert parallelism as ``parallelize_module(model, mesh["ep"], styles)`` takes it:
+        transformers' own plan (models/hf_expert_parallel.py)."""
+        from .hf_expert_parallel import ep_styles
+
+        return ep_styles(self)
 
     def num_flops_per_token(self, seq_len: int) -> int:
         """6 FLOPs per non-embedding weight (forward + backward matmuls) plus attention

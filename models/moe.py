@@ -51,7 +51,7 @@ from simplesharded.passes.annotations import ROUTING_KEY
 
 from .context_parallel import ContextParallel
 from .ep_dispatch import dispatch
-from .expert_mm import expert_mm, uses_grouped_mm
+from .expert_mm import by_expert, grouped_mm, row_align
 from .llama3 import FeedForward, Llama3, Llama3Args, ffn_tp_styles, trunc_normal_init_
 
 SCORE_FUNCS = ("softmax", "sigmoid")
@@ -134,20 +134,14 @@ class GroupedExperts(nn.Module):
         return torch.bmm(F.silu(torch.bmm(x, self.w1)) * torch.bmm(x, self.w3), self.w2)
 
     def row_align(self, x: torch.Tensor) -> int:
-        """Row multiple each expert's group must start at: CUDA's grouped GEMM wants 16."""
-        return 16 if x.is_cuda and uses_grouped_mm(x, self.w1) else 1
+        """Row multiple each expert's group must start at (models/expert_mm.py)."""
+        return row_align(x, self.w1)
 
     def forward_grouped(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """x [N, dim], rows grouped by expert; offs [n_experts] int32 group ends -> [N, dim].
         Under expert parallelism the weights are DTensors split by expert: the local ones."""
         w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))  # each read once
-        if uses_grouped_mm(x, w1):
-            def mm(a, w):
-                return torch._grouped_mm(a, w, offs=offs)
-        else:
-            def mm(a, w):
-                return expert_mm(a, w, offs)
-        return mm(F.silu(mm(x, w1)) * mm(x, w3), w2)
+        return grouped_mm(F.silu(grouped_mm(x, w1, offs)) * grouped_mm(x, w3, offs), w2, offs)
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:
@@ -286,27 +280,15 @@ class MoE(nn.Module):
         return y.view(B, S, D)
 
     def _run_sorted(self, src, flat, pos, keep, kept):
-        """Each expert's kept rows, contiguous and in token order, through a grouped matmul.
-
-        ``flat``: each src row's expert (one of ``kept.shape[0]``: all of them, or this rank's
-        under expert parallelism), ``pos`` its rank among that expert's rows, ``keep`` (None:
-        all) whether it is within capacity, ``kept`` the rows kept per expert.
-        Expert e's group starts at a multiple of `align`; T*k + E*(align-1) bounds the rows
-        used, so the buffer's size is static. Its last row is never a destination: dropped
-        rows all land there (their weight is 0), and the last group runs to the end so every
-        output row is defined. Returns [T*k, dim], row i = expert output for src row i.
-        """
-        E, (Tk, D) = kept.shape[0], src.shape
-        align = self.experts.row_align(src)
-        N = Tk + E * (align - 1) + 1
-        size = (kept + align - 1) // align * align
-        ends = size.cumsum(0)
-        offs = torch.cat([ends[:-1], ends.new_full((1,), N)]).to(torch.int32)
-        dest = (ends - size)[flat] + pos
-        if keep is not None and self.args.capacity_factor is not None:
-            dest = torch.where(keep, dest, N - 1)
-        buf = src.new_zeros(N, D).index_add(0, dest, src)
-        return self.experts.forward_grouped(buf, offs)[dest]
+        """Each expert's kept rows, contiguous and in token order, through a grouped matmul
+        (models/expert_mm.py ``by_expert``). ``flat``: each src row's expert (one of
+        ``kept.shape[0]``: all of them, or this rank's under expert parallelism), ``pos`` its
+        rank among that expert's rows, ``keep`` (None: all) whether it is within capacity,
+        ``kept`` the rows kept per expert. Returns [T*k, dim], row i = expert output for src
+        row i (a dropped row's is never used: its weight is 0)."""
+        keep = keep if self.args.capacity_factor is not None else None
+        return by_expert(src, flat, pos, kept, self.experts.row_align(src),
+                         self.experts.forward_grouped, keep)
 
     def _run_bmm(self, src, flat, pos, keep, C):
         """Every expert on a [capacity, dim] slot buffer in one bmm (dropless: capacity = T).

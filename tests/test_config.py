@@ -205,21 +205,36 @@ def test_expert_parallel_degree_checks():
         check_static(load(None, [*ep, "2"]), 2)
 
 
-def test_expert_parallel_degree_with_a_hugging_face_moe(tmp_path):
-    """A Hugging Face MoE has routed experts, but expert parallelism runs on the zoo's model
-    only: the line says so, naming the path (not the flavor a Hugging Face model lacks)."""
+def test_expert_parallel_degree_with_a_hugging_face_model(tmp_path):
+    """A Hugging Face MoE takes expert parallelism through transformers' own plan
+    (models/hf_expert_parallel.py); a degree that does not divide its experts, or a dense
+    model, is one line naming the path."""
     transformers = pytest.importorskip("transformers")
     from simplesharded.trainer import check_static
 
-    transformers.MixtralConfig(vocab_size=300, hidden_size=64, intermediate_size=64,
-                               num_hidden_layers=1, num_attention_heads=4,
-                               num_key_value_heads=2).save_pretrained(tmp_path)
+    small = dict(vocab_size=300, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                 num_attention_heads=4, num_key_value_heads=2)
+    transformers.MixtralConfig(num_local_experts=4, **small).save_pretrained(tmp_path / "moe")
+    transformers.LlamaConfig(**small).save_pretrained(tmp_path / "dense")
+
+    def check(path, ep, world):
+        return check_static(load(None, ["--model.name", "hf", "--model.path", str(path),
+                                        "--training.global_batch_size", str(2 * world),
+                                        "--parallelism.expert_parallel_degree", str(ep)]),
+                            world)
+
+    assert check(tmp_path / "moe", 2, 2).parallelism.expert_parallel_degree == 2
     with pytest.raises(ValueError) as e:
-        check_static(load(None, ["--model.name", "hf", "--model.path", str(tmp_path),
-                                 "--parallelism.expert_parallel_degree", "2"]), 2)
-    assert str(e.value).startswith(
-        "parallelism.expert_parallel_degree=2: expert parallelism runs on the zoo's MoE model "
-        f"(--model.name deepseek_v3), not on a Hugging Face model (model.path='{tmp_path}')")
+        check(tmp_path / "moe", 3, 3)
+    assert str(e.value) == ("parallelism.expert_parallel_degree=3 does not divide "
+                            f"MixtralConfig's number of experts (4) of model.path="
+                            f"'{tmp_path / 'moe'}'")
+    with pytest.raises(ValueError) as e:
+        check(tmp_path / "dense", 2, 2)
+    assert str(e.value) == ("parallelism.expert_parallel_degree=2: LlamaConfig has no "
+                            "expert-parallel plan (base_model_ep_plan naming "
+                            "'ep_dispatch_experts' modules) in transformers (use 1) of "
+                            f"model.path='{tmp_path / 'dense'}'")
 
 
 def test_model_n_layers():

@@ -313,6 +313,8 @@ def _job(rank: int, world: int, dirs: dict[str, Path], dump: str) -> dict:
         trainer = _trainer(dirs["qwen3"], dirs["data"], Path(dump) / "qwen3_pp2", world,
                            ["--parallelism.pipeline_parallel_degree", "2"])
         out["qwen3_pp2"] = [trainer.train_step()["loss"] for _ in range(STEPS)]
+        torch._dynamo.reset()
+        out.update(_expert_parallel(dirs, Path(dump), world))
     if world > 1:
         out["slices"] = {arch: _read_slices(str(dirs[arch]), world) for arch in SLICED}
         out["ragged"] = {arch: _ragged_loaded(str(dirs[arch]), world)
@@ -320,6 +322,24 @@ def _job(rank: int, world: int, dirs: dict[str, Path], dump: str) -> dict:
     else:  # one process: the world-2 job has more to do
         out["graph_break"] = _graph_break(dirs, Path(dump) / "gb", world)
     return out
+
+
+def _expert_parallel(dirs: dict[str, Path], dump: Path, world: int) -> dict:
+    """Mixtral at expert parallel degree 2 (dp 1), compiled: its losses, each rank's share of
+    an experts weight, and the all-to-alls of the first forward and backward graphs."""
+    graphs = dump / "mixtral_ep2_graphs"
+    trainer = _trainer(dirs["mixtral"], dirs["data"], dump / "mixtral_ep2", world,
+                       [*RUNS["mixtral"], "--parallelism.expert_parallel_degree", "2",
+                        "--compile.dump_graphs", str(graphs)])
+    losses = [trainer.train_step()["loss"] for _ in range(STEPS)]
+    torch._dynamo.reset()
+    w = trainer.model.get_submodule("model.layers.0.mlp.experts").gate_up_proj
+    calls = {kind: sum(f.read_text().count("_c10d_functional.all_to_all_single.default(")
+                       for f in graphs.glob(f"*_{kind}_input.txt")) for kind in ("fw", "bw")}
+    mine = slice(2 * torch.distributed.get_rank(), 2 * torch.distributed.get_rank() + 2)
+    return {"mixtral_ep2": losses, "mixtral_ep2_all_to_alls": calls,
+            "mixtral_ep2_local": (tuple(w.shape), w.to_local().numel(), torch.equal(
+                w.to_local().flatten(), w.full_tensor()[mine].flatten()))}
 
 
 def _graph_break(dirs: dict[str, Path], dump: Path, world: int) -> tuple[str, list[float]]:
@@ -394,6 +414,23 @@ def test_qwen3_at_tensor_parallel_2_matches_one_process(zoo):
     bad = [(s + 1, g, w) for s, (g, w) in enumerate(zip(got, want)) if not rel(g, w) <= 1e-5]
     assert len(got) == STEPS and not bad, f"(step, tp 2, 1 process) beyond 1e-5 rel: {bad}"
     assert want[-1] < want[0], want
+
+
+@pytest.mark.slow
+def test_mixtral_at_expert_parallel_2_matches_one_process(zoo):
+    """transformers' Mixtral at expert parallel degree 2, compiled: each rank holds half the
+    experts of each layer (those of its files, read by expert), each layer's routed rows go
+    to their experts' rank and back by all-to-all (models/hf_expert_parallel.py: three in a
+    layer's forward, two in its backward), and the losses are one process's."""
+    dirs = tuple(sorted(zoo.items()))
+    want = _results(1, dirs)[0]["mixtral"]
+    ranks = _results(2, dirs)
+    got = ranks[0]["mixtral_ep2"]
+    bad = [(s + 1, g, w) for s, (g, w) in enumerate(zip(got, want)) if not rel(g, w) <= 1e-5]
+    assert len(got) == STEPS and not bad, f"(step, ep 2, 1 process) beyond 1e-5 rel: {bad}"
+    assert ranks[0]["mixtral_ep2_all_to_alls"] == {"fw": 3, "bw": 2}  # one MoE layer
+    # [4 experts, 2 * 64, 64]: experts 0-1 on rank 0, 2-3 on rank 1
+    assert [r["mixtral_ep2_local"] for r in ranks] == [((4, 128, 64), 2 * 128 * 64, True)] * 2
 
 
 @pytest.mark.slow

@@ -45,12 +45,6 @@ def check_static(cfg: Config, world_size: int) -> Config:
             raise ValueError(f"parallelism.{e} ({what})") from None
     ep = cfg.parallelism.expert_parallel_degree
     if ep > 1:
-        if cfg.model.name == HF:
-            raise ValueError(f"parallelism.expert_parallel_degree={ep}: expert parallelism "
-                             f"runs on the zoo's MoE model (--model.name deepseek_v3), not on "
-                             f"a Hugging Face model ({what}); without it, a Hugging Face "
-                             f"MoE's experts are sharded over the dp ranks as its other "
-                             f"weights are")
         if not hasattr(args, "check_ep"):
             raise ValueError(f"parallelism.expert_parallel_degree={ep} needs a model with "
                              f"routed experts (deepseek_v3); {what} has none")
