@@ -10,10 +10,11 @@ the per-unit ones, :data:`UNIT_METHODS`):
   (which module's all-gather to issue next, whether to free a unit after backward, when the
   optimizer step is done). Here the compiled backends place every gather and free under a
   memory cap from the whole graph (passes/reordering.py, passes/recompute.py), and eager runs
-  gather each block at its first read and reshard it after its forward and backward
-  (storage/eager_reshard.py), with results identical either way. So the call is checked
-  (a prefetch list must name modules of this model) and changes nothing, as FSDP2's does when
-  the order it asks for is the one it runs anyway.
+  issue each bucket's gather one bucket ahead, in the order the last forward read them and
+  backward in reverse (storage/prefetch.py), and reshard each block after its forward and
+  backward (storage/eager_reshard.py), with results identical either way. So the call is
+  checked (a prefetch list must name modules of this model) and changes nothing, as FSDP2's
+  does when the order it asks for is the one it runs anyway.
 - **Another meaning here**: a ``ValueError`` naming the equivalent (the divide factor is
   ``grad_reduction``; ``reshard_after_forward`` is chosen when wrapping).
 """
@@ -80,8 +81,8 @@ def _prefetch_setter(direction: str) -> Callable:
 
     setter.__name__ = method
     setter.__doc__ = (f"FSDP2's {direction} prefetch list: checked, then nothing to do; the "
-                      f"compiled backends' reordering pass places every gather (module "
-                      f"docstring).")
+                      f"compiled backends' reordering pass places every gather, and eager "
+                      f"runs prefetch one bucket ahead (module docstring).")
     return setter
 
 

@@ -29,8 +29,9 @@ TIGHT = 1e-6  # eager vs the 1-process reference: only the order of the gradient
 
 class GatherRecorder:
     """Wraps simplesharded.storage.gather.gather_param and a ragged bucket's gathers
-    (``RaggedLayout.gather`` in forward, ``RaggedShards.gather_whole`` in backward): counts
-    gathers, tracks the bytes of the gathered storages still alive (now and at their
+    (``RaggedLayout.gather`` in forward; ``RaggedShards.issue_whole``, backward's and the
+    prefetches', which the forward's gather then waits for): counts gathers (a storage
+    recorded once), tracks the bytes of the gathered storages still alive (now and at their
     peak)."""
 
     def __init__(self):
@@ -40,7 +41,7 @@ class GatherRecorder:
 
         self.gather_module, self.inner = gather, gather.gather_param
         self.layout_cls, self.inner_ragged = RaggedLayout, RaggedLayout.gather
-        self.bucket_cls, self.inner_whole = RaggedShards, RaggedShards.gather_whole
+        self.bucket_cls, self.inner_whole = RaggedShards, RaggedShards.issue_whole
         self.live: list[tuple[StorageWeakRef, int]] = []
         self.calls, self.peak = 0, 0
 
@@ -59,13 +60,15 @@ class GatherRecorder:
         self._record(views[0])  # every member is a view of the one gathered buffer
         return views
 
-    def gather_whole(self, bucket):
-        full = self.inner_whole(bucket)
-        self._record(full)
-        return full
+    def issue_whole(self, bucket):
+        pending = self.inner_whole(bucket)
+        self._record(pending)  # the storage its wait returns
+        return pending
 
     def _record(self, local):
         storage = local.untyped_storage()
+        if any(not ref.expired() and ref.cdata == storage._cdata for ref, _ in self.live):
+            return  # a prefetched gather, now waited for
         self.live.append((StorageWeakRef(storage), storage.nbytes()))
         self.calls += 1
         self.peak = max(self.peak, self.live_bytes())
@@ -91,13 +94,13 @@ class GatherRecorder:
         self.gather_module.gather_param = self.gather
         recorder = self
         self.layout_cls.gather = lambda layout, *a, **k: recorder.gather_ragged(layout, *a, **k)
-        self.bucket_cls.gather_whole = lambda bucket: recorder.gather_whole(bucket)
+        self.bucket_cls.issue_whole = lambda bucket: recorder.issue_whole(bucket)
         return self
 
     def __exit__(self, *exc):
         self.gather_module.gather_param = self.inner
         self.layout_cls.gather = self.inner_ragged
-        self.bucket_cls.gather_whole = self.inner_whole
+        self.bucket_cls.issue_whole = self.inner_whole
 
 
 def _block_bytes(model) -> list[int]:
@@ -244,14 +247,15 @@ def test_eager_reshard_ragged_buckets():
         n = toy_blocks.N_LAYERS
         assert (on["bw"], off["bw"], auto["bw"]) == (n + 1, 0, n - 1)
         assert on["fw"] == off["fw"] == auto["fw"] == n + 2
-        # at most the bucket being gathered and the one before it: gloo's worker thread
-        # drops its reference to a gather's output a moment after the wait returns (seen:
-        # 1 run in ~5); without the forward's one-bucket cache, all five would be alive
+        # at most the bucket being read, the next one in flight (storage/prefetch.py) and the
+        # one before it: gloo's worker thread drops its reference to a gather's output a
+        # moment after the wait returns (seen: 1 run in ~5); without the forward's one-bucket
+        # cache, all five would be alive
         biggest = max(units.values())
         for res in (on, off, auto):
             assert res["nograd_held"] == 0
-            assert res["nograd_peak"] <= 2 * biggest, (res["nograd_peak"], units)
-        assert on["peak"] <= 2 * biggest, (on["peak"], units)
+            assert res["nograd_peak"] <= 3 * biggest, (res["nograd_peak"], units)
+        assert on["peak"] <= 3 * biggest, (on["peak"], units)
         # activation checkpointing: each block's recompute gathers its bucket once (the
         # members' reads share it, 9 per block); "auto", the default, keeps the post bucket
         ac = r["ragged_ac"]

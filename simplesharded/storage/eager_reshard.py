@@ -17,7 +17,10 @@ same forward, and the reduce-scatters of the gradients are issued from those sam
 A ragged bucket (simplesharded/storage/ragged_shards.py) is one gather whose members are views of
 it: its tensors saved in forward are packed as views of the bucket, and backward gathers the
 bucket once, at the first unpack of one of them, and drops it at the last (FSDP2's unit:
-a block's parameters are gathered for the block's backward).
+a block's parameters are gathered for the block's backward). At that first unpack the gather
+of the bucket forward gathered before it (the next one backward needs) is issued, and waited
+for at its own first unpack (simplesharded/storage/prefetch.py says why); one the backward
+never unpacks is waited for and dropped when the backward ends.
 
 ``keep`` (``reshard_after_forward="auto"``) saves the tensor itself: the compiled plans'
 rule (passes/recompute.py), read per module: a parameter read in the last block, or outside
@@ -30,6 +33,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.autograd import Variable
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -43,16 +47,20 @@ class _Gathered:
     is held from the first unpack of a tensor saved from it to the last."""
 
     __slots__ = ("again", "label", "storage", "nbytes", "dtype", "keep", "shared", "packs",
-                 "left", "held")
+                 "left", "held", "issue", "pending", "unpacked", "before")
 
     def __init__(self, again: Callable[[], torch.Tensor], label: str, local: torch.Tensor,
-                 keep: bool, shared: bool):
+                 keep: bool, shared: bool, issue: Callable[[], torch.Tensor] | None = None,
+                 before: "_Gathered | None" = None):
         self.again, self.label, self.keep, self.shared = again, label, keep, shared
         self.storage = StorageWeakRef(local.untyped_storage())
         self.nbytes = local.untyped_storage().nbytes()
         self.dtype = local.dtype
         self.packs = self.left = 0  # tensors packed as views of it; of those, not unpacked
         self.held: torch.Tensor | None = None
+        # a bucket's: its gather issued, not waited (backward's prefetch); the bucket gathered
+        # before it in forward; whether backward has gathered it
+        self.issue, self.pending, self.unpacked, self.before = issue, None, False, before
 
     def gather(self) -> torch.Tensor:
         if not self.shared:
@@ -60,13 +68,37 @@ class _Gathered:
                 return self.again()
         if self.held is None:
             with torch.no_grad():
-                self.held = self.again()
+                self.held = (self.again() if self.pending is None
+                             else torch.ops._c10d_functional.wait_tensor(self.pending))
+            self.pending = None
             self.left = self.packs
+            if not self.unpacked:
+                self.unpacked = True
+                prefetch(self.before)
         full = self.held
         self.left -= 1
         if self.left <= 0:  # the last saved view unpacked (each is unpacked once per backward)
             self.held = None
         return full
+
+    def drop_pending(self) -> None:
+        """At the end of the backward: a prefetched gather it never unpacked, finished and
+        dropped."""
+        if self.pending is not None:
+            torch.ops._c10d_functional.wait_tensor(self.pending)
+            self.pending = None
+
+
+def prefetch(g: _Gathered | None) -> None:
+    """The gather of ``g`` or, if backward will not gather it again (nothing of it packed,
+    kept, or gathered already), of the nearest bucket forward gathered before it that backward
+    will, issued now (unless it is already)."""
+    while g is not None and (g.keep or not g.packs or g.unpacked):
+        g = g.before
+    if g is None or g.pending is not None:
+        return
+    g.pending = g.issue()
+    Variable._execution_engine.queue_callback(g.drop_pending)
 
 
 class _Packed:
@@ -97,6 +129,8 @@ class _EagerReshard:
         self.scope = scope
         self.by_storage: dict[int, _Gathered] = {}  # data_ptr → live gathered storage
         self.seen_block = False
+        self.last_bucket: _Gathered | None = None  # the bucket gathered last (a chain back)
+        self.unpacking = False  # a backward has unpacked a saved tensor
 
     def note(self, module: nn.Module, name: str, full: torch.Tensor) -> None:
         """A parameter of ``module`` was read and is ``full`` (new or a cached tied gather)."""
@@ -109,10 +143,12 @@ class _EagerReshard:
 
     def note_bucket(self, bucket: RaggedBucketProtocol, member: torch.Tensor) -> None:
         """Ragged ``bucket`` was gathered; ``member`` is one of its views (the storage of all)."""
-        self._note(member, bucket.block, bucket.name, bucket.gather_whole, shared=True)
+        self._note(member, bucket.block, bucket.name, bucket.gather_whole, shared=True,
+                   issue=bucket.issue_whole)
 
     def _note(self, local: torch.Tensor, block: str | None, label: str,
-              again: Callable[[], torch.Tensor], shared: bool) -> None:
+              again: Callable[[], torch.Tensor], shared: bool,
+              issue: Callable[[], torch.Tensor] | None = None) -> None:
         self.seen_block = self.seen_block or block is not None
         keep = False
         if self.scope.reshard_after_forward == "auto" and self.scope.last_block is not None:
@@ -121,6 +157,9 @@ class _EagerReshard:
         known = self.by_storage.get(ptr)
         if known is not None and not known.storage.expired():
             known.keep = keep  # the same gathered tensor read again: its latest read decides
+        elif shared:
+            self.by_storage[ptr] = self.last_bucket = _Gathered(
+                again, label, local, keep, shared, issue, self.last_bucket)
         else:
             self.by_storage[ptr] = _Gathered(again, label, local, keep, shared)
 
@@ -145,8 +184,10 @@ class _EagerReshard:
         source.packs += 1
         return _Packed(source, local, dtensor)
 
-    @staticmethod
-    def unpack(packed):
+    def unpack(self, packed):
+        if not self.unpacking:  # backward starts: the first bucket it gathers again, issued
+            self.unpacking = True
+            prefetch(self.last_bucket)
         if not isinstance(packed, _Packed):
             t, version = packed
             if t._version != version:

@@ -43,8 +43,9 @@ def cast_floats(dtype: torch.dtype | None, tree):
                     and t.is_floating_point() else t, tree)
 
 
-def _gathering_call(module: nn.Module, inner: Callable, args, kwargs):
-    """``inner(module, *args, **kwargs)`` with the model's gather scope open."""
+def _gathering_call(module: nn.Module, inner: Callable, args, kwargs, root: bool):
+    """``inner(module, *args, **kwargs)`` with the model's gather scope open (``root``: by
+    the root's forward, whose uncompiled order of gathers prefetch.py records)."""
     scope = sharded_state(module).scope
     scope.gathered.clear()
     scope.bucket_views.clear()
@@ -52,17 +53,21 @@ def _gathering_call(module: nn.Module, inner: Callable, args, kwargs):
     scope.active = True
     scope.traced = torch.compiler.is_compiling()
     hooks = contextlib.nullcontext()
+    eager = not torch.compiler.is_compiling()
+    if eager:
+        scope.prefetch.begin(root)
     # Uncompiled with grad: free gathered parameters after forward (_EagerReshard).
     # Compiled, the partitioner decides (passes/recompute.py) and no hook is traced; no
     # grad, autograd saves nothing and each gather dies after its use.
-    if (not torch.compiler.is_compiling() and scope.reshard_after_forward is not False
-            and torch.is_grad_enabled()):
+    if eager and scope.reshard_after_forward is not False and torch.is_grad_enabled():
         scope.eager = _EagerReshard(scope)
-        hooks = torch.autograd.graph.saved_tensors_hooks(scope.eager.pack, _EagerReshard.unpack)
+        hooks = torch.autograd.graph.saved_tensors_hooks(scope.eager.pack, scope.eager.unpack)
     try:
         with hooks:
             return inner(module, *args, **kwargs)
     finally:
+        if eager:
+            scope.prefetch.end()
         scope.gathered.clear()
         scope.bucket_views.clear()
         scope.active = False
@@ -79,7 +84,7 @@ def root_forward(inner: Callable, output_dtype: torch.dtype | None,
     def forward(self, *args, **kwargs):
         if init_check is not None and not torch.compiler.is_compiling():
             init_check(self)
-        return cast_floats(output_dtype, _gathering_call(self, inner, args, kwargs))
+        return cast_floats(output_dtype, _gathering_call(self, inner, args, kwargs, True))
 
     return forward
 
@@ -103,7 +108,8 @@ def call_forward(inner: Callable, input_dtype: torch.dtype | None,
         if init_check is not None and not torch.compiler.is_compiling():
             init_check(self, root=False)
         return cast_floats(output_dtype, _gathering_call(
-            self, inner, cast_floats(input_dtype, args), cast_floats(input_dtype, kwargs)))
+            self, inner, cast_floats(input_dtype, args), cast_floats(input_dtype, kwargs),
+            False))
 
     # A code object of its own: dynamo keeps its compiled graphs, and counts recompiles
     # against its limit, per code object, and a block's graph names the block's parameters,

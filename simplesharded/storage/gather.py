@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from simplesharded.storage.layout import _is_hybrid
+from simplesharded.storage.prefetch import EagerPrefetch
 from simplesharded.storage.ragged_shards import _in_backward
 from simplesharded.passes.annotations import BLOCK_KEY, DP_GROUPS_KEY, PARAM_KEY, RESHARD_KEY
 from simplesharded.storage.sharded_state import (EagerReshardProtocol, ShardedParam, read_record,
@@ -202,6 +203,7 @@ class _GatherScope:
         self.last_block = last_block  # the last block in module order (blocks.py), if any
         # eager_reshard.py's _EagerReshard, set during an uncompiled forward with grad
         self.eager: EagerReshardProtocol | None = None
+        self.prefetch = EagerPrefetch()  # uncompiled forwards' gathers issued ahead
 
     def drop_backward_views(self) -> None:
         self.backward_views = None

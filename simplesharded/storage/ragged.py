@@ -140,8 +140,8 @@ class RaggedLayout:
     def gather(self, local: torch.Tensor, group: dist.ProcessGroup | str, grad_scale: float = 1.0,
                annotation: dict | None = None, precision: Precision | None = None,
                replicas: str | None = None,
-               route: Callable[[torch.Tensor], torch.Tensor] | None = None
-               ) -> list[torch.Tensor]:
+               route: Callable[[torch.Tensor], torch.Tensor] | None = None,
+               pending: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Every parameter of the bucket, full, as a view of one all-gather of ``local`` (this
         rank's ``[L]``) over ``group`` (or its name). Differentiable: the gradient of ``local`` is the
         reduce-scatter (sum over ranks) of the parameters' gradients laid out as the bucket,
@@ -152,7 +152,8 @@ class RaggedLayout:
         ``replicas``: the name of a group holding replicas of this rank's range (HSDP): the
         reduce-scatter's output is then summed over it too (one all-reduce). ``route``: what
         the gathered buffer passes through before the split (gradient-sync control,
-        simplesharded/storage/grad_sync.py, sends its gradient elsewhere)."""
+        simplesharded/storage/grad_sync.py, sends its gradient elsewhere). ``pending``: this
+        gather already issued (:func:`issue_gather`, an eager prefetch): only waited here."""
         if local.shape != (self.shard_numel,):
             raise ValueError(f"RaggedLayout.gather: local has shape {tuple(local.shape)}, "
                              f"expected ({self.shard_numel},)")
@@ -162,7 +163,7 @@ class RaggedLayout:
         with fx_traceback.annotate(annotation):
             name = group if isinstance(group, str) else group.group_name
             full = _Gather.apply(local, self.world, name, grad_scale, annotation,
-                                 precision or Precision(), replicas)
+                                 precision or Precision(), replicas, pending)
             if route is not None:
                 full = route(full)
             return self.views(full)
@@ -195,13 +196,17 @@ class Precision:
 class _Gather(torch.autograd.Function):
     """All-gather on dim 0 whose backward is the reduce-scatter (sum) scaled, both under the
     bucket's annotation (the backward is traced after the forward's annotation has ended, so
-    it sets its own). The casts of mixed precision are the only copies."""
+    it sets its own). The casts of mixed precision are the only copies. ``pending``: the
+    gather of ``local`` already issued (an eager prefetch), waited here instead."""
 
     @staticmethod
-    def forward(ctx, local, world, group_name, grad_scale, annotation, precision, replicas):
+    def forward(ctx, local, world, group_name, grad_scale, annotation, precision, replicas,
+                pending):
         ctx.world, ctx.group_name, ctx.dtype = world, group_name, local.dtype
         ctx.replicas = replicas
         ctx.grad_scale, ctx.annotation, ctx.precision = grad_scale, annotation, precision
+        if pending is not None:
+            return _c10d.wait_tensor(pending)
         return gather_buffer(local, world, group_name, precision)
 
     @staticmethod
@@ -209,7 +214,18 @@ class _Gather(torch.autograd.Function):
         with fx_traceback.annotate(ctx.annotation):
             out = reduce_gathered(grad, ctx.world, ctx.group_name, ctx.dtype, ctx.grad_scale,
                                   ctx.precision, ctx.replicas)
-            return out, None, None, None, None, None, None
+            return out, None, None, None, None, None, None, None
+
+
+def issue_gather(local: torch.Tensor, world: int, group_name: str,
+                 precision: Precision) -> torch.Tensor:
+    """The all-gather of :func:`gather_buffer` issued and not waited: its result is defined
+    only after ``wait_tensor`` (an eager prefetch holds it until its bucket is read; on a GPU
+    the gather then runs on the collective stream under the compute queued before it is
+    waited)."""
+    if precision.gather_dtype is not None:
+        local = local.to(precision.gather_dtype)
+    return _c10d.all_gather_into_tensor(local, world, group_name)
 
 
 def gather_buffer(local: torch.Tensor, world: int, group_name: str,
@@ -217,9 +233,7 @@ def gather_buffer(local: torch.Tensor, world: int, group_name: str,
     """A bucket's gathered ``[w·L]`` from this rank's ``[L]``: cast to the gather's dtype (the
     only copy), then one all-gather over ``group_name``. The gather's forward; without
     autograd, ``gather_once``'s held buffer and eager resharding's re-gather in backward."""
-    if precision.gather_dtype is not None:
-        local = local.to(precision.gather_dtype)
-    return _c10d.wait_tensor(_c10d.all_gather_into_tensor(local, world, group_name))
+    return _c10d.wait_tensor(issue_gather(local, world, group_name, precision))
 
 
 def reduce_gathered(grad: torch.Tensor, world: int, group_name: str, dtype: torch.dtype,

@@ -78,7 +78,7 @@ from simplesharded.mesh import flat_dp_mesh
 from simplesharded.storage.layout import _contiguous_stride
 from simplesharded.passes.annotations import (BLOCK_KEY, BUCKET_PARAMS_KEY, DP_GROUPS_KEY,
                                              PARAM_KEY, RAGGED_KEY, RESHARD_KEY)
-from simplesharded.storage.ragged import (Precision, RaggedLayout, from_ragged, gather_buffer,
+from simplesharded.storage.ragged import (Precision, RaggedLayout, from_ragged, issue_gather,
                                   reduce_gathered, to_ragged)
 from simplesharded.storage.offload import Offload
 from simplesharded.storage.ragged_member import Cut, RaggedMember
@@ -339,11 +339,15 @@ class RaggedShards:
         else:
             param = self.param if trains else self.param.detach()
             local = self.offload.read(param.to_local(), self.annotation)
+            ahead = scope.active and eager  # an uncompiled forward's: prefetch.py
             views = self.layout.gather(local, self.group_name,
                                        self.grad_scale, self.annotation, self.precision,
-                                       self.replicas, route)
-            if scope.eager is not None and scope.active and eager:
+                                       self.replicas, route,
+                                       scope.prefetch.take(self.name) if ahead else None)
+            if scope.eager is not None and ahead:
                 scope.eager.note_bucket(self, views[0])  # freed after forward
+            if ahead:
+                scope.prefetch.gathered(self)  # and the next bucket's gather issued
             elif recompute:
                 # one bucket at a time, dropped at the end of this backward: every rank
                 # drops it at the same point of its program
@@ -359,10 +363,25 @@ class RaggedShards:
         ``gather_once`` holds (simplesharded/storage/gather_once.py) and eager resharding re-gathers
         in backward (simplesharded/storage/eager_reshard.py). One all-gather over the shard dim
         (replicas hold the same range)."""
+        return torch.ops._c10d_functional.wait_tensor(self.issue_whole())
+
+    def issue_whole(self) -> torch.Tensor:
+        """:meth:`gather_whole`'s gather issued and not waited (``wait_tensor`` gives it):
+        backward's prefetch (simplesharded/storage/eager_reshard.py)."""
         with torch.no_grad():
-            return gather_buffer(self.offload.copy_in(self.param.to_local()),
-                                 self.layout.world, self.group_name,
-                                 self.precision)
+            return issue_gather(self.offload.copy_in(self.param.to_local()),
+                                self.layout.world, self.group_name, self.precision)
+
+    def prefetch_gather(self) -> torch.Tensor | None:
+        """This bucket's forward gather issued ahead of its read, not waited
+        (simplesharded/storage/prefetch.py), or None where its read gathers nothing here:
+        held for several forwards (gather_once.py), or its shard on the host (offload
+        ``params``: the read copies it in, with autograd)."""
+        if self.grad_sync is not None and self.grad_sync.held_for(self.name) is not None:
+            return None
+        if self.offload.on_host and self.offload.resident is None:
+            return None
+        return self.issue_whole()
 
     def _route(self, full: torch.Tensor) -> torch.Tensor:
         # gradient-sync control for the whole bucket, keyed by its name (not an FQN)

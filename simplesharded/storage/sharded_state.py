@@ -45,12 +45,16 @@ class GradSyncProtocol(Protocol):
 
 class RaggedBucketProtocol(Protocol):
     """A ragged bucket (ragged_shards.py's ``RaggedShards``), as eager resharding re-gathers
-    it."""
+    it and prefetch.py issues its gather ahead."""
 
     name: str
     block: str | None
 
     def gather_whole(self) -> torch.Tensor: ...
+
+    def issue_whole(self) -> torch.Tensor: ...
+
+    def prefetch_gather(self) -> torch.Tensor | None: ...
 
 
 class RaggedMemberProtocol(Protocol):
@@ -63,6 +67,15 @@ class RaggedMemberProtocol(Protocol):
     def index(self) -> int: ...
 
     def read(self) -> torch.Tensor: ...
+
+
+class PrefetchProtocol(Protocol):
+    """An uncompiled forward's gathers issued ahead (prefetch.py's ``EagerPrefetch``), as a
+    ragged bucket's read uses them."""
+
+    def take(self, name: str) -> torch.Tensor | None: ...
+
+    def gathered(self, bucket: RaggedBucketProtocol) -> None: ...
 
 
 class EagerReshardProtocol(Protocol):
@@ -86,6 +99,7 @@ class GatherScopeProtocol(Protocol):
     eager_bucket: str | None
     backward_views: tuple | None
     eager: EagerReshardProtocol | None
+    prefetch: PrefetchProtocol  # prefetch.py: the gathers an uncompiled forward issues ahead
 
     def drop_backward_views(self) -> None: ...
 
