@@ -17,6 +17,9 @@ from simplesharded.trainer.loop import NonFiniteError, Trainer
 from simplesharded.trainer.preflight import check_packages, check_static, check_torch
 
 EXIT_CONFIG, EXIT_NONFINITE = 2, 3
+# Set by run_train.sh's launcher (launch.py) for the ranks it starts: a folder where each rank
+# writes its error line, which the launcher prints once per different line.
+ERROR_DIR = "SIMPLESHARDED_ERROR_DIR"
 
 
 def _quantized_text(cfg) -> str:
@@ -53,8 +56,16 @@ def _pipeline_text(cfg, pipeline) -> str:
 
 def _error(e: Exception) -> None:
     """One ``error:`` line in one write: every rank of a job shares the launcher's stderr, and
-    print's separate write of the newline let two ranks' lines run together."""
-    sys.stderr.write(f"error: {e}\n")
+    print's separate write of the newline let two ranks' lines run together. Under
+    run_train.sh's launcher the line goes to a file of this rank's in the launcher's
+    directory instead (:data:`ERROR_DIR`), which prints each different line once."""
+    line = f"error: {e}\n"
+    folder = os.environ.get(ERROR_DIR)
+    if folder:
+        with open(os.path.join(folder, f"rank{os.environ.get('RANK', '0')}"), "a") as fh:
+            fh.write(line)
+        return
+    sys.stderr.write(line)
     sys.stderr.flush()
 
 

@@ -7,14 +7,17 @@ once (the trainer's checks against ``NGPU × NNODES``: a config or degree error 
 ``error:`` line and exit 2 before any rank starts, where every rank would print it and torchrun
 add a traceback), then runs torchrun in this process with ``--nproc_per_node`` and
 ``-m simplesharded.trainer``; a rank that stops on an error of the run's own (a checkpoint
-that does not load, a non-finite loss: exit 2 or 3, one ``error:`` line) ends the launch with
-its code, without torchrun's traceback. One start instead of three (the environment, the
+that does not load, a non-finite loss: exit 2 or 3) ends the launch with its code, without
+torchrun's traceback, and the ranks' ``error:`` lines printed once each (every rank finds the
+same error: the ranks write their lines to files, :data:`~simplesharded.trainer.cli.ERROR_DIR`,
+and the launch prints each different line once). One start instead of three (the environment, the
 preflight, torchrun's): a 3-step debug run on 2 CPU ranks took 7.1 s instead of 10.5.
 """
 from __future__ import annotations
 
 import os
 import sys
+import tempfile
 
 from simplesharded.shims.launch_env import launch_env
 from simplesharded.trainer.config_parse import PREFLIGHT_DONE
@@ -54,19 +57,35 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
-    from simplesharded.trainer.cli import EXIT_CONFIG, EXIT_NONFINITE
+    from simplesharded.trainer.cli import ERROR_DIR, EXIT_CONFIG, EXIT_NONFINITE
 
-    try:
-        torchrun([*torchrun_args, f"--nproc_per_node={nproc}", "-m", "simplesharded.trainer",
-                  *trainer_args])
-    except ChildFailedError as e:
-        codes = {f.exitcode for f in e.failures.values()}
-        if codes <= {EXIT_CONFIG, EXIT_NONFINITE}:
-            # The ranks stopped on purpose and printed their one error line: exit with their
-            # code, without torchrun's traceback and failure table under it.
-            return max(codes)
-        raise  # a crash or a signal: torchrun's report says which rank and how
+    with tempfile.TemporaryDirectory(prefix="simplesharded-errors-") as errors:
+        os.environ[ERROR_DIR] = errors
+        try:
+            torchrun([*torchrun_args, f"--nproc_per_node={nproc}", "-m",
+                      "simplesharded.trainer", *trainer_args])
+        except ChildFailedError as e:
+            _print_errors(errors)
+            codes = {f.exitcode for f in e.failures.values()}
+            if codes <= {EXIT_CONFIG, EXIT_NONFINITE}:
+                # The ranks stopped on purpose: exit with their code, without torchrun's
+                # traceback and failure table under their line.
+                return max(codes)
+            raise  # a crash or a signal: torchrun's report says which rank and how
+        finally:
+            os.environ.pop(ERROR_DIR, None)
     return 0
+
+
+def _print_errors(folder: str) -> None:
+    """The ranks' error lines (one file per rank), each different line once, in rank order."""
+    lines: dict[str, None] = {}
+    for name in sorted(os.listdir(folder), key=lambda n: int(n.removeprefix("rank"))):
+        with open(os.path.join(folder, name)) as fh:
+            lines.update(dict.fromkeys(fh.read().splitlines()))
+    if lines:
+        sys.stderr.write("".join(f"{line}\n" for line in lines))
+        sys.stderr.flush()
 
 
 if __name__ == "__main__":
