@@ -5,7 +5,8 @@ Three kinds (``data_parallel`` gives the root every method, and each wrapped mod
 the per-unit ones, :data:`UNIT_METHODS`):
 
 - **The same behaviour**: ``unshard`` / ``reshard`` (gather every parameter once and hold it,
-  storage/gather_once.py), ``set_requires_gradient_sync`` (storage/grad_sync.py).
+  storage/gather_once.py), ``set_requires_gradient_sync`` (storage/grad_sync.py),
+  ``reset_iter_state`` (after an aborted iteration: storage/forward_scope.py).
 - **Scheduling hints, taken and not needed**: FSDP2 uses them to order its eager streams
   (which module's all-gather to issue next, whether to free a unit after backward, when the
   optimizer step is done). Here the compiled backends place every gather and free under a
@@ -53,6 +54,28 @@ def reshard(self) -> None:
     from simplesharded.storage.gather_once import release_held
 
     release_held(self)
+
+
+def reset_iter_state(self) -> None:
+    """FSDP2's method (torch 2.13+), on the root: after an exception aborted a forward or a
+    backward, the iteration's state goes: gathers issued ahead are waited for and dropped,
+    buffers gathered for the backward and the parameters :func:`unshard` held are dropped,
+    and gradients summed with gradient sync off are discarded (restart the micro-batches).
+    Gradients already reduced onto the shards stay: ``zero_grad`` them as usual. Every rank
+    calls it (the aborted iteration's gathers finish on all of them)."""
+    from simplesharded.storage.forward_scope import abandon_iteration
+    from simplesharded.storage.gather_once import release_held
+
+    state = sharded_state(self)
+    abandon_iteration(state.scope)
+    release_held(self)
+    state.grad_sync.discard()
+
+
+def _reset_on_a_unit(self) -> None:
+    """FSDP2's method raises on a module other than the root; so does this."""
+    raise RuntimeError("reset_iter_state() resets the whole model's iteration: call it on the "
+                       "root (the module data_parallel was given), not on a module inside it")
 
 
 def set_requires_gradient_sync_method(self, requires_gradient_sync: bool, *,
@@ -151,6 +174,7 @@ UNIT_METHODS: dict[str, Callable] = {
     "set_all_reduce_hook": _refusal(
         "set_all_reduce_hook",
         "HSDP's replica all-reduce is part of each gradient's traced reduction"),
+    "reset_iter_state": _reset_on_a_unit,
 }
 
 # On the root only: the model-wide state.
@@ -161,4 +185,5 @@ ROOT_METHODS: dict[str, Callable] = {
     "set_requires_gradient_sync": set_requires_gradient_sync_method,
     "set_is_last_backward": _set_is_last_backward,
     "set_post_optim_event": _set_post_optim_event,
+    "reset_iter_state": reset_iter_state,
 }

@@ -16,9 +16,13 @@ from dist_utils import world_of_one
 from simplesharded.fsdp2_methods import ROOT_METHODS, UNIT_METHODS
 
 
+# FSDP2's methods of a newer torch than the oldest supported (torch 2.13's)
+NEWER = {"reset_iter_state"}
+
+
 def test_every_method_is_fsdp2s_under_its_name():
     assert set(UNIT_METHODS) < set(ROOT_METHODS)
-    assert [n for n in ROOT_METHODS if not callable(getattr(FSDPModule, n, None))] == []
+    assert {n for n in ROOT_METHODS if not callable(getattr(FSDPModule, n, None))} <= NEWER
 
 
 def _train(hints: bool, storage: str) -> dict:
@@ -51,6 +55,75 @@ def test_torchtitans_hints_are_taken_and_change_nothing(storage):
     with_hints, without = _train(True, storage), _train(False, storage)
     assert with_hints.keys() == without.keys()
     assert all(torch.equal(with_hints[n], without[n]) for n in without)
+
+
+class _Abort(Exception):
+    pass
+
+
+def _after_an_aborted_step(where: str | None) -> tuple[dict, bool]:
+    """Steps 0 and 1, then (``where`` set) an iteration with gradient sync off: one
+    micro-batch's forward and backward, and a second one aborted in its ``where`` (a hook of
+    block 1 raises), then ``reset_iter_state()``, ``zero_grad`` and sync back on; then step 3.
+    The parameters after it, and whether the aborted backward had a gather issued ahead."""
+    from simplesharded.storage.sharded_state import sharded_state
+
+    with world_of_one() as mesh:
+        model = ss.data_parallel(toy.make_model(), mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        abort = {"on": False}
+
+        def raise_in_forward(module, args, out):
+            if abort["on"] and where == "forward":
+                raise _Abort
+
+        def raise_in_backward(module, grad_in, grad_out):
+            if abort["on"] and where == "backward":
+                raise _Abort
+
+        model.blocks[1].register_forward_hook(raise_in_forward)
+        model.blocks[1].register_full_backward_hook(raise_in_backward)
+
+        def step(s: int) -> None:
+            x, y = toy.rank_batch(0, s)
+            toy.loss_fn(model(x), y, y.numel()).backward()
+
+        for s in (0, 1):
+            step(s)
+            opt.step()
+            opt.zero_grad()
+        in_flight = False
+        if where is not None:
+            scope = sharded_state(model).scope
+            model.set_requires_gradient_sync(False)
+            step(2)  # summed on the rank, to be discarded
+            abort["on"] = True
+            with pytest.raises(_Abort):
+                step(2)
+            abort["on"] = False
+            g = scope.last_eager.last_bucket if scope.last_eager is not None else None
+            while g is not None:
+                in_flight = in_flight or g.pending is not None
+                g = g.before
+            model.reset_iter_state()
+            assert scope.last_eager is None and not scope.prefetch.pending
+            opt.zero_grad()
+            model.set_requires_gradient_sync(True)
+        step(3)
+        opt.step()
+        return {n: p.full_tensor() for n, p in model.named_parameters()}, in_flight
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_reset_iter_state_leaves_nothing_of_an_aborted_iteration(where):
+    """After reset_iter_state() the aborted iteration is gone: its no-sync gradient sums
+    discarded (step 3 trains bitwise as if it had never run) and, aborted in backward, the
+    gather issued ahead for it waited for and dropped. (Before these world-of-one runs: the
+    tests below hold a fake world for the module.)"""
+    want, _ = _after_an_aborted_step(None)
+    got, in_flight = _after_an_aborted_step(where)
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    assert in_flight == (where == "backward")
 
 
 def test_a_unit_has_the_unit_methods_and_the_root_all(fake_world):
@@ -101,3 +174,9 @@ def test_a_models_own_method_of_that_name_stays(fake_world):
     model = ss.data_parallel(Own(), ss.build_mesh(dp_shard=4, device="cpu"))
     assert model.unshard() == "mine" and model.set_reshard_after_forward(3) == 3
     assert model.reshard.__module__ == "simplesharded.fsdp2_methods"
+
+
+def test_reset_iter_state_is_the_roots(fake_world):
+    model = ss.data_parallel(toy.make_model(), ss.build_mesh(dp_shard=4, device="cpu"))
+    with pytest.raises(RuntimeError, match=r"call it on the root"):
+        model.blocks[0].reset_iter_state()

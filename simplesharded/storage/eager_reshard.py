@@ -163,6 +163,20 @@ class _EagerReshard:
         else:
             self.by_storage[ptr] = _Gathered(again, label, local, keep, shared)
 
+    def __deepcopy__(self, memo):
+        return None  # a copy of the model has run no forward
+
+    def abandon(self) -> None:
+        """The backward of this forward will not run on (an exception aborted it): gathers
+        issued ahead waited for and dropped, buffers held for it dropped."""
+        g = self.last_bucket
+        while g is not None:
+            g.drop_pending()
+            g.held = None
+            g = g.before
+        for g in self.by_storage.values():
+            g.held = None
+
     def pack(self, t: torch.Tensor):
         source, local = None, _local(t)
         if local is not None:

@@ -72,7 +72,22 @@ def _gathering_call(module: nn.Module, inner: Callable, args, kwargs, root: bool
         scope.bucket_views.clear()
         scope.active = False
         scope.traced = False
-        scope.eager = None
+        # kept until the next forward: what its backward holds, if an exception aborts it
+        scope.last_eager, scope.eager = scope.eager, None
+
+
+def abandon_iteration(scope) -> None:
+    """After an exception aborted a forward or its backward (FSDP2's ``reset_iter_state``):
+    gathers issued ahead waited for and dropped, buffers held for the backward dropped, the
+    prefetch order forgotten, the scope closed."""
+    scope.prefetch.reset()
+    if scope.last_eager is not None:
+        scope.last_eager.abandon()
+    scope.last_eager = scope.eager = None
+    scope.gathered.clear()
+    scope.bucket_views.clear()
+    scope.drop_backward_views()
+    scope.active = scope.traced = False
 
 
 def root_forward(inner: Callable, output_dtype: torch.dtype | None,

@@ -204,6 +204,7 @@ class _GatherScope:
         # eager_reshard.py's _EagerReshard, set during an uncompiled forward with grad
         self.eager: EagerReshardProtocol | None = None
         self.prefetch = EagerPrefetch()  # uncompiled forwards' gathers issued ahead
+        self.last_eager: EagerReshardProtocol | None = None  # the last forward's, until the next
 
     def drop_backward_views(self) -> None:
         self.backward_views = None

@@ -165,6 +165,14 @@ class _GradSync:
             leaf.grad = None
 
 
+    def discard(self) -> None:
+        """The gradients summed with sync off and not reduced yet, dropped (an aborted
+        iteration, FSDP2's ``reset_iter_state``); the setting stays."""
+        for leaf in self.acc.values():
+            leaf.grad = None
+        self.pending.clear()
+
+
 def set_requires_gradient_sync(model: nn.Module, requires_sync: bool) -> None:
     """Whether the backwards of the next forwards of ``model`` (the root returned by
     :func:`data_parallel`, or its ``torch.compile`` wrapper) reduce gradients over the

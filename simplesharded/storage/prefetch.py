@@ -68,3 +68,9 @@ class EagerPrefetch:
             order = self._order
             self.successor = {a.name: b for a, b in zip(order, order[1:]) if a is not b}
         self._order = None
+
+    def reset(self) -> None:
+        """After an aborted iteration (FSDP2's ``reset_iter_state``): nothing issued ahead
+        left, and the order forgotten (the next forward records it again)."""
+        self.end()
+        self.successor.clear()

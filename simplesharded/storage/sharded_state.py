@@ -42,6 +42,8 @@ class GradSyncProtocol(Protocol):
 
     def held_for(self, key: str) -> torch.Tensor | None: ...
 
+    def discard(self) -> None: ...
+
 
 class RaggedBucketProtocol(Protocol):
     """A ragged bucket (ragged_shards.py's ``RaggedShards``), as eager resharding re-gathers
