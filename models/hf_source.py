@@ -349,13 +349,14 @@ def _record_router_logits(model: nn.Module, path: str) -> None:
 # inputs_embeds in, the same mask and rotary embedding for every block, the final norm, and no
 # other module outside the blocks (GPT-2's position embedding, Gemma's embedding scale in the
 # forward, per-block attention types indexed by position in the stage would not).
-PIPELINE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+PIPELINE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def check_pipeline(path: str) -> None:
     """ValueError when the model of ``path`` cannot be cut into pipeline stages here, from its
     config alone: a family not in :data:`PIPELINE_FAMILIES`, attention types that differ
-    between blocks, or a head tied to the embedding (two stages would share it)."""
+    between blocks, a head tied to the embedding (two stages would share it), or a MoE's
+    balancing loss (it reads every block's router)."""
     config = load_hf_config(path)
     text = config.get_text_config()
     kind = getattr(text, "model_type", type(config).__name__)
@@ -371,6 +372,10 @@ def check_pipeline(path: str) -> None:
         raise ValueError(f"{type(config).__name__}: tie_word_embeddings=true ties the head "
                          f"to the embedding, which the first and last stages cannot share; "
                          f"use 1")
+    if getattr(text, "output_router_logits", False):
+        raise ValueError(f"{type(config).__name__}: output_router_logits=true adds a "
+                         f"balancing loss over every block's router, which no stage holds "
+                         f"all of; set it to false in config.json, or use 1")
 
 
 def check_context_parallel(path: str) -> None:

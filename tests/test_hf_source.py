@@ -1,7 +1,7 @@
 """Hugging Face models from a local directory (``--model.name hf --model.path DIR``,
 models/hf_source.py, the shards filled by models/hf_loading.py).
 
-Tiny models (one block; Llama two) of four architectures are written here with random weights by
+Tiny models (one block; Llama, Qwen3 and Mixtral two) of four architectures are written here with random weights by
 ``save_pretrained(safe_serialization=True)`` (nothing is downloaded): Llama with tied
 embeddings and a tokenizer.json, sharded over many files with an index; Qwen2 (attention
 biases, a vocabulary of 301 so the embedding splits unevenly over 2 ranks) in one file;
@@ -61,8 +61,10 @@ def _configs():
                             bos_token_id=0, eos_token_id=0), "20KB"),
         # saved per expert (experts.N.w1/w2/w3, block_sparse_moe): transformers' on-disk
         # layout, which it fuses into experts.gate_up_proj / down_proj when loading
+        # two blocks: pipeline parallel degree 2 cuts it too
         "mixtral": (MixtralConfig(vocab_size=300, num_local_experts=4, num_experts_per_tok=2,
-                                  **{**small, "intermediate_size": 64}), "20KB"),
+                                  **{**small, "intermediate_size": 64,
+                                     "num_hidden_layers": 2}), "20KB"),
         # tensor parallel degree 2: norms of each rank's heads (q_norm, k_norm), an untied
         # head split by vocabulary
         # and pipeline parallel degree 2: one block per stage
@@ -313,6 +315,9 @@ def _job(rank: int, world: int, dirs: dict[str, Path], dump: str) -> dict:
         trainer = _trainer(dirs["qwen3"], dirs["data"], Path(dump) / "qwen3_pp2", world,
                            ["--parallelism.pipeline_parallel_degree", "2"])
         out["qwen3_pp2"] = [trainer.train_step()["loss"] for _ in range(STEPS)]
+        trainer = _trainer(dirs["mixtral"], dirs["data"], Path(dump) / "mixtral_pp2", world,
+                           ["--parallelism.pipeline_parallel_degree", "2"])
+        out["mixtral_pp2"] = [trainer.train_step()["loss"] for _ in range(STEPS)]
         torch._dynamo.reset()
         out.update(_expert_parallel(dirs, Path(dump), world))
     if world > 1:
@@ -428,9 +433,19 @@ def test_mixtral_at_expert_parallel_2_matches_one_process(zoo):
     got = ranks[0]["mixtral_ep2"]
     bad = [(s + 1, g, w) for s, (g, w) in enumerate(zip(got, want)) if not rel(g, w) <= 1e-5]
     assert len(got) == STEPS and not bad, f"(step, ep 2, 1 process) beyond 1e-5 rel: {bad}"
-    assert ranks[0]["mixtral_ep2_all_to_alls"] == {"fw": 3, "bw": 2}  # one MoE layer
+    assert ranks[0]["mixtral_ep2_all_to_alls"] == {"fw": 6, "bw": 4}  # two MoE layers
     # [4 experts, 2 * 64, 64]: experts 0-1 on rank 0, 2-3 on rank 1
     assert [r["mixtral_ep2_local"] for r in ranks] == [((4, 128, 64), 2 * 128 * 64, True)] * 2
+
+
+@pytest.mark.slow
+def test_mixtral_at_pipeline_parallel_2_matches_one_process(zoo):
+    """transformers' Mixtral (a MoE) cut into 2 pipeline stages, a block each: the losses of
+    one process."""
+    dirs = tuple(sorted(zoo.items()))
+    want, got = _results(1, dirs)[0]["mixtral"], _results(2, dirs)[0]["mixtral_pp2"]
+    bad = [(s + 1, g, w) for s, (g, w) in enumerate(zip(got, want)) if not rel(g, w) <= 1e-5]
+    assert len(got) == STEPS and not bad, f"(step, pp 2, 1 process) beyond 1e-5 rel: {bad}"
 
 
 @pytest.mark.slow
@@ -446,8 +461,9 @@ def test_qwen3_at_pipeline_parallel_2_matches_one_process(zoo):
 
 def test_pipeline_refusals_name_what_stops_it(tmp_path):
     """Before any rank starts: a family whose forward would not run a stage unchanged,
-    blocks of different attention types, a head tied to the embedding."""
-    from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config
+    blocks of different attention types, a head tied to the embedding, a MoE's balancing
+    loss (a MoE without it is cut: ``test_mixtral_at_pipeline_parallel_2...``)."""
+    from transformers import Gemma3TextConfig, LlamaConfig, MixtralConfig, Qwen2Config
 
     from simplesharded.models.hf_source import check_pipeline
 
@@ -459,7 +475,9 @@ def test_pipeline_refusals_name_what_stops_it(tmp_path):
               r"its blocks' attention differs \(layer_types \['full_attention', "
               r"'sliding_attention'\]\)"),
              (LlamaConfig(tie_word_embeddings=True, **small), r"tie_word_embeddings=true ties "
-                                                              r"the head to the embedding")]
+                                                              r"the head to the embedding"),
+             (MixtralConfig(output_router_logits=True, **small),
+              r"output_router_logits=true adds a balancing loss over every block's router")]
     for i, (config, says) in enumerate(cases):
         config.save_pretrained(tmp_path / str(i))
         with pytest.raises(ValueError, match=says):
@@ -775,7 +793,7 @@ def test_flops_per_token(zoo, arch):
     n = sum(v for k, v in params.items() if k not in emb)
     if arch == "mixtral":  # 2 of 4 experts run per token
         n -= sum(v for k, v in params.items() if ".experts." in k) / 2
-    layers = 2 if arch == "llama" else 1
+    layers = 2 if arch in ("llama", "mixtral") else 1
     assert model.num_flops_per_token(32) == int(6 * n + 12 * layers * 64 * 32)
 
 

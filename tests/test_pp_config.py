@@ -187,12 +187,15 @@ def test_preflight_refuses_hugging_face_models_it_cannot_cut(tmp_path, capsys, m
 
     (tmp_path / "config.json").write_text(json.dumps({
         "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 64,
-        "n_head": 4, "n_layer": 2, "vocab_size": 512, "n_positions": 256}))
+        "n_head": 4, "n_layer": 2, "vocab_size": 512, "n_positions": 256,
+        # in the vocabulary: else transformers warns, once per process (an order-dependent line)
+        "bos_token_id": 0, "eos_token_id": 0}))
     got = _error([*PP2, "--model.name", "hf", "--model.path", str(tmp_path),
                   "--training.seq_len", "128"], 4, capsys, monkeypatch)
     assert got == (f"parallelism.pipeline_parallel_degree=2 with model.path='{tmp_path}': "
                    f"GPT2Config (model_type 'gpt2') is not cut into pipeline stages here "
-                   f"(families: ['llama', 'mistral', 'qwen2', 'qwen3']); use 1")
+                   f"(families: ['llama', 'mistral', 'qwen2', 'qwen3', 'mixtral', "
+                   f"'qwen2_moe', 'qwen3_moe']); use 1")
 
 
 def test_preflight_passes_the_readme_command(capsys, monkeypatch):
