@@ -35,7 +35,7 @@ from unittest import mock
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from simplesharded.models.loss import IGNORE_INDEX, lm_loss
 
@@ -229,7 +229,11 @@ class _Trainable:
         if not balance:
             return loss
         logits, self._router_logits = tuple(self._router_logits), None
-        return loss + self._router_loss(logits, labels)
+        aux = self._router_loss(logits, labels)
+        if isinstance(loss, DTensor):  # loss parallelism: every tp rank routed all the tokens
+            aux = DTensor.from_local(aux, loss.device_mesh,
+                                     [Replicate()] * loss.device_mesh.ndim, run_check=False)
+        return loss + aux
 
     def _router_loss(self, router_logits, labels):
         """transformers' load-balancing loss of the model's own module (``self._balance``,

@@ -24,8 +24,14 @@ rank (under sequence parallelism the embedding's output is cut to this rank's to
 head's input gathered). A pipeline stage without the embedding cuts its input to this rank's
 tokens; one without the head returns its hidden states whole (models/hf_source.py).
 
+A MoE layer (the module around transformers' ``"moe_tp_experts"``) runs whole on every tp
+rank, as the zoo's MoE does: under sequence parallelism its input is gathered and its output
+cut back to this rank's tokens, and its router and experts are replicated over tp (the same
+values and gradients on each tp rank), not split as transformers' plan splits them; expert
+parallelism splits the experts instead (models/hf_expert_parallel.py).
+
 Not covered, refused before training (:func:`check_tp`): any other style of transformers'
-(packed or grouped experts, its own sequence parallelism).
+(its own sequence parallelism, ...).
 """
 from __future__ import annotations
 
@@ -35,8 +41,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle,
-                                               PrepareModuleInput, PrepareModuleOutput,
-                                               RowwiseParallel, SequenceParallel)
+                                               PrepareModuleInput, PrepareModuleInputOutput,
+                                               PrepareModuleOutput, RowwiseParallel,
+                                               SequenceParallel)
 
 SEQ = Shard(1)  # hidden states [batch, seq, hidden] under sequence parallelism
 
@@ -53,6 +60,14 @@ def _norm_of_heads() -> SequenceParallel:
 STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
           # transformers' name for a norm over per-rank heads (_norm_of_heads)
           "replicated_with_grad_allreduce": _norm_of_heads}
+# transformers' split of a MoE's experts module; here the MoE layer runs whole on every tp rank
+# (its experts split by expert over ep instead: models/hf_expert_parallel.py)
+EXPERTS = "moe_tp_experts"
+
+
+def _of_experts(pattern: str, style: str) -> bool:
+    """Whether a plan entry splits a MoE's experts (the module, or a weight inside it)."""
+    return style in (EXPERTS, "packed_colwise") or ".experts." in f"{pattern}."
 
 
 def _plan(text) -> dict[str, str]:
@@ -68,8 +83,8 @@ def check_tp(config, tp: int) -> None:
     if not plan:
         raise ValueError(f"tensor_parallel_degree={tp}: {name} has no tensor-parallel plan "
                          f"(base_model_tp_plan) in transformers (use 1)")
-    other = {k: v for k, v in plan.items() if v not in STYLES
-             or v == "replicated_with_grad_allreduce" and not k.endswith("norm")}
+    other = {k: v for k, v in plan.items() if not _of_experts(k, v) and (
+        v not in STYLES or v == "replicated_with_grad_allreduce" and not k.endswith("norm"))}
     if other:
         k, v = next(iter(other.items()))
         raise ValueError(f"tensor_parallel_degree={tp}: {name}'s plan splits {k} as {v!r}, "
@@ -125,9 +140,13 @@ def tp_styles(model: nn.Module, sequence_parallel: bool, loss_parallel: bool) ->
     base = model.get_submodule(prefix)
     names = [n for n, _ in base.named_modules()]
     seq = sequence_parallel
-    styles, split_parents, norms = {}, set(), set()
+    styles, split_parents, norms, moe = {}, set(), set(), set()
     for pattern, style in _plan(model.config.get_text_config()).items():
         regex = re.compile(re.escape(pattern).replace(r"\*", r"\d+"))
+        if _of_experts(pattern, style):
+            if style == EXPERTS:  # the layer around the experts module
+                moe.update(n.rpartition(".")[0] for n in filter(regex.fullmatch, names))
+            continue
         for n in filter(regex.fullmatch, names):
             if style == "rowwise" and seq:  # reduce-scattered to this rank's tokens
                 styles[f"{prefix}.{n}"] = RowwiseParallel(output_layouts=SEQ,
@@ -143,8 +162,14 @@ def tp_styles(model: nn.Module, sequence_parallel: bool, loss_parallel: bool) ->
     if seq:
         for parent in split_parents:  # one gather of the input per attention and MLP
             styles[f"{prefix}.{parent}"] = _HiddenStates(SEQ, Replicate())
+        for layer in moe:  # whole on every tp rank: all the tokens in, this rank's out
+            styles[f"{prefix}.{layer}"] = PrepareModuleInputOutput(
+                input_layouts=(SEQ,), desired_input_layouts=(Replicate(),),
+                use_local_input=True, output_layouts=(Replicate(),),
+                desired_output_layouts=(SEQ,), use_local_output=False)
         for n, m in base.named_modules():  # residual-stream norms on this rank's tokens
-            if _is_norm(m) and n not in norms and n.rpartition(".")[0] not in split_parents:
+            if (_is_norm(m) and n not in norms and n.rpartition(".")[0] not in split_parents
+                    and not any(n.startswith(f"{layer}.") for layer in moe)):
                 styles[f"{prefix}.{n}"] = SequenceParallel()
         blocks = [n for n in names if re.fullmatch(r"layers\.\d+", n)]
         if embedding is None and blocks:  # a later pipeline stage: cut its whole input

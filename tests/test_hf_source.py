@@ -103,6 +103,16 @@ def zoo(tmp_path_factory) -> dict[str, Path]:
         if name in ARCHS:
             config.save_pretrained(root / f"{name}_init")
             out[f"{name}_init"] = root / f"{name}_init"
+    # Mixtral's weights with its balancing loss on (output_router_logits)
+    aux = root / "mixtral_aux"
+    aux.mkdir()
+    for f in out["mixtral"].iterdir():
+        if f.name != "config.json":
+            (aux / f.name).symlink_to(f)
+    config = json.loads((out["mixtral"] / "config.json").read_text())
+    (aux / "config.json").write_text(json.dumps({**config, "output_router_logits": True,
+                                                 "router_aux_loss_coef": 0.02}))
+    out["mixtral_aux"] = aux
     _write_tokenizer(out["llama"] / "tokenizer.json", WORDS)
     g = torch.Generator().manual_seed(0)
     lines = [" ".join(WORDS[i] for i in torch.randint(len(WORDS), (40,), generator=g))
@@ -318,6 +328,9 @@ def _job(rank: int, world: int, dirs: dict[str, Path], dump: str) -> dict:
         trainer = _trainer(dirs["mixtral"], dirs["data"], Path(dump) / "mixtral_pp2", world,
                            ["--parallelism.pipeline_parallel_degree", "2"])
         out["mixtral_pp2"] = [trainer.train_step()["loss"] for _ in range(STEPS)]
+        trainer = _trainer(dirs["mixtral_aux"], dirs["data"], Path(dump) / "mixtral_tp2",
+                           world, [*RUNS["mixtral"], "--parallelism.tensor_parallel_degree", "2"])
+        out["mixtral_aux_tp2"] = [trainer.train_step()["loss"] for _ in range(STEPS)]
         torch._dynamo.reset()
         out.update(_expert_parallel(dirs, Path(dump), world))
     if world > 1:
@@ -326,6 +339,8 @@ def _job(rank: int, world: int, dirs: dict[str, Path], dump: str) -> dict:
                          for arch in ("llama", "mixtral")}
     else:  # one process: the world-2 job has more to do
         out["graph_break"] = _graph_break(dirs, Path(dump) / "gb", world)
+        trainer = _trainer(dirs["mixtral_aux"], dirs["data"], Path(dump) / "aux", world, [])
+        out["mixtral_aux"] = [trainer.train_step()["loss"] for _ in range(STEPS)]
     return out
 
 
@@ -439,6 +454,19 @@ def test_mixtral_at_expert_parallel_2_matches_one_process(zoo):
 
 
 @pytest.mark.slow
+def test_mixtral_at_tensor_parallel_2_matches_one_process(zoo):
+    """transformers' Mixtral with its balancing loss at tensor parallel degree 2, compiled,
+    with sequence and loss parallelism: attention split by heads, each MoE layer whole on
+    every tp rank (its input gathered, its output cut to the rank's tokens;
+    models/hf_tensor_parallel.py), the balancing loss added to the loss-parallel loss: the
+    losses of one process."""
+    dirs = tuple(sorted(zoo.items()))
+    want, got = _results(1, dirs)[0]["mixtral_aux"], _results(2, dirs)[0]["mixtral_aux_tp2"]
+    bad = [(s + 1, g, w) for s, (g, w) in enumerate(zip(got, want)) if not rel(g, w) <= 1e-5]
+    assert len(got) == STEPS and not bad, f"(step, tp 2, 1 process) beyond 1e-5 rel: {bad}"
+
+
+@pytest.mark.slow
 def test_mixtral_at_pipeline_parallel_2_matches_one_process(zoo):
     """transformers' Mixtral (a MoE) cut into 2 pipeline stages, a block each: the losses of
     one process."""
@@ -531,8 +559,9 @@ def test_tensor_parallel_gradients_are_the_whole_models(zoo):
 
 def test_tensor_parallel_refusals_name_what_stops_it():
     """Before any rank starts: a plan style not translated, a size the degree does not
-    divide, a model without a plan; the vocabulary need not split when the head is tied."""
-    from transformers import GPT2Config, MixtralConfig, Qwen2Config
+    divide, a model without a plan; the vocabulary need not split when the head is tied, nor
+    a MoE's experts (its MoE layers run whole on every tp rank)."""
+    from transformers import GlmConfig, GPT2Config, MixtralConfig, Qwen2Config
 
     from simplesharded.models.hf_tensor_parallel import check_tp
 
@@ -545,10 +574,11 @@ def test_tensor_parallel_refusals_name_what_stops_it():
     with pytest.raises(ValueError, match=r"^tensor_parallel_degree=4 does not divide "
                                          r"num_key_value_heads=2$"):
         check_tp(Qwen2Config(vocab_size=300, **small), 4)
-    with pytest.raises(ValueError, match=r"MixtralConfig's plan splits "
-                                         r"layers\.\*\.mlp\.experts\.gate_up_proj as "
-                                         r"'packed_colwise', which is not translated here"):
-        check_tp(MixtralConfig(vocab_size=300, **small), 2)
+    check_tp(MixtralConfig(vocab_size=300, **small), 2)  # its MoE layers whole on each rank
+    with pytest.raises(ValueError, match=r"GlmConfig's plan splits "
+                                         r"layers\.\*\.mlp\.gate_up_proj as "
+                                         r"'colwise_gather_output', which is not translated"):
+        check_tp(GlmConfig(vocab_size=300, **small), 2)
     with pytest.raises(ValueError, match=r"GPT2Config has no tensor-parallel plan"):
         check_tp(GPT2Config(), 2)
 
