@@ -117,17 +117,21 @@ class _Dispatched:
 
     def _run_local(self, rows, experts, pos, keep, kept):
         """This rank's experts on the rows received (``experts``: local expert of each)."""
-        up = self.gate_up_proj if self.has_gate else self.up_proj
-        return by_expert(rows, experts, pos, kept, row_align(rows, _local(up)),
-                         self._grouped)
+        up, down = self._weights()  # each read once (a read gathers over the dp ranks)
+        return by_expert(rows, experts, pos, kept, row_align(rows, up),
+                         lambda x, offs: self._grouped(x, offs, up, down))
 
-    def _grouped(self, x, offs):
-        """x [N, D] grouped by local expert (``offs``: group ends) through the experts."""
-        gate = self.has_gate
-        up, down = (_local(w) for w in (self.gate_up_proj if gate else self.up_proj,
+    def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's experts' up (or gate-up) and down weights, each [E/ep, in, out]."""
+        up, down = (_local(w) for w in (self.gate_up_proj if self.has_gate else self.up_proj,
                                         self.down_proj))
         if not self.is_transposed:  # stored [E, out, in]
             up, down = up.transpose(1, 2), down.transpose(1, 2)
+        return up, down
+
+    def _grouped(self, x, offs, up, down):
+        """x [N, D] grouped by local expert (``offs``: group ends) through the experts."""
+        gate = self.has_gate
         bias = None
         if self.has_bias:  # each row's expert, from the group ends
             which = torch.searchsorted(offs, torch.arange(x.shape[0], dtype=offs.dtype,

@@ -164,7 +164,6 @@ class _GradSync:
             self.pending[fqn] = leaf.grad if old is None else old + leaf.grad
             leaf.grad = None
 
-
     def discard(self) -> None:
         """The gradients summed with sync off and not reduced yet, dropped (an aborted
         iteration, FSDP2's ``reset_iter_state``); the setting stays."""

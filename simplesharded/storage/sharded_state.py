@@ -88,6 +88,8 @@ class EagerReshardProtocol(Protocol):
 
     def note_bucket(self, bucket: RaggedBucketProtocol, member: torch.Tensor) -> None: ...
 
+    def abandon(self) -> None: ...
+
 
 class GatherScopeProtocol(Protocol):
     """The model's gathers of one forward (gather.py's ``_GatherScope``), as the reads of
