@@ -640,7 +640,7 @@ def test_loading_peak_memory_is_below_the_model(zoo):
 def test_graph_break_is_one_clear_error_and_flag_compiles_around_it(zoo):
     dirs = tuple(sorted(zoo.items()))
     error, losses = _results(1, dirs)[0]["graph_break"]
-    assert error.startswith(f"compile.fullgraph=true: the forward of {zoo['qwen2']} "
+    assert error.startswith(f"compile.fullgraph=true: the forward of hf:{zoo['qwen2']} "
                             f"graph-breaks at {__file__}:"), error
     assert "in breaking (torch._dynamo.graph_break()): Call to `torch._dynamo.graph_break()`" \
         in error, error

@@ -54,8 +54,8 @@ def graph_break_error(e: Exception, cfg: Config) -> ValueError:
     where = f" at {frame.filename}:{frame.lineno} in {frame.name}" if frame else ""
     if frame is not None and frame.line:
         where += f" ({frame.line.strip()})"
-    model = cfg.model.path if cfg.model.name == HF else f"{cfg.model.name}/{cfg.model.flavor}"
-    return ValueError(f"compile.fullgraph=true: the forward of {model} graph-breaks{where}: "
+    return ValueError(f"compile.fullgraph=true: the forward of {cfg.model.label()} "
+                      f"graph-breaks{where}: "
                       f"{what}; rerun with --no-compile.fullgraph to compile the pieces "
                       f"between breaks (each is bucketed on its own)")
 
