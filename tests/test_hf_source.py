@@ -86,6 +86,18 @@ def _write_tokenizer(path: Path, words: list[str]) -> None:
     tok.save(str(path))
 
 
+def _with_config(src: Path, dst: Path, **changes) -> Path:
+    """``dst``: the model directory ``src`` (its files linked) with ``changes`` made to its
+    config.json."""
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name != "config.json":
+            (dst / f.name).symlink_to(f)
+    config = json.loads((src / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, **changes}))
+    return dst
+
+
 @pytest.fixture(scope="module")
 def zoo(tmp_path_factory) -> dict[str, Path]:
     """The model directories and a small text corpus of WORDS (``data``)."""
@@ -104,15 +116,8 @@ def zoo(tmp_path_factory) -> dict[str, Path]:
             config.save_pretrained(root / f"{name}_init")
             out[f"{name}_init"] = root / f"{name}_init"
     # Mixtral's weights with its balancing loss on (output_router_logits)
-    aux = root / "mixtral_aux"
-    aux.mkdir()
-    for f in out["mixtral"].iterdir():
-        if f.name != "config.json":
-            (aux / f.name).symlink_to(f)
-    config = json.loads((out["mixtral"] / "config.json").read_text())
-    (aux / "config.json").write_text(json.dumps({**config, "output_router_logits": True,
-                                                 "router_aux_loss_coef": 0.02}))
-    out["mixtral_aux"] = aux
+    out["mixtral_aux"] = _with_config(out["mixtral"], root / "mixtral_aux",
+                                      output_router_logits=True, router_aux_loss_coef=0.02)
     _write_tokenizer(out["llama"] / "tokenizer.json", WORDS)
     g = torch.Generator().manual_seed(0)
     lines = [" ".join(WORDS[i] for i in torch.randint(len(WORDS), (40,), generator=g))
@@ -401,13 +406,20 @@ def _results(world: int, dirs: tuple) -> dict:
         return spawn(world, _job, dict(dirs), dump)
 
 
+def _losses_match(zoo, one: str, two: str, what: str) -> list[float]:
+    """The 2-rank run ``two`` gives the 1-process run ``one``'s STEPS losses to 1e-5 (relative);
+    the 1-process losses."""
+    dirs = tuple(sorted(zoo.items()))
+    want, got = _results(1, dirs)[0][one], _results(2, dirs)[0][two]
+    bad = [(s + 1, g, w) for s, (g, w) in enumerate(zip(got, want)) if not rel(g, w) <= 1e-5]
+    assert len(got) == STEPS and not bad, f"(step, {what}, 1 process) beyond 1e-5 rel: {bad}"
+    return want
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", list(RUNS))
 def test_two_ranks_match_one_process(zoo, arch):
-    dirs = tuple(sorted(zoo.items()))
-    want, got = _results(1, dirs)[0][arch], _results(2, dirs)[0][arch]
-    bad = [(s + 1, g, w) for s, (g, w) in enumerate(zip(got, want)) if not rel(g, w) <= 1e-5]
-    assert not bad, f"{arch}: (step, 2 ranks, 1 process) beyond 1e-5 rel: {bad}"
+    want = _losses_match(zoo, arch, arch, f"{arch}, 2 ranks")
     assert want[-1] < want[0], want  # it trains
 
 
@@ -417,10 +429,7 @@ def test_llama_at_context_parallel_2_matches_one_process(zoo):
     """transformers' Llama trained by the trainer at context parallel degree 2, compiled (its
     attention through the attention interface: models/hf_context_parallel.py), gives the
     losses of one process on whole sequences."""
-    dirs = tuple(sorted(zoo.items()))
-    want, got = _results(1, dirs)[0]["llama"], _results(2, dirs)[0]["llama_cp2"]
-    bad = [(s + 1, g, w) for s, (g, w) in enumerate(zip(got, want)) if not rel(g, w) <= 1e-5]
-    assert len(got) == STEPS and not bad, f"(step, cp 2, 1 process) beyond 1e-5 rel: {bad}"
+    _losses_match(zoo, "llama", "llama_cp2", "cp 2")
 
 
 @pytest.mark.slow
@@ -430,10 +439,7 @@ def test_qwen3_at_tensor_parallel_2_matches_one_process(zoo):
     models/hf_tensor_parallel.py: attention and MLP split, the residual stream and its norms
     on sequence shards, the per-head norms' gradients summed over tp, embedding and head
     split by vocabulary, loss parallelism): the losses of one process."""
-    dirs = tuple(sorted(zoo.items()))
-    want, got = _results(1, dirs)[0]["qwen3"], _results(2, dirs)[0]["qwen3"]
-    bad = [(s + 1, g, w) for s, (g, w) in enumerate(zip(got, want)) if not rel(g, w) <= 1e-5]
-    assert len(got) == STEPS and not bad, f"(step, tp 2, 1 process) beyond 1e-5 rel: {bad}"
+    want = _losses_match(zoo, "qwen3", "qwen3", "tp 2")
     assert want[-1] < want[0], want
 
 
@@ -444,12 +450,8 @@ def test_mixtral_at_expert_parallel_2_matches_one_process(zoo):
     experts of each layer (those of its files, read by expert), each layer's routed rows go
     to their experts' rank and back by all-to-all (models/hf_expert_parallel.py: three in a
     layer's forward, two in its backward), and the losses are one process's."""
-    dirs = tuple(sorted(zoo.items()))
-    want = _results(1, dirs)[0]["mixtral"]
-    ranks = _results(2, dirs)
-    got = ranks[0]["mixtral_ep2"]
-    bad = [(s + 1, g, w) for s, (g, w) in enumerate(zip(got, want)) if not rel(g, w) <= 1e-5]
-    assert len(got) == STEPS and not bad, f"(step, ep 2, 1 process) beyond 1e-5 rel: {bad}"
+    _losses_match(zoo, "mixtral", "mixtral_ep2", "ep 2")
+    ranks = _results(2, tuple(sorted(zoo.items())))
     assert ranks[0]["mixtral_ep2_all_to_alls"] == {"fw": 6, "bw": 4}  # two MoE layers
     # [4 experts, 2 * 64, 64]: experts 0-1 on rank 0, 2-3 on rank 1
     assert [r["mixtral_ep2_local"] for r in ranks] == [((4, 128, 64), 2 * 128 * 64, True)] * 2
@@ -462,20 +464,14 @@ def test_mixtral_at_tensor_parallel_2_matches_one_process(zoo):
     every tp rank (its input gathered, its output cut to the rank's tokens;
     models/hf_tensor_parallel.py), the balancing loss added to the loss-parallel loss: the
     losses of one process."""
-    dirs = tuple(sorted(zoo.items()))
-    want, got = _results(1, dirs)[0]["mixtral_aux"], _results(2, dirs)[0]["mixtral_aux_tp2"]
-    bad = [(s + 1, g, w) for s, (g, w) in enumerate(zip(got, want)) if not rel(g, w) <= 1e-5]
-    assert len(got) == STEPS and not bad, f"(step, tp 2, 1 process) beyond 1e-5 rel: {bad}"
+    _losses_match(zoo, "mixtral_aux", "mixtral_aux_tp2", "tp 2")
 
 
 @pytest.mark.slow
 def test_mixtral_at_pipeline_parallel_2_matches_one_process(zoo):
     """transformers' Mixtral (a MoE) cut into 2 pipeline stages, a block each: the losses of
     one process."""
-    dirs = tuple(sorted(zoo.items()))
-    want, got = _results(1, dirs)[0]["mixtral"], _results(2, dirs)[0]["mixtral_pp2"]
-    bad = [(s + 1, g, w) for s, (g, w) in enumerate(zip(got, want)) if not rel(g, w) <= 1e-5]
-    assert len(got) == STEPS and not bad, f"(step, pp 2, 1 process) beyond 1e-5 rel: {bad}"
+    _losses_match(zoo, "mixtral", "mixtral_pp2", "pp 2")
 
 
 @pytest.mark.slow
@@ -483,10 +479,7 @@ def test_qwen3_at_pipeline_parallel_2_matches_one_process(zoo):
     """transformers' Qwen3 cut into 2 pipeline stages by the trainer (stage_split.py: the
     final norm an identity on the first stage, hidden states passed as inputs_embeds to the
     second): the losses of one process."""
-    dirs = tuple(sorted(zoo.items()))
-    want, got = _results(1, dirs)[0]["qwen3"], _results(2, dirs)[0]["qwen3_pp2"]
-    bad = [(s + 1, g, w) for s, (g, w) in enumerate(zip(got, want)) if not rel(g, w) <= 1e-5]
-    assert len(got) == STEPS and not bad, f"(step, pp 2, 1 process) beyond 1e-5 rel: {bad}"
+    _losses_match(zoo, "qwen3", "qwen3_pp2", "pp 2")
 
 
 def test_pipeline_refusals_name_what_stops_it(tmp_path):
@@ -795,14 +788,7 @@ def test_weights_of_another_config_are_an_error(tmp_path, zoo):
     """config.json and safetensors that disagree: one line naming the tensor."""
     from simplesharded.models import hf_loading, hf_source
 
-    d = tmp_path / "mixed"
-    d.mkdir()
-    for f in zoo["llama"].iterdir():
-        if f.name != "config.json":
-            (d / f.name).symlink_to(f)
-    config = json.loads((zoo["llama"] / "config.json").read_text())
-    config["vocab_size"] = 320
-    (d / "config.json").write_text(json.dumps(config))
+    d = _with_config(zoo["llama"], tmp_path / "mixed", vocab_size=320)
     model = hf_source.build_hf_model(str(d))
     model.to_empty(device="cpu")
     model.tie_weights()  # to_empty gives the tied head a parameter of its own
