@@ -21,8 +21,7 @@ experts run on rows grouped by expert (models/expert_mm.py ``by_expert``, ``grou
 the module's own gating, biases and norm; the weighting by the router's scores and the sum over
 choices are transformers' (``proj_out * weights``, summed over k), on the token's own rank.
 Routing, the shared experts and the balancing loss are untouched: each rank's own tokens, as
-without EP. transformers' own expert parallelism instead runs every token through each rank's
-experts and all-reduces the outputs; the dispatch sends each row only where its expert is.
+without EP.
 
 Refused before training (:func:`check_ep`): a config without the plan, an expert count the
 degree does not divide, an experts class without the recorded layout.
