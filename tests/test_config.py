@@ -227,14 +227,14 @@ def test_expert_parallel_degree_with_a_hugging_face_model(tmp_path):
     with pytest.raises(ValueError) as e:
         check(tmp_path / "moe", 3, 3)
     assert str(e.value) == ("parallelism.expert_parallel_degree=3 does not divide "
-                            f"MixtralConfig's number of experts (4) of model.path="
-                            f"'{tmp_path / 'moe'}'")
+                            f"MixtralConfig's number of experts (4) (model.path="
+                            f"'{tmp_path / 'moe'}')")
     with pytest.raises(ValueError) as e:
         check(tmp_path / "dense", 2, 2)
     assert str(e.value) == ("parallelism.expert_parallel_degree=2: LlamaConfig has no "
                             "expert-parallel plan (base_model_ep_plan naming "
-                            "'ep_dispatch_experts' modules) in transformers (use 1) of "
-                            f"model.path='{tmp_path / 'dense'}'")
+                            "'ep_dispatch_experts' modules) in transformers (use 1) "
+                            f"(model.path='{tmp_path / 'dense'}')")
 
 
 def test_model_n_layers():

@@ -50,8 +50,9 @@ def check_static(cfg: Config, world_size: int) -> Config:
                              f"routed experts (deepseek_v3); {what} has none")
         try:
             args.check_ep(ep)
-        except ValueError as e:
-            raise ValueError(f"parallelism.{e} of {what}") from None
+        except ValueError as e:  # a zoo model's line ends with a count of its flavor's
+            raise ValueError(f"parallelism.{e} ({what})" if cfg.model.name == HF
+                             else f"parallelism.{e} of {what}") from None
     if cfg.parallelism.pipeline_parallel_degree > 1:
         _check_pipeline(cfg)
     cp = cfg.parallelism.context_parallel_degree
