@@ -28,8 +28,10 @@ import torch.distributed as dist
 def _prefetch_off():
     from simplesharded.storage import eager_reshard, prefetch
 
-    with mock.patch.object(prefetch.EagerPrefetch, "gathered", lambda self, bucket: None), \
-            mock.patch.object(eager_reshard, "prefetch", lambda gathered: None):
+    off = lambda *args: None  # noqa: E731
+    with mock.patch.object(prefetch.EagerPrefetch, "gathered", off), \
+            mock.patch.object(prefetch.EagerPrefetch, "recomputed", off), \
+            mock.patch.object(eager_reshard, "prefetch", off):
         yield
 
 

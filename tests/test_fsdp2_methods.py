@@ -101,10 +101,7 @@ def _after_an_aborted_step(where: str | None) -> tuple[dict, bool]:
             with pytest.raises(_Abort):
                 step(2)
             abort["on"] = False
-            g = scope.last_eager.last_bucket if scope.last_eager is not None else None
-            while g is not None:
-                in_flight = in_flight or g.pending is not None
-                g = g.before
+            in_flight = bool(scope.prefetch.pending)
             model.reset_iter_state()
             assert scope.last_eager is None and not scope.prefetch.pending
             opt.zero_grad()

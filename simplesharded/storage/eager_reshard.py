@@ -19,8 +19,8 @@ it: its tensors saved in forward are packed as views of the bucket, and backward
 bucket once, at the first unpack of one of them, and drops it at the last (FSDP2's unit:
 a block's parameters are gathered for the block's backward). At that first unpack the gather
 of the bucket forward gathered before it (the next one backward needs) is issued, and waited
-for at its own first unpack (simplesharded/storage/prefetch.py says why); one the backward
-never unpacks is waited for and dropped when the backward ends.
+for at its own first unpack (simplesharded/storage/prefetch.py, which holds the gathers issued
+ahead and drops one the backward never reads when it ends).
 
 ``keep`` (``reshard_after_forward="auto"``) saves the tensor itself: the compiled plans'
 rule (passes/recompute.py), read per module: a parameter read in the last block, or outside
@@ -33,7 +33,6 @@ from typing import Callable
 
 import torch
 from torch import nn
-from torch.autograd import Variable
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -47,30 +46,30 @@ class _Gathered:
     is held from the first unpack of a tensor saved from it to the last."""
 
     __slots__ = ("again", "label", "storage", "nbytes", "dtype", "keep", "shared", "packs",
-                 "left", "held", "issue", "pending", "unpacked", "before")
+                 "left", "held", "issue", "ahead", "unpacked", "before")
 
     def __init__(self, again: Callable[[], torch.Tensor], label: str, local: torch.Tensor,
                  keep: bool, shared: bool, issue: Callable[[], torch.Tensor] | None = None,
-                 before: "_Gathered | None" = None):
+                 before: "_Gathered | None" = None, ahead=None):
         self.again, self.label, self.keep, self.shared = again, label, keep, shared
         self.storage = StorageWeakRef(local.untyped_storage())
         self.nbytes = local.untyped_storage().nbytes()
         self.dtype = local.dtype
         self.packs = self.left = 0  # tensors packed as views of it; of those, not unpacked
         self.held: torch.Tensor | None = None
-        # a bucket's: its gather issued, not waited (backward's prefetch); the bucket gathered
-        # before it in forward; whether backward has gathered it
-        self.issue, self.pending, self.unpacked, self.before = issue, None, False, before
+        # a bucket's: how to issue its gather; the gathers issued ahead (prefetch.py, by
+        # bucket name); the bucket gathered before it in forward; whether backward gathered it
+        self.issue, self.ahead, self.unpacked, self.before = issue, ahead, False, before
 
     def gather(self) -> torch.Tensor:
         if not self.shared:
             with torch.no_grad():
                 return self.again()
         if self.held is None:
+            pending = self.ahead.take(self.label)
             with torch.no_grad():
-                self.held = (self.again() if self.pending is None
-                             else torch.ops._c10d_functional.wait_tensor(self.pending))
-            self.pending = None
+                self.held = (self.again() if pending is None
+                             else torch.ops._c10d_functional.wait_tensor(pending))
             self.left = self.packs
             if not self.unpacked:
                 self.unpacked = True
@@ -81,13 +80,6 @@ class _Gathered:
             self.held = None
         return full
 
-    def drop_pending(self) -> None:
-        """At the end of the backward: a prefetched gather it never unpacked, finished and
-        dropped."""
-        if self.pending is not None:
-            torch.ops._c10d_functional.wait_tensor(self.pending)
-            self.pending = None
-
 
 def prefetch(g: _Gathered | None) -> None:
     """The gather of ``g`` or, if backward will not gather it again (nothing of it packed,
@@ -95,10 +87,8 @@ def prefetch(g: _Gathered | None) -> None:
     will, issued now (unless it is already)."""
     while g is not None and (g.keep or not g.packs or g.unpacked):
         g = g.before
-    if g is None or g.pending is not None:
-        return
-    g.pending = g.issue()
-    Variable._execution_engine.queue_callback(g.drop_pending)
+    if g is not None:
+        g.ahead.issue(g.label, g.issue)
 
 
 class _Packed:
@@ -159,7 +149,8 @@ class _EagerReshard:
             known.keep = keep  # the same gathered tensor read again: its latest read decides
         elif shared:
             self.by_storage[ptr] = self.last_bucket = _Gathered(
-                again, label, local, keep, shared, issue, self.last_bucket)
+                again, label, local, keep, shared, issue, self.last_bucket,
+                self.scope.prefetch)
         else:
             self.by_storage[ptr] = _Gathered(again, label, local, keep, shared)
 
@@ -167,11 +158,10 @@ class _EagerReshard:
         return None  # a copy of the model has run no forward
 
     def abandon(self) -> None:
-        """The backward of this forward will not run on (an exception aborted it): gathers
-        issued ahead waited for and dropped, buffers held for it dropped."""
+        """The backward of this forward will not run on (an exception aborted it): buffers
+        held for it dropped (the gathers issued ahead are the scope's: prefetch.py)."""
         g = self.last_bucket
         while g is not None:
-            g.drop_pending()
             g.held = None
             g = g.before
         for g in self.by_storage.values():

@@ -343,7 +343,8 @@ class RaggedShards:
             views = self.layout.gather(local, self.group_name,
                                        self.grad_scale, self.annotation, self.precision,
                                        self.replicas, route,
-                                       scope.prefetch.take(self.name) if ahead else None)
+                                       scope.prefetch.take(self.name)
+                                       if ahead or recompute else None)
             if scope.eager is not None and ahead:
                 scope.eager.note_bucket(self, views[0])  # freed after forward
             if ahead:
@@ -354,6 +355,7 @@ class RaggedShards:
                 if scope.backward_views is None:
                     Variable._execution_engine.queue_callback(scope.drop_backward_views)
                 scope.backward_views = (self.name, self.param.to_local()._version, views)
+                scope.prefetch.recomputed(self)  # and the bucket forward read before it
         if scope.active:
             scope.bucket_views[self.name] = views
         return views
