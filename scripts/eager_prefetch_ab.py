@@ -3,7 +3,7 @@ side in one run: Llama 3 (the bench's ``small`` flavor by default) fully sharded
 buckets (the default storage), uncompiled, AdamW.
 
     python -m torch.distributed.run --nproc_per_node 2 scripts/eager_prefetch_ab.py \
-        [--flavor small] [--seq-len 256] [--batch 4] [--steps 5] [--reps 3]
+        [--flavor small] [--seq-len 256] [--batch 4] [--steps 5] [--reps 3] [--ac]
 
 Each repetition times ``--steps`` steps with prefetch on, then off (its two hooks patched to do
 nothing, as tests/test_eager_prefetch.py does), each after one untimed step (the first forward
@@ -42,6 +42,9 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--ac", action="store_true",
+                        help="every block under activation checkpointing (backward's gathers "
+                             "are its recomputes')")
     args = parser.parse_args(argv)
 
     import simplesharded as ss
@@ -51,6 +54,12 @@ def main(argv=None) -> None:
     rank, device = dist.get_rank(), mesh.device_type
     torch.manual_seed(0)
     model = build_model("llama3", args.flavor, device=device)
+    if args.ac:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import \
+            checkpoint_wrapper
+
+        for name, block in list(model.layers.named_children()):
+            model.layers.register_module(name, checkpoint_wrapper(block))
     model = ss.data_parallel(model, mesh, mode="fully_shard")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     vocab = model.args.vocab_size
@@ -87,7 +96,8 @@ def main(argv=None) -> None:
             print(f"rep {rep + 1}: on {on * 1e3:.0f} ms, off {off * 1e3:.0f} ms, "
                   f"on/off {on / off:.3f}", flush=True)
     if rank == 0:
-        print(f"llama3/{args.flavor}, {dist.get_world_size()} ranks ({device}), "
+        print(f"llama3/{args.flavor}{' under full AC' if args.ac else ''}, "
+              f"{dist.get_world_size()} ranks ({device}), "
               f"{args.batch} x {args.seq_len} tokens per rank: median on/off "
               f"{statistics.median(ratios):.3f} over {args.reps} reps")
     dist.destroy_process_group()
