@@ -31,9 +31,9 @@ _c10d = torch.ops._c10d_functional
 
 
 class EagerPrefetch:
-    """The model's forward prefetch: the order of the last root forward's gathers, and the
-    gathers issued ahead of their reads (module doc). Buckets are ragged_shards.py's
-    ``RaggedShards``: ``name`` and ``prefetch_gather()``."""
+    """The model's eager prefetch: the order of the last root forward's gathers, and the
+    gathers issued ahead of their reads, in forward and in backward (module doc). Buckets are
+    ragged_shards.py's ``RaggedShards``: ``name``, ``block`` and ``prefetch_gather()``."""
 
     def __init__(self):
         self.pending: dict[str, torch.Tensor] = {}  # bucket name → its issued gather
