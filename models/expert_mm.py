@@ -17,6 +17,7 @@ shapes in the graph the FSDP passes read.
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils.flop_counter import flop_registry, register_flop_formula
 
 
@@ -99,6 +100,12 @@ def uses_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
     checks accept only bf16, with rows 16-byte aligned (dims multiple of 8)."""
     return (hasattr(torch, "_grouped_mm") and x.dtype == w.dtype == torch.bfloat16
             and x.shape[-1] % 8 == 0 and w.shape[-1] % 8 == 0)
+
+
+def local_experts(w: torch.Tensor) -> torch.Tensor:
+    """This rank's experts of weight ``w`` [E, ...]: under expert parallelism a DTensor split
+    by expert (its local tensor), else ``w`` itself."""
+    return w.to_local() if isinstance(w, DTensor) else w
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

@@ -28,15 +28,14 @@ degree does not divide, an experts class without the recorded layout.
 """
 from __future__ import annotations
 
-import re
-
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from .ep_dispatch import dispatch
-from .expert_mm import by_expert, grouped_mm, row_align
+from .expert_mm import by_expert, grouped_mm, local_experts, row_align
+from .hf_plans import plan_matches
 
 PLAN_STYLE = "ep_dispatch_experts"  # transformers' name for an experts module in the plan
 # what transformers' use_experts_implementation records on an experts module
@@ -82,21 +81,15 @@ def check_ep(model: nn.Module, ep: int) -> None:
 def _targets(model: nn.Module) -> dict[str, nn.Module]:
     """FQN → experts module the plan names (those present: a pipeline stage lacks others)."""
     prefix = model.base_model_prefix
-    base = model.get_submodule(prefix)
-    out = {}
-    for pattern in _patterns(model.config.get_text_config()):
-        regex = re.compile(re.escape(pattern).replace(r"\*", r"\d+"))
-        out.update({f"{prefix}.{n}": m for n, m in base.named_modules() if regex.fullmatch(n)})
-    return out
+    modules = dict(model.get_submodule(prefix).named_modules())
+    return {f"{prefix}.{n}": modules[n]
+            for pattern in _patterns(model.config.get_text_config())
+            for n in plan_matches(pattern, modules)}
 
 
 def ep_styles(model: nn.Module) -> dict:
     """``parallelize_module``'s plan: each experts module → :class:`HFExpertParallel`."""
     return {fqn: HFExpertParallel() for fqn in _targets(model)}
-
-
-def _local(w: torch.Tensor) -> torch.Tensor:
-    return w.to_local() if isinstance(w, DTensor) else w
 
 
 class _Dispatched:
@@ -122,8 +115,8 @@ class _Dispatched:
 
     def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's experts' up (or gate-up) and down weights, each [E/ep, in, out]."""
-        up, down = (_local(w) for w in (self.gate_up_proj if self.has_gate else self.up_proj,
-                                        self.down_proj))
+        up = self.gate_up_proj if self.has_gate else self.up_proj
+        up, down = local_experts(up), local_experts(self.down_proj)
         if not self.is_transposed:  # stored [E, out, in]
             up, down = up.transpose(1, 2), down.transpose(1, 2)
         return up, down
@@ -136,8 +129,8 @@ class _Dispatched:
             which = torch.searchsorted(offs, torch.arange(x.shape[0], dtype=offs.dtype,
                                                           device=x.device), right=True)
             which = which.clamp(max=offs.shape[0] - 1)
-            bias = (_local(self.gate_up_proj_bias if gate else self.up_proj_bias),
-                    _local(self.down_proj_bias))
+            bias = (local_experts(self.gate_up_proj_bias if gate else self.up_proj_bias),
+                    local_experts(self.down_proj_bias))
         h = grouped_mm(x, up, offs)
         if bias is not None:
             h = h + bias[0][which]

@@ -45,6 +45,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle,
                                                PrepareModuleOutput, RowwiseParallel,
                                                SequenceParallel)
 
+from .hf_plans import plan_matches
+
 SEQ = Shard(1)  # hidden states [batch, seq, hidden] under sequence parallelism
 
 
@@ -142,12 +144,11 @@ def tp_styles(model: nn.Module, sequence_parallel: bool, loss_parallel: bool) ->
     seq = sequence_parallel
     styles, split_parents, norms, moe = {}, set(), set(), set()
     for pattern, style in _plan(model.config.get_text_config()).items():
-        regex = re.compile(re.escape(pattern).replace(r"\*", r"\d+"))
         if _of_experts(pattern, style):
             if style == EXPERTS:  # the layer around the experts module
-                moe.update(n.rpartition(".")[0] for n in filter(regex.fullmatch, names))
+                moe.update(n.rpartition(".")[0] for n in plan_matches(pattern, names))
             continue
-        for n in filter(regex.fullmatch, names):
+        for n in plan_matches(pattern, names):
             if style == "rowwise" and seq:  # reduce-scattered to this rank's tokens
                 styles[f"{prefix}.{n}"] = RowwiseParallel(output_layouts=SEQ,
                                                           use_local_output=False)

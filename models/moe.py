@@ -44,14 +44,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInputOutput
 
 from simplesharded.passes.annotations import ROUTING_KEY
 
 from .context_parallel import ContextParallel
 from .ep_dispatch import dispatch
-from .expert_mm import by_expert, grouped_mm, row_align
+from .expert_mm import by_expert, grouped_mm, local_experts, row_align
 from .llama3 import FeedForward, Llama3, Llama3Args, ffn_tp_styles, trunc_normal_init_
 
 SCORE_FUNCS = ("softmax", "sigmoid")
@@ -140,12 +140,8 @@ class GroupedExperts(nn.Module):
     def forward_grouped(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """x [N, dim], rows grouped by expert; offs [n_experts] int32 group ends -> [N, dim].
         Under expert parallelism the weights are DTensors split by expert: the local ones."""
-        w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))  # each read once
+        w1, w2, w3 = (local_experts(w) for w in (self.w1, self.w2, self.w3))  # read once
         return grouped_mm(F.silu(grouped_mm(x, w1, offs)) * grouped_mm(x, w3, offs), w2, offs)
-
-
-def _local(w: torch.Tensor) -> torch.Tensor:
-    return w.to_local() if isinstance(w, DTensor) else w
 
 
 class _AddAuxLoss(torch.autograd.Function):

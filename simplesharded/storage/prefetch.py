@@ -60,21 +60,23 @@ class EagerPrefetch:
             return
         self._order.append(bucket)
         after = self.successor.get(bucket.name)
-        if after is not None and after.name not in self.pending:
-            pending = after.prefetch_gather()
-            if pending is not None:
-                self.pending[after.name] = pending
+        if after is not None:
+            self._start(after.name, after.prefetch_gather)
+
+    def _start(self, name: str, start) -> bool:
+        """Bucket ``name``'s gather issued now by ``start()`` (None: it cannot be), unless it
+        is already: whether it was."""
+        if name in self.pending:
+            return False
+        pending = start()
+        if pending is not None:
+            self.pending[name] = pending
+        return pending is not None
 
     def issue(self, name: str, start) -> None:
-        """In a backward: bucket ``name``'s gather issued now by ``start()`` (None: it
-        cannot be), unless it is already; dropped at the backward's end if never read."""
-        if name in self.pending:
-            return
-        pending = start()
-        if pending is None:
-            return
-        self.pending[name] = pending
-        if not self._drop_queued:
+        """In a backward: :meth:`_start`, and the gather dropped at the backward's end if
+        never read."""
+        if self._start(name, start) and not self._drop_queued:
             self._drop_queued = True
             Variable._execution_engine.queue_callback(self.drop)
 

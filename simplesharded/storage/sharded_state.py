@@ -72,12 +72,14 @@ class RaggedMemberProtocol(Protocol):
 
 
 class PrefetchProtocol(Protocol):
-    """An uncompiled forward's gathers issued ahead (prefetch.py's ``EagerPrefetch``), as a
-    ragged bucket's read uses them."""
+    """An uncompiled step's gathers issued ahead (prefetch.py's ``EagerPrefetch``), as a
+    ragged bucket's read uses them (in forward, and in a backward's recompute)."""
 
     def take(self, name: str) -> torch.Tensor | None: ...
 
     def gathered(self, bucket: RaggedBucketProtocol) -> None: ...
+
+    def recomputed(self, bucket: RaggedBucketProtocol) -> None: ...
 
 
 class EagerReshardProtocol(Protocol):
