@@ -117,14 +117,15 @@ def _accelerator_memory() -> tuple[float, float]:
 
 
 @contextlib.contextmanager
-def _one_rank(device: str):
-    """This process as a 1-rank process group on ``device``'s backend, as the trainer starts
-    without torchrun; torn down after."""
+def _one_rank(device: str, host: bool = False):
+    """This process as a 1-rank process group on ``device``'s backend (``host``: and gloo
+    for host tensors, as the trainer's under offload), as the trainer starts without
+    torchrun; torn down after."""
     import torch.distributed as dist
 
     from simplesharded.mesh import init_distributed
 
-    init_distributed(device)
+    init_distributed(device, host=host)
     try:
         yield
     finally:
@@ -367,6 +368,47 @@ def _state_bytes(trainer) -> int:
     return total
 
 
+def _held_tensors(trainer, device: str, top: int = 8) -> str:
+    """The largest ``device`` tensors alive after a step that are not the model's state (by
+    storage): shape, dtype, class and their holders' classes, for the check's output."""
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    state = {local(t).untyped_storage().data_ptr()
+             for p in trainer.model.parameters() for t in (p, p.grad) if t is not None}
+    state |= {b.untyped_storage().data_ptr() for b in trainer.model.buffers()}
+    state |= {local(v).untyped_storage().data_ptr() for st in trainer.optimizer.state.values()
+              for v in st.values() if isinstance(v, torch.Tensor)}
+    found: dict[int, tuple] = {}
+    with warnings.catch_warnings():  # isinstance on torch's deprecated module attributes
+        warnings.simplefilter("ignore")
+        tensors = []
+        for o in gc.get_objects():
+            try:
+                if isinstance(o, torch.Tensor):
+                    tensors.append(o)
+            except ReferenceError:  # a dead weak proxy
+                continue
+    for obj in tensors:
+        try:
+            t = local(obj)
+            if t.device.type != device or t.is_meta:
+                continue
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in state and ptr not in found:
+                found[ptr] = (t.untyped_storage().nbytes(), tuple(t.shape), t.dtype, obj)
+        except Exception:  # a tensor without storage (fake, functional)
+            continue
+    lines = []
+    for nbytes, shape, dtype, obj in sorted(found.values(), key=lambda v: -v[0])[:top]:
+        holders = sorted({type(r).__name__ for r in gc.get_referrers(obj)} - {"list", "frame"})
+        lines.append(f"  {nbytes / 2**20:.2f} MiB {shape} {dtype} {type(obj).__name__} "
+                     f"held by {holders}")
+    total = sum(v[0] for v in found.values())
+    return (f"live {device} tensors beyond the state after the step: {total / 2**20:.1f} MiB "
+            f"in {len(found)} storages\n" + "\n".join(lines))
+
+
 def _fake_case(name: str, cfg, device: str, predicted: int | None) -> list[Row]:
     from inductor_code import code_order, format_order, graph_order
 
@@ -442,6 +484,8 @@ def _fake_steps(cfg, device: str, observe=None) -> tuple[dict, dict, list]:
             mem["peak"] = torch.accelerator.max_memory_allocated()
             mem["workspace"] = cublas_workspace_bytes(device)  # freed: not in what is held
             mem["held"] = torch.accelerator.memory_allocated() - _state_bytes(trainer)
+            if mem["held"] > 2**20:  # what holds it, in the check's output
+                print(f"{cfg.compile.backend}: {_held_tensors(trainer, device)}", flush=True)
     torch._dynamo.reset()
     # torch's fake group copies inputs into collective outputs since 2.13; before, outputs
     # are left unset and a step's values may not be finite (then the optimizer skips it)
@@ -911,7 +955,7 @@ def _bench_run(device: str, extra: tuple[str, ...] = ()) -> dict:
     if device == "cuda":  # reserved memory as this run's alone, not an earlier run's cache
         gc.collect()
         torch.cuda.empty_cache()
-    with _one_rank(device):
+    with _one_rank(device, host=cfg.parallelism.offload != "none"):
         t0 = time.perf_counter()
         trainer = Trainer(cfg, device)
         trainer.run()

@@ -68,9 +68,14 @@ def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def backend_for(device: str) -> str:
-    """The process-group backend for a device type (nccl for cuda, gloo for cpu)."""
-    return {"cuda": "nccl"}.get(device, "gloo")
+def backend_for(device: str, host: bool = False) -> str:
+    """The process-group backend for a device type (nccl for cuda, gloo for cpu). ``host``:
+    an accelerator's group takes host tensors too (gloo beside it, as ``"cuda:nccl,cpu:gloo"``):
+    under host offload the gradients' norm and a member's gather run on the host."""
+    backend = {"cuda": "nccl"}.get(device, "gloo")
+    if host and backend != "gloo":
+        return f"{device}:{backend},cpu:gloo"
+    return backend
 
 
 @dataclass(frozen=True)
@@ -394,14 +399,16 @@ def flat_dp_mesh(dp: DeviceMesh) -> DeviceMesh:
     return kept[key]
 
 
-def init_distributed(device: str | None = None, timeout_s: float | None = None) -> str:
+def init_distributed(device: str | None = None, timeout_s: float | None = None,
+                     host: bool = False) -> str:
     """Initialise the default process group from torchrun's environment if needed.
 
     Returns the device type in use. Without torchrun variables a 1-process group is made on a
     free local port, so single-process scripts and notebooks work too. On an accelerator the
     rank's device (``LOCAL_RANK``) is selected first and given to the process group as its
     ``device_id``: NCCL then creates its communicator at once (and can split it for sub-meshes)
-    instead of guessing the device at the first collective.
+    instead of guessing the device at the first collective. ``host``: the group takes host
+    tensors too (:func:`backend_for`), for ``data_parallel(offload=...)``.
     """
     device = device or device_type()
     local = _local_device(device)
@@ -416,7 +423,7 @@ def init_distributed(device: str | None = None, timeout_s: float | None = None) 
             kwargs["timeout"] = timedelta(seconds=timeout_s)
         if local is not None:
             kwargs["device_id"] = local
-        dist.init_process_group(backend=backend_for(device), **kwargs)
+        dist.init_process_group(backend=backend_for(device, host), **kwargs)
     return device
 
 
@@ -486,12 +493,15 @@ def _unflatten(mesh: DeviceMesh, dim: str, sizes: tuple[int, int],
 
 
 def init_mesh(dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1,
-              device: str | None = None, ep: int = 1, cp: int = 1, pp: int = 1) -> DeviceMesh:
-    """Initialise the process group (if needed) and build the mesh (see :func:`build_mesh`)."""
+              device: str | None = None, ep: int = 1, cp: int = 1, pp: int = 1,
+              host: bool = False) -> DeviceMesh:
+    """Initialise the process group (if needed) and build the mesh (see :func:`build_mesh`).
+    ``host``: the group takes host tensors too (:func:`backend_for`), which
+    ``data_parallel(offload=...)`` on an accelerator needs."""
     if dist.is_initialized():
         # Validate before any collective work so a bad degree fails fast and clearly.
         resolve_degrees(dist.get_world_size(), dp_replicate, dp_shard, tp, ep, cp, pp=pp)
-    device = init_distributed(device)
+    device = init_distributed(device, host=host)
     return build_mesh(dp_replicate, dp_shard, device, tp, ep, cp, pp)
 
 

@@ -36,7 +36,7 @@ from simplesharded.storage.gather import _GatherScope, _sharded_property
 from simplesharded.storage.grad_sync import _GradSync
 from simplesharded.storage.choice import (NOT_GIVEN, check_offload, check_storage,
                                           chosen_storage, pack, resolved)
-from simplesharded.storage.offload import offload_choice
+from simplesharded.storage.offload import check_host_group, offload_choice
 from simplesharded.storage.ragged_shards import members_as_shards, refresh_resident
 from simplesharded.storage.layout import _DPView, _mode_placements, _shard_param
 from simplesharded.mesh import EP_DIM, dense_mesh, ep_dim, expert_dp_mesh, stage_mesh
@@ -158,6 +158,7 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     check_storage(storage, mode, dp.ndim, mesh)
     offload = offload_choice(offload)
     check_offload(offload[0], storage, mode)
+    check_host_group(offload[0], mesh)
     if grad_reduction not in GRAD_REDUCTIONS:
         raise ValueError(f"grad_reduction={grad_reduction!r} is not one of {sorted(GRAD_REDUCTIONS)}")
     _check_unwrapped(model)

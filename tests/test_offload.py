@@ -63,6 +63,46 @@ def test_offload_takes_names_and_fsdp2_policies():
     assert offload_choice(OffloadPolicy()) == ("none", True)
 
 
+def test_host_shards_stay_on_the_host_of_an_accelerators_mesh(monkeypatch):
+    """On an accelerator, the mesh's device type is not the host's: ``DTensor.from_local``
+    would copy a host shard to the mesh's device, and its members' host gradients would not
+    match them (the H200 run's ``params`` offload failed so). A ``meta``-typed mesh stands in
+    for the accelerator's."""
+    import warnings
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from simplesharded.mesh import backend_for
+    from simplesharded.storage.offload import check_host_group, kept_dtensor
+
+    with pu.fake_world(2):
+        mesh = DeviceMesh("meta", [0, 1])
+        host = torch.arange(4.0)
+        moved = DTensor.from_local(host, mesh, [Shard(0)], run_check=False)
+        assert moved.to_local().device.type == "meta"  # what kept_dtensor exists for
+        kept = kept_dtensor(host, mesh, [Shard(0)], (8,), (1,))
+        assert (kept.device, kept.to_local().device, kept.shape) == (host.device,) * 2 + (
+            torch.Size([8]),)
+        param = torch.nn.Parameter(kept)
+        param.grad = kept_dtensor(torch.ones(4), mesh, [Shard(0)], (8,), (1,))
+        assert param.grad.to_local().tolist() == [1.0] * 4
+        # an accelerator's group without a host backend: one warning naming the fix
+        monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cuda:nccl")
+        with pytest.warns(UserWarning, match="cpu:gloo"):
+            check_host_group("params", mesh)
+        monkeypatch.setattr(dist, "get_backend_config",
+                            lambda group=None: "cuda:nccl,cpu:gloo")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            check_host_group("params", mesh)
+            check_host_group("none", mesh)
+    assert backend_for("cuda", host=True) == "cuda:nccl,cpu:gloo"
+    assert backend_for("cuda") == "nccl"
+    assert backend_for("cpu", host=True) == "gloo"
+
+
 def test_refusals_are_one_line():
     import simplesharded as ss
     from simplesharded.trainer.config import load_config

@@ -36,6 +36,9 @@ from dataclasses import dataclass
 import torch
 import torch.fx.traceback as fx_traceback
 
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
 from simplesharded.passes.annotations import OFFLOAD_KEY
 
 OFFLOADS = ("none", "optimizer", "params")
@@ -59,6 +62,38 @@ def offload_choice(offload) -> tuple[str, bool]:
         return "none", True
     raise ValueError(f"offload={offload!r} is not one of {list(OFFLOADS)} (or an FSDP2 "
                      f"OffloadPolicy)")
+
+
+def check_host_group(kind: str, mesh) -> None:
+    """A warning where ``kind`` puts shards on the host of an accelerator's mesh whose default
+    group has no host backend: the gradients' norm (``clip_grad_norm_``) and a member's
+    gather would then fail at their first collective, far from the cause."""
+    import warnings
+
+    import torch.distributed as dist
+
+    if kind == "none" or mesh.device_type == HOST.type:
+        return
+    config = dist.get_backend_config()
+    if f"{HOST.type}:" not in config:
+        warnings.warn(f"offload={kind!r}: the process group ({config}) takes no host tensors, "
+                      f"so a norm or gather of the host's gradients fails; initialise it with "
+                      f"backend='{mesh.device_type}:nccl,cpu:gloo' (simplesharded.init_mesh("
+                      f"..., host=True) does)", stacklevel=3)
+
+
+def kept_dtensor(local: torch.Tensor, mesh, placements, shape, stride) -> DTensor:
+    """``DTensor.from_local(local, ..., run_check=False)`` that leaves ``local`` where it is.
+    ``from_local`` copies a tensor to its mesh's device type, so a host shard on an
+    accelerator's mesh would silently come back on the accelerator (FSDP2 builds its
+    offloaded shards as DTensors of host tensors the same way). Not differentiable in
+    ``local``: for parameters, gradients and states."""
+    if local.device.type == mesh.device_type or local.is_meta:
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
+                                  stride=stride)
+    meta = TensorMeta(torch.Size(shape), tuple(stride), local.dtype)
+    return DTensor(local, DTensorSpec(mesh, tuple(placements), tensor_meta=meta),
+                   requires_grad=False)
 
 
 @torch.library.custom_op("simplesharded::to_compute", mutates_args=())

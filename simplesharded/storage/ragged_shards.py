@@ -80,7 +80,7 @@ from simplesharded.passes.annotations import (BLOCK_KEY, BUCKET_PARAMS_KEY, DP_G
                                              PARAM_KEY, RAGGED_KEY, RESHARD_KEY)
 from simplesharded.storage.ragged import (Precision, RaggedLayout, from_ragged, issue_gather,
                                   reduce_gathered, to_ragged)
-from simplesharded.storage.offload import Offload
+from simplesharded.storage.offload import Offload, kept_dtensor
 from simplesharded.storage.ragged_member import Cut, RaggedMember
 from simplesharded.storage.sharded_state import (GatherScopeProtocol, GradSyncProtocol, ShardedParam,
                                          sharded_state, swap_class)
@@ -293,8 +293,7 @@ class RaggedShards:
 
     def _dtensor(self, local: torch.Tensor) -> DTensor:
         """The bucket's DTensor from this rank's ``[L]``."""
-        return DTensor.from_local(local, self.mesh, self.placements, run_check=False,
-                                  shape=self.shape, stride=(1,))
+        return kept_dtensor(local, self.mesh, self.placements, self.shape, (1,))
 
     def read(self, index: int) -> torch.Tensor:
         """Member ``index``, full: a view of the bucket's gather (one per forward; uncompiled,
@@ -429,8 +428,7 @@ class RaggedShards:
                               self.shard_group())
         if home:
             locals_ = [self.offload.home(t) for t in locals_]
-        return [DTensor.from_local(t, self.mesh, placements, run_check=False, shape=shape,
-                                   stride=_contiguous_stride(shape))
+        return [kept_dtensor(t, self.mesh, placements, shape, _contiguous_stride(shape))
                 for t, placements, shape in zip(locals_, self.member_placements,
                                                 self.member_shapes)]
 

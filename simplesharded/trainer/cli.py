@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
     code = 0
     try:
-        device = init_distributed()
+        device = init_distributed(host=cfg.parallelism.offload != "none")
         if cfg.training.deterministic:
             make_deterministic(device)
         trainer = Trainer(cfg, device)
