@@ -355,8 +355,12 @@ def test_optimizer_implementation_reaches_torch():
 
     with pytest.raises(ValueError, match=r"optimizer.implementation='loop' is not one of"):
         load(None, ["--optimizer.implementation", "loop"])
-    assert Config().optimizer.implementation == "foreach"
     params = [torch.nn.Parameter(torch.zeros(3))]
+    # auto: foreach on the device, fused where the step runs on the host
+    for offload, key in [("none", "foreach"), ("params", "fused"), ("optimizer", "fused")]:
+        cfg = load(None, ["--parallelism.offload", offload])
+        assert cfg.optimizer.implementation == "auto"
+        assert build_optimizer(cfg, params).defaults[key] is True, offload
     for impl, key in [("for-loop", "foreach"), ("foreach", "foreach"), ("fused", "fused")]:
         for name in ("AdamW", "SGD"):
             cfg = load(None, ["--optimizer.implementation", impl, "--optimizer.name", name])

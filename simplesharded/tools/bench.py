@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     from simplesharded.trainer import OPTIMIZER_IMPL
     ap.add_argument("--optimizer-impl", default="foreach", choices=list(OPTIMIZER_IMPL),
                     help="AdamW kernels, the same for every variant (default: foreach, as the "
-                         "trainer's optimizer.implementation)")
+                         "trainer's optimizer.implementation without offload)")
     ap.add_argument("--json", default=None, help="write rows and raw timings here")
     ap.add_argument("--device", default="cpu",
                     help="cpu: gloo ranks (default); cuda (this machine's accelerator type): "

@@ -111,9 +111,11 @@ class Optimizer:
     eps: float = _opt(1e-8, "AdamW eps")
     weight_decay: float = _opt(0.1, "decoupled weight decay")
     implementation: str = _opt(
-        "foreach", "update kernels: for-loop (ops per parameter: with DTensor shards, hundreds "
+        "auto", "update kernels: for-loop (ops per parameter: with DTensor shards, hundreds "
         "of dispatches a step), foreach (ops over all tensors at once, torchtitan's default), "
-        "fused (one kernel)", ("for-loop", "foreach", "fused"))
+        "fused (one kernel), auto (fused where the step runs on the host, under "
+        "parallelism.offload: one pass over host memory where foreach makes one per op; else "
+        "foreach)", ("auto", "for-loop", "foreach", "fused"))
 
 
 @dataclass

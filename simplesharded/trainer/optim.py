@@ -32,9 +32,18 @@ OPTIMIZER_IMPL = {"for-loop": {"foreach": False}, "foreach": {"foreach": True},
                   "fused": {"fused": True}}
 
 
+def implementation(cfg: Config) -> str:
+    """``optimizer.implementation`` with ``auto`` resolved: fused where the step runs on the
+    host (``parallelism.offload``), foreach elsewhere."""
+    impl = cfg.optimizer.implementation
+    if impl != "auto":
+        return impl
+    return "foreach" if cfg.parallelism.offload == "none" else "fused"
+
+
 def build_optimizer(cfg: Config, params):
     o = cfg.optimizer
-    impl = OPTIMIZER_IMPL[o.implementation]
+    impl = OPTIMIZER_IMPL[implementation(cfg)]
     if o.name == "SGD":
         return torch.optim.SGD(params, lr=o.lr, momentum=o.beta1, weight_decay=o.weight_decay,
                                **impl)
