@@ -229,9 +229,11 @@ TRAINER_RUNS = {  # name → (steps, arguments); the folder is per test session
     # ragged buckets in the stages, the pipeline FSDP policy the trainer picks by default
     "pp2_ragged": (3, ["--parallelism.pipeline_parallel_degree", "2",
                        "--parallelism.storage", "ragged"]),
-    # and on the host (the shards, their gradients and the optimizer's state)
+    # and on the host (the shards, their gradients and the optimizer's state), with pp2_ragged's
+    # update kernels (offload's own default is the fused step): the copies alone differ
     "pp2_offload": (3, ["--parallelism.pipeline_parallel_degree", "2",
-                        "--parallelism.storage", "ragged", "--parallelism.offload", "params"]),
+                        "--parallelism.storage", "ragged", "--parallelism.offload", "params",
+                        "--optimizer.implementation", "foreach"]),
     # context parallelism in the stages (dp 1: 8 micro-batches of one sequence's chunks)
     "pp2_cp2": (3, ["--parallelism.pipeline_parallel_degree", "2",
                     "--parallelism.context_parallel_degree", "2"]),
