@@ -95,6 +95,12 @@ class ContextParallel:
                              f"{self.size} cp ranks) exceeds max_seq_len={table.shape[0]}")
         return table[head_tail_positions(seq_len, self.rank, self.size, table.device)]
 
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Every cp rank's ``t`` concatenated on dim 0 in rank order, differentiably: the
+        backward sums the ranks' gradients of the whole and keeps this rank's rows."""
+        with fx_traceback.annotate({CP_KEY: self.group_name}):
+            return funcol.all_gather_single_autograd(t.contiguous(), 0, self.group_name)
+
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   scale: float | None = None) -> torch.Tensor:
         """Causal attention of this rank's queries over the whole sequence's keys: q [B, s, H,
@@ -103,9 +109,7 @@ class ContextParallel:
         (``scale``: SDPA's, default 1 / sqrt(D))."""
         seq_len = q.shape[1] * self.size
         # K and V in one gather; tokens leading, so the gather's dim 0 concatenates the ranks'
-        kv = torch.stack((k, v), dim=2).transpose(0, 1).contiguous()  # [s, B, 2, Hkv, D]
-        with fx_traceback.annotate({CP_KEY: self.group_name}):
-            kv = funcol.all_gather_single_autograd(kv, 0, self.group_name)  # [S, B, 2, Hkv, D]
+        kv = self.gather(torch.stack((k, v), dim=2).transpose(0, 1))  # [S, B, 2, Hkv, D]
         keys, values = kv.permute(1, 2, 3, 0, 4).unbind(1)  # [B, Hkv, S, D] each
         mask = causal_mask(seq_len, self.rank, self.size, q.device)
         return F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,

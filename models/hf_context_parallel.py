@@ -97,6 +97,7 @@ def apply_hf_context_parallel(model: nn.Module, cp) -> None:
         # the modules the attention interface is called with: the model's attention layers
         if type(module).__name__.endswith("Attention"):
             module.context_parallel = cp
+    model.context_parallel = cp  # the balancing loss reads every cp rank's router rows
     base = getattr(model, model.base_model_prefix, model)
 
     def global_positions(_, args, kwargs):

@@ -241,7 +241,12 @@ class _Trainable:
         causal LM adds it to the mean cross-entropy. Here the loss is a sum the trainer
         divides by the step's token count, so it is weighted by this rank's tokens: one
         process gets transformers' loss exactly, data-parallel ranks the token-weighted mean
-        of their batches' balancing losses."""
+        of their batches' balancing losses. Under context parallelism each rank holds chunks
+        of the sequences, and the loss is of whole sequences, as one process has it: every cp
+        rank's router rows are gathered first (the loss sums over rows, in any order)."""
+        cp = getattr(self, "context_parallel", None)
+        if cp is not None:
+            router_logits = tuple(cp.gather(logits) for logits in router_logits)
         balance = self._balance(router_logits, self.num_experts, self.num_experts_per_tok)
         tokens = (labels != IGNORE_INDEX).sum()
         return self.config.router_aux_loss_coef * balance.float() * tokens

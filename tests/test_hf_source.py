@@ -321,6 +321,10 @@ def _job(rank: int, world: int, dirs: dict[str, Path], dump: str) -> dict:
                            [*RUNS["llama"], "--parallelism.context_parallel_degree", "2"])
         out["llama_cp2"] = [trainer.train_step()["loss"] for _ in range(STEPS)]
         torch._dynamo.reset()
+        trainer = _trainer(dirs["mixtral_aux"], dirs["data"], Path(dump) / "mixtral_aux_cp2",
+                           world, [*RUNS["mixtral"], "--parallelism.context_parallel_degree", "2"])
+        out["mixtral_aux_cp2"] = [trainer.train_step()["loss"] for _ in range(STEPS)]
+        torch._dynamo.reset()
     # tensor parallel degree 2 (dp 1), compiled, against one eager process
     tp = ([*RUNS["llama"], "--parallelism.tensor_parallel_degree", "2"] if world > 1 else [])
     trainer = _trainer(dirs["qwen3"], dirs["data"], Path(dump) / "qwen3", world, tp)
@@ -430,6 +434,16 @@ def test_llama_at_context_parallel_2_matches_one_process(zoo):
     attention through the attention interface: models/hf_context_parallel.py), gives the
     losses of one process on whole sequences."""
     _losses_match(zoo, "llama", "llama_cp2", "cp 2")
+
+
+@needs_torch(CONTEXT_PARALLEL)
+@pytest.mark.slow
+def test_mixtral_balancing_loss_at_context_parallel_2_matches_one_process(zoo):
+    """transformers' Mixtral with its balancing loss at context parallel degree 2, compiled:
+    each rank routes chunks of the sequences, and the loss is of whole sequences, as one
+    process has it (every cp rank's router rows gathered before transformers' loss reads
+    them; per-chunk losses differ): the losses of one process."""
+    _losses_match(zoo, "mixtral_aux", "mixtral_aux_cp2", "cp 2")
 
 
 @pytest.mark.slow
