@@ -75,11 +75,16 @@ def check_host_group(kind: str, mesh) -> None:
     if kind == "none" or mesh.device_type == HOST.type:
         return
     config = dist.get_backend_config()
-    if f"{HOST.type}:" not in config:
-        warnings.warn(f"offload={kind!r}: the process group ({config}) takes no host tensors, "
-                      f"so a norm or gather of the host's gradients fails; initialise it with "
-                      f"backend='{mesh.device_type}:nccl,cpu:gloo' (simplesharded.init_mesh("
-                      f"..., host=True) does)", stacklevel=3)
+    if f"{HOST.type}:" in config:
+        return
+    try:
+        backend = dist.get_default_backend_for_device(mesh.device_type)
+    except (RuntimeError, ValueError):  # a device type torch has no default backend for
+        backend = "<its backend>"
+    warnings.warn(f"offload={kind!r}: the process group ({config}) takes no host tensors, so a "
+                  f"norm or gather of the host's gradients fails; initialise it with "
+                  f"backend='{mesh.device_type}:{backend},cpu:gloo' (simplesharded.init_mesh("
+                  f"..., host=True) does)", stacklevel=3)
 
 
 def kept_dtensor(local: torch.Tensor, mesh, placements, shape, stride) -> DTensor:

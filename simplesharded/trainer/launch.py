@@ -15,6 +15,7 @@ preflight, torchrun's): a 3-step debug run on 2 CPU ranks took 7.1 s instead of 
 """
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import tempfile
@@ -59,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from simplesharded.trainer.cli import ERROR_DIR, EXIT_CONFIG, EXIT_NONFINITE
 
+    quiet = _QuietStops((EXIT_CONFIG, EXIT_NONFINITE))
+    agent_log = logging.getLogger(AGENT_LOGGER)
+    agent_log.addFilter(quiet)
     with tempfile.TemporaryDirectory(prefix="simplesharded-errors-") as errors:
         os.environ[ERROR_DIR] = errors
         try:
@@ -74,7 +78,25 @@ def main(argv: list[str] | None = None) -> int:
             raise  # a crash or a signal: torchrun's report says which rank and how
         finally:
             os.environ.pop(ERROR_DIR, None)
+            agent_log.removeFilter(quiet)
     return 0
+
+
+# torchrun's agent logs a rank's exit code on this logger (docs/torch_internals.md)
+AGENT_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+
+
+class _QuietStops(logging.Filter):
+    """Drops torchrun's "failed (exitcode: N) ..." line for the ``codes`` the ranks stop with
+    on purpose: their own ``error:`` line says why, and is the one line a user should see."""
+
+    def __init__(self, codes: tuple[int, ...]):
+        super().__init__()
+        self.codes = codes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (str(record.msg).startswith("failed (exitcode:") and record.args
+                    and record.args[0] in self.codes)
 
 
 def _print_errors(folder: str) -> None:
