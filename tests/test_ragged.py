@@ -155,6 +155,30 @@ def test_ragged_model_lists_its_parameters_and_state_dict_converts_them():
         assert len(bucket.param._post_accumulate_grad_hooks) == 1  # handed out once
 
 
+@pytest.mark.parametrize("storage", ["ragged", "param"])
+def test_a_deleted_model_is_freed(storage):
+    """``del model`` frees the model and its shards once it has trained a step, as a plain
+    module's: no hook, bucket or optimizer state keeps it (torch holds a tensor's hooks from
+    C++, where the garbage collector cannot break a cycle through them)."""
+    import gc
+    import weakref
+
+    import toy_blocks
+    from pass_utils import fake_world
+
+    import simplesharded as ss
+
+    with fake_world(2) as mesh:
+        model = ss.data_parallel(toy_blocks.make_model(), mesh, storage=storage)
+        optimizer = torch.optim.AdamW(model.parameters())
+        model(toy_blocks.batch(0)[0]).sum().backward()
+        optimizer.step()
+        refs = [weakref.ref(model), *(weakref.ref(p) for p in model.parameters())]
+        del model, optimizer
+    gc.collect()
+    assert [r for r in refs if r() is not None] == []
+
+
 def test_a_bucket_whose_members_are_all_frozen_is_read_without_autograd():
     """Frozen after wrapping, as per-parameter shards that do not require grad: a bucket none
     of whose members requires grad gives no gradient and no reduce-scatter (the compiled

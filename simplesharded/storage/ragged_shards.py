@@ -63,6 +63,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -216,8 +217,8 @@ class RaggedShards:
         post-accumulate-grad hook), once: a deep copy of the bucket has no hooks (torch does
         not copy them), so a copied model registers its own."""
         hooks = getattr(self.param, "_post_accumulate_grad_hooks", None) or {}
-        if not any(getattr(h, "__self__", None) is self for h in hooks.values()):
-            self.param.register_post_accumulate_grad_hook(self._hand_out_grad)
+        if not any(isinstance(h, _HandOut) and h.bucket() is self for h in hooks.values()):
+            self.param.register_post_accumulate_grad_hook(_HandOut(self))
 
     def add_grad(self, local: torch.Tensor) -> None:
         """Add ``local``, a gradient laid out as this rank's ``[L]``, to the members', then
@@ -454,6 +455,23 @@ class RaggedShards:
             locals_.append(v.to(device=self.offload.compute, dtype=self.param.dtype))
         return self._dtensor(self.offload.home(to_ragged(locals_, self.layout,
                                                          self.shard_group())))
+
+
+class _HandOut:
+    """A bucket's post-accumulate-grad hook, :meth:`RaggedShards._hand_out_grad`, holding the
+    bucket weakly. torch keeps a tensor's hooks alive from C++, where Python's garbage
+    collector cannot see them: a hook holding its bucket (hence the model) strongly kept a
+    deleted model, and its memory, alive for good."""
+
+    __slots__ = ("bucket",)
+
+    def __init__(self, bucket: "RaggedShards"):
+        self.bucket = weakref.ref(bucket)
+
+    def __call__(self, param: torch.Tensor) -> None:
+        bucket = self.bucket()
+        if bucket is not None:
+            bucket._hand_out_grad(param)
 
 
 def _in_backward() -> bool:
