@@ -986,9 +986,10 @@ def _bench_run(device: str, extra: tuple[str, ...] = ()) -> dict:
 
 
 def _fresh_bench(device: str, extra: tuple[str, ...] = ()) -> dict:
-    """:func:`_bench_run` in a process of its own (spawned): a run after another in one
-    process measured the first one's leftovers too (the H200's params offload: 28.8 GiB
-    active after the plain run, 17.6 GiB alone)."""
+    """:func:`_bench_run` in a process of its own (spawned), so that no run measures what an
+    earlier one left (on the H200 the params offload run measured 28.8 GiB active after the
+    plain run, 17.6 alone: the plain run's parameters and gradients, which a since-mended
+    hook kept alive)."""
     import concurrent.futures
     import multiprocessing
 
