@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from simplesharded.trainer.cli import ERROR_DIR, EXIT_CONFIG, EXIT_NONFINITE
 
-    quiet = _QuietStops((EXIT_CONFIG, EXIT_NONFINITE))
+    stops = {EXIT_CONFIG, EXIT_NONFINITE}  # the codes ranks exit with on purpose
+    quiet = _QuietStops(stops)
     agent_log = logging.getLogger(AGENT_LOGGER)
     agent_log.addFilter(quiet)
     with tempfile.TemporaryDirectory(prefix="simplesharded-errors-") as errors:
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         except ChildFailedError as e:
             _print_errors(errors)
             codes = {f.exitcode for f in e.failures.values()}
-            if codes <= {EXIT_CONFIG, EXIT_NONFINITE}:
+            if codes <= stops:
                 # The ranks stopped on purpose: exit with their code, without torchrun's
                 # traceback and failure table under their line.
                 return max(codes)
@@ -90,7 +91,7 @@ class _QuietStops(logging.Filter):
     """Drops torchrun's "failed (exitcode: N) ..." line for the ``codes`` the ranks stop with
     on purpose: their own ``error:`` line says why, and is the one line a user should see."""
 
-    def __init__(self, codes: tuple[int, ...]):
+    def __init__(self, codes: set[int]):
         super().__init__()
         self.codes = codes
 
