@@ -12,8 +12,10 @@ Every gathered byte is a span (first node, last node, bytes):
   FQN): from the start to their last use;
 * under host offload, the copy of the bucket's shard on the compute device that the gather
   reads (annotated ``ss_offload="to_compute"``, simplesharded/storage/offload.py): counted with
-  its gather's span (it moves with the start), an upper bound of the copy's own life, which
-  ends once the gather has read it. On one rank a float32 copy is twice a bfloat16 gather.
+  its gather's span (prefetch hoists it with the start), an upper bound of the copy's own
+  life, which ends once the gather has read it; copy_lead.py, which then issues copies
+  earlier, counts the part before the start. On one rank a float32 copy is twice a bfloat16
+  gather.
 
 ``GatheredSpans.peak`` is the most of those bytes alive at once over a range of positions.
 Only the all-gather starts (and what they read) move while prefetching; once ``freeze`` is
@@ -36,11 +38,11 @@ import math
 
 from torch import fx
 
-from .annotations import OFFLOAD_KEY, annotations, gathered_param
+from .annotations import gathered_param
 from .collectives import Collective
 from .graph_utils import NodeOrder
 from .node_meta import alias_kind, node_bytes
-from .wait_chains import chain_uses, input_ops
+from .wait_chains import chain_uses, offload_copy
 
 
 class GatheredSpans:
@@ -231,7 +233,7 @@ def held_until(node: fx.Node, order: NodeOrder, output: bool = True) -> fx.Node:
 
 
 def offload_copy_bytes(start: fx.Node) -> int:
-    """Bytes of the host offload copies (``ss_offload="to_compute"``) among the ops that build
-    an all-gather ``start``'s input (those that move with it)."""
-    return sum(node_bytes(n) for n in input_ops(start)
-               if annotations(n).get(OFFLOAD_KEY) == "to_compute")
+    """Bytes of the host offload copy (``ss_offload="to_compute"``) an all-gather ``start``'s
+    input is built from (wait_chains.offload_copy); 0 without one."""
+    found = offload_copy(start)
+    return node_bytes(found[0]) if found else 0

@@ -9,8 +9,10 @@ into a reduce-scatter's buffer with pointwise work from after it issued the redu
 several matmuls late.
 
 ``pin_order(gm)`` chains the graph's *events*, in graph order: every collective start, every
-``wait_tensor``, the rank-agreement check and every op with a FLOP formula (matmuls,
-convolutions, attention), each depending on the one before it, through inductor's ``control_deps`` (the mechanism torch's own
+``wait_tensor``, host offload's copies to the device (issued ahead of their waits by
+copy_lead.py: a lower-peak order would issue each next to its wait), the rank-agreement
+check and every op with a FLOP formula (matmuls, convolutions, attention), each depending on
+the one before it, through inductor's ``control_deps`` (the mechanism torch's own
 overlap scheduler uses to pin its order). Then no event can move past another, and no kernel
 can merge work that an event needs with work that needs the event (the kernel would have to run
 both before and after it). Other ops stay free to fuse and move. It runs only inside
@@ -23,6 +25,7 @@ from torch import fx
 from torch.utils.flop_counter import flop_registry
 
 from .agreement import AGREE_OP
+from .annotations import OFFLOAD_KEY, annotations
 from .collectives import is_wait
 
 
@@ -37,7 +40,7 @@ def _is_event(node: fx.Node) -> bool:
     packet = getattr(node.target, "overloadpacket", None)
     # the rank-agreement check (passes/agreement.py) must stay ahead of the first collective
     return (is_wait(node) or _is_start(node) or packet in flop_registry
-            or node.target is AGREE_OP)
+            or node.target is AGREE_OP or annotations(node).get(OFFLOAD_KEY) == "to_compute")
 
 
 def _events(gm: fx.GraphModule) -> list[fx.Node]:

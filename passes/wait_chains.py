@@ -7,6 +7,8 @@
   (the per-parameter copies a bucket makes, and their reshapes into parameter form).
 * ``reduction_epilogue``: a chain plus the pure ops computed from it alone whose results only
   the graph's output or compute outside them reads (the 1/N averaging of a reduced gradient).
+* ``offload_copy``: the host offload copy a start's input is built from, and its wait (they
+  move with the start when it is hoisted, and copy_lead.py moves the copy further).
 * ``chain_uses`` / ``first_use``: the nodes outside a chain that read it, and the first of
   them: where the chain goes.
 
@@ -18,7 +20,8 @@ from __future__ import annotations
 
 from torch import fx
 
-from .collectives import is_collective_or_wait
+from .annotations import OFFLOAD_KEY, annotations
+from .collectives import is_collective_or_wait, is_wait, started_by
 from .graph_utils import NodeOrder
 
 # Ops that only reshape/copy a gathered buffer into parameter form: they travel with the wait.
@@ -96,3 +99,16 @@ def input_ops(start: fx.Node) -> list[fx.Node]:
             members.add(node)
             frontier.extend(node.all_input_nodes)
     return found
+
+
+def offload_copy(start: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """(copy, wait) of the host offload copy ``start``'s input is built from (annotated
+    ``ss_offload="to_compute"``, simplesharded/storage/offload.py: the copy of a bucket's host
+    shard on the compute device and the ``wait_tensor`` that makes it ready), if any."""
+    for node in (start, *input_ops(start)):
+        for wait in node.all_input_nodes:
+            if is_wait(wait):
+                copy = started_by(wait)
+                if annotations(copy).get(OFFLOAD_KEY) == "to_compute":
+                    return copy, wait
+    return None

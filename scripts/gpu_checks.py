@@ -45,6 +45,9 @@ its code at CPU sizes, then says SKIP with why and what it saw.
 - parity_gloo2: the parity check on 2 gloo processes with device tensors (both on device 0),
   real collectives through our passes; SKIP, with the reason, where gloo cannot run the
   functional collectives DTensor issues on that device.
+- copy_stream: the parity model with ragged buckets and ``offload="params"`` against the same
+  without, compiled: the same numbers, and in a profile of a step the shards' host-to-device
+  copies on a stream of their own, part of their time beside kernels.
 - float8, offload: the bench's run beside the same with ``--training.float8`` (float8 matmuls
   and gathers; sm_89 or newer) or ``--parallelism.offload params``: tokens/s, and for offload
   the peak device memory, side by side.
@@ -151,10 +154,12 @@ def _tol(backend: str) -> float:
     return TOL["inductor" if BackendName.parse(backend).compiler == "inductor" else "other"]
 
 
-def _train(backend: str, mesh, device: str, rank: int, storage: str = "param") -> dict:
+def _train(backend: str, mesh, device: str, rank: int, storage: str = "param",
+           offload: str = "none", trace: str | None = None) -> dict:
     """STEPS steps of ``backend`` ("uncompiled": no torch.compile) with ``data_parallel``'s
-    ``storage``; losses and the local shards of ``state_dict()`` (per parameter whatever the
-    storage)."""
+    ``storage`` and ``offload``; losses and the local shards of ``state_dict()`` (per
+    parameter whatever the storage). ``trace``: a path where the profiler's trace of one more
+    step goes (chrome trace JSON)."""
     import simplesharded as ss
     from simplesharded.models import build_model, logits_of
 
@@ -162,14 +167,14 @@ def _train(backend: str, mesh, device: str, rank: int, storage: str = "param") -
     torch.manual_seed(0)
     model = build_model(MODEL["name"], MODEL["flavor"], device="cpu",
                         n_layers=MODEL["n_layers"]).to(device)  # same init on every device
-    ss.data_parallel(model, mesh, "fully_shard", storage=storage)
+    ss.data_parallel(model, mesh, "fully_shard", storage=storage, offload=offload)
     run = model if backend == "uncompiled" else torch.compile(
         model, backend=ss.make_backend(backend), fullgraph=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(rank)
     losses = []
-    t0 = time.perf_counter()
-    for _ in range(STEPS):
+
+    def step():
         tokens = torch.randint(0, 256, (BATCH_PER_RANK, SEQ + 1), generator=g).to(device)
         logits = logits_of(run(tokens[:, :-1]))
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1),
@@ -177,7 +182,17 @@ def _train(backend: str, mesh, device: str, rank: int, storage: str = "param") -
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        losses.append(loss.item())
+        return loss.item()
+
+    t0 = time.perf_counter()
+    for _ in range(STEPS):
+        losses.append(step())
+    if trace:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step()
+        prof.export_chrome_trace(trace)
     shards = {n: (p.to_local() if hasattr(p, "to_local") else p).detach().cpu().clone()
               for n, p in model.state_dict().items()}
     torch._dynamo.reset()
@@ -1073,6 +1088,65 @@ def check_offload(device: str, opts: dict) -> list[Row]:
                          "the host and the device are one memory on CPU", ok)
 
 
+def check_copy_stream(device: str, opts: dict) -> list[Row]:
+    """Host offload's copies of the shards to the device on the copy stream
+    (simplesharded/storage/offload.py; issued a copy ahead of their waits,
+    passes/copy_lead.py): the parity model with ragged buckets, compiled, STEPS SGD steps with
+    ``offload="params"`` against the same without (losses and shards within the backend's TOL:
+    a copy read before it landed would give other numbers), then a profile of one more step:
+    its host-to-device copies on a stream no kernel runs on, part of their time beside
+    kernels (what issuing them ahead buys)."""
+    from dist_utils import max_rel_diff
+    from torch.distributed.device_mesh import init_device_mesh
+
+    backend = "inductor_blockbucketing" if device != "cpu" else "aot_eager_blockbucketing"
+    tag = f"copy_stream[params offload, 1 rank, {backend}]"
+    trace = os.path.join(_tmp("copy_stream"), "trace.json")
+    with _one_rank(device, host=True):
+        mesh = init_device_mesh(device, (1,))
+        plain = _train(backend, mesh, device, 0, "ragged")
+        run = _train(backend, mesh, device, 0, "ragged", offload="params",
+                     trace=trace if device != "cpu" else None)
+    loss_diff = max(abs(a - b) / abs(b) for a, b in zip(run["losses"], plain["losses"]))
+    shard_diff = max(max_rel_diff(run["shards"][n], p) for n, p in plain["shards"].items())
+    same = loss_diff <= _tol(backend) and shard_diff <= _tol(backend)
+    figure = (f"against no offload: loss rel diff {loss_diff:.1e}, shard rel diff "
+              f"{shard_diff:.1e} (tol {_tol(backend):.0e})")
+    if device == "cpu":
+        return [("SKIP", tag, f"a CPU has one stream (tests/test_copy_lead.py checks the order "
+                 f"and the protocol); the same code on CPU, {figure}")]
+    with open(trace) as f:
+        seen = copy_overlap(json.load(f).get("traceEvents", []))
+    figure += (f"; {seen['copies']} host-to-device copies on stream(s) {seen['streams']} "
+               f"(kernels on {seen['kernel_streams']}), {seen['copy_us']:.0f} us, "
+               f"{100 * seen['beside']:.0f}% of it beside kernels")
+    ok = same and seen["copies"] > 0 and seen["beside"] > 0
+    return [("PASS" if ok else "FAIL", tag, figure)]
+
+
+def copy_overlap(events: list[dict]) -> dict:
+    """Of a chrome trace's events (the profiler's ``export_chrome_trace``): the host-to-device
+    copies on streams no kernel runs on, their streams, the kernels' streams, the copies'
+    microseconds and the share of those during which a kernel ran."""
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    kernel_streams = sorted({e.get("args", {}).get("stream") for e in kernels} - {None})
+    copies = [e for e in events if e.get("cat") == "gpu_memcpy" and "HtoD" in e.get("name", "")
+              and e.get("args", {}).get("stream") not in kernel_streams]
+    busy = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels)
+    merged: list[list[float]] = []  # the kernels' time as disjoint intervals
+    for a, z in busy:
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], z)
+        else:
+            merged.append([a, z])
+    total = sum(e["dur"] for e in copies)
+    beside = sum(max(0.0, min(z, e["ts"] + e["dur"]) - max(a, e["ts"]))
+                 for e in copies for a, z in merged)
+    return {"copies": len(copies), "streams": sorted({e["args"]["stream"] for e in copies}),
+            "kernel_streams": kernel_streams, "copy_us": total,
+            "beside": beside / total if total else 0.0}
+
+
 # ------------------------------------------------------------------------------- calibrate
 def check_calibrate(device: str, opts: dict) -> list[Row]:
     from simplesharded.calibration import calibrate
@@ -1242,7 +1316,7 @@ def check_init(device: str, opts: dict) -> list[Row]:
 CHECKS = {"parity": check_parity, "fake8": check_fake8, "train": check_train,
           "moe": check_moe, "cp_attention": check_cp_attention, "bench": check_bench,
           "calibrate": check_calibrate, "init": check_init, "parity_gloo2": check_parity_gloo2,
-          "float8": check_float8, "offload": check_offload}
+          "float8": check_float8, "offload": check_offload, "copy_stream": check_copy_stream}
 
 
 def child(name: str, device: str, opts: dict) -> int:

@@ -78,6 +78,22 @@ _COLLECTIVE = {"all_gather": r"all_gather_into_tensor(_out)?\.default\(",
                "reduce_scatter": r"(reduce_scatter_tensor(_out)?|all_to_all_single)\.default\("}
 
 
+def _led_copies(code: str) -> int:
+    """Host offload copies inductor's code issues before the all-gather of the copy before
+    them (passes/copy_lead.py: a copy ahead): the k-th copy with fewer than k gathers
+    ahead of it."""
+    calls = re.findall(r"simplesharded\.to_compute\.default\(|all_gather_into_tensor(?:_out)?"
+                       r"\.default\(", code[code.index("def call("):])
+    gathers, led, k = 0, 0, 0
+    for call in calls:
+        if call.startswith("simplesharded"):
+            led += 0 < k and gathers < k
+            k += 1
+        else:
+            gathers += 1
+    return led
+
+
 def _code_counts(code: str) -> dict[str, int]:
     return {k: len(re.findall(pat, code)) for k, pat in _COLLECTIVE.items()}
 
@@ -143,8 +159,9 @@ def _train(rank, world, backend, n_layers, opt_name, get_code=False, mode="fully
             loss, codes = run_and_get_code(fwd_bwd)
             code_counts = [_code_counts(c) for c in codes]
             code_orders = [code_order(c) for c in codes]
-            copies = [{op: len(re.findall(rf"simplesharded\.{op}\.default\(", c))
-                       for op in ("to_compute", "to_host")} for c in codes]
+            copies = [{**{op: len(re.findall(rf"simplesharded\.{op}\.default\(", c))
+                          for op in ("to_compute", "to_host")}, "led": _led_copies(c)}
+                      for c in codes]
         else:
             loss = fwd_bwd()
         opt.step()
@@ -493,6 +510,7 @@ def test_offload_under_inductor_trains_bitwise_as_without():
             assert torch.equal(got["params"][name], p), (rank, name)
         assert got["code_counts"] == ref["code_counts"], rank
         fw, bw = got["copies"]
+        assert fw.pop("led") > 0 and bw.pop("led") > 0, rank  # issued a copy ahead
         assert fw == {"to_compute": ref["code_counts"][0]["all_gather"], "to_host": 0}, rank
         assert bw == {"to_compute": ref["code_counts"][1]["all_gather"],
                       "to_host": ref["code_counts"][1]["reduce_scatter"]}, rank

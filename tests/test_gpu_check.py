@@ -227,3 +227,27 @@ def test_cp_attention_on_cpu_says_skip_and_why():
         "S=1024 eager", "S=1024 aot_eager", "S=2048 fused kernels only"]
     for _, _, why in rows:
         assert "accelerator" in why and "flash_attention_for_cpu" in why, why
+
+
+def test_copy_stream_reads_the_copies_beside_kernels_off_a_trace():
+    """The copy_stream check's reading of a profiler trace: host-to-device copies on a stream
+    no kernel runs on (not the inputs' copy on the compute stream, not a device-to-host
+    copy), and the share of their time during which a kernel ran (kernels overlapping on the
+    compute stream counted once)."""
+    checks = _load("gpu_checks")
+
+    def event(cat, name, stream, ts, dur):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur,
+                "args": {"stream": stream}}
+    htod = "Memcpy HtoD (Pinned -> Device)"
+    events = [event("kernel", "gemm", 7, 0, 10), event("kernel", "gemm", 7, 5, 10),
+              event("kernel", "add", 7, 30, 10),
+              event("gpu_memcpy", htod, 21, 10, 10),  # beside the kernels from 10 to 15
+              event("gpu_memcpy", htod, 21, 25, 10),  # beside the kernel from 30 to 35
+              event("gpu_memcpy", htod, 7, 50, 3),  # the tokens, on the compute stream
+              event("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 21, 60, 5),
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 40}]
+    seen = checks.copy_overlap(events)
+    assert seen == {"copies": 2, "streams": [21], "kernel_streams": [7], "copy_us": 20,
+                    "beside": 0.5}
+    assert checks.copy_overlap([])["beside"] == 0.0

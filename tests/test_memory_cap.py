@@ -79,8 +79,8 @@ def test_saved_gathered_weights_count_until_the_graph_ends():
 
 def _with_offload_copies(gm):
     """``gm`` with each gather reading a copy of its shard on the compute device, as host
-    offload's graphs do (simplesharded/storage/offload.py): ``to_compute`` annotated
-    ``ss_offload``, between the shard and the all-gather."""
+    offload's graphs do (simplesharded/storage/offload.py): ``to_compute`` and the wait that
+    makes it ready, annotated ``ss_offload``, between the shard and the all-gather."""
     import simplesharded.storage.offload  # noqa: F401  (registers simplesharded::to_compute)
 
     copy_op = torch.ops.simplesharded.to_compute.default
@@ -88,9 +88,11 @@ def _with_offload_copies(gm):
         shard = start.args[0]
         with gm.graph.inserting_before(start):
             copy = gm.graph.call_function(copy_op, (shard, torch.device("cpu")))
-        copy.meta["val"] = shard.meta["val"]  # same shape, dtype and fake mode
-        copy.meta["custom"] = {**start.meta["custom"], "ss_offload": "to_compute"}
-        start.replace_input_with(shard, copy)
+            ready = gm.graph.call_function(pu.WAIT, (copy,))
+        for node in (copy, ready):
+            node.meta["val"] = shard.meta["val"]  # same shape, dtype and fake mode
+            node.meta["custom"] = {**start.meta["custom"], "ss_offload": "to_compute"}
+        start.replace_input_with(shard, ready)
     gm.recompile()
     return gm
 
@@ -112,6 +114,8 @@ def test_offload_copies_count_against_the_cap():
         pu.check_waits_before_use(out)
         assert [d for _, d in pu.prefetch_depths(out)] == depths, cap
         assert max(gathered_timeline(out)) <= cap
-        # each copy moved with its gather: right before the start that reads it
+        # each copy waited right before the start that reads it (copy_lead.py issues the
+        # copies earlier only where the cap leaves room: tests/test_copy_lead.py)
         for start in pu.starts(out, pu.AG):
-            assert start.prev.target is torch.ops.simplesharded.to_compute.default
+            assert start.prev.target is pu.WAIT and start.prev.args[0].target is \
+                torch.ops.simplesharded.to_compute.default

@@ -221,26 +221,36 @@ def test_reduced_gradients_copied_to_the_host_after_their_reduction(offload):
 
 
 @pytest.mark.parametrize("kind", ["fw", "bw"])
-def test_each_gather_reads_its_copy_made_right_before_it(kind):
+def test_each_gather_reads_its_copy_issued_one_copy_ahead(kind):
     gm = _graphs("params")[kind]
     copies, gathers = _copies(gm, TO_COMPUTE), _gathers(gm)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     # forward gathers every bucket; backward gathers again all but the embeddings' ("pre":
     # the embedding's backward reads no weight)
     want = BUCKETS if kind == "fw" else ["post", "layers.1", "layers.0"]
     assert sorted(map(_bucket, gathers)) == sorted(want)
     assert len(copies) == len(gathers)
+    waits = []
     for g in gathers:
-        (copy_,) = g.all_input_nodes
+        (wait,) = g.all_input_nodes  # fp32: the gather reads the copy once it is ready
+        assert wait.target is pu.WAIT and wait.next is g
+        (copy_,) = wait.all_input_nodes
         assert copy_.target is TO_COMPUTE and _bucket(copy_) == _bucket(g)
         assert annotations(copy_)[OFFLOAD_KEY] == "to_compute"
-        assert list(copy_.users) == [g] and copy_.next is g  # prefetched with its gather
+        assert list(copy_.users) == [wait]
         # it copies the host shard: the bucket's input, or the 1-D view of it to_local took
         source = copy_.args[0]
         assert source.op == "placeholder" or source.args[0].op == "placeholder"
-    # reordering issued gathers ahead of earlier buckets' waits: the copies went with them
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    waits = sorted(order[pu.the_wait(g)] for g in gathers)
-    assert any(order[g] < waits[0] for g in gathers[1:]), "no gather was prefetched"
+        waits.append(wait)
+    # copy_lead.py: each copy but the first issued right before the previous copy's wait
+    waits.sort(key=order.__getitem__)
+    for ahead, wait in zip(waits, waits[1:]):
+        (copy_,) = wait.all_input_nodes
+        assert copy_.next is ahead or copy_.next.target is TO_COMPUTE
+        assert order[copy_] < order[ahead]
+    # reordering issued gathers ahead of earlier buckets' waits
+    gathered = sorted(order[pu.the_wait(g)] for g in gathers)
+    assert any(order[g] < gathered[0] for g in gathers[1:]), "no gather was prefetched"
 
 
 def test_optimizer_offload_gathers_read_the_resident_copy():

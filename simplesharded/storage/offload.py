@@ -20,10 +20,18 @@ The host is the CPU. Where the compute device is the CPU too, host and device ar
 device, yet the copies are still made, by the same ops: what a CPU run tests is the program an
 accelerator runs. Under ``torch.compile`` each copy is one node of its own custom op (dynamo
 and aot_autograd keep an op opaque, so the copy stays a copy on CPU), annotated with the
-bucket's annotation and ``OFFLOAD_KEY`` (passes/annotations.py); the reordering pass moves a
-``to_compute`` copy with the all-gather it feeds (the pure ops building a gather's input move
-with it), so a prefetched gather's copy is prefetched too, and the memory cap counts it with
-the gather (docs/memory_cap.md).
+bucket's annotation and ``OFFLOAD_KEY`` (passes/annotations.py).
+
+The host-to-device copy is asynchronous, as a collective is: ``to_compute`` issues it on the
+device's copy stream (pinned memory to an accelerator) and registers the event recorded after
+it as a c10d work for its result; the graph's ``wait_tensor`` of that result (``WAIT``) makes
+the compute stream wait for the event, where the result is first read. The reordering pass
+waits each copy right before that read and issues it one copy ahead, beside the compute in
+between (passes/copy_lead.py), under the memory cap (docs/memory_cap.md). On the CPU the copy
+is made at once and the wait finds no work. The device-to-host copy stays on the compute
+stream and blocks the host: the host's optimizer reads it next, and inductor may hand the
+gradient's memory to the next kernel as soon as the copy is issued, which a copy on another
+stream would race with.
 
 Invariant: the host shard is the one the members view, so ``named_parameters()``,
 ``state_dict()``, parameter groups and checkpoints read what the optimizer steps, whatever the
@@ -36,6 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx.traceback as fx_traceback
 
+from torch._C._distributed_c10d import Work, _register_work as register_work
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
@@ -103,15 +112,61 @@ def kept_dtensor(local: torch.Tensor, mesh, placements, shape, stride) -> DTenso
 
 @torch.library.custom_op("simplesharded::to_compute", mutates_args=())
 def to_compute(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A copy of host tensor ``x`` on ``device`` (a new tensor even on the same device)."""
-    # From pinned memory the copy may overlap the host: the tensor it fills is read on the
-    # device's stream, after it
-    return x.to(device, copy=True, non_blocking=x.is_pinned())
+    """A copy of host tensor ``x`` on ``device`` (a new tensor even on the same device), ready
+    once :data:`WAIT` has returned it. From pinned memory to an accelerator it is made on the
+    device's copy stream and ``WAIT`` makes the current stream wait for it, so the copy runs
+    beside the kernels issued between the two (the reordering pass issues it one copy ahead,
+    passes/copy_lead.py); otherwise it is made here, and ``WAIT`` returns at once."""
+    if device.type == HOST.type or not x.is_pinned():
+        return x.to(device, copy=True)
+    return on_copy_stream(x, device, torch.accelerator.current_stream(device),
+                          _copy_stream(device))
+
+
+def on_copy_stream(x: torch.Tensor, device: torch.device, compute: torch.Stream,
+                   stream: torch.Stream) -> torch.Tensor:
+    """``x`` copied to ``device`` on ``stream``; ``WAIT`` of the result makes the stream then
+    current (``compute``, where the result is read) wait for the copy."""
+    # From the compute stream's memory, as every other tensor of the graph: freed and reused
+    # in that stream's order, which reads it only after WAIT
+    out = torch.empty_like(x, device=device)
+    stream.wait_stream(compute)  # its memory may be a block that kernels queued there still use
+    with stream:
+        out.copy_(x, non_blocking=True)
+    register_work(out, _CopyDone(stream.record_event()))
+    return out
 
 
 @to_compute.register_fake
 def _(x, device):
     return torch.empty_like(x, device=device)
+
+
+# A collective's wait: returns its tensor, after the work registered for it (a copy's
+# _CopyDone) is done; dynamo, aot_autograd, inductor and the passes know it as that
+WAIT = torch.ops._c10d_functional.wait_tensor.default
+
+_COPY_STREAMS: dict[torch.device, torch.Stream] = {}
+
+
+def _copy_stream(device: torch.device) -> torch.Stream:
+    """The stream host-to-device copies run on, one per device."""
+    if device not in _COPY_STREAMS:
+        _COPY_STREAMS[device] = torch.Stream(device=device)
+    return _COPY_STREAMS[device]
+
+
+class _CopyDone(Work):
+    """A copy on the copy stream, as a work ``WAIT`` waits for: the current stream waits for
+    the event recorded after it (the host does not)."""
+
+    def __init__(self, event: torch.Event):
+        super().__init__()
+        self.event = event
+
+    def wait(self, timeout=None) -> bool:
+        self.event.wait()
+        return True
 
 
 @torch.library.custom_op("simplesharded::to_host", mutates_args=())
@@ -139,7 +194,7 @@ class _ToCompute(torch.autograd.Function):
         ctx.pin, ctx.annotation = pin, annotation
         if resident is not None:
             return resident.view_as(resident)
-        return to_compute(host, device)
+        return WAIT(to_compute(host, device))
 
     @staticmethod
     def backward(ctx, grad):

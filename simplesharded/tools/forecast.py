@@ -252,7 +252,7 @@ def device_memory(m: dict, cfg) -> tuple[float, float]:
 
 def step_seconds(m: dict, cfg, hw) -> float:
     """Seconds of one step of a backend's numbers ``m``: forward and backward as simulated,
-    offload's copies (serialised on the compute stream, offload_cost.py) and the optimizer's
+    offload's copies (charged serialised with compute, offload_cost.py) and the optimizer's
     step (memory bound: on the device, or on the host under offload)."""
     offload = cfg.parallelism.offload
     return (m["fw_s"] + m["bw_s"] + offload_cost.copy_seconds(m, offload, hw)

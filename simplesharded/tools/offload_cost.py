@@ -13,16 +13,18 @@ forward.
 Memory (device bytes per rank): the static state is cluster_trace.static_memory's (it takes
 the offload); the graphs' transient peak counts backward's reduced gradients once
 (cluster_trace.without_gradients: they leave at their reduction, as in a step of one
-micro-batch without offload, whose gradients become the static ones); under ``params`` the
-largest bucket's fp32 shard copy is added,
-the copy a gather reads while it is cast and gathered (an upper bound: added to the peak
-wherever the peak is; the reordering pass moves a copy with its gather, so one copy at a time
-feeds the cast).
+micro-batch without offload, whose gradients become the static ones); under ``params`` two of
+the largest bucket's fp32 shard copies are added: the copy a gather (or on one rank the
+compute) reads while it is cast and gathered, and the next, which the reordering pass issues
+one copy ahead (passes/copy_lead.py), where the cap allows (an upper bound: added to the peak
+wherever the peak is).
 
-Time: serialised on the compute stream, not overlapped. The implementation issues both copies
-on the current stream (``to_compute``'s non-blocking copy is asynchronous to the host, not to
-the stream; ``to_host`` blocks the host until it is done), so each copy delays every kernel
-after it by its bytes / ``Hardware.host_link_Bps``. The host's optimizer step (AdamW reads
+Time: serialised with compute. The device-to-host copies are (on the compute stream: the host
+waits for each, then reads it), and so is ``optimizer``'s refresh of the resident copy; under
+``params`` the host-to-device copies run on the device's copy stream, each issued a copy
+ahead of its wait, so compute may hide them: charged in full here all the same, an upper
+bound, until a GPU run measures how much (each copy delays the kernels after it by at most
+its bytes / ``Hardware.host_link_Bps``). The host's optimizer step (AdamW reads
 parameter, gradient and two moments and writes three of them: 7 fp32 streams per element)
 runs between backward and the next forward at ``Hardware.host_mem_bw_Bps``; without offload
 the device's runs at ``mem_bw_Bps``. Not modelled: the CPU cores the host optimizer shares with
@@ -75,8 +77,8 @@ def copy_bytes(m: dict, offload: str) -> tuple[float, float]:
 
 
 def copy_seconds(m: dict, offload: str, hw) -> float:
-    """Seconds the compute stream spends on offload's copies in one step (see the module
-    doc: serialised with compute)."""
+    """Seconds offload's copies add to one step (module doc: serialised with compute, an upper
+    bound for ``params``' host-to-device copies)."""
     if offload == "none":
         return 0.0
     return sum(copy_bytes(m, offload)) / host_link(hw)
@@ -111,6 +113,7 @@ def host_memory_bandwidth(hw) -> float:
 
 
 def in_flight_copy_bytes(m: dict, offload: str) -> float:
-    """Device bytes of the bucket copy a gather reads under ``params``: the largest one."""
-    return MASTER_BYTES * m["offload:largest"] if offload == "params" else 0.0
+    """Device bytes of the bucket copies under ``params``: the one a gather reads and the
+    next, issued a copy ahead (passes/copy_lead.py); the largest, twice."""
+    return 2 * MASTER_BYTES * m["offload:largest"] if offload == "params" else 0.0
 
