@@ -13,7 +13,7 @@ Every gathered byte is a span (first node, last node, bytes):
 * under host offload, the copy of the bucket's shard on the compute device that the gather
   reads (annotated ``ss_offload="to_compute"``, simplesharded/storage/offload.py): counted with
   its gather's span (prefetch hoists it with the start), an upper bound of the copy's own
-  life, which ends once the gather has read it; copy_lead.py, which then issues copies
+  life, which ends once the gather has read it; offload_copies.py, which then issues copies
   earlier, counts the part before the start. On one rank a float32 copy is twice a bfloat16
   gather.
 

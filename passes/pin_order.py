@@ -9,8 +9,8 @@ into a reduce-scatter's buffer with pointwise work from after it issued the redu
 several matmuls late.
 
 ``pin_order(gm)`` chains the graph's *events*, in graph order: every collective start, every
-``wait_tensor``, host offload's copies to the device (issued ahead of their waits by
-copy_lead.py: a lower-peak order would issue each next to its wait), the rank-agreement
+``wait_tensor``, host offload's copies (issued ahead of their waits by offload_copies.py: a
+lower-peak order would issue each next to its wait), the rank-agreement
 check and every op with a FLOP formula (matmuls, convolutions, attention), each depending on
 the one before it, through inductor's ``control_deps`` (the mechanism torch's own
 overlap scheduler uses to pin its order). Then no event can move past another, and no kernel
@@ -40,7 +40,8 @@ def _is_event(node: fx.Node) -> bool:
     packet = getattr(node.target, "overloadpacket", None)
     # the rank-agreement check (passes/agreement.py) must stay ahead of the first collective
     return (is_wait(node) or _is_start(node) or packet in flop_registry
-            or node.target is AGREE_OP or annotations(node).get(OFFLOAD_KEY) == "to_compute")
+            or node.target is AGREE_OP
+            or annotations(node).get(OFFLOAD_KEY) in ("to_compute", "to_host"))
 
 
 def _events(gm: fx.GraphModule) -> list[fx.Node]:

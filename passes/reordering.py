@@ -11,9 +11,10 @@
   Prefetch never raises that total above the cap; what the graph needs without any prefetch
   is its floor, which prefetch leaves as it is. Default cap: that floor plus the largest
   gathered buffer; a cap at or below the floor disables prefetch.
-* Host offload's copies (copy_lead.py): each waited right before its first reader and issued
-  right before the previous copy's wait, where the cap allows, so it runs on the copy stream
-  beside the compute in between.
+* Host offload's copies (offload_copies.py): to the device, each waited right before its
+  first reader and issued right before the previous copy's wait, where the cap allows; to the
+  host, each waited right before the next one (after the reductions are placed). Each runs on
+  a copy stream beside the compute in between.
 * reduce-scatter / all-reduce: the start right after its input is ready; the wait sinks towards
   its first use (with the ops computed from the result alone for the output, such as the 1/N
   averaging, which would otherwise pin it next to its start) but no further than the next
@@ -44,7 +45,7 @@ from torch import fx
 
 from .annotations import BUCKET_KEY, annotations
 from .collectives import Collective, find_collectives, is_wait, started_by
-from .copy_lead import lead_offload_copies
+from .offload_copies import lead_device_copies, place_host_waits
 from .cp_overlap import overlap_cp_collectives
 from .gathered_spans import GatheredSpans
 from .graph_utils import NodeOrder, ancestors, hoist_before
@@ -90,9 +91,10 @@ def reorder_graph(graph: fx.Graph, memory_cap_bytes: int | None,
     chains = _place_gather_waits(collectives, order, behind)
     prefetch = _Prefetch(graph, collectives, memory_cap_bytes, order, chains, behind)
     prefetch.run()
-    lead_offload_copies(graph, prefetch.ags, order, prefetch.spans, memory_cap_bytes,
-                        prefetch.cap)
+    lead_device_copies(graph, prefetch.ags, order, prefetch.spans, memory_cap_bytes,
+                       prefetch.cap)
     _place_reductions(collectives, order, behind)
+    place_host_waits(graph, order)
 
 
 class _Behind:

@@ -6,9 +6,10 @@
 * ``gather_chain``: an all-gather's wait and the copy-out/view nodes computed from it alone
   (the per-parameter copies a bucket makes, and their reshapes into parameter form).
 * ``reduction_epilogue``: a chain plus the pure ops computed from it alone whose results only
-  the graph's output or compute outside them reads (the 1/N averaging of a reduced gradient).
+  the graph's output or compute outside them reads (the 1/N averaging of a reduced gradient,
+  and under host offload its copy to the host, whose wait is placed afterwards).
 * ``offload_copy``: the host offload copy a start's input is built from, and its wait (they
-  move with the start when it is hoisted, and copy_lead.py moves the copy further).
+  move with the start when it is hoisted, and offload_copies.py moves the copy further).
 * ``chain_uses`` / ``first_use``: the nodes outside a chain that read it, and the first of
   them: where the chain goes.
 
@@ -70,16 +71,24 @@ def reduction_epilogue(chain: list[fx.Node], order: NodeOrder) -> list[fx.Node]:
                 frontier.append(user)
     kept, pending = set(chain), set(candidates)
     for node in sorted(candidates, key=order.__getitem__, reverse=True):
-        if all(u in kept or u.op == "output"
+        if all(u in kept or u.op == "output" or _placed_later(u)
                or (u not in pending and not is_collective_or_wait(u)) for u in node.users):
             kept.add(node)
     return sorted(kept, key=order.__getitem__)
 
 
 def chain_uses(chain: list[fx.Node]) -> list[fx.Node]:
-    """Nodes outside the chain that read it."""
+    """Nodes outside the chain that read it (but a wait placed after the chain has moved,
+    :func:`_placed_later`)."""
     members = set(chain)
-    return [u for n in chain for u in n.users if u not in members]
+    return [u for n in chain for u in n.users if u not in members and not _placed_later(u)]
+
+
+def _placed_later(node: fx.Node) -> bool:
+    """The wait of host offload's copy of a reduced gradient to the host (the gradient is what
+    it reads): offload_copies.py places it once the reductions, and the gradient with them,
+    have moved, so it pins neither."""
+    return is_wait(node) and annotations(node).get(OFFLOAD_KEY) == "to_host"
 
 
 def first_use(chain: list[fx.Node], order: NodeOrder) -> fx.Node | None:

@@ -46,8 +46,9 @@ its code at CPU sizes, then says SKIP with why and what it saw.
   real collectives through our passes; SKIP, with the reason, where gloo cannot run the
   functional collectives DTensor issues on that device.
 - copy_stream: the parity model with ragged buckets and ``offload="params"`` against the same
-  without, compiled: the same numbers, and in a profile of a step the shards' host-to-device
-  copies on a stream of their own, part of their time beside kernels.
+  without, compiled: the same numbers, and in a profile of a step the copies each way (shards
+  to the device, gradients to the host) on streams of their own, part of their time beside
+  kernels.
 - float8, offload: the bench's run beside the same with ``--training.float8`` (float8 matmuls
   and gathers; sm_89 or newer) or ``--parallelism.offload params``: tokens/s, and for offload
   the peak device memory, side by side.
@@ -1089,13 +1090,12 @@ def check_offload(device: str, opts: dict) -> list[Row]:
 
 
 def check_copy_stream(device: str, opts: dict) -> list[Row]:
-    """Host offload's copies of the shards to the device on the copy stream
-    (simplesharded/storage/offload.py; issued a copy ahead of their waits,
-    passes/copy_lead.py): the parity model with ragged buckets, compiled, STEPS SGD steps with
-    ``offload="params"`` against the same without (losses and shards within the backend's TOL:
-    a copy read before it landed would give other numbers), then a profile of one more step:
-    its host-to-device copies on a stream no kernel runs on, part of their time beside
-    kernels (what issuing them ahead buys)."""
+    """Host offload's copies on the device's copy streams (simplesharded/storage/offload.py,
+    placed by passes/offload_copies.py): the parity model with ragged buckets, compiled, STEPS
+    SGD steps with ``offload="params"`` against the same without (losses and shards within the
+    backend's TOL: a copy read before it landed, or a gradient overwritten while copied, would
+    give other numbers), then a profile of one more step: its copies each way on streams no
+    kernel runs on, part of their time beside kernels (what running them there buys)."""
     from dist_utils import max_rel_diff
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -1113,24 +1113,28 @@ def check_copy_stream(device: str, opts: dict) -> list[Row]:
     figure = (f"against no offload: loss rel diff {loss_diff:.1e}, shard rel diff "
               f"{shard_diff:.1e} (tol {_tol(backend):.0e})")
     if device == "cpu":
-        return [("SKIP", tag, f"a CPU has one stream (tests/test_copy_lead.py checks the order "
-                 f"and the protocol); the same code on CPU, {figure}")]
+        return [("SKIP", tag, f"a CPU has one stream (tests/test_offload_copies.py checks the "
+                 f"order and the protocols); the same code on CPU, {figure}")]
     with open(trace) as f:
-        seen = copy_overlap(json.load(f).get("traceEvents", []))
-    figure += (f"; {seen['copies']} host-to-device copies on stream(s) {seen['streams']} "
-               f"(kernels on {seen['kernel_streams']}), {seen['copy_us']:.0f} us, "
-               f"{100 * seen['beside']:.0f}% of it beside kernels")
-    ok = same and seen["copies"] > 0 and seen["beside"] > 0
+        events = json.load(f).get("traceEvents", [])
+    ok = same
+    for way in ("HtoD", "DtoH"):
+        seen = copy_overlap(events, way)
+        figure += (f"; {seen['copies']} {way} copies on stream(s) {seen['streams']} (kernels "
+                   f"on {seen['kernel_streams']}), {seen['copy_us']:.0f} us, "
+                   f"{100 * seen['beside']:.0f}% of it beside kernels")
+        ok = ok and seen["copies"] > 0 and seen["beside"] > 0
     return [("PASS" if ok else "FAIL", tag, figure)]
 
 
-def copy_overlap(events: list[dict]) -> dict:
-    """Of a chrome trace's events (the profiler's ``export_chrome_trace``): the host-to-device
-    copies on streams no kernel runs on, their streams, the kernels' streams, the copies'
-    microseconds and the share of those during which a kernel ran."""
+def copy_overlap(events: list[dict], way: str = "HtoD") -> dict:
+    """Of a chrome trace's events (the profiler's ``export_chrome_trace``): the copies ``way``
+    ("HtoD" or "DtoH", as the trace names them) on streams no kernel runs on, their streams,
+    the kernels' streams, the copies' microseconds and the share of those during which a
+    kernel ran."""
     kernels = [e for e in events if e.get("cat") == "kernel"]
     kernel_streams = sorted({e.get("args", {}).get("stream") for e in kernels} - {None})
-    copies = [e for e in events if e.get("cat") == "gpu_memcpy" and "HtoD" in e.get("name", "")
+    copies = [e for e in events if e.get("cat") == "gpu_memcpy" and way in e.get("name", "")
               and e.get("args", {}).get("stream") not in kernel_streams]
     busy = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels)
     merged: list[list[float]] = []  # the kernels' time as disjoint intervals

@@ -80,7 +80,7 @@ _COLLECTIVE = {"all_gather": r"all_gather_into_tensor(_out)?\.default\(",
 
 def _led_copies(code: str) -> int:
     """Host offload copies inductor's code issues before the all-gather of the copy before
-    them (passes/copy_lead.py: a copy ahead): the k-th copy with fewer than k gathers
+    them (passes/offload_copies.py: a copy ahead): the k-th copy with fewer than k gathers
     ahead of it."""
     calls = re.findall(r"simplesharded\.to_compute\.default\(|all_gather_into_tensor(?:_out)?"
                        r"\.default\(", code[code.index("def call("):])

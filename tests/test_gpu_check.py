@@ -230,10 +230,10 @@ def test_cp_attention_on_cpu_says_skip_and_why():
 
 
 def test_copy_stream_reads_the_copies_beside_kernels_off_a_trace():
-    """The copy_stream check's reading of a profiler trace: host-to-device copies on a stream
-    no kernel runs on (not the inputs' copy on the compute stream, not a device-to-host
-    copy), and the share of their time during which a kernel ran (kernels overlapping on the
-    compute stream counted once)."""
+    """The copy_stream check's reading of a profiler trace: the copies one way on a stream no
+    kernel runs on (not the inputs' copy on the compute stream, not a copy the other way),
+    and the share of their time during which a kernel ran (kernels overlapping on the compute
+    stream counted once)."""
     checks = _load("gpu_checks")
 
     def event(cat, name, stream, ts, dur):
@@ -250,4 +250,6 @@ def test_copy_stream_reads_the_copies_beside_kernels_off_a_trace():
     seen = checks.copy_overlap(events)
     assert seen == {"copies": 2, "streams": [21], "kernel_streams": [7], "copy_us": 20,
                     "beside": 0.5}
+    assert checks.copy_overlap(events, "DtoH") == {
+        "copies": 1, "streams": [21], "kernel_streams": [7], "copy_us": 5, "beside": 0.0}
     assert checks.copy_overlap([])["beside"] == 0.0

@@ -114,8 +114,8 @@ def test_offload_copies_count_against_the_cap():
         pu.check_waits_before_use(out)
         assert [d for _, d in pu.prefetch_depths(out)] == depths, cap
         assert max(gathered_timeline(out)) <= cap
-        # each copy waited right before the start that reads it (copy_lead.py issues the
-        # copies earlier only where the cap leaves room: tests/test_copy_lead.py)
+        # each copy waited right before the start that reads it (offload_copies.py issues the
+        # copies earlier only where the cap leaves room: tests/test_offload_copies.py)
         for start in pu.starts(out, pu.AG):
             assert start.prev.target is pu.WAIT and start.prev.args[0].target is \
                 torch.ops.simplesharded.to_compute.default

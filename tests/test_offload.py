@@ -9,7 +9,7 @@
    (aot_eager_blockbucketing): under ``params`` one ``to_compute`` copy per bucket gather,
    feeding its all-gather alone and right before it in forward and in backward's regathers
    (the reordering pass moved each with its gather); one ``to_host`` copy per bucket
-   reduce-scatter, after its wait; under ``optimizer`` the gathers read the resident copy
+   reduce-scatter, after its wait, whose own wait stands right before the next copy; under ``optimizer`` the gathers read the resident copy
    (no copy before them) and the reduced gradients are copied to the host as under
    ``params``;
 3. (slow, one spawn) two gloo ranks train the toy model 10 steps, eager and under
@@ -218,6 +218,19 @@ def test_reduced_gradients_copied_to_the_host_after_their_reduction(offload):
         assert order[wait] < order[copy_]
         assert annotations(copy_)[OFFLOAD_KEY] == "to_host"
         assert wait in _inputs(copy_)
+    # each copy's wait (of the gradient it copies) right before the next copy, the last
+    # right before the output (offload_copies.py): a copy runs beside the next gradients'
+    # compute, the gradient kept until it has landed
+    output = next(iter(bw.graph.find_nodes(op="output")))
+    for copy_, after in zip(copies, [*copies[1:], output]):
+        (wait,) = [u for u in copy_.args[0].users if u.target is pu.WAIT]
+        assert annotations(wait)[OFFLOAD_KEY] == "to_host"
+        assert order[copy_] < order[wait] and wait.next is after
+    # and those waits pin no reduction: each but the last is in flight over compute
+    work = [order[n] for n in bw.graph.nodes if n.op == "call_function"
+            and n.target not in (pu.AG, pu.RS, pu.WAIT) and not pu._is_chain_op(n)]
+    for rs in reductions[:-1]:
+        assert any(order[rs] < i < order[pu.the_wait(rs)] for i in work), rs
 
 
 @pytest.mark.parametrize("kind", ["fw", "bw"])
@@ -242,7 +255,7 @@ def test_each_gather_reads_its_copy_issued_one_copy_ahead(kind):
         source = copy_.args[0]
         assert source.op == "placeholder" or source.args[0].op == "placeholder"
         waits.append(wait)
-    # copy_lead.py: each copy but the first issued right before the previous copy's wait
+    # offload_copies.py: each copy but the first issued right before the previous copy's wait
     waits.sort(key=order.__getitem__)
     for ahead, wait in zip(waits, waits[1:]):
         (copy_,) = wait.all_input_nodes

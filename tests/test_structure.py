@@ -400,7 +400,7 @@ def test_passes_import_only_torch_and_the_standard_library():
 # gather scope, the root's and a submodule's called on its own (storage/forward_scope.py); 50
 # with FSDP2's methods on the root and its units (fsdp2_methods.py); 51 with the eager
 # prefetch (storage/prefetch.py); 52 with the pass that issues host offload's copies ahead
-# (passes/copy_lead.py).
+# (passes/offload_copies.py).
 # The models (7 modules) or the trainer (11) loaded as well would break it.
 MAX_LIBRARY_MODULES = 52
 

@@ -22,16 +22,23 @@ accelerator runs. Under ``torch.compile`` each copy is one node of its own custo
 and aot_autograd keep an op opaque, so the copy stays a copy on CPU), annotated with the
 bucket's annotation and ``OFFLOAD_KEY`` (passes/annotations.py).
 
-The host-to-device copy is asynchronous, as a collective is: ``to_compute`` issues it on the
-device's copy stream (pinned memory to an accelerator) and registers the event recorded after
-it as a c10d work for its result; the graph's ``wait_tensor`` of that result (``WAIT``) makes
-the compute stream wait for the event, where the result is first read. The reordering pass
-waits each copy right before that read and issues it one copy ahead, beside the compute in
-between (passes/copy_lead.py), under the memory cap (docs/memory_cap.md). On the CPU the copy
-is made at once and the wait finds no work. The device-to-host copy stays on the compute
-stream and blocks the host: the host's optimizer reads it next, and inductor may hand the
-gradient's memory to the next kernel as soon as the copy is issued, which a copy on another
-stream would race with.
+Both copies are asynchronous, as collectives are, each on a copy stream of the device's own
+(one per direction: the link carries both at once), made whole by a ``wait_tensor``
+(``WAIT``) in the graph, for which the copy registers the event recorded after it as a c10d
+work:
+
+- ``to_compute``: the wait is of the copy, and makes the compute stream wait for it where the
+  copy is first read. The copy's memory is the compute stream's, as the graph's other tensors
+  (the copy stream first waits for what that stream has queued).
+- ``to_host``: the wait is of the gradient copied, and blocks the host until the copy has
+  landed. Reading the gradient, it also keeps its memory from being freed, or handed by
+  inductor to another kernel, while the copy still reads it.
+
+The reordering pass places them (passes/offload_copies.py): each copy to the device issued
+one copy ahead of its wait under the memory cap (docs/memory_cap.md), each wait of a copy to
+the host right before the next such copy, so the copies run beside compute. Outside a graph
+(:func:`host_copy`) and in an eager backward a copy is waited at once. On the CPU a copy is
+made at once and its wait finds no work.
 
 Invariant: the host shard is the one the members view, so ``named_parameters()``,
 ``state_dict()``, parameter groups and checkpoints read what the optimizer steps, whatever the
@@ -116,11 +123,11 @@ def to_compute(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     once :data:`WAIT` has returned it. From pinned memory to an accelerator it is made on the
     device's copy stream and ``WAIT`` makes the current stream wait for it, so the copy runs
     beside the kernels issued between the two (the reordering pass issues it one copy ahead,
-    passes/copy_lead.py); otherwise it is made here, and ``WAIT`` returns at once."""
+    passes/offload_copies.py); otherwise it is made here, and ``WAIT`` returns at once."""
     if device.type == HOST.type or not x.is_pinned():
         return x.to(device, copy=True)
     return on_copy_stream(x, device, torch.accelerator.current_stream(device),
-                          _copy_stream(device))
+                          _copy_stream(device, device))
 
 
 def on_copy_stream(x: torch.Tensor, device: torch.device, compute: torch.Stream,
@@ -133,7 +140,7 @@ def on_copy_stream(x: torch.Tensor, device: torch.device, compute: torch.Stream,
     stream.wait_stream(compute)  # its memory may be a block that kernels queued there still use
     with stream:
         out.copy_(x, non_blocking=True)
-    register_work(out, _CopyDone(stream.record_event()))
+    register_work(out, _Copied(stream.record_event()))
     return out
 
 
@@ -143,44 +150,75 @@ def _(x, device):
 
 
 # A collective's wait: returns its tensor, after the work registered for it (a copy's
-# _CopyDone) is done; dynamo, aot_autograd, inductor and the passes know it as that
+# _Copied) is done; dynamo, aot_autograd, inductor and the passes know it as that
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 
-_COPY_STREAMS: dict[torch.device, torch.Stream] = {}
+_COPY_STREAMS: dict[tuple[torch.device, torch.device], torch.Stream] = {}
 
 
-def _copy_stream(device: torch.device) -> torch.Stream:
-    """The stream host-to-device copies run on, one per device."""
-    if device not in _COPY_STREAMS:
-        _COPY_STREAMS[device] = torch.Stream(device=device)
-    return _COPY_STREAMS[device]
+def _copy_stream(device: torch.device, to: torch.device) -> torch.Stream:
+    """The stream of ``device``'s copies to ``to`` (the device itself: from the host): one per
+    direction, so a copy each way runs at once, as the link takes them."""
+    key = (device, to)
+    if key not in _COPY_STREAMS:
+        _COPY_STREAMS[key] = torch.Stream(device=device)
+    return _COPY_STREAMS[key]
 
 
-class _CopyDone(Work):
-    """A copy on the copy stream, as a work ``WAIT`` waits for: the current stream waits for
-    the event recorded after it (the host does not)."""
+class _Copied(Work):
+    """A copy on a copy stream, as a work ``WAIT`` waits for: the event recorded after it,
+    which the current stream waits for, or with ``host`` the host."""
 
-    def __init__(self, event: torch.Event):
+    def __init__(self, event: torch.Event, host: bool = False):
         super().__init__()
-        self.event = event
+        self.event, self.host = event, host
 
     def wait(self, timeout=None) -> bool:
-        self.event.wait()
+        if self.host:
+            self.event.synchronize()
+        else:
+            self.event.wait()
         return True
 
 
 @torch.library.custom_op("simplesharded::to_host", mutates_args=())
 def to_host(x: torch.Tensor, pin: bool) -> torch.Tensor:
-    """A copy of ``x`` on the host, pinned if ``pin`` (a new tensor even from the host)."""
+    """A copy of ``x`` on the host, pinned if ``pin`` (a new tensor even from the host), whole
+    once :data:`WAIT` of ``x`` (the tensor copied, not the copy) has returned. From an
+    accelerator into pinned memory it is made on the device's copy stream to the host, and
+    that ``WAIT`` blocks the host until it has landed; otherwise it is made here, and the
+    ``WAIT`` returns at once."""
     out = torch.empty_like(x, device=HOST, pin_memory=pin)
-    # Blocking: the host reads it next (the optimizer), with no stream to order it
-    out.copy_(x)
+    if x.device.type == HOST.type or not pin:
+        out.copy_(x)  # blocking
+        return out
+    return on_host_stream(x, out, torch.accelerator.current_stream(x.device),
+                          _copy_stream(x.device, HOST))
+
+
+def on_host_stream(x: torch.Tensor, out: torch.Tensor, compute: torch.Stream,
+                   stream: torch.Stream) -> torch.Tensor:
+    """``x`` copied into host tensor ``out`` on ``stream``, after what ``compute`` (where ``x``
+    was made) has queued; ``WAIT`` of ``x`` blocks the host until the copy has landed."""
+    # x is read on that stream until WAIT(x), which every graph places before x can be freed
+    # or its memory handed to another kernel: the wait reads x
+    stream.wait_stream(compute)
+    with stream:
+        out.copy_(x, non_blocking=True)
+    register_work(x, _Copied(stream.record_event(), host=True))
     return out
 
 
 @to_host.register_fake
 def _(x, pin):
     return torch.empty_like(x, device=HOST)
+
+
+def host_copy(x: torch.Tensor, pin: bool) -> torch.Tensor:
+    """:func:`to_host` of ``x``, whole: for copies outside a graph."""
+    out = to_host(x, pin)
+    WAIT(x)
+    return out
 
 
 class _ToCompute(torch.autograd.Function):
@@ -199,7 +237,9 @@ class _ToCompute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         with fx_traceback.annotate({**ctx.annotation, OFFLOAD_KEY: "to_host"}):
-            return to_host(grad, ctx.pin), None, None, None, None
+            host = to_host(grad, ctx.pin)
+            WAIT(grad)  # traced right here; the reordering pass places it later
+        return host, None, None, None, None
 
 
 @dataclass(eq=False)
@@ -221,7 +261,7 @@ class Offload:
             return cls(kind, local.device), local
         # pinned host memory only speaks to an accelerator, and needs one to allocate
         pin = pin_memory and local.device.type != HOST.type and torch.accelerator.is_available()
-        host = to_host(local.detach(), pin)
+        host = host_copy(local.detach(), pin)
         off = cls(kind, local.device, pin)
         if kind == "optimizer":
             off.resident = local.detach().clone()
@@ -258,7 +298,7 @@ class Offload:
         device)."""
         if not self.on_host or t.device == HOST:
             return t
-        return to_host(t, self.pin)
+        return host_copy(t, self.pin)
 
     def refresh(self, host: torch.Tensor) -> None:
         """Under ``"optimizer"``: the resident copy made the host shard's values again. Every

@@ -240,9 +240,9 @@ def device_memory(m: dict, cfg) -> tuple[float, float]:
     optimizer and host offload: the fp32 shards, gradients and optimizer state the device
     keeps (static_memory), and the graphs' peak of gathered buffers and activations: with
     backward's reduced gradients beside the static ones when the step accumulates
-    micro-batches on the device (cluster_trace.memory_report), and under ``params`` with the
-    bucket copy a gather reads (offload_cost.py). Every peak the planner prints is their
-    sum."""
+    micro-batches on the device (cluster_trace.memory_report), and under host offload with
+    the bytes its copies hold (offload_cost.in_flight_copy_bytes). Every peak the planner
+    prints is their sum."""
     offload = cfg.parallelism.offload
     static = sum(static_memory(m["local_numel"], cfg.optimizer.name, offload))
     accumulating = cfg.training.gradient_accumulation_steps > 1 and offload == "none"

@@ -13,18 +13,18 @@ forward.
 Memory (device bytes per rank): the static state is cluster_trace.static_memory's (it takes
 the offload); the graphs' transient peak counts backward's reduced gradients once
 (cluster_trace.without_gradients: they leave at their reduction, as in a step of one
-micro-batch without offload, whose gradients become the static ones); under ``params`` two of
-the largest bucket's fp32 shard copies are added: the copy a gather (or on one rank the
-compute) reads while it is cast and gathered, and the next, which the reordering pass issues
-one copy ahead (passes/copy_lead.py), where the cap allows (an upper bound: added to the peak
-wherever the peak is).
+micro-batch without offload, whose gradients become the static ones); added to it, as
+bytes in flight (an upper bound: added to the peak wherever the peak is), under both offloads
+the reduced gradient a copy to the host still reads until the next copy's wait, and under
+``params`` two of the copies to the device: the one a gather (or on one rank the compute)
+reads while it is cast and gathered, and the next, issued one copy ahead
+(passes/offload_copies.py); each the largest bucket's fp32 shard.
 
-Time: serialised with compute. The device-to-host copies are (on the compute stream: the host
-waits for each, then reads it), and so is ``optimizer``'s refresh of the resident copy; under
-``params`` the host-to-device copies run on the device's copy stream, each issued a copy
-ahead of its wait, so compute may hide them: charged in full here all the same, an upper
-bound, until a GPU run measures how much (each copy delays the kernels after it by at most
-its bytes / ``Hardware.host_link_Bps``). The host's optimizer step (AdamW reads
+Time: serialised with compute, an upper bound. The copies run on the device's copy streams
+(passes/offload_copies.py: a copy to the device issued one copy ahead of its wait, a copy to
+the host waited at the next one), so compute may hide them, but how much is for a GPU run to
+measure; ``optimizer``'s refresh of the resident copy runs on the compute stream. Each copy
+is charged its bytes / ``Hardware.host_link_Bps``. The host's optimizer step (AdamW reads
 parameter, gradient and two moments and writes three of them: 7 fp32 streams per element)
 runs between backward and the next forward at ``Hardware.host_mem_bw_Bps``; without offload
 the device's runs at ``mem_bw_Bps``. Not modelled: the CPU cores the host optimizer shares with
@@ -78,7 +78,7 @@ def copy_bytes(m: dict, offload: str) -> tuple[float, float]:
 
 def copy_seconds(m: dict, offload: str, hw) -> float:
     """Seconds offload's copies add to one step (module doc: serialised with compute, an upper
-    bound for ``params``' host-to-device copies)."""
+    bound)."""
     if offload == "none":
         return 0.0
     return sum(copy_bytes(m, offload)) / host_link(hw)
@@ -113,7 +113,9 @@ def host_memory_bandwidth(hw) -> float:
 
 
 def in_flight_copy_bytes(m: dict, offload: str) -> float:
-    """Device bytes of the bucket copies under ``params``: the one a gather reads and the
-    next, issued a copy ahead (passes/copy_lead.py); the largest, twice."""
-    return 2 * MASTER_BYTES * m["offload:largest"] if offload == "params" else 0.0
+    """Device bytes offload's copies hold beside the graphs' peak (module doc): the reduced
+    gradient a copy to the host reads, and under ``params`` two copies to the device; each
+    the largest bucket's fp32 shard."""
+    copies = {"none": 0, "optimizer": 1, "params": 3}[offload]
+    return copies * MASTER_BYTES * m["offload:largest"]
 

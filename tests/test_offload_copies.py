@@ -1,16 +1,20 @@
-"""Host offload's copies on the copy stream: where the reordering pass issues them
-(passes/copy_lead.py) and the stream protocol of one copy (simplesharded/storage/offload.py).
+"""Host offload's copies on the copy streams: where the reordering pass issues the copies to
+the device (passes/offload_copies.py; the copies to the host: tests/test_offload.py) and the
+stream protocol of a copy each way (simplesharded/storage/offload.py).
 
-1. Hand-built forwards ``h = h @ ready(copy(host_i))`` (one rank: no gather) and
+1. A hand-built chain of gradients each copied to the host: after reordering, each copy's
+   wait stands right before the next copy, the last before the output.
+   Hand-built forwards ``h = h @ ready(copy(host_i))`` (one rank: no gather) and
    ``h = h @ all_gather(ready(copy(host_i)))`` (two): after reordering, every wait stands
    right before its reader, each copy but the first right before the previous copy's wait;
    a cap of one copy moves none; the gathered bytes the memory sweep counts stay within the
    cap; a second run changes nothing.
-2. The protocol, with streams that log what is asked of them (a CPU has no second stream):
+2. The protocols, with streams that log what is asked of them (a CPU has no second stream):
    the copy stream waits for the compute stream before the copy is issued on it, an event is
-   recorded after the copy, and the graph's wait makes the compute stream wait for that
-   event, once. The values are the host tensor's. The GPU check's offload row runs the real
-   streams.
+   recorded after the copy; to the device, the graph's wait of the copy makes the compute
+   stream wait for that event, to the host the wait of the gradient copied blocks the host
+   until it, each once. The values are the source's. The GPU check's copy_stream row runs the
+   real streams.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ import pass_utils as pu
 
 aten = torch.ops.aten
 TO_COMPUTE = torch.ops.simplesharded.to_compute.default
+TO_HOST = torch.ops.simplesharded.to_host.default
 ROWS = 8
 
 
@@ -62,6 +67,52 @@ def _offloaded_chain(n_layers: int, world_size: int) -> fx.GraphModule:
         h = op(aten.relu.default, op(aten.mm.default, h, w))
     g.output((h,))
     return fx.GraphModule(torch.nn.Module(), g)
+
+
+def _gradients_to_the_host(n_layers: int) -> fx.GraphModule:
+    """A backward-like chain whose every gradient ``g_i`` is copied to the host and waited
+    right after, as traced (storage/offload.py's annotations), the copies the outputs."""
+    from torch._subclasses import FakeTensorMode
+
+    mode, g = FakeTensorMode(), fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = mode.from_tensor(torch.empty(ROWS, ROWS))
+    outs, h = [], x
+    for i in range(n_layers):
+        nodes = []
+        for target, args in ((aten.mm.default, (h, x)), (aten.relu.default, None),
+                             (TO_HOST, None), (pu.WAIT, None)):
+            if args is None:  # relu of the matmul; the copy, then the wait, of the relu
+                args = ((nodes[0],) if target is aten.relu.default else
+                        (nodes[1], False) if target is TO_HOST else (nodes[1],))
+            node = g.call_function(target, args)
+            with mode:
+                node.meta["val"] = target(*[a.meta["val"] if isinstance(a, fx.Node) else a
+                                            for a in args])
+            if target in (TO_HOST, pu.WAIT):
+                node.meta["custom"] = {PARAM_KEY: f"layers.{i}.weight", OFFLOAD_KEY: "to_host"}
+            nodes.append(node)
+        h = nodes[1]
+        outs.append(nodes[2])
+    g.output(tuple(outs))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def test_each_copy_to_the_host_is_waited_at_the_next():
+    gm = _gradients_to_the_host(3)
+    reorder_graph(gm.graph, None)
+    gm.graph.lint()
+    copies = [n for n in gm.graph.nodes if n.target is TO_HOST]
+    output = next(iter(gm.graph.find_nodes(op="output")))
+    for copy_, after in zip(copies, [*copies[1:], output]):
+        (wait,) = [u for u in copy_.args[0].users if u.target is pu.WAIT]
+        assert wait.next is after, (wait, after)
+    # the next copy's gradient was computed while this one's copy was in flight
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for copy_, nxt in zip(copies, copies[1:]):
+        assert order[copy_] < order[nxt.args[0]] < order[nxt]
+    reorder_graph(gm.graph, None)  # idempotent
+    assert [n for n in gm.graph.nodes if n.target is TO_HOST] == copies
 
 
 def _copies_and_waits(gm):
@@ -156,7 +207,7 @@ class _LoggedEvent:
         self.log.append("current stream waits for the event")
 
 
-def test_the_copy_streams_protocol():
+def test_the_copy_to_the_device_protocol():
     log = []
     host = torch.randn(5, 3)
     out = offload.on_copy_stream(host, torch.device("cpu"), _LoggedStream("compute", log),
@@ -167,4 +218,24 @@ def test_the_copy_streams_protocol():
     assert ready.data_ptr() == out.data_ptr() != host.data_ptr()
     assert torch.equal(ready, host)
     offload.WAIT(out)  # the work is waited once: a second wait finds none
+    assert len(log) == 5
+
+
+class _LoggedHostEvent(_LoggedEvent):
+    def synchronize(self):
+        self.log.append("host waits for the event")
+
+
+def test_the_copy_to_the_host_protocol():
+    log = []
+    grad = torch.randn(4, 2)
+    out = torch.empty_like(grad)
+    stream = _LoggedStream("to host", log)
+    stream.record_event = lambda: (log.append("event on to host"), _LoggedHostEvent(log))[1]
+    copied = offload.on_host_stream(grad, out, _LoggedStream("compute", log), stream)
+    assert copied is out and torch.equal(out, grad)
+    assert log == ["to host waits for compute", "on to host", "off to host", "event on to host"]
+    # the wait is of the gradient copied: it blocks the host, once
+    assert offload.WAIT(grad) is not None and log[4:] == ["host waits for the event"]
+    offload.WAIT(grad)
     assert len(log) == 5
