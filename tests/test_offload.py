@@ -163,9 +163,10 @@ def test_trainer_preflight_refuses_in_one_line(monkeypatch, capsys):
 
 
 @memo
-def _graphs(offload: str) -> dict:
+def _graphs(offload: str, param_dtype=None) -> dict:
     """The final forward and backward graphs of one step of the toy model compiled on 2 fake
-    ranks, every parameter resharded after forward (backward gathers again)."""
+    ranks, every parameter resharded after forward (backward gathers again); ``param_dtype``:
+    mixed precision's gathers."""
     import simplesharded as ss
 
     seen = {}
@@ -177,7 +178,8 @@ def _graphs(offload: str) -> dict:
     with pu.fake_world(2) as mesh:
         torch._dynamo.reset()
         model = ss.data_parallel(toy_blocks.make_model(n_layers=LAYERS), mesh,
-                                 reshard_after_forward=True, offload=offload)
+                                 reshard_after_forward=True, offload=offload,
+                                 mp_policy=ss.MixedPrecisionPolicy(param_dtype=param_dtype))
         compiled = torch.compile(model, fullgraph=True,
                                  backend=ss.make_backend(BACKEND, observer=observe))
         tokens, targets = toy_blocks.batch(0)
@@ -264,6 +266,26 @@ def test_each_gather_reads_its_copy_issued_one_copy_ahead(kind):
     # reordering issued gathers ahead of earlier buckets' waits
     gathered = sorted(order[pu.the_wait(g)] for g in gathers)
     assert any(order[g] < gathered[0] for g in gathers[1:]), "no gather was prefetched"
+
+
+def test_under_mixed_precision_each_copy_is_waited_at_its_cast():
+    """bf16 gathers: each copy's wait is read by the cast to bf16 alone, right after it, and the
+    cast feeds the gather; the copies still issued one copy ahead."""
+    for kind in ("fw", "bw"):
+        gm = _graphs("params", torch.bfloat16)[kind]
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        waits = []
+        for g in _gathers(gm):
+            assert g.meta["val"].dtype == torch.bfloat16
+            wait = next(n for n in ancestors([g]) if n.target is pu.WAIT
+                        and n.args[0].target is TO_COMPUTE)
+            (cast,) = wait.users
+            assert wait.next is cast and cast.meta["val"].dtype == torch.bfloat16
+            assert g in cast.users or g in {u for n in cast.users for u in n.users}
+            waits.append(wait)
+        waits.sort(key=order.__getitem__)
+        led = [w for ahead, w in zip(waits, waits[1:]) if order[w.args[0]] < order[ahead]]
+        assert led, kind
 
 
 def test_optimizer_offload_gathers_read_the_resident_copy():
