@@ -63,10 +63,12 @@ def test_cpu_run_uninstalled(tmp_path):
     # trainer's step with TP 2 (bf16) lowered by inductor with our collective order checked in
     # its code: the suite's one TP x inductor compile, on one process; float8 and offload:
     # their side-by-side trainer runs at CPU sizes (their answer is an accelerator's); init:
-    # the model's init on ragged shards, 1 and 2 ranks
+    # the model's init on ragged shards, 1 and 2 ranks; copy_stream: offload's copies against
+    # no offload, compiled (their streams are an accelerator's)
     out = tmp_path / "results.md"
     p = _check(tmp_path, "--checks", "parity_gloo2", "calibrate", "fake8", "float8", "offload",
-               "init", "--cases", "bf16_tp2_block", "--storages", "ragged", "--out", str(out))
+               "init", "copy_stream", "--cases", "bf16_tp2_block", "--storages", "ragged",
+               "--out", str(out))
     assert p.returncode == 0, p.stdout + p.stderr
     for rank in (0, 1):  # ragged buckets, the trainer's default (per parameter: --storages)
         for row in ("ragged:uncompiled", "ragged:aot_eager_blockbucketing"):
@@ -82,10 +84,14 @@ def test_cpu_run_uninstalled(tmp_path):
     # init's ep=2 case is one SKIP row where this torch lacks expert parallelism
     from simplesharded.passes.torch_compat import EXPERT_PARALLEL, has
     no_ep = 0 if has(EXPERT_PARALLEL) else 1
-    assert f"16 passed, 0 failed, {4 + no_ep} skipped of {20 + no_ep}" in p.stdout, p.stdout
+    assert f"16 passed, 0 failed, {5 + no_ep} skipped of {21 + no_ep}" in p.stdout, p.stdout
     rows = [r for r in _load("gpu_check").read_results(str(out)) if r[2] != "init ep=2"]
-    assert len(rows) == 20 and {r[1] for r in rows} == {"parity_gloo2", "calibrate", "fake8",
-                                                        "float8", "offload", "init"}
+    assert len(rows) == 21 and {r[1] for r in rows} == {"parity_gloo2", "calibrate", "fake8",
+                                                        "float8", "offload", "init",
+                                                        "copy_stream"}
+    copy_stream = next(r for r in rows if r[1] == "copy_stream")
+    assert copy_stream[0] == "SKIP" and "loss rel diff 0.0e+00" in copy_stream[3], copy_stream
+    rows.remove(copy_stream)
     skipped = [r for r in rows if r[0] == "SKIP"]
     assert [r[2].split("[")[0] + (r[2].rsplit("] ", 1)[1] if "] " in r[2] else "")
             for r in skipped] == ["fake8fused attention", "fake8memory", "float8", "offload"]
