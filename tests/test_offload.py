@@ -1,5 +1,5 @@
 """Tests of host offload (simplesharded/storage/offload.py, ``data_parallel(offload=...)``,
-``--parallelism.offload``); all single-process but the last:
+``--parallelism.offload``); all single-process but the last two:
 
 1. what ``offload=`` takes (the three names, FSDP2's offload policies) and the one-line
    refusals: another value, a storage without ragged buckets, ``compile_step``, the trainer's
@@ -12,13 +12,15 @@
    reduce-scatter, after its wait, whose own wait stands right before the next copy; under ``optimizer`` the gathers read the resident copy
    (no copy before them) and the reduced gradients are copied to the host as under
    ``params``;
-3. (slow, one spawn) two gloo ranks train the toy model 10 steps, eager and under
+3. (slow, one spawn each) two gloo ranks train the toy model 10 steps, eager and under
    aot_eager_blockbucketing, with each offload: the losses, the parameters, the optimizer's
    state and the ``state_dict()`` (keys and values) bit for bit those without offload, the
    parameters' names and the param groups unchanged, and a DCP checkpoint saved with
    ``params`` offload loads into a model without offload bit for bit; torch's full state
    dicts of a model without offload, broadcast from rank 0 (``set_model_state_dict`` and
-   ``set_optimizer_state_dict``), load into each offloaded model, and the next step is equal.
+   ``set_optimizer_state_dict``), load into each offloaded model, and the next step is equal;
+   four gloo ranks train the trainer's llama3 under hybrid_shard with gradient accumulation
+   and under tensor parallelism, compiled, with and without ``params`` offload, bit for bit.
 """
 from __future__ import annotations
 
@@ -386,3 +388,57 @@ def test_two_ranks_offload_is_bitwise_no_offload():
                           ("optimizer", BACKEND): True, ("params", BACKEND): True,
                           "dcp": True, ("full_state", "optimizer"): True,
                           ("full_state", "params"): True}
+
+
+# ------------------------------------------------- with HSDP, TP and gradient accumulation
+
+LLAMA = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "configs"
+            / "llama3_debug.toml")
+# 4 gloo ranks, the trainer's debug llama3 at 2 blocks, compiled by the bucketing backend;
+# foreach AdamW pinned (offload's own default is the fused step, whose update kernels
+# differ: the copies alone must be what differs)
+COMPOSED = {"hybrid_shard + accumulation": ["--parallelism.data_parallel_replicate_degree", "2",
+                                            "--training.gradient_accumulation_steps", "2"],
+            "tensor parallel": ["--parallelism.tensor_parallel_degree", "2"]}
+TRAINER = ["--model.n_layers", "2", "--training.seq_len", "32",
+           "--training.global_batch_size", "8", "--training.val_every", "0",
+           "--no-metrics.progress_bar", "--optimizer.implementation", "foreach",
+           "--compile.enable", "--compile.backend", BACKEND]
+
+
+def _composed_job(rank, world):
+    """Each COMPOSED case trained 3 steps through the trainer with ``parallelism.offload``
+    none and params: (its mesh and storage, the losses equal, the parameters bit for bit)."""
+    from simplesharded.trainer import Trainer, check_static
+    from simplesharded.trainer.config import load_config
+
+    out = {}
+    for name, args in COMPOSED.items():
+        runs = {}
+        for offload in ("none", "params"):
+            torch._dynamo.reset()
+            cfg = check_static(load_config(None, ["--job.config_file", LLAMA, *TRAINER, *args,
+                                                  "--parallelism.offload", offload]), world)
+            trainer = Trainer(cfg, "cpu")
+            losses = [trainer.train_step()["loss"] for _ in range(3)]
+            sd = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
+                  for k, v in trainer.model.state_dict().items()}
+            runs[offload] = (losses, sd, (cfg.parallelism.mode, cfg.dp_storage()))
+        (plain, plain_sd, what), (host, host_sd, _) = runs["none"], runs["params"]
+        out[name] = (what, plain == host, pu.bitwise_equal(plain_sd, host_sd))
+    torch._dynamo.reset()
+    return out
+
+
+@pytest.mark.slow
+def test_offload_with_hsdp_tp_and_accumulation_is_bitwise_no_offload():
+    """Host offload of ragged buckets composes: under hybrid_shard with gradient accumulation
+    (the replica all-reduce after each reduce-scatter, the accumulated gradients on the host),
+    and under tensor parallelism (dp 2 x tp 2), the trainer's losses and parameters with
+    ``--parallelism.offload params`` are those without, bit for bit."""
+    from dist_utils import spawn
+
+    for rank, result in enumerate(spawn(4, _composed_job, timeout_s=600)):
+        assert result == {
+            "hybrid_shard + accumulation": (("hybrid_shard", "ragged"), True, True),
+            "tensor parallel": (("fully_shard", "ragged"), True, True)}, rank
