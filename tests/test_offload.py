@@ -19,8 +19,9 @@
    ``params`` offload loads into a model without offload bit for bit; torch's full state
    dicts of a model without offload, broadcast from rank 0 (``set_model_state_dict`` and
    ``set_optimizer_state_dict``), load into each offloaded model, and the next step is equal;
-   four gloo ranks train the trainer's llama3 under hybrid_shard with gradient accumulation
-   and under tensor parallelism, compiled, with and without ``params`` offload, bit for bit.
+   four gloo ranks train the trainer's llama3 under hybrid_shard with gradient accumulation,
+   with tensor and with context parallelism, and its DeepSeek-V3 with expert parallelism,
+   compiled, with and without ``params`` offload, bit for bit.
 """
 from __future__ import annotations
 
@@ -399,21 +400,37 @@ LLAMA = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "configs
 # differ: the copies alone must be what differs)
 COMPOSED = {"hybrid_shard + accumulation": ["--parallelism.data_parallel_replicate_degree", "2",
                                             "--training.gradient_accumulation_steps", "2"],
-            "tensor parallel": ["--parallelism.tensor_parallel_degree", "2"]}
+            "tensor parallel": ["--parallelism.tensor_parallel_degree", "2"],
+            "context parallel": ["--parallelism.context_parallel_degree", "2"],
+            "expert parallel": ["--job.config_file", str(__import__("pathlib").Path(LLAMA)
+                                                         .with_name("deepseek_v3_debug.toml")),
+                                "--parallelism.expert_parallel_degree", "2"]}
 TRAINER = ["--model.n_layers", "2", "--training.seq_len", "32",
            "--training.global_batch_size", "8", "--training.val_every", "0",
            "--no-metrics.progress_bar", "--optimizer.implementation", "foreach",
            "--compile.enable", "--compile.backend", BACKEND]
 
 
+def _composed(name: str) -> bool:
+    """Whether this torch runs COMPOSED case ``name`` (context and expert parallelism need
+    2.13: passes/torch_compat.py)."""
+    from simplesharded.passes.torch_compat import CONTEXT_PARALLEL, EXPERT_PARALLEL
+
+    needs = {"context parallel": CONTEXT_PARALLEL, "expert parallel": EXPERT_PARALLEL}
+    return name not in needs or has(needs[name])
+
+
 def _composed_job(rank, world):
-    """Each COMPOSED case trained 3 steps through the trainer with ``parallelism.offload``
-    none and params: (its mesh and storage, the losses equal, the parameters bit for bit)."""
+    """Each COMPOSED case this torch runs, trained 3 steps through the trainer with
+    ``parallelism.offload`` none and params: (its mesh and storage, the losses equal, the
+    parameters bit for bit)."""
     from simplesharded.trainer import Trainer, check_static
     from simplesharded.trainer.config import load_config
 
     out = {}
     for name, args in COMPOSED.items():
+        if not _composed(name):
+            continue
         runs = {}
         for offload in ("none", "params"):
             torch._dynamo.reset()
@@ -431,14 +448,17 @@ def _composed_job(rank, world):
 
 
 @pytest.mark.slow
-def test_offload_with_hsdp_tp_and_accumulation_is_bitwise_no_offload():
+def test_offload_with_hsdp_tp_cp_ep_and_accumulation_is_bitwise_no_offload():
     """Host offload of ragged buckets composes: under hybrid_shard with gradient accumulation
     (the replica all-reduce after each reduce-scatter, the accumulated gradients on the host),
-    and under tensor parallelism (dp 2 x tp 2), the trainer's losses and parameters with
-    ``--parallelism.offload params`` are those without, bit for bit."""
+    and with tensor, context and expert parallelism (dp 2 x tp, cp or ep 2; DeepSeek-V3's
+    debug model for ep), the trainer's losses and parameters with ``--parallelism.offload
+    params`` are those without, bit for bit."""
     from dist_utils import spawn
 
+    want = {"hybrid_shard + accumulation": (("hybrid_shard", "ragged"), True, True),
+            "tensor parallel": (("fully_shard", "ragged"), True, True),
+            "context parallel": (("fully_shard", "ragged"), True, True),
+            "expert parallel": (("fully_shard", "ragged"), True, True)}
     for rank, result in enumerate(spawn(4, _composed_job, timeout_s=600)):
-        assert result == {
-            "hybrid_shard + accumulation": (("hybrid_shard", "ragged"), True, True),
-            "tensor parallel": (("fully_shard", "ragged"), True, True)}, rank
+        assert result == {k: v for k, v in want.items() if _composed(k)}, rank
