@@ -13,7 +13,8 @@
    (no copy before them) and the reduced gradients are copied to the host as under
    ``params``;
 3. (slow, one spawn each) two gloo ranks train the toy model 10 steps, eager and under
-   aot_eager_blockbucketing, with each offload: the losses, the parameters, the optimizer's
+   aot_eager_blockbucketing, with each offload (and under aot_eager and
+   aot_eager_autobucketing with ``params``): the losses, the parameters, the optimizer's
    state and the ``state_dict()`` (keys and values) bit for bit those without offload, the
    parameters' names and the param groups unchanged, and a DCP checkpoint saved with
    ``params`` offload loads into a model without offload bit for bit; torch's full state
@@ -45,6 +46,10 @@ LAYERS = 2
 STEPS = 10
 LR = 1e-2
 BACKEND = "aot_eager_blockbucketing"
+# ... and params offload under these too: aot_eager runs the traced graphs without our passes
+# (each copy waited where it is made), autobucketing under the planner's own cap (inductor:
+# tests/test_bucketing_training.py)
+MORE_BACKENDS = ("aot_eager", "aot_eager_autobucketing")
 # The toy model's ragged buckets: before the first block, each block, after the last
 BUCKETS = ["pre", "layers.0", "layers.1", "post"]
 TO_COMPUTE = torch.ops.simplesharded.to_compute.default
@@ -356,6 +361,9 @@ def _train_job(rank, world):
                 and all(pu.bitwise_equal(a[k], b[k]) for k in ("params", "optim", "sd")))
 
     out = {}
+    for backend in MORE_BACKENDS:  # params offload against none, under each
+        base = summary(*_train(rank, world, "none", backend))
+        out[("params", backend)] = same(summary(*_train(rank, world, "params", backend)), base)
     for backend in (None, BACKEND):
         plain = _train(rank, world, "none", backend)
         base = summary(*plain)
@@ -387,6 +395,7 @@ def test_two_ranks_offload_is_bitwise_no_offload():
     for result in spawn(2, _train_job, timeout_s=600):
         assert result == {("optimizer", None): True, ("params", None): True,
                           ("optimizer", BACKEND): True, ("params", BACKEND): True,
+                          **{("params", b): True for b in MORE_BACKENDS},
                           "dcp": True, ("full_state", "optimizer"): True,
                           ("full_state", "params"): True}
 
