@@ -93,19 +93,21 @@ def lead_device_copies(graph: fx.Graph, ags: list[Collective], order: NodeOrder,
                 continue
             if end is None:  # read by no gather: alive to its last reader
                 yield order[copy], order[held_until(wait, order)], node_bytes(copy)
-            elif order[copy] < order[end]:  # gathered_spans counts it from the gather on
-                yield order[copy], order[end], node_bytes(copy)
+            elif order[copy] < order[end.prev]:  # gathered_spans counts it from the gather on
+                yield order[copy], order[end.prev], node_bytes(copy)
 
-    if cap is None:
-        cap = gathers_cap + _peak(extra()) + max(node_bytes(c) for c, _ in pairs)
+    if cap is None:  # prefetch's, the floor of the copies no gather reads, one copy more
+        alone = [(order[c], order[held_until(w, order)], node_bytes(c)) for c, w in pairs
+                 if c not in read_by]
+        cap = gathers_cap + _peak(alone) + max(node_bytes(c) for c, _ in pairs)
     pairs.sort(key=lambda pair: order[pair[1]])
     for (_, ahead), (copy, wait) in zip(pairs, pairs[1:]):
         if order[copy] < order[ahead]:
             continue
         lo, hi = order[ahead], order[wait]
-        alive = spans.peak(lo, hi) + _peak([(max(a, lo), min(z, hi), b)
-                                            for a, z, b in extra(skip=copy)
-                                            if a <= hi and z >= lo])
+        alive = _peak([(max(a, lo), min(z, hi), b)
+                       for a, z, b in (*spans.spans(), *extra(skip=copy))
+                       if a <= hi and z >= lo])
         if alive + node_bytes(copy) <= cap:
             hoist_before(copy, ahead, order)
 
