@@ -17,7 +17,8 @@ Every gathered byte is a span (first node, last node, bytes):
   earlier, counts the part before the start. On one rank a float32 copy is twice a bfloat16
   gather.
 
-``GatheredSpans.peak`` is the most of those bytes alive at once over a range of positions.
+``GatheredSpans.peak`` is the most of those bytes alive at once over a range of positions
+(``peak_of``'s sweep, which offload_copies.py runs over these spans and its copies').
 Only the all-gather starts (and what they read) move while prefetching; once ``freeze`` is
 told which nodes can move, the last uses and the spans' fixed ends are read once, and the
 spans overlapping a range come from a segment tree (``SpanIndex``) instead of a look at
@@ -149,17 +150,23 @@ class GatheredSpans:
                      if skip is None or span[3] is not skip.start]
         else:
             spans = self.spans(skip)
-        events = []
-        for start, end, nbytes in spans:
-            if (hi is None or start <= hi) and (lo is None or end >= lo):
-                # (position, released after the node at that position, bytes)
-                events.append((start if lo is None else max(start, lo), 0, nbytes))
-                events.append((end if hi is None else min(end, hi), 1, -nbytes))
-        alive = peak = 0
-        for *_, delta in sorted(events):
-            alive += delta
-            peak = max(peak, alive)
-        return peak
+        return peak_of(spans, lo, hi)
+
+
+def peak_of(spans, lo=None, hi=None) -> int:
+    """Most bytes alive at once over ``spans`` (first position, last position, bytes: alive
+    through both), between positions ``lo`` and ``hi`` (None: unbounded)."""
+    events = []
+    for start, end, nbytes in spans:
+        if (hi is None or start <= hi) and (lo is None or end >= lo):
+            # (position, released after the node at that position, bytes)
+            events.append((start if lo is None else max(start, lo), 0, nbytes))
+            events.append((end if hi is None else min(end, hi), 1, -nbytes))
+    alive = peak = 0
+    for *_, delta in sorted(events):
+        alive += delta
+        peak = max(peak, alive)
+    return peak
 
 
 class SpanIndex:

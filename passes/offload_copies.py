@@ -41,7 +41,7 @@ from torch import fx
 
 from .annotations import OFFLOAD_KEY, annotations
 from .collectives import Collective, is_wait, started_by
-from .gathered_spans import GatheredSpans, held_until
+from .gathered_spans import GatheredSpans, held_until, peak_of
 from .graph_utils import NodeOrder, hoist_before
 from .node_meta import node_bytes
 from .wait_chains import offload_copy
@@ -84,40 +84,28 @@ def lead_device_copies(graph: fx.Graph, ags: list[Collective], order: NodeOrder,
         found = offload_copy(c.start)
         if found is not None:
             read_by[found[0]] = c.start
+    # a copy no gather reads is alive to its last reader, which nothing here moves
+    last_read = {c: held_until(w, order) for c, w in pairs if c not in read_by}
 
     def extra(skip=None):
         """(first, last, bytes) of the copies' bytes gathered_spans does not count."""
-        for copy, wait in pairs:
+        for copy, _ in pairs:
             end = read_by.get(copy)
             if copy is skip:
                 continue
-            if end is None:  # read by no gather: alive to its last reader
-                yield order[copy], order[held_until(wait, order)], node_bytes(copy)
+            if end is None:
+                yield order[copy], order[last_read[copy]], node_bytes(copy)
             elif order[copy] < order[end.prev]:  # gathered_spans counts it from the gather on
                 yield order[copy], order[end.prev], node_bytes(copy)
 
     if cap is None:  # prefetch's, the floor of the copies no gather reads, one copy more
-        alone = [(order[c], order[held_until(w, order)], node_bytes(c)) for c, w in pairs
-                 if c not in read_by]
-        cap = gathers_cap + _peak(alone) + max(node_bytes(c) for c, _ in pairs)
+        alone = [(order[c], order[end], node_bytes(c)) for c, end in last_read.items()]
+        cap = gathers_cap + peak_of(alone) + max(node_bytes(c) for c, _ in pairs)
     pairs.sort(key=lambda pair: order[pair[1]])
     for (_, ahead), (copy, wait) in zip(pairs, pairs[1:]):
         if order[copy] < order[ahead]:
             continue
-        lo, hi = order[ahead], order[wait]
-        alive = _peak([(max(a, lo), min(z, hi), b)
-                       for a, z, b in (*spans.spans(), *extra(skip=copy))
-                       if a <= hi and z >= lo])
+        alive = peak_of((*spans.spans(), *extra(skip=copy)), order[ahead], order[wait])
         if alive + node_bytes(copy) <= cap:
             hoist_before(copy, ahead, order)
 
-
-def _peak(spans) -> int:
-    """Most bytes alive at once over ``spans`` (first, last position, bytes)."""
-    events = sorted(e for first, last, nbytes in spans
-                    for e in ((first, 0, nbytes), (last, 1, -nbytes)))
-    alive = peak = 0
-    for *_, delta in events:
-        alive += delta
-        peak = max(peak, alive)
-    return peak
