@@ -210,8 +210,8 @@ class _LoggedEvent:
 def test_the_copy_to_the_device_protocol():
     log = []
     host = torch.randn(5, 3)
-    out = offload.on_copy_stream(host, torch.device("cpu"), _LoggedStream("compute", log),
-                                 _LoggedStream("copy", log))
+    out = offload.copy_on_stream(host, torch.empty_like(host), _LoggedStream("compute", log),
+                                 _LoggedStream("copy", log), to_host=False)
     assert log == ["copy waits for compute", "on copy", "off copy", "event on copy"]
     ready = offload.WAIT(out)
     assert log[4:] == ["current stream waits for the event"]
@@ -232,7 +232,8 @@ def test_the_copy_to_the_host_protocol():
     out = torch.empty_like(grad)
     stream = _LoggedStream("to host", log)
     stream.record_event = lambda: (log.append("event on to host"), _LoggedHostEvent(log))[1]
-    copied = offload.on_host_stream(grad, out, _LoggedStream("compute", log), stream)
+    copied = offload.copy_on_stream(grad, out, _LoggedStream("compute", log), stream,
+                                    to_host=True)
     assert copied is out and torch.equal(out, grad)
     assert log == ["to host waits for compute", "on to host", "off to host", "event on to host"]
     # the wait is of the gradient copied: it blocks the host, once

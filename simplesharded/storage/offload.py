@@ -126,21 +126,25 @@ def to_compute(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     passes/offload_copies.py); otherwise it is made here, and ``WAIT`` returns at once."""
     if device.type == HOST.type or not x.is_pinned():
         return x.to(device, copy=True)
-    return on_copy_stream(x, device, torch.accelerator.current_stream(device),
-                          _copy_stream(device, device))
-
-
-def on_copy_stream(x: torch.Tensor, device: torch.device, compute: torch.Stream,
-                   stream: torch.Stream) -> torch.Tensor:
-    """``x`` copied to ``device`` on ``stream``; ``WAIT`` of the result makes the stream then
-    current (``compute``, where the result is read) wait for the copy."""
     # From the compute stream's memory, as every other tensor of the graph: freed and reused
     # in that stream's order, which reads it only after WAIT
     out = torch.empty_like(x, device=device)
-    stream.wait_stream(compute)  # its memory may be a block that kernels queued there still use
+    return copy_on_stream(x, out, torch.accelerator.current_stream(device),
+                          _copy_stream(device, device), to_host=False)
+
+
+def copy_on_stream(x: torch.Tensor, out: torch.Tensor, compute: torch.Stream,
+                   stream: torch.Stream, to_host: bool) -> torch.Tensor:
+    """``x`` copied into ``out`` on ``stream``, after what ``compute`` has queued (where ``x``
+    was made, or a block of ``out``'s memory may still be in use), the event recorded after
+    it registered as a c10d work: ``WAIT`` of ``out`` makes the stream then current wait for
+    it, or with ``to_host`` ``WAIT`` of ``x`` blocks the host until it has landed. Reading
+    ``x``, that wait keeps ``x``'s memory until then: every graph places it before ``x`` can
+    be freed or its memory handed to another kernel."""
+    stream.wait_stream(compute)
     with stream:
         out.copy_(x, non_blocking=True)
-    register_work(out, _Copied(stream.record_event()))
+    register_work(x if to_host else out, _Copied(stream.record_event(), host=to_host))
     return out
 
 
@@ -192,21 +196,8 @@ def to_host(x: torch.Tensor, pin: bool) -> torch.Tensor:
     if x.device.type == HOST.type or not pin:
         out.copy_(x)  # blocking
         return out
-    return on_host_stream(x, out, torch.accelerator.current_stream(x.device),
-                          _copy_stream(x.device, HOST))
-
-
-def on_host_stream(x: torch.Tensor, out: torch.Tensor, compute: torch.Stream,
-                   stream: torch.Stream) -> torch.Tensor:
-    """``x`` copied into host tensor ``out`` on ``stream``, after what ``compute`` (where ``x``
-    was made) has queued; ``WAIT`` of ``x`` blocks the host until the copy has landed."""
-    # x is read on that stream until WAIT(x), which every graph places before x can be freed
-    # or its memory handed to another kernel: the wait reads x
-    stream.wait_stream(compute)
-    with stream:
-        out.copy_(x, non_blocking=True)
-    register_work(x, _Copied(stream.record_event(), host=True))
-    return out
+    return copy_on_stream(x, out, torch.accelerator.current_stream(x.device),
+                          _copy_stream(x.device, HOST), to_host=True)
 
 
 @to_host.register_fake
