@@ -85,3 +85,42 @@ def test_launcher_checks_once_then_runs_torchrun_in_process(monkeypatch, capsys)
                     "simplesharded.trainer", "--training.steps", "2"]
     assert env[PREFLIGHT_DONE] == "1" and env[SHARE_STORE] == "1"
     assert env[TUNABLES] == caching_env({})[TUNABLES]
+
+
+def test_a_stop_on_one_rank_is_its_code_when_the_agent_stops_the_others(monkeypatch, capsys,
+                                                                         tmp_path):
+    """Rank 0 stops on an error of the run's own (exit 2) while rank 1 is still running, so
+    torchrun's agent stops rank 1 with SIGTERM: the launch still ends with 2 and the one error
+    line, not torchrun's report. A crash, or an outside signal with no stop, stays torchrun's."""
+    import signal
+
+    import torch.distributed.run
+
+    from simplesharded.trainer import launch
+    from simplesharded.trainer.cli import EXIT_CONFIG
+
+    rank = tmp_path / "rank.py"
+    rank.write_text(
+        "import os, sys, time\n"
+        "if os.environ['RANK'] == '0':\n"
+        "    path = os.path.join(os.environ['SIMPLESHARDED_ERROR_DIR'], 'rank0')\n"
+        "    open(path, 'w').write('error: checkpoint.load_step=5: not there\\n')\n"
+        f"    sys.exit({EXIT_CONFIG})\n"
+        "time.sleep(120)\n")
+    real = torch.distributed.run.main
+    # the launcher's torchrun arguments, with the trainer replaced by the script above
+    monkeypatch.setattr(torch.distributed.run, "main",
+                        lambda args: real([*args[:args.index("-m")], str(rank)]))
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    monkeypatch.setenv("NGPU", "2")
+    assert launch.main(["--standalone", "--"]) == EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert err.count("error: checkpoint.load_step=5: not there") == 1, err
+    assert "failed (exitcode" not in err and "Traceback" not in err, err
+
+    stops = {2, 3}
+    assert launch.stopped_on_purpose([2, -signal.SIGTERM], stops) == 2
+    assert launch.stopped_on_purpose([2, 2, -signal.SIGKILL], stops) == 2
+    assert launch.stopped_on_purpose([-signal.SIGTERM, -signal.SIGSEGV], stops) is None
+    assert launch.stopped_on_purpose([2, 1], stops) is None  # a crash beside the stop
+    assert launch.stopped_on_purpose([-signal.SIGTERM], stops) is None  # killed from outside

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import tempfile
 
@@ -71,16 +72,31 @@ def main(argv: list[str] | None = None) -> int:
                       "simplesharded.trainer", *trainer_args])
         except ChildFailedError as e:
             _print_errors(errors)
-            codes = {f.exitcode for f in e.failures.values()}
-            if codes <= stops:
+            code = stopped_on_purpose([f.exitcode for f in e.failures.values()], stops)
+            if code is not None:
                 # The ranks stopped on purpose: exit with their code, without torchrun's
                 # traceback and failure table under their line.
-                return max(codes)
+                return code
             raise  # a crash or a signal: torchrun's report says which rank and how
         finally:
             os.environ.pop(ERROR_DIR, None)
             agent_log.removeFilter(quiet)
     return 0
+
+
+# what torchrun's agent stops the other ranks with once one has exited (SIGKILL after a timeout)
+_AGENT_STOPS = {-signal.SIGTERM, -signal.SIGKILL}
+
+
+def stopped_on_purpose(exitcodes: list[int], stops: set[int]) -> int | None:
+    """The code to exit with when the ranks' failures are a stop of the run's own: at least one
+    rank exited with a code in ``stops``, and every other either did too or was stopped by the
+    agent because of it (a rank still finding the same error when the first one exited).
+    ``None`` for a crash or an outside signal: torchrun's report is then the one to see."""
+    own = [c for c in exitcodes if c in stops]
+    if own and all(c in stops or c in _AGENT_STOPS for c in exitcodes):
+        return max(own)
+    return None
 
 
 # torchrun's agent logs a rank's exit code on this logger (docs/torch_internals.md)
