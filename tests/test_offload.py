@@ -68,7 +68,7 @@ def test_offload_takes_names_and_fsdp2_policies():
         ("none", True), ("optimizer", True), ("params", True)]
     assert offload_choice(CPUOffloadPolicy()) == ("params", True)
     assert offload_choice(CPUOffloadPolicy(pin_memory=False)) == ("params", False)
-    assert offload_choice(OffloadPolicy()) == ("none", True)
+    assert offload_choice(OffloadPolicy()) == offload_choice(None) == ("none", True)
 
 
 def test_host_shards_stay_on_the_host_of_an_accelerators_mesh(monkeypatch):

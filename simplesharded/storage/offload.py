@@ -64,7 +64,10 @@ HOST = torch.device("cpu")
 def offload_choice(offload) -> tuple[str, bool]:
     """(kind, pin_memory) of what ``data_parallel(offload=...)`` takes: one of
     :data:`OFFLOADS`, or an FSDP2 offload policy (``CPUOffloadPolicy`` is ``"params"`` with
-    its ``pin_memory``; the base ``OffloadPolicy`` is ``"none"``)."""
+    its ``pin_memory``; the base ``OffloadPolicy`` is ``"none"``, and so is ``None``, the usual
+    Python spelling of "no policy")."""
+    if offload is None:
+        return "none", True
     if isinstance(offload, str):
         if offload not in OFFLOADS:
             raise ValueError(f"offload={offload!r} is not one of {list(OFFLOADS)} (or an FSDP2 "
