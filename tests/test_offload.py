@@ -54,6 +54,7 @@ MORE_BACKENDS = ("aot_eager", "aot_eager_autobucketing")
 BUCKETS = ["pre", "layers.0", "layers.1", "post"]
 TO_COMPUTE = torch.ops.simplesharded.to_compute.default
 TO_HOST = torch.ops.simplesharded.to_host.default
+WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 
 # ------------------------------------------------------------------ what it takes, refusals
@@ -297,13 +298,27 @@ def test_under_mixed_precision_each_copy_is_waited_at_its_cast():
 
 
 def test_optimizer_offload_gathers_read_the_resident_copy():
+    """Each gather reads its bucket's resident copy (a graph input) through the wait of its
+    refresh, issued on the copy stream before the forward (Offload.refresh); in forward each
+    such wait comes after the previous bucket's gather, so the first blocks start before the
+    last refresh has landed. Backward's waits find the work waited already."""
+    graphs = _graphs("optimizer")
     for kind in ("fw", "bw"):
-        gm = _graphs("optimizer")[kind]
+        gm = graphs[kind]
         assert _copies(gm, TO_COMPUTE) == []
-        for g in _gathers(gm):
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        gathers = sorted(_gathers(gm), key=order.__getitem__)
+        waits = []
+        for g in gathers:
             (source,) = g.all_input_nodes
             assert annotations(source)[OFFLOAD_KEY] == "resident"
-            assert source.args[0].op == "placeholder"
+            ready = source.args[0]
+            assert ready.target is WAIT and annotations(ready)[OFFLOAD_KEY] == "resident"
+            assert ready.args[0].op == "placeholder"
+            waits.append(ready)
+        if kind == "fw":
+            assert len(gathers) == len(BUCKETS), gathers
+            assert all(order[g] < order[w] for g, w in zip(gathers, waits[1:])), gathers
 
 
 # --------------------------------------------------------------- two ranks, bit for bit

@@ -9,7 +9,8 @@ stream protocol of a copy each way (simplesharded/storage/offload.py).
    right before its reader, each copy but the first right before the previous copy's wait;
    a cap of one copy moves none; the gathered bytes the memory sweep counts stay within the
    cap; a second run changes nothing.
-2. The protocols, with streams that log what is asked of them (a CPU has no second stream):
+2. The protocols (each copy, and the resident copy's refresh), with streams that log what is
+   asked of them (a CPU has no second stream):
    the copy stream waits for the compute stream before the copy is issued on it, an event is
    recorded after the copy; to the device, the graph's wait of the copy makes the compute
    stream wait for that event, to the host the wait of the gradient copied blocks the host
@@ -240,3 +241,30 @@ def test_the_copy_to_the_host_protocol():
     assert offload.WAIT(grad) is not None and log[4:] == ["host waits for the event"]
     offload.WAIT(grad)
     assert len(log) == 5
+
+
+def test_the_refresh_protocol(monkeypatch):
+    """``optimizer`` offload's refresh of the resident copy, from pinned memory: issued on the
+    copy stream to the device after what the compute stream has queued (an earlier backward
+    still reading the resident copy), waited by the compute stream at the bucket's first read,
+    once; a refresh no read waited for is waited by the next refresh before it writes."""
+    log = []
+    compute, stream = _LoggedStream("compute", log), _LoggedStream("copy", log)
+    monkeypatch.setattr(torch.accelerator, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(offload, "_copy_stream", lambda device, to: stream)
+    host = torch.randn(6, 2)
+    off = offload.Offload("optimizer", torch.device("cpu"), pin=True,
+                          resident=torch.zeros(6, 2))
+    off.refresh(host)
+    issued = ["copy waits for compute", "on copy", "off copy", "event on copy"]
+    assert log == issued and torch.equal(off.resident, host)
+    assert off.copy_in(host) is off.resident
+    assert log[4:] == ["current stream waits for the event"]
+    off.copy_in(host)  # waited once
+    assert len(log) == 5
+    log.clear()
+    off.refresh(host)  # left unread: the next refresh waits for it first
+    off.refresh(host * 2)
+    assert log == [*issued, "current stream waits for the event", *issued]
+    assert torch.equal(off.resident, host * 2)
+    off.copy_in(host)  # no work left registered at exit

@@ -13,8 +13,10 @@ that cross between the host and the compute device.
   that the gathers read: no copy before a gather; the reduced gradient is copied to the host
   as under ``"params"``, and the host shard, once stepped, is copied back to the resident
   one at the start of every forward (:meth:`Offload.refresh`, run by a forward pre-hook
-  outside any compiled graph: one copy per forward, so per micro-batch under gradient
-  accumulation).
+  outside any compiled graph: one copy per bucket and forward, so per micro-batch under
+  gradient accumulation). From pinned memory these copies run on the copy stream to the
+  device, each waited at its bucket's first read, so the first blocks compute while the
+  later buckets' copies are still crossing.
 
 The host is the CPU. Where the compute device is the CPU too, host and device are the same
 device, yet the copies are still made, by the same ops: what a CPU run tests is the program an
@@ -27,8 +29,8 @@ Both copies are asynchronous, as collectives are, each on a copy stream of the d
 (``WAIT``) in the graph, for which the copy registers the event recorded after it as a c10d
 work:
 
-- ``to_compute``: the wait is of the copy, and makes the compute stream wait for it where the
-  copy is first read. The copy's memory is the compute stream's, as the graph's other tensors
+- ``to_compute`` (and the resident copy's refresh): the wait is of the copy, and makes the
+  compute stream wait for it where the copy is first read. The copy's memory is the compute stream's, as the graph's other tensors
   (the copy stream first waits for what that stream has queued).
 - ``to_host``: the wait is of the gradient copied, and blocks the host until the copy has
   landed. Reading the gradient, it also keeps its memory from being freed, or handed by
@@ -224,8 +226,8 @@ class _ToCompute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, host, device, pin, annotation, resident):
         ctx.pin, ctx.annotation = pin, annotation
-        if resident is not None:
-            return resident.view_as(resident)
+        if resident is not None:  # its refresh waited, as a copy's (Offload.refresh)
+            return WAIT(resident).view_as(resident)
         return WAIT(to_compute(host, device))
 
     @staticmethod
@@ -280,7 +282,7 @@ class Offload:
         if not self.on_host:
             return host
         if self.resident is not None:
-            return self.resident
+            return WAIT(self.resident)
         return host.to(self.compute)
 
     def on_compute(self, t: torch.Tensor) -> torch.Tensor:
@@ -298,8 +300,16 @@ class Offload:
         """Under ``"optimizer"``: the resident copy made the host shard's values again. Every
         time: a write to the host shard (an optimizer step on the members, a load) leaves no
         trace to test, as the members' in-place updates run below autograd, on tensors that
-        share no version counter with the bucket's."""
+        share no version counter with the bucket's. From pinned memory the copy is made on the
+        copy stream to the device and waited at the bucket's first read (:meth:`read`,
+        :meth:`copy_in`): the forward pre-hook issues every bucket's refresh at once, and the
+        first block's compute starts once its own copy has landed."""
         if self.resident is None:
             return
+        WAIT(self.resident)  # a refresh that no read waited for (a bucket left unread)
         with torch.no_grad():
-            self.resident.copy_(host, non_blocking=host.is_pinned())
+            if not self.pin:
+                self.resident.copy_(host)
+                return
+            copy_on_stream(host, self.resident, torch.accelerator.current_stream(self.compute),
+                           _copy_stream(self.compute, self.compute), to_host=False)

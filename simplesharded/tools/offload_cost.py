@@ -23,7 +23,8 @@ reads while it is cast and gathered, and the next, issued one copy ahead
 Time: serialised with compute, an upper bound. The copies run on the device's copy streams
 (passes/offload_copies.py: a copy to the device issued one copy ahead of its wait, a copy to
 the host waited at the next one), so compute may hide them, but how much is for a GPU run to
-measure; ``optimizer``'s refresh of the resident copy runs on the compute stream. Each copy
+measure (``optimizer``'s refresh of the resident copies is issued at the forward's start,
+each bucket's waited at its first read). Each copy
 is charged its bytes / ``Hardware.host_link_Bps``. The host's optimizer step (AdamW reads
 parameter, gradient and two moments and writes three of them: 7 fp32 streams per element)
 runs between backward and the next forward at ``Hardware.host_mem_bw_Bps``; without offload
