@@ -67,6 +67,7 @@ INDUCTOR = ("ragged:inductor_autobucketing",)
 # ... and with host offload of the shards, bitwise the same training as without under inductor
 # (the copies are opaque ops that copy: simplesharded/storage/offload.py)
 INDUCTOR_OFFLOAD = "offload+ragged:inductor_autobucketing"
+INDUCTOR_OFFLOAD_OPTIMIZER = "offload_optimizer+ragged:inductor_autobucketing"
 
 # compile_step under inductor against the same step graph under aot_eager (itself bitwise
 # the split step: tests/test_step.py)
@@ -103,7 +104,8 @@ def _train(rank, world, backend, n_layers, opt_name, get_code=False, mode="fully
     and the order of collectives among matmuls (tests/support/inductor_code.py) of the graphs our
     pipeline produced (kind → ...) and, optionally, the same of inductor's code. ``backend``
     may carry options before a colon: ``ragged`` (storage="ragged"), ``bf16``
-    (param_dtype), ``offload`` (offload="params"). Parameters are read from ``state_dict()``,
+    (param_dtype), ``offload`` (offload="params"), ``offload_optimizer`` (offload="optimizer").
+    Parameters are read from ``state_dict()``,
     which lists a ragged bucket's members."""
     options, _, backend = backend.rpartition(":")
     options = set(options.split("+")) - {""}
@@ -137,7 +139,8 @@ def _train(rank, world, backend, n_layers, opt_name, get_code=False, mode="fully
     model = ss.data_parallel(toy_blocks.make_model(n_layers=n_layers), mesh, mode,
                              reshard_after_forward=True, mp_policy=mp,
                              storage="ragged" if "ragged" in options else "param",
-                             offload="params" if "offload" in options else "none")
+                             offload=("params" if "offload" in options else "optimizer"
+                                      if "offload_optimizer" in options else "none"))
     opt = (torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
            if opt_name == "adamw" else torch.optim.SGD(model.parameters(), lr=0.1))
     compiled = model if backend == "eager" else torch.compile(
@@ -160,7 +163,9 @@ def _train(rank, world, backend, n_layers, opt_name, get_code=False, mode="fully
             code_counts = [_code_counts(c) for c in codes]
             code_orders = [code_order(c) for c in codes]
             copies = [{**{op: len(re.findall(rf"simplesharded\.{op}\.default\(", c))
-                          for op in ("to_compute", "to_host")}, "led": _led_copies(c)}
+                          for op in ("to_compute", "to_host")}, "led": _led_copies(c),
+                       # waits of a graph input: optimizer offload's resident copies
+                       "input_waits": len(re.findall(r"wait_tensor\.default\(primals_", c))}
                       for c in codes]
         else:
             loss = fwd_bwd()
@@ -300,7 +305,7 @@ def inductor_job(rank, world):
     out = {"hooks_after": {}}
     out["step"] = {be: _step_graph_train(rank, world, be) for be in STEP_BACKENDS
                    if has(STEP_GRAPH)}  # where this torch has it (passes/torch_compat.py)
-    for be in (*INDUCTOR, INDUCTOR_OFFLOAD):
+    for be in (*INDUCTOR, INDUCTOR_OFFLOAD, INDUCTOR_OFFLOAD_OPTIMIZER):
         out[be] = _train(rank, world, be, INDUCTOR_LAYERS, "sgd", get_code=True)
         out["hooks_after"][be] = (inductor_config.post_grad_custom_post_pass,
                                   inductor_config.joint_custom_pre_pass)
@@ -511,9 +516,29 @@ def test_offload_under_inductor_trains_bitwise_as_without():
         assert got["code_counts"] == ref["code_counts"], rank
         fw, bw = got["copies"]
         assert fw.pop("led") > 0 and bw.pop("led") > 0, rank  # issued a copy ahead
+        assert bw.pop("input_waits") == 0 and fw.pop("input_waits") == 0, rank
         assert fw == {"to_compute": ref["code_counts"][0]["all_gather"], "to_host": 0}, rank
         assert bw == {"to_compute": ref["code_counts"][1]["all_gather"],
                       "to_host": ref["code_counts"][1]["reduce_scatter"]}, rank
+
+
+def test_optimizer_offload_under_inductor_trains_bitwise_as_without():
+    """offload="optimizer" under inductor_autobucketing: every loss and final parameter bit
+    for bit those of the same run without offload; inductor's forward waits for each bucket's
+    resident copy (a graph input, refreshed before the forward on the copy stream) once per
+    gather, copies nothing to the compute device, and backward copies each reduced gradient
+    to the host once per reduction."""
+    for rank, res in enumerate(_run("inductor_job")):
+        got, ref = res[INDUCTOR_OFFLOAD_OPTIMIZER], res["ragged:inductor_autobucketing"]
+        assert got["losses"] == ref["losses"], rank
+        for name, p in ref["params"].items():
+            assert torch.equal(got["params"][name], p), (rank, name)
+        assert got["code_counts"] == ref["code_counts"], rank
+        fw, bw = got["copies"]
+        assert fw == {"to_compute": 0, "to_host": 0, "led": 0,
+                      "input_waits": ref["code_counts"][0]["all_gather"]}, rank
+        assert bw["to_compute"] == 0, rank
+        assert bw["to_host"] == ref["code_counts"][1]["reduce_scatter"], rank
 
 
 def test_ragged_buckets_under_inductor():
