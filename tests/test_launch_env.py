@@ -92,6 +92,7 @@ def test_a_stop_on_one_rank_is_its_code_when_the_agent_stops_the_others(monkeypa
     """Rank 0 stops on an error of the run's own (exit 2) while rank 1 is still running, so
     torchrun's agent stops rank 1 with SIGTERM: the launch still ends with 2 and the one error
     line, not torchrun's report. A crash, or an outside signal with no stop, stays torchrun's."""
+    import logging
     import signal
 
     import torch.distributed.run
@@ -113,10 +114,21 @@ def test_a_stop_on_one_rank_is_its_code_when_the_agent_stops_the_others(monkeypa
                         lambda args: real([*args[:args.index("-m")], str(rank)]))
     monkeypatch.setattr(os, "environ", dict(os.environ))
     monkeypatch.setenv("NGPU", "2")
-    assert launch.main(["--standalone", "--"]) == EXIT_CONFIG
+    # what torchrun's agent logs (its handler writes to the stderr of before the capture)
+    logged = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    agent = logging.getLogger(launch.AGENT_LOGGER)
+    agent.addHandler(handler)
+    try:
+        assert launch.main(["--standalone", "--"]) == EXIT_CONFIG
+    finally:
+        agent.removeHandler(handler)
     err = capsys.readouterr().err
     assert err.count("error: checkpoint.load_step=5: not there") == 1, err
-    assert "failed (exitcode" not in err and "Traceback" not in err, err
+    assert "Traceback" not in err, err
+    # neither the exit code's line nor rank 1's stop, which rank 0's error caused
+    assert not [m for m in logged if "failed (exitcode" in m or "closing signal" in m], logged
 
     stops = {2, 3}
     assert launch.stopped_on_purpose([2, -signal.SIGTERM], stops) == 2

@@ -62,10 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     from simplesharded.trainer.cli import ERROR_DIR, EXIT_CONFIG, EXIT_NONFINITE
 
     stops = {EXIT_CONFIG, EXIT_NONFINITE}  # the codes ranks exit with on purpose
-    quiet = _QuietStops(stops)
     agent_log = logging.getLogger(AGENT_LOGGER)
-    agent_log.addFilter(quiet)
     with tempfile.TemporaryDirectory(prefix="simplesharded-errors-") as errors:
+        quiet = _QuietStops(stops, errors)
+        agent_log.addFilter(quiet)
         os.environ[ERROR_DIR] = errors
         try:
             torchrun([*torchrun_args, f"--nproc_per_node={nproc}", "-m",
@@ -105,15 +105,20 @@ AGENT_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 
 class _QuietStops(logging.Filter):
     """Drops torchrun's "failed (exitcode: N) ..." line for the ``codes`` the ranks stop with
-    on purpose: their own ``error:`` line says why, and is the one line a user should see."""
+    on purpose, and its "Sending process ... closing signal" lines once a rank has written its
+    error line to ``folder`` (:data:`~simplesharded.trainer.cli.ERROR_DIR`: the others are
+    stopped because of it): that ``error:`` line says why, and is the one a user should
+    see."""
 
-    def __init__(self, codes: set[int]):
+    def __init__(self, codes: set[int], folder: str):
         super().__init__()
-        self.codes = codes
+        self.codes, self.folder = codes, folder
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (str(record.msg).startswith("failed (exitcode:") and record.args
-                    and record.args[0] in self.codes)
+        msg = str(record.msg)
+        if msg.startswith("failed (exitcode:"):
+            return not (record.args and record.args[0] in self.codes)
+        return not (msg.startswith("Sending process") and os.listdir(self.folder))
 
 
 def _print_errors(folder: str) -> None:
