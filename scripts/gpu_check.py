@@ -69,10 +69,11 @@ CHECKS = {
     "parity_gloo2": ("the parity check on 2 gloo processes with device tensors: real "
                      "collectives through our passes (SKIP where gloo cannot run DTensor's "
                      "collectives on the device)", 90, 300),
-    "copy_stream": ("host offload's copies (shards to the device, gradients to the host): the "
-                    "same numbers as without offload, compiled, and in a profiled step the "
-                    "copies each way on streams of their own, part of their time beside "
-                    "kernels", 120, 120),
+    "copy_stream": ("host offload's copies (params: shards to the device, gradients to the "
+                    "host; optimizer: the resident copies' refresh, gradients to the host): "
+                    "the same numbers as without offload, compiled, and in a profiled step "
+                    "the copies each way on streams of their own, under params part of their "
+                    "time beside kernels", 120, 120),
     # not in the default run (DEFAULT_CHECKS): `--checks float8 offload` runs them
     "float8": ("the bench's 1B in bf16 beside its blocks' Linears in float8 (float8 "
                "matmuls, weights gathered in float8): tokens/s side by side", 360, 120),
