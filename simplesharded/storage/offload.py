@@ -303,7 +303,8 @@ class Offload:
         share no version counter with the bucket's. From pinned memory the copy is made on the
         copy stream to the device and waited at the bucket's first read (:meth:`read`,
         :meth:`copy_in`): the forward pre-hook issues every bucket's refresh at once, and the
-        first block's compute starts once its own copy has landed."""
+        first blocks compute while the later buckets' copies cross (a gather prefetched
+        ahead of a block waits for its own bucket's copy there)."""
         if self.resident is None:
             return
         WAIT(self.resident)  # a refresh that no read waited for (a bucket left unread)
