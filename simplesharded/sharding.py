@@ -129,9 +129,10 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh, mode: str = "fully_shard",
     forward, is what the gathers read); ``"params"`` (the shards, their gradients and the
     optimizer's state on the host, pinned for an accelerator; each gather reads a copy made
     right before it, each reduced gradient is copied back). FSDP2's ``CPUOffloadPolicy`` is
-    ``"params"`` (with its ``pin_memory``), its base ``OffloadPolicy`` and ``None`` ``"none"``. It takes
-    ragged buckets (``storage`` ragged or auto where that is ragged); tied parameters and
-    those frozen before wrapping, which stay out of buckets, stay on the device.
+    ``"params"`` (with its ``pin_memory``), its base ``OffloadPolicy`` and ``None``
+    ``"none"``. It takes ragged buckets (``storage`` ragged or auto where that is ragged);
+    tied parameters and those frozen before wrapping, which stay out of buckets, stay on the
+    device.
     ``flat_buckets``: storage's former name, deprecated: ``False`` is ``"param"``, ``"ragged"``
     is ``"ragged"``; ``True`` (flat buffers) is retired, a ValueError.
     A parameter read more than once in one forward of ``model`` (tied weights, a module called

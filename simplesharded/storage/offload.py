@@ -30,8 +30,9 @@ Both copies are asynchronous, as collectives are, each on a copy stream of the d
 work:
 
 - ``to_compute`` (and the resident copy's refresh): the wait is of the copy, and makes the
-  compute stream wait for it where the copy is first read. The copy's memory is the compute stream's, as the graph's other tensors
-  (the copy stream first waits for what that stream has queued).
+  compute stream wait for it where the copy is first read. The copy's memory is the compute
+  stream's, as the graph's other tensors (the copy stream first waits for what that stream
+  has queued).
 - ``to_host``: the wait is of the gradient copied, and blocks the host until the copy has
   landed. Reading the gradient, it also keeps its memory from being freed, or handed by
   inductor to another kernel, while the copy still reads it.
