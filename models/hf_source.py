@@ -28,7 +28,6 @@ import contextlib
 import json
 import os
 import re
-import sys
 from dataclasses import dataclass
 from typing import Iterator
 from unittest import mock
@@ -37,7 +36,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from simplesharded.models.loss import IGNORE_INDEX, lm_loss
+from simplesharded.models import hf_balance
+from simplesharded.models.loss import lm_loss
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
@@ -208,19 +208,21 @@ class _Trainable:
         ``lm_loss``, so long sequences never hold full fp32 logits (training.loss_chunks).
         A MoE whose config asks for its router's load-balancing loss
         (``output_router_logits``) adds it as transformers' own causal LM does
-        (:meth:`_router_loss`), from the router logits :func:`_record_router_logits`'s hooks
-        collect during this forward."""
-        recording = getattr(self, "_balance", None) is not None
+        (models/hf_balance.py), from the router logits recorded during this forward.
+
+        A pipeline stage (simplesharded/pipeline/stage_split.py) is called with what the
+        previous stage sent: the tokens on the first stage, else the hidden states and, where
+        the balancing loss is on, its sums so far (:meth:`stage_carry`) as the second
+        argument (labels never reach a stage: the pipeline's loss function reads them)."""
+        first = self.get_input_embeddings() is not None
+        head = self.get_output_embeddings()
+        recording = hf_balance.balancing(self)
+        if recording and not (first and head is not None):
+            return self._stage_forward(tokens, None if first else labels, first, head)
         balance = labels is not None and recording
         if balance:
-            self._router_logits = []
-        # A pipeline stage without the embedding takes the previous stage's hidden states.
-        first = self.get_input_embeddings() is not None
-        # transformers' own collection off (its hooks would break the graph): ours collect
-        hidden = self.base_model(**{"input_ids" if first else "inputs_embeds": tokens},
-                                 use_cache=False,
-                                 **({"output_router_logits": False} if recording else {}))[0]
-        head = self.get_output_embeddings()
+            hf_balance.start(self)
+        hidden = self._blocks(tokens, first, recording)
         if head is None:  # a pipeline stage before the last: its hidden states, whole
             return hidden.full_tensor() if isinstance(hidden, DTensor) else hidden
         if labels is None:
@@ -228,28 +230,40 @@ class _Trainable:
         loss = lm_loss(hidden, head, labels, loss_chunks)
         if not balance:
             return loss
-        logits, self._router_logits = tuple(self._router_logits), None
-        aux = self._router_loss(logits, labels)
+        aux = hf_balance.whole_model_loss(self, hf_balance.take(self), labels)
         if isinstance(loss, DTensor):  # loss parallelism: every tp rank routed all the tokens
             aux = DTensor.from_local(aux, loss.device_mesh,
                                      [Replicate()] * loss.device_mesh.ndim, run_check=False)
         return loss + aux
 
-    def _router_loss(self, router_logits, labels):
-        """transformers' load-balancing loss of the model's own module (``self._balance``,
-        :func:`_record_router_logits`) times the config's ``router_aux_loss_coef``, as its
-        causal LM adds it to the mean cross-entropy. Here the loss is a sum the trainer
-        divides by the step's token count, so it is weighted by this rank's tokens: one
-        process gets transformers' loss exactly, data-parallel ranks the token-weighted mean
-        of their batches' balancing losses. Under context parallelism each rank holds chunks
-        of the sequences, and the loss is of whole sequences, as one process has it: every cp
-        rank's router rows are gathered first (the loss sums over rows, in any order)."""
-        cp = getattr(self, "context_parallel", None)
-        if cp is not None:
-            router_logits = tuple(cp.gather(logits) for logits in router_logits)
-        balance = self._balance(router_logits, self.num_experts, self.num_experts_per_tok)
-        tokens = (labels != IGNORE_INDEX).sum()
-        return self.config.router_aux_loss_coef * balance.float() * tokens
+    def _blocks(self, x, first: bool, recording: bool):
+        """The base model's hidden states from the tokens (``first``: the stage holds the
+        embedding) or the previous stage's hidden states; transformers' own collection of the
+        router logits off where ours record them (its hooks would break the graph)."""
+        return self.base_model(**{"input_ids" if first else "inputs_embeds": x},
+                               use_cache=False,
+                               **({"output_router_logits": False} if recording else {}))[0]
+
+    def _stage_forward(self, x, received, first: bool, head):
+        """A pipeline stage's forward where the balancing loss is on: its output (hidden
+        states, or the logits on the last stage) and the balancing sums with its blocks'
+        added (models/hf_balance.py)."""
+        hf_balance.start(self)
+        hidden = self._blocks(x, first, True)
+        sums = hf_balance.stage_sums(self, hf_balance.take(self), received, hidden.device)
+        if head is not None:
+            return head(hidden), sums
+        return (hidden.full_tensor() if isinstance(hidden, DTensor) else hidden), sums
+
+    def stage_carry(self) -> torch.Tensor | None:
+        """What a pipeline stage passes on beside the hidden states (meta): the balancing
+        loss's sums where it is on (models/hf_balance.py), else None."""
+        return hf_balance.sums_like(self) if hf_balance.balancing(self) else None
+
+    def carried_loss(self, carried: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss term from :meth:`stage_carry`'s tensor, summed over tokens
+        as the cross-entropy is."""
+        return hf_balance.loss_from_sums(self, carried, labels)
 
     def stage_stand_in(self, fqn: str) -> nn.Module | None:
         """What a pipeline stage keeps where the modules after the last block were cut
@@ -320,38 +334,10 @@ def build_hf_model(path: str, n_layers: int = 0) -> nn.Module:
     model.__class__ = type(cls.__name__, (_Trainable, cls), {})
     model.args = HFSourceArgs.from_config(path, config)
     if getattr(config.get_text_config(), "output_router_logits", False):
-        _record_router_logits(model, path)
+        hf_balance.record_router_logits(model, path)
     return model
 
 
-def _record_router_logits(model: nn.Module, path: str) -> None:
-    """Forward hooks on the model's routers that hand their logits to the forward that asks
-    (``model._router_logits``, a list while a training forward runs). transformers collects
-    them itself when called with ``output_router_logits=True``, but installs its hooks under a
-    lock that dynamo cannot trace (a graph break); these are installed once, here, and trace.
-    Which module is a router, and which of its outputs are the logits, is transformers' own
-    record of them (``_can_record_outputs["router_logits"]``); the loss is the
-    ``load_balancing_loss_func`` of the model's own module (Mixtral's, Qwen-MoE's, ...), kept
-    as ``model._balance``."""
-    recorder = getattr(type(model), "_can_record_outputs", {}).get("router_logits")
-    target = getattr(recorder, "target_class", None)
-    routers = [m for m in model.modules() if target is not None and isinstance(m, target)]
-    balance = next((vars(sys.modules[c.__module__])["load_balancing_loss_func"]
-                    for c in type(model).__mro__
-                    if "load_balancing_loss_func" in vars(sys.modules[c.__module__])), None)
-    if not routers or balance is None:
-        raise ValueError(f"model.path={path!r}: config.json sets output_router_logits, but "
-                         f"{type(model).__name__} names no router module whose logits the "
-                         f"load-balancing loss reads; set it to false")
-    index = recorder.index
-
-    def hook(module, args, out):
-        if model._router_logits is not None:
-            model._router_logits.append(out[index] if isinstance(out, tuple) else out)
-
-    for m in routers:
-        m.register_forward_hook(hook)
-    model._balance, model._router_logits = balance, None
 
 
 # Families whose base model's forward runs a stage's blocks unchanged: input_ids or
@@ -364,8 +350,8 @@ PIPELINE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe
 def check_pipeline(path: str) -> None:
     """ValueError when the model of ``path`` cannot be cut into pipeline stages here, from its
     config alone: a family not in :data:`PIPELINE_FAMILIES`, attention types that differ
-    between blocks, a head tied to the embedding (two stages would share it), or a MoE's
-    balancing loss (it reads every block's router)."""
+    between blocks, or a head tied to the embedding (two stages would share it). A MoE's
+    balancing loss is carried along the stages (models/hf_balance.py)."""
     config = load_hf_config(path)
     text = config.get_text_config()
     kind = getattr(text, "model_type", type(config).__name__)
@@ -381,10 +367,6 @@ def check_pipeline(path: str) -> None:
         raise ValueError(f"{type(config).__name__}: tie_word_embeddings=true ties the head "
                          f"to the embedding, which the first and last stages cannot share; "
                          f"use 1")
-    if getattr(text, "output_router_logits", False):
-        raise ValueError(f"{type(config).__name__}: output_router_logits=true adds a "
-                         f"balancing loss over every block's router, which no stage holds "
-                         f"all of; set it to false in config.json, or use 1")
 
 
 def check_context_parallel(path: str) -> None:

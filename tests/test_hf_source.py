@@ -334,9 +334,9 @@ def _job(rank: int, world: int, dirs: dict[str, Path], dump: str) -> dict:
         trainer = _trainer(dirs["qwen3"], dirs["data"], Path(dump) / "qwen3_pp2", world,
                            ["--parallelism.pipeline_parallel_degree", "2"])
         out["qwen3_pp2"] = [trainer.train_step()["loss"] for _ in range(STEPS)]
-        trainer = _trainer(dirs["mixtral"], dirs["data"], Path(dump) / "mixtral_pp2", world,
-                           ["--parallelism.pipeline_parallel_degree", "2"])
-        out["mixtral_pp2"] = [trainer.train_step()["loss"] for _ in range(STEPS)]
+        trainer = _trainer(dirs["mixtral_aux"], dirs["data"], Path(dump) / "mixtral_aux_pp2",
+                           world, ["--parallelism.pipeline_parallel_degree", "2"])
+        out["mixtral_aux_pp2"] = [trainer.train_step()["loss"] for _ in range(STEPS)]
         trainer = _trainer(dirs["mixtral_aux"], dirs["data"], Path(dump) / "mixtral_tp2",
                            world, [*RUNS["mixtral"], "--parallelism.tensor_parallel_degree", "2"])
         out["mixtral_aux_tp2"] = [trainer.train_step()["loss"] for _ in range(STEPS)]
@@ -351,6 +351,10 @@ def _job(rank: int, world: int, dirs: dict[str, Path], dump: str) -> dict:
         out["graph_break"] = _graph_break(dirs, Path(dump) / "gb", world)
         trainer = _trainer(dirs["mixtral_aux"], dirs["data"], Path(dump) / "aux", world, [])
         out["mixtral_aux"] = [trainer.train_step()["loss"] for _ in range(STEPS)]
+        # a forward per sequence, as the pipeline's micro-batches of one sequence each
+        trainer = _trainer(dirs["mixtral_aux"], dirs["data"], Path(dump) / "aux_acc", world,
+                           ["--training.gradient_accumulation_steps", "4"])
+        out["mixtral_aux_acc4"] = [trainer.train_step()["loss"] for _ in range(STEPS)]
     return out
 
 
@@ -483,9 +487,15 @@ def test_mixtral_at_tensor_parallel_2_matches_one_process(zoo):
 
 @pytest.mark.slow
 def test_mixtral_at_pipeline_parallel_2_matches_one_process(zoo):
-    """transformers' Mixtral (a MoE) cut into 2 pipeline stages, a block each: the losses of
-    one process."""
-    _losses_match(zoo, "mixtral", "mixtral_pp2", "pp 2")
+    """transformers' Mixtral (a MoE) with its balancing loss cut into 2 pipeline stages, a
+    block each, 4 micro-batches of a sequence: the first stage passes its router sums on
+    beside the hidden states, the last adds the loss from every block's sums
+    (models/hf_balance.py). The balancing loss is each micro-batch's, as under gradient
+    accumulation: the losses are those of one process accumulating over 4 forwards
+    (transformers' loss function on every block's logits), which differ from one forward's."""
+    want = _losses_match(zoo, "mixtral_aux_acc4", "mixtral_aux_pp2", "pp 2")
+    whole = _results(1, tuple(sorted(zoo.items())))[0]["mixtral_aux"]
+    assert max(rel(a, b) for a, b in zip(want, whole)) > 1e-5  # the comparison can tell
 
 
 @pytest.mark.slow
@@ -498,8 +508,8 @@ def test_qwen3_at_pipeline_parallel_2_matches_one_process(zoo):
 
 def test_pipeline_refusals_name_what_stops_it(tmp_path):
     """Before any rank starts: a family whose forward would not run a stage unchanged,
-    blocks of different attention types, a head tied to the embedding, a MoE's balancing
-    loss (a MoE without it is cut: ``test_mixtral_at_pipeline_parallel_2...``)."""
+    blocks of different attention types, a head tied to the embedding; a MoE with its
+    balancing loss is cut (``test_mixtral_at_pipeline_parallel_2...``)."""
     from transformers import Gemma3TextConfig, LlamaConfig, MixtralConfig, Qwen2Config
 
     from simplesharded.models.hf_source import check_pipeline
@@ -512,15 +522,15 @@ def test_pipeline_refusals_name_what_stops_it(tmp_path):
               r"its blocks' attention differs \(layer_types \['full_attention', "
               r"'sliding_attention'\]\)"),
              (LlamaConfig(tie_word_embeddings=True, **small), r"tie_word_embeddings=true ties "
-                                                              r"the head to the embedding"),
-             (MixtralConfig(output_router_logits=True, **small),
-              r"output_router_logits=true adds a balancing loss over every block's router")]
+                                                              r"the head to the embedding")]
     for i, (config, says) in enumerate(cases):
         config.save_pretrained(tmp_path / str(i))
         with pytest.raises(ValueError, match=says):
             check_pipeline(str(tmp_path / str(i)))
     LlamaConfig(**small).save_pretrained(tmp_path / "ok")
     check_pipeline(str(tmp_path / "ok"))
+    MixtralConfig(output_router_logits=True, **small).save_pretrained(tmp_path / "moe")
+    check_pipeline(str(tmp_path / "moe"))
 
 
 def _tp_gradients(rank: int, world: int, dirs: dict) -> dict:
@@ -891,4 +901,40 @@ def test_a_moe_asking_for_its_balancing_loss_gets_transformers_loss(tmp_path, co
     torch._dynamo.reset()
     assert 0.05 * want.aux_loss > 1e-2  # the balancing loss is there to see
     assert abs(got.item() - want.loss.item()) <= 1e-5, (got, want.loss)
-    assert ours._router_logits is None  # nothing kept after the forward
+    assert ours._router_record.logits is None  # nothing kept after the forward
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_a_balancing_loss_from_stage_sums_is_transformers_loss(family):
+    """For every MoE family the pipeline cuts: the balancing loss from the sums two stages
+    pass on (models/hf_balance.py: the first stage's blocks', then the second's added) is the
+    loss of the family's own function on every block's router logits, and so is its gradient
+    with respect to each block's logits."""
+    import importlib
+    from types import SimpleNamespace
+
+    from simplesharded.models import hf_balance
+
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    experts, k = 8, 2
+    model = SimpleNamespace(num_experts=experts, num_experts_per_tok=k,
+                            config=SimpleNamespace(router_aux_loss_coef=0.03),
+                            _balance=module.load_balancing_loss_func)
+    g = torch.Generator().manual_seed(3)
+    logits = [torch.randn(24, experts, generator=g, dtype=torch.float64).requires_grad_()
+              for _ in range(3)]
+    labels = torch.randint(0, 10, (2, 12), generator=g)
+    labels[0, :3] = -100  # not counted as tokens
+    want = hf_balance.whole_model_loss(model, tuple(logits), labels)
+    cpu = torch.device("cpu")
+    sums = hf_balance.stage_sums(model, tuple(logits[:1]), None, cpu)  # the first stage
+    dense = hf_balance.stage_sums(model, (), sums, cpu)  # a stage of dense blocks only
+    assert torch.equal(dense, sums)
+    got = hf_balance.loss_from_sums(
+        model, hf_balance.stage_sums(model, tuple(logits[1:]), dense, cpu), labels)
+    assert sums.shape == hf_balance.sums_like(model).shape
+    assert want.item() > 0 and abs(got.item() - want.item()) <= 1e-6 * want.item(), (got, want)
+    want_grads = torch.autograd.grad(want, logits)
+    got_grads = torch.autograd.grad(got, logits)
+    for a, b in zip(got_grads, want_grads):
+        assert torch.allclose(a, b.to(a.dtype), rtol=1e-5, atol=1e-9), (a - b).abs().max()

@@ -348,10 +348,22 @@ def _train(rank: int, world: int, offload: str, backend: str | None):
     return model, opt, losses
 
 
+def _held_forward(model, rank: int) -> list[torch.Tensor]:
+    """FSDP2's ``unshard()`` / ``reshard()`` around two eval forwards (the gathers held for
+    both: simplesharded/storage/gather_once.py): their outputs."""
+    tokens, _ = toy_blocks.batch(rank, STEPS)
+    model.unshard()
+    with torch.no_grad():
+        outs = [model(tokens) for _ in range(2)]
+    model.reshard()
+    return outs
+
+
 def _train_job(rank, world):
     """Every (offload, backend) case's losses, parameters, optimizer state and state_dict as
     full tensors, compared with offload "none"'s here; a DCP round trip from "params" into
-    "none"; torch's full state dicts from "none" into each offload."""
+    "none"; eval forwards between ``unshard()`` and ``reshard()``; torch's full state dicts
+    from "none" into each offload."""
     import torch.distributed.checkpoint as dcp
 
     from dist_utils import by_member, full_state_through_torch, shared_tmpdir
@@ -395,6 +407,10 @@ def _train_job(rank, world):
                 dcp.load(loaded, checkpoint_id=path)
                 fresh.load_state_dict(loaded)
                 out["dcp"] = pu.bitwise_equal(by_member(fresh), base["params"])
+        if backend is None:  # the trained models' held gathers read the stepped shards
+            held = _held_forward(plain[0], rank)
+            for offload, (model, _) in offloaded.items():
+                out[("unshard", offload)] = pu.bitwise_equal(_held_forward(model, rank), held)
         if backend is None:  # FSDP2's full checkpoint, from rank 0, into host shards (last:
             # it steps the models, and `base` holds the optimizer's step counts themselves)
             for offload, pair in offloaded.items():
@@ -411,7 +427,8 @@ def test_two_ranks_offload_is_bitwise_no_offload():
         assert result == {("optimizer", None): True, ("params", None): True,
                           ("optimizer", BACKEND): True, ("params", BACKEND): True,
                           **{("params", b): True for b in MORE_BACKENDS},
-                          "dcp": True, ("full_state", "optimizer"): True,
+                          "dcp": True, ("unshard", "optimizer"): True,
+                          ("unshard", "params"): True, ("full_state", "optimizer"): True,
                           ("full_state", "params"): True}
 
 

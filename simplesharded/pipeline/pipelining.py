@@ -186,23 +186,31 @@ def pipeline_stage(root: nn.Module, run: Callable, stage_index: int, num_stages:
                    policy: str = "reduce_once", compiled: bool = False,
                    input_args=None, output_args=None) -> ShardedStage:
     """One stage of the pipeline on ``mesh`` (with a pp dim: ``init_mesh(pp=N)``), over its pp
-    group. ``input_args`` / ``output_args``: tensors (meta will do) shaped as one
-    micro-batch's input and output (what a stage receives and sends), so no forward runs to
-    find them; floating-point ones carry gradients. Sets the
-    rank-agreement peers (module doc)."""
+    group. ``input_args`` / ``output_args``: tensors (meta will do), or tuples of them,
+    shaped as one micro-batch's input and output (what a stage receives and sends), so no
+    forward runs to find them; floating-point ones carry gradients. Sets the rank-agreement
+    peers (module doc)."""
     names = mesh.mesh_dim_names or ()
     if PP_DIM not in names:
         raise ValueError(f"pipeline_stage needs a mesh with a {PP_DIM!r} dim (init_mesh(pp=N)); "
                          f"got dims {names}")
     set_agreement_peers(pipeline_peers(mesh))
-    # activations carry gradients back: torch derives the gradient buffers from these flags
-    input_args, output_args = (
-        None if t is None else torch.empty_like(t, device="meta").requires_grad_(
-            t.is_floating_point()) for t in (input_args, output_args))
+    input_args, output_args = _example(input_args), _example(output_args)
     device = torch.device(mesh.device_type, torch.accelerator.current_device_index()) \
         if mesh.device_type != "cpu" else torch.device("cpu")
     return ShardedStage(root, run, stage_index, num_stages, device, mesh[PP_DIM].get_group(),
                         policy, compiled, input_args, output_args)
+
+
+def _example(args):
+    """``args`` (a tensor, a tuple of them, or None) as meta tensors whose floating-point ones
+    require grad: activations carry gradients back, and torch derives the gradient buffers
+    from these flags."""
+    if args is None:
+        return None
+    if isinstance(args, tuple):
+        return tuple(_example(t) for t in args)
+    return torch.empty_like(args, device="meta").requires_grad_(args.is_floating_point())
 
 
 def build_schedule(name: str, stages: Sequence[ShardedStage], n_microbatches: int,

@@ -89,7 +89,7 @@ class Trainer:
             raise ValueError(f"model.tokenizer_path: vocabulary {self.data.tokenizer.vocab_size} "
                              f"does not fit the model's vocab_size {model.args.vocab_size}")
         self.step_fn = parallelize(model, self.mesh, cfg, observer=observer,
-                                   loss_fn=pipeline_loss(self._denominator()))
+                                   loss_fn=pipeline_loss(self._denominator(), model))
         self.pipeline = self.step_fn if isinstance(self.step_fn, Pipeline) else None
         # Each rank fills only its shards (or its stages'), on the mesh's device: a Hugging
         # Face model's from its files (or its init), by name; a zoo model's with its slice of

@@ -187,28 +187,43 @@ def parallelize(model: torch.nn.Module, mesh, cfg: Config, backend=None, observe
 
     # What one micro-batch is at each stage boundary: tokens in, hidden states between
     # stages, logits out (in the gathered parameters' dtype), so no forward runs to find out;
-    # under context parallelism this rank's head-tail chunks of each sequence.
+    # under context parallelism this rank's head-tail chunks of each sequence. Beside the
+    # hidden states and the logits, what the model's stages carry (its stage_carry(): a
+    # Hugging Face MoE's balancing sums), if any.
     mb, a = p.pipeline_parallel_microbatch_size, model.args
     act = pdt if mp is not None else torch.float32
     tokens = t.seq_len // p.context_parallel_degree
+    hidden = torch.empty(mb, tokens, getattr(a, "hidden_size", a.dim), dtype=act, device="meta")
+    output = torch.empty(mb, tokens, a.vocab_size, dtype=act, device="meta")
+    carry = getattr(model, "stage_carry", lambda: None)()
+    if carry is not None:
+        hidden, output = (hidden, carry), (output, carry)
     return pipeline(
         model, mesh, schedule=p.pipeline_parallel_schedule,
         n_microbatches=t.local_batch_size // mb, loss_fn=loss_fn, prepare=prepare,
         microbatch=torch.empty(mb, tokens, dtype=torch.long, device="meta"),
-        hidden=torch.empty(mb, tokens, getattr(a, "hidden_size", a.dim), dtype=act,
-                           device="meta"),
-        output=torch.empty(mb, tokens, a.vocab_size, dtype=act, device="meta"),
+        hidden=hidden, output=output,
         n_stages=pipeline_stages(p), layers_per_stage=p.pipeline_parallel_layers_per_stage or None,
         policy=p.pipeline_fsdp_policy, memory_cap_mb=c.memory_cap_mb, param_dtype=pdt)
 
 
-def pipeline_loss(denominator: float):
+def pipeline_loss(denominator: float, model: torch.nn.Module | None = None):
     """The pipeline's loss on its last stage: the logits' summed cross-entropy (in fp32)
     divided by ``denominator`` (the trainer's: the global token count under grad_reduction
-    "sum"), so the schedule's summed micro-batch gradients are one process's."""
-    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.cross_entropy(
-            logits.float().flatten(0, -2), labels.flatten(), reduction="sum") / denominator
+    "sum"), so the schedule's summed micro-batch gradients are one process's. Where
+    ``model``'s stages carry something beside the logits (its ``stage_carry()``), the last
+    stage's output is ``(logits, carried)`` and ``model.carried_loss(carried, labels)``, a sum
+    over tokens too, is added before the division."""
+    carried_loss = getattr(model, "carried_loss", None) \
+        if getattr(model, "stage_carry", lambda: None)() is not None else None
+
+    def loss_fn(output, labels: torch.Tensor) -> torch.Tensor:
+        logits = output[0] if carried_loss is not None else output
+        loss = torch.nn.functional.cross_entropy(
+            logits.float().flatten(0, -2), labels.flatten(), reduction="sum")
+        if carried_loss is not None:
+            loss = loss + carried_loss(output[1], labels)
+        return loss / denominator
 
     return loss_fn
 
