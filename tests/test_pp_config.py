@@ -205,3 +205,38 @@ def test_preflight_passes_the_readme_command(capsys, monkeypatch):
     for extra in ([], ["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"],
                   ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]):
         assert train_main(["--check-only", *PP2, *extra]) == 0, capsys.readouterr().err
+
+
+def test_the_pipeline_loss_adds_what_the_stages_carry():
+    """The last stage's loss (simplesharded/trainer/recipe.py: pipeline_loss): the logits'
+    summed cross-entropy plus the model's carried term (a Hugging Face MoE's balancing loss,
+    from the sums its stages pass on), over the token count; with tensor-parallel logits (a
+    DTensor loss) the term joins it replicated, and backward runs through both."""
+    from types import SimpleNamespace
+
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    import pass_utils as pu
+    from simplesharded.trainer.recipe import pipeline_loss
+
+    model = SimpleNamespace(stage_carry=lambda: torch.zeros(3, device="meta"),
+                            carried_loss=lambda carried, labels: 2 * carried.sum())
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 4, 10, generator=g, requires_grad=True)
+    carried = torch.randn(3, generator=g, requires_grad=True)
+    labels = torch.randint(0, 10, (1, 4), generator=g)
+    want = (torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(),
+                                              reduction="sum") + 2 * carried.sum()) / 8
+    assert torch.allclose(pipeline_loss(8.0, model)((logits, carried), labels), want)
+    assert pipeline_loss(8.0)(logits, labels).item() != want.item()  # no model: no term
+    # the logits sharded on the vocabulary over tp, the loss computed by loss_parallel, as
+    # the trainer does (one tp rank: the same values)
+    with pu.fake_world(1) as mesh, loss_parallel():
+        spread = DTensor.from_local(logits.detach().clone().requires_grad_(), mesh,
+                                    [Shard(2)], run_check=False)
+        loss = pipeline_loss(8.0, model)((spread, carried), labels)
+        assert isinstance(loss, DTensor) and loss.placements == (Replicate(),)
+        assert torch.allclose(loss.full_tensor(), want)
+        loss.backward()
+    assert torch.allclose(carried.grad, torch.full((3,), 2 / 8))

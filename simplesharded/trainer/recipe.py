@@ -9,6 +9,7 @@ import functools
 
 import torch
 import torch.fx.traceback as fx_traceback
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import parallelize_module
 
 from simplesharded.backends import BACKENDS, BackendName, BackendOptions, make_backend
@@ -222,7 +223,12 @@ def pipeline_loss(denominator: float, model: torch.nn.Module | None = None):
         loss = torch.nn.functional.cross_entropy(
             logits.float().flatten(0, -2), labels.flatten(), reduction="sum")
         if carried_loss is not None:
-            loss = loss + carried_loss(output[1], labels)
+            extra = carried_loss(output[1], labels)
+            if isinstance(loss, DTensor):  # tensor-parallel logits: every tp rank has it all
+                extra = DTensor.from_local(extra, loss.device_mesh,
+                                           [Replicate()] * loss.device_mesh.ndim,
+                                           run_check=False)
+            loss = loss + extra
         return loss / denominator
 
     return loss_fn
