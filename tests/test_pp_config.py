@@ -207,17 +207,16 @@ def test_preflight_passes_the_readme_command(capsys, monkeypatch):
         assert train_main(["--check-only", *PP2, *extra]) == 0, capsys.readouterr().err
 
 
-def test_the_pipeline_loss_adds_what_the_stages_carry():
+def test_the_pipeline_loss_adds_what_the_stages_carry(world8):
     """The last stage's loss (simplesharded/trainer/recipe.py: pipeline_loss): the logits'
     summed cross-entropy plus the model's carried term (a Hugging Face MoE's balancing loss,
     from the sums its stages pass on), over the token count; with tensor-parallel logits (a
     DTensor loss) the term joins it replicated, and backward runs through both."""
     from types import SimpleNamespace
 
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.parallel import loss_parallel
-
-    import pass_utils as pu
     from simplesharded.trainer.recipe import pipeline_loss
 
     model = SimpleNamespace(stage_carry=lambda: torch.zeros(3, device="meta"),
@@ -231,8 +230,9 @@ def test_the_pipeline_loss_adds_what_the_stages_carry():
     assert torch.allclose(pipeline_loss(8.0, model)((logits, carried), labels), want)
     assert pipeline_loss(8.0)(logits, labels).item() != want.item()  # no model: no term
     # the logits sharded on the vocabulary over tp, the loss computed by loss_parallel, as
-    # the trainer does (one tp rank: the same values)
-    with pu.fake_world(1) as mesh, loss_parallel():
+    # the trainer does (one tp rank, this process: the same values)
+    mesh = DeviceMesh("cpu", [torch.distributed.get_rank()])
+    with loss_parallel():
         spread = DTensor.from_local(logits.detach().clone().requires_grad_(), mesh,
                                     [Shard(2)], run_check=False)
         loss = pipeline_loss(8.0, model)((spread, carried), labels)
