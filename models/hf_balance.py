@@ -34,7 +34,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from simplesharded.models.loss import IGNORE_INDEX
 
@@ -127,8 +126,6 @@ def stage_sums(model: nn.Module, router_logits: tuple, received: torch.Tensor | 
     experts, k = model.num_experts, model.num_experts_per_tok
     own = []
     for logits in _whole_rows(model, router_logits):
-        if isinstance(logits, DTensor):  # replicated over tp: every rank routed every row
-            logits = logits.full_tensor()
         weights = torch.softmax(logits, dim=-1)
         top = torch.topk(weights, k, dim=-1).indices.reshape(-1)
         chosen = weights.new_zeros(experts, dtype=torch.float32).scatter_add(

@@ -34,10 +34,10 @@ from unittest import mock
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
 from simplesharded.models import hf_balance
-from simplesharded.models.loss import lm_loss
+from simplesharded.models.loss import lm_loss, with_term
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
@@ -198,6 +198,11 @@ def _at_depth(config, n_layers: int):
     return config
 
 
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as one tensor, whole (a tensor-parallel stage's hidden states: sent as such)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 class _Trainable:
     """Mixed into the transformers model's class (FQNs, and so the safetensors names, stay
     as they are): the trainer's forward and FLOP count."""
@@ -224,17 +229,14 @@ class _Trainable:
             hf_balance.start(self)
         hidden = self._blocks(tokens, first, recording)
         if head is None:  # a pipeline stage before the last: its hidden states, whole
-            return hidden.full_tensor() if isinstance(hidden, DTensor) else hidden
+            return _whole(hidden)
         if labels is None:
             return head(hidden)
         loss = lm_loss(hidden, head, labels, loss_chunks)
         if not balance:
             return loss
-        aux = hf_balance.whole_model_loss(self, hf_balance.take(self), labels)
-        if isinstance(loss, DTensor):  # loss parallelism: every tp rank routed all the tokens
-            aux = DTensor.from_local(aux, loss.device_mesh,
-                                     [Replicate()] * loss.device_mesh.ndim, run_check=False)
-        return loss + aux
+        # loss parallelism: every tp rank routed all the tokens
+        return with_term(loss, hf_balance.whole_model_loss(self, hf_balance.take(self), labels))
 
     def _blocks(self, x, first: bool, recording: bool):
         """The base model's hidden states from the tokens (``first``: the stage holds the
@@ -251,9 +253,7 @@ class _Trainable:
         hf_balance.start(self)
         hidden = self._blocks(x, first, True)
         sums = hf_balance.stage_sums(self, hf_balance.take(self), received, hidden.device)
-        if head is not None:
-            return head(hidden), sums
-        return (hidden.full_tensor() if isinstance(hidden, DTensor) else hidden), sums
+        return (_whole(hidden) if head is None else head(hidden)), sums
 
     def stage_carry(self) -> torch.Tensor | None:
         """What a pipeline stage passes on beside the hidden states (meta): the balancing

@@ -24,7 +24,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 IGNORE_INDEX = -100  # F.cross_entropy's default: labels with this value add no loss
 AUTO_CHUNK_LOGITS = 2**26  # logits per chunk under chunks=0 (auto): 256 MiB in fp32
@@ -37,6 +37,15 @@ def num_chunks(chunks: int, tokens: int, vocab: int) -> int:
     if chunks == 0:
         chunks = math.ceil(tokens * vocab / AUTO_CHUNK_LOGITS)
     return max(1, min(chunks, tokens))
+
+
+def with_term(loss: torch.Tensor, term: torch.Tensor) -> torch.Tensor:
+    """``loss + term`` for a plain ``term`` (an auxiliary loss): under loss parallelism the
+    loss is a DTensor every tp rank holds whole, and the term joins it replicated."""
+    if isinstance(loss, DTensor):
+        term = DTensor.from_local(term, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim,
+                                  run_check=False)
+    return loss + term
 
 
 def lm_loss(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, chunks: int = 0,

@@ -9,7 +9,6 @@ import functools
 
 import torch
 import torch.fx.traceback as fx_traceback
-from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import parallelize_module
 
 from simplesharded.backends import BACKENDS, BackendName, BackendOptions, make_backend
@@ -17,6 +16,7 @@ from simplesharded.blocks import find_blocks
 from simplesharded.float8 import convert_to_float8
 from simplesharded.mesh import cp_mesh, ep_dim, tp_dim
 from simplesharded.models.context_parallel import apply_context_parallel
+from simplesharded.models.loss import with_term
 from simplesharded.passes.agreement import set_agreement_peers
 from simplesharded.passes.annotations import AC_KEY, AC_TP_KEY
 from simplesharded.passes.torch_compat import EXPERT_PARALLEL, needs
@@ -196,7 +196,7 @@ def parallelize(model: torch.nn.Module, mesh, cfg: Config, backend=None, observe
     tokens = t.seq_len // p.context_parallel_degree
     hidden = torch.empty(mb, tokens, getattr(a, "hidden_size", a.dim), dtype=act, device="meta")
     output = torch.empty(mb, tokens, a.vocab_size, dtype=act, device="meta")
-    carry = getattr(model, "stage_carry", lambda: None)()
+    carry = stage_carry(model)
     if carry is not None:
         hidden, output = (hidden, carry), (output, carry)
     return pipeline(
@@ -208,6 +208,12 @@ def parallelize(model: torch.nn.Module, mesh, cfg: Config, backend=None, observe
         policy=p.pipeline_fsdp_policy, memory_cap_mb=c.memory_cap_mb, param_dtype=pdt)
 
 
+def stage_carry(model: torch.nn.Module | None) -> torch.Tensor | None:
+    """What ``model``'s pipeline stages pass on beside the hidden states (meta), if anything:
+    its ``stage_carry()`` (a Hugging Face MoE's balancing sums), else None."""
+    return getattr(model, "stage_carry", lambda: None)()
+
+
 def pipeline_loss(denominator: float, model: torch.nn.Module | None = None):
     """The pipeline's loss on its last stage: the logits' summed cross-entropy (in fp32)
     divided by ``denominator`` (the trainer's: the global token count under grad_reduction
@@ -215,20 +221,14 @@ def pipeline_loss(denominator: float, model: torch.nn.Module | None = None):
     ``model``'s stages carry something beside the logits (its ``stage_carry()``), the last
     stage's output is ``(logits, carried)`` and ``model.carried_loss(carried, labels)``, a sum
     over tokens too, is added before the division."""
-    carried_loss = getattr(model, "carried_loss", None) \
-        if getattr(model, "stage_carry", lambda: None)() is not None else None
+    carried_loss = model.carried_loss if stage_carry(model) is not None else None
 
     def loss_fn(output, labels: torch.Tensor) -> torch.Tensor:
         logits = output[0] if carried_loss is not None else output
         loss = torch.nn.functional.cross_entropy(
             logits.float().flatten(0, -2), labels.flatten(), reduction="sum")
         if carried_loss is not None:
-            extra = carried_loss(output[1], labels)
-            if isinstance(loss, DTensor):  # tensor-parallel logits: every tp rank has it all
-                extra = DTensor.from_local(extra, loss.device_mesh,
-                                           [Replicate()] * loss.device_mesh.ndim,
-                                           run_check=False)
-            loss = loss + extra
+            loss = with_term(loss, carried_loss(output[1], labels))
         return loss / denominator
 
     return loss_fn
