@@ -407,12 +407,13 @@ def _train_job(rank, world):
                 dcp.load(loaded, checkpoint_id=path)
                 fresh.load_state_dict(loaded)
                 out["dcp"] = pu.bitwise_equal(by_member(fresh), base["params"])
-        if backend is None:  # the trained models' held gathers read the stepped shards
+        if backend is None:
+            # the trained models' held gathers read the stepped shards
             held = _held_forward(plain[0], rank)
             for offload, (model, _) in offloaded.items():
                 out[("unshard", offload)] = pu.bitwise_equal(_held_forward(model, rank), held)
-        if backend is None:  # FSDP2's full checkpoint, from rank 0, into host shards (last:
-            # it steps the models, and `base` holds the optimizer's step counts themselves)
+            # FSDP2's full checkpoint, from rank 0, into host shards (last: it steps the
+            # models, and `base` holds the optimizer's step counts themselves)
             for offload, pair in offloaded.items():
                 got = full_state_through_torch(plain[:2], pair, broadcast=True)
                 out[("full_state", offload)] = got["loaded"] and got["stepped"]
